@@ -1,0 +1,181 @@
+"""Frozen configuration, one dataclass per layer of the system.
+
+Derived runtime values (the number of KV blocks that fit, the dtype chosen
+for a device) live in the objects that compute them, never written back here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1 style frequency scaling ("rope_type": "llama3").
+
+    Only the llama3 type is used by the families we support; other types are
+    rejected at config load with a clear error.
+    """
+
+    rope_type: str = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a decoder-only transformer of the Llama family.
+
+    Covers Llama 2/3/3.1, Mistral, SmolLM2, Qwen2/2.5 (qkv bias) and Qwen3
+    (q/k RMSNorm). Field names follow HF transformers' config.json.
+    """
+
+    architecture: str  # e.g. "LlamaForCausalLM", "Qwen2ForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2/2.5: bias on q, k, v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
+    sliding_window: Optional[int] = None  # Mistral v0.1
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def num_params(self) -> int:
+        """Parameter count (embedding and head counted once when tied)."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        if self.qk_norm:
+            attn += 2 * self.head_dim
+        mlp = 3 * h * i
+        per_layer = attn + mlp + 2 * h
+        head = 0 if self.tie_word_embeddings else v * h
+        return v * h + self.num_hidden_layers * per_layer + h + head
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V of every layer for one token: 2 x layers x kv_heads x head_dim x bytes."""
+        return 2 * self.num_hidden_layers * self.kv_size * dtype_bytes
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """Where the weights and tokenizer come from.
+
+    model: an HF directory, a .gguf file, or a preset name (with load_format
+    "dummy"). None means the embedded default model (SmolLM2-135M-Instruct).
+    """
+
+    model: Optional[str] = None
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    tokenizer: Optional[str] = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
+            raise ValueError(
+                f"load_format must be one of auto, safetensors, gguf, dummy; got {self.load_format!r}")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
+            raise ValueError(
+                f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache.
+
+    The pool is num_blocks fixed-size blocks. On CUDA, when num_blocks is None,
+    it is sized from free memory after a profiling pass (gpu_memory_utilization).
+    On CPU, cpu_kv_cache_gb bounds it.
+    """
+
+    block_size: int = 16
+    num_blocks: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gb: float = 1.0
+    swap_space_gb: float = 1.0  # host memory for swap preemption
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: Optional[int] = None  # None: the model's max_position_embeddings
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"  # recompute | swap
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(
+                f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """GPU runtime switches (issue: CUDA graphs, overlap)."""
+
+    enforce_eager: bool = False
+    cuda_graph_max_batch: int = 256
+    attention_backend: str = "auto"  # auto (triton on CUDA, torch reference on CPU) | triton | reference
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    load: LoadConfig = field(default_factory=LoadConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)

@@ -1,0 +1,151 @@
+"""Attention over the paged KV cache: metadata, the torch reference, and the layer.
+
+Cache layout (one pair of tensors per layer, views into one pool):
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+A token's slot is block_id * block_size + offset; slot_mapping gives the slot
+of every token of the step (-1 for padding tokens, which are not written).
+
+A step's batch is packed: sequence s owns query tokens
+query_start_loc[s]:query_start_loc[s+1]. Its context is seq_lens[s] tokens,
+the last query_len of which are this step's tokens, so query token i sits at
+position seq_lens[s] - query_len + i. The model runner orders sequences with a
+single query token (decodes) first: the first num_decodes sequences are
+decodes and the rest are prefill chunks. Every layer gets the same metadata;
+it is built once per step, never stored in a global.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = do not write
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32, context length including this step's tokens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, unused entries are 0
+    max_query_len: int
+    max_seq_len: int
+    num_decodes: int  # the first num_decodes sequences have exactly one query token
+    # Host copies so the reference path and kernel launchers need no device sync.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store k, v [num_tokens, num_kv_heads, head_dim] into their cache slots."""
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    block_size = k_cache.shape[1]
+    blocks = torch.div(slots, block_size, rounding_mode="floor")
+    offsets = slots % block_size
+    k_cache[blocks, offsets] = k[valid].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[valid].to(v_cache.dtype)
+
+
+def gather_kv_ref(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len tokens of one sequence: [seq_len, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache[block_table[:num_blocks].long()]  # [n, block_size, H_kv, D]
+    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float,
+                        sliding_window: Optional[int] = None) -> torch.Tensor:
+    """Causal attention of the packed queries against K/V read through the block tables.
+
+    q: [num_tokens, num_heads, head_dim]; returns the same shape, in q's dtype.
+    Computes in fp32. Serves decode, prefill, chunked prefill and prefix hits
+    alike: the K/V of this step's tokens must already be in the cache.
+    """
+    num_heads = q.shape[1]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    starts = meta.query_start_loc_cpu
+    for s, seq_len in enumerate(meta.seq_lens_cpu):
+        q_s = q[starts[s]:starts[s + 1]]
+        query_len = q_s.shape[0]
+        if query_len == 0:
+            continue
+        k = gather_kv_ref(k_cache, meta.block_tables[s], seq_len).float()
+        v = gather_kv_ref(v_cache, meta.block_tables[s], seq_len).float()
+        # [H, q_len, D] x [H, D, seq_len]; K/V heads repeat for their query group (GQA).
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        qf = q_s.float().transpose(0, 1)
+        q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        allowed = k_pos <= q_pos
+        if sliding_window is not None:
+            allowed &= (q_pos - k_pos) < sliding_window
+        o = F.scaled_dot_product_attention(qf, k, v, attn_mask=allowed, scale=scale)
+        out[starts[s]:starts[s + 1]] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+class Attention(torch.nn.Module):
+    """Writes this step's K/V into the paged cache, then attends through it.
+
+    The backend (torch reference here, Triton kernels on CUDA) is chosen once
+    by the model runner and passed in at construction; model code never
+    branches on the device.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 sliding_window: Optional[int] = None, backend: Optional["AttentionBackend"] = None):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+        self.sliding_window = sliding_window
+        self.backend = backend or ReferenceBackend()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, H*D], k/v: [T, H_kv*D] -> [T, H*D]."""
+        t = q.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
+        return out.reshape(t, self.num_heads * self.head_dim)
+
+
+class AttentionBackend:
+    """The interface a fast path implements; see ReferenceBackend for the semantics."""
+
+    name = "abstract"
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+    def attend(self, q, k_cache, v_cache, meta, scale, sliding_window) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+
+class ReferenceBackend(AttentionBackend):
+    """Pure PyTorch: the CPU path and the reference for the Triton kernels."""
+
+    name = "reference"
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+    def attend(self, q, k_cache, v_cache, meta, scale, sliding_window) -> torch.Tensor:
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window)
