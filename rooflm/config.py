@@ -179,3 +179,22 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+
+_SECTIONS = {"load": LoadConfig, "device": DeviceConfig, "cache": CacheConfig,
+             "scheduler": SchedulerConfig, "runtime": RuntimeConfig}
+
+
+def engine_config_from_kwargs(**kwargs) -> EngineConfig:
+    """Build an EngineConfig from flat keyword arguments (field names are unique across sections)."""
+    from dataclasses import fields
+
+    per_section: dict[str, dict] = {name: {} for name in _SECTIONS}
+    for key, value in kwargs.items():
+        for section, cls in _SECTIONS.items():
+            if key in {f.name for f in fields(cls)}:
+                per_section[section][key] = value
+                break
+        else:
+            raise ValueError(f"unknown engine option {key!r}")
+    return EngineConfig(**{name: cls(**per_section[name]) for name, cls in _SECTIONS.items()})

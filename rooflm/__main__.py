@@ -1,0 +1,5 @@
+import sys
+
+from rooflm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,280 @@
+"""Turns a SchedulerOutput into tensors, runs the model, and samples.
+
+The only place that knows about devices: it owns the model, the KV cache pool
+(and the host pool for swapping), the attention backend, and the sampler.
+Inputs are assembled in host lists and copied to the device in one go per
+tensor; the sampled token ids are the one device-to-host transfer of a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from rooflm.config import EngineConfig, ModelConfig
+from rooflm.engine.scheduler import ScheduledSeq, SchedulerOutput
+from rooflm.layers.attention import AttentionMetadata, ReferenceBackend
+from rooflm.layers.sampler import Sampler, SamplingMetadata, SamplingRow, compute_logprobs
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was asked for but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # bf16 is the fast path on GPUs; CPUs here do fp32 matmuls fastest and exactly.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    order: list[ScheduledSeq]  # the scheduled sequences in batch order (decodes first)
+    logits_indices: list[int]  # packed token index whose logits each sampling row uses
+    rows: list[SamplingRow]
+    row_owner: list[ScheduledSeq]  # which scheduled sequence each sampling row belongs to
+    prompt_logprob_spans: list[tuple[ScheduledSeq, int, int, int]]  # (seq, packed index, position, count)
+
+
+@dataclass
+class StepResult:
+    """Host-side results of one step, for the engine's output processing."""
+
+    sampled: dict[int, list[int]]  # seq_id -> sampled token(s): n of them for a forking prompt
+    logprobs: dict[int, list[dict]]  # seq_id -> per sampled token: {token_id: (logprob, rank)}
+    prompt_logprobs: dict[int, list[Optional[dict]]]  # seq_id -> entries for this chunk
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+        self.config = config
+        self.model_config = model_config
+        self.max_model_len = max_model_len
+        self.device = resolve_device(config.device.device)
+        self.dtype = resolve_dtype(config.device.dtype, self.device)
+        self.block_size = config.cache.block_size
+        self.backend = self._make_backend()
+        self.model = None
+        self.kv_cache: Optional[torch.Tensor] = None
+        self.host_kv_cache: Optional[torch.Tensor] = None
+        self.sampler = Sampler()
+        self.timings: dict[str, float] = {}
+
+    def _make_backend(self):
+        choice = self.config.runtime.attention_backend
+        if choice == "reference" or (choice == "auto" and self.device.type != "cuda"):
+            return ReferenceBackend()
+        from rooflm.kernels.backend import TritonBackend
+        return TritonBackend()
+
+    # ---- set-up ----------------------------------------------------------------------------
+
+    def load_model(self, path: str, load_format: str) -> None:
+        from rooflm.model.loader import iter_weights
+        from rooflm.model.registry import get_model_class
+
+        t0 = time.perf_counter()
+        cls = get_model_class(self.model_config.architecture)
+        # Parameters are created on the device in their final dtype: no host fp32 copy.
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = cls(self.model_config, max_positions=self.max_model_len, backend=self.backend)
+        finally:
+            torch.set_default_dtype(prev)
+        if load_format == "dummy":
+            model.init_dummy_weights(self.config.load.seed)
+        else:
+            model.load_weights(iter_weights(path, load_format))
+        self.model = model.eval()
+        self._use_kernels()
+        self.timings["load_s"] = time.perf_counter() - t0
+
+    def _use_kernels(self) -> None:
+        if self.backend.name == "reference":
+            return
+        from rooflm.kernels.rmsnorm import rmsnorm
+        from rooflm.kernels.silu_mul import silu_mul
+        from rooflm.layers.activation import SiluAndMul
+        from rooflm.layers.norm import RMSNorm
+
+        for module in self.model.modules():
+            if isinstance(module, RMSNorm):
+                module.kernel = rmsnorm
+            elif isinstance(module, SiluAndMul):
+                module.kernel = silu_mul
+
+    def kv_bytes_per_block(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return self.model_config.kv_bytes_per_token(elem) * self.block_size
+
+    def determine_num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        per_block = self.kv_bytes_per_block()
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - cache.gpu_memory_utilization) * total
+        else:
+            budget = cache.cpu_kv_cache_gb * 2**30
+        # No point holding more than every sequence at full length.
+        cap = self.config.scheduler.max_num_seqs * -(-self.max_model_len // self.block_size)
+        return max(1, min(int(budget // per_block), cap))
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        cfg = self.model_config
+        shape = (cfg.num_hidden_layers, 2, num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_hidden_layers)]
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
+                    self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
+
+    def allocate_host_cache(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            return
+        shape = (self.kv_cache.shape[0], 2, num_blocks) + tuple(self.kv_cache.shape[3:])
+        pin = self.device.type == "cuda"
+        self.host_kv_cache = torch.zeros(shape, dtype=self.dtype, pin_memory=pin)
+
+    def num_host_blocks(self) -> int:
+        if self.config.scheduler.preemption_mode != "swap":
+            return 0
+        return int(self.config.cache.swap_space_gb * 2**30 // self.kv_bytes_per_block())
+
+    # ---- a step ----------------------------------------------------------------------------
+
+    def apply_block_ops(self, out: SchedulerOutput) -> None:
+        """Swaps and copy-on-write copies, before the forward pass writes new K/V."""
+        for dev, host in out.blocks_to_swap_out:
+            self.host_kv_cache[:, :, host].copy_(self.kv_cache[:, :, dev])
+        for host, dev in out.blocks_to_swap_in:
+            self.kv_cache[:, :, dev].copy_(self.host_kv_cache[:, :, host], non_blocking=True)
+        if out.blocks_to_copy:
+            src = torch.tensor([s for s, _ in out.blocks_to_copy], device=self.device)
+            dst = torch.tensor([d for _, d in out.blocks_to_copy], device=self.device)
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def prepare(self, out: SchedulerOutput, suppress: dict[int, tuple[int, ...]]) -> StepInputs:
+        # Decodes (one query token) first: the attention backend splits the batch there.
+        order = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
+        num_decodes = sum(1 for s in order if s.num_new_tokens == 1)
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        rows: list[SamplingRow] = []
+        row_owner: list[ScheduledSeq] = []
+        spans: list[tuple[ScheduledSeq, int, int, int]] = []
+        for sch in order:
+            seq, start, n = sch.seq, sch.start, sch.num_new_tokens
+            base = len(input_ids)
+            input_ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            query_start.append(base + n)
+            seq_lens.append(start + n)
+            req = sch.request
+            if req.prompt_logprobs is not None and not req.forked:
+                # Position p's logits score prompt token p + 1; entries already made
+                # (before a preemption) are not made again.
+                first = max(start, len(req.prompt_logprobs) - 1)
+                count = min(start + n, seq.num_prompt_tokens - 1) - first
+                if count > 0:
+                    spans.append((sch, base + first - start, first, count))
+            if sch.completes:
+                copies = req.params.n if req.needs_fork else 1
+                for _ in range(copies):
+                    logits_indices.append(base + n - 1)
+                    rows.append(SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids,
+                                            req.generator, suppress.get(seq.seq_id, ())))
+                    row_owner.append(sch)
+        max_blocks = max(len(s.seq.block_table) for s in order)
+        tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in order]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            max_query_len=max(s.num_new_tokens for s in order),
+            max_seq_len=max(seq_lens),
+            num_decodes=num_decodes,
+            query_start_loc_cpu=query_start,
+            seq_lens_cpu=seq_lens,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta=meta, order=order, logits_indices=logits_indices, rows=rows,
+            row_owner=row_owner, prompt_logprob_spans=spans)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, suppress: dict[int, tuple[int, ...]]) -> StepResult:
+        self.apply_block_ops(out)
+        inputs = self.prepare(out, suppress)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        result = StepResult({}, {}, {})
+        if inputs.prompt_logprob_spans:
+            self._prompt_logprobs(hidden, inputs, result)
+        if not inputs.rows:
+            return result
+        idx = torch.tensor(inputs.logits_indices, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, idx))
+        meta = SamplingMetadata.build(inputs.rows, self.model_config.vocab_size, self.device)
+        sampled = self.sampler(logits, meta)
+        token_ids = sampled.sampled_token_ids.tolist()  # the step's one device-to-host sync
+        want_lp = sampled.logprob_token_ids is not None
+        if want_lp:
+            lp_ids = sampled.logprob_token_ids.tolist()
+            lp_vals = sampled.logprobs.tolist()
+            ranks = sampled.ranks.tolist()
+        for r, sch in enumerate(inputs.row_owner):
+            sid = sch.seq.seq_id
+            result.sampled.setdefault(sid, []).append(token_ids[r])
+            if want_lp and sch.request.params.logprobs is not None:
+                k = sch.request.params.logprobs
+                entry = {lp_ids[r][0]: (lp_vals[r][0], ranks[r])}
+                for j in range(1, 1 + k):
+                    entry.setdefault(lp_ids[r][j], (lp_vals[r][j], j))
+                result.logprobs.setdefault(sid, []).append(entry)
+        return result
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs, result: StepResult) -> None:
+        for sch, base, first, count in inputs.prompt_logprob_spans:
+            seq = sch.seq
+            logits = self.model.compute_logits(hidden[base:base + count])
+            targets = torch.tensor(seq.token_ids[first + 1:first + 1 + count], device=self.device)
+            k = sch.request.params.prompt_logprobs
+            ids, vals, ranks = compute_logprobs(logits, targets, k)
+            ids, vals, ranks = ids.tolist(), vals.tolist(), ranks.tolist()
+            entries = []
+            for i in range(count):
+                entry = {ids[i][0]: (vals[i][0], ranks[i])}
+                for j in range(1, 1 + k):
+                    entry.setdefault(ids[i][j], (vals[i][j], j))
+                entries.append(entry)
+            result.prompt_logprobs[seq.seq_id] = entries

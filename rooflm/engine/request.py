@@ -1,0 +1,110 @@
+"""The request and its sequences: the one source of truth the scheduler reads.
+
+Everything is driven by two counters per sequence: num_computed_tokens (whose
+K/V is in the cache) catching up with num_tokens (prompt + generated). A
+prefill, a prefill chunk, a prefix-cache hit and a decode step are the same
+thing: schedule the tokens between the two counters.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from rooflm.engine.outputs import Logprobs
+from rooflm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # not yet admitted, or preempted by recompute
+    RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its K/V moved to host memory
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One of the n samples of a request."""
+
+    seq_id: int
+    index: int  # which of the n samples
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
+    finish_reason: Optional[str] = None
+    stop_reason: object = None
+    output_logprobs: list[Logprobs] = field(default_factory=list)
+    # Text state is owned by the engine's output processor (detokenizer, stop matcher).
+    output_text: str = ""
+    detokenizer: object = None
+    stop_matcher: object = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+
+@dataclass
+class Request:
+    """A sequence group: the prompt and its n samples, scheduled and preempted together.
+
+    Until the prompt is computed the request has a single sequence; at its first
+    sample it forks into n sequences that share the prompt's blocks.
+    """
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved against the context length at admission
+    arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: Optional[str] = None
+    status: RequestStatus = RequestStatus.WAITING
+    seqs: list[Sequence] = field(default_factory=list)
+    generator: Optional[torch.Generator] = None
+    prompt_logprobs: Optional[list[Optional[Logprobs]]] = None
+    num_cached_tokens: int = 0
+    forked: bool = False
+    # Timestamps for metrics (monotonic seconds).
+    scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    num_preemptions: int = 0
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.finished]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def needs_fork(self) -> bool:
+        return not self.forked and self.params.n > 1

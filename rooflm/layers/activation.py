@@ -1,0 +1,22 @@
+"""SiLU-and-mul of the gated MLP: silu(gate) * up on a fused [T, 2I] input."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class SiluAndMul(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.kernel = None  # set by the model runner to the Triton kernel on CUDA
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x)
+        return silu_and_mul_torch(x)

@@ -1,0 +1,35 @@
+"""RMSNorm, optionally fused with the residual add that precedes it.
+
+HF semantics, which parity depends on: normalise in fp32, cast back to the
+input dtype, then scale by the weight in the input dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.kernel = None  # set by the model runner to a fused kernel on CUDA
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.eps, residual)
+        if residual is None:
+            return rms_norm_torch(x, self.weight, self.eps)
+        residual = x + residual
+        return rms_norm_torch(residual, self.weight, self.eps), residual

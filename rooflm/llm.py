@@ -1,0 +1,82 @@
+"""The offline entry point: LLM(model=...).generate(prompts, params) and .chat(messages)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Optional, Sequence, Union
+
+from rooflm.engine.llm_engine import LLMEngine, PromptType
+from rooflm.engine.outputs import RequestOutput
+from rooflm.sampling_params import SamplingParams
+
+
+class LLM:
+    """Runs batches of prompts through the continuously batched engine.
+
+    LLM() loads the embedded default model (SmolLM2-135M-Instruct). Any engine
+    option (block_size, max_num_seqs, num_blocks, enable_prefix_caching, ...)
+    may be passed as a keyword.
+    """
+
+    def __init__(self, model: Optional[str] = None, dtype: str = "auto", device: str = "auto",
+                 load_format: str = "auto", **engine_kwargs):
+        self.engine = LLMEngine.from_kwargs(model=model, dtype=dtype, device=device,
+                                            load_format=load_format, **engine_kwargs)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. A prompt is a string or a list of token ids."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        elif len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        # Validate everything before queueing anything, so a bad prompt loses no work.
+        for prompt, p in zip(prompts, params):
+            self.engine.tokenize(prompt)
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = f"offline-{next(self._ids)}"
+                self.engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: Union[list[dict], list[list[dict]]],
+             params: Optional[SamplingParams] = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Applies the model's chat template to each conversation, then generates."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c), add_special_tokens=False)
+                   for c in conversations]
+        return self.generate(prompts, params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), desc="requests", unit="req")
+        wanted = set(ids)
+        while len(final) < len(ids) and self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished and out.request_id in wanted:
+                    final[out.request_id] = out
+                    if bar:
+                        bar.update(1)
+        if bar:
+            bar.close()
+        return [final[i] for i in ids]

@@ -1,0 +1,192 @@
+"""One decoder definition for the Llama family: Llama 2/3/3.1, Mistral, SmolLM2,
+Qwen2/2.5 (q/k/v bias) and Qwen3 (RMSNorm over each q and k head).
+
+The model consumes a packed step: input_ids and positions of every scheduled
+token, one (k_cache, v_cache) pair per layer, and the step's AttentionMetadata.
+Parameter names follow HF's, so a checkpoint's tensors map onto them by name.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Optional
+
+import torch
+
+from rooflm.config import ModelConfig
+from rooflm.layers.activation import SiluAndMul
+from rooflm.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from rooflm.layers.linear import FusedLinear, Linear
+from rooflm.layers.norm import RMSNorm
+from rooflm.layers.rotary import RotaryEmbedding
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class LlamaAttention(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: Optional[AttentionBackend]):
+        super().__init__()
+        self.cfg = cfg
+        self.qkv_proj = FusedLinear(cfg.hidden_size, {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
+                                    bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.rotary = rotary
+        self.attn = Attention(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                              cfg.sliding_window, backend)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        cfg = self.cfg
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.reshape(t, cfg.num_attention_heads, cfg.head_dim)
+        k = k.reshape(t, cfg.num_key_value_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v.contiguous(), kv_cache, meta)
+        return self.o_proj(out)
+
+
+class LlamaMLP(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": cfg.intermediate_size,
+                                                          "up": cfg.intermediate_size})
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: Optional[AttentionBackend]):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, positions, x, residual, kv_cache, meta):
+        # The residual stream is carried separately so each norm can fuse the add before it.
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int, backend: Optional[AttentionBackend]):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # One rotary table shared by all layers.
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = torch.nn.ModuleList(
+            LlamaDecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata):
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, kv_cache, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: Optional[int] = None,
+                 backend: Optional[AttentionBackend] = None):
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings, backend)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        """Returns the final hidden states [T, hidden]; logits are computed only where needed."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    # ---- weights -------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the (fused) parameters; every parameter must be set."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if self.cfg.tie_word_embeddings and name == "lm_head.weight":
+                continue  # some tied checkpoints still store the head; the embedding is used
+            for target, shard, kind in _fused_targets(name):
+                module = self.get_submodule(target)
+                module.load_shard(shard, kind, tensor)
+                loaded.add(f"{target}.{shard}.{kind}")
+                break
+            else:
+                if name not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
+                param = params[name]
+                if tuple(param.shape) != tuple(tensor.shape):
+                    raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
+                                     f"model expects {tuple(param.shape)}")
+                with torch.no_grad():
+                    param.copy_(tensor)
+                loaded.add(name)
+        missing = [n for n in self._expected_weight_names() if n not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _expected_weight_names(self) -> Iterator[str]:
+        for name, module in self.named_modules():
+            if isinstance(module, FusedLinear):
+                for shard in module.shard_offsets:
+                    yield f"{name}.{shard}.weight"
+                    if module.bias is not None:
+                        yield f"{name}.{shard}.bias"
+        fused_prefixes = tuple(n + "." for n, m in self.named_modules() if isinstance(m, FusedLinear))
+        for name, _ in self.named_parameters():
+            if not name.startswith(fused_prefixes):
+                yield name
+
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        """Random weights of the right shapes, generated where the parameters live."""
+        gen = torch.Generator(device=next(self.parameters()).device).manual_seed(seed)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if name.endswith("norm.weight") or "layernorm" in name:
+                    param.fill_(1.0)
+                else:
+                    param.normal_(0.0, 0.02, generator=gen)
+
+
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
+    "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
+    "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
+    "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
+    "mlp.up_proj": ("mlp.gate_up_proj", "up"),
+}
+
+
+def _fused_targets(name: str):
+    """'model.layers.3.self_attn.k_proj.weight' -> [('model.layers.3.self_attn.qkv_proj', 'k', 'weight')]."""
+    prefix, _, kind = name.rpartition(".")
+    for src, (dst, shard) in _FUSED.items():
+        if prefix.endswith("." + src):
+            return [(prefix[: -len(src)] + dst, shard, kind)]
+    return []
