@@ -1,0 +1,603 @@
+"""`rooflm bench serve`: load-test any OpenAI-compatible endpoint and report serving latency.
+
+The benchmark builds a list of requests (random lengths, a ShareGPT file, or a
+shared-prefix workload), releases them on a schedule (a Poisson process at
+--request-rate, a gamma process when --burstiness is not 1, or all at once)
+under an optional --max-concurrency cap, and streams every response. From the
+arrival time of each streamed chunk it measures, per request:
+
+  TTFT  time to first token: request sent -> first content chunk
+  ITL   inter-token latency: the gap between consecutive content chunks
+  TPOT  time per output token after the first: (E2EL - TTFT) / (output tokens - 1)
+  E2EL  end-to-end latency: request sent -> stream finished
+
+and prints the block users of serving benchmarks expect (vLLM's
+benchmark_serving layout), with goodput: the rate of requests that met every
+SLO given with --goodput. A failed request (HTTP error, error event in the
+stream, connection refused, timeout) is counted and its message reported; it
+never stops the run.
+
+Output tokens are counted from the usage chunk the server sends when asked
+with stream_options.include_usage, else one per content chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Optional, Sequence, TextIO, Union
+
+# Common English words, each about one token for BPE tokenizers, for text
+# prompts of a chosen length when the endpoint cannot take token ids (chat).
+_WORDS = (
+    "the of and to in is was for on that with as by at from his her they this have had not but "
+    "are were which one all their there been has when who will more no if out so said what up "
+    "its about into than them can only other new some could time these two may then do first "
+    "any my now such like our over man me even most made after also did many before must "
+    "through back years where much your way well down should because each just those people "
+    "how too little state good very make world still own see men work long get here between both "
+    "life being under never day same another know while last might us great old year off come "
+    "since against go came right used take three house river light water small place found"
+).split()
+
+
+@dataclass
+class SampleRequest:
+    """One request to send: a prompt (text, or token ids), its length in tokens, and max_tokens."""
+
+    prompt: Union[str, list[int]]
+    prompt_len: int
+    output_len: int
+
+
+@dataclass
+class RequestOutput:
+    """What one streamed request measured. Times are seconds; `start` and `chunk_times` are
+    relative to the start of the benchmark."""
+
+    success: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    start: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)
+    generated_text: str = ""
+
+
+# ---------------------------------------------------------------- datasets
+
+
+def _sample_len(rng: random.Random, mean: int, range_ratio: float) -> int:
+    """A length uniform in [mean * (1 - r), mean * (1 + r)], at least 1 (vLLM's random dataset)."""
+    low = max(1, math.floor(mean * (1 - range_ratio)))
+    high = max(low, math.ceil(mean * (1 + range_ratio)))
+    return rng.randint(low, high)
+
+
+def _random_prompt(rng: random.Random, num_tokens: int, as_text: bool, vocab_size: int):
+    if as_text:
+        return " ".join(rng.choice(_WORDS) for _ in range(num_tokens))
+    # Ids from 100 up skip the special and byte tokens at the start of most vocabularies.
+    return [rng.randrange(100, vocab_size) for _ in range(num_tokens)]
+
+
+def random_requests(num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
+                    seed: int = 0, as_text: bool = False, vocab_size: int = 32000) -> list[SampleRequest]:
+    """Prompts of random tokens (or words) with lengths spread by `range_ratio` around the means."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"--range-ratio must be in [0, 1), got {range_ratio}")
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num_prompts):
+        n_in = _sample_len(rng, input_len, range_ratio)
+        n_out = _sample_len(rng, output_len, range_ratio)
+        requests.append(SampleRequest(_random_prompt(rng, n_in, as_text, vocab_size), n_in, n_out))
+    return requests
+
+
+def prefix_requests(num_prompts: int, prefix_len: int, suffix_len: int, output_len: int,
+                    num_prefixes: int = 1, seed: int = 0, as_text: bool = False,
+                    vocab_size: int = 32000) -> list[SampleRequest]:
+    """A prefix-caching workload: `num_prefixes` shared prefixes, each request one of them plus
+    its own random suffix; the order is shuffled so hits interleave with misses."""
+    if num_prefixes < 1:
+        raise ValueError("--num-prefixes must be >= 1")
+    rng = random.Random(seed)
+    prefixes = [_random_prompt(rng, prefix_len, as_text, vocab_size) for _ in range(num_prefixes)]
+    requests = []
+    for i in range(num_prompts):
+        prefix = prefixes[i % num_prefixes]
+        suffix = _random_prompt(rng, suffix_len, as_text, vocab_size)
+        prompt = (prefix + " " + suffix) if as_text else (prefix + suffix)
+        requests.append(SampleRequest(prompt, prefix_len + suffix_len, output_len))
+    rng.shuffle(requests)
+    return requests
+
+
+def _count_tokens(text: str, tokenizer) -> int:
+    if tokenizer is not None:
+        return len(tokenizer.encode(text))
+    # Without a tokenizer: ~4 characters per token, the usual rule of thumb for English.
+    return max(1, round(len(text) / 4))
+
+
+def sharegpt_requests(path: str, num_prompts: int, seed: int = 0, output_len: Optional[int] = None,
+                      tokenizer=None) -> list[SampleRequest]:
+    """Conversations from a ShareGPT-format JSON file: the first turn is the prompt, the second
+    sets max_tokens. Like vLLM, pairs that are too short (< 4 tokens) or too long (prompt > 1024,
+    prompt + output > 2048) are skipped."""
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    conversations = [d["conversations"] for d in data
+                     if isinstance(d, dict) and len(d.get("conversations", [])) >= 2]
+    random.Random(seed).shuffle(conversations)
+    requests = []
+    for conv in conversations:
+        if len(requests) == num_prompts:
+            break
+        prompt, completion = conv[0]["value"], conv[1]["value"]
+        prompt_len = _count_tokens(prompt, tokenizer)
+        out_len = output_len if output_len is not None else _count_tokens(completion, tokenizer)
+        if prompt_len < 4 or out_len < 4:
+            continue
+        if prompt_len > 1024 or prompt_len + out_len > 2048:
+            continue
+        requests.append(SampleRequest(prompt, prompt_len, out_len))
+    if not requests:
+        raise ValueError(f"{path}: no usable ShareGPT conversations")
+    return requests
+
+
+# ---------------------------------------------------------------- the client
+
+
+def _is_chat(endpoint: str) -> bool:
+    return "chat" in endpoint
+
+
+def _payload(req: SampleRequest, model: str, endpoint: str, args: argparse.Namespace) -> dict:
+    body = {"model": model, "max_tokens": req.output_len, "stream": True,
+            "stream_options": {"include_usage": True}, "temperature": args.temperature}
+    if _is_chat(endpoint):
+        body["messages"] = [{"role": "user", "content": req.prompt}]
+    else:
+        body["prompt"] = req.prompt
+    if args.ignore_eos:
+        body["ignore_eos"] = True  # vLLM / rooflm extension: generate exactly max_tokens
+    return body
+
+
+def _chunk_text(chunk: dict, chat: bool) -> str:
+    choices = chunk.get("choices") or []
+    if not choices:
+        return ""
+    if chat:
+        return (choices[0].get("delta") or {}).get("content") or ""
+    return choices[0].get("text") or ""
+
+
+def _error_message(body: str, status: int) -> str:
+    """The server's own message when the body is an OpenAI error object, else the raw body."""
+    text = body.strip()
+    try:
+        parsed = json.loads(text)
+        if isinstance(parsed, dict):
+            err = parsed.get("error", parsed)
+            if isinstance(err, dict) and "message" in err:
+                text = str(err["message"])
+            elif isinstance(err, str):
+                text = err
+            elif "detail" in parsed:
+                text = str(parsed["detail"])
+    except ValueError:
+        pass
+    return f"HTTP {status}: {text[:200]}" if text else f"HTTP {status}"
+
+
+async def send_request(client, url: str, payload: dict, req: SampleRequest, bench_start: float,
+                       chat: bool) -> RequestOutput:
+    """Stream one request; never raises: every failure comes back as an unsuccessful output."""
+    out = RequestOutput(prompt_len=req.prompt_len)
+    sent = time.perf_counter()
+    out.start = sent - bench_start
+    last = sent
+    chunks = 0
+    usage_tokens = None
+    text_parts = []
+    try:
+        async with client.stream("POST", url, json=payload) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode("utf-8", errors="replace")
+                out.error = _error_message(body, resp.status_code)
+                out.latency = time.perf_counter() - sent
+                return out
+            async for line in resp.aiter_lines():
+                line = line.strip()
+                if not line.startswith("data:"):
+                    continue  # blank separators, "event:" lines, ": keep-alive" comments
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    err = chunk["error"]
+                    message = err.get("message", err) if isinstance(err, dict) else err
+                    out.error = f"error in stream: {str(message)[:200]}"
+                    out.latency = time.perf_counter() - sent
+                    return out
+                usage = chunk.get("usage")
+                if usage and usage.get("completion_tokens") is not None:
+                    usage_tokens = int(usage["completion_tokens"])
+                    if usage.get("prompt_tokens"):
+                        out.prompt_len = int(usage["prompt_tokens"])
+                text = _chunk_text(chunk, chat)
+                if text:
+                    now = time.perf_counter()
+                    if chunks == 0:
+                        out.ttft = now - sent
+                    else:
+                        out.itl.append(now - last)
+                    last = now
+                    chunks += 1
+                    out.chunk_times.append(now - bench_start)
+                    text_parts.append(text)
+        out.latency = time.perf_counter() - sent
+    except Exception as exc:  # connection refused, timeouts, malformed JSON: all counted, none fatal
+        out.error = f"{type(exc).__name__}: {str(exc)[:200]}" if str(exc) else type(exc).__name__
+        out.latency = time.perf_counter() - sent
+        return out
+    if chunks == 0 and not usage_tokens:
+        out.error = "stream ended without any output token"
+        return out
+    out.output_tokens = usage_tokens if usage_tokens is not None else chunks
+    if chunks == 0:
+        out.ttft = out.latency
+    out.generated_text = "".join(text_parts)
+    out.success = True
+    return out
+
+
+async def _arrivals(requests: Sequence[SampleRequest], request_rate: float, burstiness: float,
+                    seed: int):
+    """Yield requests at the configured arrival process.
+
+    Inter-arrival gaps are gamma-distributed with shape `burstiness` and mean
+    1 / request_rate: burstiness 1 is exponential gaps, a Poisson process;
+    below 1 is burstier, above 1 more even. An infinite rate sends all at once.
+    """
+    rng = random.Random(seed)
+    for i, req in enumerate(requests):
+        yield req
+        if math.isinf(request_rate) or i == len(requests) - 1:
+            continue
+        await asyncio.sleep(rng.gammavariate(burstiness, 1.0 / (request_rate * burstiness)))
+
+
+async def run_benchmark(base_url: str, endpoint: str, model: str, requests: Sequence[SampleRequest],
+                        args: argparse.Namespace) -> tuple[list[RequestOutput], float]:
+    """Send every request on schedule; return their outputs (in request order) and the duration."""
+    import httpx
+    from tqdm import tqdm
+
+    url = base_url.rstrip("/") + "/" + endpoint.lstrip("/")
+    chat = _is_chat(endpoint)
+    semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    # No connection cap inside the client: the arrival process and --max-concurrency alone
+    # decide how many requests are in flight, or queueing in the pool would inflate TTFT.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(args.request_timeout)
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    progress = tqdm(total=len(requests), disable=args.disable_tqdm, desc="requests", unit="req")
+
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
+        bench_start = time.perf_counter()
+
+        async def one(req: SampleRequest) -> RequestOutput:
+            payload = _payload(req, model, endpoint, args)
+            if semaphore is None:
+                result = await send_request(client, url, payload, req, bench_start, chat)
+            else:
+                async with semaphore:
+                    result = await send_request(client, url, payload, req, bench_start, chat)
+            progress.update(1)
+            return result
+
+        tasks = []
+        async for req in _arrivals(requests, args.request_rate, args.burstiness, args.seed):
+            tasks.append(asyncio.create_task(one(req)))
+        outputs = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - bench_start
+    progress.close()
+    return list(outputs), duration
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def parse_goodput(items: Optional[Sequence[str]]) -> dict[str, float]:
+    """`ttft:500 tpot:50 e2el:2000` (milliseconds) -> {"ttft": 500.0, ...}."""
+    slos: dict[str, float] = {}
+    for item in items or []:
+        for part in item.replace(",", " ").split():
+            name, sep, value = part.partition(":")
+            name = name.strip().lower()
+            if not sep or name not in ("ttft", "tpot", "e2el"):
+                raise ValueError(f"--goodput takes ttft:MS, tpot:MS or e2el:MS, got {part!r}")
+            slos[name] = float(value)
+    return slos
+
+
+def _stats(values_ms: Sequence[float]) -> dict[str, float]:
+    import numpy as np
+
+    if len(values_ms) == 0:
+        return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
+    arr = np.asarray(values_ms, dtype=np.float64)
+    return {"mean": float(arr.mean()), "median": float(np.median(arr)),
+            "p90": float(np.percentile(arr, 90)), "p99": float(np.percentile(arr, 99))}
+
+
+def _tpot_s(out: RequestOutput) -> Optional[float]:
+    if out.output_tokens < 2:
+        return None
+    return (out.latency - out.ttft) / (out.output_tokens - 1)
+
+
+def compute_metrics(outputs: Sequence[RequestOutput], duration: float,
+                    goodput_slos: Optional[dict[str, float]] = None) -> dict:
+    """The summary figures of a run; latencies in milliseconds, rates per second."""
+    ok = [o for o in outputs if o.success]
+    failed = [o for o in outputs if not o.success]
+    ttfts = [o.ttft * 1e3 for o in ok]
+    tpots = [t * 1e3 for t in (_tpot_s(o) for o in ok) if t is not None]
+    itls = [gap * 1e3 for o in ok for gap in o.itl]
+    e2els = [o.latency * 1e3 for o in ok]
+    total_in = sum(o.prompt_len for o in ok)
+    total_out = sum(o.output_tokens for o in ok)
+
+    good = None
+    if goodput_slos:
+        good = 0
+        for o in ok:
+            tpot = _tpot_s(o) or 0.0
+            if ("ttft" in goodput_slos and o.ttft * 1e3 > goodput_slos["ttft"]) or \
+               ("tpot" in goodput_slos and tpot * 1e3 > goodput_slos["tpot"]) or \
+               ("e2el" in goodput_slos and o.latency * 1e3 > goodput_slos["e2el"]):
+                continue
+            good += 1
+
+    # Output tokens per one-second bucket, each chunk weighted by the tokens it carried
+    # (usage may count more tokens than chunks when a server sends several per chunk).
+    buckets: Counter = Counter()
+    for o in ok:
+        if o.chunk_times:
+            weight = o.output_tokens / len(o.chunk_times)
+            for t in o.chunk_times:
+                buckets[int(t)] += weight
+    # Peak in-flight requests: sweep the start/end events of every request.
+    events = sorted([(o.start, 1) for o in outputs] + [(o.start + o.latency, -1) for o in outputs],
+                    key=lambda e: (e[0], e[1]))
+    in_flight = peak_in_flight = 0
+    for _, delta in events:
+        in_flight += delta
+        peak_in_flight = max(peak_in_flight, in_flight)
+
+    duration = max(duration, 1e-9)
+    return {
+        "completed": len(ok), "failed": len(failed), "duration": duration,
+        "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration,
+        "request_goodput": (good / duration) if good is not None else None,
+        "good_requests": good,
+        "output_throughput": total_out / duration,
+        "total_token_throughput": (total_in + total_out) / duration,
+        "peak_output_throughput": max(buckets.values()) if buckets else 0.0,
+        "peak_concurrent_requests": peak_in_flight,
+        "ttft_ms": _stats(ttfts), "tpot_ms": _stats(tpots), "itl_ms": _stats(itls),
+        "e2el_ms": _stats(e2els),
+        "errors": dict(Counter(o.error for o in failed).most_common()),
+    }
+
+
+def format_report(metrics: dict, args: argparse.Namespace) -> str:
+    width = 50
+
+    def title(text: str, fill: str) -> str:
+        return text.center(width, fill)
+
+    def row(label: str, value, decimals: int = 2) -> str:
+        text = f"{value:.{decimals}f}" if isinstance(value, float) else str(value)
+        return f"{label:<40} {text:<10}"
+
+    lines = [title(" Serving Benchmark Result ", "="),
+             row("Successful requests:", metrics["completed"]),
+             row("Failed requests:", metrics["failed"])]
+    if args.max_concurrency:
+        lines.append(row("Maximum request concurrency:", args.max_concurrency))
+    rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
+    lines.append(row("Request rate configured (RPS):", rate))
+    lines += [row("Benchmark duration (s):", metrics["duration"]),
+              row("Total input tokens:", metrics["total_input_tokens"]),
+              row("Total generated tokens:", metrics["total_output_tokens"]),
+              row("Request throughput (req/s):", metrics["request_throughput"])]
+    if metrics["request_goodput"] is not None:
+        lines.append(row("Request goodput (req/s):", metrics["request_goodput"]))
+    lines += [row("Output token throughput (tok/s):", metrics["output_throughput"]),
+              row("Peak output token throughput (tok/s):", float(metrics["peak_output_throughput"])),
+              row("Peak concurrent requests:", metrics["peak_concurrent_requests"]),
+              row("Total token throughput (tok/s):", metrics["total_token_throughput"])]
+    sections = (("ttft_ms", "TTFT", "Time to First Token"),
+                ("tpot_ms", "TPOT", "Time per Output Token (excl. 1st token)"),
+                ("itl_ms", "ITL", "Inter-token Latency"),
+                ("e2el_ms", "E2EL", "End-to-end Latency"))
+    for key, short, long in sections:
+        stats = metrics[key]
+        lines.append(title(long, "-"))
+        lines.append(row(f"Mean {short} (ms):", stats["mean"]))
+        lines.append(row(f"Median {short} (ms):", stats["median"]))
+        lines.append(row(f"P90 {short} (ms):", stats["p90"]))
+        lines.append(row(f"P99 {short} (ms):", stats["p99"]))
+    lines.append("=" * width)
+    if metrics["errors"]:
+        lines.append(f"Errors ({metrics['failed']} failed requests):")
+        for message, count in list(metrics["errors"].items())[:10]:
+            lines.append(f"  {count:>5} x {message}")
+        if len(metrics["errors"]) > 10:
+            lines.append(f"  ... and {len(metrics['errors']) - 10} other messages")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- the command
+
+
+def register(subparsers) -> None:
+    """Add the `serve` subcommand to the subparsers of `rooflm bench`."""
+    p = subparsers.add_parser(
+        "serve", help="load-test an OpenAI-compatible endpoint: TTFT, TPOT, ITL, throughput",
+        description="Stream requests to an OpenAI-compatible server at a chosen arrival rate and "
+                    "concurrency and report TTFT, TPOT, ITL, end-to-end latency and throughput.")
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    p.add_argument("--endpoint", default="/v1/completions",
+                   help="/v1/completions (default) or /v1/chat/completions")
+    p.add_argument("--model", required=True, help="the model name the server expects")
+    p.add_argument("--dataset-name", choices=("random", "sharegpt", "prefix"), default="random")
+    p.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file (sharegpt)")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--input-len", type=int, default=1024, help="prompt tokens (random; prefix: "
+                   "the unique suffix after the shared prefix)")
+    p.add_argument("--output-len", type=int, default=None, help="max_tokens per request "
+                   "(default 128; sharegpt: default the conversation's own reply length)")
+    p.add_argument("--range-ratio", type=float, default=0.0,
+                   help="random: lengths uniform in [len*(1-r), len*(1+r)]")
+    p.add_argument("--prefix-len", type=int, default=512, help="prefix: shared prefix tokens")
+    p.add_argument("--num-prefixes", type=int, default=1, help="prefix: distinct shared prefixes")
+    p.add_argument("--prompt-format", choices=("auto", "tokens", "words"), default="auto",
+                   help="random/prefix prompts as token ids or words (auto: token ids for "
+                        "completions, words for chat)")
+    p.add_argument("--vocab-size", type=int, default=32000,
+                   help="token ids of random prompts are drawn below this")
+    p.add_argument("--tokenizer", default=None,
+                   help="local tokenizer (HF directory) to count ShareGPT tokens; default: "
+                        "~4 characters per token, corrected by the server's usage chunk")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests per second, Poisson arrivals (default inf: all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of inter-arrival gaps: 1 Poisson, < 1 burstier")
+    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="SLO",
+                   help="SLOs in ms, e.g. ttft:500 tpot:50 (also e2el:MS)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="ask the server to generate exactly max_tokens (vLLM/rooflm extension)")
+    p.add_argument("--api-key", default=None,
+                   help="sent as a Bearer token (default: $OPENAI_API_KEY if set)")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-result", action="store_true", help="write the result as JSON")
+    p.add_argument("--result-file", default=None, help="JSON path (implies --save-result)")
+    p.add_argument("--result-dir", default=".", help="where --save-result writes by default")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="latency distributions and throughput over time")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_serve)
+
+
+def build_requests(args: argparse.Namespace) -> list[SampleRequest]:
+    chat = _is_chat(args.endpoint)
+    as_text = chat if args.prompt_format == "auto" else args.prompt_format == "words"
+    if chat and not as_text:
+        raise ValueError("chat endpoints take text: use --prompt-format words")
+    output_len = args.output_len if args.output_len is not None else 128
+    if args.dataset_name == "random":
+        return random_requests(args.num_prompts, args.input_len, output_len, args.range_ratio,
+                               args.seed, as_text, args.vocab_size)
+    if args.dataset_name == "prefix":
+        return prefix_requests(args.num_prompts, args.prefix_len, args.input_len, output_len,
+                               args.num_prefixes, args.seed, as_text, args.vocab_size)
+    if not args.dataset_path:
+        raise ValueError("--dataset-name sharegpt needs --dataset-path")
+    tokenizer = None
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
+    return sharegpt_requests(args.dataset_path, args.num_prompts, args.seed, args.output_len,
+                             tokenizer)
+
+
+def run_serve(args: argparse.Namespace, out: TextIO = None) -> int:
+    out = out or sys.stdout
+    try:
+        goodput_slos = parse_goodput(args.goodput)
+        if args.num_prompts < 1:
+            raise ValueError("--num-prompts must be >= 1")
+        if args.request_rate <= 0 or args.burstiness <= 0:
+            raise ValueError("--request-rate and --burstiness must be > 0")
+        requests = build_requests(args)
+    except (ValueError, OSError) as exc:
+        print(f"rooflm bench serve: error: {exc}", file=sys.stderr)
+        return 2
+
+    rate = "inf (all at once)" if math.isinf(args.request_rate) else \
+        f"{args.request_rate:g} req/s, burstiness {args.burstiness:g}" + \
+        (" (Poisson)" if args.burstiness == 1.0 else " (gamma)")
+    out.write(f"{len(requests)} requests from {args.dataset_name} to "
+              f"{args.base_url.rstrip('/')}{args.endpoint}; arrivals {rate}; max concurrency "
+              f"{args.max_concurrency or 'unlimited'}\n")
+    out.flush()
+    outputs, duration = asyncio.run(run_benchmark(args.base_url, args.endpoint, args.model,
+                                                  requests, args))
+    metrics = compute_metrics(outputs, duration, goodput_slos)
+    out.write(format_report(metrics, args))
+
+    if args.save_result or args.result_file:
+        path = args.result_file or os.path.join(
+            args.result_dir, f"serve-{args.model.replace('/', '_')}-"
+                             f"{datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
+        result = {
+            "date": datetime.now().isoformat(timespec="seconds"),
+            "base_url": args.base_url, "endpoint": args.endpoint, "model": args.model,
+            "dataset_name": args.dataset_name, "num_prompts": len(requests),
+            "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
+            "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
+            "goodput_slos_ms": goodput_slos or None,
+            **{k: v for k, v in metrics.items()},
+            "requests": [
+                {k: v for k, v in asdict(o).items() if k not in ("generated_text", "chunk_times")}
+                for o in outputs],
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+        out.write(f"result written to {path}\n")
+
+    if args.plot:
+        from rooflm.perf.plot import plot_serving
+
+        ok = [o for o in outputs if o.success]
+        tpots = [t * 1e3 for t in (_tpot_s(o) for o in ok) if t is not None]
+        token_times = []
+        for o in ok:
+            # One point per output token: a chunk carrying k tokens counts k times.
+            per_chunk = round(o.output_tokens / len(o.chunk_times)) if o.chunk_times else 0
+            for t in o.chunk_times:
+                token_times.extend([t] * per_chunk)
+        plot_serving([o.ttft * 1e3 for o in ok], tpots, [g * 1e3 for o in ok for g in o.itl],
+                     [o.latency * 1e3 for o in ok], token_times, duration, args.plot,
+                     title=f"{args.model} at {args.base_url}: {metrics['completed']} ok, "
+                           f"{metrics['failed']} failed")
+        out.write(f"plots written to {args.plot}\n")
+    return 0 if metrics["completed"] > 0 else 1

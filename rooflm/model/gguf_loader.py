@@ -1,0 +1,346 @@
+"""GGUF files: metadata -> ModelConfig, tensors -> float32 with HF names.
+
+Three things about GGUF that are easy to get wrong:
+
+- Shapes are stored innermost-first (ggml's ne[0] is the row length), the
+  reverse of torch. gguf's reader already exposes the data in row-major
+  order, so the torch shape is the stored shape reversed.
+- llama.cpp's converter permutes the rows of attn_q and attn_k of Llama-family
+  checkpoints so that each head's rotary pairs sit next to each other (its
+  interleaved "GPT-J" rotary layout). HF's layout rotates the first half of a
+  head against the second half. The permutation is undone here; without that
+  the model runs and produces fluent-looking garbage. Qwen2/Qwen3 GGUFs use
+  llama.cpp's NEOX rotary, which matches HF, and are stored unpermuted
+  (transformers' GGUF loader permutes only for "llama").
+- Llama-3.1 style rope scaling is not in the metadata; the converter bakes it
+  into a `rope_freqs.weight` tensor of per-frequency factors, which is turned
+  back into a RopeScaling here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+
+from rooflm.config import ModelConfig, RopeScaling
+from rooflm.model.loader import load_error
+from rooflm.model.registry import GGUF_ARCHITECTURES
+
+# GGUF architectures whose attn_q / attn_k rows were permuted by llama.cpp's converter.
+ROTARY_PERMUTED_ARCHITECTURES = ("llama", "mistral")
+
+# Tensor types gguf.quants.dequantize turns into float32 (F32/F16 are handled
+# there directly, the rest by its numpy block decoders).
+SUPPORTED_TENSOR_TYPES = (
+    "F32", "F16", "BF16",
+    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)
+
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
+
+GLOBAL_TENSOR_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+# blk.N.<gguf module> -> model.layers.N.<HF module>; the .weight / .bias suffix carries over.
+LAYER_MODULE_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def hf_tensor_name(gguf_name: str) -> Optional[str]:
+    """The HF parameter name for a GGUF tensor name, or None if it has none."""
+    if gguf_name in GLOBAL_TENSOR_NAMES:
+        return GLOBAL_TENSOR_NAMES[gguf_name]
+    match = _LAYER_TENSOR.match(gguf_name)
+    if match is None:
+        return None
+    layer, module, suffix = match.groups()
+    if module not in LAYER_MODULE_NAMES:
+        return None
+    return f"model.layers.{layer}.{LAYER_MODULE_NAMES[module]}.{suffix}"
+
+
+def undo_rotary_permutation(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's convert_hf_to_gguf.py `permute` for q/k rows.
+
+    The converter views each head's rows as (2, head_dim/2) -- HF's two
+    rotary halves -- and transposes them to (head_dim/2, 2), interleaving the
+    halves. Viewing as (head_dim/2, 2) and transposing back restores HF order.
+    Works for a weight (rows, hidden) and for a bias (rows,).
+    """
+    rows = weight.shape[0]
+    half_head_dim = rows // num_heads // 2
+    interleaved = weight.reshape(num_heads, half_head_dim, 2, *weight.shape[1:])
+    return interleaved.transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+# ---------------------------------------------------------------------------
+# Opening a file
+# ---------------------------------------------------------------------------
+
+class _OpenedGGUF:
+    """A parsed GGUF header: the reader (tensor data stays memory-mapped), the
+    tensors by name, and the ModelConfig derived from them."""
+
+    def __init__(self, path: str, reader: Any):
+        self.path = path
+        self.reader = reader
+        self.tensors = {tensor.name: tensor for tensor in reader.tensors}
+        self.gguf_architecture = self._string_field("general.architecture")
+        self.config = _config_from_metadata(self)
+
+    def field(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except (UnicodeDecodeError, ValueError, IndexError) as exc:
+            raise load_error(self.path, f"GGUF metadata {key!r} is unreadable: {exc}") from exc
+
+    def required_field(self, key: str) -> Any:
+        value = self.field(key)
+        if value is None:
+            raise load_error(self.path, f"GGUF metadata has no {key!r}")
+        return value
+
+    def _string_field(self, key: str) -> str:
+        value = self.required_field(key)
+        if not isinstance(value, str):
+            raise load_error(self.path, f"GGUF metadata {key!r} is not a string")
+        return value
+
+
+# Parsing the header of SmolLM2's GGUF takes ~2.5 s on the CI CPUs (the
+# tokenizer's 49k tokens and 49k merges are fields), and callers read the config
+# and then the weights of the same file; so the last file parsed is kept,
+# keyed by its identity on disk so an edited or replaced file is read again.
+_last_opened: Optional[tuple[tuple[str, int, int], _OpenedGGUF]] = None
+
+
+def _file_identity(path: str) -> tuple[str, int, int]:
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError as exc:
+        raise load_error(path, "GGUF file not found") from exc
+    except OSError as exc:
+        raise load_error(path, f"cannot read GGUF file: {exc}") from exc
+    if not os.path.isfile(path):
+        raise load_error(path, "not a file; a GGUF model is a single .gguf file")
+    return os.path.realpath(path), stat.st_size, stat.st_mtime_ns
+
+
+def _open(path: str) -> _OpenedGGUF:
+    global _last_opened
+    identity = _file_identity(path)
+    if _last_opened is not None and _last_opened[0] == identity:
+        return _last_opened[1]
+
+    try:
+        from gguf import GGUFReader
+    except ImportError as exc:
+        raise load_error(path, "reading GGUF files needs the `gguf` package "
+                               "(pip install gguf); it is not installed") from exc
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # bad magic, short file, bad field types: all ValueError/IndexError inside gguf
+        raise load_error(path, f"not a valid GGUF file (corrupt or truncated): "
+                               f"{type(exc).__name__}: {exc}") from exc
+    opened = _OpenedGGUF(path, reader)
+    _last_opened = (identity, opened)
+    return opened
+
+
+# ---------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------
+
+def load_gguf_config(path: str) -> ModelConfig:
+    return _open(path).config
+
+
+def _config_from_metadata(gguf_file: _OpenedGGUF) -> ModelConfig:
+    path = gguf_file.path
+    gguf_arch = gguf_file.gguf_architecture
+    if gguf_arch not in GGUF_ARCHITECTURES:
+        raise load_error(
+            path, f"unsupported GGUF architecture {gguf_arch!r}; rooflm runs "
+                  f"{', '.join(GGUF_ARCHITECTURES)}")
+
+    def arch_field(key: str, default: Any = None) -> Any:
+        return gguf_file.field(f"{gguf_arch}.{key}", default)
+
+    def required_arch_field(key: str) -> Any:
+        return gguf_file.required_field(f"{gguf_arch}.{key}")
+
+    tensors = gguf_file.tensors
+    if "token_embd.weight" not in tensors:
+        raise load_error(path, "GGUF has no token_embd.weight tensor")
+
+    hidden_size = int(required_arch_field("embedding_length"))
+    num_heads = int(required_arch_field("attention.head_count"))
+    num_kv_heads = int(arch_field("attention.head_count_kv", num_heads))
+    # The embedding's rows are the vocabulary the weights were trained with; the
+    # token list can differ (padding), and the weights are what must line up.
+    vocab_size = int(tensors["token_embd.weight"].shape[1])
+
+    # head_dim is not always hidden/heads (Qwen3: 128 with hidden 1024 and 16 heads).
+    head_dim = arch_field("attention.key_length")
+    if head_dim is None and "blk.0.attn_q.weight" in tensors:
+        head_dim = int(tensors["blk.0.attn_q.weight"].shape[1]) // num_heads
+    if head_dim is None:
+        head_dim = hidden_size // num_heads
+    head_dim = int(head_dim)
+
+    rope_theta = float(arch_field("rope.freq_base", 10000.0))
+    rope_scaling = None
+    if ROPE_FREQS_TENSOR in tensors:
+        rope_scaling = _rope_scaling_from_factors(gguf_file, head_dim, rope_theta)
+
+    eos_token_id = gguf_file.field("tokenizer.ggml.eos_token_id")
+    bos_token_id = gguf_file.field("tokenizer.ggml.bos_token_id")
+
+    try:
+        return ModelConfig(
+            architecture=GGUF_ARCHITECTURES[gguf_arch],
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=int(required_arch_field("feed_forward_length")),
+            num_hidden_layers=int(required_arch_field("block_count")),
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            # Kept as the float32 stored in the file (1e-5 reads as 9.99999975e-06),
+            # the value transformers' GGUF loader uses too.
+            rms_norm_eps=float(required_arch_field("attention.layer_norm_rms_epsilon")),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(arch_field("context_length", 4096)),
+            tie_word_embeddings="output.weight" not in tensors,
+            attention_bias="blk.0.attn_q.bias" in tensors,
+            qk_norm="blk.0.attn_q_norm.weight" in tensors,
+            bos_token_id=None if bos_token_id is None else int(bos_token_id),
+            eos_token_ids=() if eos_token_id is None else (int(eos_token_id),),
+        )
+    except (TypeError, ValueError) as exc:
+        raise load_error(path, f"invalid model metadata: {exc}") from exc
+
+
+def llama3_rope_factors(head_dim: int, rope_theta: float, scaling: RopeScaling) -> np.ndarray:
+    """The per-frequency divisors llama.cpp's converter writes as rope_freqs.weight."""
+    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    factors = []
+    for i in range(0, head_dim, 2):
+        freq = 1.0 / (rope_theta ** (i / head_dim))
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_freq_wavelen:
+            factors.append(scaling.factor)
+        else:
+            smooth = ((scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor)
+                      / (scaling.high_freq_factor - scaling.low_freq_factor))
+            factors.append(1.0 / ((1 - smooth) / scaling.factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def _rope_scaling_from_factors(gguf_file: _OpenedGGUF, head_dim: int,
+                               rope_theta: float) -> Optional[RopeScaling]:
+    """Recover Llama-3.1 scaling from rope_freqs.weight.
+
+    The tensor fixes the factor (its largest entry) but not the other three
+    parameters uniquely, so the ones every Llama 3.x release uses (low 1,
+    high 4, original context 8192, or the file's recorded original context)
+    are tried and the result is accepted only if it reproduces the tensor.
+    """
+    from gguf.quants import dequantize
+
+    tensor = gguf_file.tensors[ROPE_FREQS_TENSOR]
+    factors = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(-1)
+    if factors.shape[0] != head_dim // 2:
+        raise load_error(gguf_file.path, f"{ROPE_FREQS_TENSOR} has {factors.shape[0]} entries, "
+                                         f"expected head_dim/2 = {head_dim // 2}")
+    if np.allclose(factors, 1.0):
+        return None
+    original_contexts = [8192]
+    recorded = gguf_file.field(f"{gguf_file.gguf_architecture}.rope.scaling.original_context_length")
+    if recorded is not None:
+        original_contexts.insert(0, int(recorded))
+    for original_context in original_contexts:
+        candidate = RopeScaling("llama3", float(factors.max()), 1.0, 4.0, original_context)
+        if np.allclose(llama3_rope_factors(head_dim, rope_theta, candidate), factors, rtol=1e-4):
+            return candidate
+    raise load_error(gguf_file.path, f"{ROPE_FREQS_TENSOR} holds rope scaling factors that do not "
+                                     f"match Llama-3.1 style scaling; not supported")
+
+
+# ---------------------------------------------------------------------------
+# Weights
+# ---------------------------------------------------------------------------
+
+def open_gguf_weights(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor, str]]]:
+    """The config, and a stream of (HF name, float32 tensor, path).
+
+    Names and tensor types are checked up front so an unusable file fails
+    before any weight is dequantized.
+    """
+    gguf_file = _open(path)
+    for tensor in gguf_file.reader.tensors:
+        if tensor.name == ROPE_FREQS_TENSOR:
+            continue
+        if hf_tensor_name(tensor.name) is None:
+            raise load_error(path, f"unknown tensor {tensor.name!r} (no HF equivalent for a "
+                                   f"{gguf_file.gguf_architecture} model)")
+        if tensor.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
+            raise load_error(path, f"tensor {tensor.name!r} has type {tensor.tensor_type.name}, "
+                                   f"which rooflm cannot dequantize (supported: "
+                                   f"{', '.join(SUPPORTED_TENSOR_TYPES)})")
+    return gguf_file.config, _iter_tensors(gguf_file)
+
+
+def _iter_tensors(gguf_file: _OpenedGGUF) -> Iterator[tuple[str, torch.Tensor, str]]:
+    from gguf.quants import dequantize
+
+    config = gguf_file.config
+    permuted = gguf_file.gguf_architecture in ROTARY_PERMUTED_ARCHITECTURES
+    for tensor in gguf_file.reader.tensors:
+        if tensor.name == ROPE_FREQS_TENSOR:
+            continue
+        name = hf_tensor_name(tensor.name)
+        torch_shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        try:
+            values = dequantize(tensor.data, tensor.tensor_type)
+        except (NotImplementedError, ValueError) as exc:
+            raise load_error(gguf_file.path, f"cannot dequantize tensor {tensor.name!r} of type "
+                                             f"{tensor.tensor_type.name}: {exc}") from exc
+        # F32 comes back as a read-only view of the memory map; the model needs its own copy.
+        if not values.flags.writeable:
+            values = values.copy()
+        weight = torch.from_numpy(values).reshape(torch_shape)
+        if permuted and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+            weight = undo_rotary_permutation(weight, config.num_attention_heads)
+        elif permuted and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+            weight = undo_rotary_permutation(weight, config.num_key_value_heads)
+        yield name, weight, gguf_file.path

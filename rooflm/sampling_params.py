@@ -1,0 +1,182 @@
+"""How one request wants its tokens sampled and when it wants them to stop.
+
+User-facing: every value is checked at construction, so a bad request fails
+in the server with a message naming the field, never inside the engine's step.
+Semantics follow vLLM / the OpenAI API.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+# vLLM's and OpenAI's cap on the number of alternatives returned per position.
+MAX_LOGPROBS = 20
+
+# torch.Generator.manual_seed accepts any value that fits a signed or an
+# unsigned 64-bit integer.
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**64 - 1
+
+
+def _is_int(value) -> bool:
+    # bool is a subclass of int; True as a token count is a client bug.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(
+    name: str, value, minimum: Optional[int] = None, maximum: Optional[int] = None
+) -> None:
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if minimum is not None and maximum is not None and not (minimum <= value <= maximum):
+        raise ValueError(f"{name} must be in [{minimum}, {maximum}], got {value}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+
+
+def _check_float(name: str, value) -> float:
+    if not (_is_int(value) or isinstance(value, float)):
+        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+
+
+@dataclass
+class SamplingParams:
+    """Sampling and stopping parameters of one request."""
+
+    # How many independent samples to return for the prompt.
+    n: int = 1
+
+    # The distribution: temperature 0 means greedy (argmax). top_k 0 or -1
+    # disables top-k; top_p 1 disables nucleus sampling; min_p drops tokens
+    # whose probability is below min_p times the most likely token's.
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+    # Penalties. presence/frequency (OpenAI) subtract from the logits of
+    # tokens already generated; repetition (HF/CTRL) scales the logits of
+    # tokens seen in the prompt or the output, > 1 discourages them.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    # A seed makes the request reproducible whatever else is in the batch.
+    seed: Optional[int] = None
+
+    # Length: max_tokens None means up to the context length. EOS and
+    # stop_token_ids cannot end the sequence before min_tokens are generated.
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+
+    # Stopping. stop strings are matched on the detokenized text, across token
+    # boundaries; both lists are normalised to lists (empty when None).
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+    # Logprobs: the number of top alternatives returned with each sampled
+    # (logprobs) or prompt (prompt_logprobs) token; 0 returns only the chosen
+    # token's own logprob, None returns nothing.
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+
+    # Detokenization.
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n, minimum=1)
+
+        self.temperature = _check_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+        self.top_p = _check_float("top_p", self.top_p)
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+        _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k}")
+
+        self.min_p = _check_float("min_p", self.min_p)
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _check_float(name, getattr(self, name))
+            if not (-2.0 <= value <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+        if self.seed is not None:
+            _check_int("seed", self.seed, minimum=_SEED_MIN, maximum=_SEED_MAX)
+
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+
+        self.stop = self._normalise_stop(self.stop)
+        self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _check_bool(name, getattr(self, name))
+
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, minimum=0, maximum=MAX_LOGPROBS)
+
+    @staticmethod
+    def _normalise_stop(stop) -> list[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+        for item in stop:
+            if not isinstance(item, str):
+                raise ValueError(f"stop must contain only strings, got {item!r}")
+            if item == "":
+                raise ValueError("stop must not contain empty strings")
+        return list(stop)
+
+    @staticmethod
+    def _normalise_stop_token_ids(stop_token_ids) -> list[int]:
+        if stop_token_ids is None:
+            return []
+        if not isinstance(stop_token_ids, (list, tuple)):
+            raise ValueError(
+                f"stop_token_ids must be a list of integers, got {type(stop_token_ids).__name__}"
+            )
+        for token_id in stop_token_ids:
+            if not _is_int(token_id) or token_id < 0:
+                raise ValueError(f"stop_token_ids must contain integers >= 0, got {token_id!r}")
+        return list(stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1

@@ -1,0 +1,107 @@
+"""The memory planner against the field's worked examples and hand-computed cases."""
+
+import argparse
+import io
+import math
+
+import pytest
+
+from rooflm.config import ModelConfig
+from rooflm.model.presets import get_preset
+from rooflm.perf import commands
+from rooflm.perf.memory import (
+    activation_bytes_per_token_per_layer,
+    inference_memory,
+    param_counts,
+    training_memory,
+    weight_bytes,
+)
+
+TINY = ModelConfig(architecture="LlamaForCausalLM", vocab_size=1000, hidden_size=64,
+                   intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16)
+
+
+def test_llama_7b_kv_cache_at_8192_tokens_is_4_3_gb():
+    plan = inference_memory(get_preset("llama-2-7b"), kv_dtype="bf16", context=8192)
+    assert plan.kv_bytes_per_token == 2 * 32 * 32 * 128 * 2  # 0.5 MiB
+    assert round(plan.kv_bytes_per_seq / 1e9, 1) == 4.3
+
+
+def test_gqa_shrinks_the_kv_cache_by_the_group_factor():
+    mha = inference_memory(get_preset("llama-2-7b"), context=4096)
+    gqa = inference_memory(get_preset("llama-3-8b"), context=4096)
+    assert gqa.kv_bytes_per_token == mha.kv_bytes_per_token / 4  # 8 KV heads instead of 32
+    fp8 = inference_memory(get_preset("llama-3-8b"), kv_dtype="fp8", context=4096)
+    assert fp8.kv_bytes_per_token == gqa.kv_bytes_per_token / 2
+    tp8 = inference_memory(get_preset("llama-3-8b"), context=4096, tp=8)
+    assert tp8.kv_bytes_per_token == gqa.kv_bytes_per_token / 8
+
+
+def test_blocks_and_concurrent_sequences():
+    plan = inference_memory(get_preset("llama-3-8b"), context=8192, gpu_mem_gb=80,
+                            block_size=16, gpu_memory_utilization=0.9)
+    block_bytes = 16 * 2 * 32 * 8 * 128 * 2
+    assert plan.block_bytes == block_bytes
+    expected_pool = 80e9 * 0.9 - plan.weights - plan.activation_reserve
+    assert plan.num_blocks == math.floor(expected_pool / block_bytes)
+    assert plan.blocks_per_seq == 512
+    assert plan.max_concurrent_seqs == plan.num_blocks // 512
+    assert plan.weights == pytest.approx(2 * get_preset("llama-3-8b").num_params())
+
+
+def test_quantized_weights_convert_the_linear_layers_only():
+    config = get_preset("llama-3-8b")
+    counts = param_counts(config)
+    assert counts.total == config.num_params()
+    int4 = weight_bytes(config, "int4")
+    assert int4 == pytest.approx(counts.linear * (0.5 + 4 / 128) + (counts.embedding + counts.other) * 2)
+    assert weight_bytes(config, "bf16", tp=2) < weight_bytes(config, "bf16") / 2 + counts.other * 2 + 1
+
+
+def test_adam_in_bf16_needs_16_bytes_per_parameter_before_activations():
+    config = get_preset("llama-2-7b")
+    mem = training_memory(config, num_gpus=8, dtype="bf16")
+    assert mem.state_bytes_per_param == 16  # 2 weight + 2 grad + 4 master + 4 m + 4 v
+    assert mem.weights == 2 * mem.num_params and mem.master_weights == 4 * mem.num_params
+    assert mem.adam_moments == 8 * mem.num_params
+    assert mem.states == pytest.approx(16 * 6.74e9, rel=0.01)  # ~108 GB for "7B"
+    # DDP replicates the states; FSDP divides them by N.
+    assert mem.ddp_per_gpu() == mem.states + mem.activations
+    assert mem.fsdp_per_gpu() == pytest.approx(mem.states / 8 + mem.fsdp_gathered + mem.activations)
+    assert training_memory(config, dtype="fp32").state_bytes_per_param == 16  # 4 + 4 + 8
+
+
+def test_activations_by_hand():
+    seq = 32
+    per_layer = activation_bytes_per_token_per_layer(TINY, seq, act_bytes=2, flash_attention=True)
+    # 4h + 2q + 2kv + 4I elements of 2 bytes, plus an fp32 log-sum-exp per head.
+    assert per_layer == (4 * 64 + 2 * 64 + 2 * 32 + 4 * 128) * 2 + 4 * 4
+    eager = activation_bytes_per_token_per_layer(TINY, seq, act_bytes=2, flash_attention=False)
+    assert eager - per_layer == 4 * seq * 2  # the softmax row of every head
+
+    mem = training_memory(TINY, micro_batch=2, seq_len=seq)
+    head = 2 * 64 * 2 + 1000 * (2 + 4)
+    assert mem.activations == 2 * seq * (2 * per_layer + head)
+    assert mem.activations_checkpointed == 2 * seq * (2 * 64 * 2 + per_layer + head)
+    assert mem.activations_checkpointed < mem.activations
+
+
+def _run(argv):
+    parser = argparse.ArgumentParser()
+    commands.register(parser.add_subparsers())
+    args = parser.parse_args(argv)
+    out = io.StringIO()
+    rc = args.func(args, out=out)
+    return rc, out.getvalue()
+
+
+def test_memory_command():
+    rc, text = _run(["memory", "--model", "llama-2-7b", "--context", "8192", "--gpu-mem", "80"])
+    assert rc == 0
+    assert "4.29 GB" in text and "concurrent sequences" in text
+    rc, text = _run(["memory", "--model", "llama-2-7b", "--train", "--num-gpus", "8"])
+    assert rc == 0
+    assert "16 bytes per parameter" in text and "FSDP" in text and "checkpointing" in text
+    rc, _ = _run(["memory", "--model", "llama-2-7b", "--train", "--dtype", "int4"])
+    assert rc == 2
