@@ -60,13 +60,16 @@ class LLMEngine:
         return cls(engine_config_from_kwargs(**kwargs))
 
     def _load_tokenizer(self):
-        from rooflm.tokenizer.tokenizer import Tokenizer
+        from rooflm.tokenizer.tokenizer import Tokenizer, has_tokenizer_files
         source = self.config.load.tokenizer
         if source is not None:
             fmt = "gguf" if source.endswith(".gguf") else "safetensors"
             return Tokenizer.load(source, fmt)
         if self.load_format == "dummy":
             return None  # prompts must be token ids
+        if self.load_format == "safetensors" and not has_tokenizer_files(self.model_path):
+            logger.warning("%s has no tokenizer files: prompts must be token ids", self.model_path)
+            return None
         return Tokenizer.load(self.model_path, self.load_format)
 
     # ---- requests --------------------------------------------------------------------
@@ -202,6 +205,7 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         for sch in out.scheduled:
             seq, req = sch.seq, sch.request
+            completes = sch.completes  # read before the counter moves
             seq.num_computed_tokens += sch.num_new_tokens
             if seq.seq_id in result.prompt_logprobs:
                 req.prompt_logprobs.extend(self._decode_logprobs(e) for e in result.prompt_logprobs[seq.seq_id])
@@ -209,7 +213,7 @@ class LLMEngine:
                 seq.num_cached_blocks = self.block_manager.cache_full_blocks(
                     seq.token_ids, seq.block_table, seq.num_computed_tokens, req.cache_salt,
                     seq.num_cached_blocks)
-            if sch.completes:
+            if completes:
                 tokens = result.sampled[seq.seq_id]
                 lps = result.logprobs.get(seq.seq_id, [None] * len(tokens))
                 targets = self._fork(req, seq) if req.needs_fork else [seq]

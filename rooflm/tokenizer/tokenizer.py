@@ -53,6 +53,10 @@ def gguf_tokenizer_cache_key(gguf_path: str) -> str:
     return f"{stem}-{digest}"
 
 
+def has_tokenizer_files(model_dir: str) -> bool:
+    return any(os.path.isfile(os.path.join(model_dir, f)) for f in HF_TOKENIZER_FILES)
+
+
 class Tokenizer:
     """A thin wrapper over an HF fast tokenizer.
 

@@ -1,0 +1,59 @@
+"""The real default model through the engine: batching, stop strings, streaming text."""
+
+from rooflm import SamplingParams
+
+PROMPTS = ["The capital of France is", "Once upon a time,", "List three fruits:",
+           "def add(a, b):", "The meaning of life is", "Water boils at",
+           "In 1969, the first man on the moon", "My favourite colour is"]
+
+
+def test_batch_independence_fp32(smollm2):
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    target = "Tell me a short story about a robot who learns to paint."
+    alone = smollm2.generate([target], params)[0].outputs[0].token_ids
+    batch = smollm2.generate(PROMPTS[:4] + [target] + PROMPTS[4:7], params)
+    assert batch[4].outputs[0].token_ids == alone
+
+
+def test_stop_string_trimmed_across_tokens(smollm2):
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    full = smollm2.generate(["Once upon a time,"], params)[0].outputs[0].text
+    # A stop string that starts mid-token and spans a token boundary.
+    stop = full[8:15]
+    out = smollm2.generate(["Once upon a time,"], SamplingParams(
+        temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full[:full.index(stop)]
+    kept = smollm2.generate(["Once upon a time,"], SamplingParams(
+        temperature=0, max_tokens=30, ignore_eos=True, stop=[stop],
+        include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == full[:full.index(stop) + len(stop)]
+
+
+def test_streamed_deltas_equal_final_text_on_multibyte_output(smollm2):
+    engine = smollm2.engine
+    tok = smollm2.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Write 你好世界 and 🙂🎉 ten times."}])
+    engine.add_request("mb", tok.encode(prompt, add_special_tokens=False),
+                       SamplingParams(temperature=0.8, seed=7, max_tokens=40))
+    streamed = ""
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed += out.delta_text[0]
+            assert "\ufffd" not in out.delta_text[0] or "\ufffd" in tok.decode(out.outputs[0].token_ids)
+            final = out
+    assert streamed == final.outputs[0].text == tok.decode(final.outputs[0].token_ids)
+
+
+def test_prompt_logprobs_and_top_logprobs(smollm2):
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=5, prompt_logprobs=2)
+    out = smollm2.generate(["The capital of France is"], params)[0]
+    assert out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    for tok, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+        assert tok in entry and len(entry) <= 3
+    for tok, entry in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
+        assert entry[tok].rank == 1 and len(entry) == 5  # greedy token is the top one
+        ranked = sorted(entry.values(), key=lambda e: e.rank)
+        assert [e.logprob for e in ranked] == sorted([e.logprob for e in ranked], reverse=True)
