@@ -41,6 +41,7 @@ class LLMEngine:
         self.runner.load_model(self.model_path, self.load_format)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.capture_graphs()
         num_host = self.runner.num_host_blocks()
         self.runner.allocate_host_cache(num_host)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size,
@@ -53,6 +54,8 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         self.startup_s = time.perf_counter() - t0
+        logger.info("ready in %.1f s (%s)", self.startup_s,
+                    ", ".join(f"{k} {v:.1f} s" for k, v in self.runner.timings.items()))
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "LLMEngine":

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from rooflm.config import EngineConfig, ModelConfig
@@ -43,10 +44,24 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 @dataclass
-class StepInputs:
+class HostInputs:
+    """A step's inputs as host tensors (pinned on CUDA), before the copy to the device."""
+
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: AttentionMetadata
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+
+
+@dataclass
+class StepInputs:
+    host: HostInputs
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    num_decodes: int
     order: list[ScheduledSeq]  # the scheduled sequences in batch order (decodes first)
     logits_indices: list[int]  # packed token index whose logits each sampling row uses
     rows: list[SamplingRow]
@@ -76,7 +91,11 @@ class ModelRunner:
         self.kv_cache: Optional[torch.Tensor] = None
         self.host_kv_cache: Optional[torch.Tensor] = None
         self.sampler = Sampler()
+        self.graphs = None
         self.timings: dict[str, float] = {}
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True  # any fp32 matmul (e.g. --dtype float32)
+            torch.backends.cudnn.allow_tf32 = True
 
     def _make_backend(self):
         choice = self.config.runtime.attention_backend
@@ -133,21 +152,67 @@ class ModelRunner:
             return cache.num_blocks
         per_block = self.kv_bytes_per_block()
         if self.device.type == "cuda":
+            peak_activations = self.profile_run()
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - cache.gpu_memory_utilization) * total
+            # What the process holds now (weights) stays; the KV pool gets the rest of the
+            # budget after the activation peak of the largest step, plus a margin for graphs.
+            budget = free - (1 - cache.gpu_memory_utilization) * total - peak_activations - 2**28
+            logger.info("KV budget %.2f GiB (free %.2f GiB, activation peak %.2f GiB)",
+                        budget / 2**30, free / 2**30, peak_activations / 2**30)
         else:
             budget = cache.cpu_kv_cache_gb * 2**30
         # No point holding more than every sequence at full length.
         cap = self.config.scheduler.max_num_seqs * -(-self.max_model_len // self.block_size)
         return max(1, min(int(budget // per_block), cap))
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    @torch.inference_mode()
+    def profile_run(self) -> int:
+        """Peak activation bytes of the largest step: a prefill of max_num_batched_tokens tokens
+        plus the LM head and sampler over max_num_seqs rows, on a scratch KV cache."""
+        t0 = time.perf_counter()
+        sched = self.config.scheduler
+        num_tokens = min(sched.max_num_batched_tokens, self.max_model_len * sched.max_num_seqs)
+        seq_len = min(num_tokens, self.max_model_len)
+        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+        blocks_per_seq = -(-seq_len // self.block_size)
+        self.allocate_kv_cache(blocks_per_seq * len(lens), quiet=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        starts, slots, tables, positions = [0], [], [], []
+        for i, n in enumerate(lens):
+            starts.append(starts[-1] + n)
+            positions.extend(range(n))
+            table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+            tables.append(table)
+            slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in range(n))
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=dev), query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev), max_query_len=max(lens),
+            max_seq_len=max(lens), num_decodes=0, query_start_loc_cpu=starts, seq_lens_cpu=lens)
+        ids = torch.randint(0, self.model_config.vocab_size, (num_tokens,), device=dev)
+        hidden = self.model(ids, torch.tensor(positions, device=dev), self.kv_caches, meta)
+        rows = min(sched.max_num_seqs, num_tokens)
+        logits = self.model.compute_logits(hidden[:rows])
+        torch.softmax(logits, -1).argmax(-1)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del hidden, logits
+        self.kv_cache = self.kv_caches = None
+        torch.cuda.empty_cache()
+        self.timings["profile_s"] = time.perf_counter() - t0
+        return peak
+
+    def allocate_kv_cache(self, num_blocks: int, quiet: bool = False) -> None:
         cfg = self.model_config
         shape = (cfg.num_hidden_layers, 2, num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_hidden_layers)]
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
-                    self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
+        if not quiet:
+            logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
+                        self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
 
     def allocate_host_cache(self, num_blocks: int) -> None:
         if num_blocks <= 0:
@@ -213,37 +278,45 @@ class ModelRunner:
                                             req.generator, suppress.get(seq.seq_id, ())))
                     row_owner.append(sch)
         max_blocks = max(len(s.seq.block_table) for s in order)
-        tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in order]
-        dev = self.device
+        tables = np.zeros((len(order), max_blocks), dtype=np.int32)
+        for i, s in enumerate(order):
+            tables[i, :len(s.seq.block_table)] = s.seq.block_table
+        host = HostInputs(
+            input_ids=self._host(input_ids, torch.int64), positions=self._host(positions, torch.int64),
+            slot_mapping=self._host(slots, torch.int64), query_start_loc=self._host(query_start, torch.int32),
+            seq_lens=self._host(seq_lens, torch.int32), block_tables=self._pin(torch.from_numpy(tables)))
+        return StepInputs(host=host, query_start_loc_cpu=query_start, seq_lens_cpu=seq_lens,
+                          max_query_len=max(s.num_new_tokens for s in order), num_decodes=num_decodes,
+                          order=order, logits_indices=logits_indices, rows=rows, row_owner=row_owner,
+                          prompt_logprob_spans=spans)
+
+    def _pin(self, t: torch.Tensor) -> torch.Tensor:
+        # Pinned host memory makes the copies below asynchronous; torch caches the pages.
+        return t.pin_memory() if self.device.type == "cuda" else t
+
+    def _host(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return self._pin(torch.tensor(values, dtype=dtype))
+
+    def to_device(self, inputs: "StepInputs") -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        h, dev = inputs.host, self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            max_query_len=max(s.num_new_tokens for s in order),
-            max_seq_len=max(seq_lens),
-            num_decodes=num_decodes,
-            query_start_loc_cpu=query_start,
-            seq_lens_cpu=seq_lens,
-        )
-        return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            meta=meta, order=order, logits_indices=logits_indices, rows=rows,
-            row_owner=row_owner, prompt_logprob_spans=spans)
+            slot_mapping=h.slot_mapping.to(dev, non_blocking=True),
+            query_start_loc=h.query_start_loc.to(dev, non_blocking=True),
+            seq_lens=h.seq_lens.to(dev, non_blocking=True),
+            block_tables=h.block_tables.to(dev, non_blocking=True),
+            max_query_len=inputs.max_query_len, max_seq_len=max(inputs.seq_lens_cpu),
+            num_decodes=inputs.num_decodes, query_start_loc_cpu=inputs.query_start_loc_cpu,
+            seq_lens_cpu=inputs.seq_lens_cpu)
+        return h.input_ids.to(dev, non_blocking=True), h.positions.to(dev, non_blocking=True), meta
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, suppress: dict[int, tuple[int, ...]]) -> StepResult:
         self.apply_block_ops(out)
         inputs = self.prepare(out, suppress)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         result = StepResult({}, {}, {})
-        if inputs.prompt_logprob_spans:
-            self._prompt_logprobs(hidden, inputs, result)
+        logits = self._forward(inputs, result)
         if not inputs.rows:
             return result
-        idx = torch.tensor(inputs.logits_indices, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, idx))
         meta = SamplingMetadata.build(inputs.rows, self.model_config.vocab_size, self.device)
         sampled = self.sampler(logits, meta)
         token_ids = sampled.sampled_token_ids.tolist()  # the step's one device-to-host sync
@@ -262,6 +335,36 @@ class ModelRunner:
                     entry.setdefault(lp_ids[r][j], (lp_vals[r][j], j))
                 result.logprobs.setdefault(sid, []).append(entry)
         return result
+
+    def _forward(self, inputs: StepInputs, result: StepResult) -> Optional[torch.Tensor]:
+        """Logits of the sampling rows: from a CUDA graph for plain decode steps, else eagerly."""
+        h = inputs.host
+        num_seqs = len(inputs.seq_lens_cpu)
+        if (self.graphs is not None and inputs.num_decodes == num_seqs
+                and not inputs.prompt_logprob_spans and self.graphs.graph_size(num_seqs) is not None):
+            logits = self.graphs.run(h.input_ids, h.positions, h.slot_mapping, h.seq_lens, h.block_tables)
+            if not inputs.rows:
+                return None
+            idx = self._host(inputs.logits_indices, torch.int64).to(self.device, non_blocking=True)
+            return logits.index_select(0, idx)
+        input_ids, positions, meta = self.to_device(inputs)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if inputs.prompt_logprob_spans:
+            self._prompt_logprobs(hidden, inputs, result)
+        if not inputs.rows:
+            return None
+        idx = self._host(inputs.logits_indices, torch.int64).to(self.device, non_blocking=True)
+        return self.model.compute_logits(hidden.index_select(0, idx))
+
+    def capture_graphs(self) -> None:
+        """CUDA graphs for decode, unless on CPU or --enforce-eager."""
+        if self.device.type != "cuda" or self.config.runtime.enforce_eager:
+            return
+        from rooflm.engine.cuda_graph import CUDAGraphRunner
+        max_batch = min(self.config.runtime.cuda_graph_max_batch, self.config.scheduler.max_num_seqs)
+        self.graphs = CUDAGraphRunner(self.model, self.kv_caches, self.backend, max_batch,
+                                      self.max_model_len, self.block_size, self.device)
+        self.timings["capture_s"] = self.graphs.capture()
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs, result: StepResult) -> None:
         for sch, base, first, count in inputs.prompt_logprob_spans:

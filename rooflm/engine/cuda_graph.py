@@ -1,0 +1,141 @@
+"""CUDA graphs for decode steps: capture once per batch size, replay every step.
+
+A decode step of an 8B model launches hundreds of small kernels; at batch 1
+their launch cost alone rivals the 5 ms the step's weight reads take. A graph
+replays the whole forward (and the LM head) with one launch.
+
+- Sizes 1, 2, 4, 8, then steps of 8 (16 past 64, 32 past 128) up to the
+  batch cap; captured largest first so the smaller graphs reuse its memory in
+  one shared pool.
+- Static input buffers live in one dataclass; a step copies its inputs into
+  them and replays the graph of the nearest captured size at or above its
+  batch. Padding rows write no K/V (slot -1) and their logits are ignored.
+- The split-KV decode kernel's split count is fixed per graph (sized for the
+  longest context), since a graph cannot change its launch grid.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from rooflm.layers.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    sizes = [1, 2, 4, 8]
+    size = 8
+    while size < max_batch:
+        size += 8 if size < 64 else (16 if size < 128 else 32)
+        sizes.append(size)
+    return [s for s in sizes if s <= max_batch] or [1]
+
+
+@dataclass
+class GraphBuffers:
+    input_ids: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64
+    slot_mapping: torch.Tensor  # [B] int64
+    seq_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    logits: torch.Tensor | None = None  # [B, vocab] fp32, written by the graph
+
+    @classmethod
+    def allocate(cls, max_batch: int, max_blocks: int, device) -> "GraphBuffers":
+        return cls(
+            input_ids=torch.zeros(max_batch, dtype=torch.int64, device=device),
+            positions=torch.zeros(max_batch, dtype=torch.int64, device=device),
+            slot_mapping=torch.full((max_batch,), -1, dtype=torch.int64, device=device),
+            seq_lens=torch.ones(max_batch, dtype=torch.int32, device=device),
+            query_start_loc=torch.arange(max_batch + 1, dtype=torch.int32, device=device),
+            block_tables=torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device),
+        )
+
+    def meta(self, batch: int, max_seq_len: int, num_splits: int | None) -> AttentionMetadata:
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:batch], query_start_loc=self.query_start_loc[:batch + 1],
+            seq_lens=self.seq_lens[:batch], block_tables=self.block_tables[:batch],
+            max_query_len=1, max_seq_len=max_seq_len, num_decodes=batch,
+            query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[max_seq_len] * batch)
+        return meta
+
+
+class CUDAGraphRunner:
+    def __init__(self, model, kv_caches, backend, max_batch: int, max_model_len: int, block_size: int,
+                 device: torch.device):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.max_model_len = max_model_len
+        self.sizes = capture_sizes(max_batch)
+        self.max_blocks = -(-max_model_len // block_size)
+        self.buffers = GraphBuffers.allocate(self.sizes[-1], self.max_blocks, device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def _num_splits(self, batch: int) -> int | None:
+        from rooflm.kernels.decode_attention import decode_num_splits
+        cfg = self.model.cfg
+        return decode_num_splits(batch, cfg.num_key_value_heads, self.max_model_len, cfg.sliding_window)
+
+    def _forward(self, batch: int, num_splits: int | None) -> torch.Tensor:
+        b = self.buffers
+        meta = b.meta(batch, self.max_model_len, num_splits)
+        hidden = self.model(b.input_ids[:batch], b.positions[:batch], self.kv_caches, meta)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        t0 = time.perf_counter()
+        for batch in reversed(self.sizes):
+            splits = self._num_splits(batch) if self.backend.name == "triton" else None
+            if self.backend.name == "triton":
+                self.backend.decode_num_splits = splits
+            try:
+                for _ in range(2):  # warm-up: compile the kernels outside the capture
+                    self._forward(batch, splits)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self.logits[batch] = self._forward(batch, splits)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[batch] = graph
+            finally:
+                if self.backend.name == "triton":
+                    self.backend.decode_num_splits = None
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        logger.info("captured %d CUDA graphs (batch %d..%d) in %.1f s", len(self.sizes), self.sizes[0],
+                    self.sizes[-1], elapsed)
+        return elapsed
+
+    def graph_size(self, batch: int) -> int | None:
+        for size in self.sizes:
+            if size >= batch:
+                return size
+        return None
+
+    def run(self, input_ids, positions, slots, seq_lens, block_tables) -> torch.Tensor:
+        """Host tensors (pinned) of a decode batch -> logits [batch, vocab]."""
+        batch = input_ids.shape[0]
+        size = self.graph_size(batch)
+        b = self.buffers
+        b.input_ids[:batch].copy_(input_ids, non_blocking=True)
+        b.positions[:batch].copy_(positions, non_blocking=True)
+        b.slot_mapping[:batch].copy_(slots, non_blocking=True)
+        b.seq_lens[:batch].copy_(seq_lens, non_blocking=True)
+        width = block_tables.shape[1]
+        b.block_tables[:batch, :width].copy_(block_tables, non_blocking=True)
+        if batch < size:  # padding rows: no K/V write, a 1-token context
+            b.slot_mapping[batch:size].fill_(-1)
+            b.seq_lens[batch:size].fill_(1)
+        self.graphs[size].replay()
+        return self.logits[size][:batch]
