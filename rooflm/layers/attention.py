@@ -76,24 +76,40 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty_like(q)
     starts = meta.query_start_loc_cpu
     for s, seq_len in enumerate(meta.seq_lens_cpu):
-        q_s = q[starts[s]:starts[s + 1]]
-        query_len = q_s.shape[0]
+        query_len = starts[s + 1] - starts[s]
         if query_len == 0:
             continue
-        k = gather_kv_ref(k_cache, meta.block_tables[s], seq_len).float()
-        v = gather_kv_ref(v_cache, meta.block_tables[s], seq_len).float()
-        # [H, q_len, D] x [H, D, seq_len]; K/V heads repeat for their query group (GQA).
-        k = k.repeat_interleave(group, dim=1).transpose(0, 1)
-        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-        qf = q_s.float().transpose(0, 1)
-        q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
-        k_pos = torch.arange(seq_len, device=q.device)[None, :]
-        allowed = k_pos <= q_pos
-        if sliding_window is not None:
-            allowed &= (q_pos - k_pos) < sliding_window
-        o = F.scaled_dot_product_attention(qf, k, v, attn_mask=allowed, scale=scale)
+        # [H, q_len, D] queries against [H_kv, seq_len, D] keys and values.
+        qf = q[starts[s]:starts[s + 1]].float().transpose(0, 1)
+        k = gather_kv_ref(k_cache, meta.block_tables[s], seq_len).float().transpose(0, 1)
+        v = gather_kv_ref(v_cache, meta.block_tables[s], seq_len).float().transpose(0, 1)
+        if group > 1:  # GQA: each K/V head serves `group` consecutive query heads
+            k = k.repeat_interleave(group, dim=0)
+            v = v.repeat_interleave(group, dim=0)
+        mask, causal = _causal_mask(query_len, seq_len, sliding_window, q.device)
+        o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, is_causal=causal, scale=scale)
         out[starts[s]:starts[s + 1]] = o.transpose(0, 1).to(q.dtype)
     return out
+
+
+def _causal_mask(query_len: int, seq_len: int, sliding_window: Optional[int], device):
+    """(mask, is_causal) for queries at the last query_len positions of seq_len keys.
+
+    The common cases need no mask tensor, which keeps the CPU path fast: a decode
+    sees every key, and a prefill from position 0 is plain causal attention.
+    """
+    window_matters = sliding_window is not None and seq_len > sliding_window
+    if not window_matters:
+        if query_len == 1:
+            return None, False
+        if query_len == seq_len:
+            return None, True
+    q_pos = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
+    k_pos = torch.arange(seq_len, device=device)[None, :]
+    allowed = k_pos <= q_pos
+    if sliding_window is not None:
+        allowed &= (q_pos - k_pos) < sliding_window
+    return allowed, False
 
 
 class Attention(torch.nn.Module):
