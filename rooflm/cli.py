@@ -30,7 +30,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for section, cls in cfg._SECTIONS.items():
         group = parser.add_argument_group(f"{section} options")
         for field in dataclasses.fields(cls):
-            flag = "--" + field.name.replace("_", "-")
+            # LoadConfig.seed (dummy weights) would clash with the sampling --seed.
+            flag = "--weights-seed" if field.name == "seed" else "--" + field.name.replace("_", "-")
             default = field.default
             if _flag_type(field) is None:
                 group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
@@ -55,7 +56,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--seed", dest="sampling_seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--n", type=int, default=1)
     g.add_argument("--ignore-eos", action="store_true")
@@ -67,7 +68,7 @@ def sampling_params(args: argparse.Namespace):
         n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+        seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -1,0 +1,148 @@
+"""`rooflm serve`: the OpenAI-compatible server, FastAPI on uvicorn.
+
+`rooflm serve` with no flags serves the default model (SmolLM2-135M-Instruct)
+on http://127.0.0.1:8000. Every engine flag of `rooflm generate` works here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+
+from rooflm.cli import add_engine_args, engine_kwargs
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "ROOFLM_API_KEY"
+
+# The limit on a request's head (request line + headers): the app answers 431
+# past it, and uvicorn's h11 drops a head still incomplete past it.
+DEFAULT_MAX_HEADER_BYTES = 16 * 1024
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="serve the OpenAI-compatible API (completions, chat, models, metrics)",
+        description=__doc__.splitlines()[0])
+    group = parser.add_argument_group("server options")
+    group.add_argument("--host", default="127.0.0.1")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--served-model-name", default=None,
+                       help="the model's name in the API (default: derived from the model path)")
+    group.add_argument("--api-key", default=None,
+                       help=f"require Authorization: Bearer <key> (default: ${API_KEY_ENV}; the "
+                            f"environment keeps the key out of the process list)")
+    group.add_argument("--allowed-origins", default=None,
+                       help="comma-separated origins allowed by CORS (default: CORS off)")
+    group.add_argument("--max-queued-requests", type=int, default=64,
+                       help="waiting requests past which new ones get 429 (default: 64)")
+    group.add_argument("--max-tokens-in-flight", type=int, default=None,
+                       help="cap on prompt + n * max_tokens summed over admitted requests; past it "
+                            "429 (default: 8 x the KV cache's tokens; 0: no cap)")
+    group.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
+    group.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                       help="larger request bodies get 413 (default: 1 MiB)")
+    group.add_argument("--max-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES,
+                       help="larger request heads (line + headers) get 431 (default: 16 KiB)")
+    group.add_argument("--request-timeout", type=float, default=600.0,
+                       help="seconds before a request is aborted (default: 600; 0: never)")
+    group.add_argument("--health-stall-seconds", type=float, default=30.0,
+                       help="/health fails when the engine loop makes no progress this long")
+    group.add_argument("--keep-running-on-error", action="store_true",
+                       help="after an engine failure stay up (unhealthy) instead of exiting with 1")
+    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="on SIGTERM, seconds in-flight requests get to finish (default: 30)")
+    group.add_argument("--log-interval", type=float, default=10.0,
+                       help="seconds between stats log lines (default: 10; 0: off)")
+    group.add_argument("--peak-bandwidth-gbs", type=float, default=0.0,
+                       help="device memory bandwidth in GB/s for the rooflm:mbu gauge (0: unknown)")
+    group.add_argument("--uvicorn-log-level", default="warning")
+    add_engine_args(parser)
+    parser.set_defaults(func=cmd_serve)
+
+
+def server_config(args: argparse.Namespace):
+    from rooflm.server.api import ServerConfig
+    origins = tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip())
+    return ServerConfig(
+        served_model_name=args.served_model_name,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        allowed_origins=origins,
+        max_queued_requests=args.max_queued_requests,
+        max_tokens_in_flight=args.max_tokens_in_flight,
+        max_n=args.max_n,
+        max_body_bytes=args.max_body_bytes,
+        max_header_bytes=args.max_header_bytes,
+        request_timeout=args.request_timeout,
+        health_stall_seconds=args.health_stall_seconds,
+        keep_running_on_error=args.keep_running_on_error,
+        shutdown_timeout=args.shutdown_timeout,
+        log_interval=args.log_interval,
+        peak_bandwidth_gbs=args.peak_bandwidth_gbs,
+    )
+
+
+def _make_server_class():
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn whose first SIGTERM/SIGINT drains instead of stopping at once.
+
+        The drain (ServerState.drain_and_exit) refuses new requests with 503,
+        gives in-flight ones shutdown_timeout seconds, aborts the rest, then
+        asks us to exit. A second signal stops now. The signal is not re-raised
+        after a drain, so a clean drain exits with status 0.
+        """
+
+        def __init__(self, config, state):
+            super().__init__(config)
+            self.state = state
+            self._drain_requested = False
+
+        def handle_exit(self, sig, frame) -> None:
+            loop = self.state.loop
+            if self._drain_requested or loop is None:
+                self.force_exit = self.should_exit and sig == signal.SIGINT
+                self.should_exit = True
+                return
+            self._drain_requested = True
+            loop.call_soon_threadsafe(self.state.begin_drain)
+
+        def request_exit(self) -> None:
+            self.should_exit = True
+
+    return GracefulServer
+
+
+def _show_server_logs() -> None:
+    """The ready line and the periodic stats line are INFO; show them by default."""
+    server_logger = logging.getLogger("rooflm.server")
+    if server_logger.getEffectiveLevel() > logging.INFO:
+        server_logger.setLevel(logging.INFO)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from rooflm.server.api import FLUSH_GRACE_S, create_app
+
+    config = server_config(args)
+    _show_server_logs()
+    app = create_app(engine_kwargs(args), config)
+    state = app.state.rooflm
+    uvicorn_config = uvicorn.Config(
+        app, host=args.host, port=args.port, http="h11", lifespan="on",
+        log_level=args.uvicorn_log_level, server_header=False,
+        # Twice our own limit: a head arriving in pieces is buffered long enough
+        # for the app to answer 431 in OpenAI's shape, and never without bound.
+        h11_max_incomplete_event_size=2 * args.max_header_bytes,
+        # After our own drain, only stragglers remain: do not wait long for them.
+        timeout_graceful_shutdown=int(FLUSH_GRACE_S + 4))
+    server = _make_server_class()(uvicorn_config, state)
+    state.request_exit = server.request_exit
+    logger.info("serving %s on http://%s:%d (API key %s)", state.model_name, args.host, args.port,
+                "required" if config.api_key else "off")
+    server.run()
+    return state.exit_code

@@ -1,0 +1,175 @@
+"""Prometheus metrics, under vLLM's names, so dashboards built for vLLM work unchanged.
+
+Names, types, label names (model_name, engine) and histogram buckets follow
+vLLM v1's PrometheusStatLogger. prometheus_client appends `_total` to counter
+names on exposition, so the counter "vllm:prompt_tokens" is scraped as
+vllm:prompt_tokens_total, exactly as from vLLM.
+
+rooflm adds its own under the `rooflm:` prefix: the step time, the achieved
+fraction of the memory-bandwidth roofline per step (MBU), and the KV pool's
+free and total block counts (a read-only way to see that no blocks leak).
+
+Each app gets its own CollectorRegistry, so several servers (or tests) can live
+in one process without colliding in the global registry.
+
+The engine thread writes these, the event loop reads them: prometheus_client's
+metrics take a lock per update, so that is safe.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# vLLM's buckets, copied so that histogram_quantile queries agree with vLLM's.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+INTER_TOKEN_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                       5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+# A decode step runs from well under a millisecond (small model, GPU) to seconds
+# (CPU, large batch): a 1-2-5 ladder covers both.
+STEP_TIME_BUCKETS = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
+                     5.0, 10.0]
+
+# vLLM's FinishReason values, plus "error" for requests the engine failed.
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+
+LABEL_NAMES = ["model_name", "engine"]
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, engine_index: str = "0"):
+        # vLLM disables the *_created series; dashboards never use them. This is
+        # a process-wide switch of prometheus_client.
+        prometheus_client.disable_created_metrics()
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = (model_name, engine_index)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, LABEL_NAMES, registry=self.registry).labels(*labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, LABEL_NAMES, registry=self.registry).labels(*labels)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(name, doc, LABEL_NAMES, buckets=buckets,
+                             registry=self.registry).labels(*labels)
+
+        # Scheduler state.
+        self.num_requests_running = gauge("vllm:num_requests_running",
+                                          "Number of requests in model execution batches.")
+        self.num_requests_waiting = gauge("vllm:num_requests_waiting",
+                                          "Number of requests waiting to be processed.")
+        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc",
+                                    "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.num_preemptions = counter("vllm:num_preemptions",
+                                       "Cumulative number of preemption from the engine.")
+
+        # Tokens and requests.
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens",
+                                         "Number of generation tokens processed.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          LABEL_NAMES + ["finished_reason"], registry=self.registry)
+        self.request_success = {reason: success.labels(*labels, reason)
+                                for reason in FINISHED_REASONS}
+
+        # Latencies.
+        self.time_to_first_token = histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            TTFT_BUCKETS)
+        self.inter_token_latency = histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            INTER_TOKEN_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS)
+        self.request_queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
+
+        # rooflm's own.
+        self.step_time = histogram("rooflm:step_time_seconds",
+                                   "Wall time of one engine step in seconds.", STEP_TIME_BUCKETS)
+        # Labelled only on first use: with an unknown peak bandwidth the series is absent,
+        # not a misleading 0.
+        self._mbu_family = Gauge("rooflm:mbu", "Achieved fraction of the memory-bandwidth "
+                                 "roofline in the last step (bytes moved / step time / peak "
+                                 "bandwidth).", LABEL_NAMES, registry=self.registry)
+        self._labels = labels
+        self.kv_free_blocks = gauge("rooflm:kv_free_blocks",
+                                    "KV-cache blocks free (cached prefixes count as free).")
+        self.kv_num_blocks = gauge("rooflm:kv_num_blocks", "KV-cache blocks in the pool.")
+        self.tokens_in_flight = gauge("rooflm:tokens_in_flight",
+                                      "Tokens reserved by admitted requests (prompt + n * "
+                                      "max_tokens), the quantity --max-tokens-in-flight caps.")
+
+    # ---- written by the engine thread -------------------------------------------------------------
+
+    def set_scheduler_state(self, running: int, waiting: int, kv_usage: float, free_blocks: int,
+                            num_blocks: int) -> None:
+        self.num_requests_running.set(running)
+        self.num_requests_waiting.set(waiting)
+        self.kv_cache_usage.set(kv_usage)
+        self.kv_free_blocks.set(free_blocks)
+        self.kv_num_blocks.set(num_blocks)
+
+    def set_tokens_in_flight(self, tokens: int) -> None:
+        self.tokens_in_flight.set(tokens)
+
+    def add_prefix_cache(self, queries: int, hits: int) -> None:
+        if queries > 0:
+            self.prefix_cache_queries.inc(queries)
+        if hits > 0:
+            self.prefix_cache_hits.inc(hits)
+
+    def add_preemptions(self, count: int) -> None:
+        if count > 0:
+            self.num_preemptions.inc(count)
+
+    def add_tokens(self, prompt_tokens: int, generation_tokens: int) -> None:
+        if prompt_tokens > 0:
+            self.prompt_tokens.inc(prompt_tokens)
+        if generation_tokens > 0:
+            self.generation_tokens.inc(generation_tokens)
+
+    def observe_first_token(self, ttft_seconds: float) -> None:
+        self.time_to_first_token.observe(ttft_seconds)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self.inter_token_latency.observe(seconds)
+
+    def observe_finished(self, reason: str, e2e_seconds: Optional[float],
+                         queue_seconds: Optional[float]) -> None:
+        counter = self.request_success.get(reason)
+        if counter is not None:
+            counter.inc()
+        if e2e_seconds is not None:
+            self.e2e_request_latency.observe(e2e_seconds)
+        if queue_seconds is not None:
+            self.request_queue_time.observe(queue_seconds)
+
+    def record_step(self, step_seconds: float, bytes_moved: int, peak_bandwidth: float) -> None:
+        """The roofline hook: one step's time and the bytes it had to move.
+
+        peak_bandwidth is in bytes/s; 0 means unknown, and the MBU gauge is left
+        unset rather than set to a made-up number.
+        """
+        self.step_time.observe(step_seconds)
+        if peak_bandwidth > 0 and step_seconds > 0:
+            self._mbu_family.labels(*self._labels).set(bytes_moved / step_seconds / peak_bandwidth)
+
+    # ---- read by the HTTP side ------------------------------------------------------------------
+
+    def render(self) -> bytes:
+        return prometheus_client.generate_latest(self.registry)
+
+    content_type = prometheus_client.CONTENT_TYPE_LATEST

@@ -1,0 +1,53 @@
+"""create_app() in-process, for embedding and quick checks (CI's server tests use real processes).
+
+Dummy weights of SmolLM2's shape with SmolLM2's tokenizer: the text is noise,
+but every path from HTTP to the engine and back is the real one.
+"""
+
+import pytest
+from fastapi.testclient import TestClient
+
+from rooflm.model.loader import resolve_model
+from rooflm.server.api import ServerConfig, create_app
+
+
+@pytest.fixture(scope="module")
+def app():
+    tokenizer_path, _ = resolve_model(None, "auto")
+    engine_kwargs = dict(model="smollm2-135m", load_format="dummy", tokenizer=tokenizer_path,
+                         max_model_len=128, num_blocks=16)
+    config = ServerConfig(served_model_name="tiny", log_interval=0, max_n=2, api_key="k",
+                          allowed_origins=("http://ui.example",))
+    return create_app(engine_kwargs, config)
+
+
+AUTH = {"Authorization": "Bearer k"}
+
+
+def test_in_process_app(app):
+    with TestClient(app, headers=AUTH) as client:
+        assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+        response = client.post("/v1/completions", json={"model": "tiny", "prompt": "Hi",
+                                                         "max_tokens": 2, "ignore_eos": True})
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 2
+        response = client.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "n": 3})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "n"
+        assert client.get("/health").status_code == 200
+        metrics = client.get("/metrics").text
+        assert 'vllm:generation_tokens_total{engine="0",model_name="tiny"} 2.0' in metrics
+
+
+def test_cors_only_for_allowed_origins(app):
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    with TestClient(app) as client:
+        allowed = client.options("/v1/completions", headers={"Origin": "http://ui.example", **preflight})
+        assert allowed.status_code == 200
+        assert allowed.headers["access-control-allow-origin"] == "http://ui.example"
+        other = client.options("/v1/completions", headers={"Origin": "http://evil.example", **preflight})
+        assert "access-control-allow-origin" not in other.headers
+        # The API key is still required; the 401 carries CORS headers so the page can read it.
+        denied = client.get("/v1/models", headers={"Origin": "http://ui.example"})
+        assert denied.status_code == 401
+        assert denied.headers["access-control-allow-origin"] == "http://ui.example"

@@ -1,0 +1,169 @@
+"""Engine failure (fault injection), graceful shutdown and request timeouts, each on its own server.
+
+ROOFLM_FAULT_INJECT_STEP=N makes the N-th engine step raise (a test hook of
+rooflm.engine.async_engine); step 1 is the server's warm-up generation.
+The servers start together, to share the model-loading time.
+"""
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.server.server_utils import (MODEL, SMALL_ENGINE_ARGS, assert_idle, assert_openai_error,
+                                       metric, scrape, start_server, wait_until_idle)
+
+# A real server process: the real model, bounded in time even without --timeout.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+FAULT_STEP = 10  # the warm-up, then several steps of the test's own requests
+LONG = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 60, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lifecycle")
+    fault = {"ROOFLM_FAULT_INJECT_STEP": str(FAULT_STEP)}
+    started = {
+        "keep": start_server(tmp, "fault-keep", SMALL_ENGINE_ARGS + ["--keep-running-on-error"],
+                             env=fault),
+        "exit": start_server(tmp, "fault-exit", SMALL_ENGINE_ARGS, env=fault),
+        "drain": start_server(tmp, "drain", SMALL_ENGINE_ARGS + [
+            "--shutdown-timeout", "8", "--peak-bandwidth-gbs", "50"]),
+        "timeout": start_server(tmp, "timeout", SMALL_ENGINE_ARGS + ["--request-timeout", "2"]),
+    }
+    try:
+        for process in started.values():
+            process.wait_ready()
+        yield started
+    finally:
+        for process in started.values():
+            process.stop()
+
+
+def _sse_events(text: str) -> list:
+    events = []
+    for line in text.splitlines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+async def _stream(client: httpx.AsyncClient, path: str, body: dict) -> tuple[int, list]:
+    async with client.stream("POST", path, json={**body, "stream": True}) as response:
+        await response.aread()
+        return response.status_code, _sse_events(response.text)
+
+
+async def _in_flight_when_the_engine_fails(url: str):
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 60,
+                "ignore_eos": True}
+        jobs = [_stream(client, "/v1/completions", LONG), _stream(client, "/v1/chat/completions", chat),
+                client.post("/v1/completions", json=LONG)]
+        return await asyncio.wait_for(asyncio.gather(*jobs), timeout=90)
+
+
+def _assert_stream_failed(status: int, events: list) -> None:
+    assert status == 200
+    errors = [e for e in events if isinstance(e, dict) and "error" in e]
+    assert len(errors) == 1, events[-3:]
+    assert errors[0]["error"]["code"] == "engine_error"
+    assert "fault injected" in errors[0]["error"]["message"]
+    assert events[-1] == "[DONE]" and events[-2] is errors[0]
+
+
+def test_engine_failure_fails_in_flight_and_keeps_running_when_asked(servers):
+    server = servers["keep"]
+    first, second, plain = asyncio.run(_in_flight_when_the_engine_fails(server.url))
+    _assert_stream_failed(*first)
+    _assert_stream_failed(*second)
+    error = assert_openai_error(plain, 500)
+    assert error["code"] == "engine_error"
+
+    health = httpx.get(server.url + "/health")
+    assert_openai_error(health, 503)
+    assert "fault injected" in health.json()["error"]["message"]
+    assert httpx.get(server.url + "/ready").status_code == 503
+    refused = httpx.post(server.url + "/v1/completions", json=LONG, timeout=10)
+    assert_openai_error(refused, 503)
+    samples = scrape(server.url)
+    assert metric(samples, "vllm:request_success_total", finished_reason="error") == 3
+    assert metric(samples, "rooflm:kv_free_blocks") == metric(samples, "rooflm:kv_num_blocks")
+    time.sleep(2)
+    assert server.proc.poll() is None  # --keep-running-on-error
+
+
+def test_engine_failure_exits_nonzero_by_default(servers):
+    server = servers["exit"]
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as response:
+            response.read()
+            status, events = response.status_code, _sse_events(response.text)
+    _assert_stream_failed(status, events)
+    assert server.wait_exit(timeout=30) == 1
+
+
+async def _drain(server) -> dict:
+    """Two streams in flight, then SIGTERM: new work is refused, the short stream
+    finishes, the long one is aborted at --shutdown-timeout."""
+    short = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": True}
+    long = {**short, "max_tokens": 450}
+    seen = {}
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        short_task = asyncio.ensure_future(_stream(client, "/v1/completions", short))
+        long_task = asyncio.ensure_future(_stream(client, "/v1/completions", long))
+        deadline = time.monotonic() + 30
+        while metric(scrape(server.url), "vllm:num_requests_running") < 2:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        seen["mbu"] = metric(scrape(server.url), "rooflm:mbu")
+        server.proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.5)
+        seen["refused"] = await client.post("/v1/completions", json=short)
+        seen["ready"] = (await client.get("/ready")).status_code
+        seen["short"], seen["long"] = await asyncio.wait_for(
+            asyncio.gather(short_task, long_task), timeout=60)
+    return seen
+
+
+def test_sigterm_drains_then_exits_zero(servers):
+    server = servers["drain"]
+    seen = asyncio.run(_drain(server))
+    assert seen["mbu"] > 0  # --peak-bandwidth-gbs given: the roofline gauge is set
+    error = assert_openai_error(seen["refused"], 503)
+    assert error["code"] == "shutting_down"
+    assert seen["ready"] == 503
+    status, events = seen["short"]
+    assert status == 200 and events[-1] == "[DONE]"
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert not any(isinstance(e, dict) and "error" in e for e in events)
+    status, events = seen["long"]
+    assert status == 200 and events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == "aborted"
+    assert server.wait_exit(timeout=30) == 0
+
+
+async def _past_the_timeout(url: str):
+    too_long = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 450, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        jobs = [_stream(client, "/v1/completions", too_long),
+                client.post("/v1/completions", json=too_long)]
+        return await asyncio.wait_for(asyncio.gather(*jobs), timeout=60)
+
+
+def test_request_timeout_aborts_and_frees(servers):
+    server = servers["timeout"]
+    (status, events), plain = asyncio.run(_past_the_timeout(server.url))
+    assert status == 200 and events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == "timeout"
+    assert len(events) > 3  # it streamed for a while first
+    assert assert_openai_error(plain, 504)["code"] == "timeout"
+    assert_idle(wait_until_idle(server.url))
+    quick = httpx.post(server.url + "/v1/completions", timeout=30,
+                       json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    assert quick.status_code == 200
