@@ -47,6 +47,9 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching, num_host)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        from rooflm.perf.live import StepMeter
+        self.meter = StepMeter.for_engine(self)  # achieved bandwidth/FLOP rate per step (MBU, MFU)
+        self.last_step_stats = None
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -186,7 +189,11 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        result = self.runner.execute(out, self._suppressed_tokens(out))
+        suppress = self._suppressed_tokens(out)
+        t0 = time.perf_counter()
+        result = self.runner.execute(out, suppress)
+        # Before _process advances the counters: the meter reads this step's batch from them.
+        self.last_step_stats = self.meter.record(out, time.perf_counter() - t0)
         self.stats["steps"] += 1
         return self._process(out, result)
 
@@ -240,6 +247,7 @@ class LLMEngine:
         seqs = [parent]
         for i in range(1, req.params.n):
             child = self._new_seq(req, i, list(parent.token_ids))
+            child.output_token_ids = list(parent.output_token_ids)
             child.num_computed_tokens = parent.num_computed_tokens
             child.block_table = self.block_manager.fork(parent.block_table)
             child.num_cached_blocks = parent.num_cached_blocks
@@ -260,7 +268,7 @@ class LLMEngine:
 
     def _append_token(self, req: Request, seq: Sequence, token: int, lp: Optional[dict]):
         params = req.params
-        seq.token_ids.append(token)
+        seq.append_token(token)
         self.stats["generation_tokens"] += 1
         if lp is not None:
             seq.output_logprobs.append(self._decode_logprobs(lp))
@@ -299,7 +307,8 @@ class LLMEngine:
         delta_text, delta_ids = [], []
         for seq in sorted(req.seqs, key=lambda s: s.index):
             completions.append(CompletionOutput(
-                index=seq.index, text=seq.output_text, token_ids=list(seq.output_token_ids),
+                # The live list, not a copy: copying every step would cost O(length^2).
+                index=seq.index, text=seq.output_text, token_ids=seq.output_token_ids,
                 logprobs=seq.output_logprobs if req.params.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
             ids, text = deltas.get(seq.index, ([], ""))

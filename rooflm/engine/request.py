@@ -49,13 +49,17 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+    # Generated tokens, also appended to token_ids; kept apart so that readers (the sampler's
+    # penalties, outputs) need no per-step slice of a long list.
+    output_token_ids: list[int] = field(default_factory=list)
+
+    def append_token(self, token: int) -> None:
+        self.token_ids.append(token)
+        self.output_token_ids.append(token)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return len(self.output_token_ids)
 
     @property
     def finished(self) -> bool:

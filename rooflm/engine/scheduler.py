@@ -15,6 +15,7 @@ The output is a plain description of the batch; the model runner makes tensors.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -217,6 +218,7 @@ class Scheduler:
                     seq.num_computed_tokens = len(hits[id(seq)]) * self.bm.block_size
             if req.num_preemptions == 0:
                 req.num_cached_tokens = max(len(h) for h in hits.values()) * self.bm.block_size
+                req.scheduled_time = time.monotonic()  # end of its queue time
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             budget -= self._commit(req, plan, out)

@@ -75,7 +75,12 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     starts = meta.query_start_loc_cpu
-    for s, seq_len in enumerate(meta.seq_lens_cpu):
+    first = 0
+    if meta.num_decodes > 1 and (sliding_window is None or meta.max_seq_len <= sliding_window):
+        first = meta.num_decodes
+        out[:first] = _batched_decode_ref(q[:first], k_cache, v_cache, meta, scale, group)
+    for s in range(first, meta.num_seqs):
+        seq_len = meta.seq_lens_cpu[s]
         query_len = starts[s + 1] - starts[s]
         if query_len == 0:
             continue
@@ -90,6 +95,26 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, is_causal=causal, scale=scale)
         out[starts[s]:starts[s + 1]] = o.transpose(0, 1).to(q.dtype)
     return out
+
+
+def _batched_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float, group: int) -> torch.Tensor:
+    """All decodes in one SDPA call: K/V gathered to the longest context, shorter ones masked."""
+    n = q.shape[0]
+    block_size = k_cache.shape[1]
+    max_len = max(meta.seq_lens_cpu[:n])
+    num_blocks = (max_len + block_size - 1) // block_size
+    tables = meta.block_tables[:n, :num_blocks].long()
+    # [n, num_blocks, block_size, H_kv, D] -> [n, H_kv, L, D]
+    k = k_cache[tables].flatten(1, 2)[:, :max_len].float().transpose(1, 2)
+    v = v_cache[tables].flatten(1, 2)[:, :max_len].float().transpose(1, 2)
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    visible = torch.arange(max_len, device=q.device)[None, :] < meta.seq_lens[:n, None]
+    o = F.scaled_dot_product_attention(q.float()[:, :, None, :], k, v, attn_mask=visible[:, None, None, :],
+                                       scale=scale)
+    return o[:, :, 0, :].to(q.dtype)
 
 
 def _causal_mask(query_len: int, seq_len: int, sliding_window: Optional[int], device):
