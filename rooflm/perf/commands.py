@@ -1,4 +1,4 @@
-"""The `rooflm roofline` and `rooflm memory` subcommands: argument parsing and the printed tables."""
+"""The `rooflm roofline`, `memory` and `profile` subcommands: argument parsing and output."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ MB = 1e6
 
 
 def register(subparsers) -> None:
-    """Add the `roofline` and `memory` subcommands to an argparse subparsers object."""
+    """Add the `roofline`, `memory` and `profile` subcommands to an argparse subparsers object."""
     gpu_choices = sorted(GPUS) + ["measure"]
 
     p = subparsers.add_parser(
@@ -76,6 +76,46 @@ def register(subparsers) -> None:
     p.add_argument("--no-flash-attention", action="store_true",
                    help="eager attention: activations keep the softmax matrix (with --train)")
     p.set_defaults(func=run_memory)
+
+    _register_profile(subparsers, gpu_choices)
+
+
+def _register_profile(subparsers, gpu_choices: list[str]) -> None:
+    """`rooflm profile`: torch.profiler trace of real engine steps, and what limits them."""
+    # Imported here: rooflm.cli imports this module's register() while it builds its parser.
+    from rooflm.cli import add_engine_args
+
+    p = subparsers.add_parser(
+        "profile", help="profile engine steps: Chrome trace, time by phase and kernel, verdict",
+        description="Runs B requests of P random token ids through the engine, times S steps, "
+                    "profiles S more with torch.profiler (Chrome trace in --output), and says "
+                    "whether the steps are CPU/launch-, memory-, compute- or KV-capacity-bound.")
+    p.add_argument("--batch-size", type=int, default=1, help="concurrent requests (default 1)")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=None,
+                   help="max output tokens per request (default: enough for every step)")
+    p.add_argument("--steps", type=int, default=20,
+                   help="steps timed, then as many profiled (default 20)")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="steps before timing (default: until every prompt is in and 3 decode "
+                        "steps ran, so the profile is of steady decoding; give a number to "
+                        "profile prefill steps)")
+    p.add_argument("--output", default="rooflm-profile", metavar="DIR",
+                   help="directory for trace.json and summary.json (default ./rooflm-profile)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature of the requests (0: greedy)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads for the run (default: torch's own choice)")
+    p.add_argument("--gpu", default="auto", choices=["auto"] + gpu_choices,
+                   help="peaks for MBU/MFU on CUDA: auto matches the device name to the table")
+    add_engine_args(p)
+    p.set_defaults(func=_run_profile)
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+    from rooflm.perf.profile import run_profile
+
+    return run_profile(args)
 
 
 def resolve_model_config(model: str) -> ModelConfig:

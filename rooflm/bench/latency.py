@@ -1,0 +1,340 @@
+"""`rooflm bench latency`: how long one batch of requests takes, prefill and decode apart.
+
+Each iteration submits --batch-size B requests of --input-len P random token
+ids (fresh ids every iteration, so the prefix cache cannot serve a prompt seen
+before) with ignore_eos and max_tokens --output-len N, and steps the engine
+until all are done. Per iteration it measures:
+
+  TTFT   time to first token: submit -> every request of the batch has its
+         first token, i.e. the batch's prefill is done (it may span several
+         steps when B*P exceeds the scheduler's token budget)
+  TPOT   time per output token after the first: (E2E - TTFT) / (N - 1); each
+         decode step gives every sequence one token, so this is the decode
+         step time
+  E2E    end-to-end latency: submit -> the last token of the batch
+  output tokens/s   B * N / E2E
+
+and reports the medians over --num-iters iterations after --num-iters-warmup
+warm-up ones (which absorb one-time costs: kernel compilation, allocator
+growth, caches).
+
+MBU, the model bandwidth utilization of decode: a decode step must read every
+weight and the K/V of every sequence's context at least once. Those bytes come
+from the roofline model (`rooflm.perf.roofline.step_cost`) for a decode batch
+of B sequences at the mean context of the decode steps: step k (k = 1..N-1)
+attends P + k positions, on average P + N/2. Then
+
+  MBU = bytes per decode step / TPOT / peak memory bandwidth
+
+An MBU of 1 would be a decode step at the bandwidth floor. On CUDA the peak
+comes from --gpu (a table entry, or "measure"); by default the H100 datasheet
+on an H100 and a measurement elsewhere. On the CPU MBU is n/a unless
+--cpu-bandwidth-gbs says what the memory system delivers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional, TextIO
+
+
+@dataclass
+class IterationResult:
+    """What one iteration measured; times in seconds."""
+
+    ttft_s: float
+    tpot_s: Optional[float]  # None when there is no token after the first (N = 1)
+    e2e_s: float
+    output_tokens: int
+    steps: int
+    cached_prompt_tokens: int  # prompt tokens the prefix cache served: should be 0
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.e2e_s
+
+
+def register(subparsers) -> None:
+    """Add the `latency` subcommand to the subparsers of `rooflm bench`."""
+    from rooflm.cli import add_engine_args
+
+    p = subparsers.add_parser(
+        "latency", help="TTFT, TPOT, end-to-end latency and MBU of one batch of requests",
+        description="Submit one batch of random-token requests to the offline engine, repeatedly, "
+                    "and report median TTFT, TPOT, end-to-end latency, output tokens/s and the "
+                    "model bandwidth utilization (MBU) of the decode steps.")
+    g = p.add_argument_group("benchmark options")
+    g.add_argument("--batch-size", type=int, default=8, help="requests per batch (default 8)")
+    g.add_argument("--input-len", type=int, default=32, help="prompt tokens per request (default 32)")
+    g.add_argument("--output-len", type=int, default=128,
+                   help="output tokens per request, EOS ignored (default 128)")
+    g.add_argument("--num-iters", type=int, default=10, help="measured iterations (default 10)")
+    g.add_argument("--num-iters-warmup", type=int, default=2,
+                   help="iterations run first and not measured (default 2)")
+    g.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompt token ids")
+    g.add_argument("--gpu", default=None,
+                   help="peak bandwidth for MBU on CUDA: a GPU table key (h100, a100, ...) or "
+                        "'measure' (default: h100 datasheet on an H100 SXM, else measure)")
+    g.add_argument("--cpu-bandwidth-gbs", type=float, default=None,
+                   help="memory bandwidth of the CPU in GB/s, for MBU of a CPU run (default: n/a)")
+    g.add_argument("--output-json", default=None, help="write the result to this JSON file")
+    g.add_argument("--output-md", default=None, help="write a markdown summary to this file")
+    g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    add_engine_args(p)
+    p.set_defaults(func=run_latency)
+
+
+# ---------------------------------------------------------------- one iteration
+
+
+def random_prompts(rng: random.Random, batch_size: int, input_len: int,
+                   vocab_size: int) -> list[list[int]]:
+    # Ids from 100 up skip the special and byte tokens at the start of most vocabularies
+    # (a tiny test vocabulary may have fewer than 200 ids: then start at half of it).
+    low = min(100, vocab_size // 2)
+    return [[rng.randrange(low, vocab_size) for _ in range(input_len)] for _ in range(batch_size)]
+
+
+def run_iteration(engine, prompts: list[list[int]], params, tag: str) -> IterationResult:
+    """Submit the batch at once, step until every request is done, and time it."""
+    from rooflm.bench.results import synchronize
+
+    device = engine.runner.device
+    synchronize(device)
+    start = time.perf_counter()
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
+    first_token_at: dict[str, float] = {}
+    final = {}
+    steps = 0
+    now = start
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        synchronize(device)
+        now = time.perf_counter()
+        steps += 1
+        for out in outputs:
+            if out.request_id not in first_token_at and out.outputs and out.outputs[0].token_ids:
+                first_token_at[out.request_id] = now
+            if out.finished:
+                final[out.request_id] = out
+    missing = [i for i in ids if i not in final]
+    if missing:
+        raise RuntimeError(f"the engine stopped with {len(missing)} requests unfinished: {missing[:3]}")
+    ttft = max(first_token_at[i] for i in ids) - start
+    e2e = now - start
+    num_output = sum(len(final[i].outputs[0].token_ids) for i in ids)
+    tokens_per_request = num_output // len(ids)
+    tpot = (e2e - ttft) / (tokens_per_request - 1) if tokens_per_request > 1 else None
+    cached = sum(final[i].num_cached_tokens for i in ids)
+    return IterationResult(ttft, tpot, e2e, num_output, steps, cached)
+
+
+# ---------------------------------------------------------------- MBU
+
+
+def decode_step_cost(engine, batch_size: int, input_len: int, output_len: int):
+    """FLOPs and bytes of the mean decode step: B sequences at context P + N/2."""
+    from rooflm.bench.results import compute_dtype_name, dtype_bytes
+    from rooflm.perf.roofline import step_cost
+
+    config = engine.model_config
+    mean_context = input_len + output_len / 2
+    if config.sliding_window:
+        mean_context = min(mean_context, config.sliding_window)
+    # The engine keeps weights, activations and the KV cache in one dtype.
+    elem = dtype_bytes(engine.runner.dtype)
+    return step_cost(config, num_decode_seqs=batch_size,
+                     decode_context_tokens=round(batch_size * mean_context),
+                     weight_bytes=elem, kv_bytes=elem, act_bytes=elem,
+                     compute_dtype=compute_dtype_name(engine.runner.dtype))
+
+
+def mbu_fields(step, tpot_s: Optional[float], gpu) -> dict:
+    """Bytes per decode step, its bandwidth floor and the MBU, or n/a (None) where unknown."""
+    fields = {
+        "decode_bytes_per_step": step.bytes,
+        "decode_weight_bytes": sum(op.weight_bytes for op in step.ops),
+        "decode_kv_bytes": sum(op.kv_bytes for op in step.ops),
+        "bandwidth_gbs": None, "bandwidth_source": None, "bandwidth_device": None,
+        "decode_floor_ms": None, "mbu": None,
+    }
+    if gpu is None:
+        return fields
+    fields["bandwidth_gbs"] = gpu.mem_bw_gbs
+    fields["bandwidth_source"] = gpu.source
+    fields["bandwidth_device"] = gpu.name
+    fields["decode_floor_ms"] = step.bytes / gpu.mem_bw * 1e3
+    if tpot_s:
+        fields["mbu"] = step.mbu(tpot_s, gpu)
+    return fields
+
+
+# ---------------------------------------------------------------- the command
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for name in ("batch_size", "input_len", "output_len", "num_iters"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.num_iters_warmup < 0:
+        raise ValueError(f"--num-iters-warmup must be >= 0, got {args.num_iters_warmup}")
+
+
+def _stats_ms(values_s: list[float]) -> Optional[dict]:
+    if not values_s:
+        return None
+    ms = [v * 1e3 for v in values_s]
+    return {"median": statistics.median(ms), "mean": statistics.fmean(ms), "min": min(ms), "max": max(ms)}
+
+
+def _stats(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "mean": statistics.fmean(values),
+            "min": min(values), "max": max(values)}
+
+
+def summarize(iterations: list[IterationResult]) -> dict:
+    tpots = [it.tpot_s for it in iterations if it.tpot_s is not None]
+    return {
+        "ttft_ms": _stats_ms([it.ttft_s for it in iterations]),
+        "tpot_ms": _stats_ms(tpots),
+        "e2e_latency_ms": _stats_ms([it.e2e_s for it in iterations]),
+        "output_tokens_per_s": _stats([it.output_tokens_per_s for it in iterations]),
+    }
+
+
+def run_latency(args: argparse.Namespace, out: TextIO = None) -> int:
+    from rooflm.bench.results import resolve_gpu, stamp, write_json, write_markdown
+    from rooflm.cli import engine_kwargs
+    from rooflm.engine.llm_engine import LLMEngine
+    from rooflm.sampling_params import SamplingParams
+
+    out = out or sys.stdout
+    _check_args(args)
+    engine_options = engine_kwargs(args)
+    engine = LLMEngine.from_kwargs(**engine_options)
+    device = engine.runner.device
+    # Resolved before the run: measuring the GPU would disturb the timed iterations.
+    gpu = resolve_gpu(device, args.gpu, args.cpu_bandwidth_gbs)
+    # Stamped before the run: the commit is the code that was loaded, even if it moves meanwhile.
+    stamp_fields = stamp(device)
+    if args.batch_size > engine.config.scheduler.max_num_seqs:
+        print(f"warning: --batch-size {args.batch_size} is over --max-num-seqs "
+              f"{engine.config.scheduler.max_num_seqs}: the batch runs in waves", file=sys.stderr)
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    rng = random.Random(args.prompt_seed)
+    vocab = engine.model_config.vocab_size
+    preemptions_before = engine.scheduler.num_preemptions
+    iterations = _run_iterations(engine, rng, params, args, vocab)
+    preemptions = engine.scheduler.num_preemptions - preemptions_before
+
+    summary = summarize(iterations)
+    step = decode_step_cost(engine, args.batch_size, args.input_len, args.output_len)
+    tpot_ms = summary["tpot_ms"]["median"] if summary["tpot_ms"] else None
+    mbu = mbu_fields(step, tpot_ms / 1e3 if tpot_ms else None, gpu)
+
+    result = {
+        "benchmark": "latency",
+        **stamp_fields,
+        "model": args.model or "default (SmolLM2-135M-Instruct)",
+        "dtype": str(engine.runner.dtype).replace("torch.", ""),
+        "batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
+        "num_iters": args.num_iters, "num_iters_warmup": args.num_iters_warmup,
+        "engine_options": engine_options,
+        "startup_s": engine.startup_s,
+        **summary,
+        "output_tokens_per_iter": iterations[0].output_tokens,
+        "expected_output_tokens_per_iter": args.batch_size * args.output_len,
+        "num_preemptions": preemptions,
+        **mbu,
+        "iterations": [_iteration_json(it) for it in iterations],
+    }
+    out.write(format_summary(result))
+    if args.output_json:
+        write_json(args.output_json, result)
+        out.write(f"result written to {args.output_json}\n")
+    if args.output_md:
+        write_markdown(args.output_md, "rooflm bench latency", result, *_markdown_rows(result))
+        out.write(f"markdown written to {args.output_md}\n")
+    return 0
+
+
+def _run_iterations(engine, rng: random.Random, params, args: argparse.Namespace,
+                    vocab: int) -> list[IterationResult]:
+    from tqdm import tqdm
+
+    total = args.num_iters_warmup + args.num_iters
+    bar = tqdm(total=total, desc="warm-up" if args.num_iters_warmup else "measure",
+               unit="iter", disable=args.disable_tqdm, file=sys.stderr)
+    iterations = []
+    for i in range(total):
+        warmup = i < args.num_iters_warmup
+        if i == args.num_iters_warmup:
+            bar.set_description("measure")
+        # Fresh prompts every iteration: a repeated prompt would be served by the prefix cache.
+        prompts = random_prompts(rng, args.batch_size, args.input_len, vocab)
+        result = run_iteration(engine, prompts, params, tag=f"latency-{i}")
+        if not warmup:
+            iterations.append(result)
+        bar.update(1)
+    bar.close()
+    expected = args.batch_size * args.output_len
+    short = [it.output_tokens for it in iterations if it.output_tokens != expected]
+    if short:
+        print(f"warning: iterations generated {short} tokens, not {expected}", file=sys.stderr)
+    return iterations
+
+
+def _iteration_json(it: IterationResult) -> dict:
+    fields = asdict(it)
+    fields["output_tokens_per_s"] = it.output_tokens_per_s
+    return fields
+
+
+def _fmt_ms(stats: Optional[dict]) -> str:
+    return "n/a" if stats is None else f"{stats['median']:.2f}"
+
+
+def format_summary(result: dict) -> str:
+    width = 50
+    lines = [" Latency Benchmark Result ".center(width, "="),
+             f"{'Model:':<36} {result['model']}",
+             f"{'Device:':<36} {result['device_name']} ({result['dtype']})",
+             f"{'Batch x input x output:':<36} {result['batch_size']} x {result['input_len']} x "
+             f"{result['output_len']}",
+             f"{'Iterations (warm-up):':<36} {result['num_iters']} ({result['num_iters_warmup']})",
+             f"{'Median TTFT (ms):':<36} {_fmt_ms(result['ttft_ms'])}",
+             f"{'Median TPOT (ms):':<36} {_fmt_ms(result['tpot_ms'])}",
+             f"{'Median end-to-end latency (ms):':<36} {_fmt_ms(result['e2e_latency_ms'])}",
+             f"{'Median output tokens/s:':<36} {result['output_tokens_per_s']['median']:.1f}",
+             f"{'Preemptions:':<36} {result['num_preemptions']}",
+             " Decode roofline ".center(width, "-"),
+             f"{'Bytes per decode step (MB):':<36} {result['decode_bytes_per_step'] / 1e6:.2f}"]
+    if result["mbu"] is None:
+        reason = "no bandwidth known: give --cpu-bandwidth-gbs" if result["bandwidth_gbs"] is None \
+            else "no decode step (output-len 1)"
+        lines.append(f"{'MBU:':<36} n/a ({reason})")
+    else:
+        lines.append(f"{'Peak bandwidth (GB/s):':<36} {result['bandwidth_gbs']:,.0f} "
+                     f"[{result['bandwidth_source']}]")
+        lines.append(f"{'Decode step floor (ms):':<36} {result['decode_floor_ms']:.3f}")
+        lines.append(f"{'MBU:':<36} {100 * result['mbu']:.1f}%")
+    lines.append("=" * width)
+    return "\n".join(lines) + "\n"
+
+
+def _markdown_rows(result: dict) -> tuple[list[str], list[list]]:
+    headers = ["batch", "input", "output", "TTFT ms", "TPOT ms", "E2E ms", "output tok/s", "MBU"]
+    tpot = result["tpot_ms"]["median"] if result["tpot_ms"] else None
+    mbu = f"{100 * result['mbu']:.1f}%" if result["mbu"] is not None else None
+    row = [result["batch_size"], result["input_len"], result["output_len"],
+           result["ttft_ms"]["median"], tpot, result["e2e_latency_ms"]["median"],
+           result["output_tokens_per_s"]["median"], mbu]
+    return headers, [row]

@@ -1,0 +1,737 @@
+"""`rooflm profile`: run a real engine on a synthetic batch and say what limits its steps.
+
+The run:
+  1. build an LLMEngine from the engine flags; submit B requests of P random
+     token ids each (ignore_eos, max_tokens N);
+  2. warm-up steps (the prefill, Triton compilation, allocator growth): by default
+     until every prompt is in and 3 decode-only steps ran, or --warmup-steps;
+  3. S timed steps without the profiler: wall time per step, CPU time per phase,
+     and each step's bytes and FLOPs from the roofline model (perf/live.py);
+  4. S more steps under torch.profiler (CPU activity, and CUDA activity on a
+     GPU), exported as a Chrome trace that chrome://tracing and Perfetto open.
+
+Each step is the engine's own `engine.step()`. The phases inside it get
+profiler ranges (record_function, and NVTX on CUDA) by wrapping, on this one
+engine instance only, the methods step() calls: scheduler.schedule,
+runner.execute (and inside it apply_block_ops, prepare, to_device, the CUDA
+graph replay, model.forward, model.compute_logits, the sampler), and
+engine._process. Nothing of the
+engine's code is duplicated, so the profiled step is the real one; a method
+that is missing (the engine changed) just loses its range, and if none can be
+wrapped the trace has the outer "rooflm.step" ranges only (the summary says so).
+
+The verdict, first match wins:
+  * KV-capacity-bound: preemptions during the run, or steps where requests
+    waited while the KV pool was over 95% used;
+  * CPU/launch-bound: on a GPU, the device is idle between kernels (the union
+    of kernel intervals covers under 80% of the profiled wall time); on a CPU,
+    the heavy compute ops (matmuls and attention, by their self CPU time) take
+    under half of the profiled step's wall time, the rest being Python,
+    dispatch and small ops (the evidence says which);
+  * memory-bound or compute-bound: the step's bytes and FLOPs (step_cost) over
+    its time, as fractions of the device's peak bandwidth and FLOP rate; the
+    larger fraction names the bound. On a CPU the peaks are measured on the
+    spot (a large copy and an fp32 matmul), as no table lists CPUs.
+Notes flag a measurement to distrust: timed and profiled steps far apart, or a
+CPU shared with other processes (load average above the core count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Optional, TextIO
+
+import torch
+
+from rooflm.perf.gpus import GpuSpec, get_gpu, measure_gpu
+from rooflm.perf.live import StepMeter, default_gpu_for
+
+RANGE_PREFIX = "rooflm."
+
+# Phases in the order a step runs them; the label is what the summary prints.
+PHASES = (
+    ("schedule", "schedule"),
+    ("block_ops", "block ops (swap / copy-on-write)"),
+    ("prepare", "prepare inputs"),
+    ("to_device", "copy inputs to device"),
+    ("graph", "forward (CUDA graph replay)"),
+    ("forward", "forward"),
+    ("lm_head", "lm head (logits)"),
+    ("sample", "sample"),
+    ("execute", "execute, rest (sync, sampling metadata, results)"),
+    ("process", "detokenize + output"),
+    ("step", "engine.step, rest"),
+)
+
+AUTO_WARMUP_DECODE_STEPS = 3  # decode-only steps that end an automatic warm-up
+KV_FULL_USAGE = 0.95
+GPU_BUSY_THRESHOLD = 0.80
+CPU_COMPUTE_THRESHOLD = 0.50
+
+# Kernel classes by name pattern (lower case), first match wins: sampling goes
+# before the broad element-wise patterns so that exponential_ / argmax kernels,
+# which are also "elementwise" or "reduce" kernels, land in sampling.
+KERNEL_CLASSES = (
+    ("memcpy", ("memcpy", "memset")),
+    ("GEMM", ("gemm", "matmul", "cutlass", "sm90_xmma", "nvjet", "splitkreduce")),
+    ("attention", ("attention", "_decode_attention", "_prefill", "flash", "fmha")),
+    ("sampling", ("sample", "sort", "topk", "exponential", "argmax", "softmax")),
+    ("norm/elementwise", ("rms", "norm", "silu", "elementwise", "vectorized", "add", "mul",
+                          "rope", "kv_write", "reduce")),
+)
+
+# The same classes for CPU ops (aten names without the "aten::" prefix).
+CPU_OP_CLASSES = (
+    ("memcpy", {"copy_", "_to_copy", "to", "contiguous", "clone", "fill_", "zero_", "zeros",
+                "empty", "empty_like", "index_put_", "_index_put_impl_", "index_copy_"}),
+    ("GEMM", {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "mv", "dot"}),
+    ("attention", {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                   "_scaled_dot_product_attention_math", "_scaled_dot_product_efficient_attention",
+                   "_scaled_dot_product_flash_attention"}),
+    ("sampling", {"sort", "topk", "exponential_", "argmax", "softmax", "_softmax", "log_softmax",
+                  "_log_softmax", "multinomial", "cumsum", "gather", "scatter_", "scatter_add_"}),
+)
+# Heavy compute ops: the work a step must do; everything else is overhead at small sizes.
+HEAVY_CPU_OPS = CPU_OP_CLASSES[1][1] | CPU_OP_CLASSES[2][1]
+
+
+def classify_kernel(name: str) -> str:
+    lowered = name.lower()
+    for cls, patterns in KERNEL_CLASSES:
+        if any(p in lowered for p in patterns):
+            return cls
+    return "other"
+
+
+def classify_cpu_op(name: str) -> str:
+    short = name.split("::", 1)[1] if "::" in name else name
+    for cls, names in CPU_OP_CLASSES:
+        if short in names:
+            return cls
+    return "norm/elementwise" if any(p in short for p in ("norm", "rsqrt", "silu", "mul", "add",
+                                                           "pow", "mean", "neg", "cat", "sub",
+                                                           "div", "exp", "cos", "sin")) else "other ops"
+
+
+# ---- instrumentation of one engine instance --------------------------------------------------
+
+
+@dataclass
+class PassRecord:
+    """What one pass (warm-up, timed, profiled) saw."""
+
+    step_wall_s: list[float] = field(default_factory=list)
+    phase_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    stats: list = field(default_factory=list)  # StepStats per executed step
+    preemptions: int = 0
+    waiting_on_full_pool: int = 0  # steps whose schedule left requests waiting, pool > 95% used
+    peak_usage: float = 0.0
+
+
+class EngineInstrument:
+    """Wraps the methods engine.step() calls with named ranges, on this instance only."""
+
+    def __init__(self, engine, meter: StepMeter, use_nvtx: bool):
+        self.engine = engine
+        self.meter = meter
+        self.use_nvtx = use_nvtx
+        self.record = PassRecord()
+        self._stack: list[list] = []  # [phase, seconds spent in child phases]
+        self._patched: list[tuple[object, str, bool, object]] = []
+        self.attached: list[str] = []
+        self.missing: list[str] = []
+
+    # Ranges: record_function for the profiler, NVTX for Nsight, perf_counter for the summary.
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        label = RANGE_PREFIX + name
+        if self.use_nvtx:
+            torch.cuda.nvtx.range_push(label)
+        frame = [name, 0.0]
+        self._stack.append(frame)
+        t0 = time.perf_counter()
+        try:
+            with torch.profiler.record_function(label):
+                yield
+        finally:
+            elapsed = time.perf_counter() - t0
+            self._stack.pop()
+            self.record.phase_s[name] += elapsed - frame[1]  # exclusive time
+            if self._stack:
+                self._stack[-1][1] += elapsed
+            if self.use_nvtx:
+                torch.cuda.nvtx.range_pop()
+
+    def _wrap(self, obj, attr: str, phase: str, after: Optional[Callable] = None,
+              optional: bool = False) -> None:
+        original = getattr(obj, attr, None)
+        if obj is None or not callable(original):
+            if not optional:
+                self.missing.append(phase)
+            return
+        instrument = self
+
+        def wrapped(*args, **kwargs):
+            t0 = time.perf_counter()
+            with instrument.phase(phase):
+                result = original(*args, **kwargs)
+            if after is not None:  # outside the range: the profiler's own work is not the engine's
+                after(args, time.perf_counter() - t0)
+            return result
+
+        had_own = attr in vars(obj)
+        self._patched.append((obj, attr, had_own, vars(obj).get(attr)))
+        setattr(obj, attr, wrapped)
+        self.attached.append(phase)
+
+    def install(self) -> None:
+        engine = self.engine
+        scheduler = getattr(engine, "scheduler", None)
+        runner = getattr(engine, "runner", None)
+        model = getattr(runner, "model", None)
+        sampler = getattr(runner, "sampler", None)
+        self._wrap(scheduler, "schedule", "schedule", after=self._after_schedule)
+        self._wrap(runner, "execute", "execute", after=self._after_execute)
+        self._wrap(runner, "apply_block_ops", "block_ops")
+        self._wrap(runner, "prepare", "prepare")
+        # Present on some runners or devices only: host-to-device copies, CUDA graph replay.
+        self._wrap(runner, "to_device", "to_device", optional=True)
+        self._wrap(getattr(runner, "graphs", None), "run", "graph", optional=True)
+        # Module.__call__ looks `forward` up on the instance, so an instance attribute wins.
+        self._wrap(model, "forward", "forward")
+        self._wrap(model, "compute_logits", "lm_head")
+        if isinstance(sampler, torch.nn.Module):
+            self._wrap(sampler, "forward", "sample")
+        else:
+            self._wrap(runner, "sampler", "sample")
+        self._wrap(engine, "_process", "process")
+
+    def uninstall(self) -> None:
+        for obj, attr, had_own, previous in reversed(self._patched):
+            if had_own:
+                setattr(obj, attr, previous)
+            else:
+                delattr(obj, attr)
+        self._patched.clear()
+
+    def _after_schedule(self, args, elapsed_s: float) -> None:
+        bm = self.engine.block_manager
+        usage = 1.0 - bm.num_free_blocks / bm.num_blocks
+        self.record.peak_usage = max(self.record.peak_usage, usage)
+        if self.engine.scheduler.waiting and usage > KV_FULL_USAGE:
+            self.record.waiting_on_full_pool += 1
+
+    def _after_execute(self, args, elapsed_s: float) -> None:
+        # runner.execute(out, suppress): the engine has not advanced num_computed_tokens
+        # yet (that is _process, next), which is StepMeter.record's contract.
+        self.record.stats.append(self.meter.record(args[0], elapsed_s))
+
+    def step(self) -> bool:
+        """One engine step inside the outer range; False when nothing was scheduled."""
+        scheduler = getattr(self.engine, "scheduler", None)
+        executed = len(self.record.stats)
+        before = getattr(scheduler, "num_preemptions", 0)
+        t0 = time.perf_counter()
+        with self.phase("step"):
+            self.engine.step()
+        wall = time.perf_counter() - t0
+        self.record.preemptions += getattr(scheduler, "num_preemptions", 0) - before
+        if "execute" in self.attached and len(self.record.stats) == executed:
+            return False  # nothing was scheduled
+        self.record.step_wall_s.append(wall)
+        return True
+
+    def run_pass(self, steps: int) -> PassRecord:
+        self.record = PassRecord()
+        sync = torch.cuda.synchronize if self.use_nvtx else (lambda: None)
+        sync()
+        for _ in range(steps):
+            if not self.engine.has_unfinished_requests() or not self.step():
+                break
+        sync()
+        return self.record
+
+    def run_warmup(self, decode_steps: int, max_steps: int) -> PassRecord:
+        """Steps until `decode_steps` steps in a row have no prefill token (every prompt is in),
+        or `max_steps`: the profile then sees the steady decode state, kernels compiled."""
+        self.record = PassRecord()
+        in_a_row = 0
+        while in_a_row < decode_steps and len(self.record.step_wall_s) < max_steps:
+            if not self.engine.has_unfinished_requests() or not self.step():
+                break
+            last = self.record.stats[-1] if self.record.stats else None
+            in_a_row = in_a_row + 1 if last is not None and last.num_tokens == last.num_sampled else 0
+        return self.record
+
+
+# ---- trace analysis --------------------------------------------------------------------------
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total = 0.0
+    end = None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def analyse_device_trace(trace: dict) -> Optional[dict]:
+    """GPU busy fraction and time by kernel class from a Chrome trace (times in us).
+
+    The window is from the start of the first profiled step to the end of the
+    last ("rooflm.step" ranges); the busy time is the union of kernel, memcpy and
+    memset intervals inside it. None when the trace has no device events.
+    """
+    events = trace.get("traceEvents", [])
+    # The host-side ranges; the profiler also mirrors them onto the GPU timeline
+    # ("gpu_user_annotation"), which would stretch the window to the last kernel.
+    steps = [e for e in events if e.get("ph") == "X" and e.get("name") == RANGE_PREFIX + "step"
+             and e.get("cat") != "gpu_user_annotation"]
+    device = [e for e in events if e.get("ph") == "X"
+              and e.get("cat", "").lower() in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not device or not steps:
+        return None
+    w0 = min(float(e["ts"]) for e in steps)
+    w1 = max(float(e["ts"]) + float(e.get("dur", 0)) for e in steps)
+    window = max(w1 - w0, 1e-9)
+    intervals = []
+    by_class: dict[str, float] = defaultdict(float)
+    by_kernel: dict[str, float] = defaultdict(float)
+    for e in device:
+        s = max(float(e["ts"]), w0)
+        t = min(float(e["ts"]) + float(e.get("dur", 0)), w1)
+        if t <= s:
+            continue
+        intervals.append((s, t))
+        cat = e.get("cat", "").lower()
+        cls = "memcpy" if cat in ("gpu_memcpy", "gpu_memset") else classify_kernel(e.get("name", ""))
+        by_class[cls] += t - s
+        by_kernel[e.get("name", "?")] += t - s
+    busy = _union_length(intervals)
+    by_class["idle gaps"] = window - busy
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:8]
+    return {"window_us": window, "busy_us": busy, "busy_fraction": busy / window,
+            "by_class_us": dict(by_class), "top_kernels_us": top}
+
+
+def analyse_cpu_ops(prof) -> dict:
+    """Self CPU time of the profiled ops by class, and of the heavy compute ops (us)."""
+    by_class: dict[str, float] = defaultdict(float)
+    heavy = 0.0
+    ops_total = 0.0
+    calls = 0
+    top = []
+    for avg in prof.key_averages():
+        name = avg.key
+        if name.startswith(RANGE_PREFIX) or "::" not in name or name.startswith("ProfilerStep"):
+            continue
+        self_us = float(avg.self_cpu_time_total)
+        ops_total += self_us
+        by_class[classify_cpu_op(name)] += self_us
+        short = name.split("::", 1)[1]
+        if short in HEAVY_CPU_OPS:
+            heavy += self_us
+        calls += int(avg.count)
+        top.append((name, self_us, int(avg.count)))
+    top.sort(key=lambda t: -t[1])
+    top_other = [t for t in top if t[0].split("::", 1)[1] not in HEAVY_CPU_OPS]
+    return {"ops_self_us": ops_total, "heavy_self_us": heavy, "op_calls": calls,
+            "by_class_us": dict(by_class), "top_ops": top[:8], "top_other_ops": top_other[:4]}
+
+
+# ---- CPU peaks (no table lists CPUs) ---------------------------------------------------------
+
+
+def measure_cpu_peaks(dtype: torch.dtype = torch.float32) -> dict:
+    """Rough copy bandwidth (bytes read + written) and matmul rate of this CPU, median of 3."""
+    n_bytes = 128 << 20  # 4x the L3 of the dev machines: every byte goes to DRAM
+    src = torch.randn(n_bytes // 4, dtype=torch.float32).to(dtype)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(4):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    copy_gbs = 2 * src.numel() * src.element_size() / statistics.median(times[1:]) / 1e9
+    del src, dst
+    n = 1024
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    times = []
+    for _ in range(4):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - t0)
+    gflops = 2 * n**3 / statistics.median(times[1:]) / 1e9
+    return {"copy_gbs": copy_gbs, "matmul_gflops": gflops, "dtype": str(dtype).replace("torch.", ""),
+            "threads": torch.get_num_threads()}
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+
+def _resolve_gpu(choice: str, device: torch.device) -> Optional[GpuSpec]:
+    if device.type != "cuda":
+        return None
+    if choice != "auto":
+        return get_gpu(choice)
+    spec = default_gpu_for(device)
+    return spec if spec is not None else measure_gpu(str(device))
+
+
+def _per_step_ms(total_s: float, steps: int) -> float:
+    return total_s / steps * 1e3 if steps else 0.0
+
+
+def profile_engine(engine, *, batch_size: int, input_len: int, output_len: Optional[int],
+                   steps: int, warmup_steps: Optional[int], output_dir: str, seed: int = 0,
+                   temperature: float = 1.0, gpu: str = "auto") -> dict:
+    """Run the warm-up, timed and profiled passes on `engine`; write the trace and summary.json.
+
+    warmup_steps None: warm up until every prompt is in and a few decode-only steps
+    have run, so the timed and profiled steps are the steady decode state; a number
+    (0 included) profiles whatever those steps hold, prefill chunks too.
+    output_len None: long enough that no request finishes during the passes.
+    Returns the summary as a dict (the same as summary.json).
+    """
+    from rooflm.sampling_params import SamplingParams
+
+    if batch_size < 1 or input_len < 1 or steps < 1 or (warmup_steps or 0) < 0:
+        raise ValueError("batch size, input length and steps must be >= 1, warm-up steps >= 0")
+    device = engine.runner.device
+    on_cuda = device.type == "cuda"
+    gpu_spec = _resolve_gpu(gpu, device)
+    # Steps the prompts take at the scheduler's token budget; the first requests in
+    # decode (one token a step) while the later ones are still prefilling.
+    prefill_steps = -(-batch_size * input_len // engine.config.scheduler.max_num_batched_tokens)
+    if output_len is None:
+        # No request finishes during the passes: the prefill and warm-up steps, then the
+        # timed and the profiled ones, within the context length.
+        warmup = AUTO_WARMUP_DECODE_STEPS if warmup_steps is None else warmup_steps
+        output_len = min(prefill_steps + warmup + 2 * steps + 2,
+                         max(engine.max_model_len - input_len, 1))
+    vocab = engine.model_config.vocab_size
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True)
+    for i in range(batch_size):
+        prompt = [rng.randrange(vocab) for _ in range(input_len)]
+        engine.add_request(f"profile-{i}", prompt, params)
+
+    meter = StepMeter.for_engine(engine, gpu=gpu_spec)
+    instrument = EngineInstrument(engine, meter, use_nvtx=on_cuda)
+    instrument.install()
+    os.makedirs(output_dir, exist_ok=True)
+    trace_path = os.path.join(output_dir, "trace.json")
+    try:
+        if warmup_steps is None:
+            warm = instrument.run_warmup(AUTO_WARMUP_DECODE_STEPS,
+                                         max_steps=2 * prefill_steps + AUTO_WARMUP_DECODE_STEPS + 64)
+        else:
+            warm = instrument.run_pass(warmup_steps)
+        timed = instrument.run_pass(steps)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if on_cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            profiled = instrument.run_pass(steps)
+        prof.export_chrome_trace(trace_path)
+    finally:
+        instrument.uninstall()
+    if not profiled.step_wall_s or not timed.step_wall_s:
+        raise ValueError(f"the requests finished before the profiled steps ran: raise --output-len "
+                         f"(now {output_len}) or lower --steps / --warmup-steps")
+
+    with open(trace_path) as f:
+        trace = json.load(f)
+    summary = _summarise(engine, instrument, meter, gpu_spec, warm, timed, profiled, prof, trace)
+    summary.update(
+        model=str(engine.config.load.model or "default (SmolLM2-135M-Instruct)"),
+        device=str(device), dtype=str(engine.runner.dtype).replace("torch.", ""),
+        batch_size=batch_size, input_len=input_len, output_len=output_len,
+        warmup_steps=len(warm.step_wall_s), steps=steps, temperature=temperature,
+        trace=trace_path, summary_json=os.path.join(output_dir, "summary.json"))
+    with open(summary["summary_json"], "w") as f:
+        json.dump(summary, f, indent=2, default=str)
+    return summary
+
+
+def _summarise(engine, instrument: EngineInstrument, meter: StepMeter, gpu: Optional[GpuSpec],
+               warm: PassRecord, timed: PassRecord, profiled: PassRecord, prof, trace: dict) -> dict:
+    on_cuda = engine.runner.device.type == "cuda"
+    n_timed = len(timed.step_wall_s)
+    n_prof = len(profiled.step_wall_s)
+    timed_wall = sum(timed.step_wall_s)
+    prof_wall = sum(profiled.step_wall_s)
+    s = {
+        "cpu_run": not on_cuda,
+        "ranges": "per phase" if instrument.attached else "engine.step() only",
+        "ranges_missing": instrument.missing,
+        "timed_steps": n_timed,
+        "profiled_steps": n_prof,
+        "step_ms": _per_step_ms(timed_wall, n_timed),
+        "step_ms_median": statistics.median(timed.step_wall_s) * 1e3,
+        "step_ms_profiled": _per_step_ms(prof_wall, n_prof),
+        "phase_ms_per_step": {name: _per_step_ms(timed.phase_s.get(name, 0.0), n_timed)
+                              for name, _ in PHASES if name in timed.phase_s},
+    }
+    # Roofline figures over the timed steps (whole step wall time, as a user sees it).
+    step_bytes = sum(st.bytes for st in timed.stats)
+    step_flops = sum(st.flops for st in timed.stats)
+    s["tokens_per_step"] = sum(st.num_tokens for st in timed.stats) / max(n_timed, 1)
+    s["sampled_per_step"] = sum(st.num_sampled for st in timed.stats) / max(n_timed, 1)
+    s["bytes_per_step"] = step_bytes / max(n_timed, 1)
+    s["flops_per_step"] = step_flops / max(n_timed, 1)
+    s["achieved_gbps"] = step_bytes / timed_wall / 1e9
+    s["achieved_gflops"] = step_flops / timed_wall / 1e9
+    s["tokens_per_s"] = sum(st.num_tokens for st in timed.stats) / timed_wall
+    s["sampled_per_s"] = sum(st.num_sampled for st in timed.stats) / timed_wall
+
+    bm = engine.block_manager
+    s["kv"] = {
+        "num_blocks": bm.num_blocks, "block_size": bm.block_size,
+        "peak_usage": max(warm.peak_usage, timed.peak_usage, profiled.peak_usage),
+        "preemptions_run": warm.preemptions + timed.preemptions + profiled.preemptions,
+        "preemptions_measured": timed.preemptions + profiled.preemptions,
+        "steps_waiting_on_full_pool": (warm.waiting_on_full_pool + timed.waiting_on_full_pool
+                                       + profiled.waiting_on_full_pool),
+        "waiting_at_end": len(engine.scheduler.waiting),
+    }
+
+    cpu_ops = analyse_cpu_ops(prof)
+    s["cpu_ops"] = cpu_ops
+    if on_cuda:
+        s["gpu"] = gpu.name if gpu else None
+        dev = analyse_device_trace(trace)
+        s["device_trace"] = dev
+        s["gpu_busy_fraction"] = dev["busy_fraction"] if dev else None
+        if gpu is not None and timed.stats:
+            s["mbu"] = step_bytes / timed_wall / gpu.mem_bw
+            s["mfu"] = step_flops / timed_wall / gpu.peak_flops(meter.compute_dtype)
+            s["peak_gbps"] = gpu.mem_bw_gbs
+            s["peak_tflops"] = gpu.peak_flops(meter.compute_dtype) / 1e12
+    else:
+        s["gpu"] = None
+        s["gpu_busy_fraction"] = None
+        peaks = measure_cpu_peaks(engine.runner.dtype)
+        s["cpu_peaks"] = peaks
+        if timed.stats:  # none when runner.execute could not be wrapped
+            s["mbu"] = s["achieved_gbps"] / peaks["copy_gbs"]
+            s["mfu"] = s["achieved_gflops"] / peaks["matmul_gflops"]
+        s["cpu_compute_fraction"] = min(cpu_ops["heavy_self_us"] / 1e6 / prof_wall, 1.0)
+        s["load_average"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        s["cpu_count"] = os.cpu_count()
+        s["cpu_outside_ops_fraction"] = max(prof_wall - cpu_ops["ops_self_us"] / 1e6, 0.0) / prof_wall
+    s["notes"] = _notes(s)
+    s["verdict"], s["evidence"] = _verdict(s, meter.compute_dtype)
+    return s
+
+
+def _notes(s: dict) -> list[str]:
+    """Warnings about the measurement itself."""
+    notes = []
+    timed, profiled = s["step_ms"], s["step_ms_profiled"]
+    if timed > 0 and profiled > 0 and max(timed, profiled) > 2 * min(timed, profiled):
+        notes.append(f"the timed and profiled steps differ {max(timed, profiled) / min(timed, profiled):.1f}x "
+                     f"({timed:.2f} vs {profiled:.2f} ms): the machine's load changed between them, "
+                     f"or the profiler's per-op cost dominates small ops")
+    load, cpus = s.get("load_average"), s.get("cpu_count")
+    # This run's own threads count in the load; more than the cores plus a margin means others.
+    if load is not None and cpus and load > cpus + 0.5:
+        threads = s.get("cpu_peaks", {}).get("threads", 1)
+        notes.append(f"load average {load:.1f} on {cpus} CPUs: other processes share the cores, so "
+                     f"times are inflated" + (
+                         f"; with {threads} intra-op threads every parallel op waits for a thread "
+                         f"the OS has parked: rerun on an idle machine or with --threads 1"
+                         if threads > 1 else ""))
+    return notes
+
+
+def _verdict(s: dict, compute_dtype: str) -> tuple[str, list[str]]:
+    evidence = []
+    kv = s["kv"]
+    on_cuda = not s["cpu_run"]
+    if kv["preemptions_run"] > 0 or kv["steps_waiting_on_full_pool"] > 0:
+        evidence.append(
+            f"{kv['preemptions_run']} preemption(s) during the run "
+            f"({kv['preemptions_measured']} in the timed and profiled steps); "
+            f"{kv['steps_waiting_on_full_pool']} step(s) left requests waiting with the KV pool over "
+            f"{KV_FULL_USAGE:.0%} used (peak {kv['peak_usage']:.0%} of {kv['num_blocks']} blocks of "
+            f"{kv['block_size']} tokens)")
+        evidence.append("more KV blocks (--num-blocks, --gpu-memory-utilization), fewer concurrent "
+                        "sequences (--max-num-seqs) or a smaller KV dtype would let the batch run whole")
+        return "KV-capacity-bound", evidence
+    if on_cuda:
+        busy = s.get("gpu_busy_fraction")
+        if busy is not None and busy < GPU_BUSY_THRESHOLD:
+            dev = s["device_trace"]
+            evidence.append(f"the GPU ran kernels {busy:.0%} of the profiled wall time (under "
+                            f"{GPU_BUSY_THRESHOLD:.0%}); idle gaps between kernels "
+                            f"{dev['by_class_us'].get('idle gaps', 0) / 1e3 / s['profiled_steps']:.2f} "
+                            f"ms per step")
+            evidence.append("the CPU (Python, scheduling, kernel launches) cannot keep the GPU fed: "
+                            "CUDA graphs, a larger batch, or less host work per step")
+            if s.get("mbu") is not None:
+                evidence.append(f"while it ran: {s['achieved_gbps']:,.0f} GB/s = MBU {s['mbu']:.1%}, "
+                                f"{s['achieved_gflops'] / 1e3:,.1f} TFLOP/s = MFU {s['mfu']:.1%} of "
+                                f"{s['gpu']} over the whole step; the "
+                                f"{'bandwidth' if s['mbu'] >= s['mfu'] else 'FLOP'} roof is next")
+            return "CPU/launch-bound", evidence
+        if busy is not None:
+            evidence.append(f"the GPU ran kernels {busy:.0%} of the profiled wall time")
+    else:
+        frac = s["cpu_compute_fraction"]
+        steps = s["profiled_steps"]
+        ops = s["cpu_ops"]
+        wall_ms = s["step_ms_profiled"]
+        heavy_ms = ops["heavy_self_us"] / 1e3 / steps
+        evidence.append(f"heavy compute ops (matmuls, attention) took {heavy_ms:.2f} ms of the "
+                        f"{wall_ms:.2f} ms profiled step ({frac:.0%})"
+                        + (f": under {CPU_COMPUTE_THRESHOLD:.0%}" if frac < CPU_COMPUTE_THRESHOLD else ""))
+        other_ms = max(ops["ops_self_us"] - ops["heavy_self_us"], 0.0) / 1e3 / steps
+        top_other = ", ".join(f"{name} {us / 1e3 / steps:.2f} ms" for name, us, _ in ops["top_other_ops"][:3])
+        evidence.append(f"the rest: Python and framework outside any op {s['cpu_outside_ops_fraction']:.0%}, "
+                        f"other ops {other_ms:.2f} ms ({top_other}); {ops['op_calls'] / steps:,.0f} op "
+                        f"calls per step, {ops['ops_self_us'] / max(ops['op_calls'], 1):,.1f} us each "
+                        f"on average")
+        if frac < CPU_COMPUTE_THRESHOLD:
+            evidence.append("per-step time goes to overhead (Python, dispatch, small and non-compute "
+                            "ops), not to the work the model must do; on a GPU this shows as launch gaps")
+            return "CPU/launch-bound", evidence
+    mbu, mfu = s.get("mbu"), s.get("mfu")
+    if mbu is None or mfu is None:
+        evidence.append("no peak rates for this device: bandwidth and FLOP fractions unknown")
+        return "undetermined", evidence
+    if on_cuda:
+        peaks = f"{s['gpu']}: {s['peak_gbps']:,.0f} GB/s, {s['peak_tflops']:,.0f} TFLOP/s {compute_dtype}"
+    else:
+        p = s["cpu_peaks"]
+        peaks = (f"this CPU, measured: {p['copy_gbs']:,.1f} GB/s copy, {p['matmul_gflops']:,.1f} "
+                 f"GFLOP/s {p['dtype']} matmul, {p['threads']} threads")
+    evidence.append(f"the step moves {s['bytes_per_step'] / 1e6:,.1f} MB and does "
+                    f"{s['flops_per_step'] / 1e9:,.4g} GFLOP (step_cost): {s['achieved_gbps']:,.1f} "
+                    f"GB/s = {mbu:.1%} of peak bandwidth, {s['achieved_gflops']:,.1f} GFLOP/s = "
+                    f"{mfu:.1%} of peak FLOP/s ({peaks})")
+    if mbu >= mfu:
+        evidence.append("bandwidth is the nearer roof: batching more sequences per step, or "
+                        "smaller weights / KV (quantization), buys throughput")
+        return "memory-bound", evidence
+    evidence.append("the FLOP rate is the nearer roof: faster kernels or lower-precision math "
+                    "buy throughput")
+    return "compute-bound", evidence
+
+
+# ---- printing --------------------------------------------------------------------------------
+
+
+def format_summary(s: dict) -> str:
+    lines = []
+    lines.append(f"rooflm profile: {s['model']} on {s['device']} ({s['dtype']}), batch "
+                 f"{s['batch_size']} x {s['input_len']} prompt tokens, max {s['output_len']} output "
+                 f"tokens; {s['warmup_steps']} warm-up + {s['timed_steps']} timed + "
+                 f"{s['profiled_steps']} profiled steps")
+    if s["cpu_run"]:
+        lines.append("CPU run: GPU figures not applicable")
+    if s["ranges"] != "per phase":
+        lines.append("note: the engine's internals were not found; ranges cover engine.step() only")
+    elif s["ranges_missing"]:
+        lines.append(f"note: no range for {', '.join(s['ranges_missing'])} (not found on the engine)")
+    lines.append(f"trace: {s['trace']}  (open in https://ui.perfetto.dev or chrome://tracing)")
+    lines.append("")
+    lines.append(f"wall time per step: {s['step_ms']:.2f} ms (median {s['step_ms_median']:.2f}, "
+                 f"without the profiler); {s['step_ms_profiled']:.2f} ms under the profiler")
+    lines.append(f"tokens per step: {s['tokens_per_step']:.1f} through the layers, "
+                 f"{s['sampled_per_step']:.1f} sampled -> {s['tokens_per_s']:,.1f} tokens/s, "
+                 f"{s['sampled_per_s']:,.1f} generated tokens/s")
+    busy = s["gpu_busy_fraction"]
+    if s["cpu_run"]:
+        lines.append("GPU busy fraction: n/a (CPU run)")
+    elif busy is None:
+        lines.append("GPU busy fraction: no device events in the trace")
+    else:
+        lines.append(f"GPU busy fraction: {busy:.1%} (union of kernel intervals over the profiled "
+                     f"wall time)")
+    lines.append("")
+    lines.append("CPU time per step by phase (timed steps, exclusive):")
+    labels = dict(PHASES)
+    total = s["step_ms"] or 1e-12
+    for name, ms in s["phase_ms_per_step"].items():
+        lines.append(f"  {labels.get(name, name):<52} {ms:>9.3f} ms {ms / total:>6.1%}")
+    lines.append("")
+    steps = s["profiled_steps"]
+    if not s["cpu_run"] and s.get("device_trace"):
+        dev = s["device_trace"]
+        lines.append("GPU time per step by kernel class (profiled steps):")
+        window = dev["window_us"]
+        for cls, us in sorted(dev["by_class_us"].items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {cls:<52} {us / 1e3 / steps:>9.3f} ms {us / window:>6.1%}")
+        lines.append("  top kernels: " + "; ".join(
+            f"{name[:60]} {us / 1e3 / steps:.3f} ms" for name, us in dev["top_kernels_us"][:4]))
+    else:
+        lines.append("CPU time per step by op class (self time of ops, profiled steps):")
+        ops = s["cpu_ops"]
+        wall_us = s["step_ms_profiled"] * 1e3 * steps or 1e-12
+        rows = dict(ops["by_class_us"])
+        rows["outside aten ops (Python, framework, profiler)"] = max(wall_us - ops["ops_self_us"], 0.0)
+        for cls, us in sorted(rows.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {cls:<52} {us / 1e3 / steps:>9.3f} ms {us / wall_us:>6.1%}")
+        lines.append("  top ops: " + "; ".join(
+            f"{name} {us / 1e3 / steps:.3f} ms" for name, us, _ in ops["top_ops"][:4]))
+    lines.append("")
+    kv = s["kv"]
+    lines.append(f"KV cache: {kv['num_blocks']} blocks of {kv['block_size']} tokens, peak usage "
+                 f"{kv['peak_usage']:.0%}; preemptions {kv['preemptions_run']} "
+                 f"({kv['preemptions_measured']} in the measured steps); steps waiting on a full "
+                 f"pool {kv['steps_waiting_on_full_pool']}")
+    if s.get("mbu") is not None:
+        what = "of measured CPU peaks" if s["cpu_run"] else f"of {s['gpu']}"
+        lines.append(f"roofline: {s['bytes_per_step'] / 1e6:,.1f} MB and {s['flops_per_step'] / 1e9:,.4g} "
+                     f"GFLOP per step -> {s['achieved_gbps']:,.1f} GB/s, {s['achieved_gflops']:,.1f} "
+                     f"GFLOP/s: bandwidth {s['mbu']:.1%}, FLOP/s {s['mfu']:.1%} {what}")
+    for note in s.get("notes", []):
+        lines.append(f"note: {note}")
+    lines.append("")
+    lines.append(f"verdict: {s['verdict']}")
+    for e in s["evidence"]:
+        lines.append(f"  - {e}")
+    return "\n".join(lines) + "\n"
+
+
+def run_profile(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
+    """The `rooflm profile` subcommand."""
+    from rooflm.cli import engine_kwargs
+    from rooflm.engine.llm_engine import LLMEngine
+
+    out = out or sys.stdout
+    threads = getattr(args, "threads", None)
+    previous_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        engine = LLMEngine.from_kwargs(**engine_kwargs(args))
+        summary = profile_engine(
+            engine, batch_size=args.batch_size, input_len=args.input_len,
+            output_len=args.output_len, steps=args.steps, warmup_steps=args.warmup_steps,
+            output_dir=args.output, seed=getattr(args, "seed", 0) or 0, temperature=args.temperature,
+            gpu=args.gpu)
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"rooflm profile: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        torch.set_num_threads(previous_threads)
+    out.write(format_summary(summary))
+    out.write(f"summary: {summary['summary_json']}\n")
+    return 0

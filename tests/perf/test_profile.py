@@ -1,0 +1,186 @@
+"""`rooflm profile` on a tiny random model (CPU), and the trace analysis and verdict on synthetic GPU data."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from rooflm.cli import main
+from rooflm.perf import profile
+from tests.models.tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    path, _ = make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
+    return path
+
+
+@pytest.fixture
+def one_thread():
+    # With 2 shared cores, intra-op threads wait on each other when other jobs run,
+    # which inflates small ops' times; one thread measures the work itself.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def run_profile(capsys, tiny_path, out_dir, *extra):
+    rc = main(["profile", "--model", tiny_path, "--device", "cpu", "--output", str(out_dir),
+               "--steps", "4", *extra])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    with open(os.path.join(out_dir, "summary.json")) as f:
+        summary = json.load(f)
+    return captured.out, summary
+
+
+def test_profile_writes_a_trace_and_a_summary_and_calls_a_tiny_batch_cpu_bound(
+        capsys, tiny_path, tmp_path, one_thread):
+    text, summary = run_profile(capsys, tiny_path, tmp_path, "--batch-size", "1", "--input-len", "16")
+    print(text)
+    with open(tmp_path / "trace.json") as f:
+        trace = json.load(f)
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert trace["traceEvents"]
+    # The phases of a step are ranges in the trace, around the engine's own methods.
+    for phase in ("step", "schedule", "execute", "prepare", "forward", "sample", "process"):
+        assert profile.RANGE_PREFIX + phase in names, phase
+    assert any(n and n.startswith("aten::") for n in names)
+
+    assert "CPU run: GPU figures not applicable" in text
+    assert "GPU busy fraction: n/a (CPU run)" in text
+    assert "wall time per step:" in text and "CPU time per step by phase" in text
+    assert "verdict: CPU/launch-bound" in text
+    assert summary["verdict"] == "CPU/launch-bound"
+    assert summary["cpu_compute_fraction"] < 0.5
+    assert summary["timed_steps"] == 4 and summary["profiled_steps"] == 4
+    # The automatic warm-up: the 16-token prompt in one step, then 3 decode steps.
+    assert summary["warmup_steps"] == 4
+    assert summary["tokens_per_step"] == 1.0
+    assert summary["bytes_per_step"] > 0 and summary["kv"]["preemptions_run"] == 0
+    assert set(summary["phase_ms_per_step"]) >= {"schedule", "prepare", "forward", "process"}
+
+
+def test_small_kv_pool_that_preempts_is_kv_capacity_bound(capsys, tiny_path, tmp_path, one_thread):
+    # 4 requests of 16 + 24 tokens need 10 blocks of 4 each; 12 blocks hold one at a time or so.
+    text, summary = run_profile(capsys, tiny_path, tmp_path, "--batch-size", "4", "--input-len", "16",
+                                "--output-len", "24", "--block-size", "4", "--num-blocks", "12",
+                                "--warmup-steps", "2")
+    print(text)
+    assert summary["kv"]["preemptions_run"] > 0
+    assert summary["verdict"] == "KV-capacity-bound"
+    assert "verdict: KV-capacity-bound" in text
+    assert "preemption" in " ".join(summary["evidence"])
+
+
+def test_profile_leaves_the_engine_unpatched(tiny_path, tmp_path, one_thread):
+    from rooflm.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_kwargs(model=tiny_path, device="cpu")
+    s = profile.profile_engine(engine, batch_size=2, input_len=8, output_len=None, steps=2,
+                               warmup_steps=1, output_dir=str(tmp_path))
+    assert s["ranges"] == "per phase" and not s["ranges_missing"]
+    for obj, attr in [(engine.scheduler, "schedule"), (engine.runner, "execute"),
+                      (engine.runner, "prepare"), (engine.runner.model, "forward"), (engine, "_process")]:
+        assert attr not in vars(obj), attr
+    # The engine still runs its requests to the end.
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_requests_that_end_before_the_profiled_steps_are_an_error(capsys, tiny_path, tmp_path):
+    rc = main(["profile", "--model", tiny_path, "--device", "cpu", "--output", str(tmp_path),
+               "--warmup-steps", "1", "--steps", "4", "--input-len", "8", "--output-len", "3"])
+    assert rc == 2
+    assert "--output-len" in capsys.readouterr().err
+
+
+def test_instrument_without_engine_internals_falls_back_to_step_ranges():
+    class Bare:
+        """An engine whose step() is all there is."""
+
+        def __init__(self):
+            self.steps = 0
+
+        def step(self):
+            self.steps += 1
+            return []
+
+    engine = Bare()
+    inst = profile.EngineInstrument(engine, meter=None, use_nvtx=False)
+    inst.install()
+    assert inst.attached == [] and "schedule" in inst.missing and "execute" in inst.missing
+    inst.uninstall()
+
+
+# ---- GPU-side analysis on synthetic data (no GPU here) ----------------------------------------
+
+
+@pytest.mark.parametrize("name, cls", [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "GEMM"),
+    ("nvjet_tst_128x64_64x8_1x2_h_bz_TNT", "GEMM"),
+    ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>", "GEMM"),
+    ("_decode_attention_kernel", "attention"),
+    ("_prefill_attention_kernel", "attention"),
+    ("flash_fwd_kernel", "attention"),
+    ("_rmsnorm_kernel", "norm/elementwise"),
+    ("_silu_mul_kernel", "norm/elementwise"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctorOnSelf_add<float>>",
+     "norm/elementwise"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::exponential_kernel>", "sampling"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>>>",
+     "sampling"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>", "sampling"),
+    ("Memcpy HtoD (Pinned -> Device)", "memcpy"),
+    ("void at::native::indexSelectLargeIndex<float>", "other"),
+])
+def test_kernel_classes(name, cls):
+    assert profile.classify_kernel(name) == cls
+
+
+def test_device_trace_busy_fraction_is_the_union_of_kernels_over_the_step_window():
+    us = [
+        {"ph": "X", "cat": "user_annotation", "name": "rooflm.step", "ts": 1000, "dur": 100},
+        {"ph": "X", "cat": "user_annotation", "name": "rooflm.step", "ts": 1100, "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_gemm", "ts": 1010, "dur": 40},
+        {"ph": "X", "cat": "kernel", "name": "_decode_attention_kernel", "ts": 1040, "dur": 20},  # overlaps
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH", "ts": 1150, "dur": 10},
+        {"ph": "X", "cat": "kernel", "name": "_rmsnorm_kernel", "ts": 1195, "dur": 20},  # clipped at 1200
+        {"ph": "X", "cat": "kernel", "name": "before_window", "ts": 900, "dur": 50},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1010, "dur": 30},
+    ]
+    dev = profile.analyse_device_trace({"traceEvents": us})
+    assert dev["window_us"] == 200
+    assert dev["busy_us"] == 50 + 10 + 5
+    assert dev["busy_fraction"] == pytest.approx(65 / 200)
+    assert dev["by_class_us"]["GEMM"] == 40
+    assert dev["by_class_us"]["attention"] == 20
+    assert dev["by_class_us"]["memcpy"] == 10
+    assert dev["by_class_us"]["idle gaps"] == 135
+    assert profile.analyse_device_trace({"traceEvents": us[:2]}) is None
+
+
+def gpu_summary(busy, mbu, mfu, preemptions=0):
+    return {"cpu_run": False, "gpu_busy_fraction": busy, "profiled_steps": 10, "gpu": "H100",
+            "device_trace": {"by_class_us": {"idle gaps": 5000.0}},
+            "kv": {"preemptions_run": preemptions, "preemptions_measured": 0,
+                   "steps_waiting_on_full_pool": 0, "peak_usage": 0.5, "num_blocks": 100,
+                   "block_size": 16},
+            "mbu": mbu, "mfu": mfu, "peak_gbps": 3350.0, "peak_tflops": 989.0,
+            "bytes_per_step": 16e9, "flops_per_step": 1e12, "achieved_gbps": 2000.0,
+            "achieved_gflops": 1e5}
+
+
+@pytest.mark.parametrize("busy, mbu, mfu, preemptions, verdict", [
+    (0.45, 0.2, 0.01, 0, "CPU/launch-bound"),
+    (0.95, 0.7, 0.05, 0, "memory-bound"),
+    (0.95, 0.3, 0.6, 0, "compute-bound"),
+    (0.45, 0.2, 0.01, 3, "KV-capacity-bound"),
+])
+def test_gpu_verdicts(busy, mbu, mfu, preemptions, verdict):
+    v, evidence = profile._verdict(gpu_summary(busy, mbu, mfu, preemptions), "bf16")
+    assert v == verdict
+    assert evidence
