@@ -108,10 +108,15 @@ def _batched_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     # [n, num_blocks, block_size, H_kv, D] -> [n, H_kv, L, D]
     k = k_cache[tables].flatten(1, 2)[:, :max_len].float().transpose(1, 2)
     v = v_cache[tables].flatten(1, 2)[:, :max_len].float().transpose(1, 2)
+    visible = torch.arange(max_len, device=q.device)[None, :] < meta.seq_lens[:n, None]
+    # Slots past a sequence's end hold whatever the pool holds (stale K/V, another
+    # sequence's block, uninitialised memory: possibly NaN/Inf). A masked score still
+    # multiplies its V row by 0, and 0 * NaN = NaN, so zero them rather than trust the mask.
+    k = k.masked_fill(~visible[:, None, :, None], 0.0)
+    v = v.masked_fill(~visible[:, None, :, None], 0.0)
     if group > 1:
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-    visible = torch.arange(max_len, device=q.device)[None, :] < meta.seq_lens[:n, None]
     o = F.scaled_dot_product_attention(q.float()[:, :, None, :], k, v, attn_mask=visible[:, None, None, :],
                                        scale=scale)
     return o[:, :, 0, :].to(q.dtype)
@@ -138,40 +143,44 @@ def _causal_mask(query_len: int, seq_len: int, sliding_window: Optional[int], de
 
 
 class Attention(torch.nn.Module):
-    """Writes this step's K/V into the paged cache, then attends through it.
+    """Rotates q and k, writes this step's K/V into the paged cache, then attends through it.
 
     The backend (torch reference here, Triton kernels on CUDA) is chosen once
     by the model runner and passed in at construction; model code never
-    branches on the device.
+    branches on the device. Rotation and the cache write are one backend call
+    so that a fast path can fuse them into one kernel.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, rotary,
                  sliding_window: Optional[int] = None, backend: Optional["AttentionBackend"] = None):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
+        self.rotary = rotary
         self.sliding_window = sliding_window
         self.backend = backend or ReferenceBackend()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, H*D], k/v: [T, H_kv*D] -> [T, H*D]."""
-        t = q.shape[0]
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        """q: [T, H, D], k/v: [T, H_kv, D] (views are fine) -> [T, H*D]."""
         k_cache, v_cache = kv_cache
-        self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = self.backend.rope_and_write(q, k, v, positions, self.rotary, k_cache, v_cache, meta.slot_mapping)
         out = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
-        return out.reshape(t, self.num_heads * self.head_dim)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
 
 class AttentionBackend:
     """The interface a fast path implements; see ReferenceBackend for the semantics."""
 
     name = "abstract"
+
+    def rope_and_write(self, q, k, v, positions, rotary, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+        """Rotate q and k at their positions, store k and v in their slots; return rotated q."""
+        q, k = rotary(positions, q, k)
+        self.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return q
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:  # pragma: no cover
         raise NotImplementedError

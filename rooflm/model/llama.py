@@ -32,8 +32,7 @@ class LlamaAttention(torch.nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.rotary = rotary
-        self.attn = Attention(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+        self.attn = Attention(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, rotary,
                               cfg.sliding_window, backend)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
@@ -42,14 +41,13 @@ class LlamaAttention(torch.nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.reshape(t, cfg.num_attention_heads, cfg.head_dim)
-        k = k.reshape(t, cfg.num_key_value_heads, cfg.head_dim)
+        q = q.view(t, cfg.num_attention_heads, cfg.head_dim)
+        k = k.view(t, cfg.num_key_value_heads, cfg.head_dim)
+        v = v.view(t, cfg.num_key_value_heads, cfg.head_dim)
         if cfg.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v.contiguous(), kv_cache, meta)
-        return self.o_proj(out)
+        return self.o_proj(self.attn(positions, q, k, v, kv_cache, meta))
 
 
 class LlamaMLP(torch.nn.Module):

@@ -1,0 +1,63 @@
+"""The Triton attention backend: the engine's fast path behind AttentionBackend.
+
+Same semantics as ReferenceBackend (rooflm/layers/attention.py):
+
+* rope_and_write rotates q and k and stores k, v in their cache slots: one
+  fused kernel (rope_kv_write) when the rotary module exposes its cos/sin
+  table, else the base class's torch rotary followed by write_kv;
+* write_kv stores this step's k, v into their cache slots (slot -1 skipped);
+* attend computes causal attention of the packed queries against K/V read
+  through the block tables. The model runner puts decodes (one query token)
+  first: the split-KV decode kernel serves the first meta.num_decodes
+  sequences and the prefill kernel the rest (prefill, chunked prefill and
+  prefix-cache hits alike, since it reads all K/V from the cache).
+
+The model runner picks this backend on CUDA and the reference on CPU; model
+code does not change.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from rooflm.kernels.decode_attention import decode_attention
+from rooflm.kernels.prefill_attention import prefill_attention
+from rooflm.kernels.rope_kv_write import rope_kv_write, write_kv
+from rooflm.layers.attention import AttentionBackend, AttentionMetadata
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, decode_num_splits: Optional[int] = None):
+        # A fixed split count keeps the decode grid constant (CUDA-graph capture);
+        # None sizes it per step from the batch.
+        self.decode_num_splits = decode_num_splits
+
+    def rope_and_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                       rotary, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> torch.Tensor:
+        """Rotate q (in place) and k, store k and v in their slots; returns the rotated q."""
+        table = getattr(rotary, "cos_sin_cache", None)
+        if table is None or table.dtype != torch.float32 or table.shape[-1] != q.shape[-1]:
+            return super().rope_and_write(q, k, v, positions, rotary, k_cache, v_cache, slot_mapping)
+        return rope_kv_write(q, k, v, positions.long(), table, k_cache, v_cache, slot_mapping,
+                             is_neox=getattr(rotary, "is_neox", True))
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float, sliding_window: Optional[int]) -> torch.Tensor:
+        out = torch.empty_like(q)
+        num_decodes = meta.num_decodes
+        if num_decodes > 0:
+            decode_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out,
+                             num_seqs=num_decodes, num_splits=self.decode_num_splits)
+        if num_decodes < meta.num_seqs:
+            prefill_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out,
+                              first_seq=num_decodes)
+        return out

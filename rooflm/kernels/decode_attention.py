@@ -1,0 +1,336 @@
+"""Paged decode attention with split-KV ("flash-decoding") in Triton.
+
+Algorithm
+---------
+Each decode sequence has one query token, at position seq_len - 1, that
+attends to all seq_len keys of its context (the last window of them with a
+sliding window W), read from the paged cache through the block table.
+
+Decode does ~1 FLOP per byte of K/V, so it is bound by memory bandwidth: the
+aim is to stream every K/V byte once, at full bandwidth, on every SM.
+
+* GQA: one program owns one KV head and all GROUP query heads that share it
+  (padded to at least 16 rows for tl.dot), so each K/V tile is loaded once
+  for the whole group, not GROUP times.
+* Split-KV: a batch of a few sequences has too few (sequence, KV head)
+  programs to fill the GPU, so the context is cut into num_splits ranges and
+  a third grid axis runs them in parallel. Each program runs the online
+  softmax of FlashAttention over its range (fp32 max m, sum l, output acc)
+  and writes its normalised partial output o_j = acc_j / l_j and its
+  log-sum-exp lse_j = m_j + log2(l_j) (base 2). A small second kernel
+  combines the splits of each (sequence, head):
+
+      M = max_j lse_j,   w_j = exp2(lse_j - M),   out = sum_j w_j o_j / sum_j w_j
+
+  With one split the first kernel writes the output itself and the second is
+  skipped. The split count is a run-time argument (a new count compiles
+  nothing) chosen from host-side sizes, and every split range is computed in
+  the kernel from the sequence's own length, so a fixed count is correct for
+  any lengths (what CUDA graphs need).
+* Block sizes 16 to 256: a key tile of BLOCK_N keys reads one block-table
+  entry when BLOCK_N <= block_size, else one entry per key.
+
+Shapes
+------
+q, out      [T, H, D]  (the first num_seqs sequences of the batch, one token each)
+k/v cache   [num_blocks, block_size, H_kv, D]
+partials    o [num_seqs, H, num_splits, D] fp32, lse [num_seqs, H, num_splits] fp32
+
+Work
+----
+FLOPs = 4 * D * H * sum_s(visible keys of s)
+Bytes = 2 * sum_s(visible keys of s) * H_kv * D * e   (K and V, read once)
+        + q and out (2 * num_seqs * H * D * e) + partials (2 * 4 * num_seqs * H * num_splits * (D + 1))
+The K/V term dominates: the yardstick is GB/s of K/V read against the
+device's copy bandwidth.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from rooflm.kernels.utils import (LOG2E, cdiv, check_last_dim_contiguous, dot_precision, is_interpreter,
+                                  kv_tile_offsets, load_2d, next_power_of_2, num_sms, upcast_dots)
+from rooflm.layers.attention import AttentionMetadata, paged_attention_ref
+
+_MASKED = tl.constexpr(-1.0e30)
+
+
+# --------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------
+
+@triton.jit
+def _decode_key_range(acc, l_i, m_i, q, k_base, v_base, block_table_ptr, lo, hi, kv_lo, kv_hi, qk_scale,
+                      stride_cb, stride_ct, offs_d, d_ok,
+                      BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAD_D: tl.constexpr,
+                      MASKED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online-softmax update with the key tiles lo .. hi; keys outside [kv_lo, kv_hi) are masked."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        k_idx = start_n + offs_n
+        kv_ok = (k_idx >= kv_lo) & (k_idx < kv_hi)
+        kv_offs = kv_tile_offsets(block_table_ptr, start_n, kv_ok, stride_cb, stride_ct,
+                                  BLOCK_SIZE, BLOCK_N, MASKED)
+        k = load_2d(k_base + kv_offs[:, None] + offs_d[None, :], kv_ok, d_ok, MASKED, PAD_D)
+        v = load_2d(v_base + kv_offs[:, None] + offs_d[None, :], kv_ok, d_ok, MASKED, PAD_D)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            qk = tl.where(kv_ok[None, :], qk, _MASKED)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["sliding_window", "num_splits"])
+def _decode_attention_kernel(
+        out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+        block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, qk_scale, sliding_window, num_splits,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
+        NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+        SINGLE_SPLIT: tl.constexpr, SLIDING: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    PAD_D: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tok = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+
+    # The group's query heads, padded to ROWS >= 16 rows for tl.dot.
+    offs_g = tl.arange(0, ROWS)
+    g_ok = offs_g < GROUP
+    head = kv_head * GROUP + offs_g
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
+    q = load_2d(q_ptr + tok * stride_qt + head[:, None] * stride_qh + offs_d[None, :], g_ok, d_ok, True, PAD_D)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # This split's keys: [start, end), of the visible keys [kv_lo, seq_len).
+    if SLIDING:
+        kv_lo = tl.maximum(seq_len - sliding_window, 0)
+    else:
+        kv_lo = 0
+    first_tile = (kv_lo // BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len - first_tile, num_splits), BLOCK_N) * BLOCK_N
+    start = first_tile + split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_ch
+    v_base = v_cache_ptr + kv_head * stride_ch
+    m_i = tl.full([ROWS], _MASKED, dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM_PAD], dtype=tl.float32)
+    if SLIDING:
+        # The window's lower edge can fall anywhere: mask every tile.
+        acc, l_i, m_i = _decode_key_range(acc, l_i, m_i, q, k_base, v_base, block_table_ptr, start, end,
+                                          kv_lo, end, qk_scale, stride_cb, stride_ct, offs_d, d_ok,
+                                          BLOCK_SIZE, BLOCK_N, PAD_D, True, UPCAST, DOT_PRECISION)
+    else:
+        # Whole tiles unmasked, then the ragged tail.
+        full_end = tl.maximum(start + ((end - start) // BLOCK_N) * BLOCK_N, start)
+        acc, l_i, m_i = _decode_key_range(acc, l_i, m_i, q, k_base, v_base, block_table_ptr, start, full_end,
+                                          0, end, qk_scale, stride_cb, stride_ct, offs_d, d_ok,
+                                          BLOCK_SIZE, BLOCK_N, PAD_D, False, UPCAST, DOT_PRECISION)
+        acc, l_i, m_i = _decode_key_range(acc, l_i, m_i, q, k_base, v_base, block_table_ptr, full_end, end,
+                                          0, end, qk_scale, stride_cb, stride_ct, offs_d, d_ok,
+                                          BLOCK_SIZE, BLOCK_N, PAD_D, True, UPCAST, DOT_PRECISION)
+
+    if SINGLE_SPLIT:
+        out = acc / l_i[:, None]
+        o_ptrs = out_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    else:
+        # An empty split (short sequence) has l = 0: it writes o = 0, lse = -inf (weight 0).
+        has_keys = l_i > 0.0
+        out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+        lse = tl.where(has_keys, m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        row = (seq * NUM_HEADS + head).to(tl.int64) * num_splits + split
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :], out, mask=g_ok[:, None])
+        tl.store(part_lse_ptr + row, lse, mask=g_ok)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, stride_ot, stride_oh,
+                          num_splits, NUM_HEADS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """Combine the num_splits partial outputs of one (sequence, head)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    tok = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    s_ok = offs_s < num_splits
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    row = (seq * NUM_HEADS + head).to(tl.int64) * num_splits + offs_s
+    lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
+    o = tl.load(part_out_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    w = tl.math.exp2(lse - tl.max(lse, 0))  # split 0 always has keys, so the max is finite
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+# --------------------------------------------------------------------------
+# Wrapper
+# --------------------------------------------------------------------------
+
+# (BLOCK_N, num_warps, num_stages) per padded head dim on the GPU, chosen on the
+# H100 by benchmarks/kernels.py --sweep; a table, not an autotuner, decides.
+# Long key ranges per program (big batches, no split) stream best in large tiles;
+# short ranges (one long sequence cut into many splits) in small ones.
+DECODE_CONFIGS = {
+    64: (128, 4, 3),   # not swept on the device yet
+    128: (128, 4, 3),  # H100, 32 x 4096, one split: 2963 GB/s (64-key tiles: 2878)
+    256: (64, 4, 3),   # not swept on the device yet
+}
+DECODE_CONFIGS_SHORT = {
+    64: (32, 4, 3),
+    128: (32, 4, 3),   # H100, 1 x 8192 in 64 splits: 1799 GB/s (64-key tiles: 1675)
+    256: (32, 4, 3),
+}
+SHORT_RANGE_TOKENS = 512  # keys per program below which the short table applies
+DECODE_CONFIG_FP32 = (32, 4, 2)
+_INTERPRETER_CONFIG = (32, 1, 1)
+# A batch with at least SPLIT_BELOW_PROGRAMS_PER_SM * num_sms (sequence, KV head)
+# programs is not split (a second pass costs more than it balances: 32 x 4096 ran at
+# 2963 GB/s unsplit, 2692 in 2 splits). Smaller ones are split into about
+# PROGRAMS_PER_SM * num_sms programs, each of at least MIN_SPLIT_TOKENS keys
+# (1 x 8192: 16 / 32 / 64 / 128 splits gave 1195 / 1607 / 1799 / 1637 GB/s).
+SPLIT_BELOW_PROGRAMS_PER_SM = 1
+PROGRAMS_PER_SM = 4
+MIN_SPLIT_TOKENS = 128
+MAX_SPLITS = 64
+
+
+def decode_config(head_dim: int, dtype: torch.dtype = torch.bfloat16,
+                  keys_per_program: int = 1 << 30) -> tuple[int, int, int]:
+    if is_interpreter():
+        return _INTERPRETER_CONFIG
+    if dtype == torch.float32:
+        return DECODE_CONFIG_FP32
+    table = DECODE_CONFIGS_SHORT if keys_per_program < SHORT_RANGE_TOKENS else DECODE_CONFIGS
+    return table[max(next_power_of_2(head_dim), 16)]
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
+                      sliding_window: Optional[int] = None) -> int:
+    """How many KV splits fill the GPU for this batch (host-side sizes only)."""
+    span = min(max_seq_len, sliding_window) if sliding_window else max_seq_len
+    programs = max(num_seqs * num_kv_heads, 1)
+    if programs >= SPLIT_BELOW_PROGRAMS_PER_SM * num_sms():
+        return 1
+    want = cdiv(PROGRAMS_PER_SM * num_sms(), programs)
+    return max(1, min(want, cdiv(span, MIN_SPLIT_TOKENS), MAX_SPLITS))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float, sliding_window: Optional[int] = None,
+                     *, out: Optional[torch.Tensor] = None, num_seqs: Optional[int] = None,
+                     num_splits: Optional[int] = None,
+                     config: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
+    """Attention of the one query token of each of the first num_seqs sequences.
+
+    num_seqs defaults to meta.num_decodes; those sequences must have exactly one
+    query token each. Writes their rows of out (allocated when None) and
+    returns it. num_splits (default: decode_num_splits) may be fixed by the
+    caller, e.g. for CUDA-graph capture; config = (BLOCK_N, num_warps,
+    num_stages) overrides the table.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, kv_dim = k_cache.shape
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"q must be fp16, bf16 or fp32, got {q.dtype}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"cache dtype ({k_cache.dtype}, {v_cache.dtype}) must match q ({q.dtype})")
+    if v_cache.shape != k_cache.shape or kv_dim != head_dim:
+        raise ValueError(f"cache shapes {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if head_dim > 256:
+        raise ValueError(f"head_dim up to 256 is supported, got {head_dim}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_last_dim_contiguous(name, t)
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError(f"k_cache and v_cache must share strides, got {k_cache.stride()} and {v_cache.stride()}")
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must match q {tuple(q.shape)} {q.dtype}")
+    check_last_dim_contiguous("out", out)
+    if meta.block_tables.stride(-1) != 1:
+        raise ValueError("block_tables must be contiguous in its last dimension")
+    num_seqs = meta.num_decodes if num_seqs is None else num_seqs
+    if num_seqs == 0:
+        return out
+    starts = meta.query_start_loc_cpu
+    if starts[num_seqs] - starts[0] != num_seqs:
+        raise ValueError(f"decode needs one query token per sequence for the first {num_seqs} sequences")
+
+    group = num_heads // num_kv_heads
+    sliding = sliding_window is not None and sliding_window > 0
+    max_len = max(meta.seq_lens_cpu[:num_seqs])
+    span = min(max_len, sliding_window) if sliding else max_len
+    if num_splits is None:
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_len, sliding_window if sliding else None)
+    block_n, num_warps, num_stages = config or decode_config(head_dim, q.dtype, cdiv(span, num_splits))
+    head_dim_pad = max(next_power_of_2(head_dim), 16)
+    if num_splits > 1:
+        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim_pad, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+
+    _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
+        out, part_out, part_lse, q, k_cache, v_cache,
+        meta.block_tables, meta.seq_lens, meta.query_start_loc, scale * LOG2E,
+        sliding_window if sliding else 0, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+        NUM_HEADS=num_heads, GROUP=group, ROWS=max(16, next_power_of_2(group)),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        SINGLE_SPLIT=num_splits == 1, SLIDING=sliding, UPCAST=upcast_dots(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            out, part_out, part_lse, meta.query_start_loc, out.stride(0), out.stride(1), num_splits,
+            NUM_HEADS=num_heads, SPLITS_PAD=next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=4 if head_dim_pad >= 128 else 2,
+        )
+    return out
+
+
+# --------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------
+
+def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata, scale: float,
+                         sliding_window: Optional[int] = None) -> torch.Tensor:
+    """The engine core's reference: fp32 attention over K/V gathered through the block tables."""
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window)
+
+
+def decode_kv_bytes(meta: AttentionMetadata, num_kv_heads: int, head_dim: int, elem_bytes: int,
+                    sliding_window: Optional[int] = None, num_seqs: Optional[int] = None) -> int:
+    """Bytes of K and V the decode must read: every visible key once."""
+    num_seqs = meta.num_decodes if num_seqs is None else num_seqs
+    keys = sum(min(n, sliding_window) if sliding_window else n for n in meta.seq_lens_cpu[:num_seqs])
+    return 2 * keys * num_kv_heads * head_dim * elem_bytes

@@ -1,0 +1,241 @@
+"""Rotary position embedding fused with the KV-cache write, in Triton.
+
+Algorithm
+---------
+For each token t at position p = positions[t], with c = cos(p * f_i) and
+s = sin(p * f_i) read from a precomputed table (f_i the rotary frequencies;
+Llama-3.1 scaling only changes the frequencies, so it only changes the table,
+which the rotary layer builds), every head x of q and k is rotated pairwise:
+
+    (x1, x2) -> (x1 * c - x2 * s,  x2 * c + x1 * s)
+
+where the pair i is (x[i], x[i + D/2]) in the neox layout (HF's rotate_half,
+Llama/Mistral/Qwen checkpoints in HF layout) and (x[2i], x[2i+1]) in the
+interleaved layout (GPT-J, llama.cpp). q is rotated in place; the rotated k
+and the unchanged v go straight into their slot of the paged cache,
+slot = slot_mapping[t] (block slot // block_size, offset slot % block_size;
+-1 marks a padding token, not written). One pass, one program per token:
+rotated k never round-trips through memory. The math is fp32, rounded once
+to the storage dtype.
+
+`write_kv` is the same kernel without the rotation: the plain KV-cache write
+of the attention backend.
+
+Shapes
+------
+q [T, H, D], k/v [T, H_kv, D]   (views of a fused qkv output are fine: any
+                                  token and head strides, unit last stride)
+positions [T] int64, cos_sin_cache [max_pos, D] fp32 (cos | sin halves)
+k/v cache [num_blocks, block_size, H_kv, D], slot_mapping [T] int64
+
+Work
+----
+FLOPs: ~6 per rotated pair, negligible.
+Bytes: read q, k, v and D cos/sin values per token; write q, and k, v into
+the cache: T * ((2H + 3 H_kv) * D * e + D * 4 + 16). Memory-bound: the
+yardstick is GB/s against the device's copy bandwidth.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from rooflm.kernels.utils import check_last_dim_contiguous, next_power_of_2
+
+
+# --------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------
+
+@triton.jit
+def _rotate(row_ptr, head_offs, h_ok, offs_1, offs_2, i_ok, c, s):
+    """Load the pairs (offs_1, offs_2) of every head of one token and rotate them in fp32."""
+    mask = h_ok[:, None] & i_ok[None, :]
+    x1 = tl.load(row_ptr + head_offs[:, None] + offs_1[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(row_ptr + head_offs[:, None] + offs_2[None, :], mask=mask, other=0.0).to(tl.float32)
+    return x1 * c[None, :] - x2 * s[None, :], x2 * c[None, :] + x1 * s[None, :]
+
+
+@triton.jit
+def _rope_kv_write_kernel(
+        q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
+        stride_cb, stride_ct, stride_ch,
+        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+        KV_HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, IS_NEOX: tl.constexpr, APPLY_ROPE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs_i = tl.arange(0, HALF_PAD)
+    i_ok = offs_i < HALF
+    # Element offsets of the two members of each rotated pair.
+    if IS_NEOX:
+        offs_1 = offs_i
+        offs_2 = offs_i + HALF
+    else:
+        offs_1 = 2 * offs_i
+        offs_2 = 2 * offs_i + 1
+
+    kv_heads = tl.arange(0, KV_HEADS_PAD)
+    kv_ok = kv_heads < NUM_KV_HEADS
+    if APPLY_ROPE:
+        pos = tl.load(positions_ptr + t)
+        c = tl.load(cos_sin_ptr + pos * stride_cos + offs_i, mask=i_ok, other=0.0)
+        s = tl.load(cos_sin_ptr + pos * stride_cos + HALF + offs_i, mask=i_ok, other=0.0)
+        # q: rotate in place.
+        heads = tl.arange(0, HEADS_PAD)
+        h_ok = heads < NUM_HEADS
+        q_row = q_ptr + t * stride_qt
+        q1, q2 = _rotate(q_row, heads * stride_qh, h_ok, offs_1, offs_2, i_ok, c, s)
+        q_mask = h_ok[:, None] & i_ok[None, :]
+        q_dtype = q_ptr.dtype.element_ty
+        tl.store(q_row + heads[:, None] * stride_qh + offs_1[None, :], q1.to(q_dtype), mask=q_mask)
+        tl.store(q_row + heads[:, None] * stride_qh + offs_2[None, :], q2.to(q_dtype), mask=q_mask)
+
+    slot = tl.load(slot_mapping_ptr + t)
+    if slot >= 0:
+        cache_offs = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
+        kv_mask = kv_ok[:, None] & i_ok[None, :]
+        cache_dtype = k_cache_ptr.dtype.element_ty
+        k_row = k_ptr + t * stride_kt
+        kc_row = k_cache_ptr + cache_offs + kv_heads[:, None] * stride_ch
+        if APPLY_ROPE:
+            k1, k2 = _rotate(k_row, kv_heads * stride_kh, kv_ok, offs_1, offs_2, i_ok, c, s)
+        else:
+            k1 = tl.load(k_row + kv_heads[:, None] * stride_kh + offs_1[None, :], mask=kv_mask)
+            k2 = tl.load(k_row + kv_heads[:, None] * stride_kh + offs_2[None, :], mask=kv_mask)
+        tl.store(kc_row + offs_1[None, :], k1.to(cache_dtype), mask=kv_mask)
+        tl.store(kc_row + offs_2[None, :], k2.to(cache_dtype), mask=kv_mask)
+        # v is copied whole, not in pairs.
+        offs_d = tl.arange(0, 2 * HALF_PAD)
+        v_mask = kv_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+        v = tl.load(v_ptr + t * stride_vt + kv_heads[:, None] * stride_vh + offs_d[None, :], mask=v_mask)
+        tl.store(v_cache_ptr + cache_offs + kv_heads[:, None] * stride_ch + offs_d[None, :],
+                 v.to(cache_dtype), mask=v_mask)
+
+
+# --------------------------------------------------------------------------
+# Wrappers
+# --------------------------------------------------------------------------
+
+def _check_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if v.shape != k.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+    if k_cache.dim() != 4 or k_cache.shape[2:] != (num_kv_heads, head_dim) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"cache {tuple(k_cache.shape)} / {tuple(v_cache.shape)} does not fit k {tuple(k.shape)}")
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must share strides")
+    block_size = k_cache.shape[1]
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype != torch.int64:
+        raise ValueError(f"slot_mapping must be int64 [{num_tokens}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even, got {head_dim}")
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_last_dim_contiguous(name, t)
+
+
+def _num_warps(elements: int) -> int:
+    return 8 if elements >= 8192 else 4 if elements >= 2048 else 2
+
+
+def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor, is_neox: bool = True) -> torch.Tensor:
+    """Rotate q in place and write rotated k and v into their cache slots; returns q.
+
+    q [T, H, D], k/v [T, H_kv, D] (strided views allowed), positions [T] int64,
+    cos_sin_cache [max_pos, D] fp32 with cos in the first D/2 columns and sin
+    in the last D/2, slot_mapping [T] int64 (-1: do not write). k itself is
+    not modified.
+    """
+    _check_kv(k, v, k_cache, v_cache, slot_mapping)
+    num_tokens, num_heads, head_dim = q.shape
+    if k.shape[0] != num_tokens or k.shape[2] != head_dim:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} do not match")
+    if positions.shape != (num_tokens,) or positions.dtype != torch.int64:
+        raise ValueError(f"positions must be int64 [{num_tokens}], got {positions.dtype} {tuple(positions.shape)}")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim or cos_sin_cache.dtype != torch.float32:
+        raise ValueError(f"cos_sin_cache must be fp32 [max_pos, {head_dim}], got "
+                         f"{cos_sin_cache.dtype} {tuple(cos_sin_cache.shape)}")
+    check_last_dim_contiguous("q", q)
+    check_last_dim_contiguous("cos_sin_cache", cos_sin_cache)
+    if num_tokens == 0:
+        return q
+    _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox, apply_rope=True)
+    return q
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store k, v [T, H_kv, D] into their cache slots (slot -1: skip); no rotation."""
+    _check_kv(k, v, k_cache, v_cache, slot_mapping)
+    if k.shape[0] == 0:
+        return
+    _launch(k, k, v, slot_mapping, k, k_cache, v_cache, slot_mapping, True, apply_rope=False)
+
+
+def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox, apply_rope):
+    num_tokens, num_kv_heads, head_dim = k.shape
+    num_heads = q.shape[1] if apply_rope else 0
+    half_pad = next_power_of_2(head_dim // 2)
+    kv_heads_pad = next_power_of_2(num_kv_heads)
+    heads_pad = next_power_of_2(num_heads) if apply_rope else 1
+    _rope_kv_write_kernel[(num_tokens,)](
+        q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos_sin_cache.stride(0) if apply_rope else 0,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=heads_pad, KV_HEADS_PAD=kv_heads_pad,
+        HEAD_DIM=head_dim, HALF_PAD=half_pad, BLOCK_SIZE=k_cache.shape[1], IS_NEOX=is_neox,
+        APPLY_ROPE=apply_rope, num_warps=_num_warps((heads_pad + 3 * kv_heads_pad) * half_pad),
+    )
+
+
+# --------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------
+
+def rotate_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+               is_neox: bool = True) -> torch.Tensor:
+    """Torch rotary on [T, heads, D] in fp32: neox uses rotate_half, interleaved rotates (2i, 2i+1)."""
+    half = x.shape[-1] // 2
+    cos = cos_sin_cache[positions, :half].float()[:, None, :]
+    sin = cos_sin_cache[positions, half:].float()[:, None, :]
+    xf = x.float()
+    if is_neox:
+        cos = torch.cat([cos, cos], dim=-1)
+        sin = torch.cat([sin, sin], dim=-1)
+        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)  # rotate_half
+    else:
+        cos = cos.repeat_interleave(2, dim=-1)
+        sin = sin.repeat_interleave(2, dim=-1)
+        rotated = torch.stack([-xf[..., 1::2], xf[..., 0::2]], dim=-1).flatten(-2)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+def rope_kv_write_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, is_neox: bool = True) -> torch.Tensor:
+    """Same contract as rope_kv_write, in torch: rotates q in place, writes the cache, returns q."""
+    from rooflm.layers.attention import write_kv_ref
+
+    q.copy_(rotate_ref(q, positions, cos_sin_cache, is_neox))
+    write_kv_ref(rotate_ref(k, positions, cos_sin_cache, is_neox), v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+def rope_kv_write_bytes(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                        elem_bytes: int, cache_elem_bytes: Optional[int] = None) -> int:
+    """Bytes rope_kv_write must move: q read + written, k and v read and written to the cache, cos/sin, indices."""
+    cache_elem_bytes = cache_elem_bytes or elem_bytes
+    per_token = (2 * num_heads * head_dim * elem_bytes + 2 * num_kv_heads * head_dim * elem_bytes
+                 + 2 * num_kv_heads * head_dim * cache_elem_bytes + head_dim * 4 + 16)
+    return num_tokens * per_token

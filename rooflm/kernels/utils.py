@@ -1,0 +1,188 @@
+"""Small helpers shared by the Triton kernels and their tests.
+
+Nothing here launches a kernel. The kernels run compiled on CUDA and under
+Triton's interpreter (TRITON_INTERPRET=1) on the CPU; the few places where the
+two must differ ask `is_interpreter()`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# 1 / ln(2): the kernels use exp2/log2, so the softmax scale is multiplied by it once.
+LOG2E = 1.4426950408889634
+
+
+def is_interpreter() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+@functools.lru_cache(maxsize=8)
+def num_sms(device_index: int = 0) -> int:
+    """Streaming multiprocessors of the device; a small stand-in on the CPU.
+
+    Split-KV decode sizes its grid from this. Under the interpreter the value
+    only has to make the tests exercise more than one split.
+    """
+    if torch.cuda.is_available() and not is_interpreter():
+        return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return 4
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot input precision for fp32 inputs: plain tf32 would cost ~3e-4 of relative error.
+
+    Compiled: tf32x3 (three tf32 products on the tensor cores, ~fp32 accuracy;
+    "ieee" runs on the FMA units and spills). The interpreter computes in fp32
+    anyway. fp16/bf16 inputs ignore the setting.
+    """
+    if dtype != torch.float32:
+        return "tf32"
+    return "ieee" if is_interpreter() else "tf32x3"
+
+
+def upcast_dots(dtype: torch.dtype) -> bool:
+    """Whether dot operands are upcast to fp32 inside the kernel.
+
+    Triton 3.9's interpreter returns garbage for tl.dot on bf16 operands (bf16
+    loads are fine), so in interpreter mode bf16 tiles are upcast before each
+    dot. Compiled kernels never upcast.
+    """
+    return is_interpreter() and dtype == torch.bfloat16
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in fp64; NaN anywhere in out gives NaN (never passes a < check)."""
+    out64 = out.double()
+    ref64 = ref.double()
+    return ((out64 - ref64).norm() / ref64.norm().clamp_min(1e-30)).item()
+
+
+# Tolerances of the issue: relative error ||out - ref|| / ||ref|| per input dtype.
+REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
+
+
+# --------------------------------------------------------------------------
+# Paged-cache addressing shared by the two attention kernels
+# --------------------------------------------------------------------------
+
+@triton.jit
+def load_2d(ptrs, row_ok, col_ok, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
+    """Load a tile, masking only what can be out of range (an unmasked load is cheapest)."""
+    if MASK_ROWS:
+        if MASK_COLS:
+            x = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        if MASK_COLS:
+            x = tl.load(ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def kv_tile_offsets(block_table_ptr, start_n, kv_ok, stride_b, stride_t,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Element offsets [BLOCK_N] of keys start_n .. start_n + BLOCK_N - 1 in the paged cache.
+
+    The key at position p lives in block block_table[p // BLOCK_SIZE], slot
+    p % BLOCK_SIZE. start_n is a multiple of BLOCK_N. Keys where kv_ok is
+    false (past the sequence) get a valid but meaningless offset; the caller
+    masks their loads.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    if BLOCK_N <= BLOCK_SIZE:
+        # The tile lies inside one cache block: one block-table entry.
+        block = tl.load(block_table_ptr + start_n // BLOCK_SIZE).to(tl.int64)
+        offs = block * stride_b + ((start_n % BLOCK_SIZE) + offs_n) * stride_t
+    else:
+        k_idx = start_n + offs_n
+        if MASKED:
+            block = tl.load(block_table_ptr + k_idx // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
+        else:
+            block = tl.load(block_table_ptr + k_idx // BLOCK_SIZE).to(tl.int64)
+        offs = block * stride_b + (k_idx % BLOCK_SIZE) * stride_t
+    return offs
+
+
+def random_paged_batch(seq_lens: list[int], query_lens: list[int], num_kv_heads: int, head_dim: int,
+                       block_size: int, dtype: torch.dtype, device: torch.device | str,
+                       spare_blocks: int = 3, poison_unused: bool = True):
+    """A random packed batch over a paged cache, for tests and benchmarks.
+
+    Sequence s has seq_lens[s] tokens of context, the last query_lens[s] of
+    which are this step's queries; sequences with one query token must come
+    first (the model runner's order), and they are counted as decodes. Blocks
+    are handed out in a random order so block tables are not contiguous. The
+    cache holds random K/V in every slot a sequence owns; with poison_unused,
+    every other slot is NaN, so a kernel that reads past a sequence's end
+    fails the test. Returns (meta, k_cache, v_cache).
+    """
+    # Imported here so that utils stays importable from the attention module's dependencies.
+    from rooflm.layers.attention import AttentionMetadata
+
+    if len(seq_lens) != len(query_lens):
+        raise ValueError("seq_lens and query_lens differ in length")
+    blocks_per_seq = [cdiv(n, block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    perm = torch.randperm(num_blocks).tolist()
+    max_blocks = max(blocks_per_seq)
+    block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, dtype=dtype, device=device)
+    v_cache = torch.randn(shape, dtype=dtype, device=device)
+    slots = []
+    next_block = 0
+    for s, (n, q) in enumerate(zip(seq_lens, query_lens)):
+        if not 1 <= q <= n:
+            raise ValueError(f"sequence {s}: query_len {q} must be in [1, seq_len {n}]")
+        ids = perm[next_block:next_block + blocks_per_seq[s]]
+        next_block += blocks_per_seq[s]
+        block_tables[s, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        if poison_unused and n % block_size:
+            k_cache[ids[-1], n % block_size:] = float("nan")
+            v_cache[ids[-1], n % block_size:] = float("nan")
+        slots += [ids[pos // block_size] * block_size + pos % block_size for pos in range(n - q, n)]
+    if poison_unused and next_block < num_blocks:
+        unused = torch.tensor(perm[next_block:], device=device)
+        k_cache[unused] = float("nan")
+        v_cache[unused] = float("nan")
+    num_decodes = 0
+    while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+        num_decodes += 1
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        num_decodes=num_decodes,
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=list(seq_lens),
+    )
+    return meta, k_cache, v_cache
