@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, then the engine benchmarks of issue 4 on a Llama-3-8B-shape model
+# with dummy weights. Usage (on the GPU machine, repo root): OUT=dir bash benchmarks/gpu_suite.sh [quick]
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-benchmarks/results/gpu-suite}
+mkdir -p "$OUT"
+MODEL="--model llama-3-8b --load-format dummy --log-level INFO"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
+
+python -m pytest -q -m gpu tests/models/test_gpu_e2e.py tests/unit/test_sampler.py -p no:cacheprovider 2>&1 \
+  | tail -15 | tee "$OUT/pytest-gpu.txt"
+
+# Batch-1 decode: 128-token prompt, 256 new tokens (the gpt-fast comparison).
+python -m rooflm bench latency $MODEL --batch-size 1 --input-len 128 --output-len 256 \
+  --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 \
+  --output-json "$OUT/latency-b1.json" --output-md "$OUT/latency-b1.md" --disable-tqdm 2>&1 | tail -25
+
+# Batched decode: 64 sequences, 1024-token prompts, 256 new tokens.
+python -m rooflm bench latency $MODEL --batch-size 64 --input-len 1024 --output-len 256 \
+  --num-iters 2 --num-iters-warmup 1 --max-model-len 2048 \
+  --output-json "$OUT/latency-b64.json" --output-md "$OUT/latency-b64.md" --disable-tqdm 2>&1 | tail -25
+
+if [ "${1:-}" != "quick" ]; then
+  # Offline throughput: 1000 prompts of 1024 random tokens, 1024 output tokens each.
+  python -m rooflm bench throughput $MODEL --num-prompts 1000 --input-len 1024 --output-len 1024 \
+    --max-model-len 2048 --output-json "$OUT/throughput.json" --disable-tqdm 2>&1 | tail -25
+fi
