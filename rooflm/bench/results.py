@@ -48,6 +48,8 @@ def git_commit(repo_dir: str = REPO_ROOT) -> str:
     --no-optional-locks keeps `git status` from rewriting the index, so taking
     a stamp never changes the repository's state.
     """
+    if os.environ.get("ROOFLM_COMMIT"):  # a copy of the tree without .git (the device machine)
+        return os.environ["ROOFLM_COMMIT"]
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo_dir,
                                 capture_output=True, text=True, check=True).stdout.strip()

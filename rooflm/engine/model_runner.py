@@ -102,7 +102,7 @@ class ModelRunner:
         if choice == "reference" or (choice == "auto" and self.device.type != "cuda"):
             return ReferenceBackend()
         from rooflm.kernels.backend import TritonBackend
-        return TritonBackend()
+        return TritonBackend(split_span=self.max_model_len)
 
     # ---- set-up ----------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from rooflm.kernels.decode_attention import decode_attention
+from rooflm.kernels.decode_attention import decode_attention, decode_num_splits
 from rooflm.kernels.prefill_attention import prefill_attention
 from rooflm.kernels.rope_kv_write import rope_kv_write, write_kv
 from rooflm.layers.attention import AttentionBackend, AttentionMetadata
@@ -31,10 +31,14 @@ from rooflm.layers.attention import AttentionBackend, AttentionMetadata
 class TritonBackend(AttentionBackend):
     name = "triton"
 
-    def __init__(self, decode_num_splits: Optional[int] = None):
+    def __init__(self, decode_num_splits: Optional[int] = None, split_span: Optional[int] = None):
         # A fixed split count keeps the decode grid constant (CUDA-graph capture);
         # None sizes it per step from the batch.
         self.decode_num_splits = decode_num_splits
+        # When set (the model's context length), eager steps size their splits for that span,
+        # exactly as the captured graphs do, so both paths sum in the same order and give
+        # bit-identical results at the captured batch sizes.
+        self.split_span = split_span
 
     def rope_and_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                        rotary, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -55,8 +59,11 @@ class TritonBackend(AttentionBackend):
         out = torch.empty_like(q)
         num_decodes = meta.num_decodes
         if num_decodes > 0:
+            num_splits = self.decode_num_splits
+            if num_splits is None and self.split_span is not None:
+                num_splits = decode_num_splits(num_decodes, k_cache.shape[2], self.split_span, sliding_window)
             decode_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out,
-                             num_seqs=num_decodes, num_splits=self.decode_num_splits)
+                             num_seqs=num_decodes, num_splits=num_splits)
         if num_decodes < meta.num_seqs:
             prefill_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out,
                               first_seq=num_decodes)

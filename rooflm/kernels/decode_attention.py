@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rooflm.kernels.utils import (LOG2E, cdiv, check_last_dim_contiguous, dot_precision, is_interpreter,
+from rooflm.kernels.utils import (config_for_head_dim, LOG2E, cdiv, check_last_dim_contiguous, dot_precision, is_interpreter,
                                   kv_tile_offsets, load_2d, next_power_of_2, num_sms, upcast_dots)
 from rooflm.layers.attention import AttentionMetadata, paged_attention_ref
 
@@ -224,7 +224,7 @@ def decode_config(head_dim: int, dtype: torch.dtype = torch.bfloat16,
     if dtype == torch.float32:
         return DECODE_CONFIG_FP32
     table = DECODE_CONFIGS_SHORT if keys_per_program < SHORT_RANGE_TOKENS else DECODE_CONFIGS
-    return table[max(next_power_of_2(head_dim), 16)]
+    return config_for_head_dim(table, max(next_power_of_2(head_dim), 16))
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,

@@ -74,7 +74,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from rooflm.kernels.utils import (LOG2E, check_last_dim_contiguous, dot_precision, is_interpreter,
+from rooflm.kernels.utils import (config_for_head_dim, LOG2E, check_last_dim_contiguous, dot_precision, is_interpreter,
                                   kv_tile_offsets, load_2d, next_power_of_2, upcast_dots)
 from rooflm.layers.attention import AttentionMetadata, paged_attention_ref
 
@@ -286,7 +286,7 @@ def prefill_config(head_dim: int, group: int, dtype: torch.dtype = torch.bfloat1
             table = PREFILL_CONFIGS_FP32
         else:
             table = PREFILL_CONFIGS_TMA if tma else PREFILL_CONFIGS_GATHER
-        block_m, block_n, warps, stages = table[d_pad]
+        block_m, block_n, warps, stages = config_for_head_dim(table, d_pad)
     return max(block_m, next_power_of_2(group)), block_n, warps, stages
 
 

@@ -186,3 +186,12 @@ def random_paged_batch(seq_lens: list[int], query_lens: list[int], num_kv_heads:
         seq_lens_cpu=list(seq_lens),
     )
     return meta, k_cache, v_cache
+
+
+def config_for_head_dim(table: dict, head_dim_pad: int):
+    """The tuned entry for this padded head dim, else the nearest larger one (small head dims,
+    e.g. of test models, run fine with a larger head dim's tiles), else the largest."""
+    if head_dim_pad in table:
+        return table[head_dim_pad]
+    larger = [d for d in table if d >= head_dim_pad]
+    return table[min(larger)] if larger else table[max(table)]
