@@ -168,6 +168,8 @@ class RuntimeConfig:
     """GPU runtime switches (issue: CUDA graphs, overlap)."""
 
     enforce_eager: bool = False
+    # Schedule and queue step t+1 before reading step t's tokens back (None: on for CUDA).
+    async_scheduling: Optional[bool] = None
     cuda_graph_max_batch: int = 256
     attention_backend: str = "auto"  # auto (triton on CUDA, torch reference on CPU) | triton | reference
 

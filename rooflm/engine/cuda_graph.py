@@ -123,8 +123,9 @@ class CUDAGraphRunner:
                 return size
         return None
 
-    def run(self, input_ids, positions, slots, seq_lens, block_tables) -> torch.Tensor:
-        """Host tensors (pinned) of a decode batch -> logits [batch, vocab]."""
+    def run(self, input_ids, positions, slots, seq_lens, block_tables, fixup=None) -> torch.Tensor:
+        """Host tensors (pinned) of a decode batch -> logits [batch, vocab]. fixup = (token
+        indices, token ids) on the device: pending token ids written after the copy."""
         batch = input_ids.shape[0]
         size = self.graph_size(batch)
         b = self.buffers
@@ -137,5 +138,7 @@ class CUDAGraphRunner:
         if batch < size:  # padding rows: no K/V write, a 1-token context
             b.slot_mapping[batch:size].fill_(-1)
             b.seq_lens[batch:size].fill_(1)
+        if fixup is not None:
+            b.input_ids[fixup[0]] = fixup[1]
         self.graphs[size].replay()
         return self.logits[size][:batch]

@@ -50,6 +50,10 @@ class LLMEngine:
         from rooflm.perf.live import StepMeter
         self.meter = StepMeter.for_engine(self)  # achieved bandwidth/FLOP rate per step (MBU, MFU)
         self.last_step_stats = None
+        async_cfg = config.runtime.async_scheduling
+        self.async_scheduling = self.runner.device.type == "cuda" if async_cfg is None else async_cfg
+        self._in_flight = None  # (SchedulerOutput, StepHandle) launched, not yet processed
+        self._last_collect = time.perf_counter()
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -178,7 +182,7 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -186,23 +190,43 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One engine step. With async scheduling (CUDA), step t+1 is scheduled and queued on
+        the GPU before step t's tokens are read back, so host work overlaps device work and
+        the outputs returned are those of the previous step."""
+        if not self.async_scheduling:
+            out = self.scheduler.schedule()
+            if out.is_empty:
+                return []
+            t0 = time.perf_counter()
+            result = self.runner.execute(out, self._suppressed_tokens(out))
+            self.last_step_stats = self.meter.record(out, time.perf_counter() - t0)
+            self.stats["steps"] += 1
+            return self._process(out, result)
         out = self.scheduler.schedule()
-        if out.is_empty:
-            return []
-        suppress = self._suppressed_tokens(out)
-        t0 = time.perf_counter()
-        result = self.runner.execute(out, suppress)
-        # Before _process advances the counters: the meter reads this step's batch from them.
-        self.last_step_stats = self.meter.record(out, time.perf_counter() - t0)
-        self.stats["steps"] += 1
-        return self._process(out, result)
+        handle = None
+        if not out.is_empty:
+            prev = self._in_flight[1] if self._in_flight else None
+            handle = self.runner.launch(out, self._suppressed_tokens(out), prev)
+            self.stats["steps"] += 1
+        outputs = []
+        if self._in_flight is not None:
+            prev_out, prev_handle = self._in_flight
+            result = self.runner.collect(prev_handle)
+            now = time.perf_counter()
+            self.last_step_stats = self.meter.record(prev_out, now - self._last_collect)
+            self._last_collect = now
+            outputs = self._process(prev_out, result)
+        self._in_flight = (out, handle) if handle is not None else None
+        return outputs
 
     def _suppressed_tokens(self, out: SchedulerOutput) -> dict[int, tuple[int, ...]]:
         """EOS and stop tokens are forbidden while a sequence is under its min_tokens."""
         suppress = {}
         for sch in out.scheduled:
             params = sch.request.params
-            if params.min_tokens and sch.completes and sch.seq.num_output_tokens < params.min_tokens:
+            # Tokens generated before this sample: those read back plus earlier pending ones.
+            generated = sch.seq.num_output_tokens + sch.seq.num_pending - 1
+            if params.min_tokens and sch.completes and generated < params.min_tokens:
                 ids = set(params.stop_token_ids or ())
                 if not params.ignore_eos:
                     ids |= self.eos_token_ids
@@ -215,14 +239,16 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         for sch in out.scheduled:
             seq, req = sch.seq, sch.request
-            completes = sch.completes  # read before the counter moves
-            seq.num_computed_tokens += sch.num_new_tokens
+            if seq.finished or req.request_id not in self.requests:
+                continue  # finished (or aborted) while this step was in flight: drop its token
+            completes = sch.completes
             if seq.seq_id in result.prompt_logprobs:
                 req.prompt_logprobs.extend(self._decode_logprobs(e) for e in result.prompt_logprobs[seq.seq_id])
-            if seq.block_table:
+            if seq.block_table and req.status == RequestStatus.RUNNING:
+                # Only blocks whose token ids are all known can be hashed.
+                known = min(seq.num_computed_tokens, seq.num_known_tokens)
                 seq.num_cached_blocks = self.block_manager.cache_full_blocks(
-                    seq.token_ids, seq.block_table, seq.num_computed_tokens, req.cache_salt,
-                    seq.num_cached_blocks)
+                    seq.token_ids, seq.block_table, known, req.cache_salt, seq.num_cached_blocks)
             if completes:
                 tokens = result.sampled[seq.seq_id]
                 lps = result.logprobs.get(seq.seq_id, [None] * len(tokens))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -67,6 +67,17 @@ class StepInputs:
     rows: list[SamplingRow]
     row_owner: list[ScheduledSeq]  # which scheduled sequence each sampling row belongs to
     prompt_logprob_spans: list[tuple[ScheduledSeq, int, int, int]]  # (seq, packed index, position, count)
+    pending_positions: list[tuple[int, int]]  # (packed index, seq_id) of inputs still on the device
+
+
+@dataclass
+class StepHandle:
+    """A launched step: its inputs, and the device tensors its results will be read from."""
+
+    inputs: StepInputs
+    result: StepResult
+    sampled: Optional[object] = None  # SamplerOutput, on the device
+    row_of: dict[int, int] = field(default_factory=dict)  # seq_id -> sampling row
 
 
 @dataclass
@@ -253,10 +264,15 @@ class ModelRunner:
         rows: list[SamplingRow] = []
         row_owner: list[ScheduledSeq] = []
         spans: list[tuple[ScheduledSeq, int, int, int]] = []
+        pending: list[tuple[int, int]] = []
         for sch in order:
             seq, start, n = sch.seq, sch.start, sch.num_new_tokens
             base = len(input_ids)
-            input_ids.extend(seq.token_ids[start:start + n])
+            known = seq.token_ids[start:start + n]
+            input_ids.extend(known)
+            for j in range(len(known), n):  # a token sampled last step, id still on the device
+                pending.append((base + j, seq.seq_id))
+                input_ids.append(0)
             positions.extend(range(start, start + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -288,7 +304,7 @@ class ModelRunner:
         return StepInputs(host=host, query_start_loc_cpu=query_start, seq_lens_cpu=seq_lens,
                           max_query_len=max(s.num_new_tokens for s in order), num_decodes=num_decodes,
                           order=order, logits_indices=logits_indices, rows=rows, row_owner=row_owner,
-                          prompt_logprob_spans=spans)
+                          prompt_logprob_spans=spans, pending_positions=pending)
 
     def _pin(self, t: torch.Tensor) -> torch.Tensor:
         # Pinned host memory makes the copies below asynchronous; torch caches the pages.
@@ -311,14 +327,44 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, suppress: dict[int, tuple[int, ...]]) -> StepResult:
+        """Run a step and wait for its results (the synchronous path)."""
+        return self.collect(self.launch(out, suppress, None))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, suppress: dict[int, tuple[int, ...]],
+               prev: Optional["StepHandle"]) -> "StepHandle":
+        """Queue a step's work on the device without waiting for it.
+
+        Tokens the previous step sampled but the host has not read yet (pending) are
+        filled into this step's inputs on the device, from prev's sampled ids."""
         self.apply_block_ops(out)
         inputs = self.prepare(out, suppress)
-        result = StepResult({}, {}, {})
-        logits = self._forward(inputs, result)
-        if not inputs.rows:
+        fixup = self._pending_fixup(inputs, prev)
+        handle = StepHandle(inputs, StepResult({}, {}, {}))
+        logits = self._forward(inputs, handle.result, fixup)
+        if inputs.rows:
+            meta = SamplingMetadata.build(inputs.rows, self.model_config.vocab_size, self.device)
+            handle.sampled = self.sampler(logits, meta)
+            handle.row_of = {sch.seq.seq_id: r for r, sch in enumerate(inputs.row_owner)}
+        return handle
+
+    def _pending_fixup(self, inputs: "StepInputs", prev: Optional["StepHandle"]):
+        if not inputs.pending_positions:
+            return None
+        if prev is None or prev.sampled is None:
+            raise RuntimeError("a step has pending tokens but no previous step sampled them")
+        positions = [p for p, _ in inputs.pending_positions]
+        rows = [prev.row_of[sid] for _, sid in inputs.pending_positions]
+        dst = self._host(positions, torch.int64).to(self.device, non_blocking=True)
+        src = self._host(rows, torch.int64).to(self.device, non_blocking=True)
+        return dst, prev.sampled.sampled_token_ids.index_select(0, src)
+
+    @torch.inference_mode()
+    def collect(self, handle: "StepHandle") -> StepResult:
+        """Wait for a launched step and bring its sampled tokens (and logprobs) to the host."""
+        result, sampled, inputs = handle.result, handle.sampled, handle.inputs
+        if sampled is None:
             return result
-        meta = SamplingMetadata.build(inputs.rows, self.model_config.vocab_size, self.device)
-        sampled = self.sampler(logits, meta)
         token_ids = sampled.sampled_token_ids.tolist()  # the step's one device-to-host sync
         want_lp = sampled.logprob_token_ids is not None
         if want_lp:
@@ -336,18 +382,22 @@ class ModelRunner:
                 result.logprobs.setdefault(sid, []).append(entry)
         return result
 
-    def _forward(self, inputs: StepInputs, result: StepResult) -> Optional[torch.Tensor]:
-        """Logits of the sampling rows: from a CUDA graph for plain decode steps, else eagerly."""
+    def _forward(self, inputs: StepInputs, result: StepResult, fixup=None) -> Optional[torch.Tensor]:
+        """Logits of the sampling rows: from a CUDA graph for plain decode steps, else eagerly.
+        fixup = (token indices, token ids) on the device overwrites pending input ids."""
         h = inputs.host
         num_seqs = len(inputs.seq_lens_cpu)
         if (self.graphs is not None and inputs.num_decodes == num_seqs
                 and not inputs.prompt_logprob_spans and self.graphs.graph_size(num_seqs) is not None):
-            logits = self.graphs.run(h.input_ids, h.positions, h.slot_mapping, h.seq_lens, h.block_tables)
+            logits = self.graphs.run(h.input_ids, h.positions, h.slot_mapping, h.seq_lens, h.block_tables,
+                                     fixup)
             if not inputs.rows:
                 return None
             idx = self._host(inputs.logits_indices, torch.int64).to(self.device, non_blocking=True)
             return logits.index_select(0, idx)
         input_ids, positions, meta = self.to_device(inputs)
+        if fixup is not None:
+            input_ids[fixup[0]] = fixup[1]
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if inputs.prompt_logprob_spans:
             self._prompt_logprobs(hidden, inputs, result)

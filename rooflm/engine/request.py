@@ -35,6 +35,9 @@ class Sequence:
     token_ids: list[int]
     num_prompt_tokens: int
     num_computed_tokens: int = 0
+    # Tokens sampled on the device whose ids the host has not read yet (async scheduling):
+    # they count in num_tokens, so the next step can already compute them.
+    num_pending: int = 0
     block_table: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
     finish_reason: Optional[str] = None
@@ -47,15 +50,22 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_pending
 
     # Generated tokens, also appended to token_ids; kept apart so that readers (the sampler's
     # penalties, outputs) need no per-step slice of a long list.
     output_token_ids: list[int] = field(default_factory=list)
 
     def append_token(self, token: int) -> None:
+        """A sampled token's id arrives on the host: it stops being pending."""
         self.token_ids.append(token)
         self.output_token_ids.append(token)
+        self.num_pending = max(0, self.num_pending - 1)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host knows, i.e. without the pending ones."""
+        return len(self.token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -112,3 +122,11 @@ class Request:
     @property
     def needs_fork(self) -> bool:
         return not self.forked and self.params.n > 1
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """The next step needs this request's last token ids on the host: penalties read the
+        history, and the first sample of n > 1 forks the request."""
+        p = self.params
+        return (self.needs_fork or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                or p.frequency_penalty != 0.0)

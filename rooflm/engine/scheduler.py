@@ -29,15 +29,8 @@ class ScheduledSeq:
     request: Request
     seq: Sequence
     num_new_tokens: int
-
-    @property
-    def start(self) -> int:
-        return self.seq.num_computed_tokens
-
-    @property
-    def completes(self) -> bool:
-        """After this step the sequence's K/V is complete, so it samples its next token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    start: int  # num_computed_tokens when scheduled: the position of the first new token
+    completes: bool  # after this step the K/V is complete, so the sequence samples a token
 
 
 @dataclass
@@ -104,11 +97,31 @@ class Scheduler:
         if not out.preempted:
             budget = self._schedule_swapped(out, budget)
             self._schedule_waiting(out, budget)
+        # The counters move now, not when the results arrive, so that the next step can be
+        # scheduled while this one still runs: a sampling sequence gains a pending token.
+        for sch in out.scheduled:
+            sch.seq.num_computed_tokens += sch.num_new_tokens
+            if sch.completes:
+                sch.seq.num_pending += 1
         return out
+
+    @staticmethod
+    def _schedulable(req: Request, seq: Sequence) -> bool:
+        if seq.num_uncomputed_tokens <= 0:
+            return False
+        if seq.num_pending:
+            # Only the pending token is left to compute; its id will come from the device.
+            # A sequence that already has all its tokens is about to finish: skip it.
+            return (seq.num_pending == 1 and seq.num_computed_tokens == seq.num_known_tokens
+                    and seq.num_output_tokens + seq.num_pending < req.max_tokens)
+        return True
 
     def _plan(self, req: Request, budget: int) -> list[tuple[Sequence, int]] | None:
         """Tokens for each live sequence of a group, at least one each, or None."""
-        seqs = [s for s in req.live_seqs if s.num_uncomputed_tokens > 0]
+        live = req.live_seqs
+        if req.needs_host_tokens and any(s.num_pending for s in live):
+            return None  # the group waits a step for its tokens to reach the host
+        seqs = [s for s in live if self._schedulable(req, s)]
         if not seqs or budget < len(seqs):
             return None
         plan = []
@@ -126,10 +139,10 @@ class Scheduler:
     def _commit(self, req: Request, plan, out: SchedulerOutput) -> int:
         used = 0
         for seq, n in plan:
-            ok = self.bm.allocate_slots(seq.block_table, seq.num_computed_tokens,
-                                        seq.num_computed_tokens + n, out.blocks_to_copy)
+            start = seq.num_computed_tokens
+            ok = self.bm.allocate_slots(seq.block_table, start, start + n, out.blocks_to_copy)
             assert ok, "allocation was checked for the whole group"
-            out.scheduled.append(ScheduledSeq(req, seq, n))
+            out.scheduled.append(ScheduledSeq(req, seq, n, start, start + n == seq.num_tokens))
             used += n
         return used
 
@@ -177,6 +190,8 @@ class Scheduler:
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped:
             req = self.swapped[0]
+            if any(s.num_pending for s in req.live_seqs):
+                break  # its last tokens are still on their way to the host
             tables = [s.block_table for s in req.live_seqs]
             plan = self._plan(req, budget)
             if plan is None or not self._has_seq_room(req):
@@ -197,8 +212,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0:
             req = self.waiting[0]
-            if not self._has_seq_room(req):
-                break
+            if not self._has_seq_room(req) or any(s.num_pending for s in req.live_seqs):
+                break  # FCFS: a preempted request waits for its pending tokens, and blocks the queue
             hits = {id(s): self.bm.find_cached_prefix(s.token_ids, req.cache_salt)
                     if s.num_computed_tokens == 0 else [] for s in req.live_seqs}
             plan = self._plan_admission(req, hits, budget)

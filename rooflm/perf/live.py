@@ -207,16 +207,16 @@ class StepMeter:
         for sch in sched_out.scheduled:
             seq = sch.seq
             n = sch.num_new_tokens
-            end = seq.num_computed_tokens + n
+            end = sch.start + n  # captured at scheduling: valid before and after counters move
             # A decode row: one new token that completes the K/V, past the prompt's first
             # sample (that one may fork into n rows: see below). It attends its whole
             # context, the new token included. The common case, so tested first and cheaply.
-            if n == 1 and end == len(seq.token_ids) and end != seq.num_prompt_tokens:
+            if n == 1 and sch.completes and end != seq.num_prompt_tokens:
                 num_decode += 1
                 decode_ctx += end if end < cap else cap
                 continue
-            start = end - n
-            completes = end == len(seq.token_ids)
+            start = sch.start
+            completes = sch.completes
             req = sch.request
             forks = not req.forked and req.params.n > 1
             if n == 1 and completes and not forks:

@@ -68,6 +68,8 @@ PHASES = (
     ("lm_head", "lm head (logits)"),
     ("sample", "sample"),
     ("execute", "execute, rest (sync, sampling metadata, results)"),
+    ("launch", "launch, rest (sampling metadata, queueing)"),
+    ("collect", "collect (wait for the device, read results)"),
     ("process", "detokenize + output"),
     ("step", "engine.step, rest"),
 )
@@ -200,7 +202,10 @@ class EngineInstrument:
         model = getattr(runner, "model", None)
         sampler = getattr(runner, "sampler", None)
         self._wrap(scheduler, "schedule", "schedule", after=self._after_schedule)
-        self._wrap(runner, "execute", "execute", after=self._after_execute)
+        self._wrap(runner, "execute", "execute")
+        # Async scheduling queues a step (launch) and reads the previous one back (collect).
+        self._wrap(runner, "launch", "launch", optional=True)
+        self._wrap(runner, "collect", "collect", optional=True)
         self._wrap(runner, "apply_block_ops", "block_ops")
         self._wrap(runner, "prepare", "prepare")
         # Present on some runners or devices only: host-to-device copies, CUDA graph replay.
@@ -230,23 +235,23 @@ class EngineInstrument:
         if self.engine.scheduler.waiting and usage > KV_FULL_USAGE:
             self.record.waiting_on_full_pool += 1
 
-    def _after_execute(self, args, elapsed_s: float) -> None:
-        # runner.execute(out, suppress): the engine has not advanced num_computed_tokens
-        # yet (that is _process, next), which is StepMeter.record's contract.
-        self.record.stats.append(self.meter.record(args[0], elapsed_s))
-
     def step(self) -> bool:
         """One engine step inside the outer range; False when nothing was scheduled."""
         scheduler = getattr(self.engine, "scheduler", None)
-        executed = len(self.record.stats)
         before = getattr(scheduler, "num_preemptions", 0)
+        prev_stats = getattr(self.engine, "last_step_stats", None)
         t0 = time.perf_counter()
         with self.phase("step"):
             self.engine.step()
         wall = time.perf_counter() - t0
         self.record.preemptions += getattr(scheduler, "num_preemptions", 0) - before
-        if "execute" in self.attached and len(self.record.stats) == executed:
-            return False  # nothing was scheduled
+        # The engine's own meter records each step whose results came back (with async
+        # scheduling, the previous step's): its bytes and FLOPs over the step's wall time.
+        stats = getattr(self.engine, "last_step_stats", None)
+        if stats is not None and stats is not prev_stats:
+            self.record.stats.append(stats)
+        elif getattr(self.engine, "_in_flight", None) is None:
+            return False  # nothing came back and nothing is queued: nothing was scheduled
         self.record.step_wall_s.append(wall)
         return True
 

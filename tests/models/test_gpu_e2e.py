@@ -65,3 +65,10 @@ def test_llama3_8b_shape_triton_matches_reference():
     ref = generate("llama-3-8b", prompts, "reference", True, **kw)
     fast = generate("llama-3-8b", prompts, "triton", False, **kw)
     check_greedy_close(fast, ref)
+
+
+def test_async_scheduling_matches_sync(tmp_path):
+    path, _ = make_tiny_model(tmp_path, "llama", initializer_range=0.3)
+    sync = generate(path, PROMPTS, "triton", False, async_scheduling=False)
+    async_ = generate(path, PROMPTS, "triton", False, async_scheduling=True)
+    assert [o.outputs[0].token_ids for o in async_] == [o.outputs[0].token_ids for o in sync]

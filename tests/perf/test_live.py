@@ -31,7 +31,7 @@ def scheduled(prompt_len, computed, new, generated=0, n=1, forked=False):
     seq = Sequence(next(_ids), 0, prompt + [5] * generated, prompt_len, num_computed_tokens=computed)
     req.seqs.append(seq)
     req.forked = forked
-    return ScheduledSeq(req, seq, new)
+    return ScheduledSeq(req, seq, new, computed, computed + new == seq.num_tokens)
 
 
 def mixed_batch():
@@ -114,14 +114,16 @@ def test_one_token_chunk_that_does_not_finish_the_prompt_is_not_a_decode():
     assert meter.batch_shape(end)["decode_context_tokens"] == 50
 
 
-def test_record_must_come_before_the_counters_advance():
-    """The contract: with num_computed_tokens already advanced, the batch reads differently."""
+def test_batch_shape_is_read_from_what_was_scheduled():
+    """The scheduler advances the counters when it schedules (async scheduling reads results a
+    step later); the meter reads the start and completion captured then, so it can run later."""
     out = SchedulerOutput(scheduled=[scheduled(20, 0, 20)])
     meter = StepMeter(TINY, 2, 2, None)
     before = meter.batch_shape(out)
     for sch in out.scheduled:
         sch.seq.num_computed_tokens += sch.num_new_tokens
-    assert meter.batch_shape(out) != before
+    assert meter.batch_shape(out) == before
+    assert before["prefill_tokens"] == 20 and before["num_sampled_prefills"] == 1
 
 
 def test_summary_is_a_rolling_window():

@@ -17,13 +17,11 @@ def make_request(rid, prompt_len, n=1, max_tokens=8):
 
 
 def run_step(sched, fake_token=7):
-    """What the engine does after a step: advance counters, append a token when complete."""
-    out = sched.schedule()
+    """Schedule a step, then do what the engine does with its results: append the sampled token."""
+    out = sched.schedule()  # advances num_computed_tokens; sampling sequences get a pending token
     for s in out.scheduled:
-        s.seq.num_computed_tokens += s.num_new_tokens
-    for s in out.scheduled:
-        if s.seq.num_computed_tokens == s.seq.num_tokens:
-            s.seq.token_ids.append(fake_token)
+        if s.completes:
+            s.seq.append_token(fake_token)
     return out
 
 
