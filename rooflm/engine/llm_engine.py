@@ -310,7 +310,7 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif token in self.eos_token_ids and not params.ignore_eos and past_min:
             seq.finish_reason = "stop"
-        elif n_out >= req.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif n_out >= req.max_tokens or seq.num_known_tokens >= self.max_model_len:
             seq.finish_reason = "length"
         if seq.finished:
             text += self._flush_text(seq, stopped_by_string=stop_str is not None)

@@ -77,3 +77,11 @@ def test_abort_while_a_step_is_in_flight(tiny_path):
             final[out.request_id] = out
     assert set(final) == {"b"} and len(final["b"].outputs[0].token_ids) == 30
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_output_reaching_the_context_length_is_whole(tiny_path):
+    # prompt + max_tokens == max_model_len: the last token must not be cut by the in-flight one.
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    sync, async_ = run_both(tiny_path, prompts_of([24, 24]), params, max_model_len=64)
+    assert async_ == sync
+    assert [len(r[0][0]) for r in async_] == [40, 40]
