@@ -168,8 +168,10 @@ class RuntimeConfig:
     """GPU runtime switches (issue: CUDA graphs, overlap)."""
 
     enforce_eager: bool = False
-    # Schedule and queue step t+1 before reading step t's tokens back (None: on for CUDA).
-    async_scheduling: Optional[bool] = None
+    # Schedule and queue step t+1 before reading step t's tokens back. Off by default: on the
+    # H100 it measured no gain (the idle time is between kernels on the device, not on the host),
+    # and outputs arrive one step later. See benchmarks/results/engine-h100-20261121.
+    async_scheduling: bool = False
     cuda_graph_max_batch: int = 256
     attention_backend: str = "auto"  # auto (triton on CUDA, torch reference on CPU) | triton | reference
 

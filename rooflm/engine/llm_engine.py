@@ -50,8 +50,7 @@ class LLMEngine:
         from rooflm.perf.live import StepMeter
         self.meter = StepMeter.for_engine(self)  # achieved bandwidth/FLOP rate per step (MBU, MFU)
         self.last_step_stats = None
-        async_cfg = config.runtime.async_scheduling
-        self.async_scheduling = self.runner.device.type == "cuda" if async_cfg is None else async_cfg
+        self.async_scheduling = config.runtime.async_scheduling
         self._in_flight = None  # (SchedulerOutput, StepHandle) launched, not yet processed
         self._last_collect = time.perf_counter()
         self.requests: dict[str, Request] = {}
