@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 import os
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -195,3 +197,37 @@ def config_for_head_dim(table: dict, head_dim_pad: int):
         return table[head_dim_pad]
     larger = [d for d in table if d >= head_dim_pad]
     return table[min(larger)] if larger else table[max(table)]
+
+
+def check_paged_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 meta, out: Optional[torch.Tensor]) -> torch.Tensor:
+    """Checks shared by the paged attention wrappers; returns out (allocated when None).
+
+    q [T, H, D]; k_cache, v_cache [num_blocks, block_size, H_kv, D] with equal strides.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, kv_dim = k_cache.shape
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"q must be fp16, bf16 or fp32, got {q.dtype}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"cache dtype ({k_cache.dtype}, {v_cache.dtype}) must match q ({q.dtype})")
+    if v_cache.shape != k_cache.shape or kv_dim != head_dim:
+        raise ValueError(f"cache shapes {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if head_dim > 256:
+        raise ValueError(f"head_dim up to 256 is supported, got {head_dim}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_last_dim_contiguous(name, t)
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError(f"k_cache and v_cache must share strides, got {k_cache.stride()} and {v_cache.stride()}")
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must match q {tuple(q.shape)} {q.dtype}")
+    check_last_dim_contiguous("out", out)
+    if meta.block_tables.stride(-1) != 1:
+        raise ValueError("block_tables must be contiguous in its last dimension")
+    return out
