@@ -668,6 +668,22 @@ class ServerState:
 # ---- completions ---------------------------------------------------------------------------------------
 
 
+async def answer(raw: Request, generation: "Generation", stream: bool, events, build) -> Response:
+    """The HTTP answer of a submitted generation: an SSE stream of events(generation), or the
+    JSON of build(final outputs) once all are done; a client gone before then gets nothing."""
+    if stream:
+        return EngineStreamingResponse(events(generation), on_close=generation.close)
+    try:
+        finals = await run_unless_disconnected(raw, generation.finals())
+    except Exception as exc:  # noqa: BLE001 - mapped to the client's error answer
+        raise generation_error(exc) from None
+    finally:
+        generation.close()
+    if finals is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    return JSONResponse(build(finals).model_dump())
+
+
 class CompletionHandler:
     def __init__(self, state: ServerState, request: p.CompletionRequest, arrival: float):
         self.state = state
@@ -687,17 +703,8 @@ class CompletionHandler:
         generation = await state.submit(self.id, self.prompts, request, self.arrival,
                                         p.CompletionRequest.DEFAULT_MAX_TOKENS, "prompt",
                                         prompt_logprobs)
-        if request.stream:
-            return EngineStreamingResponse(self.events(generation), on_close=generation.close)
-        try:
-            finals = await run_unless_disconnected(raw, generation.finals())
-        except Exception as exc:  # noqa: BLE001 - mapped to the client's error answer
-            raise generation_error(exc) from None
-        finally:
-            generation.close()
-        if finals is None:
-            return Response(status_code=499)  # the client is gone; nobody reads this
-        return JSONResponse(self.response(finals, generation.usage()).model_dump())
+        return await answer(raw, generation, request.stream, self.events,
+                            lambda finals: self.response(finals, generation.usage()))
 
     def prompt_text(self, prompt: PreparedPrompt) -> str:
         if prompt.text is not None:
@@ -800,17 +807,8 @@ class ChatHandler:
         state, request = self.state, self.request
         prompt = await state.chat_prompt(request)
         generation = await state.submit(self.id, [prompt], request, self.arrival, None, "messages")
-        if request.stream:
-            return EngineStreamingResponse(self.events(generation), on_close=generation.close)
-        try:
-            finals = await run_unless_disconnected(raw, generation.finals())
-        except Exception as exc:  # noqa: BLE001 - mapped to the client's error answer
-            raise generation_error(exc) from None
-        finally:
-            generation.close()
-        if finals is None:
-            return Response(status_code=499)
-        return JSONResponse(self.response(finals[0], generation.usage()).model_dump())
+        return await answer(raw, generation, request.stream, self.events,
+                            lambda finals: self.response(finals[0], generation.usage()))
 
     def _logprobs(self, token_ids: list[int], entries: list[Optional[dict]]) -> Optional[p.ChatLogprobs]:
         if self.num_top is None:
