@@ -173,6 +173,9 @@ class RuntimeConfig:
     # and outputs arrive one step later. See benchmarks/results/engine-h100-20261121.
     async_scheduling: bool = False
     cuda_graph_max_batch: int = 256
+    # One-token steps (batch-1 decode) run each layer as four Triton GEMVs with the norms,
+    # SiLU-mul and residual adds fused in (rooflm/kernels/gemv.py); False: cuBLAS + separate kernels.
+    decode_gemv: bool = True
     attention_backend: str = "auto"  # auto (triton on CUDA, torch reference on CPU) | triton | reference
 
 

@@ -142,16 +142,20 @@ class ModelRunner:
     def _use_kernels(self) -> None:
         if self.backend.name == "reference":
             return
+        from rooflm.kernels.gemv import gemv
         from rooflm.kernels.rmsnorm import rmsnorm
         from rooflm.kernels.silu_mul import silu_mul
         from rooflm.layers.activation import SiluAndMul
         from rooflm.layers.norm import RMSNorm
+        from rooflm.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 
         for module in self.model.modules():
             if isinstance(module, RMSNorm):
                 module.kernel = rmsnorm
             elif isinstance(module, SiluAndMul):
                 module.kernel = silu_mul
+            elif isinstance(module, (LlamaDecoderLayer, LlamaForCausalLM)) and self.config.runtime.decode_gemv:
+                module.gemv = gemv  # decoder layers and the LM head: one-token steps
 
     def kv_bytes_per_block(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()

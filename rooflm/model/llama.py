@@ -37,9 +37,13 @@ class LlamaAttention(torch.nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
+        return self.o_proj(self.attend(positions, self.qkv_proj(x), kv_cache, meta))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: KVCache,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """Fused q/k/v projections [T, q + 2 kv] -> attention output [T, q_size], before o_proj."""
         cfg = self.cfg
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        t = qkv.shape[0]
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(t, cfg.num_attention_heads, cfg.head_dim)
         k = k.view(t, cfg.num_key_value_heads, cfg.head_dim)
@@ -47,7 +51,7 @@ class LlamaAttention(torch.nn.Module):
         if cfg.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        return self.o_proj(self.attn(positions, q, k, v, kv_cache, meta))
+        return self.attn(positions, q, k, v, kv_cache, meta)
 
 
 class LlamaMLP(torch.nn.Module):
@@ -69,8 +73,13 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.self_attn = LlamaAttention(cfg, rotary, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
+        # Set by the model runner on CUDA (rooflm.kernels.gemv.gemv): one-token steps then run
+        # the layer as four weight GEMVs with the norms, SiLU-mul and residual adds folded in.
+        self.gemv = None
 
     def forward(self, positions, x, residual, kv_cache, meta):
+        if self.gemv is not None and x.shape[0] == 1:
+            return self._forward_gemv(positions, x, residual, kv_cache, meta)
         # The residual stream is carried separately so each norm can fuse the add before it.
         if residual is None:
             residual = x
@@ -80,6 +89,17 @@ class LlamaDecoderLayer(torch.nn.Module):
         x = self.self_attn(positions, x, kv_cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    def _forward_gemv(self, positions, x, residual, kv_cache, meta):
+        """One token: the same math (and casts) as forward, in four fused GEMVs. The residual
+        stream h is returned whole (residual None): the adds happen in the GEMV epilogues."""
+        gemv, attn, mlp = self.gemv, self.self_attn, self.mlp
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        h = x if residual is None else x + residual
+        qkv = gemv(h, attn.qkv_proj.weight, bias=attn.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps)
+        h = gemv(attn.attend(positions, qkv, kv_cache, meta), attn.o_proj.weight, residual=h)
+        act = gemv(h, mlp.gate_up_proj.weight, norm_weight=ln2.weight, eps=ln2.eps, gated=True)
+        return gemv(act, mlp.down_proj.weight, residual=h), None
 
 
 class LlamaModel(torch.nn.Module):
@@ -97,8 +117,7 @@ class LlamaModel(torch.nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv_cache, meta)
-        x, _ = self.norm(x, residual)
-        return x
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(torch.nn.Module):
@@ -111,6 +130,7 @@ class LlamaForCausalLM(torch.nn.Module):
             self.lm_head = None
         else:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.gemv = None  # as LlamaDecoderLayer.gemv: the LM head of one token
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
@@ -119,6 +139,8 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.gemv is not None and hidden.shape[0] == 1:
+            return self.gemv(hidden, weight, out_dtype=torch.float32)
         return torch.nn.functional.linear(hidden, weight).float()
 
     # ---- weights -------------------------------------------------------------------------

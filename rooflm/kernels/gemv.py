@@ -1,0 +1,219 @@
+"""Batch-1 matrix-vector product (GEMV) with the decode step's neighbours fused in, in Triton.
+
+Why
+---
+At batch 1 a decode step is ~4 weight GEMVs per layer, each reading its weight
+once, plus a norm, an activation and residual adds that touch 4096-element
+vectors. The small kernels cost little bandwidth but each one is a launch, a
+ramp-up and a tail on the device (~2-4 us on an H100), and an 8B model has
+32 layers. Folding them into the GEMVs leaves four weight-streaming kernels
+per layer (plus RoPE/KV write and attention):
+
+    qkv      = W_qkv  @ rmsnorm(h)                  NORM prologue (+ bias)
+    h        = h + W_o @ attn                       RESIDUAL epilogue
+    a        = silu(W_gate @ n) * (W_up @ n),
+               n = rmsnorm(h)                       NORM prologue, GATED epilogue
+    h        = h + W_down @ a                       RESIDUAL epilogue
+
+Algorithm
+---------
+y[n] = sum_k W[n, k] * x[k] for W [N, K] row-major (nn.Linear's layout). Each
+program owns BLOCK_N output rows and streams their weights in [BLOCK_N,
+BLOCK_K] tiles, accumulating elementwise products in fp32 registers and
+reducing over K once at the end. x is tiny (K elements) and every program
+reads it from L2.
+
+- NORM: each program first reduces sum(x^2) over all of x (from L2), then
+  normalises each x tile as it loads it, with the casts of HF's RMSNorm
+  (normalised value rounded to the dtype, times the weight, rounded again).
+- GATED: W is [2N, K] (gate rows, then up rows); the program keeps two
+  accumulators and writes silu(gate) * up with the silu_mul kernel's casts.
+- RESIDUAL: y is rounded to the dtype, then added to residual[n] and rounded
+  again, as torch's `x + residual` after a bf16 matmul.
+- BIAS: added to the fp32 accumulator, the product then rounded to the dtype.
+
+Shapes
+------
+x [1, K] (or [K]), W [N, K] ([2N, K] when GATED), bias [N], residual [1, N],
+norm weight [K]; out [1, N] in x's dtype (or out_dtype).
+
+Work
+----
+FLOPs: 2*N*K (4*N*K gated), negligible against the bytes.
+Bytes: N*K*e of weight (2*N*K*e gated) + K*e (x) + N*e (out) [+ N*e residual].
+Memory-bound: the yardstick is weight bytes / time against the device's
+bandwidth. An H100 reads ~3.0 TB/s, so Llama-3-8B's 15 GB need >= 5.0 ms.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from rooflm.kernels.utils import check_last_dim_contiguous, is_interpreter
+
+
+# --------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------
+
+@triton.jit
+def _gemv_kernel(out_ptr, x_ptr, w_ptr, bias_ptr, residual_ptr, norm_w_ptr,
+                 N, K, stride_w, eps,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+                 NORM: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 HAS_RESIDUAL: tl.constexpr):
+    dtype = x_ptr.dtype.element_ty
+    rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    offs_k = tl.arange(0, BLOCK_K)
+
+    if NORM:
+        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN:
+                xv = tl.load(x_ptr + k0 + offs_k).to(tl.float32)
+            else:
+                xv = tl.load(x_ptr + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
+            sq += xv * xv
+        rstd = 1.0 / tl.sqrt(tl.sum(sq, 0) / K + eps)
+
+    w_rows = w_ptr + rn[:, None] * stride_w
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if GATED:
+        up_rows = w_rows + N * stride_w
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + offs_k
+        if EVEN:
+            xv = tl.load(x_ptr + rk).to(tl.float32)
+            if NORM:
+                nw = tl.load(norm_w_ptr + rk).to(tl.float32)
+            w = tl.load(w_rows + rk[None, :])
+            if GATED:
+                wu = tl.load(up_rows + rk[None, :])
+        else:
+            k_mask = rk < K
+            xv = tl.load(x_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
+            if NORM:
+                nw = tl.load(norm_w_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
+            tile_mask = n_mask[:, None] & k_mask[None, :]
+            w = tl.load(w_rows + rk[None, :], mask=tile_mask, other=0.0)
+            if GATED:
+                wu = tl.load(up_rows + rk[None, :], mask=tile_mask, other=0.0)
+        if NORM:
+            xv = ((xv * rstd).to(dtype).to(tl.float32) * nw).to(dtype).to(tl.float32)
+        acc += w.to(tl.float32) * xv[None, :]
+        if GATED:
+            acc_up += wu.to(tl.float32) * xv[None, :]
+
+    y = tl.sum(acc, 1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    if GATED:
+        gate = y.to(dtype).to(tl.float32)
+        up = tl.sum(acc_up, 1).to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        y = silu * up
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+        y = y.to(dtype).to(tl.float32) + r
+    tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+# --------------------------------------------------------------------------
+# Wrapper
+# --------------------------------------------------------------------------
+
+class GemvConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+DEFAULT_CONFIG = GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=2)
+
+
+def pick_config(n: int, k: int, gated: bool) -> GemvConfig:
+    """Launch shape for an [n, k] GEMV (measured on an H100: benchmarks/gemv.py)."""
+    if is_interpreter():
+        return GemvConfig(4, 64, 1, 1)  # small tiles keep the CPU interpreter quick
+    return DEFAULT_CONFIG
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
+         residual: Optional[torch.Tensor] = None, norm_weight: Optional[torch.Tensor] = None,
+         eps: float = 1e-6, gated: bool = False, out_dtype: Optional[torch.dtype] = None,
+         config: Optional[GemvConfig] = None) -> torch.Tensor:
+    """y = weight @ f(x) for one token x [1, K] (or [K]); returns [1, N] (N = rows, or rows/2 gated).
+
+    norm_weight: f = RMSNorm(norm_weight, eps), else f = identity. gated: y =
+    silu(gate) * up over weight's two row halves. residual [1, N]: y + residual.
+    bias [N] (not with gated). Inputs are not modified.
+    """
+    k = x.shape[-1]
+    if x.numel() != k:
+        raise ValueError(f"gemv takes one token: x must be [1, K] or [K], got {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != k:
+        raise ValueError(f"weight must be [N, {k}], got {tuple(weight.shape)}")
+    if weight.dtype != x.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} must match x's {x.dtype}")
+    if gated and (weight.shape[0] % 2 or bias is not None):
+        raise ValueError("gated gemv needs an even number of weight rows and no bias")
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    check_last_dim_contiguous("weight", weight)
+    x = x.reshape(k).contiguous()
+    for name, t, size in (("bias", bias, n), ("residual", residual, n), ("norm_weight", norm_weight, k)):
+        if t is not None and t.numel() != size:
+            raise ValueError(f"{name} must have {size} elements, got {tuple(t.shape)}")
+    out = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
+    cfg = config or pick_config(n, k, gated)
+    even = n % cfg.block_n == 0 and k % cfg.block_k == 0
+    dummy = x  # never read when its flag is off
+    grid = (triton.cdiv(n, cfg.block_n),)
+    _gemv_kernel[grid](
+        out, x, weight,
+        bias if bias is not None else dummy,
+        residual.reshape(n).contiguous() if residual is not None else dummy,
+        norm_weight if norm_weight is not None else dummy,
+        n, k, weight.stride(0), eps,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN=even, NORM=norm_weight is not None,
+        GATED=gated, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
+             residual: Optional[torch.Tensor] = None, norm_weight: Optional[torch.Tensor] = None,
+             eps: float = 1e-6, gated: bool = False, out_dtype: Optional[torch.dtype] = None,
+             config: Optional[GemvConfig] = None) -> torch.Tensor:
+    """The unfused layers gemv replaces (RMSNorm, F.linear, SiLU-and-mul, residual add),
+    with their casts; same contract as gemv. config is accepted and ignored."""
+    from rooflm.layers.norm import rms_norm_torch
+
+    x = x.reshape(1, -1)
+    if norm_weight is not None:
+        x = rms_norm_torch(x, norm_weight, eps)
+    y = F.linear(x, weight, bias)
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = (F.silu(gate.float()).to(x.dtype).float() * up.float()).to(x.dtype)
+    if residual is not None:
+        y = y + residual.reshape(1, -1)
+    return y.to(out_dtype) if out_dtype is not None else y
+
+
+def gemv_bytes(n: int, k: int, elem_bytes: int, gated: bool = False, residual: bool = False) -> int:
+    """Bytes a gemv must move: the weight once, x, the output (and the residual)."""
+    rows = 2 * n if gated else n
+    return rows * k * elem_bytes + k * elem_bytes + n * elem_bytes * (2 if residual else 1)
