@@ -11,9 +11,9 @@ ignore_eos) until the measurement is over. Then, in the same process:
               durations, and the idle time between them inside a replay
 
 so step_sync - replay is host time the GPU waits for, and replay - kernels is the
-cost of kernel boundaries inside the graph. One engine per --decode-gemv setting.
+cost of kernel boundaries inside the graph. One engine per variant.
 
-    python benchmarks/decode_step.py --batch-sizes 1 64 --decode-gemv on off --out DIR
+    python benchmarks/decode_step.py --batch-sizes 1 64 --variants gemv+pdl gemv cublas --out DIR
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rooflm.engine.llm_engine import LLMEngine  # noqa: E402
+from rooflm.kernels import utils as kernel_utils  # noqa: E402
 from rooflm.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -120,24 +121,28 @@ def main() -> int:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--decode-gemv", nargs="+", default=["on", "off"], choices=["on", "off"])
+    ap.add_argument("--variants", nargs="+", default=["gemv+pdl", "gemv", "cublas"],
+                    choices=["gemv+pdl", "gemv", "cublas+pdl", "cublas"],
+                    help="batch-1 layers as fused Triton GEMVs or cuBLAS; programmatic dependent "
+                         "launch of the Triton decode kernels on or off")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
-    for setting in args.decode_gemv:
+    for variant in args.variants:
+        kernel_utils.USE_PDL = variant.endswith("+pdl")  # read at graph capture
         engine = LLMEngine.from_kwargs(model=args.model, load_format="dummy", max_model_len=2048,
-                                       decode_gemv=setting == "on")
+                                       decode_gemv=variant.startswith("gemv"))
         for b in args.batch_sizes:
             r = measure(engine, b, args.input_len, args.steps)
-            r["decode_gemv"] = setting
+            r["variant"] = variant
             rows.append(r)
             print(json.dumps(r), flush=True)
         del engine
         torch.cuda.empty_cache()
-    print(f"\n{'gemv':5s} {'B':>3s} {'sync':>7s} {'async':>7s} {'replay':>7s} {'kernels':>7s} "
+    print(f"\n{'variant':10s} {'B':>3s} {'sync':>7s} {'async':>7s} {'replay':>7s} {'kernels':>7s} "
           f"{'gaps':>6s} {'#k':>5s} {'gap med/p90 us':>15s}")
     for r in rows:
-        print(f"{r['decode_gemv']:5s} {r['batch']:3d} {r['step_sync_ms']:7.3f} {r['step_async_ms']:7.3f} "
+        print(f"{r['variant']:10s} {r['batch']:3d} {r['step_sync_ms']:7.3f} {r['step_async_ms']:7.3f} "
               f"{r['replay_ms']:7.3f} {r.get('kernel_ms', 0):7.3f} {r.get('gap_ms', 0):6.3f} "
               f"{r.get('kernels_per_replay', 0):5.0f} {r.get('median_gap_us', 0):7.2f}/{r.get('p90_gap_us', 0):.2f}")
     if args.out:

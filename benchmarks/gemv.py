@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rooflm.kernels.gemv import DEFAULT_CONFIG, GemvConfig, gemv  # noqa: E402
+from rooflm.kernels import utils as kernel_utils  # noqa: E402
 from rooflm.kernels.rmsnorm import rmsnorm  # noqa: E402
 from rooflm.kernels.silu_mul import silu_mul  # noqa: E402
 
@@ -62,10 +63,11 @@ def time_graph(fn, reps: int = 20) -> float:
 
 
 def sweep(layers: int, quick: bool) -> list[dict]:
+    kernel_utils.USE_PDL = True  # as the engine runs them
     configs = [GemvConfig(*c) for c in itertools.product(
         (4, 8, 16), (256, 512, 1024), (4, 8), (1, 2, 3))]
     if quick:
-        configs = [DEFAULT_CONFIG, GemvConfig(16, 512, 8, 2)]
+        configs = [DEFAULT_CONFIG, GemvConfig(8, 512, 4, 2), GemvConfig(4, 1024, 4, 3), GemvConfig(2, 2048, 4, 2)]
     rows = []
     x = torch.randn(1, INTER, device="cuda", dtype=torch.bfloat16)
     for name in ("qkv", "o", "down", "lm_head"):
@@ -91,7 +93,8 @@ def sweep(layers: int, quick: bool) -> list[dict]:
     return rows
 
 
-def layer_chain(layers: int, configs: dict[str, GemvConfig]) -> list[dict]:
+def layer_chain(layers: int, configs: dict[str, GemvConfig], pdl: bool) -> list[dict]:
+    kernel_utils.USE_PDL = pdl
     dt, dev = torch.bfloat16, "cuda"
     mk = lambda *s: torch.randn(*s, device=dev, dtype=dt) * 0.02  # noqa: E731
     W = [{name: mk(*SHAPES[name]) for name in ("qkv", "o", "gate_up", "down")} for _ in range(layers)]
@@ -119,7 +122,8 @@ def layer_chain(layers: int, configs: dict[str, GemvConfig]) -> list[dict]:
 
     nbytes = sum(w.numel() * 2 for w in W[0].values()) * layers
     rows = []
-    for name, fn in (("unfused (cuBLAS + norm/silu/add kernels)", unfused), ("fused gemv", fused)):
+    tag = f" [{'tuned' if configs else 'default'} configs, PDL {'on' if pdl else 'off'}]"
+    for name, fn in (("unfused (cuBLAS + norm/silu/add kernels)" + tag, unfused), ("fused gemv" + tag, fused)):
         t = time_graph(fn, reps=10)
         rows.append({"chain": name, "layers": layers, "ms": t * 1e3, "tb_s": nbytes / t / 1e12})
         print(f"layer chain x{layers}: {name}: {t * 1e3:.3f} ms, {nbytes / t / 1e12:.2f} TB/s", flush=True)
@@ -139,7 +143,8 @@ def main() -> int:
         cands = sorted((r for r in rows if r["shape"] == name and "config" in r), key=lambda r: r["us"])
         best[name] = GemvConfig(*cands[0]["config"])
     best["gate_up"] = best["qkv"]
-    chains = layer_chain(args.layers, {}) + layer_chain(args.layers, best)
+    chains = (layer_chain(args.layers, {}, False) + layer_chain(args.layers, {}, True)
+              + layer_chain(args.layers, best, True))
     gpu = torch.cuda.get_device_name()
     result = {"gpu": gpu, "commit": os.environ.get("ROOFLM_COMMIT", "unknown"),
               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
@@ -151,7 +156,7 @@ def main() -> int:
         json.dump(result, f, indent=1)
     print("best configs:", best)
     for c in chains:
-        print(f"  {c['chain']:45s} {c['ms']:.3f} ms  {c['tb_s']:.2f} TB/s")
+        print(f"  {c['chain']:75s} {c['ms']:.3f} ms  {c['tb_s']:.2f} TB/s")
     print("wrote", path)
     return 0
 

@@ -78,6 +78,10 @@ class StepHandle:
     result: StepResult
     sampled: Optional[object] = None  # SamplerOutput, on the device
     row_of: dict[int, int] = field(default_factory=dict)  # seq_id -> sampling row
+    # The sampled ids (and logprobs) on their way to the host: pinned copies queued right
+    # after sampling, and an event that fires when they have landed.
+    host_sampled: Optional[tuple] = None
+    ready: Optional[object] = None  # torch.cuda.Event, None on the CPU
 
 
 @dataclass
@@ -350,7 +354,25 @@ class ModelRunner:
             meta = SamplingMetadata.build(inputs.rows, self.model_config.vocab_size, self.device)
             handle.sampled = self.sampler(logits, meta)
             handle.row_of = {sch.seq.seq_id: r for r, sch in enumerate(inputs.row_owner)}
+            self._copy_results_to_host(handle)
         return handle
+
+    def _copy_results_to_host(self, handle: "StepHandle") -> None:
+        """Queue the device-to-host copies of a step's samples now, behind its sampling.
+
+        Reading a device tensor (.tolist()) synchronises the whole stream, which with async
+        scheduling already holds the next step: the host would wait for step t+1 to read
+        step t. Copies into pinned memory plus an event wait for step t alone."""
+        s = handle.sampled
+        tensors = (s.sampled_token_ids, s.logprob_token_ids, s.logprobs, s.ranks)
+        if self.device.type != "cuda":
+            handle.host_sampled = tensors
+            return
+        handle.host_sampled = tuple(
+            None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+            for t in tensors)
+        handle.ready = torch.cuda.Event()
+        handle.ready.record()
 
     def _pending_fixup(self, inputs: "StepInputs", prev: Optional["StepHandle"]):
         if not inputs.pending_positions:
@@ -366,15 +388,16 @@ class ModelRunner:
     @torch.inference_mode()
     def collect(self, handle: "StepHandle") -> StepResult:
         """Wait for a launched step and bring its sampled tokens (and logprobs) to the host."""
-        result, sampled, inputs = handle.result, handle.sampled, handle.inputs
-        if sampled is None:
+        result, inputs = handle.result, handle.inputs
+        if handle.sampled is None:
             return result
-        token_ids = sampled.sampled_token_ids.tolist()  # the step's one device-to-host sync
-        want_lp = sampled.logprob_token_ids is not None
+        if handle.ready is not None:
+            handle.ready.synchronize()  # the step's one wait for the device
+        ids, lp_ids, lp_vals, ranks = handle.host_sampled
+        token_ids = ids.tolist()
+        want_lp = lp_ids is not None
         if want_lp:
-            lp_ids = sampled.logprob_token_ids.tolist()
-            lp_vals = sampled.logprobs.tolist()
-            ranks = sampled.ranks.tolist()
+            lp_ids, lp_vals, ranks = lp_ids.tolist(), lp_vals.tolist(), ranks.tolist()
         for r, sch in enumerate(inputs.row_owner):
             sid = sch.seq.seq_id
             result.sampled.setdefault(sid, []).append(token_ids[r])

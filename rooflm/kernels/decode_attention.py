@@ -54,7 +54,8 @@ import triton
 import triton.language as tl
 
 from rooflm.kernels.utils import (check_paged_attention_inputs, config_for_head_dim, LOG2E, cdiv, dot_precision, is_interpreter,
-                                  kv_tile_offsets, load_2d, next_power_of_2, num_sms, upcast_dots)
+                                  kv_tile_offsets, load_2d, next_power_of_2, num_sms, upcast_dots,
+                                  gdc_launch_dependents, gdc_wait, pdl_supported)
 from rooflm.layers.attention import AttentionMetadata, paged_attention_ref
 
 _MASKED = tl.constexpr(-1.0e30)
@@ -102,8 +103,12 @@ def _decode_attention_kernel(
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-        SINGLE_SPLIT: tl.constexpr, SLIDING: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        SINGLE_SPLIT: tl.constexpr, SLIDING: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        PDL: tl.constexpr):
     PAD_D: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
+    if PDL:  # launched early (programmatic dependent launch): wait for q and the K/V writes
+        gdc_launch_dependents()
+        gdc_wait()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -168,8 +173,11 @@ def _decode_attention_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, stride_ot, stride_oh,
                           num_splits, NUM_HEADS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PDL: tl.constexpr):
     """Combine the num_splits partial outputs of one (sequence, head)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     tok = tl.load(query_start_loc_ptr + seq).to(tl.int64)
@@ -275,6 +283,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         part_out = part_lse = out  # unused
 
+    pdl = pdl_supported(q.device)
+    pdl_kwargs = {"launch_pdl": True} if pdl else {}
     _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, part_out, part_lse, q, k_cache, v_cache,
         meta.block_tables, meta.seq_lens, meta.query_start_loc, scale * LOG2E,
@@ -284,13 +294,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         NUM_HEADS=num_heads, GROUP=group, ROWS=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         SINGLE_SPLIT=num_splits == 1, SLIDING=sliding, UPCAST=upcast_dots(q.dtype),
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=dot_precision(q.dtype), PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        **pdl_kwargs,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, meta.query_start_loc, out.stride(0), out.stride(1), num_splits,
             NUM_HEADS=num_heads, SPLITS_PAD=next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=4 if head_dim_pad >= 128 else 2,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PDL=pdl, num_warps=4 if head_dim_pad >= 128 else 2,
+            **pdl_kwargs,
         )
     return out
 

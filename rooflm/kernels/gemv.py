@@ -54,7 +54,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rooflm.kernels.utils import check_last_dim_contiguous, is_interpreter
+from rooflm.kernels.utils import check_last_dim_contiguous, gdc_launch_dependents, gdc_wait, is_interpreter, pdl_supported
 
 
 # --------------------------------------------------------------------------
@@ -62,54 +62,70 @@ from rooflm.kernels.utils import check_last_dim_contiguous, is_interpreter
 # --------------------------------------------------------------------------
 
 @triton.jit
+def _x_tile(x_ptr, norm_w_ptr, rk, K, rstd, dtype: tl.constexpr, EVEN: tl.constexpr, NORM: tl.constexpr):
+    """x[rk] in fp32, RMS-normalised (HF's casts) when NORM."""
+    if EVEN:
+        xv = tl.load(x_ptr + rk).to(tl.float32)
+    else:
+        xv = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+    if NORM:
+        if EVEN:
+            nw = tl.load(norm_w_ptr + rk).to(tl.float32)
+        else:
+            nw = tl.load(norm_w_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+        xv = ((xv * rstd).to(dtype).to(tl.float32) * nw).to(dtype).to(tl.float32)
+    return xv
+
+
+@triton.jit
+def _w_tile(rows, rk, n_mask, K, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(rows + rk[None, :])
+    return tl.load(rows + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
+
+
+@triton.jit
 def _gemv_kernel(out_ptr, x_ptr, w_ptr, bias_ptr, residual_ptr, norm_w_ptr,
                  N, K, stride_w, eps,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
                  NORM: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr):
+                 HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     dtype = x_ptr.dtype.element_ty
     rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
     offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + rn[:, None] * stride_w
+    up_rows = w_rows + N * stride_w
 
+    # The first weight tile does not depend on the kernel before this one: with programmatic
+    # dependent launch it is loaded while that kernel drains, then gdc_wait makes its
+    # outputs (x, residual) visible. Nothing is stored before the wait.
+    if PDL:
+        gdc_launch_dependents()
+    w = _w_tile(w_rows, offs_k, n_mask, K, EVEN)
+    if GATED:
+        wu = _w_tile(up_rows, offs_k, n_mask, K, EVEN)
+    if PDL:
+        gdc_wait()
+
+    rstd = 1.0
     if NORM:
         sq = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            if EVEN:
-                xv = tl.load(x_ptr + k0 + offs_k).to(tl.float32)
-            else:
-                xv = tl.load(x_ptr + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
+            xv = _x_tile(x_ptr, norm_w_ptr, k0 + offs_k, K, 1.0, dtype, EVEN, False)
             sq += xv * xv
         rstd = 1.0 / tl.sqrt(tl.sum(sq, 0) / K + eps)
 
-    w_rows = w_ptr + rn[:, None] * stride_w
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    xv = _x_tile(x_ptr, norm_w_ptr, offs_k, K, rstd, dtype, EVEN, NORM)
+    acc = w.to(tl.float32) * xv[None, :]
     if GATED:
-        up_rows = w_rows + N * stride_w
-        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+        acc_up = wu.to(tl.float32) * xv[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         rk = k0 + offs_k
-        if EVEN:
-            xv = tl.load(x_ptr + rk).to(tl.float32)
-            if NORM:
-                nw = tl.load(norm_w_ptr + rk).to(tl.float32)
-            w = tl.load(w_rows + rk[None, :])
-            if GATED:
-                wu = tl.load(up_rows + rk[None, :])
-        else:
-            k_mask = rk < K
-            xv = tl.load(x_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
-            if NORM:
-                nw = tl.load(norm_w_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
-            tile_mask = n_mask[:, None] & k_mask[None, :]
-            w = tl.load(w_rows + rk[None, :], mask=tile_mask, other=0.0)
-            if GATED:
-                wu = tl.load(up_rows + rk[None, :], mask=tile_mask, other=0.0)
-        if NORM:
-            xv = ((xv * rstd).to(dtype).to(tl.float32) * nw).to(dtype).to(tl.float32)
-        acc += w.to(tl.float32) * xv[None, :]
+        xv = _x_tile(x_ptr, norm_w_ptr, rk, K, rstd, dtype, EVEN, NORM)
+        acc += _w_tile(w_rows, rk, n_mask, K, EVEN).to(tl.float32) * xv[None, :]
         if GATED:
-            acc_up += wu.to(tl.float32) * xv[None, :]
+            acc_up += _w_tile(up_rows, rk, n_mask, K, EVEN).to(tl.float32) * xv[None, :]
 
     y = tl.sum(acc, 1)
     if HAS_BIAS:
@@ -136,7 +152,9 @@ class GemvConfig(NamedTuple):
     num_stages: int
 
 
-DEFAULT_CONFIG = GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=2)
+# Best of a 54-config sweep on the H100 for all four Llama-3-8B weight shapes (within 1% of each
+# shape's own best): benchmarks/results/gemv-h100-20261121.
+DEFAULT_CONFIG = GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=2)
 
 
 def pick_config(n: int, k: int, gated: bool) -> GemvConfig:
@@ -176,6 +194,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] 
     even = n % cfg.block_n == 0 and k % cfg.block_k == 0
     dummy = x  # never read when its flag is off
     grid = (triton.cdiv(n, cfg.block_n),)
+    pdl = pdl_supported(x.device)
     _gemv_kernel[grid](
         out, x, weight,
         bias if bias is not None else dummy,
@@ -183,8 +202,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] 
         norm_weight if norm_weight is not None else dummy,
         n, k, weight.stride(0), eps,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN=even, NORM=norm_weight is not None,
-        GATED=gated, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GATED=gated, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return out
 

@@ -44,7 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rooflm.kernels.utils import check_last_dim_contiguous, next_power_of_2
+from rooflm.kernels.utils import (check_last_dim_contiguous, gdc_launch_dependents, gdc_wait, next_power_of_2,
+                                  pdl_supported)
 
 
 # --------------------------------------------------------------------------
@@ -67,7 +68,10 @@ def _rope_kv_write_kernel(
         stride_cb, stride_ct, stride_ch,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
         KV_HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, IS_NEOX: tl.constexpr, APPLY_ROPE: tl.constexpr):
+        BLOCK_SIZE: tl.constexpr, IS_NEOX: tl.constexpr, APPLY_ROPE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched early (programmatic dependent launch): wait for q, k, v
+        gdc_launch_dependents()
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = HEAD_DIM // 2
     offs_i = tl.arange(0, HALF_PAD)
@@ -195,7 +199,9 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, i
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=heads_pad, KV_HEADS_PAD=kv_heads_pad,
         HEAD_DIM=head_dim, HALF_PAD=half_pad, BLOCK_SIZE=k_cache.shape[1], IS_NEOX=is_neox,
-        APPLY_ROPE=apply_rope, num_warps=_num_warps((heads_pad + 3 * kv_heads_pad) * half_pad),
+        APPLY_ROPE=apply_rope, PDL=pdl_supported(q.device),
+        num_warps=_num_warps((heads_pad + 3 * kv_heads_pad) * half_pad),
+        **({"launch_pdl": True} if pdl_supported(q.device) else {}),
     )
 
 

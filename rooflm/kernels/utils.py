@@ -25,6 +25,41 @@ def is_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+try:  # Grid dependency control (Triton >= 3.5): the device side of programmatic dependent launch.
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    _HAS_GDC = True
+except ImportError:  # pragma: no cover - older Triton: kernels never take the PDL branch
+    _HAS_GDC = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+
+@functools.lru_cache(maxsize=8)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+# Programmatic dependent launch for the decode-path kernels (gemv, RoPE/KV write, decode
+# attention); benchmarks switch it off to measure what it is worth.
+USE_PDL = True
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch: a kernel may start while the one before it drains and
+    wait (gdc_wait) for its results. Hopper (sm_90) and later, compiled Triton only. A kernel
+    launched this way must gdc_wait in every program before it reads what earlier kernels
+    wrote or writes anything."""
+    if not USE_PDL or device.type != "cuda" or not _HAS_GDC or is_interpreter():
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
