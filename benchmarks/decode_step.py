@@ -46,13 +46,41 @@ def _events_ms(fn, reps: int) -> float:
     return start.elapsed_time(end) / reps
 
 
-def _wall_ms(fn, reps: int) -> float:
+def _wall_ms(fn, reps: int, windows: int = 5) -> float:
+    """Median over `windows` windows of the mean wall time per call: a host hiccup (a GC
+    pause, a noisy neighbour) moves one window, not the result."""
+    per = []
+    for _ in range(windows):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        per.append((time.perf_counter() - t0) * 1e3 / reps)
+    return sorted(per)[len(per) // 2]
+
+
+def _trace_kernels(fn, reps: int) -> list[tuple[float, float, str]]:
+    from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3 / reps
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    return sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace["traceEvents"]
+                  if e.get("ph") == "X" and e.get("cat", "").lower() in ("kernel", "gpu_memcpy", "gpu_memset"))
+
+
+def _largest_gaps(ks: list[tuple[float, float, str]], reps: int, top: int = 6) -> dict:
+    """Idle time on the device between consecutive kernels/copies of a traced window."""
+    gaps = [(ks[i + 1][0] - ks[i][1], ks[i][2][:40], ks[i + 1][2][:40]) for i in range(len(ks) - 1)]
+    idle = sum(g for g, _, _ in gaps if g > 0)
+    span = ks[-1][1] - ks[0][0] if ks else 0.0
+    return {"idle_ms_per_step": idle / reps / 1e3, "span_ms_per_step": span / reps / 1e3,
+            "largest_gaps_us": [(round(g, 1), a, b) for g, a, b in sorted(gaps, reverse=True)[:top]]}
 
 
 def _replay_kernels(graph, reps: int) -> dict:
@@ -87,7 +115,7 @@ def _replay_kernels(graph, reps: int) -> dict:
 def measure(engine: LLMEngine, batch: int, input_len: int, steps: int) -> dict:
     vocab = engine.model_config.vocab_size
     rng = random.Random(batch)
-    params = SamplingParams(temperature=0.0, max_tokens=input_len + 4 * steps + 64, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=16 * steps + 200, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"b{batch}-{i}", [rng.randrange(vocab) for _ in range(input_len)], params)
     while any(s.num_computed_tokens < input_len for r in engine.requests.values() for s in r.seqs):
@@ -97,9 +125,11 @@ def measure(engine: LLMEngine, batch: int, input_len: int, steps: int) -> dict:
     res = {"batch": batch, "input_len": input_len}
     engine.async_scheduling = False
     res["step_sync_ms"] = _wall_ms(engine.step, steps)
+    res["sync_trace"] = _largest_gaps(_trace_kernels(engine.step, 10), 10)
     engine.async_scheduling = True
     engine.step()
     res["step_async_ms"] = _wall_ms(engine.step, steps)
+    res["async_trace"] = _largest_gaps(_trace_kernels(engine.step, 10), 10)
     if engine._in_flight is not None:  # drain the step in flight, then back to sync
         prev_out, prev_handle = engine._in_flight
         engine._process(prev_out, engine.runner.collect(prev_handle))
@@ -120,7 +150,7 @@ def main() -> int:
     ap.add_argument("--model", default="llama-3-8b")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--steps", type=int, default=20, help="steps per timing window (5 windows)")
     ap.add_argument("--variants", nargs="+", default=["gemv+pdl", "gemv", "cublas"],
                     choices=["gemv+pdl", "gemv", "cublas+pdl", "cublas"],
                     help="batch-1 layers as fused Triton GEMVs or cuBLAS; programmatic dependent "
