@@ -8,7 +8,8 @@ mkdir -p "$OUT"
 MODEL="--model llama-3-8b --load-format dummy"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 
-python -m pytest -q -m gpu tests/models/test_gpu_e2e.py tests/unit/test_sampler.py -p no:cacheprovider 2>&1 \
+python -m pytest -q -m gpu tests/models/test_gpu_e2e.py tests/unit/test_sampler.py tests/kernels/test_gemv.py \
+  tests/kernels/test_engine_triton.py -p no:cacheprovider 2>&1 \
   | tail -15 | tee "$OUT/pytest-gpu.txt"
 
 # Batch-1 decode: 128-token prompt, 256 new tokens (the gpt-fast comparison).
@@ -20,6 +21,10 @@ python -m rooflm --log-level INFO bench latency $MODEL --batch-size 1 --input-le
 python -m rooflm --log-level INFO bench latency $MODEL --batch-size 64 --input-len 1024 --output-len 256 \
   --num-iters 2 --num-iters-warmup 1 --max-model-len 2048 \
   --output-json "$OUT/latency-b64.json" --output-md "$OUT/latency-b64.md" --disable-tqdm 2>&1 | tail -25
+
+# A decode step's host / graph / kernel split, fused GEMV layers and PDL on and off (batch 1 and 64).
+python benchmarks/decode_step.py --batch-sizes 1 64 --variants gemv+pdl gemv cublas --out "$OUT" 2>&1 \
+  | grep -v Warn | tail -5
 
 # Where a step's time goes at batch 1 and 64 (GPU busy fraction, kernel classes, verdict).
 for B in 1 64; do

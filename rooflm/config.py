@@ -168,10 +168,11 @@ class RuntimeConfig:
     """GPU runtime switches (issue: CUDA graphs, overlap)."""
 
     enforce_eager: bool = False
-    # Schedule and queue step t+1 before reading step t's tokens back. Off by default: on the
-    # H100 it measured no gain (the idle time is between kernels on the device, not on the host),
-    # and outputs arrive one step later. See benchmarks/results/engine-h100-20261121.
-    async_scheduling: bool = False
+    # Schedule and queue step t+1 before reading step t's tokens back, so the host's work
+    # (scheduling, inputs, output processing) overlaps the device's; outputs arrive one step
+    # later. None = on with CUDA (H100, Llama-3-8B: batch-1 step 5.7-6.1 -> 5.5 ms, batch-64
+    # 8.4-9.6 -> 7.6 ms; benchmarks/results/engine-h100-20261121-s2), off on the CPU.
+    async_scheduling: Optional[bool] = None
     cuda_graph_max_batch: int = 256
     # One-token steps (batch-1 decode) run each layer as four Triton GEMVs with the norms,
     # SiLU-mul and residual adds fused in (rooflm/kernels/gemv.py); False: cuBLAS + separate kernels.

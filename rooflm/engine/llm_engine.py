@@ -51,6 +51,8 @@ class LLMEngine:
         self.meter = StepMeter.for_engine(self)  # achieved bandwidth/FLOP rate per step (MBU, MFU)
         self.last_step_stats = None
         self.async_scheduling = config.runtime.async_scheduling
+        if self.async_scheduling is None:
+            self.async_scheduling = self.runner.device.type == "cuda"
         self._in_flight = None  # (SchedulerOutput, StepHandle) launched, not yet processed
         self._last_collect = time.perf_counter()
         self.requests: dict[str, Request] = {}
