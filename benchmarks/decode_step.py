@@ -112,6 +112,14 @@ def _replay_kernels(graph, reps: int) -> dict:
             "top_kernels_ms": [(n[:70], t / reps / 1e3) for n, t in top]}
 
 
+def _drain(engine: LLMEngine) -> None:
+    """Process the step in flight (async scheduling), so the mode can switch."""
+    if engine._in_flight is not None:
+        prev_out, prev_handle = engine._in_flight
+        engine._process(prev_out, engine.runner.collect(prev_handle))
+        engine._in_flight = None
+
+
 def measure(engine: LLMEngine, batch: int, input_len: int, steps: int) -> dict:
     vocab = engine.model_config.vocab_size
     rng = random.Random(batch)
@@ -123,6 +131,7 @@ def measure(engine: LLMEngine, batch: int, input_len: int, steps: int) -> dict:
     for _ in range(5):
         engine.step()
     res = {"batch": batch, "input_len": input_len}
+    _drain(engine)
     engine.async_scheduling = False
     res["step_sync_ms"] = _wall_ms(engine.step, steps)
     res["sync_trace"] = _largest_gaps(_trace_kernels(engine.step, 10), 10)
@@ -130,10 +139,7 @@ def measure(engine: LLMEngine, batch: int, input_len: int, steps: int) -> dict:
     engine.step()
     res["step_async_ms"] = _wall_ms(engine.step, steps)
     res["async_trace"] = _largest_gaps(_trace_kernels(engine.step, 10), 10)
-    if engine._in_flight is not None:  # drain the step in flight, then back to sync
-        prev_out, prev_handle = engine._in_flight
-        engine._process(prev_out, engine.runner.collect(prev_handle))
-        engine._in_flight = None
+    _drain(engine)
     engine.async_scheduling = False
     graphs = engine.runner.graphs
     size = graphs.graph_size(batch)
@@ -142,6 +148,7 @@ def measure(engine: LLMEngine, batch: int, input_len: int, steps: int) -> dict:
     res["replay_ms"] = _events_ms(graph.replay, steps)
     res.update(_replay_kernels(graph, 5))
     engine.abort_request(list(engine.requests))
+    engine.async_scheduling = True  # the CUDA default
     return res
 
 

@@ -84,7 +84,7 @@ CPU_COMPUTE_THRESHOLD = 0.50
 # which are also "elementwise" or "reduce" kernels, land in sampling.
 KERNEL_CLASSES = (
     ("memcpy", ("memcpy", "memset")),
-    ("GEMM", ("gemm", "matmul", "cutlass", "sm90_xmma", "nvjet", "splitkreduce")),
+    ("GEMM", ("gemm", "gemv", "matmul", "cutlass", "sm90_xmma", "nvjet", "splitkreduce")),
     ("attention", ("attention", "_decode_attention", "_prefill", "flash", "fmha")),
     ("sampling", ("sample", "sort", "topk", "exponential", "argmax", "softmax")),
     ("norm/elementwise", ("rms", "norm", "silu", "elementwise", "vectorized", "add", "mul",
@@ -685,6 +685,10 @@ def format_summary(s: dict) -> str:
             lines.append(f"  {cls:<52} {us / 1e3 / steps:>9.3f} ms {us / window:>6.1%}")
         lines.append("  top kernels: " + "; ".join(
             f"{name[:60]} {us / 1e3 / steps:.3f} ms" for name, us in dev["top_kernels_us"][:4]))
+        kernel_us = sum(us for cls, us in dev["by_class_us"].items() if cls != "idle gaps")
+        if kernel_us > window:
+            lines.append("  (kernels overlap: with programmatic dependent launch a kernel starts while the one "
+                         "before it drains, and its time includes waiting for it)")
     else:
         lines.append("CPU time per step by op class (self time of ops, profiled steps):")
         ops = s["cpu_ops"]
