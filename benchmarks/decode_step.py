@@ -162,24 +162,31 @@ def main() -> int:
                     choices=["gemv+pdl", "gemv", "cublas+pdl", "cublas"],
                     help="batch-1 layers as fused Triton GEMVs or cuBLAS; programmatic dependent "
                          "launch of the Triton decode kernels on or off")
+    ap.add_argument("--split-below-programs-per-sm", type=float, nargs="+", default=[None],
+                    help="decode attention splits the KV range when (sequences x KV heads) is under "
+                         "this many programs per SM; one engine per value (default: the kernel's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
-    for variant in args.variants:
+    from rooflm.kernels import decode_attention
+    default_split = decode_attention.SPLIT_BELOW_PROGRAMS_PER_SM
+    runs = [(v, sp) for v in args.variants for sp in args.split_below_programs_per_sm]
+    for variant, split_below in runs:
         kernel_utils.USE_PDL = variant.endswith("+pdl")  # read at graph capture
+        decode_attention.SPLIT_BELOW_PROGRAMS_PER_SM = split_below or default_split
         engine = LLMEngine.from_kwargs(model=args.model, load_format="dummy", max_model_len=2048,
                                        decode_gemv=variant.startswith("gemv"))
         for b in args.batch_sizes:
             r = measure(engine, b, args.input_len, args.steps)
-            r["variant"] = variant
+            r["variant"] = variant + (f"/split<{split_below:g}" if split_below else "")
             rows.append(r)
             print(json.dumps(r), flush=True)
         del engine
         torch.cuda.empty_cache()
-    print(f"\n{'variant':10s} {'B':>3s} {'sync':>7s} {'async':>7s} {'replay':>7s} {'kernels':>7s} "
+    print(f"\n{'variant':18s} {'B':>3s} {'sync':>7s} {'async':>7s} {'replay':>7s} {'kernels':>7s} "
           f"{'gaps':>6s} {'#k':>5s} {'gap med/p90 us':>15s}")
     for r in rows:
-        print(f"{r['variant']:10s} {r['batch']:3d} {r['step_sync_ms']:7.3f} {r['step_async_ms']:7.3f} "
+        print(f"{r['variant']:18s} {r['batch']:3d} {r['step_sync_ms']:7.3f} {r['step_async_ms']:7.3f} "
               f"{r['replay_ms']:7.3f} {r.get('kernel_ms', 0):7.3f} {r.get('gap_ms', 0):6.3f} "
               f"{r.get('kernels_per_replay', 0):5.0f} {r.get('median_gap_us', 0):7.2f}/{r.get('p90_gap_us', 0):.2f}")
     if args.out:
