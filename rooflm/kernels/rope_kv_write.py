@@ -192,6 +192,7 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, i
     half_pad = next_power_of_2(head_dim // 2)
     kv_heads_pad = next_power_of_2(num_kv_heads)
     heads_pad = next_power_of_2(num_heads) if apply_rope else 1
+    pdl = pdl_supported(q.device)
     _rope_kv_write_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -199,9 +200,8 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, i
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=heads_pad, KV_HEADS_PAD=kv_heads_pad,
         HEAD_DIM=head_dim, HALF_PAD=half_pad, BLOCK_SIZE=k_cache.shape[1], IS_NEOX=is_neox,
-        APPLY_ROPE=apply_rope, PDL=pdl_supported(q.device),
-        num_warps=_num_warps((heads_pad + 3 * kv_heads_pad) * half_pad),
-        **({"launch_pdl": True} if pdl_supported(q.device) else {}),
+        APPLY_ROPE=apply_rope, PDL=pdl, num_warps=_num_warps((heads_pad + 3 * kv_heads_pad) * half_pad),
+        **({"launch_pdl": True} if pdl else {}),
     )
 
 
