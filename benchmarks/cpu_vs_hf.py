@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     hf = load_hf(path)
     hf_load_s = time.perf_counter() - t0
-    vocab = llm.engine.model_config.vocab_size
+    vocab = llm.engine.info.model_config.vocab_size
     eos_ids = set(llm.engine.eos_token_ids)
 
     # Warm-up: first calls pay for allocations and lazy initialization on both sides.

@@ -114,14 +114,11 @@ def _replay_kernels(graph, reps: int) -> dict:
 
 def _drain(engine: LLMEngine) -> None:
     """Process the step in flight (async scheduling), so the mode can switch."""
-    if engine._in_flight is not None:
-        prev_out, prev_handle = engine._in_flight
-        engine._process(prev_out, engine.runner.collect(prev_handle))
-        engine._in_flight = None
+    engine.drain()
 
 
 def measure(engine: LLMEngine, batch: int, input_len: int, steps: int) -> dict:
-    vocab = engine.model_config.vocab_size
+    vocab = engine.info.model_config.vocab_size
     rng = random.Random(batch)
     params = SamplingParams(temperature=0.0, max_tokens=16 * steps + 200, ignore_eos=True)
     for i in range(batch):

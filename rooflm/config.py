@@ -174,6 +174,10 @@ class RuntimeConfig:
     # 8.4-9.6 -> 7.6 ms; benchmarks/results/engine-h100-20261121-s2), off on the CPU.
     async_scheduling: Optional[bool] = None
     cuda_graph_max_batch: int = 256
+    # Steps with prefill chunks (mixed prefill + decode, prefill) replay one CUDA graph per
+    # layer with attention run eagerly between them (engine/piecewise_graph.py), for up to
+    # max_num_batched_tokens tokens: eager launches cost more host time than the GPU's work.
+    piecewise_cuda_graphs: bool = True
     # One-token steps (batch-1 decode) run each layer as four Triton GEMVs with the norms,
     # SiLU-mul and residual adds fused in (rooflm/kernels/gemv.py); False: cuBLAS + separate kernels.
     decode_gemv: bool = True

@@ -42,6 +42,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Optional, TextIO
 
+import torch
+
 
 @dataclass
 class IterationResult:
@@ -104,7 +106,7 @@ def run_iteration(engine, prompts: list[list[int]], params, tag: str) -> Iterati
     """Submit the batch at once, step until every request is done, and time it."""
     from rooflm.bench.results import synchronize
 
-    device = engine.runner.device
+    device = torch.device(engine.info.device)
     synchronize(device)
     start = time.perf_counter()
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
@@ -142,19 +144,20 @@ def run_iteration(engine, prompts: list[list[int]], params, tag: str) -> Iterati
 
 def decode_step_cost(engine, batch_size: int, input_len: int, output_len: int):
     """FLOPs and bytes of the mean decode step: B sequences at context P + N/2."""
-    from rooflm.bench.results import compute_dtype_name, dtype_bytes
+    from rooflm.bench.results import compute_dtype_name
     from rooflm.perf.roofline import step_cost
 
-    config = engine.model_config
+    info = engine.info
+    config = info.model_config
     mean_context = input_len + output_len / 2
     if config.sliding_window:
         mean_context = min(mean_context, config.sliding_window)
     # The engine keeps weights, activations and the KV cache in one dtype.
-    elem = dtype_bytes(engine.runner.dtype)
+    elem = info.weight_dtype_bytes
     return step_cost(config, num_decode_seqs=batch_size,
                      decode_context_tokens=round(batch_size * mean_context),
-                     weight_bytes=elem, kv_bytes=elem, act_bytes=elem,
-                     compute_dtype=compute_dtype_name(engine.runner.dtype))
+                     weight_bytes=elem, kv_bytes=info.kv_dtype_bytes, act_bytes=elem,
+                     compute_dtype=compute_dtype_name(getattr(torch, info.dtype)))
 
 
 def mbu_fields(step, tpot_s: Optional[float], gpu) -> dict:
@@ -220,21 +223,21 @@ def run_latency(args: argparse.Namespace, out: TextIO = None) -> int:
     _check_args(args)
     engine_options = engine_kwargs(args)
     engine = LLMEngine.from_kwargs(**engine_options)
-    device = engine.runner.device
+    device = torch.device(engine.info.device)
     # Resolved before the run: measuring the GPU would disturb the timed iterations.
     gpu = resolve_gpu(device, args.gpu, args.cpu_bandwidth_gbs)
     # Stamped before the run: the commit is the code that was loaded, even if it moves meanwhile.
     stamp_fields = stamp(device)
-    if args.batch_size > engine.config.scheduler.max_num_seqs:
+    if args.batch_size > engine.info.max_num_seqs:
         print(f"warning: --batch-size {args.batch_size} is over --max-num-seqs "
-              f"{engine.config.scheduler.max_num_seqs}: the batch runs in waves", file=sys.stderr)
+              f"{engine.info.max_num_seqs}: the batch runs in waves", file=sys.stderr)
 
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     rng = random.Random(args.prompt_seed)
-    vocab = engine.model_config.vocab_size
-    preemptions_before = engine.scheduler.num_preemptions
+    vocab = engine.info.model_config.vocab_size
+    preemptions_before = engine.snapshot().num_preemptions
     iterations = _run_iterations(engine, rng, params, args, vocab)
-    preemptions = engine.scheduler.num_preemptions - preemptions_before
+    preemptions = engine.snapshot().num_preemptions - preemptions_before
 
     summary = summarize(iterations)
     step = decode_step_cost(engine, args.batch_size, args.input_len, args.output_len)
@@ -245,11 +248,11 @@ def run_latency(args: argparse.Namespace, out: TextIO = None) -> int:
         "benchmark": "latency",
         **stamp_fields,
         "model": args.model or "default (SmolLM2-135M-Instruct)",
-        "dtype": str(engine.runner.dtype).replace("torch.", ""),
+        "dtype": engine.info.dtype,
         "batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
         "num_iters": args.num_iters, "num_iters_warmup": args.num_iters_warmup,
         "engine_options": engine_options,
-        "startup_s": engine.startup_s,
+        "startup_s": engine.info.startup_s,
         **summary,
         "output_tokens_per_iter": iterations[0].output_tokens,
         "expected_output_tokens_per_iter": args.batch_size * args.output_len,

@@ -47,6 +47,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional, TextIO
 
+import torch
+
 
 @dataclass
 class BenchRequest:
@@ -86,6 +88,9 @@ def register(subparsers) -> None:
     g.add_argument("--output-json", default=None, help="write the result to this JSON file")
     g.add_argument("--output-md", default=None, help="write a markdown summary to this file")
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    g.add_argument("--breakdown", action="store_true",
+                   help="print (and save) where the time went: steps by kind (decode in a CUDA graph, "
+                        "decode eager, mixed, prefill), their floor, and the host's time by phase")
     add_engine_args(p)
     p.set_defaults(func=run_throughput)
 
@@ -114,11 +119,11 @@ def sharegpt_requests(args: argparse.Namespace, engine) -> list[BenchRequest]:
     requests = []
     for s in samples:
         ids = tokenizer.encode(s.prompt)
-        if len(ids) + s.output_len <= engine.max_model_len:
+        if len(ids) + s.output_len <= engine.info.max_model_len:
             requests.append(BenchRequest(ids, s.output_len))
     if not requests:
         raise ValueError(f"{args.dataset}: no conversation fits the context length of "
-                         f"{engine.max_model_len}")
+                         f"{engine.info.max_model_len}")
     return requests
 
 
@@ -153,11 +158,10 @@ def run_requests(engine, requests: list[BenchRequest], tag: str, disable_tqdm: b
     from rooflm.bench.results import synchronize
     from rooflm.sampling_params import SamplingParams
 
-    device = engine.runner.device
+    device = torch.device(engine.info.device)
     ids = [f"{tag}-{i}" for i in range(len(requests))]
     wanted = set(ids)
-    preemptions_before = engine.scheduler.num_preemptions
-    steps_before = engine.stats["steps"]
+    before = engine.snapshot()
     bar = tqdm(total=len(requests), desc=tag, unit="req", disable=disable_tqdm, file=sys.stderr)
     synchronize(device)
     start = time.perf_counter()
@@ -173,14 +177,15 @@ def run_requests(engine, requests: list[BenchRequest], tag: str, disable_tqdm: b
     synchronize(device)
     elapsed = time.perf_counter() - start
     bar.close()
+    after = engine.snapshot()
     return RunResult(
         elapsed_s=elapsed,
         num_completed=len(final),
         prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
         output_tokens=sum(len(o.outputs[0].token_ids) for o in final.values()),
         cached_prompt_tokens=sum(o.num_cached_tokens for o in final.values()),
-        steps=engine.stats["steps"] - steps_before,
-        preemptions=engine.scheduler.num_preemptions - preemptions_before)
+        steps=after.steps - before.steps,
+        preemptions=after.num_preemptions - before.num_preemptions)
 
 
 # ---------------------------------------------------------------- the bound
@@ -188,12 +193,13 @@ def run_requests(engine, requests: list[BenchRequest], tag: str, disable_tqdm: b
 
 def throughput_bound(engine, gpu, requests: list[BenchRequest]) -> dict:
     """The analytic ceiling on output tokens/s of this workload (see the module docstring)."""
-    from rooflm.bench.results import compute_dtype_name, dtype_bytes
+    from rooflm.bench.results import compute_dtype_name
     from rooflm.perf.roofline import causal_pairs, step_cost
 
-    config = engine.model_config
-    elem = dtype_bytes(engine.runner.dtype)
-    compute_dtype = compute_dtype_name(engine.runner.dtype)
+    info = engine.info
+    config = info.model_config
+    elem = info.weight_dtype_bytes
+    compute_dtype = compute_dtype_name(getattr(torch, info.dtype))
     common = dict(weight_bytes=elem, kv_bytes=elem, act_bytes=elem, compute_dtype=compute_dtype)
     peak_flops = gpu.peak_flops(compute_dtype)
     num = len(requests)
@@ -209,8 +215,8 @@ def throughput_bound(engine, gpu, requests: list[BenchRequest]) -> dict:
     mean_prompt = total_prompt / num
     mean_output = total_output / num
     mean_context = mean_prompt + mean_output / 2
-    kv_pool_tokens = engine.block_manager.num_blocks * engine.block_manager.block_size
-    concurrency = min(engine.config.scheduler.max_num_seqs, num,
+    kv_pool_tokens = info.kv_capacity_tokens
+    concurrency = min(info.max_num_seqs, num,
                       max(1, math.floor(kv_pool_tokens / mean_context)))
     attended = min(mean_context, config.sliding_window) if config.sliding_window else mean_context
     decode = step_cost(config, num_decode_seqs=concurrency,
@@ -256,7 +262,9 @@ def _want_bound(device, gpu_name: Optional[str]) -> bool:
 
 
 def run_throughput(args: argparse.Namespace, out: TextIO = None) -> int:
+    from rooflm.bench.breakdown import StepBreakdown
     from rooflm.bench.results import resolve_gpu, stamp, write_json, write_markdown
+    from rooflm.perf.live import StepMeter
     from rooflm.cli import engine_kwargs
     from rooflm.engine.llm_engine import LLMEngine
 
@@ -264,7 +272,7 @@ def run_throughput(args: argparse.Namespace, out: TextIO = None) -> int:
     _check_args(args)
     engine_options = engine_kwargs(args)
     engine = LLMEngine.from_kwargs(**engine_options)
-    device = engine.runner.device
+    device = torch.device(engine.info.device)
     gpu = None
     if _want_bound(device, args.gpu):
         # Resolved before the run: measuring the GPU would disturb the timed run.
@@ -274,11 +282,15 @@ def run_throughput(args: argparse.Namespace, out: TextIO = None) -> int:
     if args.dataset:
         requests = sharegpt_requests(args, engine)
     else:
-        requests = random_requests(args, engine.model_config.vocab_size)
+        requests = random_requests(args, engine.info.model_config.vocab_size)
 
     if args.num_warmup_requests:
         run_requests(engine, warmup_requests(requests, args.num_warmup_requests), "warm-up",
                      disable_tqdm=True)
+    breakdown = None
+    if args.breakdown:
+        breakdown = StepBreakdown(StepMeter.for_engine(engine.info, gpu))
+        engine.add_observer(breakdown.observe)
     run = run_requests(engine, requests, "requests", args.disable_tqdm)
     expected_output = sum(r.output_len for r in requests)
     if run.output_tokens != expected_output:
@@ -289,14 +301,14 @@ def run_throughput(args: argparse.Namespace, out: TextIO = None) -> int:
         "benchmark": "throughput",
         **stamp_fields,
         "model": args.model or "default (SmolLM2-135M-Instruct)",
-        "dtype": str(engine.runner.dtype).replace("torch.", ""),
+        "dtype": engine.info.dtype,
         "dataset": args.dataset or "random",
         "num_prompts": len(requests), "input_len": args.input_len,
         "output_len": args.output_len, "range_ratio": args.range_ratio,
         "engine_options": engine_options,
-        "startup_s": engine.startup_s,
-        "kv_cache_blocks": engine.block_manager.num_blocks,
-        "block_size": engine.block_manager.block_size,
+        "startup_s": engine.info.startup_s,
+        "kv_cache_blocks": engine.info.num_blocks,
+        "block_size": engine.info.block_size,
         "elapsed_s": run.elapsed_s,
         "num_completed": run.num_completed,
         "total_prompt_tokens": run.prompt_tokens,
@@ -310,12 +322,15 @@ def run_throughput(args: argparse.Namespace, out: TextIO = None) -> int:
         "prefix_cache_hit_tokens": run.cached_prompt_tokens,
         "bound": None,
         "fraction_of_bound": None,
+        "breakdown": breakdown.as_dict() if breakdown else None,
     }
     if gpu is not None:
         bound = throughput_bound(engine, gpu, requests)
         result["bound"] = bound
         result["fraction_of_bound"] = result["output_tokens_per_s"] / bound["output_tokens_per_s"]
     out.write(format_summary(result, device.type))
+    if breakdown is not None:
+        out.write(breakdown.format())
     if args.output_json:
         write_json(args.output_json, result)
         out.write(f"result written to {args.output_json}\n")

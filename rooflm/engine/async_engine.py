@@ -39,11 +39,11 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, Optional, Union
 
-import torch
 
 from rooflm.engine.outputs import RequestOutput
+from rooflm.engine.report import EngineSnapshot
 from rooflm.engine.request import Request, RequestStatus
 from rooflm.sampling_params import SamplingParams
 
@@ -130,46 +130,6 @@ class RequestStream:
         return item
 
 
-@dataclass
-class EngineSnapshot:
-    """The scheduler's state after the latest step, for logs and health."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_usage: float = 0.0
-    free_blocks: int = 0
-    num_blocks: int = 0
-    generation_tokens: int = 0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    steps: int = 0
-
-
-class StepBytesModel:
-    """Placeholder model of the bytes one step moves, for MBU.
-
-    bytes = every weight read once + the K/V of every running sequence's
-    context read once. It ignores activations, logits and K/V writes; the
-    roofline byte model will replace it through the same `bytes_moved` call.
-    """
-
-    def __init__(self, weight_bytes: int, kv_bytes_per_token: int):
-        self.weight_bytes = weight_bytes
-        self.kv_bytes_per_token = kv_bytes_per_token
-
-    @classmethod
-    def for_engine(cls, engine) -> "StepBytesModel":
-        model = engine.runner.model
-        weight_bytes = 0
-        if model is not None:
-            weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        element_size = torch.empty((), dtype=engine.runner.dtype).element_size()
-        return cls(weight_bytes, engine.model_config.kv_bytes_per_token(element_size))
-
-    def bytes_moved(self, context_lens: Iterable[int]) -> int:
-        return self.weight_bytes + self.kv_bytes_per_token * sum(context_lens)
-
-
 class NullMetrics:
     """The metrics interface the engine thread writes to; records nothing."""
 
@@ -181,7 +141,6 @@ class NullMetrics:
     def observe_first_token(self, ttft_seconds): pass
     def observe_inter_token(self, seconds): pass
     def observe_finished(self, reason, e2e_seconds, queue_seconds): pass
-    def record_step(self, step_seconds, bytes_moved, peak_bandwidth): pass
 
 
 # ---- commands from the event loop to the engine thread ----------------------------------------------
@@ -231,22 +190,21 @@ def _fault_step_from_env() -> Optional[int]:
 
 class AsyncLLMEngine:
     def __init__(self, engine, limits: Optional[AdmissionLimits] = None, metrics=None,
-                 peak_bandwidth: float = 0.0, fault_inject_step: Optional[int] = None):
-        """engine: an LLMEngine, owned by this object's thread from start() on.
+                 fault_inject_step: Optional[int] = None):
+        """engine: an LLMEngine, owned by this object's thread from start() on. Step costs
+        (MBU, MFU) reach the metrics through an observer the server adds to the engine.
 
-        peak_bandwidth: the device's memory bandwidth in bytes/s for MBU; 0 = unknown.
         fault_inject_step: see the module docstring; None reads the environment.
         """
         self.engine = engine
         self.limits = limits or AdmissionLimits()
         self.metrics = metrics or NullMetrics()
-        self.peak_bandwidth = peak_bandwidth
         if fault_inject_step is None:
             fault_inject_step = _fault_step_from_env()
         self.fault_inject_step = fault_inject_step
-        self.bytes_model = StepBytesModel.for_engine(engine)
-        self.snapshot = EngineSnapshot(num_blocks=engine.block_manager.num_blocks,
-                                       free_blocks=engine.block_manager.num_free_blocks)
+        # The engine's state after the latest step, for logs and health: replaced whole by
+        # the engine thread, so the event loop always reads one consistent snapshot.
+        self.snapshot: EngineSnapshot = engine.snapshot()
 
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
@@ -456,7 +414,7 @@ class AsyncLLMEngine:
                         request.record_metrics)
 
     def _admission_check(self, requests: list[GenerateRequest]) -> Optional[AdmissionRejected]:
-        waiting = len(self.engine.scheduler.waiting)
+        waiting = self.snapshot.num_waiting_reqs
         limit = self.limits.max_queued_requests
         if waiting + len(requests) > limit:
             return AdmissionRejected(f"the server is overloaded: {waiting} requests are waiting "
@@ -487,15 +445,14 @@ class AsyncLLMEngine:
         if self.fault_inject_step is not None and self._num_step_calls == self.fault_inject_step:
             raise RuntimeError(f"fault injected at engine step {self._num_step_calls} "
                                f"({FAULT_INJECT_ENV})")
-        steps_before = self.engine.stats["steps"]
+        steps_before = self.engine.num_steps
         started = time.monotonic()
         outputs = self.engine.step()
         ended = time.monotonic()
-        did_work = self.engine.stats["steps"] != steps_before
+        did_work = self.engine.num_steps != steps_before
         if did_work:
             self._last_progress = ended
             self._note_scheduled(started)
-            self._record_step(ended - started, outputs)
         self._deliver(self._process_outputs(outputs, ended))
         return did_work
 
@@ -504,20 +461,6 @@ class AsyncLLMEngine:
         for tracked in self._tracked.values():
             if tracked.scheduled_time is None and tracked.request.status != RequestStatus.WAITING:
                 tracked.scheduled_time = step_start
-
-    def _record_step(self, step_seconds: float, outputs: list[RequestOutput]) -> None:
-        bytes_moved = 0
-        if self.peak_bandwidth > 0:
-            bytes_moved = self.bytes_model.bytes_moved(self._context_lens(outputs))
-        self.metrics.record_step(step_seconds, bytes_moved, self.peak_bandwidth)
-
-    def _context_lens(self, outputs: list[RequestOutput]) -> list[int]:
-        lens = [seq.num_computed_tokens for req in self.engine.scheduler.running
-                for seq in req.live_seqs]
-        for out in outputs:
-            if out.finished:
-                lens.extend(len(out.prompt_token_ids) + len(c.token_ids) for c in out.outputs)
-        return lens
 
     def _process_outputs(self, outputs: list[RequestOutput], now: float) -> list:
         deliveries = []
@@ -587,25 +530,16 @@ class AsyncLLMEngine:
             pass  # the event loop is closed: the process is exiting
 
     def _publish_state(self) -> None:
-        scheduler, blocks = self.engine.scheduler, self.engine.block_manager
-        snap = self.snapshot
-        snap.running = len(scheduler.running)
-        snap.waiting = len(scheduler.waiting) + len(scheduler.swapped)
-        snap.kv_usage = blocks.usage()
-        snap.free_blocks = blocks.num_free_blocks
-        snap.generation_tokens = self.engine.stats["generation_tokens"]
-        snap.prefix_queries = blocks.prefix_queries
-        snap.prefix_hits = blocks.prefix_hits
-        snap.steps = self.engine.stats["steps"]
+        snap = self.snapshot = self.engine.snapshot()
         self._num_in_flight = len(self._tracked)
-        self.metrics.set_scheduler_state(snap.running, snap.waiting, snap.kv_usage,
-                                         snap.free_blocks, blocks.num_blocks)
+        self.metrics.set_scheduler_state(snap.num_running_reqs, snap.num_waiting_reqs + snap.num_swapped_reqs,
+                                         snap.kv_usage, snap.num_free_blocks, snap.num_blocks)
         self.metrics.set_tokens_in_flight(self._tokens_in_flight)
         queries, hits = self._seen_prefix
-        self.metrics.add_prefix_cache(blocks.prefix_queries - queries, blocks.prefix_hits - hits)
-        self._seen_prefix = (blocks.prefix_queries, blocks.prefix_hits)
-        self.metrics.add_preemptions(scheduler.num_preemptions - self._seen_preemptions)
-        self._seen_preemptions = scheduler.num_preemptions
+        self.metrics.add_prefix_cache(snap.prefix_queried_tokens - queries, snap.prefix_hit_tokens - hits)
+        self._seen_prefix = (snap.prefix_queried_tokens, snap.prefix_hit_tokens)
+        self.metrics.add_preemptions(snap.num_preemptions - self._seen_preemptions)
+        self._seen_preemptions = snap.num_preemptions
 
 
 def _finish_reason(out: RequestOutput) -> str:

@@ -10,21 +10,38 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Iterable, Optional, Union
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 
 from rooflm.config import EngineConfig
 from rooflm.engine.block_manager import BlockManager
-from rooflm.engine.model_runner import ModelRunner, StepResult
+from rooflm.engine.model_runner import ModelRunner, StepHandle, StepResult
 from rooflm.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from rooflm.engine.report import (NULL_TRACER, BatchShape, EngineInfo, EngineSnapshot, PhaseTracer,
+                                  StepReport, StepTimings, batch_shape)
 from rooflm.engine.request import Request, RequestStatus, Sequence
 from rooflm.engine.scheduler import Scheduler, SchedulerOutput
-from rooflm.sampling_params import SamplingParams
+from rooflm.errors import InvalidRequest
+from rooflm.sampling_params import SamplingParams, resolve_max_tokens
 
 logger = logging.getLogger(__name__)
 
 PromptType = Union[str, list[int]]
+
+
+@dataclass
+class _InFlight:
+    """A launched step, until its results are processed."""
+
+    out: SchedulerOutput
+    handle: StepHandle
+    shape: BatchShape
+    index: int
+    schedule_s: float
+    launch_s: float
+    launched_at: float
 
 
 class LLMEngine:
@@ -47,14 +64,13 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching, num_host)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        from rooflm.perf.live import StepMeter
-        self.meter = StepMeter.for_engine(self)  # achieved bandwidth/FLOP rate per step (MBU, MFU)
-        self.last_step_stats = None
         self.async_scheduling = config.runtime.async_scheduling
         if self.async_scheduling is None:
             self.async_scheduling = self.runner.device.type == "cuda"
-        self._in_flight = None  # (SchedulerOutput, StepHandle) launched, not yet processed
+        self._in_flight: Optional[_InFlight] = None  # launched, not yet processed
         self._last_collect = time.perf_counter()
+        self._observers: list[Callable[[StepReport], None]] = []
+        self.tracer: PhaseTracer = NULL_TRACER
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -62,8 +78,49 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         self.startup_s = time.perf_counter() - t0
+        self.info = self._make_info()
         logger.info("ready in %.1f s (%s)", self.startup_s,
                     ", ".join(f"{k} {v:.1f} s" for k, v in self.runner.timings.items()))
+
+    def _make_info(self) -> EngineInfo:
+        cfg = self.config
+        return EngineInfo(
+            model=str(cfg.load.model or "default"), model_config=self.model_config,
+            max_model_len=self.max_model_len, block_size=self.block_manager.block_size,
+            num_blocks=self.block_manager.num_blocks, num_host_blocks=self.block_manager.num_host_blocks,
+            max_num_seqs=cfg.scheduler.max_num_seqs, max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
+            device=str(self.runner.device), dtype=str(self.runner.dtype).replace("torch.", ""),
+            weight_dtype_bytes=self.runner.dtype.itemsize, kv_dtype_bytes=self.runner.kv_dtype.itemsize,
+            async_scheduling=self.async_scheduling, has_tokenizer=self.tokenizer is not None,
+            startup_s=self.startup_s)
+
+    # ---- the read-only face ------------------------------------------------------------------
+
+    def snapshot(self) -> EngineSnapshot:
+        """The queues and the KV pool now."""
+        sched, bm = self.scheduler, self.block_manager
+        running = [seq for req in sched.running for seq in req.live_seqs]
+        return EngineSnapshot(
+            num_running_reqs=len(sched.running), num_waiting_reqs=len(sched.waiting),
+            num_swapped_reqs=len(sched.swapped), num_running_seqs=len(running),
+            num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks,
+            running_context_tokens=sum(s.num_computed_tokens for s in running),
+            num_preemptions=sched.num_preemptions, prefix_queried_tokens=bm.prefix_queries,
+            prefix_hit_tokens=bm.prefix_hits, prompt_tokens=self.stats["prompt_tokens"],
+            generation_tokens=self.stats["generation_tokens"], steps=self.stats["steps"])
+
+    def add_observer(self, observer: Callable[[StepReport], None]) -> None:
+        """Call observer(report) after each executed step, on the engine's thread. Observers
+        must be quick and must not call back into the engine."""
+        self._observers.append(observer)
+
+    def remove_observer(self, observer: Callable[[StepReport], None]) -> None:
+        self._observers.remove(observer)
+
+    def set_tracer(self, tracer: Optional[PhaseTracer]) -> None:
+        """Name the phases of each step (the profiler's hook); None restores the no-op."""
+        self.tracer = tracer or NULL_TRACER
+        self.runner.tracer = self.tracer
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "LLMEngine":
@@ -88,25 +145,28 @@ class LLMEngine:
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt is empty")
+                raise InvalidRequest("prompt is empty", param="prompt")
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer (dummy weights): pass token ids, "
-                                 "or give a tokenizer")
+                raise InvalidRequest("this model has no tokenizer (dummy weights): pass token ids, "
+                                     "or give a tokenizer", param="prompt")
             return prompt, self.tokenizer.encode(prompt)
         if not isinstance(prompt, (list, tuple)):
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise InvalidRequest(f"prompt must be a string or a list of token ids, got "
+                                 f"{type(prompt).__name__}", param="prompt")
         if not prompt:
-            raise ValueError("prompt is empty")
+            raise InvalidRequest("prompt is empty", param="prompt")
         vocab = self.model_config.vocab_size
         for i, t in enumerate(prompt):
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token id at index {i} is {t!r}; token ids must be "
-                                 f"integers in [0, {vocab})")
+                raise InvalidRequest(f"prompt token id at index {i} is {t!r}; token ids must be "
+                                     f"integers in [0, {vocab})", param="prompt")
         return None, list(prompt)
 
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
                     arrival_time: Optional[float] = None, cache_salt: Optional[str] = None) -> Request:
-        """Validate and queue a request. Raises ValueError, changing nothing, on bad input."""
+        """Validate and queue a request. Raises InvalidRequest (a ValueError naming the request
+        field at fault), changing nothing, on bad input; ValueError on a caller's bug (a
+        request id in use, params of the wrong type)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
@@ -117,8 +177,8 @@ class LLMEngine:
         self._check_fits(len(token_ids), max_tokens, params.n)
         for t in params.stop_token_ids or ():
             if t >= self.model_config.vocab_size:
-                raise ValueError(f"stop_token_ids contains {t}, outside the vocabulary [0, "
-                                 f"{self.model_config.vocab_size})")
+                raise InvalidRequest(f"stop_token_ids contains {t}, outside the vocabulary [0, "
+                                     f"{self.model_config.vocab_size})", param="stop_token_ids")
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
@@ -133,25 +193,17 @@ class LLMEngine:
         return req
 
     def _resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
-        if prompt_len >= self.max_model_len:
-            raise ValueError(f"prompt has {prompt_len} tokens, but the context length is "
-                             f"{self.max_model_len}: it must be shorter")
-        room = self.max_model_len - prompt_len
-        if params.max_tokens is None:
-            return room
-        if params.max_tokens > room:
-            raise ValueError(f"prompt ({prompt_len} tokens) plus max_tokens ({params.max_tokens}) is "
-                             f"{prompt_len + params.max_tokens}, over the context length of "
-                             f"{self.max_model_len}")
-        return params.max_tokens
+        return resolve_max_tokens(params.max_tokens, prompt_len, self.max_model_len)
 
     def _check_fits(self, prompt_len: int, max_tokens: int, n: int) -> None:
         bm = self.block_manager
         prompt_blocks = prompt_len // bm.block_size
         need = prompt_blocks + n * (bm.blocks_needed(prompt_len + max_tokens) - prompt_blocks)
         if need > bm.num_blocks:
-            raise ValueError(f"request needs up to {need} KV-cache blocks (prompt {prompt_len} + "
-                             f"max_tokens {max_tokens}, n={n}) but the cache has {bm.num_blocks}")
+            # max_tokens: the field a client can always lower to fit (the prompt fits the context).
+            raise InvalidRequest(f"request needs up to {need} KV-cache blocks (prompt {prompt_len} + "
+                                 f"max_tokens {max_tokens}, n={n}) but the cache has {bm.num_blocks}",
+                                 param="max_tokens")
 
     def _new_seq(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
         seq = Sequence(next(self._seq_ids), index, token_ids, len(req.prompt_token_ids))
@@ -182,6 +234,11 @@ class LLMEngine:
             outputs.append(self._make_output(req, {}))
         return outputs
 
+    @property
+    def num_steps(self) -> int:
+        """Steps launched since start."""
+        return self.stats["steps"]
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
@@ -194,30 +251,51 @@ class LLMEngine:
         """One engine step. With async scheduling (CUDA), step t+1 is scheduled and queued on
         the GPU before step t's tokens are read back, so host work overlaps device work and
         the outputs returned are those of the previous step."""
-        if not self.async_scheduling:
+        t0 = time.perf_counter()
+        with self.tracer.phase("schedule"):
             out = self.scheduler.schedule()
-            if out.is_empty:
-                return []
-            t0 = time.perf_counter()
-            result = self.runner.execute(out, self._suppressed_tokens(out))
-            self.last_step_stats = self.meter.record(out, time.perf_counter() - t0)
-            self.stats["steps"] += 1
-            return self._process(out, result)
-        out = self.scheduler.schedule()
-        handle = None
+        t1 = time.perf_counter()
+        launched = None
         if not out.is_empty:
-            prev = self._in_flight[1] if self._in_flight else None
-            handle = self.runner.launch(out, self._suppressed_tokens(out), prev)
+            shape = batch_shape(out, self.model_config.sliding_window)
+            prev = self._in_flight.handle if self._in_flight is not None else None
+            with self.tracer.phase("launch"):
+                handle = self.runner.launch(out, self._suppressed_tokens(out), prev)
             self.stats["steps"] += 1
-        outputs = []
-        if self._in_flight is not None:
-            prev_out, prev_handle = self._in_flight
-            result = self.runner.collect(prev_handle)
-            now = time.perf_counter()
-            self.last_step_stats = self.meter.record(prev_out, now - self._last_collect)
-            self._last_collect = now
-            outputs = self._process(prev_out, result)
-        self._in_flight = (out, handle) if handle is not None else None
+            launched = _InFlight(out, handle, shape, self.stats["steps"], t1 - t0,
+                                 time.perf_counter() - t1, t1)
+        if not self.async_scheduling:
+            return self._finish_step(launched) if launched is not None else []
+        previous, self._in_flight = self._in_flight, launched
+        return self._finish_step(previous) if previous is not None else []
+
+    def drain(self) -> list[RequestOutput]:
+        """Finish the step in flight, if any (async scheduling), and return its outputs; after
+        it nothing is queued on the device, so async scheduling can be switched."""
+        step, self._in_flight = self._in_flight, None
+        return self._finish_step(step) if step is not None else []
+
+    def _finish_step(self, step: "_InFlight") -> list[RequestOutput]:
+        """Read a launched step's samples back, process them, and report the step."""
+        t0 = time.perf_counter()
+        with self.tracer.phase("collect"):
+            result = self.runner.collect(step.handle)
+        t1 = time.perf_counter()
+        with self.tracer.phase("process"):
+            outputs = self._process(step.out, result)
+        t2 = time.perf_counter()
+        # Sync: launch to results. Async: results to results, since the device ran this step
+        # right after the previous one; never from before the step was launched (idle time).
+        started = max(self._last_collect, step.launched_at) if self.async_scheduling else step.launched_at
+        self._last_collect = t1
+        if self._observers:
+            report = StepReport(
+                step=step.index, shape=step.shape, num_seqs=len(step.out.scheduled),
+                num_preempted=len(step.out.preempted), cuda_graph=step.handle.cuda_graph,
+                timings=StepTimings(schedule_s=step.schedule_s, launch_s=step.launch_s, wait_s=t1 - t0,
+                                    process_s=t2 - t1, elapsed_s=t1 - started))
+            for observer in self._observers:
+                observer(report)
         return outputs
 
     def _suppressed_tokens(self, out: SchedulerOutput) -> dict[int, tuple[int, ...]]:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from rooflm.config import EngineConfig, ModelConfig
+from rooflm.engine.report import NULL_TRACER
 from rooflm.engine.scheduler import ScheduledSeq, SchedulerOutput
 from rooflm.layers.attention import AttentionMetadata, ReferenceBackend
 from rooflm.layers.sampler import Sampler, SamplingMetadata, SamplingRow, compute_logprobs
@@ -82,6 +83,7 @@ class StepHandle:
     # after sampling, and an event that fires when they have landed.
     host_sampled: Optional[tuple] = None
     ready: Optional[object] = None  # torch.cuda.Event, None on the CPU
+    cuda_graph: bool = False  # a captured graph ran the forward
 
 
 @dataclass
@@ -105,8 +107,11 @@ class ModelRunner:
         self.model = None
         self.kv_cache: Optional[torch.Tensor] = None
         self.host_kv_cache: Optional[torch.Tensor] = None
+        self.kv_dtype = self.dtype
         self.sampler = Sampler()
         self.graphs = None
+        self.piecewise = None  # PiecewiseGraphRunner for steps with prefill chunks
+        self.tracer = NULL_TRACER  # names the phases of a step for the profiler
         self.timings: dict[str, float] = {}
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True  # any fp32 matmul (e.g. --dtype float32)
@@ -345,14 +350,18 @@ class ModelRunner:
 
         Tokens the previous step sampled but the host has not read yet (pending) are
         filled into this step's inputs on the device, from prev's sampled ids."""
-        self.apply_block_ops(out)
-        inputs = self.prepare(out, suppress)
+        with self.tracer.phase("block_ops"):
+            self.apply_block_ops(out)
+        with self.tracer.phase("prepare"):
+            inputs = self.prepare(out, suppress)
         fixup = self._pending_fixup(inputs, prev)
         handle = StepHandle(inputs, StepResult({}, {}, {}))
-        logits = self._forward(inputs, handle.result, fixup)
+        handle.cuda_graph = self._graph_runs(inputs)
+        logits = self._forward(inputs, handle.result, fixup, handle.cuda_graph)
         if inputs.rows:
             meta = SamplingMetadata.build(inputs.rows, self.model_config.vocab_size, self.device)
-            handle.sampled = self.sampler(logits, meta)
+            with self.tracer.phase("sample"):
+                handle.sampled = self.sampler(logits, meta)
             handle.row_of = {sch.seq.seq_id: r for r, sch in enumerate(inputs.row_owner)}
             self._copy_results_to_host(handle)
         return handle
@@ -409,29 +418,46 @@ class ModelRunner:
                 result.logprobs.setdefault(sid, []).append(entry)
         return result
 
-    def _forward(self, inputs: StepInputs, result: StepResult, fixup=None) -> Optional[torch.Tensor]:
+    def _graph_runs(self, inputs: StepInputs) -> bool:
+        """A captured graph runs plain decode steps of a captured batch size or less."""
+        num_seqs = len(inputs.seq_lens_cpu)
+        return (self.graphs is not None and inputs.num_decodes == num_seqs
+                and not inputs.prompt_logprob_spans and self.graphs.graph_size(num_seqs) is not None)
+
+    def _piecewise_runs(self, inputs: StepInputs) -> bool:
+        return (self.piecewise is not None and not inputs.prompt_logprob_spans
+                and inputs.host.input_ids.shape[0] <= self.piecewise.max_tokens)
+
+    def _forward(self, inputs: StepInputs, result: StepResult, fixup=None,
+                 use_graph: bool = False) -> Optional[torch.Tensor]:
         """Logits of the sampling rows: from a CUDA graph for plain decode steps, else eagerly.
         fixup = (token indices, token ids) on the device overwrites pending input ids."""
         h = inputs.host
-        num_seqs = len(inputs.seq_lens_cpu)
-        if (self.graphs is not None and inputs.num_decodes == num_seqs
-                and not inputs.prompt_logprob_spans and self.graphs.graph_size(num_seqs) is not None):
-            logits = self.graphs.run(h.input_ids, h.positions, h.slot_mapping, h.seq_lens, h.block_tables,
-                                     fixup)
+        if use_graph:
+            with self.tracer.phase("graph"):
+                logits = self.graphs.run(h.input_ids, h.positions, h.slot_mapping, h.seq_lens,
+                                         h.block_tables, fixup)
             if not inputs.rows:
                 return None
             idx = self._host(inputs.logits_indices, torch.int64).to(self.device, non_blocking=True)
             return logits.index_select(0, idx)
-        input_ids, positions, meta = self.to_device(inputs)
-        if fixup is not None:
-            input_ids[fixup[0]] = fixup[1]
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        with self.tracer.phase("to_device"):
+            input_ids, positions, meta = self.to_device(inputs)
+        if self._piecewise_runs(inputs):
+            with self.tracer.phase("graph"):
+                hidden = self.piecewise.run(h.input_ids, h.positions, h.slot_mapping, meta, fixup)
+        else:
+            if fixup is not None:
+                input_ids[fixup[0]] = fixup[1]
+            with self.tracer.phase("forward"):
+                hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if inputs.prompt_logprob_spans:
             self._prompt_logprobs(hidden, inputs, result)
         if not inputs.rows:
             return None
         idx = self._host(inputs.logits_indices, torch.int64).to(self.device, non_blocking=True)
-        return self.model.compute_logits(hidden.index_select(0, idx))
+        with self.tracer.phase("lm_head"):
+            return self.model.compute_logits(hidden.index_select(0, idx))
 
     def capture_graphs(self) -> None:
         """CUDA graphs for decode, unless on CPU or --enforce-eager."""
@@ -442,6 +468,11 @@ class ModelRunner:
         self.graphs = CUDAGraphRunner(self.model, self.kv_caches, self.backend, max_batch,
                                       self.max_model_len, self.block_size, self.device)
         self.timings["capture_s"] = self.graphs.capture()
+        if self.config.runtime.piecewise_cuda_graphs and self.backend.name == "triton":
+            from rooflm.engine.piecewise_graph import PiecewiseGraphRunner
+            self.piecewise = PiecewiseGraphRunner(self.model, self.kv_caches, self.backend,
+                                                  self.config.scheduler.max_num_batched_tokens, self.device)
+            self.timings["piecewise_capture_s"] = self.piecewise.capture()
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs, result: StepResult) -> None:
         for sch, base, first, count in inputs.prompt_logprob_spans:

@@ -39,6 +39,9 @@ class TritonBackend(AttentionBackend):
         # exactly as the captured graphs do, so both paths sum in the same order and give
         # bit-identical results at the captured batch sizes.
         self.split_span = split_span
+        # Set only while piecewise CUDA graphs are captured (engine/piecewise_graph.py): attention
+        # is then cut out of the graph, and this object records where it goes.
+        self.split = None
 
     def rope_and_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                        rotary, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -55,8 +58,11 @@ class TritonBackend(AttentionBackend):
         write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float, sliding_window: Optional[int]) -> torch.Tensor:
-        out = torch.empty_like(q)
+               scale: float, sliding_window: Optional[int], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.split is not None:
+            return self.split.attend(q, k_cache, v_cache, scale, sliding_window)
+        if out is None:
+            out = torch.empty_like(q)
         num_decodes = meta.num_decodes
         if num_decodes > 0:
             num_splits = self.decode_num_splits

@@ -1,37 +1,32 @@
 """Live utilisation: each engine step's achieved bandwidth and FLOP rate against the roofline.
 
-The engine times every step; this module turns the batch the scheduler chose
-into the bytes the step had to move and the FLOPs it had to do (the analytic
-model of `rooflm.perf.roofline.step_cost`), and divides by the measured time:
+The engine reports every step (engine/report.py: StepReport, with the batch's
+BatchShape and its wall time); this module turns the shape into the bytes the
+step had to move and the FLOPs it had to do (the analytic model of
+`rooflm.perf.roofline.step_cost`), and divides by the measured time:
 
     MBU = step bytes / elapsed / peak bandwidth
     MFU = step FLOPs / elapsed / peak FLOP/s of the linear layers' format
 
-A batch is read the way the model runner reads it: a scheduled sequence with
-one new token whose K/V is then complete is a decode row (it attends to its
-whole context and is sampled); anything else is a prefill chunk, which may
-start after a cached prefix (an earlier chunk, or a prefix-cache hit) and is
-sampled only when it finishes the prompt (n times for a prompt that forks into
-n samples).
+One meter is the one step-cost model: the server's Prometheus gauges, its log
+line, `rooflm bench throughput --breakdown` and `rooflm profile` all attach a
+StepMeter to the engine as an observer (engine.add_observer(meter.observe)).
 
-It runs every step, so it stays cheap: one pass over the scheduled sequences
-with plain attribute reads, and step_cost's totals evaluated from coefficients
-fixed at construction (_AffineStepCost) rather than its op list rebuilt; for
-256 sequences that is tens of microseconds (tests/perf/test_live.py prints it).
+It runs every step, so it stays cheap: step_cost's totals are evaluated from
+coefficients fixed at construction (_AffineStepCost) rather than its op list
+rebuilt.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from rooflm.config import ModelConfig
+from rooflm.engine.report import BatchShape, EngineInfo, StepReport
 from rooflm.perf.gpus import GpuSpec, _match_table_entry
 from rooflm.perf.roofline import step_cost
-
-if TYPE_CHECKING:
-    from rooflm.engine.scheduler import SchedulerOutput
 
 
 @dataclass
@@ -80,8 +75,6 @@ class MeterSummary:
 def _compute_dtype_for(weight_dtype_bytes: float) -> str:
     return "fp32" if weight_dtype_bytes >= 4 else "bf16"
 
-
-_NO_WINDOW = 1 << 62  # a context length no sequence reaches
 
 _SHAPE_KEYS = ("num_decode_seqs", "decode_context_tokens", "prefill_tokens",
                "prefill_attention_pairs", "prefill_context_tokens", "num_sampled_prefills")
@@ -162,7 +155,6 @@ class StepMeter:
         self.compute_dtype = compute_dtype or _compute_dtype_for(weight_dtype_bytes)
         self.gpu = gpu
         self._window = window
-        self._sliding_window = model_config.sliding_window
         # Peaks resolved once; a GPU lacking the format raises here, not every step.
         self._bw = gpu.mem_bw if gpu is not None else None
         self._peak = gpu.peak_flops(self.compute_dtype) if gpu is not None else None
@@ -174,90 +166,34 @@ class StepMeter:
         self.total_sampled = 0
 
     @classmethod
-    def for_engine(cls, engine, gpu: Optional[GpuSpec] = None, **kwargs) -> "StepMeter":
-        """A meter for an LLMEngine: its model shape, its runner's dtype, its device's GPU.
+    def for_engine(cls, info: EngineInfo, gpu: Optional[GpuSpec] = None, **kwargs) -> "StepMeter":
+        """A meter for an engine, from its EngineInfo: model shape, dtypes, device's GPU.
 
         gpu: None looks the device up in the GPU table (default_gpu_for).
         """
-        runner = engine.runner
-        elem = runner.dtype.itemsize
-        kv_elem = getattr(getattr(runner, "kv_cache", None), "dtype", runner.dtype).itemsize
         if gpu is None:
-            gpu = default_gpu_for(runner.device)
-        return cls(engine.model_config, elem, kv_elem, gpu, **kwargs)
+            gpu = default_gpu_for(info.device)
+        return cls(info.model_config, info.weight_dtype_bytes, info.kv_dtype_bytes, gpu, **kwargs)
 
     # ---- one step -------------------------------------------------------------------------
 
-    def batch_shape(self, sched_out: "SchedulerOutput") -> dict[str, int]:
-        """The step_cost arguments that describe this batch.
-
-        Contract: call it with the SchedulerOutput that was just executed, *before*
-        the engine advances each sequence's num_computed_tokens (the start of each
-        scheduled chunk must still be intact), i.e. between runner.execute and
-        the output processing.
-        """
-        # Without a sliding window nothing is clipped: a cap no context reaches.
-        cap = self._sliding_window if self._sliding_window is not None else _NO_WINDOW
-        num_decode = 0
-        decode_ctx = 0
-        prefill_tokens = 0
-        prefill_pairs = 0
-        prefill_ctx = 0
-        sampled_prefills = 0
-        for sch in sched_out.scheduled:
-            seq = sch.seq
-            n = sch.num_new_tokens
-            end = sch.start + n  # captured at scheduling: valid before and after counters move
-            # A decode row: one new token that completes the K/V, past the prompt's first
-            # sample (that one may fork into n rows: see below). It attends its whole
-            # context, the new token included. The common case, so tested first and cheaply.
-            if n == 1 and sch.completes and end != seq.num_prompt_tokens:
-                num_decode += 1
-                decode_ctx += end if end < cap else cap
-                continue
-            start = sch.start
-            completes = sch.completes
-            req = sch.request
-            forks = not req.forked and req.params.n > 1
-            if n == 1 and completes and not forks:
-                num_decode += 1  # the prompt's last token computed on its own: decode-shaped
-                decode_ctx += end if end < cap else cap
-                continue
-            prefill_tokens += n
-            prefill_ctx += (start if start < cap else cap) + n
-            # causal_pairs(n, start, window), inlined: this loop runs every step.
-            k = min(max(cap - start, 0), n)  # new tokens that see fewer than `cap` positions
-            prefill_pairs += k * start + k * (k + 1) // 2 + (n - k) * cap
-            if completes:
-                # A prompt that forks into n samples is sampled n times (the runner's rows).
-                sampled_prefills += req.params.n if forks else 1
-        return dict(num_decode_seqs=num_decode, decode_context_tokens=decode_ctx,
-                    prefill_tokens=prefill_tokens, prefill_attention_pairs=prefill_pairs,
-                    prefill_context_tokens=prefill_ctx, num_sampled_prefills=sampled_prefills)
+    def observe(self, report: StepReport) -> StepStats:
+        """An engine observer: account the reported step over its wall time."""
+        return self.record(report.shape, report.timings.elapsed_s)
 
     def _step_cost(self, **shape):
         return step_cost(self.model_config, **shape, weight_bytes=self.weight_bytes,
                          kv_bytes=self.kv_bytes, act_bytes=self.act_bytes,
                          compute_dtype=self.compute_dtype)
 
-    def cost(self, sched_out: "SchedulerOutput"):
-        """step_cost of the batch, every op of it (the same contract as batch_shape)."""
-        return self._step_cost(**self.batch_shape(sched_out))
+    def cost(self, shape: BatchShape):
+        """step_cost of the batch, every op of it."""
+        return self._step_cost(**shape.as_kwargs())
 
-    def record(self, sched_out: "SchedulerOutput", elapsed_s: float) -> StepStats:
-        """Account one executed step that took `elapsed_s` seconds.
-
-        Contract: `sched_out` is the SchedulerOutput the engine just executed, and
-        the engine has NOT yet advanced num_computed_tokens for it (call this after
-        runner.execute and before output processing). Called later, every chunk
-        would look as if it started at its end and the counts would be wrong.
-
-        `elapsed_s` should include the device's work: on CUDA the runner's
-        `.tolist()` of the sampled ids synchronises, so timing runner.execute does.
-        A step that samples nothing (only mid-prompt chunks) has no sync; its
-        device time then lands in the next step, which evens out over the window.
-        """
-        shape = self.batch_shape(sched_out)
+    def record(self, batch: BatchShape, elapsed_s: float) -> StepStats:
+        """Account one executed step of this shape that took `elapsed_s` seconds (with the
+        device's work in it: the engine's report times a step to its results on the host)."""
+        shape = batch.as_kwargs()
         if self._affine.ok:
             step_bytes, step_flops = self._affine(shape)
         else:

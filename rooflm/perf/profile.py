@@ -11,14 +11,12 @@ The run:
      GPU), exported as a Chrome trace that chrome://tracing and Perfetto open.
 
 Each step is the engine's own `engine.step()`. The phases inside it get
-profiler ranges (record_function, and NVTX on CUDA) by wrapping, on this one
-engine instance only, the methods step() calls: scheduler.schedule,
-runner.execute (and inside it apply_block_ops, prepare, to_device, the CUDA
-graph replay, model.forward, model.compute_logits, the sampler), and
-engine._process. Nothing of the
-engine's code is duplicated, so the profiled step is the real one; a method
-that is missing (the engine changed) just loses its range, and if none can be
-wrapped the trace has the outer "rooflm.step" ranges only (the summary says so).
+profiler ranges (record_function, and NVTX on CUDA) through the engine's
+PhaseTracer hook (engine.set_tracer): schedule, launch (block ops, input
+building, the copy to the device, the CUDA graph replay or the eager forward,
+the LM head, the sampler), collect and process. Each step's bytes and FLOPs come
+from its StepReport (engine.add_observer) through the same StepMeter the server
+uses for its MBU/MFU gauges. Nothing is patched, so the profiled step is the real one.
 
 The verdict, first match wins:
   * KV-capacity-bound: preemptions during the run, or steps where requests
@@ -48,10 +46,11 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Optional, TextIO
+from typing import Optional, TextIO
 
 import torch
 
+from rooflm.engine.report import PhaseTracer
 from rooflm.perf.gpus import GpuSpec, get_gpu, measure_gpu
 from rooflm.perf.live import StepMeter, default_gpu_for
 
@@ -67,7 +66,6 @@ PHASES = (
     ("forward", "forward"),
     ("lm_head", "lm head (logits)"),
     ("sample", "sample"),
-    ("execute", "execute, rest (sync, sampling metadata, results)"),
     ("launch", "launch, rest (sampling metadata, queueing)"),
     ("collect", "collect (wait for the device, read results)"),
     ("process", "detokenize + output"),
@@ -139,18 +137,17 @@ class PassRecord:
     peak_usage: float = 0.0
 
 
-class EngineInstrument:
-    """Wraps the methods engine.step() calls with named ranges, on this instance only."""
+class EngineInstrument(PhaseTracer):
+    """The engine's phase tracer and a step observer: named ranges around the phases of each
+    step (engine.set_tracer), and each reported step's bytes and FLOPs (engine.add_observer).
+    It reads the engine through its face only; nothing is patched."""
 
-    def __init__(self, engine, meter: StepMeter, use_nvtx: bool):
+    def __init__(self, engine, meter: Optional[StepMeter], use_nvtx: bool):
         self.engine = engine
         self.meter = meter
         self.use_nvtx = use_nvtx
         self.record = PassRecord()
         self._stack: list[list] = []  # [phase, seconds spent in child phases]
-        self._patched: list[tuple[object, str, bool, object]] = []
-        self.attached: list[str] = []
-        self.missing: list[str] = []
 
     # Ranges: record_function for the profiler, NVTX for Nsight, perf_counter for the summary.
     @contextlib.contextmanager
@@ -173,85 +170,37 @@ class EngineInstrument:
             if self.use_nvtx:
                 torch.cuda.nvtx.range_pop()
 
-    def _wrap(self, obj, attr: str, phase: str, after: Optional[Callable] = None,
-              optional: bool = False) -> None:
-        original = getattr(obj, attr, None)
-        if obj is None or not callable(original):
-            if not optional:
-                self.missing.append(phase)
-            return
-        instrument = self
-
-        def wrapped(*args, **kwargs):
-            t0 = time.perf_counter()
-            with instrument.phase(phase):
-                result = original(*args, **kwargs)
-            if after is not None:  # outside the range: the profiler's own work is not the engine's
-                after(args, time.perf_counter() - t0)
-            return result
-
-        had_own = attr in vars(obj)
-        self._patched.append((obj, attr, had_own, vars(obj).get(attr)))
-        setattr(obj, attr, wrapped)
-        self.attached.append(phase)
+    def observe(self, report) -> None:
+        """Each step whose results came back (with async scheduling, the previous step's)."""
+        if self.meter is not None:
+            self.record.stats.append(self.meter.observe(report))
 
     def install(self) -> None:
-        engine = self.engine
-        scheduler = getattr(engine, "scheduler", None)
-        runner = getattr(engine, "runner", None)
-        model = getattr(runner, "model", None)
-        sampler = getattr(runner, "sampler", None)
-        self._wrap(scheduler, "schedule", "schedule", after=self._after_schedule)
-        self._wrap(runner, "execute", "execute")
-        # Async scheduling queues a step (launch) and reads the previous one back (collect).
-        self._wrap(runner, "launch", "launch", optional=True)
-        self._wrap(runner, "collect", "collect", optional=True)
-        self._wrap(runner, "apply_block_ops", "block_ops")
-        self._wrap(runner, "prepare", "prepare")
-        # Present on some runners or devices only: host-to-device copies, CUDA graph replay.
-        self._wrap(runner, "to_device", "to_device", optional=True)
-        self._wrap(getattr(runner, "graphs", None), "run", "graph", optional=True)
-        # Module.__call__ looks `forward` up on the instance, so an instance attribute wins.
-        self._wrap(model, "forward", "forward")
-        self._wrap(model, "compute_logits", "lm_head")
-        if isinstance(sampler, torch.nn.Module):
-            self._wrap(sampler, "forward", "sample")
-        else:
-            self._wrap(runner, "sampler", "sample")
-        self._wrap(engine, "_process", "process")
+        self.engine.set_tracer(self)
+        self.engine.add_observer(self.observe)
 
     def uninstall(self) -> None:
-        for obj, attr, had_own, previous in reversed(self._patched):
-            if had_own:
-                setattr(obj, attr, previous)
-            else:
-                delattr(obj, attr)
-        self._patched.clear()
+        self.engine.set_tracer(None)
+        self.engine.remove_observer(self.observe)
 
-    def _after_schedule(self, args, elapsed_s: float) -> None:
-        bm = self.engine.block_manager
-        usage = 1.0 - bm.num_free_blocks / bm.num_blocks
-        self.record.peak_usage = max(self.record.peak_usage, usage)
-        if self.engine.scheduler.waiting and usage > KV_FULL_USAGE:
+    def _note_kv(self) -> None:
+        snap = self.engine.snapshot()
+        self.record.peak_usage = max(self.record.peak_usage, snap.kv_usage)
+        if snap.num_waiting_reqs and snap.kv_usage > KV_FULL_USAGE:
             self.record.waiting_on_full_pool += 1
 
     def step(self) -> bool:
         """One engine step inside the outer range; False when nothing was scheduled."""
-        scheduler = getattr(self.engine, "scheduler", None)
-        before = getattr(scheduler, "num_preemptions", 0)
-        prev_stats = getattr(self.engine, "last_step_stats", None)
+        before = self.engine.snapshot()
         t0 = time.perf_counter()
         with self.phase("step"):
             self.engine.step()
         wall = time.perf_counter() - t0
-        self.record.preemptions += getattr(scheduler, "num_preemptions", 0) - before
-        # The engine's own meter records each step whose results came back (with async
-        # scheduling, the previous step's): its bytes and FLOPs over the step's wall time.
-        stats = getattr(self.engine, "last_step_stats", None)
-        if stats is not None and stats is not prev_stats:
-            self.record.stats.append(stats)
-        elif getattr(self.engine, "_in_flight", None) is None:
-            return False  # nothing came back and nothing is queued: nothing was scheduled
+        after = self.engine.snapshot()
+        self.record.preemptions += after.num_preemptions - before.num_preemptions
+        self._note_kv()
+        if after.steps == before.steps and not self.engine.has_unfinished_requests():
+            return False  # nothing was scheduled and nothing is left
         self.record.step_wall_s.append(wall)
         return True
 
@@ -417,26 +366,27 @@ def profile_engine(engine, *, batch_size: int, input_len: int, output_len: Optio
 
     if batch_size < 1 or input_len < 1 or steps < 1 or (warmup_steps or 0) < 0:
         raise ValueError("batch size, input length and steps must be >= 1, warm-up steps >= 0")
-    device = engine.runner.device
+    info = engine.info
+    device = torch.device(info.device)
     on_cuda = device.type == "cuda"
     gpu_spec = _resolve_gpu(gpu, device)
     # Steps the prompts take at the scheduler's token budget; the first requests in
     # decode (one token a step) while the later ones are still prefilling.
-    prefill_steps = -(-batch_size * input_len // engine.config.scheduler.max_num_batched_tokens)
+    prefill_steps = -(-batch_size * input_len // info.max_num_batched_tokens)
     if output_len is None:
         # No request finishes during the passes: the prefill and warm-up steps, then the
         # timed and the profiled ones, within the context length.
         warmup = AUTO_WARMUP_DECODE_STEPS if warmup_steps is None else warmup_steps
         output_len = min(prefill_steps + warmup + 2 * steps + 2,
-                         max(engine.max_model_len - input_len, 1))
-    vocab = engine.model_config.vocab_size
+                         max(info.max_model_len - input_len, 1))
+    vocab = info.model_config.vocab_size
     rng = random.Random(seed)
     params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True)
     for i in range(batch_size):
         prompt = [rng.randrange(vocab) for _ in range(input_len)]
         engine.add_request(f"profile-{i}", prompt, params)
 
-    meter = StepMeter.for_engine(engine, gpu=gpu_spec)
+    meter = StepMeter.for_engine(info, gpu=gpu_spec)
     instrument = EngineInstrument(engine, meter, use_nvtx=on_cuda)
     instrument.install()
     os.makedirs(output_dir, exist_ok=True)
@@ -464,8 +414,8 @@ def profile_engine(engine, *, batch_size: int, input_len: int, output_len: Optio
         trace = json.load(f)
     summary = _summarise(engine, instrument, meter, gpu_spec, warm, timed, profiled, prof, trace)
     summary.update(
-        model=str(engine.config.load.model or "default (SmolLM2-135M-Instruct)"),
-        device=str(device), dtype=str(engine.runner.dtype).replace("torch.", ""),
+        model=info.model if info.model != "default" else "default (SmolLM2-135M-Instruct)",
+        device=str(device), dtype=info.dtype,
         batch_size=batch_size, input_len=input_len, output_len=output_len,
         warmup_steps=len(warm.step_wall_s), steps=steps, temperature=temperature,
         trace=trace_path, summary_json=os.path.join(output_dir, "summary.json"))
@@ -476,15 +426,14 @@ def profile_engine(engine, *, batch_size: int, input_len: int, output_len: Optio
 
 def _summarise(engine, instrument: EngineInstrument, meter: StepMeter, gpu: Optional[GpuSpec],
                warm: PassRecord, timed: PassRecord, profiled: PassRecord, prof, trace: dict) -> dict:
-    on_cuda = engine.runner.device.type == "cuda"
+    info = engine.info
+    on_cuda = info.device_type == "cuda"
     n_timed = len(timed.step_wall_s)
     n_prof = len(profiled.step_wall_s)
     timed_wall = sum(timed.step_wall_s)
     prof_wall = sum(profiled.step_wall_s)
     s = {
         "cpu_run": not on_cuda,
-        "ranges": "per phase" if instrument.attached else "engine.step() only",
-        "ranges_missing": instrument.missing,
         "timed_steps": n_timed,
         "profiled_steps": n_prof,
         "step_ms": _per_step_ms(timed_wall, n_timed),
@@ -505,15 +454,14 @@ def _summarise(engine, instrument: EngineInstrument, meter: StepMeter, gpu: Opti
     s["tokens_per_s"] = sum(st.num_tokens for st in timed.stats) / timed_wall
     s["sampled_per_s"] = sum(st.num_sampled for st in timed.stats) / timed_wall
 
-    bm = engine.block_manager
     s["kv"] = {
-        "num_blocks": bm.num_blocks, "block_size": bm.block_size,
+        "num_blocks": info.num_blocks, "block_size": info.block_size,
         "peak_usage": max(warm.peak_usage, timed.peak_usage, profiled.peak_usage),
         "preemptions_run": warm.preemptions + timed.preemptions + profiled.preemptions,
         "preemptions_measured": timed.preemptions + profiled.preemptions,
         "steps_waiting_on_full_pool": (warm.waiting_on_full_pool + timed.waiting_on_full_pool
                                        + profiled.waiting_on_full_pool),
-        "waiting_at_end": len(engine.scheduler.waiting),
+        "waiting_at_end": engine.snapshot().num_waiting_reqs,
     }
 
     cpu_ops = analyse_cpu_ops(prof)
@@ -531,7 +479,7 @@ def _summarise(engine, instrument: EngineInstrument, meter: StepMeter, gpu: Opti
     else:
         s["gpu"] = None
         s["gpu_busy_fraction"] = None
-        peaks = measure_cpu_peaks(engine.runner.dtype)
+        peaks = measure_cpu_peaks(getattr(torch, info.dtype))
         s["cpu_peaks"] = peaks
         if timed.stats:  # none when runner.execute could not be wrapped
             s["mbu"] = s["achieved_gbps"] / peaks["copy_gbs"]
@@ -650,10 +598,6 @@ def format_summary(s: dict) -> str:
                  f"{s['profiled_steps']} profiled steps")
     if s["cpu_run"]:
         lines.append("CPU run: GPU figures not applicable")
-    if s["ranges"] != "per phase":
-        lines.append("note: the engine's internals were not found; ranges cover engine.step() only")
-    elif s["ranges_missing"]:
-        lines.append(f"note: no range for {', '.join(s['ranges_missing'])} (not found on the engine)")
     lines.append(f"trace: {s['trace']}  (open in https://ui.perfetto.dev or chrome://tracing)")
     lines.append("")
     lines.append(f"wall time per step: {s['step_ms']:.2f} ms (median {s['step_ms_median']:.2f}, "

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rooflm.config import ModelConfig
+from rooflm.engine.report import EngineInfo, batch_shape
 from rooflm.engine.request import Request, Sequence
 from rooflm.engine.scheduler import ScheduledSeq, SchedulerOutput
 from rooflm.model.presets import get_preset
@@ -59,7 +60,7 @@ def expected_cost(config, weight_bytes=2.0, kv_bytes=2.0, act_bytes=2.0, compute
 def test_bytes_and_flops_equal_step_cost_of_the_same_batch(config):
     gpu = GPUS["h100"]
     meter = StepMeter(config, 2, 2, gpu)
-    stats = meter.record(mixed_batch(), 0.004)
+    stats = meter.record(batch_shape(mixed_batch()), 0.004)
     ref = expected_cost(config)
     assert stats.bytes == ref.bytes
     assert stats.flops == ref.flops
@@ -73,7 +74,7 @@ def test_bytes_and_flops_equal_step_cost_of_the_same_batch(config):
 
 def test_without_a_gpu_mbu_and_mfu_are_none_and_fp32_is_the_default_for_4_byte_weights():
     meter = StepMeter(TINY, 4, 4, None)
-    stats = meter.record(mixed_batch(), 0.01)
+    stats = meter.record(batch_shape(mixed_batch()), 0.01)
     ref = expected_cost(TINY, weight_bytes=4, kv_bytes=4, act_bytes=4, compute_dtype="fp32")
     assert (stats.bytes, stats.flops) == (ref.bytes, ref.flops)
     assert stats.mbu is None and stats.mfu is None
@@ -82,7 +83,7 @@ def test_without_a_gpu_mbu_and_mfu_are_none_and_fp32_is_the_default_for_4_byte_w
 
 def test_int4_weights_keep_bf16_activations():
     meter = StepMeter(TINY, 0.5 + 4 / 128, 2, GPUS["a100"])
-    stats = meter.record(mixed_batch(), 0.002)
+    stats = meter.record(batch_shape(mixed_batch()), 0.002)
     ref = expected_cost(TINY, weight_bytes=0.5 + 4 / 128)
     assert (stats.bytes, stats.flops) == (ref.bytes, ref.flops)
 
@@ -95,7 +96,7 @@ def test_sliding_window_clips_what_decodes_and_chunks_attend():
                                      scheduled(3, 3, 1, generated=1),  # 4 positions
                                      scheduled(64, 24, 12)])  # chunk after 24 cached
     meter = StepMeter(config, 2, 2, GPUS["h100"])
-    stats = meter.record(out, 0.001)
+    stats = meter.record(batch_shape(out, config.sliding_window), 0.001)
     ref = step_cost(config, num_decode_seqs=2, decode_context_tokens=16 + 4, prefill_tokens=12,
                     prefill_attention_pairs=causal_pairs(12, 24, 16),
                     prefill_context_tokens=16 + 12, num_sampled_prefills=0)
@@ -107,11 +108,11 @@ def test_one_token_chunk_that_does_not_finish_the_prompt_is_not_a_decode():
     mid = SchedulerOutput(scheduled=[scheduled(50, 20, 1)])
     end = SchedulerOutput(scheduled=[scheduled(50, 49, 1)])
     meter = StepMeter(TINY, 2, 2, None)
-    assert meter.batch_shape(mid) == dict(num_decode_seqs=0, decode_context_tokens=0,
+    assert batch_shape(mid).as_kwargs() == dict(num_decode_seqs=0, decode_context_tokens=0,
                                           prefill_tokens=1, prefill_attention_pairs=21,
                                           prefill_context_tokens=21, num_sampled_prefills=0)
-    assert meter.batch_shape(end)["num_decode_seqs"] == 1
-    assert meter.batch_shape(end)["decode_context_tokens"] == 50
+    assert batch_shape(end).as_kwargs()["num_decode_seqs"] == 1
+    assert batch_shape(end).as_kwargs()["decode_context_tokens"] == 50
 
 
 def test_batch_shape_is_read_from_what_was_scheduled():
@@ -119,10 +120,10 @@ def test_batch_shape_is_read_from_what_was_scheduled():
     step later); the meter reads the start and completion captured then, so it can run later."""
     out = SchedulerOutput(scheduled=[scheduled(20, 0, 20)])
     meter = StepMeter(TINY, 2, 2, None)
-    before = meter.batch_shape(out)
+    before = batch_shape(out).as_kwargs()
     for sch in out.scheduled:
         sch.seq.num_computed_tokens += sch.num_new_tokens
-    assert meter.batch_shape(out) == before
+    assert batch_shape(out).as_kwargs() == before
     assert before["prefill_tokens"] == 20 and before["num_sampled_prefills"] == 1
 
 
@@ -130,8 +131,8 @@ def test_summary_is_a_rolling_window():
     meter = StepMeter(TINY, 2, 2, GPUS["h100"], window=4)
     decode = SchedulerOutput(scheduled=[scheduled(10, 10 + g, 1, generated=g + 1) for g in range(8)])
     for _ in range(3):
-        meter.record(mixed_batch(), 1.0)  # slow steps that fall out of the window
-    steps = [meter.record(decode, 0.002) for _ in range(4)]
+        meter.record(batch_shape(mixed_batch()), 1.0)  # slow steps that fall out of the window
+    steps = [meter.record(batch_shape(decode), 0.002) for _ in range(4)]
     s = meter.summary()
     assert s.steps == 4
     assert s.busy_s == pytest.approx(0.008)
@@ -148,11 +149,11 @@ def test_summary_is_a_rolling_window():
 def test_record_cost_for_256_sequences_is_printed():
     meter = StepMeter(get_preset("llama-3-8b"), 2, 2, GPUS["h100"])
     out = SchedulerOutput(scheduled=[scheduled(100, 100 + g, 1, generated=g + 1) for g in range(256)])
-    meter.record(out, 0.01)
+    meter.record(batch_shape(out), 0.01)
     times = []
     for _ in range(200):
         t0 = time.perf_counter()
-        meter.record(out, 0.01)
+        meter.record(batch_shape(out), 0.01)
         times.append(time.perf_counter() - t0)
     times.sort()
     print(f"\nStepMeter.record, 256 decode sequences: median {times[len(times) // 2] * 1e6:.1f} us, "
@@ -171,20 +172,15 @@ def test_default_gpu_for(monkeypatch):
     assert default_gpu_for("cuda:0") is None
 
 
-def test_for_engine_reads_the_runner():
-    class Runner:
-        dtype = torch.bfloat16
-        device = torch.device("cpu")
-        kv_cache = torch.empty(0, dtype=torch.bfloat16)
-
-    class Engine:
-        model_config = TINY
-        runner = Runner()
-
-    meter = StepMeter.for_engine(Engine())
+def test_for_engine_reads_the_engine_info():
+    info = EngineInfo(model="tiny", model_config=TINY, max_model_len=128, block_size=16, num_blocks=8,
+                      num_host_blocks=0, max_num_seqs=4, max_num_batched_tokens=64, device="cpu",
+                      dtype="bfloat16", weight_dtype_bytes=2, kv_dtype_bytes=2, async_scheduling=False,
+                      has_tokenizer=False, startup_s=0.0)
+    meter = StepMeter.for_engine(info)
     assert (meter.weight_bytes, meter.kv_bytes, meter.act_bytes) == (2.0, 2.0, 2.0)
     assert meter.gpu is None and meter.compute_dtype == "bf16"
-    meter = StepMeter.for_engine(Engine(), gpu=GPUS["h200"])
+    meter = StepMeter.for_engine(info, gpu=GPUS["h200"])
     assert meter.gpu.key == "h200"
     assert live.StepStats.__dataclass_fields__.keys() >= {
         "elapsed_s", "bytes", "flops", "achieved_gbps", "achieved_tflops", "mbu", "mfu"}
@@ -214,8 +210,8 @@ def test_per_step_fast_path_equals_step_cost(preset, dtypes):
                                       n=rng.choice([1, 1, 2])))
         batches.append(SchedulerOutput(scheduled=rows))
     for out in batches:
-        ref = meter.cost(out)
-        stats = meter.record(out, 0.01)
+        ref = meter.cost(batch_shape(out))
+        stats = meter.record(batch_shape(out), 0.01)
         assert (stats.bytes, stats.flops) == (ref.bytes, ref.flops)
         assert (stats.num_tokens, stats.num_sampled) == (ref.num_tokens, ref.num_sampled)
 
@@ -231,5 +227,5 @@ def test_a_cost_model_that_is_not_affine_is_called_every_step(monkeypatch):
     monkeypatch.setattr(live, "step_cost", squared)
     meter = StepMeter(TINY, 2, 2, None)
     assert not meter._affine.ok
-    stats = meter.record(mixed_batch(), 0.01)
+    stats = meter.record(batch_shape(mixed_batch()), 0.01)
     assert stats.flops == expected_cost(TINY).flops + 44 ** 2

@@ -1,0 +1,73 @@
+"""Where the host's time goes in an offline run: cProfile around the engine loop.
+
+Usage: python benchmarks/host_profile.py --model llama-3-8b --load-format dummy --num-prompts 500 \
+           --input-len 230 --output-len 200 --range-ratio 0.9 --max-model-len 4096 [--out DIR]
+
+Submits random requests like `rooflm bench throughput`, then steps the engine
+under cProfile and prints the functions with the most time of their own
+(tottime) and in total (cumtime). cProfile slows Python down (roughly 1.5-2x),
+so the absolute times are inflated; the ranking is what this is for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main() -> None:
+    from rooflm.bench.throughput import random_requests
+    from rooflm.cli import add_engine_args, engine_kwargs
+    from rooflm.engine.llm_engine import LLMEngine
+    from rooflm.sampling_params import SamplingParams
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-prompts", type=int, default=500)
+    parser.add_argument("--input-len", type=int, default=230)
+    parser.add_argument("--output-len", type=int, default=200)
+    parser.add_argument("--range-ratio", type=float, default=0.9)
+    parser.add_argument("--prompt-seed", type=int, default=0)
+    parser.add_argument("--top", type=int, default=45)
+    parser.add_argument("--out", default=None, help="folder for the full stats (host_profile.txt)")
+    add_engine_args(parser)
+    args = parser.parse_args()
+    engine = LLMEngine.from_kwargs(**engine_kwargs(args))
+    requests = random_requests(args, engine.info.model_config.vocab_size)
+    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.add_request("warm", list(reversed(requests[0].prompt_token_ids)), warm)
+    while engine.has_unfinished_requests():
+        engine.step()
+    for i, r in enumerate(requests):
+        engine.add_request(f"r{i}", r.prompt_token_ids,
+                           SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True))
+    profiler = cProfile.Profile()
+    t0 = time.perf_counter()
+    profiler.enable()
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    profiler.disable()
+    elapsed = time.perf_counter() - t0
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    print(f"{steps} steps in {elapsed:.2f} s under cProfile ({1e3 * elapsed / steps:.2f} ms/step)", file=text)
+    stats.sort_stats("tottime").print_stats(args.top)
+    stats.sort_stats("cumulative").print_stats(args.top)
+    report = text.getvalue()
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "host_profile.txt"), "w") as f:
+            f.write(report)
+    print(report)
+
+
+if __name__ == "__main__":
+    main()

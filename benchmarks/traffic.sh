@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Issue 13, one device call: offline throughput on ShareGPT-like traffic (1000 requests, ~230 in /
+# ~200 out, lengths uniform +-90%) and 1000 x 1024/1024, with the step breakdown.
+# Usage (GPU machine, repo root): OUT=dir bash benchmarks/traffic.sh [quick]
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-benchmarks/results/traffic}
+mkdir -p "$OUT"
+MODEL="--model llama-3-8b --load-format dummy"
+SHAREGPT="--num-prompts 1000 --input-len 230 --output-len 200 --range-ratio 0.9 --max-model-len 4096"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
+run() {  # name, flags...
+  local name=$1; shift
+  python -m rooflm bench throughput $MODEL "$@" --breakdown --disable-tqdm \
+    --output-json "$OUT/$name.json" 2>&1 | grep -v "^result written" | tail -24 | tee "$OUT/$name.txt"
+}
+run sharegpt $SHAREGPT
+[ "${1:-}" = "quick" ] && exit 0
+if [ "${1:-}" = "diag" ]; then  # why: the same run without async scheduling, and the host under cProfile
+  run sharegpt-sync $SHAREGPT --no-async-scheduling
+  python benchmarks/host_profile.py $MODEL --num-prompts 500 --input-len 230 --output-len 200 \
+    --range-ratio 0.9 --max-model-len 4096 --out "$OUT" --top 40 2>&1 | head -70
+  exit 0
+fi
+run 1024x1024 --num-prompts 1000 --input-len 1024 --output-len 1024 --max-model-len 2048
