@@ -36,6 +36,10 @@ def main() -> None:
     parser.add_argument("--prompt-seed", type=int, default=0)
     parser.add_argument("--top", type=int, default=45)
     parser.add_argument("--out", default=None, help="folder for the full stats (host_profile.txt)")
+    parser.add_argument("--device-trace-steps", type=int, default=0,
+                        help="instead of cProfile: after --skip-steps steps, trace this many under "
+                             "torch.profiler and print the GPU's busy fraction and time by kernel")
+    parser.add_argument("--skip-steps", type=int, default=300)
     add_engine_args(parser)
     args = parser.parse_args()
     engine = LLMEngine.from_kwargs(**engine_kwargs(args))
@@ -47,6 +51,9 @@ def main() -> None:
     for i, r in enumerate(requests):
         engine.add_request(f"r{i}", r.prompt_token_ids,
                            SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True))
+    if args.device_trace_steps:
+        device_trace(engine, args)
+        return
     profiler = cProfile.Profile()
     t0 = time.perf_counter()
     profiler.enable()
@@ -56,6 +63,7 @@ def main() -> None:
         steps += 1
     profiler.disable()
     elapsed = time.perf_counter() - t0
+    alloc_stats(engine)
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text)
     print(f"{steps} steps in {elapsed:.2f} s under cProfile ({1e3 * elapsed / steps:.2f} ms/step)", file=text)
@@ -67,6 +75,53 @@ def main() -> None:
         with open(os.path.join(args.out, "host_profile.txt"), "w") as f:
             f.write(report)
     print(report)
+
+
+def alloc_stats(engine) -> None:
+    """cudaMalloc / cudaFree calls of the caching allocator during the run: a free can wait for
+    the whole device, so a run that keeps allocating new sizes pays for it on the host."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    s = torch.cuda.memory_stats()
+    print(f"allocator: {s.get('num_device_alloc', 0)} device allocs, {s.get('num_device_free', 0)} frees, "
+          f"{s.get('num_alloc_retries', 0)} retries (cache flushed), "
+          f"reserved {torch.cuda.memory_reserved() / 2**30:.2f} GiB")
+
+
+def device_trace(engine, args) -> None:
+    """GPU busy fraction and kernel time by class over a window of steps in the middle of the run."""
+    import json
+
+    import torch
+
+    from rooflm.perf.profile import RANGE_PREFIX, analyse_device_trace
+
+    kinds = []
+    engine.add_observer(lambda r: kinds.append((r.kind, r.num_seqs, r.shape.num_tokens, r.graph)))
+    for _ in range(args.skip_steps):
+        engine.step()
+    kinds.clear()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(args.device_trace_steps):
+            with torch.profiler.record_function(RANGE_PREFIX + "step"):
+                engine.step()
+        torch.cuda.synchronize()
+    alloc_stats(engine)
+    path = os.path.join(args.out or ".", "device_trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        dev = analyse_device_trace(json.load(f))
+    print(f"{len(kinds)} steps reported: " + ", ".join(
+        f"{k}/{n} seqs/{t} tok/{g}" for k, n, t, g in kinds[:12]))
+    print(f"window {dev['window_us'] / 1e3:.1f} ms, GPU busy {dev['busy_fraction']:.1%}")
+    for cls, us in sorted(dev["by_class_us"].items(), key=lambda kv: -kv[1]):
+        print(f"  {cls:<24}{us / 1e3:9.2f} ms")
+    for name, us in dev["top_kernels_us"]:
+        print(f"  {us / 1e3:9.2f} ms  {name[:90]}")
+    os.remove(path)  # tens of MB
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 User-facing: every value is checked at construction, so a bad request fails
 in the server with a message naming the field, never inside the engine's step.
+A bad value raises InvalidRequest (a ValueError) whose `param` is the field.
 Semantics follow vLLM / the OpenAI API.
 """
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Optional, Union
+
+from rooflm.errors import InvalidRequest
 
 # vLLM's and OpenAI's cap on the number of alternatives returned per position.
 MAX_LOGPROBS = 20
@@ -29,27 +32,30 @@ def _check_int(
     name: str, value, minimum: Optional[int] = None, maximum: Optional[int] = None
 ) -> None:
     if not _is_int(value):
-        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+        raise InvalidRequest(f"{name} must be an integer, got {value!r} ({type(value).__name__})",
+                             param=name)
     if minimum is not None and maximum is not None and not (minimum <= value <= maximum):
-        raise ValueError(f"{name} must be in [{minimum}, {maximum}], got {value}")
+        raise InvalidRequest(f"{name} must be in [{minimum}, {maximum}], got {value}", param=name)
     if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        raise InvalidRequest(f"{name} must be >= {minimum}, got {value}", param=name)
     if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+        raise InvalidRequest(f"{name} must be <= {maximum}, got {value}", param=name)
 
 
 def _check_float(name: str, value) -> float:
     if not (_is_int(value) or isinstance(value, float)):
-        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+        raise InvalidRequest(f"{name} must be a number, got {value!r} ({type(value).__name__})",
+                             param=name)
     value = float(value)
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
+        raise InvalidRequest(f"{name} must be finite, got {value}", param=name)
     return value
 
 
 def _check_bool(name: str, value) -> None:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+        raise InvalidRequest(f"{name} must be a bool, got {value!r} ({type(value).__name__})",
+                             param=name)
 
 
 @dataclass
@@ -103,29 +109,32 @@ class SamplingParams:
 
         self.temperature = _check_float("temperature", self.temperature)
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}",
+                                 param="temperature")
 
         self.top_p = _check_float("top_p", self.top_p)
         if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
 
         _check_int("top_k", self.top_k)
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k}")
+            raise InvalidRequest(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k}",
+                                 param="top_k")
 
         self.min_p = _check_float("min_p", self.min_p)
         if not (0.0 <= self.min_p <= 1.0):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}", param="min_p")
 
         for name in ("presence_penalty", "frequency_penalty"):
             value = _check_float(name, getattr(self, name))
             if not (-2.0 <= value <= 2.0):
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+                raise InvalidRequest(f"{name} must be in [-2, 2], got {value}", param=name)
             setattr(self, name, value)
 
         self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise InvalidRequest(f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+                                 param="repetition_penalty")
 
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=_SEED_MIN, maximum=_SEED_MAX)
@@ -134,8 +143,9 @@ class SamplingParams:
             _check_int("max_tokens", self.max_tokens, minimum=1)
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            raise InvalidRequest(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+                param="min_tokens",
             )
 
         self.stop = self._normalise_stop(self.stop)
@@ -156,12 +166,14 @@ class SamplingParams:
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, (list, tuple)):
-            raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+            raise InvalidRequest(
+                f"stop must be a string or a list of strings, got {type(stop).__name__}", param="stop"
+            )
         for item in stop:
             if not isinstance(item, str):
-                raise ValueError(f"stop must contain only strings, got {item!r}")
+                raise InvalidRequest(f"stop must contain only strings, got {item!r}", param="stop")
             if item == "":
-                raise ValueError("stop must not contain empty strings")
+                raise InvalidRequest("stop must not contain empty strings", param="stop")
         return list(stop)
 
     @staticmethod
@@ -169,14 +181,39 @@ class SamplingParams:
         if stop_token_ids is None:
             return []
         if not isinstance(stop_token_ids, (list, tuple)):
-            raise ValueError(
-                f"stop_token_ids must be a list of integers, got {type(stop_token_ids).__name__}"
+            raise InvalidRequest(
+                f"stop_token_ids must be a list of integers, got {type(stop_token_ids).__name__}",
+                param="stop_token_ids",
             )
         for token_id in stop_token_ids:
             if not _is_int(token_id) or token_id < 0:
-                raise ValueError(f"stop_token_ids must contain integers >= 0, got {token_id!r}")
+                raise InvalidRequest(
+                    f"stop_token_ids must contain integers >= 0, got {token_id!r}",
+                    param="stop_token_ids",
+                )
         return list(stop_token_ids)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+def resolve_max_tokens(max_tokens: Optional[int], prompt_len: int, max_model_len: int) -> int:
+    """The number of tokens a request may generate: max_tokens, or (None) up to the context
+    length. Raises InvalidRequest when the prompt and max_tokens do not fit the context.
+
+    The one copy of this rule: the engine applies it in add_request, and the server
+    before admission, where a request that can never fit must be a 400 naming the
+    field rather than a 429 about the tokens it would reserve.
+    """
+    if prompt_len >= max_model_len:
+        raise InvalidRequest(f"prompt has {prompt_len} tokens, but the context length is "
+                             f"{max_model_len}: it must be shorter", param="prompt")
+    room = max_model_len - prompt_len
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise InvalidRequest(f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) is "
+                             f"{prompt_len + max_tokens}, over the context length of "
+                             f"{max_model_len}", param="max_tokens")
+    return max_tokens

@@ -1,9 +1,9 @@
 """Where a run's time goes, step by step: `rooflm bench throughput --breakdown`.
 
 An engine observer (engine.add_observer) keeps every StepReport of the run.
-Steps are grouped by kind: decode-only steps a CUDA graph ran, decode-only
-steps run eagerly, mixed steps (prefill chunks beside decodes) and
-prefill-only steps. For each group it prints the wall time the steps took, the
+Steps are grouped by kind (decode-only, mixed: prefill chunks beside decodes,
+prefill-only) and by how the forward ran (one CUDA graph, piecewise graphs
+around eager attention, eager). For each group it prints the wall time the steps took, the
 floor the roofline model gives for the same batches (each step's bytes over
 the peak bandwidth or its FLOPs over the peak FLOP rate, whichever is larger:
 the StepMeter's step_cost), and the host's time by phase. With async
@@ -21,13 +21,9 @@ from typing import Optional
 from rooflm.engine.report import StepReport
 from rooflm.perf.live import StepMeter
 
-KINDS = ("decode (graph)", "decode (eager)", "mixed", "prefill")
-
-
 def step_kind(report: StepReport) -> str:
-    if report.kind == "decode":
-        return "decode (graph)" if report.cuda_graph else "decode (eager)"
-    return report.kind
+    """decode / mixed / prefill, and how the forward ran: one graph, piecewise graphs, eager."""
+    return f"{report.kind} ({report.graph})"
 
 
 @dataclass
@@ -70,7 +66,7 @@ class StepBreakdown:
 
     def __init__(self, meter: Optional[StepMeter] = None):
         self.meter = meter  # with a GPU spec: floors per step; without, no floor column
-        self.totals: dict[str, KindTotals] = {k: KindTotals() for k in KINDS}
+        self.totals: dict[str, KindTotals] = defaultdict(KindTotals)
 
     def observe(self, report: StepReport) -> None:
         floor = None
@@ -82,7 +78,7 @@ class StepBreakdown:
 
     def as_dict(self) -> dict:
         out = {}
-        for kind, t in self.totals.items():
+        for kind, t in sorted(self.totals.items()):
             if not t.steps:
                 continue
             out[kind] = {
@@ -99,18 +95,18 @@ class StepBreakdown:
     def format(self) -> str:
         total = sum(t.elapsed_s for t in self.totals.values()) or 1e-12
         has_floor = self.meter is not None and self.meter.gpu is not None
-        lines = [" Step breakdown ".center(112, "-"),
-                 f"{'kind':<15}{'steps':>6}{'time s':>8}{'share':>7}{'floor s':>9}{'ms/step':>9}"
+        lines = [" Step breakdown ".center(117, "-"),
+                 f"{'kind':<20}{'steps':>6}{'time s':>8}{'share':>7}{'floor s':>9}{'ms/step':>9}"
                  f"{'seqs':>6}{'tok/step':>9}   host ms/step: {'sched':>6}{'launch':>7}{'wait':>6}"
                  f"{'proc':>6}{'host>floor':>11}"]
-        for kind, t in self.totals.items():
+        for kind, t in sorted(self.totals.items()):
             if not t.steps:
                 continue
             per = 1e3 / t.steps
             floor = f"{t.floor_s:9.2f}" if has_floor else f"{'-':>9}"
             bound = f"{t.host_bound_steps:>11}" if has_floor else f"{'-':>11}"
             lines.append(
-                f"{kind:<15}{t.steps:>6}{t.elapsed_s:>8.2f}{t.elapsed_s / total:>7.0%}{floor}"
+                f"{kind:<20}{t.steps:>6}{t.elapsed_s:>8.2f}{t.elapsed_s / total:>7.0%}{floor}"
                 f"{t.elapsed_s * per:>9.2f}{t.seqs / t.steps:>6.0f}{t.tokens / t.steps:>9.0f}"
                 f"   {'':>13}{t.schedule_s * per:>6.2f}{t.launch_s * per:>7.2f}{t.wait_s * per:>6.2f}"
                 f"{t.process_s * per:>6.2f}{bound}")

@@ -12,7 +12,9 @@ Random prompts have lengths uniform in [len * (1 - r), len * (1 + r)] for
 (the same dataset as `rooflm bench serve --dataset-name random`).
 
 The analytic bound (on CUDA, or with --gpu NAME as a what-if on the CPU) is
-the best output tokens/s the GPU's peak rates allow for this workload:
+the best output tokens/s the GPU's peak rates allow for this workload; on CUDA
+the rates are measured on the card before the run (a 1 GiB device copy and an
+8192^3 bf16 matmul), unless --gpu names a datasheet:
 
   prefill is compute-bound: every prompt token goes through every weight once,
     prefill_s = FLOPs of all prompts (step_cost, causal attention included)
@@ -82,9 +84,9 @@ def register(subparsers) -> None:
                    help="requests run before the clock starts, to absorb one-time costs such as "
                         "kernel compilation (default 1)")
     g.add_argument("--gpu", default=None,
-                   help="peak rates for the bound: a GPU table key or 'measure' (default on CUDA: "
-                        "h100 datasheet on an H100 SXM, else measure; on the CPU a table key "
-                        "gives a what-if bound)")
+                   help="peak rates for the bound: 'measure' (the default on CUDA: this card's "
+                        "copy bandwidth and bf16 matmul rate, measured before the run) or a GPU "
+                        "table key (its datasheet; on the CPU a what-if bound)")
     g.add_argument("--output-json", default=None, help="write the result to this JSON file")
     g.add_argument("--output-md", default=None, help="write a markdown summary to this file")
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
@@ -276,7 +278,9 @@ def run_throughput(args: argparse.Namespace, out: TextIO = None) -> int:
     gpu = None
     if _want_bound(device, args.gpu):
         # Resolved before the run: measuring the GPU would disturb the timed run.
-        gpu = resolve_gpu(device, args.gpu, allow_other_gpu=True)
+        # Measured by default on CUDA: the bound is what this card does, not its datasheet.
+        gpu = resolve_gpu(device, args.gpu or ("measure" if device.type == "cuda" else None),
+                          allow_other_gpu=True)
     # Stamped before the run: the commit is the code that was loaded, even if it moves meanwhile.
     stamp_fields = stamp(device)
     if args.dataset:

@@ -1,18 +1,25 @@
 """The paged KV cache's bookkeeping: which block holds which tokens. Pure Python.
 
-- Blocks are fixed-size pages of one preallocated pool; a sequence's block
-  table lists its pages in order.
+- Blocks are fixed-size pages of one preallocated pool. A sequence's BlockTable
+  lists its pages in order. The block manager hands tables out and is the only
+  code that changes them; everyone else reads them, and finds the cache slot of
+  a position with slot_mapping, the one place that formula lives.
 - Free blocks wait in an LRU queue. A freed block that holds a full, hashed
   prefix stays findable in the prefix cache until it is handed out again, so
   allocation from the front of the queue evicts the least recently freed.
 - A full block's hash chains its parent's hash with its own token ids (and the
-  request's cache salt), so a hit means the whole prefix matches.
+  request's cache salt), so a hit means the whole prefix matches. Hits are
+  counted in tokens (PrefixHit), the unit the scheduler's counters use.
 - Blocks are shared by reference count: prefix hits, and the n samples of a
   request, which fork their parent's table. A shared block about to be written
   (the prompt's partly filled last block, after a fork) is copied first
   (copy-on-write); the copies are returned to the model runner to execute on
   the device before the step's forward pass.
-- Host blocks for swap preemption have their own, simpler pool.
+- One growth rule, blocks_to_grow, says how many free blocks a step of a
+  sequence takes (new blocks, plus a copy-on-write); the scheduler applies it
+  to running, swapped-out and waiting requests alike.
+- Host blocks for swap preemption have their own pool. They are reference
+  counted too: the n samples of a request still share blocks while swapped out.
 """
 
 from __future__ import annotations
@@ -21,7 +28,76 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
+
+
+def slot_mapping(block_ids: list[int], start: int, n: int, block_size: int) -> list[int]:
+    """The KV cache slots of positions start .. start + n - 1 of one sequence.
+
+    Position p is offset p % block_size of block block_ids[p // block_size], so its
+    slot in the flattened pool is block_ids[p // block_size] * block_size + p % block_size.
+    Within a block the slots run consecutively, so they are added a block at a time.
+    """
+    index, offset = divmod(start, block_size)
+    if 0 < n <= block_size - offset:  # within one block, as every decode token is
+        first = block_ids[index] * block_size + offset
+        return list(range(first, first + n))
+    slots: list[int] = []
+    pos, end = start, start + n
+    while pos < end:
+        index, offset = divmod(pos, block_size)
+        run = min(block_size - offset, end - pos)
+        first = block_ids[index] * block_size + offset
+        slots.extend(range(first, first + run))
+        pos += run
+    return slots
+
+
+class BlockTable:
+    """One sequence's KV blocks in order: the K/V of token p lives in block ids[p // block_size].
+
+    Handed out and changed only by the BlockManager. Readers use len(), indexing,
+    iteration, slots(), or `ids` itself (the live list, cheap to copy into an array
+    each step: read it, never change it).
+    """
+
+    __slots__ = ("block_size", "ids", "num_cached_blocks", "on_host")
+
+    def __init__(self, block_size: int, ids: Optional[list[int]] = None):
+        self.block_size = block_size
+        self.ids: list[int] = ids if ids is not None else []
+        # Leading blocks already registered in the prefix cache, so each block is hashed once.
+        self.num_cached_blocks = 0
+        # Swapped out: the ids name host blocks until the table is swapped back in.
+        self.on_host = False
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index):
+        return self.ids[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.ids)
+
+    def __repr__(self) -> str:
+        where = "host" if self.on_host else "device"
+        return f"BlockTable({self.ids}, {where}, cached={self.num_cached_blocks})"
+
+    def slots(self, start: int, n: int) -> list[int]:
+        """Cache slots of positions start .. start + n - 1."""
+        return slot_mapping(self.ids, start, n, self.block_size)
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """The longest cached whole-block prefix of a prompt: its blocks and the tokens they hold."""
+
+    block_ids: tuple[int, ...] = ()
+    num_tokens: int = 0
+
+
+NO_HIT = PrefixHit()
 
 
 @dataclass
@@ -53,8 +129,9 @@ class BlockManager:
         # block_id -> None; ordered from least to most recently freed.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}  # block hash -> block id
-        self.free_host_blocks: list[int] = list(range(num_host_blocks - 1, -1, -1))
         self.num_host_blocks = num_host_blocks
+        self.free_host_blocks: list[int] = list(range(num_host_blocks - 1, -1, -1))
+        self.host_ref_cnt = [0] * num_host_blocks
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
 
@@ -68,7 +145,44 @@ class BlockManager:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold num_tokens tokens."""
         return -(-num_tokens // self.block_size)
+
+    def new_table(self) -> BlockTable:
+        return BlockTable(self.block_size)
+
+    def blocks_to_grow(self, table: BlockTable, num_computed: int, num_tokens_after: int,
+                       hit: PrefixHit = NO_HIT) -> int:
+        """Free blocks that extending `table` from num_computed to num_tokens_after tokens takes.
+
+        That is the blocks past those the table holds (with the prefix hit it is about to
+        take, for a waiting sequence), plus one if the next token lands in a shared, partly
+        filled block, which is copied before it is written. A table on the host counts as
+        it will be once swapped back in: its blocks stay shared as they were.
+        """
+        new_blocks = self._new_blocks_needed(table, num_tokens_after, hit)
+        return new_blocks + self._needs_copy_on_write(table, num_computed)
+
+    def blocks_to_admit(self, tables: list[BlockTable], hits: list[PrefixHit] = ()) -> int:
+        """Free blocks a request's tables take before they grow: a device block for each
+        host block of a swapped-out request, and each prefix-hit block that sits in the free
+        queue (it stops being free once taken). Zero for a running request."""
+        host_blocks = {b for table in tables if table.on_host for b in table.ids}
+        revived = {b for hit in hits for b in hit.block_ids if self.blocks[b].ref_cnt == 0}
+        return len(host_blocks) + len(revived)
+
+    def _new_blocks_needed(self, table: BlockTable, num_tokens_after: int, hit: PrefixHit = NO_HIT) -> int:
+        held = len(table.ids) + len(hit.block_ids)
+        return max(0, self.blocks_needed(num_tokens_after) - held)
+
+    def _needs_copy_on_write(self, table: BlockTable, num_computed: int) -> bool:
+        """The next token lands in a partly filled block that another table also holds."""
+        if num_computed % self.block_size == 0 or not table.ids:
+            return False
+        block_id = table.ids[num_computed // self.block_size]
+        if table.on_host:
+            return self.host_ref_cnt[block_id] > 1
+        return self.blocks[block_id].ref_cnt > 1
 
     # ---- allocation --------------------------------------------------------------------
 
@@ -96,13 +210,13 @@ class BlockManager:
         if block.ref_cnt == 0:
             self.free_queue[block_id] = None
 
-    def find_cached_prefix(self, token_ids: list[int], salt: Optional[str]) -> list[int]:
-        """Block ids holding the longest cached whole-block prefix of token_ids.
+    def find_cached_prefix(self, token_ids: list[int], salt: Optional[str]) -> PrefixHit:
+        """The longest cached whole-block prefix of token_ids.
 
         The last token is never served from the cache: its logits are needed.
         """
         if not self.enable_prefix_caching:
-            return []
+            return NO_HIT
         max_blocks = (len(token_ids) - 1) // self.block_size
         hits: list[int] = []
         parent: Optional[bytes] = None
@@ -112,73 +226,82 @@ class BlockManager:
             if block_id is None:
                 break
             hits.append(block_id)
-        return hits
+        if not hits:
+            return NO_HIT
+        return PrefixHit(tuple(hits), len(hits) * self.block_size)
 
-    def can_allocate(self, num_new_blocks: int, cached_hits: list[int] = ()) -> bool:
-        # Hit blocks sitting in the free queue stop being free once taken.
-        revived = sum(1 for b in cached_hits if self.blocks[b].ref_cnt == 0)
-        return num_new_blocks + revived <= self.num_free_blocks
-
-    def take_cached_prefix(self, block_table: list[int], hits: list[int]) -> None:
-        assert not block_table, "a prefix hit starts an empty block table"
-        for block_id in hits:
+    def take_cached_prefix(self, table: BlockTable, hit: PrefixHit) -> None:
+        """Start an empty table with a prefix hit's blocks, by reference."""
+        assert not table.ids, "a prefix hit starts an empty block table"
+        for block_id in hit.block_ids:
             self._touch(block_id)
-            block_table.append(block_id)
+            table.ids.append(block_id)
+        table.num_cached_blocks = len(hit.block_ids)  # they are registered already
 
-    def slots_needed(self, block_table: list[int], num_tokens_after: int) -> int:
-        """New blocks a table needs to hold num_tokens_after tokens."""
-        return max(0, self.blocks_needed(num_tokens_after) - len(block_table))
-
-    def cow_needed(self, block_table: list[int], num_computed: int) -> int:
-        """1 if the next write lands in a shared, partly filled block."""
-        if num_computed % self.block_size == 0 or not block_table:
-            return 0
-        last = block_table[num_computed // self.block_size]
-        return 1 if self.blocks[last].ref_cnt > 1 else 0
-
-    def allocate_slots(self, block_table: list[int], num_computed: int, num_tokens_after: int,
-                       copies: list[tuple[int, int]]) -> bool:
-        """Make block_table hold tokens up to num_tokens_after; copy-on-write the block the
-        next token lands in if it is shared. Appends (src, dst) block copies to `copies`.
+    def allocate(self, table: BlockTable, num_computed: int, num_tokens_after: int,
+                 copies: list[tuple[int, int]]) -> bool:
+        """Make `table` hold tokens up to num_tokens_after; copy-on-write the block the next
+        token lands in if it is shared. Appends (src, dst) block copies to `copies`.
         Returns False (changing nothing) when the pool is short."""
-        need = self.slots_needed(block_table, num_tokens_after)
-        cow = self.cow_needed(block_table, num_computed)
-        if need + cow > self.num_free_blocks:
+        assert not table.on_host, "swap a table in before it grows"
+        # The two parts of blocks_to_grow, each worked out once.
+        new_blocks = self._new_blocks_needed(table, num_tokens_after)
+        copy = self._needs_copy_on_write(table, num_computed)
+        if new_blocks + copy > self.num_free_blocks:
             return False
-        if cow:
-            idx = num_computed // self.block_size
-            src = block_table[idx]
-            dst = self._pop_free()
-            self._release(src)
-            block_table[idx] = dst
-            copies.append((src, dst))
-        for _ in range(need):
-            block_table.append(self._pop_free())
+        if copy:
+            self._copy_on_write(table, num_computed // self.block_size, copies)
+        for _ in range(new_blocks):
+            table.ids.append(self._pop_free())
         return True
 
-    def fork(self, block_table: list[int]) -> list[int]:
-        """A child sequence shares all of its parent's blocks."""
-        for block_id in block_table:
-            self._touch(block_id)
-        return list(block_table)
+    def _copy_on_write(self, table: BlockTable, index: int, copies: list[tuple[int, int]]) -> None:
+        src = table.ids[index]
+        dst = self._pop_free()
+        self._release(src)
+        table.ids[index] = dst
+        copies.append((src, dst))
 
-    def free(self, block_table: list[int]) -> None:
-        """Release a sequence's blocks, tail first: its tail is the least likely to be
-        shared by a later prompt, so it should be evicted first."""
-        for block_id in reversed(block_table):
-            self._release(block_id)
-        block_table.clear()
+    def fork(self, table: BlockTable) -> BlockTable:
+        """A child sequence's table: it shares all of its parent's blocks, on the device or,
+        for a request swapped out while its first sample was in flight, on the host."""
+        child = BlockTable(self.block_size, list(table.ids))
+        child.num_cached_blocks = table.num_cached_blocks
+        child.on_host = table.on_host
+        for block_id in table.ids:
+            if table.on_host:
+                self.host_ref_cnt[block_id] += 1
+            else:
+                self._touch(block_id)
+        return child
 
-    def cache_full_blocks(self, token_ids: list[int], block_table: list[int], num_computed: int,
-                          salt: Optional[str], num_cached_blocks: int) -> int:
-        """Register the full, computed blocks of a sequence past the first num_cached_blocks
-        in the prefix cache. Returns the new count, so each block is hashed once."""
-        num_full = num_computed // self.block_size
-        if not self.enable_prefix_caching or num_full <= num_cached_blocks:
-            return num_full
-        parent = self.blocks[block_table[num_cached_blocks - 1]].block_hash if num_cached_blocks else None
-        for i in range(num_cached_blocks, num_full):
-            block = self.blocks[block_table[i]]
+    def free(self, table: BlockTable) -> None:
+        """Release a sequence's blocks, on the device or the host. Device blocks go tail
+        first: a tail is the least likely to be shared by a later prompt, so it should
+        be evicted first."""
+        if table.on_host:
+            for host_id in table.ids:
+                self._release_host(host_id)
+        else:
+            for block_id in reversed(table.ids):
+                self._release(block_id)
+        table.ids.clear()
+        table.num_cached_blocks = 0
+        table.on_host = False
+
+    def cache_full_blocks(self, table: BlockTable, token_ids: list[int], num_known: int,
+                          salt: Optional[str]) -> None:
+        """Register the table's full blocks among its first num_known tokens (computed, ids
+        on the host) in the prefix cache, past the num_cached_blocks already registered."""
+        num_full = num_known // self.block_size
+        if not self.enable_prefix_caching or num_full <= table.num_cached_blocks:
+            return
+        start = table.num_cached_blocks
+        parent = self.blocks[table.ids[start - 1]].block_hash if start else None
+        if start and parent is None:
+            return  # reset_prefix_cache cut the chain: a hash without its parent would lie
+        for i in range(start, num_full):
+            block = self.blocks[table.ids[i]]
             if block.block_hash is not None:  # shared with a sibling or a prefix hit
                 parent = block.block_hash
                 continue
@@ -186,7 +309,7 @@ class BlockManager:
             block.block_hash = parent
             # If another block already holds this prefix, keep that one as the cache entry.
             self.cached.setdefault(parent, block.block_id)
-        return num_full
+        table.num_cached_blocks = num_full
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_tokens
@@ -199,41 +322,44 @@ class BlockManager:
 
     # ---- swap (host memory) --------------------------------------------------------------
 
-    def can_swap_out(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self.free_host_blocks)
+    def can_swap_out(self, tables: list[BlockTable]) -> bool:
+        return len({b for table in tables for b in table.ids}) <= len(self.free_host_blocks)
 
-    def swap_out(self, tables: list[list[int]]) -> list[tuple[int, int]]:
-        """Move tables to host blocks. Shared device blocks move once. Returns (device, host) pairs."""
+    def swap_out(self, tables: list[BlockTable]) -> list[tuple[int, int]]:
+        """Move a request's tables to host blocks. Shared device blocks move once.
+        Returns (device, host) pairs."""
         mapping: dict[int, int] = {}
         for table in tables:
-            for i, block_id in enumerate(table):
+            assert not table.on_host
+            for i, block_id in enumerate(table.ids):
                 if block_id not in mapping:
                     mapping[block_id] = self.free_host_blocks.pop()
+                host_id = mapping[block_id]
+                self.host_ref_cnt[host_id] += 1
                 self._release(block_id)
-                table[i] = mapping[block_id]
+                table.ids[i] = host_id
+            table.on_host = True
+            table.num_cached_blocks = 0  # back on the device its blocks are new: register again
         return list(mapping.items())
 
-    def swap_in(self, tables: list[list[int]]) -> list[tuple[int, int]]:
-        """Move tables back to device blocks. Returns (host, device) pairs."""
+    def swap_in(self, tables: list[BlockTable]) -> list[tuple[int, int]]:
+        """Move a request's tables back to device blocks; the scheduler checked that enough
+        are free (blocks_to_admit). Returns (host, device) pairs."""
         mapping: dict[int, int] = {}
         for table in tables:
-            for i, host_id in enumerate(table):
+            assert table.on_host
+            for i, host_id in enumerate(table.ids):
                 if host_id not in mapping:
                     mapping[host_id] = self._pop_free()
                 else:
-                    self.blocks[mapping[host_id]].ref_cnt += 1
-                table[i] = mapping[host_id]
-        self.free_host_blocks.extend(mapping.keys())
+                    self._touch(mapping[host_id])
+                self._release_host(host_id)
+                table.ids[i] = mapping[host_id]
+            table.on_host = False
         return list(mapping.items())
 
-    def free_host(self, tables: list[list[int]]) -> None:
-        """Drop a swapped-out request's host blocks (abort while swapped)."""
-        seen: set[int] = set()
-        for table in tables:
-            seen.update(table)
-            table.clear()
-        self.free_host_blocks.extend(seen)
-
-    @staticmethod
-    def num_unique_blocks(tables: list[list[int]]) -> int:
-        return len({b for table in tables for b in table})
+    def _release_host(self, host_id: int) -> None:
+        self.host_ref_cnt[host_id] -= 1
+        assert self.host_ref_cnt[host_id] >= 0, f"host block {host_id} freed more often than taken"
+        if self.host_ref_cnt[host_id] == 0:
+            self.free_host_blocks.append(host_id)

@@ -7,6 +7,7 @@ Servers and benchmarks drive it; LLM.generate is a loop over step().
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -18,10 +19,11 @@ import torch
 from rooflm.config import EngineConfig
 from rooflm.engine.block_manager import BlockManager
 from rooflm.engine.model_runner import ModelRunner, StepHandle, StepResult
-from rooflm.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from rooflm.engine.output_processor import OutputProcessor
+from rooflm.engine.outputs import RequestOutput
 from rooflm.engine.report import (NULL_TRACER, BatchShape, EngineInfo, EngineSnapshot, PhaseTracer,
                                   StepReport, StepTimings, batch_shape)
-from rooflm.engine.request import Request, RequestStatus, Sequence
+from rooflm.engine.request import Request, Sequence
 from rooflm.engine.scheduler import Scheduler, SchedulerOutput
 from rooflm.errors import InvalidRequest
 from rooflm.sampling_params import SamplingParams, resolve_max_tokens
@@ -128,17 +130,8 @@ class LLMEngine:
         return cls(engine_config_from_kwargs(**kwargs))
 
     def _load_tokenizer(self):
-        from rooflm.tokenizer.tokenizer import Tokenizer, has_tokenizer_files
-        source = self.config.load.tokenizer
-        if source is not None:
-            fmt = "gguf" if source.endswith(".gguf") else "safetensors"
-            return Tokenizer.load(source, fmt)
-        if self.load_format == "dummy":
-            return None  # prompts must be token ids
-        if self.load_format == "safetensors" and not has_tokenizer_files(self.model_path):
-            logger.warning("%s has no tokenizer files: prompts must be token ids", self.model_path)
-            return None
-        return Tokenizer.load(self.model_path, self.load_format)
+        from rooflm.tokenizer.tokenizer import load_model_tokenizer
+        return load_model_tokenizer(self.config.load.tokenizer, self.model_path, self.load_format)
 
     # ---- requests --------------------------------------------------------------------
 
@@ -206,17 +199,7 @@ class LLMEngine:
                                  param="max_tokens")
 
     def _new_seq(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
-        seq = Sequence(next(self._seq_ids), index, token_ids, len(req.prompt_token_ids))
-        self._init_text_state(req, seq)
-        return seq
-
-    def _init_text_state(self, req: Request, seq: Sequence) -> None:
-        from rooflm.tokenizer.detokenizer import IncrementalDetokenizer, StopStringMatcher
-        if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer.hf, req.prompt_token_ids,
-                                                     req.params.skip_special_tokens)
-        if req.params.stop:
-            seq.stop_matcher = StopStringMatcher(req.params.stop, req.params.include_stop_str_in_output)
+        return self.output_processor.new_seq(req, index, token_ids)
 
     def abort_request(self, request_ids: Union[str, Iterable[str]]) -> list[RequestOutput]:
         """Stop requests now and free their blocks; returns their final outputs."""
@@ -291,7 +274,7 @@ class LLMEngine:
         if self._observers:
             report = StepReport(
                 step=step.index, shape=step.shape, num_seqs=len(step.out.scheduled),
-                num_preempted=len(step.out.preempted), cuda_graph=step.handle.cuda_graph,
+                num_preempted=len(step.out.preempted), graph=step.handle.graph,
                 timings=StepTimings(schedule_s=step.schedule_s, launch_s=step.launch_s, wait_s=t1 - t0,
                                     process_s=t2 - t1, elapsed_s=t1 - started))
             for observer in self._observers:
@@ -312,114 +295,21 @@ class LLMEngine:
                 suppress[sch.seq.seq_id] = tuple(sorted(ids))
         return suppress
 
+    # ---- output processing: rooflm/engine/output_processor.py --------------------------------
+
+    @functools.cached_property
+    def output_processor(self) -> OutputProcessor:
+        return OutputProcessor(self.scheduler, self.tokenizer, self.eos_token_ids, self.max_model_len,
+                               self._seq_ids)
+
     def _process(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
-        now = time.monotonic()
-        deltas: dict[str, dict[int, tuple[list[int], str]]] = {}
-        touched: dict[str, Request] = {}
-        for sch in out.scheduled:
-            seq, req = sch.seq, sch.request
-            if seq.finished or req.request_id not in self.requests:
-                continue  # finished (or aborted) while this step was in flight: drop its token
-            completes = sch.completes
-            if seq.seq_id in result.prompt_logprobs:
-                req.prompt_logprobs.extend(self._decode_logprobs(e) for e in result.prompt_logprobs[seq.seq_id])
-            if seq.block_table and req.status == RequestStatus.RUNNING:
-                # Only blocks whose token ids are all known can be hashed.
-                known = min(seq.num_computed_tokens, seq.num_known_tokens)
-                seq.num_cached_blocks = self.block_manager.cache_full_blocks(
-                    seq.token_ids, seq.block_table, known, req.cache_salt, seq.num_cached_blocks)
-            if completes:
-                tokens = result.sampled[seq.seq_id]
-                lps = result.logprobs.get(seq.seq_id, [None] * len(tokens))
-                targets = self._fork(req, seq) if req.needs_fork else [seq]
-                for target, token, lp in zip(targets, tokens, lps):
-                    delta = self._append_token(req, target, token, lp)
-                    d = deltas.setdefault(req.request_id, {})
-                    d[target.index] = delta
-                req.first_token_time = req.first_token_time or now
-                req.last_token_time = now
-                touched[req.request_id] = req
-        outputs = []
-        for rid, req in touched.items():
-            if req.finished:
-                self.scheduler.finish(req)
-                self.requests.pop(rid, None)
-            outputs.append(self._make_output(req, deltas.get(rid, {})))
+        """Turn a step's results into outputs; forget the requests that finished."""
+        outputs = self.output_processor.process(out, result)
+        for output in outputs:
+            self.stats["generation_tokens"] += sum(len(ids) for ids in output.delta_token_ids)
+            if output.finished:
+                self.requests.pop(output.request_id, None)
         return outputs
 
-    def _fork(self, req: Request, parent: Sequence) -> list[Sequence]:
-        """The prompt is done: the request becomes n sequences sharing its blocks."""
-        seqs = [parent]
-        for i in range(1, req.params.n):
-            child = self._new_seq(req, i, list(parent.token_ids))
-            child.output_token_ids = list(parent.output_token_ids)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.block_table = self.block_manager.fork(parent.block_table)
-            child.num_cached_blocks = parent.num_cached_blocks
-            seqs.append(child)
-        req.seqs = seqs
-        req.forked = True
-        return seqs
-
-    def _decode_logprobs(self, entry: Optional[dict]) -> Optional[dict]:
-        if entry is None:
-            return None
-        return {tid: TokenLogprob(lp, rank, self._token_text(tid)) for tid, (lp, rank) in entry.items()}
-
-    def _token_text(self, token_id: int) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def _append_token(self, req: Request, seq: Sequence, token: int, lp: Optional[dict]):
-        params = req.params
-        seq.append_token(token)
-        self.stats["generation_tokens"] += 1
-        if lp is not None:
-            seq.output_logprobs.append(self._decode_logprobs(lp))
-        text = seq.detokenizer.step([token]) if seq.detokenizer is not None else ""
-        n_out = seq.num_output_tokens
-        past_min = n_out >= params.min_tokens
-        stop_str = None
-        if seq.stop_matcher is not None:
-            text, stop_str = seq.stop_matcher.feed(text)
-        if stop_str is not None and past_min:
-            seq.finish_reason, seq.stop_reason = "stop", stop_str
-        elif params.stop_token_ids and token in params.stop_token_ids and past_min:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif token in self.eos_token_ids and not params.ignore_eos and past_min:
-            seq.finish_reason = "stop"
-        elif n_out >= req.max_tokens or seq.num_known_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
-        if seq.finished:
-            text += self._flush_text(seq, stopped_by_string=stop_str is not None)
-            self.scheduler.free_seq(req, seq)
-        seq.output_text += text
-        return [token], text
-
-    @staticmethod
-    def _flush_text(seq: Sequence, stopped_by_string: bool) -> str:
-        if stopped_by_string:
-            return ""
-        tail = seq.detokenizer.flush() if seq.detokenizer is not None else ""
-        if seq.stop_matcher is not None:
-            text, _ = seq.stop_matcher.feed(tail)
-            return text + seq.stop_matcher.flush()
-        return tail
-
     def _make_output(self, req: Request, deltas: dict[int, tuple[list[int], str]]) -> RequestOutput:
-        completions = []
-        delta_text, delta_ids = [], []
-        for seq in sorted(req.seqs, key=lambda s: s.index):
-            completions.append(CompletionOutput(
-                # The live list, not a copy: copying every step would cost O(length^2).
-                index=seq.index, text=seq.output_text, token_ids=seq.output_token_ids,
-                logprobs=seq.output_logprobs if req.params.logprobs is not None else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
-            ids, text = deltas.get(seq.index, ([], ""))
-            delta_ids.append(ids)
-            delta_text.append(text)
-        return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            outputs=completions, finished=req.finished, prompt_logprobs=req.prompt_logprobs,
-            num_cached_tokens=req.num_cached_tokens, delta_text=delta_text, delta_token_ids=delta_ids)
+        return self.output_processor.make_output(req, deltas)

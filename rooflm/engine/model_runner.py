@@ -17,12 +17,16 @@ import numpy as np
 import torch
 
 from rooflm.config import EngineConfig, ModelConfig
+from rooflm.engine.block_manager import slot_mapping
 from rooflm.engine.report import NULL_TRACER
 from rooflm.engine.scheduler import ScheduledSeq, SchedulerOutput
 from rooflm.layers.attention import AttentionMetadata, ReferenceBackend
+from rooflm.layers.kernels import TORCH_KERNELS, Kernels, triton_kernels
 from rooflm.layers.sampler import Sampler, SamplingMetadata, SamplingRow, compute_logprobs
 
 logger = logging.getLogger(__name__)
+
+LOGITS_ROW_ALIGN = 64
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -83,7 +87,7 @@ class StepHandle:
     # after sampling, and an event that fires when they have landed.
     host_sampled: Optional[tuple] = None
     ready: Optional[object] = None  # torch.cuda.Event, None on the CPU
-    cuda_graph: bool = False  # a captured graph ran the forward
+    graph: str = "eager"  # "full": one CUDA graph ran the forward; "piecewise": one per layer
 
 
 @dataclass
@@ -137,7 +141,8 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = cls(self.model_config, max_positions=self.max_model_len, backend=self.backend)
+                model = cls(self.model_config, max_positions=self.max_model_len, backend=self.backend,
+                            kernels=self._make_kernels())
         finally:
             torch.set_default_dtype(prev)
         if load_format == "dummy":
@@ -145,26 +150,13 @@ class ModelRunner:
         else:
             model.load_weights(iter_weights(path, load_format))
         self.model = model.eval()
-        self._use_kernels()
         self.timings["load_s"] = time.perf_counter() - t0
 
-    def _use_kernels(self) -> None:
+    def _make_kernels(self) -> Kernels:
+        """Triton's fused kernels with the Triton attention backend (CUDA), else torch."""
         if self.backend.name == "reference":
-            return
-        from rooflm.kernels.gemv import gemv
-        from rooflm.kernels.rmsnorm import rmsnorm
-        from rooflm.kernels.silu_mul import silu_mul
-        from rooflm.layers.activation import SiluAndMul
-        from rooflm.layers.norm import RMSNorm
-        from rooflm.model.llama import LlamaDecoderLayer, LlamaForCausalLM
-
-        for module in self.model.modules():
-            if isinstance(module, RMSNorm):
-                module.kernel = rmsnorm
-            elif isinstance(module, SiluAndMul):
-                module.kernel = silu_mul
-            elif isinstance(module, (LlamaDecoderLayer, LlamaForCausalLM)) and self.config.runtime.decode_gemv:
-                module.gemv = gemv  # decoder layers and the LM head: one-token steps
+            return TORCH_KERNELS
+        return triton_kernels(self.config.runtime.decode_gemv)
 
     def kv_bytes_per_block(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
@@ -209,7 +201,7 @@ class ModelRunner:
             positions.extend(range(n))
             table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
             tables.append(table)
-            slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in range(n))
+            slots.extend(slot_mapping(table, 0, n, self.block_size))
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, device=dev), query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
@@ -267,7 +259,6 @@ class ModelRunner:
         # Decodes (one query token) first: the attention backend splits the batch there.
         order = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
         num_decodes = sum(1 for s in order if s.num_new_tokens == 1)
-        bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -287,8 +278,7 @@ class ModelRunner:
                 pending.append((base + j, seq.seq_id))
                 input_ids.append(0)
             positions.extend(range(start, start + n))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            slots.extend(seq.block_table.slots(start, n))
             query_start.append(base + n)
             seq_lens.append(start + n)
             req = sch.request
@@ -306,10 +296,11 @@ class ModelRunner:
                     rows.append(SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids,
                                             req.generator, suppress.get(seq.seq_id, ())))
                     row_owner.append(sch)
-        max_blocks = max(len(s.seq.block_table) for s in order)
+        max_blocks = max(len(s.seq.block_table.ids) for s in order)
         tables = np.zeros((len(order), max_blocks), dtype=np.int32)
         for i, s in enumerate(order):
-            tables[i, :len(s.seq.block_table)] = s.seq.block_table
+            ids = s.seq.block_table.ids
+            tables[i, :len(ids)] = ids
         host = HostInputs(
             input_ids=self._host(input_ids, torch.int64), positions=self._host(positions, torch.int64),
             slot_mapping=self._host(slots, torch.int64), query_start_loc=self._host(query_start, torch.int32),
@@ -356,8 +347,9 @@ class ModelRunner:
             inputs = self.prepare(out, suppress)
         fixup = self._pending_fixup(inputs, prev)
         handle = StepHandle(inputs, StepResult({}, {}, {}))
-        handle.cuda_graph = self._graph_runs(inputs)
-        logits = self._forward(inputs, handle.result, fixup, handle.cuda_graph)
+        full_graph = self._graph_runs(inputs)
+        handle.graph = "full" if full_graph else ("piecewise" if self._piecewise_runs(inputs) else "eager")
+        logits = self._forward(inputs, handle.result, fixup, full_graph)
         if inputs.rows:
             meta = SamplingMetadata.build(inputs.rows, self.model_config.vocab_size, self.device)
             with self.tracer.phase("sample"):
@@ -455,9 +447,13 @@ class ModelRunner:
             self._prompt_logprobs(hidden, inputs, result)
         if not inputs.rows:
             return None
-        idx = self._host(inputs.logits_indices, torch.int64).to(self.device, non_blocking=True)
+        # On CUDA the LM head's rows are padded to a multiple of 64 (repeats of the last row): a
+        # new row count each step would give the allocator a new [rows, vocab] size each step.
+        rows = inputs.logits_indices
+        padded = rows + rows[-1:] * (-len(rows) % LOGITS_ROW_ALIGN) if self.device.type == "cuda" else rows
+        idx = self._host(padded, torch.int64).to(self.device, non_blocking=True)
         with self.tracer.phase("lm_head"):
-            return self.model.compute_logits(hidden.index_select(0, idx))
+            return self.model.compute_logits(hidden.index_select(0, idx))[:len(rows)]
 
     def capture_graphs(self) -> None:
         """CUDA graphs for decode, unless on CPU or --enforce-eager."""

@@ -157,7 +157,8 @@ class StepReport:
     shape: BatchShape
     num_seqs: int
     num_preempted: int  # requests preempted while scheduling this step
-    cuda_graph: bool  # a captured graph ran the forward
+    graph: str  # how the forward ran: "full" (one CUDA graph), "piecewise" (graphs between
+    # eager attention calls) or "eager"
     timings: StepTimings
 
     @property

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from rooflm.engine.block_manager import BlockTable
 from rooflm.engine.outputs import Logprobs
 from rooflm.sampling_params import SamplingParams
 
@@ -38,8 +39,8 @@ class Sequence:
     # Tokens sampled on the device whose ids the host has not read yet (async scheduling):
     # they count in num_tokens, so the next step can already compute them.
     num_pending: int = 0
-    block_table: list[int] = field(default_factory=list)
-    num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
+    # Handed out by the block manager when the scheduler takes the request in (or forks it).
+    block_table: Optional[BlockTable] = None
     finish_reason: Optional[str] = None
     stop_reason: object = None
     output_logprobs: list[Logprobs] = field(default_factory=list)

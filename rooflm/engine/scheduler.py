@@ -10,7 +10,13 @@ many as the step's token budget allows. Each step:
   2. if nothing was preempted, swapped-out requests come back, oldest first;
   3. then waiting requests are admitted first-come first-served, each after a
      prefix-cache lookup, until the budget, the sequence cap or the pool runs out.
-The output is a plain description of the batch; the model runner makes tensors.
+Whether a request fits is one rule for all three (_blocks_needed): the blocks it
+takes back onto the device (a swap-in, prefix hits in the free queue) plus each
+table's growth (BlockManager.blocks_to_grow). The output is a plain description
+of the batch; the model runner makes tensors.
+
+Block tables are the block manager's; the engine's output processor changes
+them only through this class (fork_seq, cache_computed_blocks, free_seq, finish).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from rooflm.config import SchedulerConfig
-from rooflm.engine.block_manager import BlockManager
+from rooflm.engine.block_manager import NO_HIT, BlockManager, PrefixHit
 from rooflm.engine.request import Request, RequestStatus, Sequence
 
 
@@ -31,6 +37,16 @@ class ScheduledSeq:
     num_new_tokens: int
     start: int  # num_computed_tokens when scheduled: the position of the first new token
     completes: bool  # after this step the K/V is complete, so the sequence samples a token
+
+
+@dataclass(slots=True)
+class _Planned:
+    """A sequence's share of the step, before its blocks are allocated."""
+
+    seq: Sequence
+    start: int  # position of the first new token: after the computed ones, or the prefix hit
+    num_new_tokens: int
+    hit: PrefixHit = NO_HIT  # a waiting sequence's cached prefix, taken on admission
 
 
 @dataclass
@@ -47,6 +63,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
+        """Nothing to run: the engine does not launch the step, so its block ops would never
+        execute. The scheduler carries an empty step's swap-outs into the next step."""
         return not self.scheduled
 
 
@@ -58,10 +76,16 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.swapped: deque[Request] = deque()
         self.num_preemptions = 0
+        # Swap-outs of a step that ran nothing, for the next step that runs. Until then the
+        # device blocks they copy from are not written: only a launched step writes K/V.
+        self._unsent_swap_outs: list[tuple[int, int]] = []
 
     # ---- queue management ----------------------------------------------------------------
 
     def add(self, req: Request) -> None:
+        for seq in req.seqs:
+            if seq.block_table is None:
+                seq.block_table = self.bm.new_table()
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
@@ -70,23 +94,37 @@ class Scheduler:
     def num_running_seqs(self) -> int:
         return sum(len(r.live_seqs) for r in self.running)
 
-    def free_seq(self, req: Request, seq: Sequence) -> None:
-        if req.status == RequestStatus.SWAPPED:
-            self.bm.free_host([seq.block_table])
-        else:
-            self.bm.free(seq.block_table)
+    def free_seq(self, seq: Sequence) -> None:
+        """A finished sequence gives its blocks back at once, on the device or the host."""
+        self.bm.free(seq.block_table)
 
     def finish(self, req: Request) -> None:
         """Remove a request whose sequences are all finished (or aborted); free every block."""
         for seq in req.seqs:
             if seq.block_table:
-                self.free_seq(req, seq)
+                self.free_seq(seq)
         for queue in (self.waiting, self.swapped):
             if req in queue:
                 queue.remove(req)
         if req in self.running:
             self.running.remove(req)
         req.status = RequestStatus.FINISHED
+
+    # ---- block bookkeeping after a step ------------------------------------------------------
+
+    def fork_seq(self, parent: Sequence, child: Sequence) -> None:
+        """A new sample of a request starts where its parent is, sharing its blocks."""
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_table = self.bm.fork(parent.block_table)
+
+    def cache_computed_blocks(self, req: Request, seq: Sequence) -> None:
+        """Register a sequence's newly full blocks in the prefix cache. Only blocks whose K/V
+        is computed and whose token ids are all on the host can be hashed, and only blocks
+        on the device are worth finding."""
+        if req.status != RequestStatus.RUNNING or not seq.block_table:
+            return
+        known = min(seq.num_computed_tokens, seq.num_known_tokens)
+        self.bm.cache_full_blocks(seq.block_table, seq.token_ids, known, req.cache_salt)
 
     # ---- the step ---------------------------------------------------------------------
 
@@ -103,7 +141,19 @@ class Scheduler:
             sch.seq.num_computed_tokens += sch.num_new_tokens
             if sch.completes:
                 sch.seq.num_pending += 1
+        self._carry_swap_outs(out)
         return out
+
+    def _carry_swap_outs(self, out: SchedulerOutput) -> None:
+        """A step can preempt by swapping and then schedule nothing (its requests wait for
+        tokens, or the only running request preempted itself). Its swap-outs go first in the
+        next step that runs, before any block they free is written again."""
+        if out.is_empty:
+            self._unsent_swap_outs.extend(out.blocks_to_swap_out)
+            out.blocks_to_swap_out = []
+        elif self._unsent_swap_outs:
+            out.blocks_to_swap_out[:0] = self._unsent_swap_outs
+            self._unsent_swap_outs = []
 
     @staticmethod
     def _schedulable(req: Request, seq: Sequence) -> bool:
@@ -116,8 +166,9 @@ class Scheduler:
                     and seq.num_output_tokens + seq.num_pending < req.max_tokens)
         return True
 
-    def _plan(self, req: Request, budget: int) -> list[tuple[Sequence, int]] | None:
-        """Tokens for each live sequence of a group, at least one each, or None."""
+    def _plan(self, req: Request, budget: int) -> list[_Planned] | None:
+        """Tokens for each live sequence of a running or swapped-out group, at least one
+        each, or None."""
         live = req.live_seqs
         if req.needs_host_tokens and any(s.num_pending for s in live):
             return None  # the group waits a step for its tokens to reach the host
@@ -128,19 +179,47 @@ class Scheduler:
         for i, seq in enumerate(seqs):
             reserve = len(seqs) - i - 1  # keep one token for each sequence still to plan
             n = min(seq.num_uncomputed_tokens, budget - reserve)
-            plan.append((seq, n))
+            plan.append(_Planned(seq, seq.num_computed_tokens, n))
             budget -= n
         return plan
 
-    def _blocks_for(self, plan: list[tuple[Sequence, int]]) -> int:
-        return sum(self.bm.slots_needed(s.block_table, s.num_computed_tokens + n)
-                   + self.bm.cow_needed(s.block_table, s.num_computed_tokens) for s, n in plan)
+    def _plan_admission(self, req: Request, hits: list[PrefixHit], budget: int) -> list[_Planned] | None:
+        """Tokens for every live sequence of a waiting group after its prefix hits, or None
+        when one would get none (or only part of its prompt, without chunked prefill)."""
+        plan = []
+        seqs = req.live_seqs
+        for i, (seq, hit) in enumerate(zip(seqs, hits)):
+            start = max(hit.num_tokens, seq.num_computed_tokens)
+            remaining = seq.num_tokens - start
+            reserve = len(seqs) - i - 1
+            n = min(remaining, budget - reserve)
+            if n < 1 or (n < remaining and not self.cfg.enable_chunked_prefill):
+                return None
+            plan.append(_Planned(seq, start, n, hit))
+            budget -= n
+        return plan
 
-    def _commit(self, req: Request, plan, out: SchedulerOutput) -> int:
+    def _blocks_needed(self, req: Request, plan: list[_Planned]) -> int:
+        """Free device blocks that scheduling `plan` takes, for running, swapped-out and
+        waiting requests alike: the blocks the group takes back onto the device, then the
+        growth of each planned table."""
+        need = 0
+        if req.status != RequestStatus.RUNNING:  # a running request's blocks are all on the device
+            tables = [s.block_table for s in req.live_seqs]
+            need = self.bm.blocks_to_admit(tables, [p.hit for p in plan])
+        for p in plan:
+            need += self.bm.blocks_to_grow(p.seq.block_table, p.start, p.start + p.num_new_tokens, p.hit)
+        return need
+
+    def _fits(self, req: Request, plan: list[_Planned]) -> bool:
+        return self._blocks_needed(req, plan) <= self.bm.num_free_blocks
+
+    def _commit(self, req: Request, plan: list[_Planned], out: SchedulerOutput) -> int:
         used = 0
-        for seq, n in plan:
+        for p in plan:
+            seq, n = p.seq, p.num_new_tokens
             start = seq.num_computed_tokens
-            ok = self.bm.allocate_slots(seq.block_table, start, start + n, out.blocks_to_copy)
+            ok = self.bm.allocate(seq.block_table, start, start + n, out.blocks_to_copy)
             assert ok, "allocation was checked for the whole group"
             out.scheduled.append(ScheduledSeq(req, seq, n, start, start + n == seq.num_tokens))
             used += n
@@ -155,7 +234,7 @@ class Scheduler:
             if plan is None:
                 kept.append(req)  # no budget left this step; it stays running
                 continue
-            while self._blocks_for(plan) > self.bm.num_free_blocks:
+            while not self._fits(req, plan):
                 victim = queue.pop() if queue else req
                 self._preempt(victim, out)
                 if victim is req:
@@ -171,8 +250,7 @@ class Scheduler:
         req.num_preemptions += 1
         out.preempted.append(req)
         tables = [s.block_table for s in req.live_seqs]
-        if (self.cfg.preemption_mode == "swap"
-                and self.bm.can_swap_out(self.bm.num_unique_blocks(tables))):
+        if self.cfg.preemption_mode == "swap" and self.bm.can_swap_out(tables):
             out.blocks_to_swap_out.extend(self.bm.swap_out(tables))
             req.status = RequestStatus.SWAPPED
             self.swapped.append(req)
@@ -180,7 +258,6 @@ class Scheduler:
         for seq in req.live_seqs:
             self.bm.free(seq.block_table)
             seq.num_computed_tokens = 0
-            seq.num_cached_blocks = 0
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 
@@ -192,18 +269,11 @@ class Scheduler:
             req = self.swapped[0]
             if any(s.num_pending for s in req.live_seqs):
                 break  # its last tokens are still on their way to the host
-            tables = [s.block_table for s in req.live_seqs]
             plan = self._plan(req, budget)
-            if plan is None or not self._has_seq_room(req):
-                break
-            growth = sum(self.bm.blocks_needed(s.num_computed_tokens + n) - len(s.block_table) + 1
-                         for s, n in plan)
-            if self.bm.num_unique_blocks(tables) + growth > self.bm.num_free_blocks:
+            if plan is None or not self._has_seq_room(req) or not self._fits(req, plan):
                 break
             self.swapped.popleft()
-            out.blocks_to_swap_in.extend(self.bm.swap_in(tables))
-            for seq in req.live_seqs:
-                seq.num_cached_blocks = 0  # fresh device blocks: register them again
+            out.blocks_to_swap_in.extend(self.bm.swap_in([s.block_table for s in req.live_seqs]))
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             budget -= self._commit(req, plan, out)
@@ -214,40 +284,31 @@ class Scheduler:
             req = self.waiting[0]
             if not self._has_seq_room(req) or any(s.num_pending for s in req.live_seqs):
                 break  # FCFS: a preempted request waits for its pending tokens, and blocks the queue
-            hits = {id(s): self.bm.find_cached_prefix(s.token_ids, req.cache_salt)
-                    if s.num_computed_tokens == 0 else [] for s in req.live_seqs}
+            hits = [self._lookup_prefix(req, seq) for seq in req.live_seqs]
             plan = self._plan_admission(req, hits, budget)
-            if plan is None:
-                break
-            need = sum(self.bm.blocks_needed(h * self.bm.block_size + n) - h for (_, n), h in
-                       ((p, len(hits[id(p[0])])) for p in plan))
-            all_hits = [b for s in req.live_seqs for b in hits[id(s)]]
-            if not self.bm.can_allocate(need, all_hits):
+            if plan is None or not self._fits(req, plan):
                 break
             self.waiting.popleft()
-            for seq in req.live_seqs:
-                if seq.num_computed_tokens == 0:
-                    self.bm.record_prefix_query(seq.num_tokens, len(hits[id(seq)]) * self.bm.block_size)
-                if hits[id(seq)]:
-                    self.bm.take_cached_prefix(seq.block_table, hits[id(seq)])
-                    seq.num_computed_tokens = len(hits[id(seq)]) * self.bm.block_size
-            if req.num_preemptions == 0:
-                req.num_cached_tokens = max(len(h) for h in hits.values()) * self.bm.block_size
-                req.scheduled_time = time.monotonic()  # end of its queue time
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            self._admit(req, plan)
             budget -= self._commit(req, plan, out)
 
-    def _plan_admission(self, req: Request, hits: dict, budget: int):
-        plan = []
-        seqs = req.live_seqs
-        for i, seq in enumerate(seqs):
-            cached = len(hits[id(seq)]) * self.bm.block_size
-            remaining = seq.num_tokens - max(cached, seq.num_computed_tokens)
-            reserve = len(seqs) - i - 1
-            n = min(remaining, budget - reserve)
-            if n < 1 or (n < remaining and not self.cfg.enable_chunked_prefill):
-                return None
-            plan.append((seq, n))
-            budget -= n
-        return plan
+    def _lookup_prefix(self, req: Request, seq: Sequence) -> PrefixHit:
+        if seq.num_computed_tokens:
+            return NO_HIT
+        return self.bm.find_cached_prefix(seq.token_ids, req.cache_salt)
+
+    def _admit(self, req: Request, plan: list[_Planned]) -> None:
+        """A waiting request starts running: its sequences take their prefix hits, counted
+        as computed."""
+        for p in plan:
+            seq, hit = p.seq, p.hit
+            if seq.num_computed_tokens == 0:
+                self.bm.record_prefix_query(seq.num_tokens, hit.num_tokens)
+            if hit.block_ids:
+                self.bm.take_cached_prefix(seq.block_table, hit)
+                seq.num_computed_tokens = hit.num_tokens
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = max(p.hit.num_tokens for p in plan)
+            req.scheduled_time = time.monotonic()  # end of its queue time
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)

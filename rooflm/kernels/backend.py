@@ -22,8 +22,9 @@ from typing import Optional
 
 import torch
 
-from rooflm.kernels.decode_attention import decode_attention, decode_num_splits
-from rooflm.kernels.prefill_attention import prefill_attention
+from rooflm.kernels.decode_attention import (DecodePlan, decode_attention, decode_num_splits,
+                                             plan_decode_attention)
+from rooflm.kernels.prefill_attention import PrefillPlan, plan_prefill_attention, prefill_attention
 from rooflm.kernels.rope_kv_write import rope_kv_write, write_kv
 from rooflm.layers.attention import AttentionBackend, AttentionMetadata
 
@@ -63,14 +64,29 @@ class TritonBackend(AttentionBackend):
             return self.split.attend(q, k_cache, v_cache, scale, sliding_window)
         if out is None:
             out = torch.empty_like(q)
+        plan = meta.plan
+        if plan is None:
+            plan = meta.plan = self.plan(q, k_cache, v_cache, meta, sliding_window, out)
+        decode, prefill = plan
+        if decode is not None:
+            decode_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out, plan=decode)
+        if prefill is not None:
+            prefill_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out, plan=prefill)
+        return out
+
+    def plan(self, q, k_cache, v_cache, meta: AttentionMetadata, sliding_window: Optional[int],
+             out: torch.Tensor) -> tuple[Optional[DecodePlan], Optional[PrefillPlan]]:
+        """The step's launches, the same for every layer: decodes first, then prefill chunks."""
+        decode = None
         num_decodes = meta.num_decodes
         if num_decodes > 0:
             num_splits = self.decode_num_splits
             if num_splits is None and self.split_span is not None:
                 num_splits = decode_num_splits(num_decodes, k_cache.shape[2], self.split_span, sliding_window)
-            decode_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out,
-                             num_seqs=num_decodes, num_splits=num_splits)
+            decode = plan_decode_attention(q, k_cache, v_cache, meta, sliding_window, out=out,
+                                           num_seqs=num_decodes, num_splits=num_splits)
+        prefill = None
         if num_decodes < meta.num_seqs:
-            prefill_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out,
-                              first_seq=num_decodes)
-        return out
+            prefill = plan_prefill_attention(q, k_cache, v_cache, meta, sliding_window, out=out,
+                                             first_seq=num_decodes)
+        return decode, prefill

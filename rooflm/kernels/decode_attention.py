@@ -47,6 +47,7 @@ device's copy bandwidth.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -246,60 +247,95 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
     return max(1, min(want, cdiv(span, MIN_SPLIT_TOKENS), MAX_SPLITS))
 
 
+@dataclass
+class DecodePlan:
+    """What a step's decode attention launch needs beyond the layer's tensors: the same for
+    every layer of the step, so it is worked out once (FlashInfer's plan/run split) and the
+    32 launches of an 8B step skip the checks, the split and tile choice and the allocations."""
+
+    num_seqs: int
+    num_splits: int
+    config: tuple[int, int, int]  # BLOCK_N, num_warps, num_stages
+    sliding: bool
+    part_out: torch.Tensor  # [num_seqs, H, splits, D_pad] fp32 partial outputs (split-KV)
+    part_lse: torch.Tensor
+    pdl: bool
+
+
+def plan_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          meta: AttentionMetadata, sliding_window: Optional[int] = None, *,
+                          out: Optional[torch.Tensor] = None, num_seqs: Optional[int] = None,
+                          num_splits: Optional[int] = None,
+                          config: Optional[tuple[int, int, int]] = None) -> Optional[DecodePlan]:
+    """Check the inputs and fix the launch for a step (see decode_attention); None: no decodes."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    check_paged_attention_inputs(q, k_cache, v_cache, meta, out if out is not None else q)
+    num_seqs = meta.num_decodes if num_seqs is None else num_seqs
+    if num_seqs == 0:
+        return None
+    starts = meta.query_start_loc_cpu
+    if starts[num_seqs] - starts[0] != num_seqs:
+        raise ValueError(f"decode needs one query token per sequence for the first {num_seqs} sequences")
+    sliding = sliding_window is not None and sliding_window > 0
+    max_len = max(meta.seq_lens_cpu[:num_seqs])
+    span = min(max_len, sliding_window) if sliding else max_len
+    if num_splits is None:
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_len, sliding_window if sliding else None)
+    config = config or decode_config(head_dim, q.dtype, cdiv(span, num_splits))
+    head_dim_pad = max(next_power_of_2(head_dim), 16)
+    if num_splits > 1:
+        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim_pad, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = q  # unused
+    return DecodePlan(num_seqs, num_splits, config, sliding, part_out, part_lse, pdl_supported(q.device))
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      meta: AttentionMetadata, scale: float, sliding_window: Optional[int] = None,
                      *, out: Optional[torch.Tensor] = None, num_seqs: Optional[int] = None,
                      num_splits: Optional[int] = None,
-                     config: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
+                     config: Optional[tuple[int, int, int]] = None,
+                     plan: Optional[DecodePlan] = None) -> torch.Tensor:
     """Attention of the one query token of each of the first num_seqs sequences.
 
     num_seqs defaults to meta.num_decodes; those sequences must have exactly one
     query token each. Writes their rows of out (allocated when None) and
     returns it. num_splits (default: decode_num_splits) may be fixed by the
     caller, e.g. for CUDA-graph capture; config = (BLOCK_N, num_warps,
-    num_stages) overrides the table.
+    num_stages) overrides the table. plan: from plan_decode_attention for this
+    step's metadata and shapes (then num_seqs, num_splits and config are its own).
     """
-    num_tokens, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, kv_dim = k_cache.shape
-    out = check_paged_attention_inputs(q, k_cache, v_cache, meta, out)
-    num_seqs = meta.num_decodes if num_seqs is None else num_seqs
-    if num_seqs == 0:
-        return out
-    starts = meta.query_start_loc_cpu
-    if starts[num_seqs] - starts[0] != num_seqs:
-        raise ValueError(f"decode needs one query token per sequence for the first {num_seqs} sequences")
-
-    group = num_heads // num_kv_heads
-    sliding = sliding_window is not None and sliding_window > 0
-    max_len = max(meta.seq_lens_cpu[:num_seqs])
-    span = min(max_len, sliding_window) if sliding else max_len
-    if num_splits is None:
-        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_len, sliding_window if sliding else None)
-    block_n, num_warps, num_stages = config or decode_config(head_dim, q.dtype, cdiv(span, num_splits))
+    if out is None:
+        out = torch.empty_like(q)
+    if plan is None:
+        plan = plan_decode_attention(q, k_cache, v_cache, meta, sliding_window, out=out, num_seqs=num_seqs,
+                                     num_splits=num_splits, config=config)
+        if plan is None:
+            return out
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     head_dim_pad = max(next_power_of_2(head_dim), 16)
-    if num_splits > 1:
-        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim_pad, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_lse = out  # unused
-
-    pdl = pdl_supported(q.device)
+    group = num_heads // num_kv_heads
+    block_n, num_warps, num_stages = plan.config
+    num_seqs, num_splits, pdl = plan.num_seqs, plan.num_splits, plan.pdl
     pdl_kwargs = {"launch_pdl": True} if pdl else {}
     _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
-        out, part_out, part_lse, q, k_cache, v_cache,
+        out, plan.part_out, plan.part_lse, q, k_cache, v_cache,
         meta.block_tables, meta.seq_lens, meta.query_start_loc, scale * LOG2E,
-        sliding_window if sliding else 0, num_splits,
+        sliding_window if plan.sliding else 0, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, ROWS=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        SINGLE_SPLIT=num_splits == 1, SLIDING=sliding, UPCAST=upcast_dots(q.dtype),
+        SINGLE_SPLIT=num_splits == 1, SLIDING=plan.sliding, UPCAST=upcast_dots(q.dtype),
         DOT_PRECISION=dot_precision(q.dtype), PDL=pdl, num_warps=num_warps, num_stages=num_stages,
         **pdl_kwargs,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            out, part_out, part_lse, meta.query_start_loc, out.stride(0), out.stride(1), num_splits,
+            out, plan.part_out, plan.part_lse, meta.query_start_loc, out.stride(0), out.stride(1), num_splits,
             NUM_HEADS=num_heads, SPLITS_PAD=next_power_of_2(num_splits),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PDL=pdl, num_warps=4 if head_dim_pad >= 128 else 2,
             **pdl_kwargs,

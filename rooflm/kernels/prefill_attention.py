@@ -67,6 +67,7 @@ Bytes  >= (q + out) T * H * D * e + (k + v) 2 * sum_s(seq_len_s) * H_kv * D * e
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -296,30 +297,31 @@ def _tma_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             and head_dim >= 16 and block_n <= block_size)
 
 
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float, sliding_window: Optional[int] = None,
-                      *, out: Optional[torch.Tensor] = None, first_seq: int = 0,
-                      config: Optional[tuple[int, int, int, int]] = None,
-                      use_tma: Optional[bool] = None, _ablate: int = 0) -> torch.Tensor:
-    """Causal attention of the queries of sequences first_seq.. against their paged K/V.
+@dataclass
+class PrefillPlan:
+    """A step's prefill attention launch beyond the layer's tensors, worked out once per step
+    (the same for every layer): the tile range, the tile table entry and the TMA choice."""
 
-    q: [T, H, D]; k_cache/v_cache: [num_blocks, block_size, H_kv, D]; the K/V of
-    this step's tokens must already be in the cache. Writes the rows of those
-    sequences into out (allocated when None) and returns it; other rows are
-    left untouched. config = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides
-    the table. use_tma (default: where it applies on a Hopper-class GPU) loads
-    whole key tiles with the tensor-memory accelerator; it needs a contiguous
-    cache, a power-of-two head dim and BLOCK_N <= block_size. _ablate (1: no
-    exp2, 2: no accumulator rescale) is for the benchmark's what-limits-it
-    experiments only: the results are wrong.
-    """
+    first_seq: int
+    tile_lo: int
+    num_tiles: int
+    config: tuple[int, int, int, int]  # BLOCK_M, BLOCK_N, num_warps, num_stages
+    use_tma: bool
+    sliding: bool
+
+
+def plan_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata, sliding_window: Optional[int] = None, *,
+                           out: Optional[torch.Tensor] = None, first_seq: int = 0,
+                           config: Optional[tuple[int, int, int, int]] = None,
+                           use_tma: Optional[bool] = None) -> Optional[PrefillPlan]:
+    """Check the inputs and fix the launch for a step (see prefill_attention); None: no chunks."""
     num_tokens, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, kv_dim = k_cache.shape
-    out = check_paged_attention_inputs(q, k_cache, v_cache, meta, out)
-
+    num_kv_heads = k_cache.shape[2]
+    check_paged_attention_inputs(q, k_cache, v_cache, meta, out if out is not None else q)
     num_seqs = meta.num_seqs
     if first_seq >= num_seqs:
-        return out
+        return None
     group = num_heads // num_kv_heads
     # Whole key tiles through TMA where they can be (Hopper and later), else gathered
     # loads; each path has its own tile table.
@@ -343,8 +345,42 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     tile_lo = starts[first_seq] // block_q + first_seq
     num_tiles = starts[num_seqs] // block_q + num_seqs - tile_lo
     sliding = sliding_window is not None and sliding_window > 0
+    return PrefillPlan(first_seq, tile_lo, num_tiles, config, use_tma, sliding)
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float, sliding_window: Optional[int] = None,
+                      *, out: Optional[torch.Tensor] = None, first_seq: int = 0,
+                      config: Optional[tuple[int, int, int, int]] = None,
+                      use_tma: Optional[bool] = None, _ablate: int = 0,
+                      plan: Optional[PrefillPlan] = None) -> torch.Tensor:
+    """Causal attention of the queries of sequences first_seq.. against their paged K/V.
+
+    q: [T, H, D]; k_cache/v_cache: [num_blocks, block_size, H_kv, D]; the K/V of
+    this step's tokens must already be in the cache. Writes the rows of those
+    sequences into out (allocated when None) and returns it; other rows are
+    left untouched. config = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides
+    the table. use_tma (default: where it applies on a Hopper-class GPU) loads
+    whole key tiles with the tensor-memory accelerator; it needs a contiguous
+    cache, a power-of-two head dim and BLOCK_N <= block_size. _ablate (1: no
+    exp2, 2: no accumulator rescale) is for the benchmark's what-limits-it
+    experiments only: the results are wrong. plan: from plan_prefill_attention
+    for this step's metadata and shapes (then first_seq, config and use_tma are its own).
+    """
+    if out is None:
+        out = torch.empty_like(q)
+    if plan is None:
+        plan = plan_prefill_attention(q, k_cache, v_cache, meta, sliding_window, out=out, first_seq=first_seq,
+                                      config=config, use_tma=use_tma)
+        if plan is None:
+            return out
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_blocks, block_size, num_kv_heads = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    group_pad = next_power_of_2(group)
+    block_m, block_n, num_warps, num_stages = plan.config
     head_dim_pad = max(next_power_of_2(head_dim), 16)
-    if use_tma:
+    if plan.use_tma:
         slots = num_blocks * block_size
         k_desc = TensorDescriptor(k_cache, [slots, num_kv_heads * head_dim], [num_kv_heads * head_dim, 1],
                                   [block_n, head_dim])
@@ -353,17 +389,18 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     else:
         k_desc, v_desc = k_cache, v_cache  # unused
 
-    grid = (num_tiles, num_kv_heads)
+    grid = (plan.num_tiles, num_kv_heads)
     _prefill_attention_kernel[grid](
         out, q, k_cache, v_cache, k_desc, v_desc,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        first_seq, num_seqs, tile_lo, num_tiles, scale * LOG2E, sliding_window if sliding else 0,
+        plan.first_seq, meta.num_seqs, plan.tile_lo, plan.num_tiles, scale * LOG2E,
+        sliding_window if plan.sliding else 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        SLIDING=sliding, UPCAST=upcast_dots(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
-        USE_TMA=use_tma, ABLATE=_ablate, num_warps=num_warps, num_stages=num_stages,
+        SLIDING=plan.sliding, UPCAST=upcast_dots(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
+        USE_TMA=plan.use_tma, ABLATE=_ablate, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

@@ -177,6 +177,7 @@ def random_paged_batch(seq_lens: list[int], query_lens: list[int], num_kv_heads:
     fails the test. Returns (meta, k_cache, v_cache).
     """
     # Imported here so that utils stays importable from the attention module's dependencies.
+    from rooflm.engine.block_manager import slot_mapping
     from rooflm.layers.attention import AttentionMetadata
 
     if len(seq_lens) != len(query_lens):
@@ -200,7 +201,7 @@ def random_paged_batch(seq_lens: list[int], query_lens: list[int], num_kv_heads:
         if poison_unused and n % block_size:
             k_cache[ids[-1], n % block_size:] = float("nan")
             v_cache[ids[-1], n % block_size:] = float("nan")
-        slots += [ids[pos // block_size] * block_size + pos % block_size for pos in range(n - q, n)]
+        slots += slot_mapping(ids, n - q, q, block_size)
     if poison_unused and next_block < num_blocks:
         unused = torch.tensor(perm[next_block:], device=device)
         k_cache[unused] = float("nan")

@@ -35,6 +35,9 @@ class AttentionMetadata:
     # Host copies so the reference path and kernel launchers need no device sync.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # The attention backend's launch plan for this step, made at the first layer and reused by
+    # the others (FlashInfer's plan/run split); None until then. It lives as long as the step.
+    plan: Optional[object] = None
 
     @property
     def num_seqs(self) -> int:

@@ -19,11 +19,11 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 
 class RMSNorm(torch.nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
+    def __init__(self, hidden_size: int, eps: float, kernel=None):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.kernel = None  # set by the model runner to a fused kernel on CUDA
+        self.kernel = kernel  # a fused Triton kernel on CUDA (layers/kernels.py), else torch
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""

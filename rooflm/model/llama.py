@@ -15,6 +15,7 @@ import torch
 from rooflm.config import ModelConfig
 from rooflm.layers.activation import SiluAndMul
 from rooflm.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from rooflm.layers.kernels import TORCH_KERNELS, Kernels
 from rooflm.layers.linear import FusedLinear, Linear
 from rooflm.layers.norm import RMSNorm
 from rooflm.layers.rotary import RotaryEmbedding
@@ -29,7 +30,7 @@ class LlamaAttention(torch.nn.Module):
         self.qkv_proj = FusedLinear(cfg.hidden_size, {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
                                     bias=cfg.attention_bias)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size)
-        if cfg.qk_norm:
+        if cfg.qk_norm:  # over each head ([T, H, D]): the 2-D fused kernel does not apply
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.attn = Attention(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, rotary,
@@ -55,27 +56,28 @@ class LlamaAttention(torch.nn.Module):
 
 
 class LlamaMLP(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kernels: Kernels = TORCH_KERNELS):
         super().__init__()
         self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": cfg.intermediate_size,
                                                           "up": cfg.intermediate_size})
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
-        self.act = SiluAndMul()
+        self.act = SiluAndMul(kernels.silu_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: Optional[AttentionBackend]):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: Optional[AttentionBackend],
+                 kernels: Kernels = TORCH_KERNELS):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.rmsnorm)
         self.self_attn = LlamaAttention(cfg, rotary, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
-        # Set by the model runner on CUDA (rooflm.kernels.gemv.gemv): one-token steps then run
-        # the layer as four weight GEMVs with the norms, SiLU-mul and residual adds folded in.
-        self.gemv = None
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.rmsnorm)
+        self.mlp = LlamaMLP(cfg, kernels)
+        # On CUDA (rooflm.kernels.gemv.gemv): one-token steps run the layer as four weight
+        # GEMVs with the norms, SiLU-mul and residual adds folded in.
+        self.gemv = kernels.gemv
 
     def forward(self, positions, x, residual, kv_cache, meta):
         if self.gemv is not None and x.shape[0] == 1:
@@ -103,14 +105,15 @@ class LlamaDecoderLayer(torch.nn.Module):
 
 
 class LlamaModel(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, backend: Optional[AttentionBackend]):
+    def __init__(self, cfg: ModelConfig, max_positions: int, backend: Optional[AttentionBackend],
+                 kernels: Kernels = TORCH_KERNELS):
         super().__init__()
         self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         # One rotary table shared by all layers.
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.layers = torch.nn.ModuleList(
-            LlamaDecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            LlamaDecoderLayer(cfg, rotary, backend, kernels) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.rmsnorm)
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata):
         x = self.embed_tokens(input_ids)
@@ -122,15 +125,15 @@ class LlamaModel(torch.nn.Module):
 
 class LlamaForCausalLM(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: Optional[int] = None,
-                 backend: Optional[AttentionBackend] = None):
+                 backend: Optional[AttentionBackend] = None, kernels: Kernels = TORCH_KERNELS):
         super().__init__()
         self.cfg = cfg
-        self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings, backend)
+        self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings, backend, kernels)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        self.gemv = None  # as LlamaDecoderLayer.gemv: the LM head of one token
+        self.gemv = kernels.gemv  # as LlamaDecoderLayer.gemv: the LM head of one token
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:

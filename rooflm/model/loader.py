@@ -20,6 +20,7 @@ import torch
 
 from rooflm.config import ModelConfig, RopeScaling
 from rooflm.model import presets
+from rooflm.model.errors import ModelLoadError, load_error  # noqa: F401 (ModelLoadError is re-exported)
 from rooflm.model.registry import SUPPORTED_ARCHITECTURES
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -29,14 +30,6 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 SAFETENSORS_SINGLE_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
-
-
-class ModelLoadError(ValueError):
-    """A checkpoint could not be used; the message names the file and the problem."""
-
-
-def load_error(path: str, problem: str) -> ModelLoadError:
-    return ModelLoadError(f"{path}: {problem}")
 
 
 # ---------------------------------------------------------------------------

@@ -68,7 +68,9 @@ class MeterSummary:
         text = (f"{self.tokens_per_s:,.0f} tok/s ({self.sampled_per_s:,.0f} generated), "
                 f"{self.achieved_gbps:,.1f} GB/s, {self.achieved_tflops:,.2f} TFLOP/s")
         if self.mbu is not None:
-            text += f", MBU {self.mbu:.1%}, MFU {self.mfu:.1%}"
+            text += f", MBU {self.mbu:.1%}"
+        if self.mfu is not None:
+            text += f", MFU {self.mfu:.1%}"
         return text
 
 

@@ -71,11 +71,11 @@ def test_n_samples_share_prompt_blocks(tiny_path):
     engine.step()  # prefill, sample 3 first tokens, fork
     req = engine.requests["r"]
     assert len(req.seqs) == 3
-    tables = [s.block_table for s in req.seqs]
+    tables = [s.block_table.ids for s in req.seqs]
     assert tables[0] == tables[1] == tables[2]
     assert [engine.block_manager.blocks[b].ref_cnt for b in tables[0]] == [3, 3, 3]
     engine.step()  # each sample writes its second token: the partial block is copied on write
-    tables = [s.block_table for s in req.seqs]
+    tables = [s.block_table.ids for s in req.seqs]
     assert tables[0][:2] == tables[1][:2] == tables[2][:2]
     assert len({t[2] for t in tables}) == 3
     assert [engine.block_manager.blocks[b].ref_cnt for b in tables[0][:2]] == [3, 3]

@@ -2,7 +2,8 @@ import math
 
 import pytest
 
-from rooflm.sampling_params import MAX_LOGPROBS, SamplingParams
+from rooflm.errors import InvalidRequest
+from rooflm.sampling_params import MAX_LOGPROBS, SamplingParams, resolve_max_tokens
 
 BAD_VALUES = [
     ("n", 0),
@@ -71,8 +72,10 @@ BAD_VALUES = [
 
 @pytest.mark.parametrize("field,value", BAD_VALUES)
 def test_bad_value_raises_naming_the_field(field, value):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(InvalidRequest, match=field) as err:
         SamplingParams(**{field: value})
+    assert err.value.param == field
+    assert isinstance(err.value, ValueError)  # callers catching ValueError keep working
 
 
 GOOD_VALUES = [
@@ -120,8 +123,9 @@ def test_good_value_passes(field, value):
 
 
 def test_min_tokens_must_not_exceed_max_tokens():
-    with pytest.raises(ValueError, match="min_tokens"):
+    with pytest.raises(InvalidRequest, match="min_tokens") as err:
         SamplingParams(max_tokens=4, min_tokens=5)
+    assert err.value.param == "min_tokens"
     SamplingParams(max_tokens=4, min_tokens=4)
     SamplingParams(max_tokens=None, min_tokens=1000)
 
@@ -166,3 +170,15 @@ def test_defaults():
 )
 def test_greedy(kwargs, greedy):
     assert SamplingParams(**kwargs).greedy is greedy
+
+
+def test_max_tokens_resolves_against_the_context_length():
+    assert resolve_max_tokens(None, prompt_len=100, max_model_len=512) == 412
+    assert resolve_max_tokens(412, prompt_len=100, max_model_len=512) == 412
+    with pytest.raises(InvalidRequest, match=r"plus max_tokens \(413\) is 513, over the context "
+                                             r"length of 512") as err:
+        resolve_max_tokens(413, prompt_len=100, max_model_len=512)
+    assert err.value.param == "max_tokens"
+    with pytest.raises(InvalidRequest, match="prompt has 512 tokens, but the context length is 512") as err:
+        resolve_max_tokens(None, prompt_len=512, max_model_len=512)
+    assert err.value.param == "prompt"

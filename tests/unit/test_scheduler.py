@@ -17,12 +17,25 @@ def make_request(rid, prompt_len, n=1, max_tokens=8):
 
 
 def run_step(sched, fake_token=7):
-    """Schedule a step, then do what the engine does with its results: append the sampled token."""
+    """Schedule a step, then do what the engine's output processor does with its results:
+    register full blocks in the prefix cache, append the sampled token."""
     out = sched.schedule()  # advances num_computed_tokens; sampling sequences get a pending token
     for s in out.scheduled:
+        sched.cache_computed_blocks(s.request, s.seq)
         if s.completes:
             s.seq.append_token(fake_token)
     return out
+
+
+def fork(sched, req):
+    """What the output processor does at a request's first sample with n > 1."""
+    parent = req.seqs[0]
+    for i in range(1, req.params.n):
+        child = Sequence(next(_seq_ids), i, list(parent.token_ids), parent.num_prompt_tokens)
+        child.output_token_ids = list(parent.output_token_ids)
+        sched.fork_seq(parent, child)
+        req.seqs.append(child)
+    req.forked = True
 
 
 def test_token_budget_and_chunked_prefill():
@@ -82,7 +95,7 @@ def test_preempts_most_recent_and_recomputes():
     assert out.preempted == [b]
     assert [s.request.request_id for s in out.scheduled] == ["a"]
     assert b.status == RequestStatus.WAITING and b.seqs[0].num_computed_tokens == 0
-    assert b.seqs[0].block_table == [] and sched.waiting[0] is b
+    assert b.seqs[0].block_table.ids == [] and sched.waiting[0] is b
     assert sched.num_preemptions == 1
 
 
@@ -111,3 +124,109 @@ def test_finish_frees_everything():
     run_step(sched)
     sched.finish(r)
     assert bm.num_free_blocks == 16 and not sched.has_unfinished()
+
+
+def test_prefix_hit_is_counted_in_tokens():
+    bm = BlockManager(16, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), bm)
+    first = make_request("a", 10)
+    sched.add(first)
+    run_step(sched)  # 2 full blocks registered
+    again = make_request("a", 10)  # the same prompt
+    sched.add(again)
+    out = run_step(sched)
+    assert [(s.request is again, s.start, s.num_new_tokens) for s in out.scheduled] == [
+        (False, 10, 1), (True, 8, 2)]
+    assert again.num_cached_tokens == 8 and again.seqs[0].block_table.ids[:2] == [0, 1]
+    assert again.seqs[0].block_table.num_cached_blocks == 2
+    assert (bm.prefix_queries, bm.prefix_hits) == (20, 8)
+
+
+def test_swapped_request_comes_back_when_exactly_its_blocks_are_free():
+    # No hedge: a swapped-out request whose next token fits its last block needs only
+    # its own blocks back.
+    bm = BlockManager(5, 4, num_host_blocks=8)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                      preemption_mode="swap"), bm)
+    a, b, c = make_request("a", 8), make_request("b", 4), make_request("c", 6)
+    for r in (a, b, c):
+        sched.add(r)
+    run_step(sched)  # 2 + 1 + 2 blocks: the pool is full
+    out = run_step(sched)  # a and b each need a block: c (the newest) is swapped out
+    assert out.preempted == [c] and c.status == RequestStatus.SWAPPED and bm.num_free_blocks == 0
+    run_step(sched)
+    assert c.status == RequestStatus.SWAPPED
+    sched.finish(b)
+    assert bm.num_free_blocks == 2  # c's 2 blocks, and its 7th token fits the second
+    out = run_step(sched)
+    assert c.status == RequestStatus.RUNNING and len(out.blocks_to_swap_in) == 2
+    assert [(s.request.request_id, s.start) for s in out.scheduled] == [("a", 10), ("c", 6)]
+
+
+def test_swapped_fork_copies_its_shared_partial_block_after_swap_in():
+    bm = BlockManager(4, 4, num_host_blocks=8)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                      preemption_mode="swap"), bm)
+    x, r = make_request("x", 8), make_request("r", 6, n=2)
+    sched.add(x)
+    sched.add(r)
+    out = sched.schedule()
+    for s in out.scheduled:
+        if s.request is r:
+            fork(sched, r)  # the two samples share blocks 2 and 3; 3 is half full
+        for seq in s.request.seqs:
+            seq.append_token(7)
+    assert [s.block_table.ids for s in r.seqs] == [[2, 3], [2, 3]]
+    out = run_step(sched)  # x needs a block: r is swapped out, its shared blocks moved once
+    assert out.preempted == [r] and len(out.blocks_to_swap_out) == 2
+    sched.finish(x)
+    out = run_step(sched)
+    assert r.status == RequestStatus.RUNNING and len(out.blocks_to_swap_in) == 2
+    # The first writer copies the shared half-full block; the second then writes in place.
+    assert len(out.blocks_to_copy) == 1
+    tables = [s.block_table.ids for s in r.seqs]
+    assert tables[0][0] == tables[1][0] and tables[0][1] != tables[1][1]
+    sched.finish(r)
+    assert bm.num_free_blocks == 4 and len(bm.free_host_blocks) == 8
+
+
+def test_a_sample_that_finishes_while_swapped_out_frees_only_its_own_share():
+    bm = BlockManager(4, 4, num_host_blocks=8)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                      preemption_mode="swap"), bm)
+    x, r = make_request("x", 8), make_request("r", 6, n=2)
+    sched.add(x)
+    sched.add(r)
+    out = sched.schedule()
+    fork(sched, r)
+    for s in out.scheduled:
+        for seq in s.request.seqs:
+            seq.append_token(7)
+    run_step(sched)  # r swapped out
+    assert r.status == RequestStatus.SWAPPED
+    r.seqs[1].finish_reason = "stop"
+    sched.free_seq(r.seqs[1])
+    assert len(bm.free_host_blocks) == 6  # the survivor still holds both host blocks
+    sched.finish(x)
+    out = run_step(sched)
+    assert r.status == RequestStatus.RUNNING and out.blocks_to_copy == []
+    sched.finish(r)
+    assert bm.num_free_blocks == 4 and len(bm.free_host_blocks) == 8
+
+
+def test_swap_outs_of_a_step_that_runs_nothing_go_with_the_next_step():
+    # The engine launches no empty step, so its block ops would be lost: the K/V swapped
+    # back in later would be whatever the host blocks held.
+    bm = BlockManager(2, 4, num_host_blocks=8)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                      preemption_mode="swap"), bm)
+    a = make_request("a", 8)
+    sched.add(a)
+    run_step(sched)  # the pool is full
+    out = run_step(sched)  # a needs a third block: it preempts itself, and nothing runs
+    assert out.preempted == [a] and out.is_empty and out.blocks_to_swap_out == []
+    sched.add(make_request("c", 3))
+    out = run_step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["c"]
+    assert out.blocks_to_swap_out == [(0, 0), (1, 1)]
+    assert run_step(sched).blocks_to_swap_out == []  # sent once

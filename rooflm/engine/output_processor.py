@@ -1,0 +1,165 @@
+"""Output processing: a step's sampled tokens -> sequence state -> RequestOutputs.
+
+For each sequence scheduled in the step, in order:
+  1. prompt logprobs, if asked for, are decoded to text;
+  2. its newly full blocks go into the prefix cache (through the scheduler);
+  3. if it sampled: at a request's first sample with n > 1 it forks into n
+     sequences that share the prompt's blocks (through the scheduler); each
+     sample's token is appended, detokenized incrementally (UTF-8 safe), matched
+     against stop strings across token boundaries, and checked for EOS, stop
+     tokens, max_tokens and the context length. A finished sequence frees its
+     blocks at once.
+Then every request that got tokens yields a RequestOutput (cumulative text and
+ids, this step's deltas); a request whose samples have all finished is removed
+from the scheduler. Block tables are never touched here: the scheduler and the
+block manager own them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Iterator, Optional
+
+from rooflm.engine.outputs import CompletionOutput, Logprobs, RequestOutput, TokenLogprob
+from rooflm.engine.request import Request, RequestStatus, Sequence
+from rooflm.engine.scheduler import Scheduler, SchedulerOutput
+
+if TYPE_CHECKING:
+    from rooflm.engine.model_runner import StepResult
+
+# Per request, per sample index: the token ids and text this step added.
+Deltas = dict[int, tuple[list[int], str]]
+
+
+class OutputProcessor:
+    def __init__(self, scheduler: Scheduler, tokenizer, eos_token_ids: set[int], max_model_len: int,
+                 seq_ids: Iterator[int]):
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer  # None for dummy weights: no text, only token ids
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self._seq_ids = seq_ids
+
+    # ---- sequences ------------------------------------------------------------------------
+
+    def new_seq(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+        seq = Sequence(next(self._seq_ids), index, token_ids, len(req.prompt_token_ids))
+        self._init_text_state(req, seq)
+        return seq
+
+    def _init_text_state(self, req: Request, seq: Sequence) -> None:
+        from rooflm.tokenizer.detokenizer import IncrementalDetokenizer, StopStringMatcher
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer.hf, req.prompt_token_ids,
+                                                     req.params.skip_special_tokens)
+        if req.params.stop:
+            seq.stop_matcher = StopStringMatcher(req.params.stop, req.params.include_stop_str_in_output)
+
+    def _fork(self, req: Request, parent: Sequence) -> list[Sequence]:
+        """The prompt is done: the request becomes n sequences sharing its blocks."""
+        seqs = [parent]
+        for i in range(1, req.params.n):
+            child = self.new_seq(req, i, list(parent.token_ids))
+            child.output_token_ids = list(parent.output_token_ids)
+            self.scheduler.fork_seq(parent, child)
+            seqs.append(child)
+        req.seqs = seqs
+        req.forked = True
+        return seqs
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def process(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        now = time.monotonic()
+        deltas: dict[str, Deltas] = {}
+        touched: dict[str, Request] = {}
+        for sch in out.scheduled:
+            seq, req = sch.seq, sch.request
+            if seq.finished or req.status == RequestStatus.FINISHED:
+                continue  # finished (or aborted) while this step was in flight: drop its token
+            prompt_logprobs = result.prompt_logprobs.get(seq.seq_id)
+            if prompt_logprobs is not None:
+                req.prompt_logprobs.extend(self._decode_logprobs(e) for e in prompt_logprobs)
+            self.scheduler.cache_computed_blocks(req, seq)
+            if not sch.completes:
+                continue
+            tokens = result.sampled[seq.seq_id]
+            lps = result.logprobs.get(seq.seq_id, [None] * len(tokens))
+            targets = self._fork(req, seq) if req.needs_fork else [seq]
+            request_deltas = deltas.setdefault(req.request_id, {})
+            for target, token, lp in zip(targets, tokens, lps):
+                request_deltas[target.index] = self._append_token(req, target, token, lp)
+            req.first_token_time = req.first_token_time or now
+            req.last_token_time = now
+            touched[req.request_id] = req
+        outputs = []
+        for rid, req in touched.items():
+            if req.finished:
+                self.scheduler.finish(req)
+            outputs.append(self.make_output(req, deltas.get(rid, {})))
+        return outputs
+
+    def _append_token(self, req: Request, seq: Sequence, token: int,
+                      lp: Optional[dict]) -> tuple[list[int], str]:
+        params = req.params
+        seq.append_token(token)
+        if lp is not None:
+            seq.output_logprobs.append(self._decode_logprobs(lp))
+        text = seq.detokenizer.step([token]) if seq.detokenizer is not None else ""
+        n_out = seq.num_output_tokens
+        past_min = n_out >= params.min_tokens
+        stop_str = None
+        if seq.stop_matcher is not None:
+            text, stop_str = seq.stop_matcher.feed(text)
+        if stop_str is not None and past_min:
+            seq.finish_reason, seq.stop_reason = "stop", stop_str
+        elif params.stop_token_ids and token in params.stop_token_ids and past_min:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif token in self.eos_token_ids and not params.ignore_eos and past_min:
+            seq.finish_reason = "stop"
+        elif n_out >= req.max_tokens or seq.num_known_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+        if seq.finished:
+            text += self._flush_text(seq, stopped_by_string=stop_str is not None)
+            self.scheduler.free_seq(seq)
+        seq.output_text += text
+        return [token], text
+
+    @staticmethod
+    def _flush_text(seq: Sequence, stopped_by_string: bool) -> str:
+        if stopped_by_string:
+            return ""
+        tail = seq.detokenizer.flush() if seq.detokenizer is not None else ""
+        if seq.stop_matcher is not None:
+            text, _ = seq.stop_matcher.feed(tail)
+            return text + seq.stop_matcher.flush()
+        return tail
+
+    # ---- logprobs and outputs ---------------------------------------------------------------
+
+    def _decode_logprobs(self, entry: Optional[dict]) -> Optional[Logprobs]:
+        if entry is None:
+            return None
+        return {tid: TokenLogprob(lp, rank, self._token_text(tid)) for tid, (lp, rank) in entry.items()}
+
+    def _token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def make_output(self, req: Request, deltas: Deltas) -> RequestOutput:
+        completions = []
+        delta_text, delta_ids = [], []
+        for seq in sorted(req.seqs, key=lambda s: s.index):
+            completions.append(CompletionOutput(
+                # The live list, not a copy: copying every step would cost O(length^2).
+                index=seq.index, text=seq.output_text, token_ids=seq.output_token_ids,
+                logprobs=seq.output_logprobs if req.params.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+            ids, text = deltas.get(seq.index, ([], ""))
+            delta_ids.append(ids)
+            delta_text.append(text)
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            outputs=completions, finished=req.finished, prompt_logprobs=req.prompt_logprobs,
+            num_cached_tokens=req.num_cached_tokens, delta_text=delta_text, delta_token_ids=delta_ids)

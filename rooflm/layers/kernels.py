@@ -1,0 +1,30 @@
+"""The fused kernels a model is built with: chosen once by the model runner, passed down at
+construction like the attention backend, never patched onto modules afterwards.
+
+None means the layer's torch code (the CPU path and the reference). On CUDA the runner
+passes the Triton kernels of rooflm/kernels/: RMSNorm with the residual add fused, SiLU-mul,
+and the one-token GEMV that runs a whole decoder layer as four weight reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+
+@dataclass(frozen=True)
+class Kernels:
+    rmsnorm: Optional[Callable] = None  # (x, weight, eps, residual) -> y or (y, x + residual)
+    silu_mul: Optional[Callable] = None  # [T, 2I] -> [T, I]
+    gemv: Optional[Callable] = None  # rooflm.kernels.gemv.gemv, for one-token steps
+
+
+TORCH_KERNELS = Kernels()
+
+
+def triton_kernels(decode_gemv: bool) -> Kernels:
+    from rooflm.kernels.gemv import gemv
+    from rooflm.kernels.rmsnorm import rmsnorm
+    from rooflm.kernels.silu_mul import silu_mul
+
+    return Kernels(rmsnorm=rmsnorm, silu_mul=silu_mul, gemv=gemv if decode_gemv else None)
