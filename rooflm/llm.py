@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Optional, Sequence, Union
 
@@ -43,6 +44,12 @@ class LLM:
         # Validate everything before queueing anything, so a bad prompt loses no work.
         for prompt, p in zip(prompts, params):
             self.engine.tokenize(prompt)
+        # Only the finished outputs are returned: the engine need not build one every step.
+        finals: dict[int, SamplingParams] = {}
+        for p in params:
+            if id(p) not in finals:
+                finals[id(p)] = dataclasses.replace(p, output_kind="final")
+        params = [finals[id(p)] for p in params]
         ids = []
         try:
             for prompt, p in zip(prompts, params):

@@ -104,8 +104,17 @@ class SamplingParams:
     # Detokenization.
     skip_special_tokens: bool = True
 
+    # "delta": the engine returns a RequestOutput every step the request gets tokens (for
+    # streaming); "final": only when it finishes. Offline batches take "final": building an
+    # output per request per step costs the host microseconds that add up at hundreds of
+    # running requests (vLLM's RequestOutputKind.FINAL_ONLY).
+    output_kind: str = "delta"
+
     def __post_init__(self) -> None:
         _check_int("n", self.n, minimum=1)
+        if self.output_kind not in ("delta", "final"):
+            raise InvalidRequest(f"output_kind must be 'delta' or 'final', got {self.output_kind!r}",
+                                 param="output_kind")
 
         self.temperature = _check_float("temperature", self.temperature)
         if self.temperature < 0:

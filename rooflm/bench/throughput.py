@@ -168,7 +168,8 @@ def run_requests(engine, requests: list[BenchRequest], tag: str, disable_tqdm: b
     synchronize(device)
     start = time.perf_counter()
     for request_id, req in zip(ids, requests):
-        params = SamplingParams(temperature=0.0, max_tokens=req.output_len, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=req.output_len, ignore_eos=True,
+                                output_kind="final")
         engine.add_request(request_id, req.prompt_token_ids, params)
     final = {}
     while engine.has_unfinished_requests():

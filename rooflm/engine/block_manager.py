@@ -88,6 +88,10 @@ class BlockTable:
         """Cache slots of positions start .. start + n - 1."""
         return slot_mapping(self.ids, start, n, self.block_size)
 
+    def slot(self, position: int) -> int:
+        """The cache slot of one position (slot_mapping's formula, for a decode row)."""
+        return self.ids[position // self.block_size] * self.block_size + position % self.block_size
+
 
 @dataclass(frozen=True)
 class PrefixHit:

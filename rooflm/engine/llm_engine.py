@@ -7,7 +7,6 @@ Servers and benchmarks drive it; LLM.generate is a loop over step().
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import time
@@ -77,8 +76,10 @@ class LLMEngine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self._seq_ids = itertools.count()
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.eos_token_ids,
+                                                self.max_model_len, itertools.count())
+        self._num_prompt_tokens = 0
+        self._num_steps = 0
         self.startup_s = time.perf_counter() - t0
         self.info = self._make_info()
         logger.info("ready in %.1f s (%s)", self.startup_s,
@@ -108,8 +109,8 @@ class LLMEngine:
             num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks,
             running_context_tokens=sum(s.num_computed_tokens for s in running),
             num_preemptions=sched.num_preemptions, prefix_queried_tokens=bm.prefix_queries,
-            prefix_hit_tokens=bm.prefix_hits, prompt_tokens=self.stats["prompt_tokens"],
-            generation_tokens=self.stats["generation_tokens"], steps=self.stats["steps"])
+            prefix_hit_tokens=bm.prefix_hits, prompt_tokens=self._num_prompt_tokens,
+            generation_tokens=self.output_processor.num_generated_tokens, steps=self._num_steps)
 
     def add_observer(self, observer: Callable[[StepReport], None]) -> None:
         """Call observer(report) after each executed step, on the engine's thread. Observers
@@ -182,7 +183,7 @@ class LLMEngine:
             req.prompt_logprobs = [None]
         self.requests[request_id] = req
         self.scheduler.add(req)
-        self.stats["prompt_tokens"] += len(token_ids)
+        self._num_prompt_tokens += len(token_ids)
         return req
 
     def _resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
@@ -214,13 +215,13 @@ class LLMEngine:
                 if not seq.finished:
                     seq.finish_reason = "abort"
             self.scheduler.finish(req)
-            outputs.append(self._make_output(req, {}))
+            outputs.append(self.output_processor.make_output(req, {}))
         return outputs
 
     @property
     def num_steps(self) -> int:
         """Steps launched since start."""
-        return self.stats["steps"]
+        return self._num_steps
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -244,8 +245,8 @@ class LLMEngine:
             prev = self._in_flight.handle if self._in_flight is not None else None
             with self.tracer.phase("launch"):
                 handle = self.runner.launch(out, self._suppressed_tokens(out), prev)
-            self.stats["steps"] += 1
-            launched = _InFlight(out, handle, shape, self.stats["steps"], t1 - t0,
+            self._num_steps += 1
+            launched = _InFlight(out, handle, shape, self._num_steps, t1 - t0,
                                  time.perf_counter() - t1, t1)
         if not self.async_scheduling:
             return self._finish_step(launched) if launched is not None else []
@@ -295,21 +296,11 @@ class LLMEngine:
                 suppress[sch.seq.seq_id] = tuple(sorted(ids))
         return suppress
 
-    # ---- output processing: rooflm/engine/output_processor.py --------------------------------
-
-    @functools.cached_property
-    def output_processor(self) -> OutputProcessor:
-        return OutputProcessor(self.scheduler, self.tokenizer, self.eos_token_ids, self.max_model_len,
-                               self._seq_ids)
-
     def _process(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
-        """Turn a step's results into outputs; forget the requests that finished."""
+        """Turn a step's results into outputs (engine/output_processor.py); forget the
+        requests that finished."""
         outputs = self.output_processor.process(out, result)
         for output in outputs:
-            self.stats["generation_tokens"] += sum(len(ids) for ids in output.delta_token_ids)
             if output.finished:
                 self.requests.pop(output.request_id, None)
         return outputs
-
-    def _make_output(self, req: Request, deltas: dict[int, tuple[list[int], str]]) -> RequestOutput:
-        return self.output_processor.make_output(req, deltas)

@@ -8,6 +8,7 @@ tensor; the sampled token ids are the one device-to-host transfer of a step.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -97,6 +98,16 @@ class StepResult:
     sampled: dict[int, list[int]]  # seq_id -> sampled token(s): n of them for a forking prompt
     logprobs: dict[int, list[dict]]  # seq_id -> per sampled token: {token_id: (logprob, rank)}
     prompt_logprobs: dict[int, list[Optional[dict]]]  # seq_id -> entries for this chunk
+
+
+def _block_table_array(tables: list[list[int]]) -> np.ndarray:
+    """Ragged block tables as one zero-padded [num_seqs, max_blocks] int32 array, filled in one
+    numpy pass rather than a row copy per sequence."""
+    lens = np.fromiter((len(t) for t in tables), dtype=np.int64, count=len(tables))
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
+    array = np.zeros((len(tables), max(int(lens.max()), 1)), dtype=np.int32)
+    array[np.arange(array.shape[1])[None, :] < lens[:, None]] = flat
+    return array
 
 
 class ModelRunner:
@@ -272,16 +283,25 @@ class ModelRunner:
         for sch in order:
             seq, start, n = sch.seq, sch.start, sch.num_new_tokens
             base = len(input_ids)
-            known = seq.token_ids[start:start + n]
-            input_ids.extend(known)
-            for j in range(len(known), n):  # a token sampled last step, id still on the device
-                pending.append((base + j, seq.seq_id))
-                input_ids.append(0)
-            positions.extend(range(start, start + n))
-            slots.extend(seq.block_table.slots(start, n))
+            req = sch.request
+            if n == 1:  # a decode row (most rows): no slices or ranges
+                if start < len(seq.token_ids):
+                    input_ids.append(seq.token_ids[start])
+                else:  # sampled last step, id still on the device
+                    pending.append((base, seq.seq_id))
+                    input_ids.append(0)
+                positions.append(start)
+                slots.append(seq.block_table.slot(start))
+            else:
+                known = seq.token_ids[start:start + n]
+                input_ids.extend(known)
+                for j in range(len(known), n):  # a token sampled last step, id still on the device
+                    pending.append((base + j, seq.seq_id))
+                    input_ids.append(0)
+                positions.extend(range(start, start + n))
+                slots.extend(seq.block_table.slots(start, n))
             query_start.append(base + n)
             seq_lens.append(start + n)
-            req = sch.request
             if req.prompt_logprobs is not None and not req.forked:
                 # Position p's logits score prompt token p + 1; entries already made
                 # (before a preemption) are not made again.
@@ -296,11 +316,7 @@ class ModelRunner:
                     rows.append(SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids,
                                             req.generator, suppress.get(seq.seq_id, ())))
                     row_owner.append(sch)
-        max_blocks = max(len(s.seq.block_table.ids) for s in order)
-        tables = np.zeros((len(order), max_blocks), dtype=np.int32)
-        for i, s in enumerate(order):
-            ids = s.seq.block_table.ids
-            tables[i, :len(ids)] = ids
+        tables = _block_table_array([s.seq.block_table.ids for s in order])
         host = HostInputs(
             input_ids=self._host(input_ids, torch.int64), positions=self._host(positions, torch.int64),
             slot_mapping=self._host(slots, torch.int64), query_start_loc=self._host(query_start, torch.int32),

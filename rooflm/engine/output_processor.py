@@ -39,6 +39,7 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self._seq_ids = seq_ids
+        self.num_generated_tokens = 0  # since start: every token appended to a sequence
 
     # ---- sequences ------------------------------------------------------------------------
 
@@ -94,15 +95,18 @@ class OutputProcessor:
             touched[req.request_id] = req
         outputs = []
         for rid, req in touched.items():
-            if req.finished:
+            finished = req.finished
+            if finished:
                 self.scheduler.finish(req)
-            outputs.append(self.make_output(req, deltas.get(rid, {})))
+            if finished or req.params.output_kind == "delta":
+                outputs.append(self.make_output(req, deltas.get(rid, {})))
         return outputs
 
     def _append_token(self, req: Request, seq: Sequence, token: int,
                       lp: Optional[dict]) -> tuple[list[int], str]:
         params = req.params
         seq.append_token(token)
+        self.num_generated_tokens += 1
         if lp is not None:
             seq.output_logprobs.append(self._decode_logprobs(lp))
         text = seq.detokenizer.step([token]) if seq.detokenizer is not None else ""

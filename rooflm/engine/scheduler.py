@@ -76,6 +76,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.swapped: deque[Request] = deque()
         self.num_preemptions = 0
+        self._seqs_running = 0  # live sequences of running groups, while a step is scheduled
         # Swap-outs of a step that ran nothing, for the next step that runs. Until then the
         # device blocks they copy from are not written: only a launched step writes K/V.
         self._unsent_swap_outs: list[tuple[int, int]] = []
@@ -133,6 +134,8 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:
+            # Counted once here, then kept up to date as groups join: not once per admission.
+            self._seqs_running = self.num_running_seqs()
             budget = self._schedule_swapped(out, budget)
             self._schedule_waiting(out, budget)
         # The counters move now, not when the results arrive, so that the next step can be
@@ -169,6 +172,8 @@ class Scheduler:
     def _plan(self, req: Request, budget: int) -> list[_Planned] | None:
         """Tokens for each live sequence of a running or swapped-out group, at least one
         each, or None."""
+        if len(req.seqs) == 1:
+            return self._plan_one(req, req.seqs[0], budget)
         live = req.live_seqs
         if req.needs_host_tokens and any(s.num_pending for s in live):
             return None  # the group waits a step for its tokens to reach the host
@@ -182,6 +187,15 @@ class Scheduler:
             plan.append(_Planned(seq, seq.num_computed_tokens, n))
             budget -= n
         return plan
+
+    def _plan_one(self, req: Request, seq: Sequence, budget: int) -> list[_Planned] | None:
+        """_plan for a group of one sequence (n = 1, or before the fork): the common case,
+        run for every running request every step, so without the group's lists."""
+        if seq.finished or budget < 1 or (seq.num_pending and req.needs_host_tokens):
+            return None
+        if not self._schedulable(req, seq):
+            return None
+        return [_Planned(seq, seq.num_computed_tokens, min(seq.num_uncomputed_tokens, budget))]
 
     def _plan_admission(self, req: Request, hits: list[PrefixHit], budget: int) -> list[_Planned] | None:
         """Tokens for every live sequence of a waiting group after its prefix hits, or None
@@ -226,10 +240,10 @@ class Scheduler:
         return used
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        queue = list(self.running)
+        queue = deque(self.running)  # oldest first; victims leave from the back
         kept: list[Request] = []
         while queue:
-            req = queue.pop(0)
+            req = queue.popleft()
             plan = self._plan(req, budget)
             if plan is None:
                 kept.append(req)  # no budget left this step; it stays running
@@ -262,7 +276,7 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _has_seq_room(self, req: Request) -> bool:
-        return self.num_running_seqs() + len(req.live_seqs) <= self.cfg.max_num_seqs
+        return self._seqs_running + len(req.live_seqs) <= self.cfg.max_num_seqs
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped:
@@ -276,6 +290,7 @@ class Scheduler:
             out.blocks_to_swap_in.extend(self.bm.swap_in([s.block_table for s in req.live_seqs]))
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self._seqs_running += len(req.live_seqs)
             budget -= self._commit(req, plan, out)
         return budget
 
@@ -312,3 +327,4 @@ class Scheduler:
             req.scheduled_time = time.monotonic()  # end of its queue time
         req.status = RequestStatus.RUNNING
         self.running.append(req)
+        self._seqs_running += len(req.live_seqs)

@@ -175,3 +175,24 @@ def test_bad_model_files_raise_load_errors(tmp_path, tiny_path):
         LLM(model=str(bad_gguf), device="cpu")
     with pytest.raises(ModelLoadError):
         LLM(model=str(tmp_path / "missing"), device="cpu")
+
+
+def test_final_output_kind_returns_only_the_finished_output(tiny_path):
+    engine = LLMEngine.from_kwargs(model=tiny_path, device="cpu", dtype="float32")
+    final = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, output_kind="final")
+    delta = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("final", prompts_of([12])[0], final)
+    engine.add_request("delta", prompts_of([12])[0], delta)
+    seen = {"final": [], "delta": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert len(seen["final"]) == 1 and seen["final"][0].finished
+    assert len(seen["delta"]) == 6 and seen["delta"][-1].finished
+    assert seen["final"][0].outputs[0].token_ids == seen["delta"][-1].outputs[0].token_ids
+    assert engine.snapshot().generation_tokens == 12  # counted whether or not an output was made
+
+
+def test_output_kind_is_validated():
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="cumulative")
