@@ -143,6 +143,27 @@ class NullMetrics:
     def observe_finished(self, reason, e2e_seconds, queue_seconds): pass
 
 
+class SnapshotMetrics:
+    """The engine's state as metrics: gauges set from each snapshot, counters advanced by what
+    changed since the previous one. Shared by the engine thread and the engine-core client."""
+
+    def __init__(self, metrics):
+        self.metrics = metrics
+        self._seen_prefix = (0, 0)
+        self._seen_preemptions = 0
+
+    def publish(self, snap: EngineSnapshot, tokens_in_flight: int) -> None:
+        metrics = self.metrics
+        metrics.set_scheduler_state(snap.num_running_reqs, snap.num_waiting_reqs + snap.num_swapped_reqs,
+                                    snap.kv_usage, snap.num_free_blocks, snap.num_blocks)
+        metrics.set_tokens_in_flight(tokens_in_flight)
+        queries, hits = self._seen_prefix
+        metrics.add_prefix_cache(snap.prefix_queried_tokens - queries, snap.prefix_hit_tokens - hits)
+        self._seen_prefix = (snap.prefix_queried_tokens, snap.prefix_hit_tokens)
+        metrics.add_preemptions(snap.num_preemptions - self._seen_preemptions)
+        self._seen_preemptions = snap.num_preemptions
+
+
 # ---- commands from the event loop to the engine thread ----------------------------------------------
 
 
@@ -179,7 +200,27 @@ class _Tracked:
     last_token_time: Optional[float] = None
 
 
-def _fault_step_from_env() -> Optional[int]:
+def admission_check(engine, limits: AdmissionLimits, tokens_in_flight: int,
+                    requests: list[GenerateRequest]) -> Optional[AdmissionRejected]:
+    """Why a group of requests may not be admitted now (None: it may). Runs where the engine
+    is (its thread, or the engine-core process), against the live queue."""
+    # The live queue, not a published snapshot: requests admitted earlier in this same
+    # batch of commands are waiting already.
+    waiting = engine.snapshot().num_waiting_reqs
+    limit = limits.max_queued_requests
+    if waiting + len(requests) > limit:
+        return AdmissionRejected(f"the server is overloaded: {waiting} requests are waiting "
+                                 f"(limit {limit}); retry later")
+    cap = limits.max_tokens_in_flight
+    reserved = sum(r.reserved_tokens for r in requests)
+    if cap and tokens_in_flight + reserved > cap:
+        return AdmissionRejected(f"the server is overloaded: {tokens_in_flight} tokens in "
+                                 f"flight plus this request's {reserved} would pass the limit of "
+                                 f"{cap}; retry later")
+    return None
+
+
+def fault_step_from_env() -> Optional[int]:
     value = os.environ.get(FAULT_INJECT_ENV)
     if not value:
         return None
@@ -200,7 +241,7 @@ class AsyncLLMEngine:
         self.limits = limits or AdmissionLimits()
         self.metrics = metrics or NullMetrics()
         if fault_inject_step is None:
-            fault_inject_step = _fault_step_from_env()
+            fault_inject_step = fault_step_from_env()
         self.fault_inject_step = fault_inject_step
         # The engine's state after the latest step, for logs and health: replaced whole by
         # the engine thread, so the event loop always reads one consistent snapshot.
@@ -219,8 +260,7 @@ class AsyncLLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._tokens_in_flight = 0
         self._num_step_calls = 0
-        self._seen_prefix = (0, 0)
-        self._seen_preemptions = 0
+        self._snapshot_metrics = SnapshotMetrics(self.metrics)
 
     # ---- event loop side ---------------------------------------------------------------------------
 
@@ -249,6 +289,10 @@ class AsyncLLMEngine:
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.warning("the engine thread did not stop within %.0f s", timeout)
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """stop() from the event loop, without blocking it."""
+        await asyncio.to_thread(self.stop, timeout)
 
     async def generate(self, requests: list[GenerateRequest],
                        bypass_limits: bool = False) -> list[RequestStream]:
@@ -414,18 +458,7 @@ class AsyncLLMEngine:
                         request.record_metrics)
 
     def _admission_check(self, requests: list[GenerateRequest]) -> Optional[AdmissionRejected]:
-        waiting = self.snapshot.num_waiting_reqs
-        limit = self.limits.max_queued_requests
-        if waiting + len(requests) > limit:
-            return AdmissionRejected(f"the server is overloaded: {waiting} requests are waiting "
-                                     f"(limit {limit}); retry later")
-        cap = self.limits.max_tokens_in_flight
-        reserved = sum(r.reserved_tokens for r in requests)
-        if cap and self._tokens_in_flight + reserved > cap:
-            return AdmissionRejected(f"the server is overloaded: {self._tokens_in_flight} tokens in "
-                                     f"flight plus this request's {reserved} would pass the limit of "
-                                     f"{cap}; retry later")
-        return None
+        return admission_check(self.engine, self.limits, self._tokens_in_flight, requests)
 
     def _abort_tracked(self, request_ids: list[str], reason: Optional[str]) -> None:
         deliveries = []
@@ -482,7 +515,7 @@ class AsyncLLMEngine:
                 tracked.last_token_time = now
             deliveries.append((tracked.stream, out))
             if out.finished:
-                self._finish(tracked, _finish_reason(out), now)
+                self._finish(tracked, finish_reason_of(out), now)
         self.metrics.add_tokens(prompt_tokens, generation_tokens)
         return deliveries
 
@@ -532,17 +565,10 @@ class AsyncLLMEngine:
     def _publish_state(self) -> None:
         snap = self.snapshot = self.engine.snapshot()
         self._num_in_flight = len(self._tracked)
-        self.metrics.set_scheduler_state(snap.num_running_reqs, snap.num_waiting_reqs + snap.num_swapped_reqs,
-                                         snap.kv_usage, snap.num_free_blocks, snap.num_blocks)
-        self.metrics.set_tokens_in_flight(self._tokens_in_flight)
-        queries, hits = self._seen_prefix
-        self.metrics.add_prefix_cache(snap.prefix_queried_tokens - queries, snap.prefix_hit_tokens - hits)
-        self._seen_prefix = (snap.prefix_queried_tokens, snap.prefix_hit_tokens)
-        self.metrics.add_preemptions(snap.num_preemptions - self._seen_preemptions)
-        self._seen_preemptions = snap.num_preemptions
+        self._snapshot_metrics.publish(snap, self._tokens_in_flight)
 
 
-def _finish_reason(out: RequestOutput) -> str:
+def finish_reason_of(out: RequestOutput) -> str:
     """One reason per request: "length" if any sample ran out of tokens, else the first's."""
     reasons = [c.finish_reason for c in out.outputs if c.finish_reason]
     if "length" in reasons:

@@ -2,6 +2,8 @@
 
 `rooflm serve` with no flags serves the default model (SmolLM2-135M-Instruct)
 on http://127.0.0.1:8000. Every engine flag of `rooflm generate` works here.
+The engine runs in a process of its own (rooflm/engine/core.py);
+--no-engine-process keeps it on a thread of the server's process.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import argparse
 import logging
 import os
 import signal
+import sys
 
 from rooflm.cli import add_engine_args, engine_kwargs
 
@@ -57,14 +60,19 @@ def register(subparsers) -> None:
     group.add_argument("--log-interval", type=float, default=10.0,
                        help="seconds between stats log lines (default: 10; 0: off)")
     group.add_argument("--peak-bandwidth-gbs", type=float, default=0.0,
-                       help="device memory bandwidth in GB/s for the rooflm:mbu gauge (0: unknown)")
+                       help="device memory bandwidth in GB/s for MBU (the rooflm:mbu gauge and "
+                            "the log line); 0: the GPU table's, if it knows the device")
+    group.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                       help="run the engine loop in a process of its own, so HTTP, tokenization "
+                            "and SSE never hold up a step (default: on); --no-engine-process "
+                            "runs it on a thread of the server's process")
     group.add_argument("--uvicorn-log-level", default="warning")
     add_engine_args(parser)
     parser.set_defaults(func=cmd_serve)
 
 
 def server_config(args: argparse.Namespace):
-    from rooflm.server.api import ServerConfig
+    from rooflm.server.config import ServerConfig
     origins = tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip())
     return ServerConfig(
         served_model_name=args.served_model_name,
@@ -126,11 +134,18 @@ def _show_server_logs() -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from rooflm.server.api import FLUSH_GRACE_S, create_app
+    from rooflm.server.app import create_app
+    from rooflm.server.state import FLUSH_GRACE_S
+
+    from rooflm.engine.core_process import EngineStartError
 
     config = server_config(args)
     _show_server_logs()
-    app = create_app(engine_kwargs(args), config)
+    try:
+        app = create_app(engine_kwargs(args), config, engine_process=args.engine_process)
+    except EngineStartError as exc:
+        print(f"rooflm: error: {exc}", file=sys.stderr)
+        return 1
     state = app.state.rooflm
     uvicorn_config = uvicorn.Config(
         app, host=args.host, port=args.port, http="h11", lifespan="on",

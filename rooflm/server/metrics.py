@@ -6,22 +6,27 @@ names on exposition, so the counter "vllm:prompt_tokens" is scraped as
 vllm:prompt_tokens_total, exactly as from vLLM.
 
 rooflm adds its own under the `rooflm:` prefix: the step time, the achieved
-fraction of the memory-bandwidth roofline per step (MBU), and the KV pool's
-free and total block counts (a read-only way to see that no blocks leak).
+fractions of the memory-bandwidth and compute rooflines per step (MBU, MFU, from
+the one step-cost model of perf/live.StepMeter, the same as the log line's), and
+the KV pool's free and total block counts (a read-only way to see that no blocks leak).
 
 Each app gets its own CollectorRegistry, so several servers (or tests) can live
 in one process without colliding in the global registry.
 
-The engine thread writes these, the event loop reads them: prometheus_client's
+The engine thread (or, with the engine in its own process, the event loop as the
+engine's messages arrive) writes these, the HTTP side reads them: prometheus_client's
 metrics take a lock per update, so that is safe.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from rooflm.perf.live import StepStats
 
 # vLLM's buckets, copied so that histogram_quantile queries agree with vLLM's.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -99,11 +104,14 @@ class ServerMetrics:
         # rooflm's own.
         self.step_time = histogram("rooflm:step_time_seconds",
                                    "Wall time of one engine step in seconds.", STEP_TIME_BUCKETS)
-        # Labelled only on first use: with an unknown peak bandwidth the series is absent,
-        # not a misleading 0.
+        # Labelled only on first use: with unknown peaks the series are absent, not a
+        # misleading 0.
         self._mbu_family = Gauge("rooflm:mbu", "Achieved fraction of the memory-bandwidth "
                                  "roofline in the last step (bytes moved / step time / peak "
                                  "bandwidth).", LABEL_NAMES, registry=self.registry)
+        self._mfu_family = Gauge("rooflm:mfu", "Achieved fraction of the compute roofline in "
+                                 "the last step (FLOPs / step time / peak FLOP/s of the linear "
+                                 "layers' format).", LABEL_NAMES, registry=self.registry)
         self._labels = labels
         self.kv_free_blocks = gauge("rooflm:kv_free_blocks",
                                     "KV-cache blocks free (cached prefixes count as free).")
@@ -112,7 +120,7 @@ class ServerMetrics:
                                       "Tokens reserved by admitted requests (prompt + n * "
                                       "max_tokens), the quantity --max-tokens-in-flight caps.")
 
-    # ---- written by the engine thread -------------------------------------------------------------
+    # ---- written by the engine's async front ------------------------------------------------------
 
     def set_scheduler_state(self, running: int, waiting: int, kv_usage: float, free_blocks: int,
                             num_blocks: int) -> None:
@@ -157,15 +165,17 @@ class ServerMetrics:
         if queue_seconds is not None:
             self.request_queue_time.observe(queue_seconds)
 
-    def record_step(self, step_seconds: float, bytes_moved: int, peak_bandwidth: float) -> None:
-        """The roofline hook: one step's time and the bytes it had to move.
-
-        peak_bandwidth is in bytes/s; 0 means unknown, and the MBU gauge is left
-        unset rather than set to a made-up number.
+    def record_step(self, stats: "StepStats") -> None:
+        """One step as the StepMeter costed it: its time, and its MBU and MFU where the
+        device's peaks are known (None: the gauge is left unset, not set to a made-up number).
         """
-        self.step_time.observe(step_seconds)
-        if peak_bandwidth > 0 and step_seconds > 0:
-            self._mbu_family.labels(*self._labels).set(bytes_moved / step_seconds / peak_bandwidth)
+        self.step_time.observe(stats.elapsed_s)
+        if stats.elapsed_s <= 0:
+            return  # no rate to speak of
+        if stats.mbu is not None:
+            self._mbu_family.labels(*self._labels).set(stats.mbu)
+        if stats.mfu is not None:
+            self._mfu_family.labels(*self._labels).set(stats.mfu)
 
     # ---- read by the HTTP side ------------------------------------------------------------------
 

@@ -6,7 +6,9 @@ A request is checked in two layers, before anything reaches the engine:
 2. `check()` checks ranges and cross-field rules, with messages that name the
    field and the allowed range, and carry the field as the error's `param`.
 Whatever slips past both still meets SamplingParams' own checks and the
-engine's add_request, which raise ValueError without changing any state.
+engine's add_request, which raise InvalidRequest without changing any state;
+its param is in the engine's vocabulary, and `field_for` names the field this
+request sent it under.
 
 Unknown fields are ignored, as vLLM does (OpenAI's own API rejects them):
 SDKs, proxies and tools send vendor extras, and refusing those would break
@@ -181,8 +183,8 @@ class SamplingRequest(OpenAIModel):
             raise RequestError(f"n must be in [1, {limits.max_n}], got {short_repr(n)}", param="n")
         max_tokens = self.requested_max_tokens()
         if max_tokens is not None and max_tokens < 1:
-            raise RequestError(f"{self._max_tokens_field()} must be >= 1, got {short_repr(max_tokens)}",
-                               param=self._max_tokens_field())
+            raise RequestError(f"{self.max_tokens_field()} must be >= 1, got {short_repr(max_tokens)}",
+                               param=self.max_tokens_field())
         _check_range("temperature", self.temperature, 0.0, 2.0)
         _check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
         if self.top_k is not None and not -1 <= self.top_k <= limits.vocab_size:
@@ -219,7 +221,7 @@ class SamplingRequest(OpenAIModel):
             raise RequestError(f"min_tokens must be >= 0, got {short_repr(self.min_tokens)}",
                                param="min_tokens")
         if max_tokens is not None and self.min_tokens > max_tokens:
-            raise RequestError(f"min_tokens must be <= {self._max_tokens_field()} ({max_tokens}), "
+            raise RequestError(f"min_tokens must be <= {self.max_tokens_field()} ({max_tokens}), "
                                f"got {self.min_tokens}", param="min_tokens")
 
     def _check_stop_token_ids(self, vocab_size: int) -> None:
@@ -230,8 +232,15 @@ class SamplingRequest(OpenAIModel):
                                f"{len(self.stop_token_ids)}", param="stop_token_ids")
         _check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
 
-    def _max_tokens_field(self) -> str:
+    def max_tokens_field(self) -> str:
         return "max_tokens"
+
+    def field_for(self, param: Optional[str]) -> Optional[str]:
+        """The field of this request that an InvalidRequest's param (SamplingParams' and the
+        engine's names) is about."""
+        if param == "max_tokens":
+            return self.max_tokens_field()
+        return param
 
     def num_logprobs(self) -> Optional[int]:
         """Alternatives per sampled token for SamplingParams; None: no logprobs."""
@@ -240,7 +249,7 @@ class SamplingRequest(OpenAIModel):
     def sampling_params(self, max_tokens: int, prompt_logprobs: Optional[int] = None) -> SamplingParams:
         """The engine's parameters, max_tokens already resolved against the prompt.
 
-        SamplingParams checks everything again; its ValueError names the field.
+        SamplingParams checks everything again; its InvalidRequest names the field.
         """
         temperature = 1.0 if self.temperature is None else self.temperature
         if temperature < GREEDY_TEMPERATURE_EPS:
@@ -326,6 +335,11 @@ class ChatMessage(OpenAIModel):
         return "".join(part.text or "" for part in self.content or [])
 
 
+# Where a chat request holds what the engine calls by another name: the prompt is
+# rendered from the messages, and SamplingParams' logprobs count is top_logprobs.
+_CHAT_FIELDS = {"prompt": "messages", "logprobs": "top_logprobs"}
+
+
 class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
@@ -348,8 +362,11 @@ class ChatCompletionRequest(SamplingRequest):
             return self.max_completion_tokens
         return self.max_tokens
 
-    def _max_tokens_field(self) -> str:
+    def max_tokens_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def field_for(self, param: Optional[str]) -> Optional[str]:
+        return _CHAT_FIELDS.get(param, super().field_for(param))
 
     def check(self, limits: RequestLimits) -> None:
         super().check(limits)

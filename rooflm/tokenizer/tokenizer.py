@@ -174,6 +174,25 @@ class Tokenizer:
                 f"eos_token_id={self.eos_token_id}, loaded_from_cache={self.loaded_from_cache})")
 
 
+def load_model_tokenizer(tokenizer: Optional[str], model_path: str,
+                         load_format: str) -> Optional["Tokenizer"]:
+    """The tokenizer an engine serving this model uses: `tokenizer` (LoadConfig.tokenizer: an
+    HF directory or a .gguf file) if given, else the model's own. None where there is none,
+    and prompts must be token ids: dummy weights, an HF directory without tokenizer files.
+
+    One rule for every process that needs it: the engine (detokenization, stop strings) and,
+    with the engine in its own process, the API process (prompts, chat templates, echo).
+    """
+    if tokenizer is not None:
+        return Tokenizer.load(tokenizer, "gguf" if tokenizer.endswith(".gguf") else "safetensors")
+    if load_format == "dummy":
+        return None
+    if load_format == "safetensors" and not has_tokenizer_files(model_path):
+        logger.warning("%s has no tokenizer files: prompts must be token ids", model_path)
+        return None
+    return Tokenizer.load(model_path, load_format)
+
+
 def _check_messages(messages: Any) -> None:
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")

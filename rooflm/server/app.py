@@ -1,0 +1,180 @@
+"""The OpenAI-compatible HTTP API: create_app() builds the FastAPI app around one engine.
+
+A request's path through the server:
+  1. middleware.py: the API key (Authorization: Bearer, constant-time compare)
+     and the head's size, then CORS when origins are allowed;
+  2. refuse early (503) while shutting down or after the engine died;
+  3. body.py reads the body (at most max_body_bytes, else 413), strict UTF-8
+     and JSON; protocol.py validates it (a type error is a 400, never a 422)
+     and checks every range (400); the model name must be ours (404);
+  4. prompts.py renders the chat template and tokenizes, in a worker thread;
+  5. admission.py resolves max_tokens against the context length, builds
+     SamplingParams and hands the prompts to the engine's async front, which admits
+     them all or refuses (429 with Retry-After when the queue or the tokens in
+     flight are full). Whatever the engine or SamplingParams refuse arrives as
+     InvalidRequest, a 400 whose param is the field as the client sent it;
+  6. completions.py / chat.py answer: Server-Sent Events (streaming.py), or
+     one JSON body at the end. A client that disconnects, or a request that
+     runs past request_timeout, aborts its engine requests (generation.py),
+     which frees their KV blocks at the engine's next step.
+
+Health: /health is 200 while the engine loop is alive and making progress;
+/ready is 200 once a warm-up generation has run, until shutdown begins.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from rooflm.engine.async_engine import AsyncLLMEngine
+from rooflm.server import protocol as p
+from rooflm.server.body import read_body_in_time
+from rooflm.server.chat import ChatHandler
+from rooflm.server.completions import CompletionHandler
+from rooflm.server.config import ServerConfig, derive_model_name
+from rooflm.server.errors import error_response, server_error
+from rooflm.server.middleware import APIKeyMiddleware, HeaderLimitMiddleware
+from rooflm.server.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(engine_kwargs: Optional[dict] = None, config: Optional[ServerConfig] = None,
+               engine=None, engine_process: bool = False) -> FastAPI:
+    """The FastAPI app serving one model.
+
+    engine_kwargs: LLMEngine options (model=None is the default model), or give
+    an already built LLMEngine as `engine`. engine_process: build the engine in
+    a process of its own (engine/core.py; `rooflm serve`'s default) and wait
+    until it is ready; else it runs on a thread of this process. The engine
+    starts serving with the app's lifespan; state lives at app.state.rooflm (a
+    ServerState).
+    """
+    config = config or ServerConfig()
+    front = AsyncLLMEngine
+    if engine is None and engine_process:
+        from rooflm.config import engine_config_from_kwargs
+        from rooflm.engine.core_client import EngineCoreClient
+        from rooflm.engine.core_process import EngineCoreProcess
+        engine = EngineCoreProcess.launch(engine_config_from_kwargs(**(engine_kwargs or {})))
+        front = EngineCoreClient
+    elif engine is None:
+        from rooflm.engine.llm_engine import LLMEngine
+        engine = LLMEngine.from_kwargs(**(engine_kwargs or {}))
+    model_name = config.served_model_name or derive_model_name(engine.info.model)
+    state = ServerState(config, engine, model_name, front)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.start()
+        try:
+            yield
+        finally:
+            await state.stop()
+
+    app = FastAPI(title="rooflm", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.rooflm = state
+    _add_error_handlers(app)
+    _add_routes(app, state)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(HeaderLimitMiddleware, max_header_bytes=config.max_header_bytes)
+    if config.allowed_origins:
+        # Added last, so it runs first: preflights and 401s carry CORS headers.
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["Authorization", "Content-Type"])
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(p.RequestError)
+    async def on_request_error(_: Request, exc: p.RequestError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, exc: RequestValidationError):
+        # OpenAI answers 400 where FastAPI would answer 422.
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        path = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+        return error_response(p.RequestError(f"{path}: {first.get('msg', 'invalid request')}",
+                                             param=path or None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, exc: StarletteHTTPException):
+        error = p.RequestError(str(exc.detail), status=exc.status_code,
+                               code="not_found" if exc.status_code == 404 else None,
+                               headers=dict(exc.headers or {}))
+        return error_response(error)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(_: Request, exc: Exception):
+        logger.exception("unhandled error in a request handler")
+        return error_response(server_error(f"internal error: {type(exc).__name__}", 500,
+                                           "internal_error"))
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health():
+        reason = state.async_engine.health(state.config.health_stall_seconds)
+        if reason is not None:
+            return error_response(server_error(reason, 503, "unhealthy"))
+        return JSONResponse({})
+
+    @app.get("/ready")
+    async def ready():
+        if state.draining:
+            return error_response(server_error("the server is shutting down", 503, "not_ready"))
+        if not state.ready or state.async_engine.is_dead:
+            return error_response(server_error("the server is not ready", 503, "not_ready"))
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=None,
+                        headers={"Content-Type": state.metrics.content_type})
+
+    @app.get("/v1/models")
+    async def list_models():
+        card = p.ModelCard(id=state.model_name, max_model_len=state.info.max_model_len)
+        return JSONResponse(p.ModelList(data=[card]).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str):
+        state.check_model(model_id)
+        card = p.ModelCard(id=state.model_name, max_model_len=state.info.max_model_len)
+        return JSONResponse(card.model_dump())
+
+    @app.post("/v1/completions")
+    async def create_completion(raw: Request):
+        arrival = time.monotonic()
+        request = await _parse(raw, state, p.CompletionRequest)
+        return await CompletionHandler(state, request, arrival)(raw)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(raw: Request):
+        arrival = time.monotonic()
+        request = await _parse(raw, state, p.ChatCompletionRequest)
+        return await ChatHandler(state, request, arrival)(raw)
+
+
+async def _parse(raw: Request, state: ServerState, model: type[p.SamplingRequest]):
+    state.check_accepting()
+    body = await read_body_in_time(raw, state.config.max_body_bytes, state.config.request_timeout)
+    request = p.validate_request(model, body)
+    state.check_model(request.model)
+    request.check(state.limits)
+    state.log_ignored(request)
+    return request

@@ -1,0 +1,82 @@
+"""POST /v1/chat/completions: the messages rendered through the model's chat template, n samples."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import TYPE_CHECKING, Optional
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from rooflm.engine.outputs import RequestOutput
+from rooflm.server import protocol as p
+from rooflm.server.admission import submit
+from rooflm.server.generation import answer
+from rooflm.server.logprobs import new_entries
+from rooflm.server.prompts import chat_prompt
+from rooflm.server.streaming import sse
+
+if TYPE_CHECKING:
+    from rooflm.server.state import ServerState
+
+
+class ChatHandler:
+    def __init__(self, state: "ServerState", request: p.ChatCompletionRequest, arrival: float):
+        self.state = state
+        self.request = request
+        self.arrival = arrival
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.num_top = request.num_logprobs()
+
+    async def __call__(self, raw: Request) -> Response:
+        request = self.request
+        prompt = await chat_prompt(self.state.tokenizer, request)
+        # Chat has no default max_tokens: up to the context length.
+        generation = await submit(self.state, self.id, [prompt], request, self.arrival, None)
+        return await answer(raw, generation, request.stream, self, request.include_usage_in_stream,
+                            lambda finals: self.response(finals[0], generation.usage()))
+
+    def _logprobs(self, token_ids: list[int], entries: list[Optional[dict]]) -> Optional[p.ChatLogprobs]:
+        if self.num_top is None:
+            return None
+        return self.state.logprobs.chat(token_ids, entries, self.num_top)
+
+    def response(self, out: RequestOutput, usage: p.UsageInfo) -> p.ChatCompletionResponse:
+        choices = []
+        for sample in out.outputs:
+            logprobs = self._logprobs(sample.token_ids, sample.logprobs or [])
+            choices.append(p.ChatChoice(index=sample.index,
+                                        message=p.ChatResponseMessage(content=sample.text),
+                                        logprobs=logprobs, finish_reason=sample.finish_reason))
+        return p.ChatCompletionResponse(id=self.id, created=self.created,
+                                        model=self.state.model_name, choices=choices, usage=usage)
+
+    # ---- the stream (streaming.ChunkFormat) ------------------------------------------------------
+
+    def opening(self) -> list[str]:
+        # The role comes first, once per choice, as OpenAI sends it.
+        roles = [p.ChatStreamChoice(index=i, delta=p.ChatDelta(role="assistant", content=""))
+                 for i in range(self.request.num_samples)]
+        return [self.chunk(roles)]
+
+    def chunk(self, choices: list[p.ChatStreamChoice], usage: Optional[p.UsageInfo] = None) -> str:
+        chunk = p.ChatCompletionChunk(id=self.id, created=self.created, model=self.state.model_name,
+                                      choices=choices, usage=usage)
+        return sse(chunk.model_dump_json())
+
+    def stream_choices(self, index: int, out: RequestOutput) -> list[p.ChatStreamChoice]:
+        choices = [self._stream_choice(out, position) for position in range(len(out.outputs))]
+        return [choice for choice in choices if choice is not None]
+
+    def _stream_choice(self, out: RequestOutput, position: int) -> Optional[p.ChatStreamChoice]:
+        sample = out.outputs[position]
+        text = out.delta_text[position] if position < len(out.delta_text) else ""
+        new_ids = out.delta_token_ids[position] if position < len(out.delta_token_ids) else []
+        logprobs = self._logprobs(new_ids, new_entries(sample, len(new_ids)))
+        if not text and not sample.finish_reason and not (logprobs and logprobs.content):
+            return None
+        delta = p.ChatDelta(content=text) if text else p.ChatDelta()
+        return p.ChatStreamChoice(index=sample.index, delta=delta, logprobs=logprobs,
+                                  finish_reason=sample.finish_reason)

@@ -1,0 +1,69 @@
+"""The server's own flags (the engine's are EngineConfig's), and the name it serves the model under."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+# The default token budget: this many times the KV cache's capacity in tokens.
+# Reservations assume every request runs to max_tokens, which few do.
+DEFAULT_TOKENS_IN_FLIGHT_PER_KV_TOKEN = 8
+
+# EngineInfo.model when no model was given: the default model (rooflm.model.loader).
+DEFAULT_MODEL = "default"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: Optional[str] = None  # None: derived from the model path
+    api_key: Optional[str] = None
+    allowed_origins: tuple[str, ...] = ()  # empty: CORS off
+    max_queued_requests: int = 64
+    max_tokens_in_flight: Optional[int] = None  # None: 8 x the KV cache's tokens; 0: no cap
+    max_n: int = 16
+    max_body_bytes: int = 1 << 20
+    max_header_bytes: int = 16 * 1024
+    request_timeout: float = 600.0  # seconds; 0: none
+    health_stall_seconds: float = 30.0
+    keep_running_on_error: bool = False
+    shutdown_timeout: float = 30.0
+    log_interval: float = 10.0  # seconds; 0: no periodic log line
+    peak_bandwidth_gbs: float = 0.0  # 0: the GPU table's, if it knows the device
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_queued_requests", "max_n", "max_body_bytes", "max_header_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("request_timeout", "health_stall_seconds", "shutdown_timeout",
+                     "log_interval", "peak_bandwidth_gbs"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_tokens_in_flight is not None and self.max_tokens_in_flight < 0:
+            raise ValueError(f"max_tokens_in_flight must be >= 0, got {self.max_tokens_in_flight}")
+
+    def tokens_in_flight_cap(self, kv_capacity_tokens: int) -> int:
+        """The cap on tokens reserved by admitted requests; 0: none."""
+        if self.max_tokens_in_flight is None:
+            return DEFAULT_TOKENS_IN_FLIGHT_PER_KV_TOKEN * kv_capacity_tokens
+        return self.max_tokens_in_flight
+
+
+def derive_model_name(model: str) -> str:
+    """The name /v1/models shows for a model as the engine was given it (EngineInfo.model):
+    a preset name as given, else the file or folder name.
+
+    GGUF files are named <model>.<quantization>.gguf; the quantization tag is
+    not part of the model's name ("SmolLM2-135M-Instruct.Q4_1.gguf" ->
+    "SmolLM2-135M-Instruct").
+    """
+    if model == DEFAULT_MODEL:
+        from rooflm.model.loader import default_model_path
+        model = default_model_path()
+    name = os.path.basename(os.path.normpath(model))
+    if name.lower().endswith(".gguf"):
+        name = name[:-len(".gguf")]
+        name = re.sub(r"[.-](I?Q\d[\w]*|F16|F32|BF16)$", "", name, flags=re.IGNORECASE)
+    return name

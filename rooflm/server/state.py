@@ -1,0 +1,167 @@
+"""What the handlers share (app.state.rooflm), and the server's life: start, warm-up, drain, failure.
+
+The server reads the engine only through its face: `engine.info` (fixed at
+start-up), the EngineSnapshot the async front publishes after each step, the
+StepReports it hands observers, and `engine.tokenizer`. Requests reach it only
+through the async front. Nothing here touches the scheduler, the block manager
+or the runner. Two pairs fit: an LLMEngine with AsyncLLMEngine (the engine on a
+thread of this process), or an EngineCoreProcess with EngineCoreClient (the
+engine in a process of its own, `rooflm serve`'s default).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Callable, Optional
+
+from rooflm.engine.async_engine import AdmissionLimits, AsyncLLMEngine, GenerateRequest
+from rooflm.sampling_params import SamplingParams
+from rooflm.server import protocol as p
+from rooflm.server.config import ServerConfig
+from rooflm.server.errors import server_error
+from rooflm.server.logprobs import LogprobFormatter
+from rooflm.server.metrics import ServerMetrics
+from rooflm.server.stats import attach_step_meter, log_stats_forever
+
+logger = logging.getLogger(__name__)
+
+# How long error answers get to reach their clients before an engine failure
+# or a shutdown ends the process.
+FLUSH_GRACE_S = 1.0
+
+
+class ServerState:
+    """Everything the handlers share; lives at app.state.rooflm.
+
+    engine: the engine's face (info, tokenizer, observers): an LLMEngine, or an
+    EngineCoreProcess for an engine in its own process;
+    async_engine: the async front built by `front(engine, limits, metrics)`
+    (AsyncLLMEngine, or EngineCoreClient), which owns the engine from start() on
+    and through which every request goes.
+    """
+
+    def __init__(self, config: ServerConfig, engine, model_name: str, front=AsyncLLMEngine):
+        self.config = config
+        self.engine = engine
+        self.info = engine.info
+        self.model_name = model_name
+        self.tokenizer = engine.tokenizer
+        self.metrics = ServerMetrics(model_name)
+        self.meter = attach_step_meter(engine, self.metrics, config.peak_bandwidth_gbs)
+        self.max_tokens_in_flight = config.tokens_in_flight_cap(self.info.kv_capacity_tokens)
+        limits = AdmissionLimits(config.max_queued_requests, self.max_tokens_in_flight)
+        self.async_engine = front(engine, limits, self.metrics)
+        self.limits = p.RequestLimits(max_n=config.max_n, vocab_size=self.info.model_config.vocab_size,
+                                      max_model_len=self.info.max_model_len)
+        self.logprobs = LogprobFormatter(self.tokenizer)
+        self.ready = False
+        self.draining = False
+        self.exit_code = 0
+        self.active_requests = 0
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        # Set by whoever runs the server (rooflm serve): ends the process.
+        self.request_exit: Optional[Callable[[], None]] = None
+        self._background: set[asyncio.Task] = set()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.async_engine.start(on_dead=self.on_engine_dead)
+        if self.config.warmup:
+            self._spawn(self.warm_up())
+        else:
+            self.ready = True
+        if self.config.log_interval > 0:
+            self._spawn(log_stats_forever(self.async_engine, self.meter, self.config.log_interval))
+
+    async def stop(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await self.async_engine.shutdown()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def warm_up(self) -> None:
+        """One tiny generation: the first step pays one-time costs, not a client."""
+        token_id = self.info.model_config.bos_token_id or 0
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        request = GenerateRequest(f"warmup-{uuid.uuid4().hex}", [token_id], params,
+                                  record_metrics=False)
+        try:
+            streams = await self.async_engine.generate([request], bypass_limits=True)
+            while not streams[0].finished:
+                await streams[0].next()
+        except Exception:  # noqa: BLE001 - the server stays not-ready; the reason is logged
+            logger.exception("warm-up generation failed; the server is not ready")
+            return
+        self.ready = True
+        logger.info("ready: serving %s (context length %d, %d KV blocks of %d tokens)",
+                    self.model_name, self.info.max_model_len, self.info.num_blocks,
+                    self.info.block_size)
+
+    def on_engine_dead(self, exc: BaseException) -> None:
+        """Called on the event loop once the engine's front has failed every request."""
+        self.ready = False
+        if self.config.keep_running_on_error:
+            logger.error("the engine failed; staying up (--keep-running-on-error): /health "
+                         "answers 503 and new requests get 503")
+            return
+        logger.error("the engine failed; exiting with status 1")
+        self.exit_code = 1
+        self._spawn(self._exit_after_flush())
+
+    async def _exit_after_flush(self) -> None:
+        await asyncio.sleep(FLUSH_GRACE_S)
+        if self.request_exit is not None:
+            self.request_exit()
+
+    def begin_drain(self) -> None:
+        """SIGTERM: refuse new work, let what runs finish, then exit (call on the loop)."""
+        if not self.draining:
+            self._spawn(self.drain_and_exit())
+
+    async def drain_and_exit(self) -> None:
+        self.draining = True
+        timeout = self.config.shutdown_timeout
+        logger.warning("shutting down: refusing new requests; waiting up to %.0f s for %d in "
+                       "flight", timeout, self.active_requests)
+        await self._wait_idle(timeout)
+        if self.active_requests > 0:
+            logger.warning("shutdown timeout: aborting %d requests", self.active_requests)
+            self.async_engine.abort_all("the server is shutting down")
+            await self._wait_idle(FLUSH_GRACE_S)
+        if self.request_exit is not None:
+            self.request_exit()
+
+    async def _wait_idle(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.active_requests > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    # ---- request checks ---------------------------------------------------------------------------
+
+    def check_accepting(self) -> None:
+        if self.draining:
+            raise server_error("the server is shutting down", 503, "shutting_down")
+        if self.async_engine.is_dead:
+            raise server_error("the engine failed; the server takes no new requests", 503,
+                               "engine_error")
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise p.RequestError(f"The model `{model[:100]}` does not exist; this server "
+                                 f"serves `{self.model_name}`", param="model", status=404,
+                                 code="model_not_found")
+
+    def log_ignored(self, request: p.OpenAIModel) -> None:
+        names = p.ignored_fields(request)
+        if names:
+            shown = [name[:40] for name in names[:10]]
+            logger.warning("ignoring unknown request fields: %s", ", ".join(shown))
