@@ -56,12 +56,7 @@ class LLMEngine:
         self.tokenizer = self._load_tokenizer()
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
-        self.runner.load_model(self.model_path, self.load_format)
-        num_blocks = self.runner.determine_num_blocks()
-        self.runner.allocate_kv_cache(num_blocks)
-        self.runner.capture_graphs()
-        num_host = self.runner.num_host_blocks()
-        self.runner.allocate_host_cache(num_host)
+        num_blocks, num_host = self.runner.initialize(self.model_path, self.load_format)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching, num_host)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)

@@ -141,6 +141,19 @@ class ModelRunner:
 
     # ---- set-up ----------------------------------------------------------------------------
 
+    def initialize(self, path: str, load_format: str) -> tuple[int, int]:
+        """Everything before the first step, in the order it must happen: the weights, the KV
+        pool sized from what they and the largest step leave free, the CUDA graphs (which
+        hold the pool's addresses), the host pool for swapping. Returns the number of device
+        and host KV blocks, for the block manager."""
+        self.load_model(path, load_format)
+        num_blocks = self.determine_num_blocks()
+        self.allocate_kv_cache(num_blocks)
+        self.capture_graphs()
+        num_host = self.num_host_blocks()
+        self.allocate_host_cache(num_host)
+        return num_blocks, num_host
+
     def load_model(self, path: str, load_format: str) -> None:
         from rooflm.model.loader import iter_weights
         from rooflm.model.registry import get_model_class
