@@ -98,11 +98,17 @@ def resolve_model(model: Optional[str], load_format: str) -> tuple[str, str]:
         if not os.path.isfile(model):
             raise load_error(model, "GGUF file not found")
         return model, "gguf"
-    # dummy
+    # dummy: a preset name, or an HF directory whose config.json gives the shape (weights, if
+    # any, are ignored), as vLLM does; the directory's tokenizer files make the run servable.
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise load_error(model, "load format 'dummy' with a directory needs its config.json "
+                                    "(the model shape); no weights are read")
+        return model, "dummy"
     if not _is_preset(model):
         raise ModelLoadError(
-            f"load format 'dummy' needs a preset name; {model!r} is not one "
-            f"(presets: {', '.join(sorted(presets.PRESETS))})")
+            f"load format 'dummy' needs a preset name or an HF model directory "
+            f"(config.json); {model!r} is neither (presets: {', '.join(sorted(presets.PRESETS))})")
     return model, "dummy"
 
 
@@ -119,6 +125,8 @@ def load_model_config(path: str, load_format: str) -> ModelConfig:
         from rooflm.model import gguf_loader
         return gguf_loader.load_gguf_config(path)
     if load_format == "dummy":
+        if os.path.isdir(path):
+            return _load_hf_config(path)
         try:
             return presets.get_preset(path)
         except ValueError as exc:
@@ -334,7 +342,7 @@ def iter_weights(path: str, load_format: str) -> Iterator[tuple[str, torch.Tenso
         config, stream = gguf_loader.open_gguf_weights(path)
     elif load_format == "dummy":
         raise ModelLoadError(
-            f"{path!r} is a preset with dummy weights; there are no weights to read "
+            f"{path!r} has dummy weights; there are no weights to read "
             f"(the model initialises them randomly)")
     else:
         raise ModelLoadError(

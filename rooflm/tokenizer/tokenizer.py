@@ -87,6 +87,8 @@ class Tokenizer:
         if load_format == "gguf":
             return cls._load_gguf(path, cache_dir)
         if load_format == "dummy":
+            if os.path.isdir(path):  # an HF directory with dummy weights: its own tokenizer
+                return cls._load_hf_directory(path)
             raise ModelLoadError(
                 f"{path!r} is a dummy-weight preset and has no tokenizer; pass token ids, or a "
                 f"tokenizer path (an HF directory or a .gguf file)")
@@ -178,16 +180,18 @@ def load_model_tokenizer(tokenizer: Optional[str], model_path: str,
                          load_format: str) -> Optional["Tokenizer"]:
     """The tokenizer an engine serving this model uses: `tokenizer` (LoadConfig.tokenizer: an
     HF directory or a .gguf file) if given, else the model's own. None where there is none,
-    and prompts must be token ids: dummy weights, an HF directory without tokenizer files.
+    and prompts must be token ids: a dummy-weight preset, an HF directory without tokenizer
+    files. A directory with dummy weights still has its tokenizer (vLLM's behaviour), so an
+    8B shape can be served and benchmarked with real text.
 
     One rule for every process that needs it: the engine (detokenization, stop strings) and,
     with the engine in its own process, the API process (prompts, chat templates, echo).
     """
     if tokenizer is not None:
         return Tokenizer.load(tokenizer, "gguf" if tokenizer.endswith(".gguf") else "safetensors")
-    if load_format == "dummy":
-        return None
-    if load_format == "safetensors" and not has_tokenizer_files(model_path):
+    if load_format == "dummy" and not os.path.isdir(model_path):
+        return None  # a preset: a shape, no tokenizer
+    if load_format in ("safetensors", "dummy") and not has_tokenizer_files(model_path):
         logger.warning("%s has no tokenizer files: prompts must be token ids", model_path)
         return None
     return Tokenizer.load(model_path, load_format)

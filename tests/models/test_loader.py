@@ -225,8 +225,12 @@ def test_resolve_model_rules(tiny_llama, tmp_path):
         resolve_model(path, "gguf")
     with pytest.raises(ModelLoadError, match="not a directory"):
         resolve_model(gguf_path, "safetensors")
-    with pytest.raises(ModelLoadError, match="not one"):
-        resolve_model(path, "dummy")
+    # dummy takes an HF directory too (its config.json gives the shape, as in vLLM)
+    assert resolve_model(path, "dummy") == (path, "dummy")
+    with pytest.raises(ModelLoadError, match="needs its config.json"):
+        resolve_model(str(tmp_path), "dummy")
+    with pytest.raises(ModelLoadError, match="neither"):
+        resolve_model("no-such-model", "dummy")
     with pytest.raises(ModelLoadError, match="missing.gguf: GGUF file not found"):
         resolve_model(str(tmp_path / "missing.gguf"), "auto")
     with pytest.raises(ModelLoadError, match="needs a model"):
