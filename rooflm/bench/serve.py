@@ -18,7 +18,16 @@ stream, connection refused, timeout) is counted and its message reported; it
 never stops the run.
 
 Output tokens are counted from the usage chunk the server sends when asked
-with stream_options.include_usage, else one per content chunk.
+with stream_options.include_usage, else one per content chunk. A chunk counts
+as a token arrival when it carries text, token ids, or is an explicit
+empty-text token chunk (a model without a tokenizer): a stream of token ids
+is still timed. A figure that cannot be measured (a server that sent every
+token in its last chunk has no TTFT, TPOT or ITL) is reported as "n/a" with
+the reason, never as 0.
+
+--request-rate takes several rates (`4 8 16 inf`): one benchmark per rate, one
+result per rate, and with --plot a chart of TTFT/TPOT percentiles and goodput
+against the rate.
 """
 
 from __future__ import annotations
@@ -68,7 +77,8 @@ class RequestOutput:
     error: str = ""
     prompt_len: int = 0
     output_tokens: int = 0
-    ttft: float = 0.0
+    ttft: Optional[float] = 0.0  # None: not measurable, every token came in one chunk
+    chunks: int = 0  # chunks that carried output tokens
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     start: float = 0.0
@@ -179,13 +189,50 @@ def _payload(req: SampleRequest, model: str, endpoint: str, args: argparse.Names
     return body
 
 
-def _chunk_text(chunk: dict, chat: bool) -> str:
+def _chunk_output(chunk: dict, chat: bool) -> tuple[str, bool]:
+    """(text, whether the chunk carried output tokens).
+
+    Text alone would miss tokens a server streams without text: a model
+    without a tokenizer (token ids, empty text), or text held back until a
+    multi-byte character completes. So a chunk carries tokens when it has
+    text, token ids (vLLM's return_token_ids), or is an empty-text chunk that
+    is neither the chat role announcement nor the closing finish_reason chunk.
+    """
     choices = chunk.get("choices") or []
     if not choices:
-        return ""
+        return "", False
+    choice = choices[0]
     if chat:
-        return (choices[0].get("delta") or {}).get("content") or ""
-    return choices[0].get("text") or ""
+        delta = choice.get("delta") or {}
+        text = delta.get("content") or ""
+        empty_token = (delta.get("content") == "" and "role" not in delta
+                       and not choice.get("finish_reason"))
+        token_ids = choice.get("token_ids") or delta.get("token_ids")
+    else:
+        text = choice.get("text") or ""
+        empty_token = choice.get("text") == "" and not choice.get("finish_reason")
+        token_ids = choice.get("token_ids")
+    return text, bool(text) or bool(token_ids) or empty_token
+
+
+async def _sse_data(resp):
+    """The data field of every server-sent event, as text.
+
+    Split on "\n" only: httpx's aiter_lines() also splits on U+2028, U+2029
+    and NEL, which JSON leaves unescaped inside strings, so a generated
+    token holding one would cut its event in two and fail to parse.
+    """
+    buffer = b""
+    async for piece in resp.aiter_bytes():
+        buffer += piece
+        *lines, buffer = buffer.split(b"\n")
+        for raw in lines:
+            line = raw.rstrip(b"\r")
+            if line.startswith(b"data:"):  # skip blank separators, "event:" lines, comments
+                yield line[len(b"data:"):].strip().decode("utf-8")
+    line = buffer.rstrip(b"\r")
+    if line.startswith(b"data:"):
+        yield line[len(b"data:"):].strip().decode("utf-8")
 
 
 def _error_message(body: str, status: int) -> str:
@@ -223,11 +270,7 @@ async def send_request(client, url: str, payload: dict, req: SampleRequest, benc
                 out.error = _error_message(body, resp.status_code)
                 out.latency = time.perf_counter() - sent
                 return out
-            async for line in resp.aiter_lines():
-                line = line.strip()
-                if not line.startswith("data:"):
-                    continue  # blank separators, "event:" lines, ": keep-alive" comments
-                data = line[len("data:"):].strip()
+            async for data in _sse_data(resp):
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
@@ -242,8 +285,8 @@ async def send_request(client, url: str, payload: dict, req: SampleRequest, benc
                     usage_tokens = int(usage["completion_tokens"])
                     if usage.get("prompt_tokens"):
                         out.prompt_len = int(usage["prompt_tokens"])
-                text = _chunk_text(chunk, chat)
-                if text:
+                text, carries_tokens = _chunk_output(chunk, chat)
+                if carries_tokens:
                     now = time.perf_counter()
                     if chunks == 0:
                         out.ttft = now - sent
@@ -262,8 +305,11 @@ async def send_request(client, url: str, payload: dict, req: SampleRequest, benc
         out.error = "stream ended without any output token"
         return out
     out.output_tokens = usage_tokens if usage_tokens is not None else chunks
-    if chunks == 0:
-        out.ttft = out.latency
+    out.chunks = chunks
+    if chunks == 0 or (chunks == 1 and out.output_tokens > 1):
+        # Every token came in one chunk: its arrival is when the last token was ready, not
+        # the first, so there is no first-token time to report.
+        out.ttft = None
     out.generated_text = "".join(text_parts)
     out.success = True
     return out
@@ -340,20 +386,44 @@ def parse_goodput(items: Optional[Sequence[str]]) -> dict[str, float]:
     return slos
 
 
-def _stats(values_ms: Sequence[float]) -> dict[str, float]:
+def _stats(values_ms: Sequence[float]) -> Optional[dict[str, float]]:
+    """mean, median, P90, P99; None without samples (reported as n/a, not 0)."""
     import numpy as np
 
     if len(values_ms) == 0:
-        return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
+        return None
     arr = np.asarray(values_ms, dtype=np.float64)
     return {"mean": float(arr.mean()), "median": float(np.median(arr)),
             "p90": float(np.percentile(arr, 90)), "p99": float(np.percentile(arr, 99))}
 
 
 def _tpot_s(out: RequestOutput) -> Optional[float]:
-    if out.output_tokens < 2:
+    """None where it cannot be measured: one output token, or all tokens in one chunk (the
+    gap between the first token and the others never reached the client)."""
+    if out.output_tokens < 2 or out.chunks < 2 or out.ttft is None:
         return None
     return (out.latency - out.ttft) / (out.output_tokens - 1)
+
+
+def _why_not_measured(ok: Sequence[RequestOutput]) -> dict[str, str]:
+    """For each figure with no sample at all, the reason, printed in place of its numbers."""
+    if not ok:
+        reason = "no request succeeded"
+        return {k: reason for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms",
+                                    "peak_output_throughput")}
+    why = {}
+    one_chunk = ("every request's tokens arrived in one chunk (the server streamed no "
+                 "per-token chunks)")
+    if all(o.ttft is None for o in ok):
+        why["ttft_ms"] = one_chunk
+    if all(o.output_tokens < 2 for o in ok):
+        why["tpot_ms"] = why["itl_ms"] = "every request generated fewer than 2 tokens"
+    elif all(o.chunks < 2 for o in ok):
+        why["tpot_ms"] = why["itl_ms"] = one_chunk
+        # Per-second buckets of one chunk per request show when requests ended, not when
+        # tokens were made: no peak token rate.
+        why["peak_output_throughput"] = one_chunk
+    return why
 
 
 def compute_metrics(outputs: Sequence[RequestOutput], duration: float,
@@ -361,23 +431,29 @@ def compute_metrics(outputs: Sequence[RequestOutput], duration: float,
     """The summary figures of a run; latencies in milliseconds, rates per second."""
     ok = [o for o in outputs if o.success]
     failed = [o for o in outputs if not o.success]
-    ttfts = [o.ttft * 1e3 for o in ok]
+    ttfts = [o.ttft * 1e3 for o in ok if o.ttft is not None]
     tpots = [t * 1e3 for t in (_tpot_s(o) for o in ok) if t is not None]
     itls = [gap * 1e3 for o in ok for gap in o.itl]
     e2els = [o.latency * 1e3 for o in ok]
     total_in = sum(o.prompt_len for o in ok)
     total_out = sum(o.output_tokens for o in ok)
 
+    not_measured = _why_not_measured(ok)
     good = None
-    if goodput_slos:
+    if goodput_slos and not any(f"{k}_ms" in not_measured for k in goodput_slos):
         good = 0
         for o in ok:
-            tpot = _tpot_s(o) or 0.0
-            if ("ttft" in goodput_slos and o.ttft * 1e3 > goodput_slos["ttft"]) or \
-               ("tpot" in goodput_slos and tpot * 1e3 > goodput_slos["tpot"]) or \
+            tpot = _tpot_s(o)
+            # A one-token request has no TPOT and meets any TPOT SLO (vLLM's rule); a TTFT
+            # that was not measured meets none.
+            if ("ttft" in goodput_slos and (o.ttft is None or o.ttft * 1e3 > goodput_slos["ttft"])) or \
+               ("tpot" in goodput_slos and tpot is not None and tpot * 1e3 > goodput_slos["tpot"]) or \
                ("e2el" in goodput_slos and o.latency * 1e3 > goodput_slos["e2el"]):
                 continue
             good += 1
+    elif goodput_slos:
+        not_measured["request_goodput"] = "an SLO'd figure was not measured: " + "; ".join(
+            not_measured[f"{k}_ms"] for k in goodput_slos if f"{k}_ms" in not_measured)
 
     # Output tokens per one-second bucket, each chunk weighted by the tokens it carried
     # (usage may count more tokens than chunks when a server sends several per chunk).
@@ -404,11 +480,13 @@ def compute_metrics(outputs: Sequence[RequestOutput], duration: float,
         "good_requests": good,
         "output_throughput": total_out / duration,
         "total_token_throughput": (total_in + total_out) / duration,
-        "peak_output_throughput": max(buckets.values()) if buckets else 0.0,
+        "peak_output_throughput": (max(buckets.values()) if buckets
+                                   and "peak_output_throughput" not in not_measured else None),
         "peak_concurrent_requests": peak_in_flight,
         "ttft_ms": _stats(ttfts), "tpot_ms": _stats(tpots), "itl_ms": _stats(itls),
         "e2el_ms": _stats(e2els),
         "errors": dict(Counter(o.error for o in failed).most_common()),
+        "not_measured": not_measured,  # figure -> why it is n/a
     }
 
 
@@ -421,6 +499,11 @@ def format_report(metrics: dict, args: argparse.Namespace) -> str:
     def row(label: str, value, decimals: int = 2) -> str:
         text = f"{value:.{decimals}f}" if isinstance(value, float) else str(value)
         return f"{label:<40} {text:<10}"
+
+    not_measured = metrics.get("not_measured", {})
+
+    def na(label: str, key: str) -> str:
+        return row(label, f"n/a ({not_measured.get(key, 'not measured')})")
 
     lines = [title(" Serving Benchmark Result ", "="),
              row("Successful requests:", metrics["completed"]),
@@ -435,8 +518,12 @@ def format_report(metrics: dict, args: argparse.Namespace) -> str:
               row("Request throughput (req/s):", metrics["request_throughput"])]
     if metrics["request_goodput"] is not None:
         lines.append(row("Request goodput (req/s):", metrics["request_goodput"]))
+    elif "request_goodput" in not_measured:
+        lines.append(na("Request goodput (req/s):", "request_goodput"))
+    peak = metrics["peak_output_throughput"]
     lines += [row("Output token throughput (tok/s):", metrics["output_throughput"]),
-              row("Peak output token throughput (tok/s):", float(metrics["peak_output_throughput"])),
+              row("Peak output token throughput (tok/s):", float(peak)) if peak is not None
+              else na("Peak output token throughput (tok/s):", "peak_output_throughput"),
               row("Peak concurrent requests:", metrics["peak_concurrent_requests"]),
               row("Total token throughput (tok/s):", metrics["total_token_throughput"])]
     sections = (("ttft_ms", "TTFT", "Time to First Token"),
@@ -446,6 +533,9 @@ def format_report(metrics: dict, args: argparse.Namespace) -> str:
     for key, short, long in sections:
         stats = metrics[key]
         lines.append(title(long, "-"))
+        if stats is None:
+            lines.append(na(f"{short} (ms):", key))
+            continue
         lines.append(row(f"Mean {short} (ms):", stats["mean"]))
         lines.append(row(f"Median {short} (ms):", stats["median"]))
         lines.append(row(f"P90 {short} (ms):", stats["p90"]))
@@ -492,8 +582,9 @@ def register(subparsers) -> None:
     p.add_argument("--tokenizer", default=None,
                    help="local tokenizer (HF directory) to count ShareGPT tokens; default: "
                         "~4 characters per token, corrected by the server's usage chunk")
-    p.add_argument("--request-rate", type=float, default=math.inf,
-                   help="requests per second, Poisson arrivals (default inf: all at once)")
+    p.add_argument("--request-rate", type=float, nargs="+", default=[math.inf], metavar="RATE",
+                   help="requests per second, Poisson arrivals (default inf: all at once); "
+                        "several rates (e.g. 4 8 16 inf) run one benchmark each")
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of inter-arrival gaps: 1 Poisson, < 1 burstier")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
@@ -507,10 +598,12 @@ def register(subparsers) -> None:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-result", action="store_true", help="write the result as JSON")
-    p.add_argument("--result-file", default=None, help="JSON path (implies --save-result)")
+    p.add_argument("--result-file", default=None, help="JSON path (implies --save-result); "
+                   "with several rates, each gets -rate<R> before the extension")
     p.add_argument("--result-dir", default=".", help="where --save-result writes by default")
     p.add_argument("--plot", default=None, metavar="FILE.png",
-                   help="latency distributions and throughput over time")
+                   help="one rate: latency distributions and throughput over time; several "
+                        "rates: TTFT/TPOT P50 and P99 and goodput against the rate")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     p.set_defaults(func=run_serve)
 
@@ -538,19 +631,26 @@ def build_requests(args: argparse.Namespace) -> list[SampleRequest]:
                              tokenizer)
 
 
-def run_serve(args: argparse.Namespace, out: TextIO = None) -> int:
-    out = out or sys.stdout
-    try:
-        goodput_slos = parse_goodput(args.goodput)
-        if args.num_prompts < 1:
-            raise ValueError("--num-prompts must be >= 1")
-        if args.request_rate <= 0 or args.burstiness <= 0:
-            raise ValueError("--request-rate and --burstiness must be > 0")
-        requests = build_requests(args)
-    except (ValueError, OSError) as exc:
-        print(f"rooflm bench serve: error: {exc}", file=sys.stderr)
-        return 2
+def _rate_label(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
 
+
+def _result_path(args: argparse.Namespace, rate: float, several: bool) -> str:
+    """Where one rate's result goes: --result-file (suffixed per rate when there are several),
+    else a dated name in --result-dir."""
+    if args.result_file:
+        if not several:
+            return args.result_file
+        stem, ext = os.path.splitext(args.result_file)
+        return f"{stem}-rate{_rate_label(rate)}{ext or '.json'}"
+    return os.path.join(args.result_dir, f"serve-{args.model.replace('/', '_')}-rate"
+                                         f"{_rate_label(rate)}-"
+                                         f"{datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
+
+
+def _run_one_rate(args: argparse.Namespace, requests: list[SampleRequest],
+                  goodput_slos: dict[str, float], several: bool, out: TextIO) -> dict:
+    """One benchmark at args.request_rate: print the report, write the result; the metrics."""
     rate = "inf (all at once)" if math.isinf(args.request_rate) else \
         f"{args.request_rate:g} req/s, burstiness {args.burstiness:g}" + \
         (" (Poisson)" if args.burstiness == 1.0 else " (gamma)")
@@ -564,9 +664,7 @@ def run_serve(args: argparse.Namespace, out: TextIO = None) -> int:
     out.write(format_report(metrics, args))
 
     if args.save_result or args.result_file:
-        path = args.result_file or os.path.join(
-            args.result_dir, f"serve-{args.model.replace('/', '_')}-"
-                             f"{datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
+        path = _result_path(args, args.request_rate, several)
         result = {
             "date": datetime.now().isoformat(timespec="seconds"),
             "base_url": args.base_url, "endpoint": args.endpoint, "model": args.model,
@@ -584,7 +682,7 @@ def run_serve(args: argparse.Namespace, out: TextIO = None) -> int:
             json.dump(result, f, indent=1)
         out.write(f"result written to {path}\n")
 
-    if args.plot:
+    if args.plot and not several:
         from rooflm.perf.plot import plot_serving
 
         ok = [o for o in outputs if o.success]
@@ -595,9 +693,60 @@ def run_serve(args: argparse.Namespace, out: TextIO = None) -> int:
             per_chunk = round(o.output_tokens / len(o.chunk_times)) if o.chunk_times else 0
             for t in o.chunk_times:
                 token_times.extend([t] * per_chunk)
-        plot_serving([o.ttft * 1e3 for o in ok], tpots, [g * 1e3 for o in ok for g in o.itl],
+        plot_serving([o.ttft * 1e3 for o in ok if o.ttft is not None], tpots,
+                     [g * 1e3 for o in ok for g in o.itl],
                      [o.latency * 1e3 for o in ok], token_times, duration, args.plot,
                      title=f"{args.model} at {args.base_url}: {metrics['completed']} ok, "
                            f"{metrics['failed']} failed")
         out.write(f"plots written to {args.plot}\n")
-    return 0 if metrics["completed"] > 0 else 1
+    return metrics
+
+
+def format_sweep(rates: Sequence[float], sweep: Sequence[dict]) -> str:
+    """One line per rate: the figures users compare across load, n/a where not measured."""
+    def ms(stats: Optional[dict], key: str) -> str:
+        return "n/a" if stats is None else f"{stats[key]:.1f}"
+
+    lines = [f"{'rate':>6} {'ok':>5} {'fail':>5} {'req/s':>7} {'good/s':>7} {'tok/s':>8} "
+             f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}"]
+    for rate, m in zip(rates, sweep):
+        good = "n/a" if m["request_goodput"] is None else f"{m['request_goodput']:.2f}"
+        lines.append(f"{_rate_label(rate):>6} {m['completed']:>5} {m['failed']:>5} "
+                     f"{m['request_throughput']:>7.2f} {good:>7} {m['output_throughput']:>8.1f} "
+                     f"{ms(m['ttft_ms'], 'median'):>9} {ms(m['ttft_ms'], 'p99'):>9} "
+                     f"{ms(m['tpot_ms'], 'median'):>9} {ms(m['tpot_ms'], 'p99'):>9}")
+    return "\n".join(lines) + "\n"
+
+
+def run_serve(args: argparse.Namespace, out: TextIO = None) -> int:
+    out = out or sys.stdout
+    rates = list(args.request_rate) if isinstance(args.request_rate, (list, tuple)) \
+        else [args.request_rate]
+    try:
+        goodput_slos = parse_goodput(args.goodput)
+        if args.num_prompts < 1:
+            raise ValueError("--num-prompts must be >= 1")
+        if any(not r > 0 for r in rates) or args.burstiness <= 0:
+            raise ValueError("--request-rate and --burstiness must be > 0")
+        requests = build_requests(args)
+    except (ValueError, OSError) as exc:
+        print(f"rooflm bench serve: error: {exc}", file=sys.stderr)
+        return 2
+
+    several = len(rates) > 1
+    sweep = []
+    for rate in rates:
+        # The same requests at every rate, so rates differ in arrivals only.
+        sweep.append(_run_one_rate(argparse.Namespace(**{**vars(args), "request_rate": rate}),
+                                   requests, goodput_slos, several, out))
+    if several:
+        out.write(" Sweep over request rates ".center(50, "=") + "\n")
+        out.write(format_sweep(rates, sweep))
+        if args.plot:
+            from rooflm.perf.plot import plot_rate_sweep
+
+            plot_rate_sweep(rates, sweep, args.plot,
+                            title=f"{args.model} at {args.base_url}: {len(requests)} requests "
+                                  f"per rate")
+            out.write(f"plot written to {args.plot}\n")
+    return 0 if all(m["completed"] > 0 for m in sweep) else 1

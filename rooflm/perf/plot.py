@@ -136,6 +136,64 @@ def plot_serving(ttfts_ms: Sequence[float], tpots_ms: Sequence[float], itls_ms: 
     plt.close(fig)
 
 
+def plot_rate_sweep(rates: Sequence[float], sweep: Sequence[dict], path: str,
+                    title: str = "") -> None:
+    """Three panels against the request rate: TTFT and TPOT (P50 solid, P99 dashed), and
+    goodput (or request throughput when no SLO was given) beside the offered rate.
+
+    `sweep` holds one `rooflm bench serve` metrics dict per rate. An infinite rate
+    (all at once) is drawn one step right of the largest finite rate and labelled
+    "inf"; a figure that was not measured leaves a gap, not a zero.
+    """
+    plt = _pyplot()
+    finite = sorted(r for r in rates if not math.isinf(r))
+    inf_x = (finite[-1] * 2 if finite else 1.0)
+    xs = [inf_x if math.isinf(r) else r for r in rates]
+    order = sorted(range(len(rates)), key=lambda i: xs[i])
+    xs = [xs[i] for i in order]
+    sweep = [sweep[i] for i in order]
+    labels = ["inf" if math.isinf(rates[i]) else f"{rates[i]:g}" for i in order]
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+
+    def percentiles(ax, key, name):
+        for q, field, style in ((50, "median", "-"), (99, "p99", "--")):
+            ys = [m[key][field] if m.get(key) else float("nan") for m in sweep]
+            ax.plot(xs, ys, style, marker="o", label=f"P{q} {name}")
+        ax.set_ylabel(f"{name} (ms)")
+        ax.set_title(f"{name} against request rate")
+
+    percentiles(axes[0], "ttft_ms", "TTFT")
+    percentiles(axes[1], "tpot_ms", "TPOT")
+    ax = axes[2]
+    have_goodput = any(m.get("request_goodput") is not None for m in sweep)
+    if have_goodput:
+        ys = [m["request_goodput"] if m.get("request_goodput") is not None else float("nan")
+              for m in sweep]
+        ax.plot(xs, ys, marker="o", color="tab:green", label="goodput (req/s meeting SLOs)")
+    ax.plot(xs, [m["request_throughput"] for m in sweep], marker="o", color="tab:blue",
+            linestyle=":" if have_goodput else "-", label="completed req/s")
+    ax.plot(xs, [x if not math.isinf(r) else float("nan") for x, r in
+                 zip(xs, [rates[i] for i in order])], color="gray", linestyle="--",
+            label="offered rate")
+    ax.set_ylabel("requests / s")
+    ax.set_title("goodput against request rate" if have_goodput
+                 else "throughput against request rate (no --goodput SLOs)")
+    for ax in axes:
+        ax.set_xscale("log" if len(xs) > 1 and xs[0] > 0 and xs[-1] / xs[0] > 8 else "linear")
+        ax.set_xticks(xs)
+        ax.set_xticklabels(labels)
+        ax.minorticks_off()
+        ax.set_xlabel("request rate (req/s)")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def _percentile(values: Sequence[float], q: float) -> float:
     """Linear-interpolation percentile (numpy's default), without importing numpy here."""
     ordered = sorted(values)

@@ -6,12 +6,16 @@ free port and shut down after it. Its mode decides what every request gets:
   error      alternately HTTP 500 and HTTP 429 with an OpenAI error body
   mixed      every third request an HTTP 500, the others a valid stream
   midstream  two tokens, then an error event inside the stream
+  tokenless  one empty-text chunk per token (a model without a tokenizer), then finish_reason
+  onechunk   every token's text in the closing chunk (nothing per token)
+  u2028      tokens whose text holds U+2028 / U+2029 / NEL, sent unescaped
 """
 
 import argparse
 import io
 import json
 import random
+import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -39,7 +43,8 @@ class _StubHandler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def _event(self, obj):
-        payload = obj if isinstance(obj, str) else json.dumps(obj)
+        # ensure_ascii=False: U+2028 and friends go on the wire raw, as many servers send them
+        payload = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
         self.wfile.write(f"data: {payload}\n\n".encode())
         self.wfile.flush()
 
@@ -63,13 +68,21 @@ class _StubHandler(BaseHTTPRequestHandler):
         self.end_headers()
         chat = "messages" in body
         num_tokens = body["max_tokens"]
-        for i in range(num_tokens):
+        if chat:
+            self._event({"id": "x", "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                        "content": ""}}]})
+        for i in range(num_tokens if mode != "onechunk" else 0):
             if mode == "midstream" and i == 2:
                 self._event({"error": {"message": "engine died", "code": 500}})
                 return
             time.sleep(0.002)
-            delta = {"delta": {"content": f" tok{i}"}} if chat else {"text": f" tok{i}"}
+            text = {"tokenless": "", "u2028": f"a\u2028b\u2029c\x85{i}"}.get(mode, f" tok{i}")
+            delta = {"delta": {"content": text}} if chat else {"text": text}
             self._event({"id": "x", "object": "text_completion", "choices": [{"index": 0, **delta}]})
+        time.sleep(0.002)
+        final_text = "".join(f" tok{i}" for i in range(num_tokens)) if mode == "onechunk" else ""
+        final = {"delta": {"content": final_text}} if chat else {"text": final_text}
+        self._event({"id": "x", "choices": [{"index": 0, **final, "finish_reason": "length"}]})
         prompt = body.get("prompt") or body["messages"][0]["content"]
         prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())
         self._event({"id": "x", "choices": [], "usage": {
@@ -219,7 +232,7 @@ def test_poisson_and_gamma_arrivals_have_the_configured_mean_rate():
 def test_metrics_by_hand():
     def out(ttft, latency, tokens, itl, ok=True, error=""):
         return serve.RequestOutput(success=ok, error=error, prompt_len=10, output_tokens=tokens,
-                                   ttft=ttft, latency=latency, itl=itl, start=0.0,
+                                   ttft=ttft, latency=latency, itl=itl, start=0.0, chunks=tokens,
                                    chunk_times=[ttft + sum(itl[:i]) for i in range(tokens)])
 
     outputs = [out(0.1, 0.5, 5, [0.1] * 4), out(0.3, 0.7, 5, [0.1] * 4),
@@ -235,3 +248,70 @@ def test_metrics_by_hand():
     assert m["peak_concurrent_requests"] == 3
     with pytest.raises(ValueError):
         serve.parse_goodput(["latency:5"])
+
+
+def test_tokens_without_text_are_still_timed(stub):
+    stub.mode = "tokenless"
+    rc, printed = _run(["--base-url", _url(stub), "--model", "m", "--num-prompts", "4",
+                        "--input-len", "8", "--output-len", "6"])
+    assert rc == 0, printed
+    assert "n/a" not in printed
+    m = _metrics_of(stub, ["--num-prompts", "2", "--output-len", "6"])
+    assert m["completed"] == 2 and m["total_output_tokens"] == 12
+    assert m["ttft_ms"]["mean"] > 0 and m["tpot_ms"]["mean"] > 0 and m["itl_ms"]["mean"] > 0
+    assert m["not_measured"] == {}
+
+
+def test_unmeasurable_figures_say_na_and_why(stub, tmp_path):
+    stub.mode = "onechunk"
+    result_file = tmp_path / "r.json"
+    rc, printed = _run(["--base-url", _url(stub), "--model", "m", "--num-prompts", "3",
+                        "--input-len", "8", "--output-len", "5", "--goodput", "tpot:50",
+                        "--result-file", str(result_file)])
+    assert rc == 0, printed
+    saved = json.loads(result_file.read_text())
+    assert saved["completed"] == 3 and saved["total_output_tokens"] == 15
+    for key in ("ttft_ms", "tpot_ms", "itl_ms"):
+        assert saved[key] is None and saved["not_measured"][key]
+    assert saved["peak_output_throughput"] is None and saved["request_goodput"] is None
+    assert saved["e2el_ms"]["mean"] > 0
+    assert "TPOT (ms):" in printed and "n/a (every request's tokens arrived in one chunk" in printed
+    assert re.search(r"Peak output token throughput \(tok/s\):\s+n/a \(", printed), printed
+    assert " 0.00 " not in printed.split("Time to First Token")[1]
+
+
+def test_json_line_separators_inside_text_do_not_split_events(stub):
+    stub.mode = "u2028"
+    for endpoint in ("/v1/completions", "/v1/chat/completions"):
+        m = _metrics_of(stub, ["--num-prompts", "3", "--output-len", "4", "--endpoint", endpoint])
+        assert m["completed"] == 3 and m["failed"] == 0, m["errors"]
+        assert m["total_output_tokens"] == 12 and m["tpot_ms"] is not None
+
+
+def test_several_request_rates_write_one_result_each_and_a_sweep_plot(stub, tmp_path):
+    result_file = tmp_path / "sweep.json"
+    plot = tmp_path / "sweep.png"
+    rc, printed = _run(["--base-url", _url(stub), "--model", "m", "--num-prompts", "4",
+                        "--input-len", "8", "--output-len", "3", "--request-rate", "50", "200",
+                        "inf", "--goodput", "ttft:1000", "--result-file", str(result_file),
+                        "--plot", str(plot)])
+    assert rc == 0, printed
+    for label, rate in (("50", 50.0), ("200", 200.0), ("inf", None)):
+        saved = json.loads((tmp_path / f"sweep-rate{label}.json").read_text())
+        assert saved["request_rate"] == rate and saved["completed"] == 4
+    assert "Sweep over request rates" in printed and printed.count("Serving Benchmark Result") == 3
+    assert plot.read_bytes()[:8] == PNG_MAGIC
+    assert stub.count == 12
+
+
+def _metrics_of(stub, argv):
+    """Run against the stub, return the saved metrics (a temp file per call)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = f"{d}/r.json"
+        rc, printed = _run(["--base-url", _url(stub), "--model", "m", "--input-len", "8",
+                            "--result-file", path] + argv)
+        assert rc in (0, 1), printed
+        with open(path) as f:
+            return json.load(f)

@@ -24,3 +24,36 @@ def test_bench_serve_against_live_server(server, tmp_path, capsys, dataset):
     assert metrics["completed"] == 6 and metrics["failed"] == 0, printed
     assert "Successful requests:" in printed and "TTFT" in printed
     assert metrics["total_output_tokens"] > 0 and metrics["ttft_ms"]["mean"] > 0
+
+
+def test_bench_serve_on_a_dummy_model_directory(tmp_path, capsys):
+    """An HF directory with a real tokenizer and no weights, served with --load-format dummy:
+    text streams per token, so TTFT/TPOT/ITL are all measured, at two request rates."""
+    import httpx
+
+    from rooflm.model.dummy_dir import make_dummy_model_dir
+    from tests.server.server_utils import SMALL_ENGINE_ARGS, start_server
+
+    model_dir = tmp_path / "smollm2-dummy"
+    make_dummy_model_dir("smollm2-135m", str(model_dir), "default", max_position_embeddings=512)
+    server = start_server(tmp_path, "dummy-dir", ["--model", str(model_dir), "--load-format", "dummy",
+                                                  *SMALL_ENGINE_ARGS])
+    try:
+        server.wait_ready()
+        reply = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "model": "smollm2-dummy", "prompt": "Hello there", "max_tokens": 4, "ignore_eos": True})
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"], reply.text
+        result_file = tmp_path / "dummy.json"
+        rc = main(["bench", "serve", "--base-url", server.url, "--model", "smollm2-dummy",
+                   "--num-prompts", "3", "--input-len", "12", "--output-len", "4", "--ignore-eos",
+                   "--prompt-format", "words", "--request-rate", "20", "inf",
+                   "--request-timeout", "60", "--result-file", str(result_file), "--disable-tqdm"])
+        printed = capsys.readouterr().out
+        assert rc == 0, printed
+        for rate in ("20", "inf"):
+            metrics = json.loads((tmp_path / f"dummy-rate{rate}.json").read_text())
+            assert metrics["completed"] == 3 and metrics["total_output_tokens"] == 12, printed
+            assert metrics["not_measured"] == {}, printed
+            assert metrics["ttft_ms"]["mean"] > 0 and metrics["tpot_ms"]["mean"] > 0
+    finally:
+        server.stop()
