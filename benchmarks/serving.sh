@@ -54,10 +54,11 @@ BENCH="python3 -m rooflm bench serve --base-url $URL --model $NAME --vocab-size 
 # The same 1000 requests all at once (the offline comparison), then Poisson arrivals at 8/16/32 req/s.
 $BENCH $WORKLOAD --request-rate inf --result-file "$OUT/serve-all-at-once.json" 2>&1 \
   | tee "$OUT/serve-all-at-once.txt"
-$BENCH $WORKLOAD --request-rate $RATES --goodput ttft:500 tpot:30 --result-file "$OUT/serve-poisson.json" \
+# Prompt seeds differ from the all-at-once run's (and per rate), so the prefix cache serves none.
+$BENCH $WORKLOAD --request-rate $RATES --seed 1 --goodput ttft:500 tpot:30 --result-file "$OUT/serve-poisson.json" \
   --plot "$OUT/serve-poisson.png" 2>&1 | tee "$OUT/serve-poisson.txt"
 # One request at a time, 128-token prompts: TTFT and end to end against the offline batch-1 run.
-$BENCH --num-prompts $C1_PROMPTS --input-len 128 --output-len 200 --max-concurrency 1 \
+$BENCH --num-prompts $C1_PROMPTS --input-len 128 --output-len 200 --max-concurrency 1 --seed 100 \
   --result-file "$OUT/serve-concurrency1.json" 2>&1 | tee "$OUT/serve-concurrency1.txt"
 
 # (c) Server / offline throughput on the same 1000 requests.

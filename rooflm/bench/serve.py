@@ -735,10 +735,13 @@ def run_serve(args: argparse.Namespace, out: TextIO = None) -> int:
 
     several = len(rates) > 1
     sweep = []
-    for rate in rates:
-        # The same requests at every rate, so rates differ in arrivals only.
-        sweep.append(_run_one_rate(argparse.Namespace(**{**vars(args), "request_rate": rate}),
-                                   requests, goodput_slos, several, out))
+    for i, rate in enumerate(rates):
+        # Fresh prompts for each rate (seed + i), drawn from the same distribution: the same
+        # prompts again would be served from the server's prefix cache and flatter TTFT.
+        rate_args = argparse.Namespace(**{**vars(args), "request_rate": rate, "seed": args.seed + i})
+        if i:
+            requests = build_requests(rate_args)
+        sweep.append(_run_one_rate(rate_args, requests, goodput_slos, several, out))
     if several:
         out.write(" Sweep over request rates ".center(50, "=") + "\n")
         out.write(format_sweep(rates, sweep))
