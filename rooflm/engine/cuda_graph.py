@@ -74,7 +74,9 @@ class CUDAGraphRunner:
         self.backend = backend
         self.max_model_len = max_model_len
         self.sizes = capture_sizes(max_batch)
-        self.max_blocks = -(-max_model_len // block_size)
+        # Rounded up to a multiple of 16, like the eager block tables (model_runner.py), so an
+        # eager table always fits the graph's buffer.
+        self.max_blocks = -(-(-(-max_model_len // block_size)) // 16) * 16
         self.buffers = GraphBuffers.allocate(self.sizes[-1], self.max_blocks, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}

@@ -22,10 +22,11 @@ from typing import Optional
 
 import torch
 
-from rooflm.kernels.decode_attention import (DecodePlan, decode_attention, decode_num_splits,
-                                             plan_decode_attention)
+from rooflm.kernels.decode_attention import (DecodePlan, decode_attention, decode_config,
+                                             decode_num_splits, plan_decode_attention)
 from rooflm.kernels.prefill_attention import PrefillPlan, plan_prefill_attention, prefill_attention
 from rooflm.kernels.rope_kv_write import rope_kv_write, write_kv
+from rooflm.kernels.utils import cdiv
 from rooflm.layers.attention import AttentionBackend, AttentionMetadata
 
 
@@ -81,10 +82,17 @@ class TritonBackend(AttentionBackend):
         num_decodes = meta.num_decodes
         if num_decodes > 0:
             num_splits = self.decode_num_splits
-            if num_splits is None and self.split_span is not None:
-                num_splits = decode_num_splits(num_decodes, k_cache.shape[2], self.split_span, sliding_window)
+            config = None
+            if self.split_span is not None:
+                if num_splits is None:
+                    num_splits = decode_num_splits(num_decodes, k_cache.shape[2], self.split_span, sliding_window)
+                # The tile config follows the same span as the split count, as in the graphs: a
+                # config that followed the batch's longest context would compile new kernel
+                # variants as contexts grow, mid-serving.
+                span = min(self.split_span, sliding_window) if sliding_window else self.split_span
+                config = decode_config(q.shape[-1], q.dtype, cdiv(span, num_splits))
             decode = plan_decode_attention(q, k_cache, v_cache, meta, sliding_window, out=out,
-                                           num_seqs=num_decodes, num_splits=num_splits)
+                                           num_seqs=num_decodes, num_splits=num_splits, config=config)
         prefill = None
         if num_decodes < meta.num_seqs:
             prefill = plan_prefill_attention(q, k_cache, v_cache, meta, sliding_window, out=out,
