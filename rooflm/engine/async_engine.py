@@ -220,6 +220,23 @@ def admission_check(engine, limits: AdmissionLimits, tokens_in_flight: int,
     return None
 
 
+def add_group(engine, requests: list[GenerateRequest]) -> list[Request]:
+    """Add a group of requests to the engine all or nothing: a group with one bad prompt queues
+    none of its prompts (the error propagates). Used where the engine is: its thread, or the
+    engine-core process."""
+    added: list[Request] = []
+    try:
+        for request in requests:
+            added.append(engine.add_request(
+                request.request_id, request.prompt_token_ids, request.params,
+                arrival_time=request.arrival_time, cache_salt=request.cache_salt))
+    except Exception:
+        if added:
+            engine.abort_request([r.request_id for r in added])
+        raise
+    return added
+
+
 def fault_step_from_env() -> Optional[int]:
     value = os.environ.get(FAULT_INJECT_ENV)
     if not value:
@@ -437,25 +454,12 @@ class AsyncLLMEngine:
             rejection = self._admission_check(command.requests)
             if rejection is not None:
                 raise rejection
-        added: list[_Tracked] = []
-        try:
-            for request, stream in zip(command.requests, command.streams):
-                added.append(self._add_one(request, stream))
-        except Exception:
-            # All or nothing: a batch with one bad prompt queues none of its prompts.
-            if added:
-                self.engine.abort_request([t.request.request_id for t in added])
-            raise
-        for tracked in added:
-            self._tracked[tracked.request.request_id] = tracked
-            self._tokens_in_flight += tracked.reserved_tokens
-
-    def _add_one(self, request: GenerateRequest, stream: RequestStream) -> _Tracked:
-        engine_request = self.engine.add_request(
-            request.request_id, request.prompt_token_ids, request.params,
-            arrival_time=request.arrival_time, cache_salt=request.cache_salt)
-        return _Tracked(engine_request, stream, request.reserved_tokens, request.arrival_time,
-                        request.record_metrics)
+        added = add_group(self.engine, command.requests)
+        for request, stream, engine_request in zip(command.requests, command.streams, added):
+            self._tracked[request.request_id] = _Tracked(
+                engine_request, stream, request.reserved_tokens, request.arrival_time,
+                request.record_metrics)
+            self._tokens_in_flight += request.reserved_tokens
 
     def _admission_check(self, requests: list[GenerateRequest]) -> Optional[AdmissionRejected]:
         return admission_check(self.engine, self.limits, self._tokens_in_flight, requests)

@@ -64,7 +64,7 @@ import zmq
 from rooflm.config import EngineConfig
 from rooflm.engine.async_engine import (EMPTY_STEP_BACKOFF_S, FAULT_INJECT_ENV, IDLE_TICK_S,
                                         AdmissionLimits, AdmissionRejected, GenerateRequest,
-                                        admission_check, fault_step_from_env)
+                                        add_group, admission_check, fault_step_from_env)
 from rooflm.engine.core_protocol import (Abort, AddError, AddReply, AddRequests, Configure,
                                          CoreState, EngineDead, EngineReady, Heartbeat,
                                          RequestDelta, SampleDelta, Shutdown, StepOutputs,
@@ -197,20 +197,9 @@ class EngineCore:
             rejection = admission_check(self.engine, self.limits, self._tokens_in_flight, requests)
             if rejection is not None:
                 raise rejection
-        added: list[_Tracked] = []
-        try:
-            for request in requests:
-                engine_request = self.engine.add_request(
-                    request.request_id, request.prompt_token_ids, request.params,
-                    arrival_time=request.arrival_time, cache_salt=request.cache_salt)
-                added.append(_Tracked(engine_request, request.reserved_tokens))
-        except Exception:
-            # All or nothing: a group with one bad prompt queues none of its prompts.
-            self.engine.abort_request([t.request.request_id for t in added])
-            raise
-        for tracked in added:
-            self._tracked[tracked.request.request_id] = tracked
-            self._tokens_in_flight += tracked.reserved_tokens
+        for request, engine_request in zip(requests, add_group(self.engine, requests)):
+            self._tracked[request.request_id] = _Tracked(engine_request, request.reserved_tokens)
+            self._tokens_in_flight += request.reserved_tokens
 
     def _abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
