@@ -27,7 +27,8 @@ PLOT=(  # rooflm bench serve --plot (headless Agg)
 )
 
 mkdir -p .whl
-grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+EXCLUDE=$(git rev-parse --git-path info/exclude); mkdir -p "$(dirname "$EXCLUDE")"
+grep -qxF '/.whl/' "$EXCLUDE" 2>/dev/null || echo '/.whl/' >> "$EXCLUDE"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PY_VERSION" \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform any -d .whl "${SERVER[@]}" "${CLIENT[@]}" "${PLOT[@]}"

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Issue 13, one device call: offline throughput on ShareGPT-like traffic (1000 requests, ~230 in /
-# ~200 out, lengths uniform +-90%) and 1000 x 1024/1024, with the step breakdown.
-# Usage (GPU machine, repo root): OUT=dir bash benchmarks/traffic.sh [quick]
+# ~200 out, lengths uniform +-90%) and 1000 x 1024/1024, with the step breakdown; each with the
+# defaults and with the earlier defaults (256 sequences, no growth reservation) side by side; then
+# the latency rows that must not regress (batch 1, and 64 x 1024/256).
+# Usage (GPU machine, repo root): OUT=dir bash benchmarks/traffic.sh [quick|diag]
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results/traffic}
 mkdir -p "$OUT"
 MODEL="--model llama-3-8b --load-format dummy"
 SHAREGPT="--num-prompts 1000 --input-len 230 --output-len 200 --range-ratio 0.9 --max-model-len 4096"
+LONG="--num-prompts 1000 --input-len 1024 --output-len 1024 --max-model-len 2048"
+BEFORE="--max-num-seqs 256 --no-reserve-new-tokens"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 run() {  # name, flags...
   local name=$1; shift
@@ -22,4 +26,13 @@ if [ "${1:-}" = "diag" ]; then  # why: the same run without async scheduling, an
     --range-ratio 0.9 --max-model-len 4096 --out "$OUT" --top 40 2>&1 | head -70
   exit 0
 fi
-run 1024x1024 --num-prompts 1000 --input-len 1024 --output-len 1024 --max-model-len 2048
+run sharegpt-256seqs-noreserve $SHAREGPT $BEFORE
+latency() {  # name, flags...
+  local name=$1; shift
+  python -m rooflm bench latency $MODEL "$@" --num-iters-warmup 1 --max-model-len 2048 --disable-tqdm \
+    --output-json "$OUT/$name.json" 2>&1 | grep -v "^result written" | tail -8 | tee "$OUT/$name.txt"
+}
+latency latency-b1 --batch-size 1 --input-len 128 --output-len 256 --num-iters 3
+latency latency-b64 --batch-size 64 --input-len 1024 --output-len 256 --num-iters 2
+run 1024x1024 $LONG
+run 1024x1024-256seqs-noreserve $LONG $BEFORE

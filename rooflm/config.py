@@ -146,14 +146,18 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
+    # None: 512 on CUDA (ShareGPT-like traffic on an H100: +25% over 256 with the growth
+    # reservation below; benchmarks/results/traffic-*), 256 on the CPU.
+    max_num_seqs: Optional[int] = None
     max_num_batched_tokens: int = 2048
     max_model_len: Optional[int] = None  # None: the model's max_position_embeddings
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"  # recompute | swap
+    # Admission keeps KV room for the running requests' expected growth (growth_reserve.py).
+    reserve_new_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(
@@ -173,7 +177,7 @@ class RuntimeConfig:
     # later. None = on with CUDA (H100, Llama-3-8B: batch-1 step 5.7-6.1 -> 5.5 ms, batch-64
     # 8.4-9.6 -> 7.6 ms; benchmarks/results/engine-h100-20261121-s2), off on the CPU.
     async_scheduling: Optional[bool] = None
-    cuda_graph_max_batch: int = 256
+    cuda_graph_max_batch: Optional[int] = None  # None: max_num_seqs
     # Steps with prefill chunks (mixed prefill + decode, prefill) replay one CUDA graph per
     # layer with attention run eagerly between them (engine/piecewise_graph.py), for up to
     # max_num_batched_tokens tokens: eager launches cost more host time than the GPU's work.
@@ -191,6 +195,18 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+
+def with_device_defaults(cfg: EngineConfig, device_type: str) -> EngineConfig:
+    """The config with the defaults that depend on the device filled in (None fields)."""
+    from dataclasses import replace
+
+    sched, runtime = cfg.scheduler, cfg.runtime
+    if sched.max_num_seqs is None:
+        sched = replace(sched, max_num_seqs=512 if device_type == "cuda" else 256)
+    if runtime.cuda_graph_max_batch is None:
+        runtime = replace(runtime, cuda_graph_max_batch=sched.max_num_seqs)
+    return replace(cfg, scheduler=sched, runtime=runtime)
 
 
 _SECTIONS = {"load": LoadConfig, "device": DeviceConfig, "cache": CacheConfig,

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 
-from rooflm.engine.outputs import RequestOutput
+from rooflm.engine.outputs import RequestOutput, merge_outputs
 from rooflm.engine.report import EngineSnapshot
 from rooflm.engine.request import Request, RequestStatus
 from rooflm.sampling_params import SamplingParams
@@ -105,28 +105,43 @@ class RequestStream:
     """The outputs of one engine request, in order, as the event loop sees them.
 
     Items are RequestOutputs; an exception item (engine death, server-side
-    abort) ends the stream and is raised by next().
+    abort) ends the stream and is raised by next(). A reader that falls behind
+    gets what piled up since its last read merged into one output.
     """
 
     def __init__(self, request_id: str):
         self.request_id = request_id
         self.finished = False
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._held: Optional[BaseException] = None  # met while merging: raised by the next read
 
     def put(self, item: Union[RequestOutput, BaseException]) -> None:
         self._queue.put_nowait(item)
 
     async def next(self, timeout: Optional[float] = None) -> RequestOutput:
-        """The next output; raises TimeoutError after `timeout` seconds."""
-        if timeout is None:
+        """The next output (several steps' worth if they are waiting); raises TimeoutError
+        after `timeout` seconds."""
+        if self._held is not None:
+            item, self._held = self._held, None
+        elif timeout is None:
             item = await self._queue.get()
         else:
             item = await asyncio.wait_for(self._queue.get(), max(timeout, 0.0))
         if isinstance(item, BaseException):
             self.finished = True
             raise item
+        item = self._merge_waiting(item)
         if item.finished:
             self.finished = True
+        return item
+
+    def _merge_waiting(self, item: RequestOutput) -> RequestOutput:
+        while not item.finished and not self._queue.empty():
+            later = self._queue.get_nowait()
+            if isinstance(later, BaseException):
+                self._held = later  # the outputs before it are delivered first
+                break
+            item = merge_outputs(item, later)
         return item
 
 

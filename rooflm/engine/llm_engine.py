@@ -15,9 +15,9 @@ from typing import Callable, Iterable, Optional, Union
 
 import torch
 
-from rooflm.config import EngineConfig
+from rooflm.config import EngineConfig, with_device_defaults
 from rooflm.engine.block_manager import BlockManager
-from rooflm.engine.model_runner import ModelRunner, StepHandle, StepResult
+from rooflm.engine.model_runner import ModelRunner, StepHandle, StepResult, resolve_device
 from rooflm.engine.output_processor import OutputProcessor
 from rooflm.engine.outputs import RequestOutput
 from rooflm.engine.report import (NULL_TRACER, BatchShape, EngineInfo, EngineSnapshot, PhaseTracer,
@@ -50,6 +50,7 @@ class LLMEngine:
         from rooflm.model.loader import load_model_config, resolve_model
 
         t0 = time.perf_counter()
+        config = with_device_defaults(config, resolve_device(config.device.device).type)
         self.config = config
         self.model_path, self.load_format = resolve_model(config.load.model, config.load.load_format)
         self.model_config = load_model_config(self.model_path, self.load_format)
@@ -105,7 +106,8 @@ class LLMEngine:
             running_context_tokens=sum(s.num_computed_tokens for s in running),
             num_preemptions=sched.num_preemptions, prefix_queried_tokens=bm.prefix_queries,
             prefix_hit_tokens=bm.prefix_hits, prompt_tokens=self._num_prompt_tokens,
-            generation_tokens=self.output_processor.num_generated_tokens, steps=self._num_steps)
+            generation_tokens=self.output_processor.num_generated_tokens, steps=self._num_steps,
+            kv_admission_stalls=sched.num_kv_stalls)
 
     def add_observer(self, observer: Callable[[StepReport], None]) -> None:
         """Call observer(report) after each executed step, on the engine's thread. Observers

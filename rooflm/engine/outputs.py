@@ -52,3 +52,26 @@ class RequestOutput:
     delta_text: list[str] = field(default_factory=list)  # per sample
     delta_token_ids: list[list[int]] = field(default_factory=list)  # per sample
     error: Optional[str] = None  # set when the engine failed this request
+
+
+def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one: the later's state, both steps' deltas.
+
+    A stream whose reader falls behind the engine (hundreds of streams on one event loop)
+    hands the reader everything that has piled up as one output, so the per-chunk cost of
+    the HTTP side (JSON, SSE, socket write) is paid once for several tokens instead of
+    once per token, as vLLM's output collector does.
+    """
+    width = max(len(earlier.delta_text), len(later.delta_text))
+
+    def at(values: list, i: int, empty):
+        return values[i] if i < len(values) else empty
+
+    return RequestOutput(
+        request_id=later.request_id, prompt=later.prompt, prompt_token_ids=later.prompt_token_ids,
+        outputs=later.outputs, finished=later.finished, prompt_logprobs=later.prompt_logprobs,
+        num_cached_tokens=later.num_cached_tokens,
+        delta_text=[at(earlier.delta_text, i, "") + at(later.delta_text, i, "") for i in range(width)],
+        delta_token_ids=[at(earlier.delta_token_ids, i, []) + at(later.delta_token_ids, i, [])
+                         for i in range(width)],
+        error=later.error)

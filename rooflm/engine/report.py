@@ -69,6 +69,9 @@ class EngineSnapshot:
     prompt_tokens: int  # since start
     generation_tokens: int
     steps: int
+    # Since start: steps whose admission stopped because the KV pool (less the room kept for
+    # the running requests' growth) could not take the next waiting request.
+    kv_admission_stalls: int = 0
 
     @property
     def kv_usage(self) -> float:

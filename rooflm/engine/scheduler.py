@@ -9,7 +9,9 @@ many as the step's token budget allows. Each step:
      blocks to host memory);
   2. if nothing was preempted, swapped-out requests come back, oldest first;
   3. then waiting requests are admitted first-come first-served, each after a
-     prefix-cache lookup, until the budget, the sequence cap or the pool runs out.
+     prefix-cache lookup, until the budget, the sequence cap or the pool runs out;
+     the pool keeps back room for the running requests' expected growth
+     (growth_reserve.py), so that admission does not buy preemptions later.
 Whether a request fits is one rule for all three (_blocks_needed): the blocks it
 takes back onto the device (a swap-in, prefix hits in the free queue) plus each
 table's growth (BlockManager.blocks_to_grow). The output is a plain description
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 
 from rooflm.config import SchedulerConfig
 from rooflm.engine.block_manager import NO_HIT, BlockManager, PrefixHit
+from rooflm.engine.growth_reserve import NewTokenRatio, remaining_tokens
 from rooflm.engine.request import Request, RequestStatus, Sequence
 
 
@@ -70,12 +73,16 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, block_manager: BlockManager):
+        if cfg.max_num_seqs is None:
+            raise ValueError("Scheduler needs a resolved max_num_seqs (config.with_device_defaults)")
         self.cfg = cfg
         self.bm = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.swapped: deque[Request] = deque()
         self.num_preemptions = 0
+        self.new_token_ratio = NewTokenRatio()
+        self.num_kv_stalls = 0  # steps whose admission stopped for lack of KV room
         self._seqs_running = 0  # live sequences of running groups, while a step is scheduled
         # Swap-outs of a step that ran nothing, for the next step that runs. Until then the
         # device blocks they copy from are not written: only a launched step writes K/V.
@@ -133,6 +140,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
+        self._update_ratio(out)
         if not out.preempted:
             # Counted once here, then kept up to date as groups join: not once per admission.
             self._seqs_running = self.num_running_seqs()
@@ -295,17 +303,55 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        reserved = None  # blocks kept for the running requests' growth, counted once per step
         while self.waiting and budget > 0:
             req = self.waiting[0]
             if not self._has_seq_room(req) or any(s.num_pending for s in req.live_seqs):
                 break  # FCFS: a preempted request waits for its pending tokens, and blocks the queue
             hits = [self._lookup_prefix(req, seq) for seq in req.live_seqs]
             plan = self._plan_admission(req, hits, budget)
-            if plan is None or not self._fits(req, plan):
+            if plan is None:
                 break
+            need = self._blocks_needed(req, plan)
+            if need > self.bm.num_free_blocks:
+                self.num_kv_stalls += 1
+                break
+            if self.cfg.reserve_new_tokens and self.running:
+                # With nothing running the request is admitted if it fits at all: the
+                # reservation must never keep the engine idle.
+                if reserved is None:
+                    reserved = self._growth_blocks(self.running)
+                own = self._growth_blocks([req])
+                if need + own + reserved > self.bm.num_free_blocks:
+                    self.num_kv_stalls += 1
+                    break
+                reserved += own
             self.waiting.popleft()
             self._admit(req, plan)
             budget -= self._commit(req, plan, out)
+
+    # ---- growth reservation -------------------------------------------------------------
+
+    def _growth_blocks(self, reqs: list[Request]) -> float:
+        """Blocks the requests are expected to grow by: ratio x their remaining tokens."""
+        tokens = 0
+        for req in reqs:
+            if req.needs_fork:  # one sequence now, n after its first sample
+                tokens += req.params.n * remaining_tokens(req.max_tokens, 0)
+                continue
+            for seq in req.seqs:
+                if not seq.finished:
+                    tokens += remaining_tokens(req.max_tokens, seq.num_output_tokens + seq.num_pending)
+        return tokens * self.new_token_ratio.value / self.bm.block_size
+
+    def _update_ratio(self, out: SchedulerOutput) -> None:
+        if not out.preempted:
+            self.new_token_ratio.decay()
+            return
+        seqs = [(req, s) for req in self.running for s in req.live_seqs]
+        generated = sum(s.num_output_tokens + s.num_pending for _, s in seqs)
+        max_new = sum(remaining_tokens(req.max_tokens, 0) for req, _ in seqs)
+        self.new_token_ratio.raise_after_preemption(generated, max_new, len(seqs))
 
     def _lookup_prefix(self, req: Request, seq: Sequence) -> PrefixHit:
         if seq.num_computed_tokens:

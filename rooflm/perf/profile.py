@@ -148,6 +148,7 @@ class EngineInstrument(PhaseTracer):
         self.use_nvtx = use_nvtx
         self.record = PassRecord()
         self._stack: list[list] = []  # [phase, seconds spent in child phases]
+        self._kv_stalls = engine.snapshot().kv_admission_stalls
 
     # Ranges: record_function for the profiler, NVTX for Nsight, perf_counter for the summary.
     @contextlib.contextmanager
@@ -186,7 +187,11 @@ class EngineInstrument(PhaseTracer):
     def _note_kv(self) -> None:
         snap = self.engine.snapshot()
         self.record.peak_usage = max(self.record.peak_usage, snap.kv_usage)
-        if snap.num_waiting_reqs and snap.kv_usage > KV_FULL_USAGE:
+        # Admission keeps room for the running requests' growth, so requests can wait for KV
+        # room with the pool well under full: the scheduler's stall count says so.
+        stalled = snap.kv_admission_stalls > self._kv_stalls
+        self._kv_stalls = snap.kv_admission_stalls
+        if snap.num_waiting_reqs and (snap.kv_usage > KV_FULL_USAGE or stalled):
             self.record.waiting_on_full_pool += 1
 
     def step(self) -> bool:
@@ -521,8 +526,9 @@ def _verdict(s: dict, compute_dtype: str) -> tuple[str, list[str]]:
         evidence.append(
             f"{kv['preemptions_run']} preemption(s) during the run "
             f"({kv['preemptions_measured']} in the timed and profiled steps); "
-            f"{kv['steps_waiting_on_full_pool']} step(s) left requests waiting with the KV pool over "
-            f"{KV_FULL_USAGE:.0%} used (peak {kv['peak_usage']:.0%} of {kv['num_blocks']} blocks of "
+            f"{kv['steps_waiting_on_full_pool']} step(s) left requests waiting for KV room (the pool "
+            f"over {KV_FULL_USAGE:.0%} used, or too full to keep room for the running requests' "
+            f"growth; peak {kv['peak_usage']:.0%} of {kv['num_blocks']} blocks of "
             f"{kv['block_size']} tokens)")
         evidence.append("more KV blocks (--num-blocks, --gpu-memory-utilization), fewer concurrent "
                         "sequences (--max-num-seqs) or a smaller KV dtype would let the batch run whole")

@@ -24,6 +24,8 @@ from rooflm.server.streaming import ChunkFormat, EngineStreamingResponse, stream
 if TYPE_CHECKING:
     from rooflm.server.state import ServerState
 
+_timeout = getattr(asyncio, "timeout", None)
+
 
 class Generation:
     def __init__(self, state: "ServerState", streams: list[RequestStream], deadline: Optional[float]):
@@ -41,6 +43,10 @@ class Generation:
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) as each engine request advances, in step order per prompt."""
+        if len(self.streams) == 1:
+            async for out in self._one_output_stream():
+                yield 0, out
+            return
         pending: dict[asyncio.Future, int] = {}
         for index, stream in enumerate(self.streams):
             pending[asyncio.ensure_future(stream.next())] = index
@@ -61,6 +67,26 @@ class Generation:
         finally:
             for future in pending:
                 future.cancel()
+
+    async def _one_output_stream(self) -> AsyncIterator[RequestOutput]:
+        """outputs() for one prompt, the common case: awaits the stream directly, without a
+        task and a wait set per token (a few tens of microseconds each, per streamed chunk)."""
+        stream = self.streams[0]
+        while not stream.finished:
+            try:
+                remaining = self.remaining()
+                if remaining is None:
+                    out = await stream.next()
+                elif _timeout is not None:  # a timer handle, not a task per token (Python 3.11+)
+                    async with _timeout(remaining):
+                        out = await stream.next()
+                else:
+                    out = await stream.next(remaining)
+            except asyncio.TimeoutError:
+                raise GenerationTimeout(f"the request ran past the server's request timeout "
+                                        f"of {self.state.config.request_timeout:g} s") from None
+            self.latest[0] = out
+            yield out
 
     async def finals(self) -> list[RequestOutput]:
         async for _ in self.outputs():

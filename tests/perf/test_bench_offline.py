@@ -149,11 +149,12 @@ def test_throughput_counts_rates_and_bound(capsys, tmp_path, tiny_path):
 
 
 def test_throughput_with_a_small_kv_pool_preempts_and_still_completes(capsys, tmp_path, tiny_path):
-    # 6 blocks of 4 tokens: one request of 8 + 8 tokens needs 4 blocks, so 4 at once must preempt.
+    # 6 blocks of 4 tokens: one request of 8 + 8 tokens needs 4 blocks, so 4 at once must
+    # preempt (with admission's growth reservation off: it would keep them from starting).
     out_json = tmp_path / "throughput.json"
     rc, _, err = run_bench(capsys, "throughput", "--model", tiny_path, "--num-prompts", "4",
                            "--input-len", "8", "--output-len", "8", "--block-size", "4",
-                           "--num-blocks", "6", "--output-json", str(out_json))
+                           "--num-blocks", "6", "--no-reserve-new-tokens", "--output-json", str(out_json))
     assert rc == 0, err
     result = read_json(out_json)
     assert result["num_completed"] == 4

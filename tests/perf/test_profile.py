@@ -64,16 +64,23 @@ def test_profile_writes_a_trace_and_a_summary_and_calls_a_tiny_batch_cpu_bound(
     assert set(summary["phase_ms_per_step"]) >= {"schedule", "prepare", "forward", "process"}
 
 
-def test_small_kv_pool_that_preempts_is_kv_capacity_bound(capsys, tiny_path, tmp_path, one_thread):
+@pytest.mark.parametrize("reserve", [False, True])
+def test_small_kv_pool_is_kv_capacity_bound(capsys, tiny_path, tmp_path, one_thread, reserve):
     # 4 requests of 16 + 24 tokens need 10 blocks of 4 each; 12 blocks hold one at a time or so.
+    # Without admission's growth reservation they preempt each other; with it they wait.
     text, summary = run_profile(capsys, tiny_path, tmp_path, "--batch-size", "4", "--input-len", "16",
                                 "--output-len", "24", "--block-size", "4", "--num-blocks", "12",
-                                "--warmup-steps", "2")
+                                "--warmup-steps", "2",
+                                "--reserve-new-tokens" if reserve else "--no-reserve-new-tokens")
     print(text)
-    assert summary["kv"]["preemptions_run"] > 0
+    if reserve:
+        assert summary["kv"]["steps_waiting_on_full_pool"] > 0
+        assert "waiting for KV room" in " ".join(summary["evidence"])
+    else:
+        assert summary["kv"]["preemptions_run"] > 0
+        assert "preemption" in " ".join(summary["evidence"])
     assert summary["verdict"] == "KV-capacity-bound"
     assert "verdict: KV-capacity-bound" in text
-    assert "preemption" in " ".join(summary["evidence"])
 
 
 def test_profile_leaves_the_engine_unpatched(tiny_path, tmp_path, one_thread):

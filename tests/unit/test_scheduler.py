@@ -86,7 +86,7 @@ def test_no_chunking_when_disabled():
 
 def test_preempts_most_recent_and_recomputes():
     bm = BlockManager(4, 4)  # 16 token slots
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), bm)
+    sched = Scheduler(SchedulerConfig(reserve_new_tokens=False, max_num_seqs=8, max_num_batched_tokens=64), bm)
     a, b = make_request("a", 8), make_request("b", 8)
     sched.add(a)
     sched.add(b)
@@ -101,7 +101,7 @@ def test_preempts_most_recent_and_recomputes():
 
 def test_swap_preemption_keeps_progress():
     bm = BlockManager(4, 4, num_host_blocks=8)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+    sched = Scheduler(SchedulerConfig(reserve_new_tokens=False, max_num_seqs=8, max_num_batched_tokens=64,
                                       preemption_mode="swap"), bm)
     a, b = make_request("a", 8), make_request("b", 8)
     sched.add(a)
@@ -118,7 +118,7 @@ def test_swap_preemption_keeps_progress():
 
 def test_finish_frees_everything():
     bm = BlockManager(16, 4)
-    sched = Scheduler(SchedulerConfig(), bm)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8), bm)
     r = make_request("a", 10)
     sched.add(r)
     run_step(sched)
@@ -146,7 +146,7 @@ def test_swapped_request_comes_back_when_exactly_its_blocks_are_free():
     # No hedge: a swapped-out request whose next token fits its last block needs only
     # its own blocks back.
     bm = BlockManager(5, 4, num_host_blocks=8)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+    sched = Scheduler(SchedulerConfig(reserve_new_tokens=False, max_num_seqs=8, max_num_batched_tokens=64,
                                       preemption_mode="swap"), bm)
     a, b, c = make_request("a", 8), make_request("b", 4), make_request("c", 6)
     for r in (a, b, c):
@@ -165,7 +165,7 @@ def test_swapped_request_comes_back_when_exactly_its_blocks_are_free():
 
 def test_swapped_fork_copies_its_shared_partial_block_after_swap_in():
     bm = BlockManager(4, 4, num_host_blocks=8)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+    sched = Scheduler(SchedulerConfig(reserve_new_tokens=False, max_num_seqs=8, max_num_batched_tokens=64,
                                       preemption_mode="swap"), bm)
     x, r = make_request("x", 8), make_request("r", 6, n=2)
     sched.add(x)
@@ -192,7 +192,7 @@ def test_swapped_fork_copies_its_shared_partial_block_after_swap_in():
 
 def test_a_sample_that_finishes_while_swapped_out_frees_only_its_own_share():
     bm = BlockManager(4, 4, num_host_blocks=8)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+    sched = Scheduler(SchedulerConfig(reserve_new_tokens=False, max_num_seqs=8, max_num_batched_tokens=64,
                                       preemption_mode="swap"), bm)
     x, r = make_request("x", 8), make_request("r", 6, n=2)
     sched.add(x)
@@ -218,7 +218,7 @@ def test_swap_outs_of_a_step_that_runs_nothing_go_with_the_next_step():
     # The engine launches no empty step, so its block ops would be lost: the K/V swapped
     # back in later would be whatever the host blocks held.
     bm = BlockManager(2, 4, num_host_blocks=8)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+    sched = Scheduler(SchedulerConfig(reserve_new_tokens=False, max_num_seqs=8, max_num_batched_tokens=64,
                                       preemption_mode="swap"), bm)
     a = make_request("a", 8)
     sched.add(a)
@@ -230,3 +230,64 @@ def test_swap_outs_of_a_step_that_runs_nothing_go_with_the_next_step():
     assert [s.request.request_id for s in out.scheduled] == ["c"]
     assert out.blocks_to_swap_out == [(0, 0), (1, 1)]
     assert run_step(sched).blocks_to_swap_out == []  # sent once
+
+
+def _run_two_growing_requests(reserve: bool) -> tuple[Scheduler, list[str]]:
+    """8 blocks of 4 = 32 slots; two requests of 8 prompt tokens and 16 new tokens each (24
+    tokens, 6 blocks apiece at the end): both fit at admission, not both at the end."""
+    bm = BlockManager(8, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                      reserve_new_tokens=reserve), bm)
+    a, b = make_request("a", 8, max_tokens=16), make_request("b", 8, max_tokens=16)
+    sched.add(a)
+    sched.add(b)
+    first = [s.request.request_id for s in run_step(sched).scheduled]
+    for _ in range(100):
+        if not sched.has_unfinished():
+            break
+        run_step(sched)
+        for req in list(sched.running):
+            if req.seqs[0].num_output_tokens >= req.max_tokens:
+                req.seqs[0].finish_reason = "length"
+                sched.finish(req)
+    assert not sched.has_unfinished()
+    return sched, first
+
+
+def test_admission_keeps_room_for_the_running_requests_growth():
+    # With the reservation b waits until a's expected growth leaves it room: no preemption.
+    sched, first = _run_two_growing_requests(reserve=True)
+    assert first == ["a"] and sched.num_preemptions == 0
+    # Without it both start at once and one of them is preempted when the two outgrow the pool.
+    sched, first = _run_two_growing_requests(reserve=False)
+    assert first == ["a", "b"] and sched.num_preemptions >= 1
+
+
+def test_reservation_never_keeps_an_idle_engine_waiting():
+    # The expected growth of a lone request exceeds the pool: it runs anyway.
+    bm = BlockManager(4, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), bm)
+    a = make_request("a", 8, max_tokens=1000)
+    sched.add(a)
+    out = run_step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["a"]
+
+
+def test_new_token_ratio_decays_and_rises_after_a_preemption():
+    from rooflm.engine.growth_reserve import INIT_RATIO, MIN_RATIO, NewTokenRatio
+
+    ratio = NewTokenRatio()
+    for _ in range(10_000):
+        ratio.decay()
+    assert ratio.value == MIN_RATIO
+    ratio.raise_after_preemption(generated=300, max_new=400, num_seqs=2)
+    assert ratio.value == (300 + 20 * 2) / 400 > INIT_RATIO
+    ratio.raise_after_preemption(generated=4000, max_new=400, num_seqs=2)
+    assert ratio.value == 1.0
+
+
+def test_unresolved_sequence_cap_is_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        Scheduler(SchedulerConfig(), BlockManager(4, 4))
