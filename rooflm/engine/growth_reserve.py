@@ -11,12 +11,17 @@ ratio x its remaining max_tokens (clipped) more tokens, and a waiting request
 is admitted only if its prompt plus its own expectation fit in the pool after
 every running sequence's expectation. The ratio starts cautious, decays step by
 step while nothing is preempted (outputs usually end before max_tokens), and
-jumps back up when a preemption shows it was too low.
+jumps back up when a preemption shows it was too low. Unlike SGLang's, it never
+decays below the share of max_tokens that finished requests actually used (a
+running mean): where every request runs to max_tokens (ignore_eos benchmarks,
+1000 x 1024/1024) the decay would otherwise buy the preemptions the rule exists
+to avoid (132 against 97 without any reservation, H100, 512 sequences).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 INIT_RATIO = 0.7
 MIN_RATIO = 0.1
@@ -27,6 +32,8 @@ CLIP_TOKENS = 4096
 # After a preemption the ratio covers what the running requests have produced so far plus
 # this many more steps each, as a fraction of what they may produce.
 RECOVER_STEPS = 20
+# Weight of each finished request in the running mean of the share of max_tokens used.
+USED_SHARE_WEIGHT = 0.05
 
 
 @dataclass
@@ -34,16 +41,31 @@ class NewTokenRatio:
     """The fraction of a request's remaining max_tokens that admission reserves."""
 
     value: float = INIT_RATIO
+    used_share: Optional[float] = None  # running mean over finished requests; None: none yet
+
+    @property
+    def floor(self) -> float:
+        """Where decay stops: the share finished requests used, INIT_RATIO before any."""
+        return INIT_RATIO if self.used_share is None else max(MIN_RATIO, self.used_share)
 
     def decay(self) -> None:
         """One step without preemption."""
-        self.value = max(MIN_RATIO, self.value - (INIT_RATIO - MIN_RATIO) / DECAY_STEPS)
+        self.value = max(self.floor, self.value - (INIT_RATIO - MIN_RATIO) / DECAY_STEPS)
 
     def raise_after_preemption(self, generated: int, max_new: int, num_seqs: int) -> None:
         """The running set ran out of room: reserve at least what it has shown it uses."""
         if max_new > 0:
             seen = (generated + RECOVER_STEPS * num_seqs) / max_new
             self.value = min(1.0, max(self.value, seen))
+
+    def observe_finished(self, num_output_tokens: int, max_tokens: int) -> None:
+        """A sequence ended by a stop condition or its length limit (not an abort)."""
+        share = min(1.0, num_output_tokens / max(1, min(max_tokens, CLIP_TOKENS)))
+        if self.used_share is None:
+            self.used_share = share
+        else:
+            self.used_share += USED_SHARE_WEIGHT * (share - self.used_share)
+        self.value = max(self.value, self.floor)
 
 
 def remaining_tokens(max_tokens: int, num_output_tokens: int) -> int:

@@ -111,6 +111,8 @@ class Scheduler:
         for seq in req.seqs:
             if seq.block_table:
                 self.free_seq(seq)
+            if seq.finish_reason in ("stop", "length"):
+                self.new_token_ratio.observe_finished(seq.num_output_tokens, req.max_tokens)
         for queue in (self.waiting, self.swapped):
             if req in queue:
                 queue.remove(req)

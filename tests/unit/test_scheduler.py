@@ -279,11 +279,38 @@ def test_new_token_ratio_decays_and_rises_after_a_preemption():
     ratio = NewTokenRatio()
     for _ in range(10_000):
         ratio.decay()
+    assert ratio.value == INIT_RATIO  # nothing has finished yet: no evidence to go lower
+    ratio.observe_finished(num_output_tokens=10, max_tokens=1000)  # outputs end early
+    for _ in range(10_000):
+        ratio.decay()
     assert ratio.value == MIN_RATIO
     ratio.raise_after_preemption(generated=300, max_new=400, num_seqs=2)
     assert ratio.value == (300 + 20 * 2) / 400 > INIT_RATIO
     ratio.raise_after_preemption(generated=4000, max_new=400, num_seqs=2)
     assert ratio.value == 1.0
+
+
+def test_new_token_ratio_stays_up_when_requests_use_all_of_max_tokens():
+    from rooflm.engine.growth_reserve import NewTokenRatio
+
+    ratio = NewTokenRatio()
+    for _ in range(5):
+        ratio.observe_finished(num_output_tokens=1024, max_tokens=1024)
+    for _ in range(10_000):
+        ratio.decay()
+    assert ratio.value == 1.0
+
+
+def test_finished_requests_teach_the_ratio_their_share_of_max_tokens():
+    bm = BlockManager(64, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), bm)
+    req = make_request("a", 8, max_tokens=40)
+    sched.add(req)
+    for _ in range(10):
+        run_step(sched)
+    req.seqs[0].finish_reason = "stop"
+    sched.finish(req)
+    assert sched.new_token_ratio.used_share == req.seqs[0].num_output_tokens / 40
 
 
 def test_unresolved_sequence_cap_is_refused():
