@@ -18,7 +18,9 @@ SERVER=(  # rooflm serve: HTTP, validation, engine-core socket and its encoding,
   typing-extensions==4.16.0 uvicorn==0.54.0 h11==0.16.0 click==8.5.1 anyio==4.16.0 sniffio==1.3.1
   idna==3.20 pyzmq==27.3.0 msgspec==0.22.0 prometheus-client==0.26.0 tqdm==4.70.1
 )
-CLIENT=(  # rooflm bench serve: the streaming HTTP client
+CLIENT=(  # rooflm bench serve: the streaming HTTP client (aiohttp), and httpx for curl-like probes
+  aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 attrs==26.1.0 frozenlist==1.8.0
+  multidict==7.2.1 propcache==0.5.4 yarl==1.25.1
   httpx==0.28.1 httpcore==1.0.9 certifi==2026.10.18
 )
 PLOT=(  # rooflm bench serve --plot (headless Agg)

@@ -25,7 +25,7 @@ VOCAB=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['vocab_s
 # The 1000-request workload of the issue: ~230-token prompts, ~200 output tokens, +-90%.
 # WORKLOAD, RATES and C1_PROMPTS may be overridden for a quick CPU smoke run of the script itself.
 WORKLOAD=${WORKLOAD:-"--num-prompts 1000 --input-len 230 --output-len 200 --range-ratio 0.9"}
-RATES=${RATES:-"8 16 32"}
+RATES=${RATES:-"16 32 48"}
 C1_PROMPTS=${C1_PROMPTS:-8}
 
 # (a) The offline engine (in-process, no HTTP): the ceiling the server is measured against.
@@ -52,8 +52,14 @@ curl -sf "$URL/health" > /dev/null || { echo "server not healthy:"; tail -40 "$O
 BENCH="python3 -m rooflm bench serve --base-url $URL --model $NAME --vocab-size $VOCAB --ignore-eos \
   --request-timeout 900 --disable-tqdm"
 # The same 1000 requests all at once (the offline comparison), then Poisson arrivals at 8/16/32 req/s.
+# Per-process CPU use (top, 1 s samples) while it runs: the API process, the engine core, the client.
+top -b -c -d 1 -w 220 > "$OUT/top-all-at-once.raw" 2>/dev/null &
+TOP_PID=$!
 $BENCH $WORKLOAD --request-rate inf --result-file "$OUT/serve-all-at-once.json" 2>&1 \
   | tee "$OUT/serve-all-at-once.txt"
+kill $TOP_PID 2>/dev/null
+grep -E "^top -|python" "$OUT/top-all-at-once.raw" | sed -E 's/ +/ /g' | cut -c1-200 > "$OUT/top-all-at-once.txt"
+rm -f "$OUT/top-all-at-once.raw"
 # Prompt seeds differ from the all-at-once run's (and per rate), so the prefix cache serves none.
 $BENCH $WORKLOAD --request-rate $RATES --seed 1 --goodput ttft:500 tpot:30 --result-file "$OUT/serve-poisson.json" \
   --plot "$OUT/serve-poisson.png" 2>&1 | tee "$OUT/serve-poisson.txt"

@@ -42,12 +42,16 @@ went (SIGKILL included). SIGINT and SIGTERM are ignored: a Ctrl-C or a service
 manager's SIGTERM reaches the whole process group, and shutdown belongs to the
 API process, which drains its requests first and then sends Shutdown.
 
+Profile hook: ROOFLM_ENGINE_CORE_PROFILE=path runs the serving loop under cProfile and writes
+its stats to path when the core exits (pstats format).
+
 Test hook: ROOFLM_FAULT_INJECT_STEP=N makes the N-th call to engine.step()
 raise, as in async_engine.py (counted from 1, the server's warm-up included).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -293,7 +297,8 @@ def run_engine_core(config_bytes: bytes, input_address: str, output_address: str
     try:
         config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
         core = EngineCore(LLMEngine(config), input_socket, output_socket, fault_step_from_env())
-        core.run()
+        with _profiled(os.environ.get(PROFILE_ENV)):
+            core.run()
     except BaseException as exc:  # noqa: BLE001 - any failure ends the core; the API is told
         # A model that cannot be loaded as given (ValueError) is the user's to fix: its
         # message says what is wrong, and the API process prints it.
@@ -308,6 +313,29 @@ def run_engine_core(config_bytes: bytes, input_address: str, output_address: str
         output_socket.close(linger=SEND_LINGER_MS)
         context.term()
     sys.exit(exit_code)
+
+
+# A path: the core's serving loop runs under cProfile and its stats are written there at exit
+# (pstats format; the API process is not profiled). For finding what limits a served workload
+# where no sampling profiler is at hand; cProfile slows Python down, so not for timing.
+PROFILE_ENV = "ROOFLM_ENGINE_CORE_PROFILE"
+
+
+@contextlib.contextmanager
+def _profiled(path: Optional[str]):
+    if not path:
+        yield
+        return
+    import cProfile
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        yield
+    finally:
+        profiler.disable()
+        profiler.dump_stats(path)
+        logger.info("engine core profile written to %s", path)
 
 
 def _state_after_failure(core: Optional[EngineCore]) -> Optional[CoreState]:

@@ -9,6 +9,7 @@ start together, to share the model-loading time.
 import asyncio
 import json
 import os
+import pstats
 import signal
 import time
 
@@ -30,7 +31,9 @@ LONG = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400, "i
 def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engine-process")
     started = {
-        "core": start_server(tmp, "core", SMALL_ENGINE_ARGS),
+        # Its core runs under cProfile (ROOFLM_ENGINE_CORE_PROFILE): the SIGTERM test reads the stats.
+        "core": start_server(tmp, "core", SMALL_ENGINE_ARGS,
+                             env={"ROOFLM_ENGINE_CORE_PROFILE": str(tmp / "core.prof")}),
         "crash": start_server(tmp, "crash", SMALL_ENGINE_ARGS + ["--keep-running-on-error"]),
         "orphan": start_server(tmp, "orphan", SMALL_ENGINE_ARGS),
         "thread": start_server(tmp, "thread", SMALL_ENGINE_ARGS + ["--no-engine-process"]),
@@ -167,3 +170,6 @@ def test_sigterm_drains_then_both_processes_exit(servers):
     assert events[-2]["choices"][0]["finish_reason"] == "length"
     assert server.wait_exit(timeout=30) == 0
     assert pid_gone(core_pid, timeout=10)
+    # The profile hook wrote the core's serving loop's stats when the core exited.
+    stats = pstats.Stats(str(server.log_path.parent / "core.prof"))
+    assert any(name == "_step" for _, _, name in stats.stats)
