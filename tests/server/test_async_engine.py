@@ -111,9 +111,35 @@ def test_generates_and_releases_everything():
         engine.stop()
         return engine, results
     engine, results = _run(main())
-    assert [len(r) for r in results] == [3, 5]
+    # A reader behind the engine gets the steps that piled up merged into one output: count
+    # the tokens of the deltas, not the outputs.
+    assert [sum(len(o.delta_token_ids[0]) for o in r) for r in results] == [3, 5]
+    assert ["".join(o.delta_text[0] for o in r) for r in results] == ["xxx", "xxxxx"]
     assert results[0][-1].outputs[0].finish_reason == "length"
     assert engine.num_in_flight == 0 and engine._tokens_in_flight == 0
+
+
+def test_a_slow_reader_gets_the_waiting_outputs_merged_and_errors_after_them():
+    from rooflm.engine.async_engine import RequestStream
+
+    def output(i, finished=False):
+        sample = CompletionOutput(0, "x" * i, [7] * i, finish_reason="length" if finished else None)
+        return RequestOutput("r", None, [1], [sample], finished, delta_text=["x"], delta_token_ids=[[7]])
+
+    async def main():
+        stream = RequestStream("r")
+        for i in (1, 2, 3):
+            stream.put(output(i))
+        stream.put(RuntimeError("engine died"))
+        merged = await stream.next(timeout=1)
+        with pytest.raises(RuntimeError, match="engine died"):
+            await stream.next(timeout=1)
+        return merged, stream.finished
+
+    merged, finished = _run(main())
+    assert merged.delta_token_ids == [[7, 7, 7]] and merged.delta_text == ["xxx"]
+    assert merged.outputs[0].token_ids == [7, 7, 7] and not merged.finished
+    assert finished
 
 
 def test_queue_and_token_limits_refuse_fast():
