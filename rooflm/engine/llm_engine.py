@@ -17,6 +17,7 @@ import torch
 
 from rooflm.config import EngineConfig, with_device_defaults
 from rooflm.engine.block_manager import BlockManager
+from rooflm.engine.host_gc import tune_gc_for_serving
 from rooflm.engine.model_runner import ModelRunner, StepHandle, StepResult, resolve_device
 from rooflm.engine.output_processor import OutputProcessor
 from rooflm.engine.outputs import RequestOutput
@@ -78,6 +79,8 @@ class LLMEngine:
         self._num_steps = 0
         self.startup_s = time.perf_counter() - t0
         self.info = self._make_info()
+        if config.runtime.tune_gc:
+            tune_gc_for_serving()
         logger.info("ready in %.1f s (%s)", self.startup_s,
                     ", ".join(f"{k} {v:.1f} s" for k, v in self.runner.timings.items()))
 

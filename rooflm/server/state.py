@@ -18,6 +18,7 @@ import uuid
 from typing import Callable, Optional
 
 from rooflm.engine.async_engine import AdmissionLimits, AsyncLLMEngine, GenerateRequest
+from rooflm.engine.host_gc import tune_gc_for_serving
 from rooflm.sampling_params import SamplingParams
 from rooflm.server import protocol as p
 from rooflm.server.config import ServerConfig
@@ -102,6 +103,7 @@ class ServerState:
             logger.exception("warm-up generation failed; the server is not ready")
             return
         self.ready = True
+        tune_gc_for_serving()  # the API process's start-up heap, as the engine's (host_gc.py)
         logger.info("ready: serving %s (context length %d, %d KV blocks of %d tokens)",
                     self.model_name, self.info.max_model_len, self.info.num_blocks,
                     self.info.block_size)

@@ -48,7 +48,8 @@ def test_async_equals_sync_with_preemption_and_chunking(tiny_path):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     for mode in ("recompute", "swap"):
         sync, async_ = run_both(tiny_path, PROMPTS, params, block_size=4, num_blocks=30,
-                                max_num_batched_tokens=16, preemption_mode=mode)
+                                max_num_batched_tokens=16, preemption_mode=mode,
+                                reserve_new_tokens=False)  # so that the small pool preempts
         assert async_ == sync
 
 
