@@ -3,7 +3,7 @@
 A compile against a 128k vocabulary takes tens to hundreds of milliseconds. It never
 runs on the engine's step loop: add_request hands the constraint to a worker thread and
 returns at once; the scheduler leaves a request whose grammar is not ready in the
-waiting queue and admits the ones behind it (scheduler._schedule_waiting), so no request
+waiting queue and admits the ones behind it (see the scheduler), so no request
 waits on another's compile and no step waits on any. Equal constraints (the same
 StructuredOutputsParams.key) share one compile: the cache holds the future, so a second
 request that arrives mid-compile waits on the same one.
