@@ -6,6 +6,7 @@ bounded in time; the schema test still covers 32 samples over 8 seeds.
 """
 
 import json
+import re
 
 import jsonschema
 import openai
@@ -81,24 +82,19 @@ def test_json_schema_streamed_equals_whole(client):
 
 
 def test_json_object_mode(client):
-    reply = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Reply with a JSON object about cats."}],
-        response_format={"type": "json_object"}, temperature=0, max_tokens=120,
-        logit_bias={"1": -100})
-    value = json.loads(reply.choices[0].message.content) if reply.choices[0].finish_reason == "stop" \
-        else None
-    # Greedy JSON from a small model may run long; whatever it wrote is a JSON object's prefix.
-    text = reply.choices[0].message.content
-    assert text.startswith("{")
-    if value is not None:
-        assert isinstance(value, dict)
+    for seed in range(3):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Reply with this JSON object: {\"ok\": true}"}],
+            response_format={"type": "json_object"}, temperature=0.7, seed=seed, max_tokens=150)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop", choice
+        assert isinstance(json.loads(choice.message.content), dict)
 
 
 def test_vllm_extras_regex_and_choice_on_completions(client):
     out = client.completions.create(model=MODEL, prompt="My phone number is", max_tokens=20,
                                     temperature=1.0, seed=3, n=3,
                                     extra_body={"guided_regex": r"\d{3}-\d{4}"})
-    import re
     for choice in out.choices:
         assert re.fullmatch(r"\d{3}-\d{4}", choice.text), choice.text
         assert choice.finish_reason == "stop"
