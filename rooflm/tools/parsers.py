@@ -159,6 +159,8 @@ class StreamingToolParser:
             if self.held.startswith(self.parser.start_marker) or (
                     isinstance(self.parser, Llama3JsonToolParser) and self.held.strip()):
                 self.in_call = True
+            if self.in_call and isinstance(self.parser, HermesToolParser):
+                return content, self._complete_hermes_blocks()[1]
             return content, []
         self.held = text
         if isinstance(self.parser, HermesToolParser):
