@@ -21,6 +21,11 @@ SERVER=(  # rooflm serve: HTTP, validation, engine-core socket and its encoding,
 CLIENT=(  # rooflm bench serve: the streaming HTTP client
   httpx==0.28.1 httpcore==1.0.9 certifi==2026.10.18
 )
+STRUCTURED=(  # structured outputs (rooflm/structured/, benchmarks/structured_overhead.py):
+  # xgrammar needs torch, triton, transformers and numpy (on the GPU machine), pydantic (above)
+  # and apache-tvm-ffi, whose one dependency is typing-extensions (above)
+  xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
+)
 PLOT=(  # rooflm bench serve --plot (headless Agg)
   matplotlib==3.11.2 contourpy==1.3.3 cycler==0.12.1 fonttools==4.68.0 kiwisolver==1.5.1
   pillow==13.0.0 pyparsing==3.3.3 python-dateutil==4.0.0 tzdata==2026.6 packaging==26.3
@@ -30,6 +35,6 @@ mkdir -p .whl
 grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PY_VERSION" \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-  --platform manylinux2014_x86_64 --platform any -d .whl "${SERVER[@]}" "${CLIENT[@]}" "${PLOT[@]}"
+  --platform manylinux2014_x86_64 --platform any -d .whl "${SERVER[@]}" "${CLIENT[@]}" "${STRUCTURED[@]}" "${PLOT[@]}"
 ls -1 .whl
 du -ch .whl/*.whl | tail -1
