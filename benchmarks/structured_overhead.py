@@ -96,12 +96,16 @@ def main(argv=None) -> int:
     p.add_argument("--min-chars", type=int, default=4000)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
+                   help="auto: the engine's default (on with CUDA)")
     p.add_argument("--out", default=None, help="directory for result.json and result.md")
     args = p.parse_args(argv)
 
     engine = LLMEngine.from_kwargs(model=args.model, load_format=args.load_format, dtype=args.dtype,
                                    max_model_len=args.max_model_len,
-                                   max_num_seqs=max(args.batch_size, 1))
+                                   max_num_seqs=max(args.batch_size, 1),
+                                   async_scheduling={"auto": None, "on": True, "off": False}[
+                                       args.async_scheduling])
     if engine.tokenizer is None:
         raise SystemExit("the model has no tokenizer: make one with benchmarks/make_dummy_model_dir.py")
     # Warm-up: compile the grammar, and run both paths once (graphs, allocator, xgrammar caches).

@@ -209,10 +209,14 @@ class LLMEngine:
         (the API checks constraints before admission, so this is a backstop)."""
         outputs, still = [], []
         for req in self._compiling:
-            if req.status == RequestStatus.FINISHED or req.grammar.ready:
+            if req.status == RequestStatus.FINISHED:
                 continue
+            # done first: a compile can finish between two reads, and a finished future
+            # stays finished, so its error is then final.
             if not req.grammar.done:
                 still.append(req)
+                continue
+            if req.grammar.error is None:
                 continue
             logger.warning("request %s: grammar failed to compile: %s", req.request_id,
                            req.grammar.error)

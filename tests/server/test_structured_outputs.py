@@ -12,9 +12,9 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.server_utils import API_KEY, MODEL
+from tests.server.server_utils import API_KEY, MODEL, SMALL_ENGINE_ARGS, start_server
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 PERSON = {
     "type": "object",
@@ -49,8 +49,22 @@ HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+def structured_server(tmp_path_factory):
+    """A server of this module's own: the main server's 120 s request timeout and 1024 tokens in
+    flight are tight for 4 constrained samples a request on a loaded 2-core machine."""
+    process = start_server(tmp_path_factory.mktemp("structured"), "structured", SMALL_ENGINE_ARGS + [
+        "--api-key", API_KEY, "--request-timeout", "900", "--max-tokens-in-flight", "4096"])
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(structured_server):
+    return openai.OpenAI(base_url=f"{structured_server.url}/v1", api_key=API_KEY, max_retries=0,
+                         timeout=900)
 
 
 def test_json_schema_output_always_parses_and_validates(client):

@@ -143,6 +143,39 @@ def test_a_compiling_request_lets_the_ones_behind_it_run():
     assert "r0" in [s.request.request_id for s in out.scheduled]
 
 
+class CompilesWhileRead:
+    """A grammar whose compile finishes between the engine's reads: not ready, then done."""
+
+    def __init__(self):
+        self.reads = 0
+
+    @property
+    def ready(self):
+        return False
+
+    @property
+    def done(self):
+        return True
+
+    @property
+    def error(self):
+        return None
+
+
+def test_a_grammar_that_compiles_while_the_engine_looks_is_not_taken_for_a_failure():
+    from types import SimpleNamespace
+
+    from rooflm.engine.llm_engine import LLMEngine
+    from rooflm.engine.request import Request, RequestStatus
+
+    req = Request("r", None, [1], SamplingParams(), 4, status=RequestStatus.WAITING)
+    req.grammar = CompilesWhileRead()
+    aborted = []
+    engine = SimpleNamespace(_compiling=[req], abort_request=lambda rid: aborted.append(rid) or [])
+    assert LLMEngine._reap_failed_grammars(engine) == []
+    assert aborted == [] and engine._compiling == []
+
+
 # ---- the engine, end to end, with the real model ---------------------------------------------------
 
 PERSON = {"type": "object",
