@@ -23,6 +23,11 @@ CLIENT=(  # rooflm bench serve: the streaming HTTP client (aiohttp), and httpx f
   multidict==7.2.1 propcache==0.5.4 yarl==1.25.1
   httpx==0.28.1 httpcore==1.0.9 certifi==2026.10.18
 )
+STRUCTURED=(  # structured outputs (rooflm/structured/, benchmarks/structured_overhead.py):
+  # xgrammar needs torch, triton, transformers and numpy (on the GPU machine), pydantic (above)
+  # and apache-tvm-ffi, whose one dependency is typing-extensions (above)
+  xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
+)
 PLOT=(  # rooflm bench serve --plot (headless Agg)
   matplotlib==3.11.2 contourpy==1.3.3 cycler==0.12.1 fonttools==4.68.0 kiwisolver==1.5.1
   pillow==13.0.0 pyparsing==3.3.3 python-dateutil==4.0.0 tzdata==2026.6 packaging==26.3
@@ -33,6 +38,6 @@ EXCLUDE=$(git rev-parse --git-path info/exclude); mkdir -p "$(dirname "$EXCLUDE"
 grep -qxF '/.whl/' "$EXCLUDE" 2>/dev/null || echo '/.whl/' >> "$EXCLUDE"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PY_VERSION" \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-  --platform manylinux2014_x86_64 --platform any -d .whl "${SERVER[@]}" "${CLIENT[@]}" "${PLOT[@]}"
+  --platform manylinux2014_x86_64 --platform any -d .whl "${SERVER[@]}" "${CLIENT[@]}" "${STRUCTURED[@]}" "${PLOT[@]}"
 ls -1 .whl
 du -ch .whl/*.whl | tail -1

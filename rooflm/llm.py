@@ -44,6 +44,10 @@ class LLM:
         # Validate everything before queueing anything, so a bad prompt loses no work.
         for prompt, p in zip(prompts, params):
             self.engine.tokenize(prompt)
+        for p in {id(p): p for p in params}.values():
+            if p.structured_outputs is not None:
+                from rooflm.structured.grammars import check_structured_outputs
+                check_structured_outputs(p.structured_outputs)
         # Only the finished outputs are returned: the engine need not build one every step.
         finals: dict[int, SamplingParams] = {}
         for p in params:

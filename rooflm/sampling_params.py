@@ -8,6 +8,7 @@ Semantics follow vLLM / the OpenAI API.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -50,6 +51,71 @@ def _check_float(name: str, value) -> float:
     if not math.isfinite(value):
         raise InvalidRequest(f"{name} must be finite, got {value}", param=name)
     return value
+
+
+# OpenAI's range for a logit_bias value: -100 bans a token, +100 all but forces it.
+LOGIT_BIAS_LIMIT = 100.0
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on what a request may generate: exactly one of the fields is set.
+
+    vLLM's StructuredOutputsParams under the same names. The engine compiles it into a
+    grammar (rooflm/structured/) and masks every sampled token to the grammar's next
+    allowed tokens. `json` is a JSON schema as JSON text: the text
+    is the grammar cache's key, and it crosses the process boundary as a string. Keys keep
+    their order: a schema's property order is the order the object is generated in.
+    """
+
+    json: Optional[str] = None  # a JSON schema (a dict is serialized at construction)
+    json_object: bool = False  # any JSON object (response_format {"type": "json_object"})
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None  # one of these strings, verbatim
+    grammar: Optional[str] = None  # an EBNF grammar (xgrammar's / llama.cpp's GBNF dialect)
+    # The request field the constraint came from, so that a grammar that does not compile
+    # is a 400 naming what the client sent (response_format, guided_json, tool_choice, ...).
+    param: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, (dict, list, bool)):
+            self.json = json.dumps(self.json)
+        kinds = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None]
+        if self.json_object:
+            kinds.append("json_object")
+        if len(kinds) != 1:
+            raise InvalidRequest("structured outputs take exactly one of json, json_object, regex, "
+                                 f"choice, grammar; got {kinds or 'none'}", param=self.param)
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequest(f"{name} must be a non-empty string", param=self.param)
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise InvalidRequest("choice must be a non-empty list of non-empty strings",
+                                     param=self.param)
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        if self.json_object:
+            return "json_object"
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        raise AssertionError("checked at construction")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What the grammar cache is keyed by: equal keys compile to the same grammar."""
+        kind = self.kind
+        if kind == "json_object":
+            return kind, ""
+        if kind == "choice":
+            return kind, json.dumps(self.choice)
+        return kind, getattr(self, kind)
 
 
 def _check_bool(name: str, value) -> None:
@@ -103,6 +169,13 @@ class SamplingParams:
 
     # Detokenization.
     skip_special_tokens: bool = True
+
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias): values
+    # in [-100, 100]. The engine checks the ids against its vocabulary.
+    logit_bias: Optional[dict[int, float]] = None
+
+    # A grammar the output must follow (JSON schema, regex, choice, EBNF); None: free text.
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     # "delta": the engine returns a RequestOutput every step the request gets tokens (for
     # streaming); "final": only when it finishes. Offline batches take "final": building an
@@ -167,6 +240,31 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 _check_int(name, value, minimum=0, maximum=MAX_LOGPROBS)
+
+        self.logit_bias = self._normalise_logit_bias(self.logit_bias)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise InvalidRequest("structured_outputs must be a StructuredOutputsParams",
+                                 param="structured_outputs")
+
+    @staticmethod
+    def _normalise_logit_bias(bias) -> Optional[dict[int, float]]:
+        if not bias:
+            return None
+        if not isinstance(bias, dict):
+            raise InvalidRequest(f"logit_bias must map token ids to numbers, got "
+                                 f"{type(bias).__name__}", param="logit_bias")
+        out = {}
+        for token_id, value in bias.items():
+            if not _is_int(token_id) or token_id < 0:
+                raise InvalidRequest(f"logit_bias keys must be token ids (integers >= 0), got "
+                                     f"{token_id!r}", param="logit_bias")
+            value = _check_float("logit_bias", value)
+            if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+                raise InvalidRequest(f"logit_bias values must be in [-100, 100], got {value} for "
+                                     f"token {token_id}", param="logit_bias")
+            out[token_id] = value
+        return out
 
     @staticmethod
     def _normalise_stop(stop) -> list[str]:

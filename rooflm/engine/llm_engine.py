@@ -23,7 +23,7 @@ from rooflm.engine.output_processor import OutputProcessor
 from rooflm.engine.outputs import RequestOutput
 from rooflm.engine.report import (NULL_TRACER, BatchShape, EngineInfo, EngineSnapshot, PhaseTracer,
                                   StepReport, StepTimings, batch_shape)
-from rooflm.engine.request import Request, Sequence
+from rooflm.engine.request import Request, RequestStatus, Sequence
 from rooflm.engine.scheduler import Scheduler, SchedulerOutput
 from rooflm.errors import InvalidRequest
 from rooflm.sampling_params import SamplingParams, resolve_max_tokens
@@ -77,6 +77,8 @@ class LLMEngine:
                                                 self.max_model_len, itertools.count())
         self._num_prompt_tokens = 0
         self._num_steps = 0
+        self._grammar_compiler = None  # structured.compiler.GrammarCompiler, at first use
+        self._compiling: list[Request] = []  # requests whose grammar has not compiled yet
         self.startup_s = time.perf_counter() - t0
         self.info = self._make_info()
         if config.runtime.tune_gc:
@@ -173,11 +175,21 @@ class LLMEngine:
             if t >= self.model_config.vocab_size:
                 raise InvalidRequest(f"stop_token_ids contains {t}, outside the vocabulary [0, "
                                      f"{self.model_config.vocab_size})", param="stop_token_ids")
+        for t in params.logit_bias or ():
+            if t >= self.model_config.vocab_size:
+                raise InvalidRequest(f"logit_bias has token id {t}, outside the vocabulary [0, "
+                                     f"{self.model_config.vocab_size})", param="logit_bias")
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self._compile_grammar(params)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         req = Request(request_id, text, token_ids, params, max_tokens, cache_salt=cache_salt,
                       arrival_time=arrival_time or time.monotonic(), generator=generator)
+        req.grammar = grammar
+        if grammar is not None:
+            self._compiling.append(req)
         req.seqs.append(self._new_seq(req, 0, list(token_ids)))
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
@@ -185,6 +197,60 @@ class LLMEngine:
         self.scheduler.add(req)
         self._num_prompt_tokens += len(token_ids)
         return req
+
+    def _compile_grammar(self, params: SamplingParams):
+        """Start compiling a request's grammar on the compiler's worker thread; returns at once."""
+        if self.tokenizer is None:
+            raise InvalidRequest("structured outputs need the model's tokenizer, and this model "
+                                 "has none (dummy weights)", param=params.structured_outputs.param)
+        if self._grammar_compiler is None:
+            from rooflm.structured.compiler import GrammarCompiler
+            self._grammar_compiler = GrammarCompiler(self.tokenizer.hf, self.model_config.vocab_size,
+                                                     sorted(self.eos_token_ids))
+        return self._grammar_compiler.submit(params.structured_outputs)
+
+    def _reap_failed_grammars(self) -> list[RequestOutput]:
+        """Forget compiled grammars' requests; finish those whose grammar failed to compile
+        (the API checks constraints before admission, so this is a backstop)."""
+        outputs, still = [], []
+        for req in self._compiling:
+            if req.status == RequestStatus.FINISHED:
+                continue
+            # done first: a compile can finish between two reads, and a finished future
+            # stays finished, so its error is then final.
+            if not req.grammar.done:
+                still.append(req)
+                continue
+            if req.grammar.error is None:
+                continue
+            logger.warning("request %s: grammar failed to compile: %s", req.request_id,
+                           req.grammar.error)
+            outputs.extend(self.abort_request(req.request_id))
+        self._compiling = still
+        return outputs
+
+    def _sample_constrained(self, handle: StepHandle) -> None:
+        """Fill the step's token bitmask from its sequences' grammar matchers (which have
+        seen every token before this step) and sample under it."""
+        from rooflm.structured.bitmask import allocate_bitmask
+        from rooflm.structured.matcher import fill_bitmask
+
+        owners = handle.inputs.row_owner
+        bitmask = allocate_bitmask(len(owners), self.model_config.vocab_size)
+        fills, copies, first_row = [], [], {}
+        for r in handle.constrained_rows:
+            seq = owners[r].seq
+            if seq.seq_id in first_row:  # n rows of a forking prompt share its matcher
+                copies.append((r, first_row[seq.seq_id]))
+                continue
+            first_row[seq.seq_id] = r
+            if seq.grammar is None and not seq.finished:
+                seq.grammar = owners[r].request.grammar.new_matcher()
+            fills.append((r, seq.grammar))
+        fill_bitmask(bitmask, fills)
+        for r, source in copies:
+            bitmask[r] = bitmask[source]
+        self.runner.sample_constrained(handle, bitmask)
 
     def _resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         return resolve_max_tokens(params.max_tokens, prompt_len, self.max_model_len)
@@ -236,6 +302,7 @@ class LLMEngine:
         the GPU before step t's tokens are read back, so host work overlaps device work and
         the outputs returned are those of the previous step."""
         t0 = time.perf_counter()
+        failed = self._reap_failed_grammars() if self._compiling else []
         with self.tracer.phase("schedule"):
             out = self.scheduler.schedule()
         t1 = time.perf_counter()
@@ -249,9 +316,18 @@ class LLMEngine:
             launched = _InFlight(out, handle, shape, self._num_steps, t1 - t0,
                                  time.perf_counter() - t1, t1)
         if not self.async_scheduling:
-            return self._finish_step(launched) if launched is not None else []
+            if launched is not None and launched.handle.needs_bitmask:
+                self._sample_constrained(launched.handle)
+            return failed + (self._finish_step(launched) if launched is not None else [])
         previous, self._in_flight = self._in_flight, launched
-        return self._finish_step(previous) if previous is not None else []
+        outputs = self._finish_step(previous) if previous is not None else []
+        if launched is not None and launched.handle.needs_bitmask:
+            # Structured outputs under async scheduling: step t+1's forward is already queued
+            # behind step t; step t's tokens have just reached the matchers, so its mask can
+            # be filled and its sampling queued. The device waits only if the host's output
+            # processing and mask fill take longer than step t+1's forward.
+            self._sample_constrained(launched.handle)
+        return failed + outputs
 
     def drain(self) -> list[RequestOutput]:
         """Finish the step in flight, if any (async scheduling), and return its outputs; after

@@ -89,6 +89,15 @@ class StepHandle:
     host_sampled: Optional[tuple] = None
     ready: Optional[object] = None  # torch.cuda.Event, None on the CPU
     graph: str = "eager"  # "full": one CUDA graph ran the forward; "piecewise": one per layer
+    # Structured outputs: the step's logits and sampling metadata, held until the engine has
+    # filled the grammar bitmask (sample_constrained); None once sampled.
+    logits: Optional[torch.Tensor] = None
+    meta: Optional[SamplingMetadata] = None
+    constrained_rows: list[int] = field(default_factory=list)  # rows with a grammar
+
+    @property
+    def needs_bitmask(self) -> bool:
+        return self.logits is not None
 
 
 @dataclass
@@ -385,11 +394,30 @@ class ModelRunner:
         logits = self._forward(inputs, handle.result, fixup, full_graph)
         if inputs.rows:
             meta = SamplingMetadata.build(inputs.rows, self.model_config.vocab_size, self.device)
+            handle.row_of = {sch.seq.seq_id: r for r, sch in enumerate(inputs.row_owner)}
+            handle.constrained_rows = [r for r, row in enumerate(inputs.rows)
+                                       if row.params.structured_outputs is not None]
+            if handle.constrained_rows:
+                # The bitmask needs the grammar matchers to have seen the previous step's
+                # tokens, which with async scheduling are still on the device: the forward
+                # is queued now, sampling once the engine has filled the mask.
+                handle.logits, handle.meta = logits, meta
+                return handle
             with self.tracer.phase("sample"):
                 handle.sampled = self.sampler(logits, meta)
-            handle.row_of = {sch.seq.seq_id: r for r, sch in enumerate(inputs.row_owner)}
             self._copy_results_to_host(handle)
         return handle
+
+    @torch.inference_mode()
+    def sample_constrained(self, handle: "StepHandle", bitmask: torch.Tensor) -> None:
+        """Sample a launched step whose rows include constrained ones, under a host bitmask
+        ([rows, ceil(V / 32)] int32, all ones on unconstrained rows)."""
+        meta, logits = handle.meta, handle.logits
+        handle.logits = handle.meta = None
+        with self.tracer.phase("sample"):
+            meta.token_bitmask = self._pin(bitmask).to(self.device, non_blocking=True)
+            handle.sampled = self.sampler(logits, meta)
+        self._copy_results_to_host(handle)
 
     def _copy_results_to_host(self, handle: "StepHandle") -> None:
         """Queue the device-to-host copies of a step's samples now, behind its sampling.

@@ -17,6 +17,7 @@ block manager own them.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Iterator, Optional
 
@@ -26,6 +27,8 @@ from rooflm.engine.scheduler import Scheduler, SchedulerOutput
 
 if TYPE_CHECKING:
     from rooflm.engine.model_runner import StepResult
+
+logger = logging.getLogger(__name__)
 
 # Per request, per sample index: the token ids and text this step added.
 Deltas = dict[int, tuple[list[int], str]]
@@ -62,6 +65,8 @@ class OutputProcessor:
         for i in range(1, req.params.n):
             child = self.new_seq(req, i, list(parent.token_ids))
             child.output_token_ids = list(parent.output_token_ids)
+            if parent.grammar is not None:  # before the parent accepts its own first token
+                child.grammar = parent.grammar.fork()
             self.scheduler.fork_seq(parent, child)
             seqs.append(child)
         req.seqs = seqs
@@ -123,6 +128,12 @@ class OutputProcessor:
             seq.finish_reason = "stop"
         elif n_out >= req.max_tokens or seq.num_known_tokens >= self.max_model_len:
             seq.finish_reason = "length"
+        elif seq.grammar is not None and not seq.grammar.accept(token):
+            # The grammar forbade the token (the mask was overridden, e.g. min_tokens
+            # suppressed the only token it allowed): the output can no longer be valid.
+            logger.warning("request %s: sampled token %d breaks its grammar; stopping it",
+                           req.request_id, token)
+            seq.finish_reason = "abort"
         if seq.finished:
             text += self._flush_text(seq, stopped_by_string=stop_str is not None)
             self.scheduler.free_seq(seq)

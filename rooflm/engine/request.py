@@ -48,6 +48,9 @@ class Sequence:
     output_text: str = ""
     detokenizer: object = None
     stop_matcher: object = None
+    # Structured outputs: this sequence's grammar matcher (structured.matcher.SequenceGrammar),
+    # made at its first bitmask fill and advanced by the output processor on each token.
+    grammar: object = None
 
     @property
     def num_tokens(self) -> int:
@@ -107,6 +110,15 @@ class Request:
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
     num_preemptions: int = 0
+    # Structured outputs: the compiled grammar (structured.compiler.RequestGrammar), which
+    # may still be compiling on a worker thread; None for an unconstrained request.
+    grammar: object = None
+
+    @property
+    def waiting_for_grammar(self) -> bool:
+        """The scheduler admits the request only once its grammar has compiled; one that failed
+        to compile waits until the engine finishes it."""
+        return self.grammar is not None and not self.grammar.ready
 
     @property
     def live_seqs(self) -> list[Sequence]:

@@ -306,8 +306,14 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         reserved = None  # blocks kept for the running requests' growth, counted once per step
+        compiling: list[Request] = []
         while self.waiting and budget > 0:
             req = self.waiting[0]
+            if req.waiting_for_grammar:
+                # Its grammar compiles on a worker thread: the requests behind it go first,
+                # and it keeps its place at the front for the next step.
+                compiling.append(self.waiting.popleft())
+                continue
             if not self._has_seq_room(req) or any(s.num_pending for s in req.live_seqs):
                 break  # FCFS: a preempted request waits for its pending tokens, and blocks the queue
             hits = [self._lookup_prefix(req, seq) for seq in req.live_seqs]
@@ -331,6 +337,7 @@ class Scheduler:
             self.waiting.popleft()
             self._admit(req, plan)
             budget -= self._commit(req, plan, out)
+        self.waiting.extendleft(reversed(compiling))
 
     # ---- growth reservation -------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Turns one step's logits into the next token of each sequence.
 
 Per step: logprobs of the raw distribution -> repetition / frequency /
-presence penalties -> suppressed tokens -> greedy rows take the argmax; the
+presence penalties -> logit_bias -> suppressed tokens -> the grammar's token
+bitmask (structured outputs) -> greedy rows take the argmax; the
 other rows go through temperature -> top-k -> top-p -> min-p and are sampled
 with the exponential race (gpt-fast): argmax(probs / q), q ~ Exponential(1),
 which draws from `probs` without a device-host sync (no multinomial).
@@ -29,6 +30,7 @@ from typing import Optional
 import torch
 
 from rooflm.sampling_params import SamplingParams
+from rooflm.structured.bitmask import apply_token_bitmask
 
 
 @dataclass
@@ -93,6 +95,13 @@ class SamplingMetadata:
     suppress_ids: Optional[torch.Tensor]  # [S] int64 token id
     generators: list[tuple[int, torch.Generator]]  # (row, generator) of seeded random rows
     max_num_logprobs: Optional[int]  # None: no row asked for logprobs
+    # logit_bias of every row, flattened: one sparse add for the batch, no per-row loop.
+    bias_rows: Optional[torch.Tensor] = None  # [B] int64 row index
+    bias_ids: Optional[torch.Tensor] = None  # [B] int64 token id
+    bias_values: Optional[torch.Tensor] = None  # [B] float32
+    # Structured outputs: [N, ceil(V / 32)] int32 on the device, all ones on unconstrained
+    # rows; set by the runner once the grammar matchers have filled it.
+    token_bitmask: Optional[torch.Tensor] = None
 
     @classmethod
     def build(
@@ -176,6 +185,19 @@ class SamplingMetadata:
             suppress_rows = _to_device(torch.tensor(row_indices, dtype=torch.int64), device)
             suppress_ids = _to_device(torch.tensor(token_ids, dtype=torch.int64), device)
 
+        bias_rows = bias_ids = bias_values = None
+        if any(p.logit_bias for p in params):
+            row_indices, token_ids, values = [], [], []
+            for i, p in enumerate(params):
+                for token_id, value in (p.logit_bias or {}).items():
+                    if 0 <= token_id < vocab_size:  # the engine refuses others at admission
+                        row_indices.append(i)
+                        token_ids.append(token_id)
+                        values.append(value)
+            bias_rows = _to_device(torch.tensor(row_indices, dtype=torch.int64), device)
+            bias_ids = _to_device(torch.tensor(token_ids, dtype=torch.int64), device)
+            bias_values = _to_device(torch.tensor(values, dtype=torch.float32), device)
+
         requested = [p.logprobs for p in params if p.logprobs is not None]
         max_num_logprobs = max(requested) if requested else None
 
@@ -197,6 +219,9 @@ class SamplingMetadata:
             suppress_ids=suppress_ids,
             generators=generators,
             max_num_logprobs=max_num_logprobs,
+            bias_rows=bias_rows,
+            bias_ids=bias_ids,
+            bias_values=bias_values,
         )
 
 
@@ -299,10 +324,16 @@ class Sampler(torch.nn.Module):
         raw_logits = logits
 
         logits = apply_penalties(logits, meta)
+        if meta.bias_rows is not None:
+            logits = logits.index_put((meta.bias_rows, meta.bias_ids), meta.bias_values,
+                                      accumulate=True)
         if meta.suppress_rows is not None:
             # new_full fills on the device; a Python-built tensor would be a copy.
             minus_inf = logits.new_full((), float("-inf"))
             logits = logits.index_put((meta.suppress_rows, meta.suppress_ids), minus_inf)
+        if meta.token_bitmask is not None:
+            # Last, so no bias or penalty can bring back a token the grammar forbids.
+            logits = apply_token_bitmask(logits, meta.token_bitmask)
 
         if meta.all_greedy:
             sampled = torch.argmax(logits, dim=-1)

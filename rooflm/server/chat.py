@@ -16,6 +16,8 @@ from rooflm.server.generation import answer
 from rooflm.server.logprobs import new_entries
 from rooflm.server.prompts import chat_prompt
 from rooflm.server.streaming import sse
+from rooflm.server.structured import prepare_constraint
+from rooflm.server.tools import ToolCalling, ToolCallStream, check_tools, tool_calls_out
 
 if TYPE_CHECKING:
     from rooflm.server.state import ServerState
@@ -29,10 +31,16 @@ class ChatHandler:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.num_top = request.num_logprobs()
+        self.tools: Optional[ToolCalling] = None
+        self._tool_streams: dict[int, ToolCallStream] = {}  # per choice
 
     async def __call__(self, raw: Request) -> Response:
         request = self.request
-        prompt = await chat_prompt(self.state.tokenizer, request)
+        check_tools(request)
+        tokenizer = self.state.tokenizer
+        self.tools = ToolCalling(request, tokenizer.chat_template if tokenizer is not None else None)
+        await prepare_constraint(request, self.tools.constraint())
+        prompt = await chat_prompt(tokenizer, request)
         # Chat has no default max_tokens: up to the context length.
         generation = await submit(self.state, self.id, [prompt], request, self.arrival, None)
         return await answer(raw, generation, request.stream, self, request.include_usage_in_stream,
@@ -47,9 +55,11 @@ class ChatHandler:
         choices = []
         for sample in out.outputs:
             logprobs = self._logprobs(sample.token_ids, sample.logprobs or [])
-            choices.append(p.ChatChoice(index=sample.index,
-                                        message=p.ChatResponseMessage(content=sample.text),
-                                        logprobs=logprobs, finish_reason=sample.finish_reason))
+            content, calls = self.tools.extract(sample.text)
+            message = p.ChatResponseMessage(content=content, tool_calls=tool_calls_out(calls) or None)
+            finish_reason = "tool_calls" if calls else sample.finish_reason
+            choices.append(p.ChatChoice(index=sample.index, message=message, logprobs=logprobs,
+                                        finish_reason=finish_reason))
         return p.ChatCompletionResponse(id=self.id, created=self.created,
                                         model=self.state.model_name, choices=choices, usage=usage)
 
@@ -75,8 +85,16 @@ class ChatHandler:
         text = out.delta_text[position] if position < len(out.delta_text) else ""
         new_ids = out.delta_token_ids[position] if position < len(out.delta_token_ids) else []
         logprobs = self._logprobs(new_ids, new_entries(sample, len(new_ids)))
-        if not text and not sample.finish_reason and not (logprobs and logprobs.content):
+        stream = self._tool_streams.setdefault(sample.index, self.tools.stream())
+        text, calls = stream.feed(text)
+        finish_reason = sample.finish_reason
+        if finish_reason:
+            tail, more = stream.finish()
+            text, calls = text + tail, calls + more
+            if stream.called:
+                finish_reason = "tool_calls"
+        if not text and not calls and not finish_reason and not (logprobs and logprobs.content):
             return None
-        delta = p.ChatDelta(content=text) if text else p.ChatDelta()
+        delta = p.ChatDelta(content=text or None, tool_calls=calls or None)
         return p.ChatStreamChoice(index=sample.index, delta=delta, logprobs=logprobs,
-                                  finish_reason=sample.finish_reason)
+                                  finish_reason=finish_reason)

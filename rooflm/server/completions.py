@@ -19,6 +19,7 @@ from rooflm.server.generation import answer
 from rooflm.server.logprobs import join_logprobs, new_entries
 from rooflm.server.prompts import PreparedPrompt, completion_prompts, prompt_text
 from rooflm.server.streaming import sse
+from rooflm.server.structured import prepare_constraint
 
 if TYPE_CHECKING:
     from rooflm.server.state import ServerState
@@ -38,6 +39,7 @@ class CompletionHandler:
 
     async def __call__(self, raw: Request) -> Response:
         request = self.request
+        await prepare_constraint(request)
         self.prompts = await completion_prompts(self.state.tokenizer, request)
         # echo with logprobs also scores the prompt, as OpenAI's API does.
         prompt_logprobs = self.num_top if request.echo and self.num_top is not None else None

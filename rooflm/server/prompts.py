@@ -44,9 +44,10 @@ async def chat_prompt(tokenizer, request: p.ChatCompletionRequest) -> PreparedPr
     _require_tokenizer(tokenizer, "messages")
     conversation = request.conversation()
     add_generation_prompt = request.add_generation_prompt is not False
+    tools = request.template_tools()
     try:
         text = await asyncio.to_thread(tokenizer.apply_chat_template, conversation,
-                                       add_generation_prompt)
+                                       add_generation_prompt, tools)
     except Exception as exc:  # noqa: BLE001 - ValueError and jinja2's TemplateError (incl. SecurityError)
         if not isinstance(exc, ValueError) and "jinja2" not in type(exc).__module__:
             raise

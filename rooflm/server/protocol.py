@@ -13,20 +13,22 @@ request sent it under.
 Unknown fields are ignored, as vLLM does (OpenAI's own API rejects them):
 SDKs, proxies and tools send vendor extras, and refusing those would break
 clients that work unchanged against vLLM. The server logs their names.
-Fields that OpenAI defines but rooflm does not implement (tools, logit_bias,
-response_format other than text, suffix, best_of != n) are refused when set,
-because ignoring them would silently change the answer.
+Fields that OpenAI defines but rooflm does not implement (the legacy functions and
+function_call, suffix, best_of != n) are refused when set, because ignoring them
+would silently change the answer.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_serializer
 
-from rooflm.sampling_params import MAX_LOGPROBS, SamplingParams
+from rooflm.sampling_params import (LOGIT_BIAS_LIMIT, MAX_LOGPROBS, SamplingParams,
+                                    StructuredOutputsParams)
 
 # OpenAI's limits on logprobs: the legacy completions API returns at most 5
 # alternatives per token, chat at most 20.
@@ -44,6 +46,9 @@ MAX_PROMPTS_PER_REQUEST = 64
 
 MAX_CACHE_SALT_CHARS = 256
 
+# OpenAI accepts up to 300 biased tokens; each costs one sparse add per step.
+MAX_LOGIT_BIAS_TOKENS = 1024
+
 # Below this temperature, dividing the logits overflows to inf; vLLM treats such
 # temperatures as greedy, and so do we.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -51,7 +56,7 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
 
-CHAT_ROLES = ("system", "user", "assistant", "developer")
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
 class RequestError(Exception):
@@ -161,9 +166,23 @@ class SamplingRequest(OpenAIModel):
     # Keeps prefix-cache hits within one tenant: requests share cached K/V only
     # when their salts are equal.
     cache_salt: Optional[str] = None
-    # OpenAI fields rooflm does not implement; refused when set.
+    # Token id (as a string, JSON's only key type) -> bias in [-100, 100].
     logit_bias: Optional[dict[str, Any]] = None
+    # Structured outputs: OpenAI's response_format, and vLLM's structured_outputs object and
+    # older guided_* fields; server/structured.py turns whichever is set into the constraint.
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    # OpenAI fields rooflm does not implement; refused when set.
     best_of: Optional[int] = None
+    # The constraint the handler resolved and checked (server/structured.py), for sampling_params.
+    _constraint: Optional[StructuredOutputsParams] = PrivateAttr(default=None)
+
+    def set_constraint(self, constraint: Optional[StructuredOutputsParams]) -> None:
+        self._constraint = constraint
 
     @property
     def num_samples(self) -> int:
@@ -208,11 +227,32 @@ class SamplingRequest(OpenAIModel):
         if self.cache_salt is not None and not 1 <= len(self.cache_salt) <= MAX_CACHE_SALT_CHARS:
             raise RequestError(f"cache_salt must have 1 to {MAX_CACHE_SALT_CHARS} characters, "
                                f"got {len(self.cache_salt)}", param="cache_salt")
-        if self.logit_bias:
-            raise RequestError("logit_bias is not supported", param="logit_bias")
+        self._check_logit_bias(limits.vocab_size)
         if self.best_of is not None and self.best_of != n:
             raise RequestError(f"best_of is not supported (it may only equal n, {n})",
                                param="best_of")
+
+    def _check_logit_bias(self, vocab_size: int) -> None:
+        if not self.logit_bias:
+            return
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise RequestError(f"logit_bias may hold at most {MAX_LOGIT_BIAS_TOKENS} tokens, got "
+                               f"{len(self.logit_bias)}", param="logit_bias")
+        for key, value in self.logit_bias.items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise RequestError(f"logit_bias keys must be token ids, got {short_repr(key)}",
+                                   param="logit_bias") from None
+            if not 0 <= token_id < vocab_size:
+                raise RequestError(f"logit_bias has token id {token_id}; token ids must be in "
+                                   f"[0, {vocab_size})", param="logit_bias")
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise RequestError(f"logit_bias values must be numbers, got {short_repr(value)} "
+                                   f"for token {token_id}", param="logit_bias")
+            if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+                raise RequestError(f"logit_bias values must be in [-100, 100], got "
+                                   f"{short_repr(value)} for token {token_id}", param="logit_bias")
 
     def _check_min_tokens(self, max_tokens: Optional[int]) -> None:
         if self.min_tokens is None:
@@ -273,6 +313,8 @@ class SamplingRequest(OpenAIModel):
             logprobs=self.num_logprobs(),
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            structured_outputs=self._constraint,
         )
 
 
@@ -328,6 +370,9 @@ class ChatMessage(OpenAIModel):
     role: str
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
+    # An assistant turn that called tools (content may then be null), and a tool's answer.
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -349,12 +394,14 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: Optional[int] = None
     # vLLM's extension: end the prompt with the assistant turn's header.
     add_generation_prompt: Optional[bool] = True
-    # OpenAI fields rooflm does not implement; refused when set.
-    tools: Optional[list[Any]] = None
+    # Tool calling (server/tools.py): function definitions, which (if any) must be called,
+    # and whether several calls may come in one reply.
+    tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = True
+    # The legacy function-calling fields; refused when set.
     functions: Optional[list[Any]] = None
     function_call: Optional[Union[str, dict[str, Any]]] = None
-    response_format: Optional[dict[str, Any]] = None
 
     def requested_max_tokens(self) -> Optional[int]:
         # max_completion_tokens replaced max_tokens in OpenAI's chat API.
@@ -387,9 +434,10 @@ class ChatCompletionRequest(SamplingRequest):
             if message.role not in CHAT_ROLES:
                 raise RequestError(f"messages.{i}.role must be one of {', '.join(CHAT_ROLES)}, got "
                                    f"{short_repr(message.role)}", param=f"messages.{i}.role")
-            if message.content is None:
+            if message.content is None and not (message.role == "assistant" and message.tool_calls):
                 raise RequestError(f"messages.{i}.content is required",
                                    param=f"messages.{i}.content")
+            self._check_tool_calls(i, message)
             if isinstance(message.content, list):
                 for j, part in enumerate(message.content):
                     if part.type != "text" or part.text is None:
@@ -398,31 +446,67 @@ class ChatCompletionRequest(SamplingRequest):
                             f"({{'type': 'text', 'text': ...}}) are supported",
                             param=f"messages.{i}.content")
 
+    @staticmethod
+    def _check_tool_calls(i: int, message: ChatMessage) -> None:
+        if message.tool_calls is not None and message.role != "assistant":
+            raise RequestError(f"messages.{i}.tool_calls is only allowed on assistant messages",
+                               param=f"messages.{i}.tool_calls")
+        for j, call in enumerate(message.tool_calls or []):
+            function = call.get("function")
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise RequestError(f"messages.{i}.tool_calls.{j}.function.name is required",
+                                   param=f"messages.{i}.tool_calls")
+            if not isinstance(function.get("arguments", "{}"), (str, dict)):
+                raise RequestError(f"messages.{i}.tool_calls.{j}.function.arguments must be a "
+                                   "JSON string", param=f"messages.{i}.tool_calls")
+
     def _check_unsupported(self) -> None:
-        if self.tools or self.functions:
-            param = "tools" if self.tools else "functions"
-            raise RequestError("tool and function calling are not supported", param=param)
-        if self.tool_choice not in (None, "none"):
-            raise RequestError("tool_choice is not supported", param="tool_choice")
+        if self.functions:
+            raise RequestError("the legacy functions field is not supported: use tools",
+                               param="functions")
         if self.function_call not in (None, "none"):
-            raise RequestError("function_call is not supported", param="function_call")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise RequestError("response_format other than {'type': 'text'} is not supported",
-                               param="response_format")
+            raise RequestError("the legacy function_call field is not supported: use tool_choice",
+                               param="function_call")
 
     def num_logprobs(self) -> Optional[int]:
         if not self.logprobs:
             return None
         return self.top_logprobs or 0
 
-    def conversation(self) -> list[dict[str, str]]:
-        """Messages as the chat template expects them: role and plain-text content."""
+    def template_tools(self) -> Optional[list[dict[str, Any]]]:
+        """The tools the chat template is given: none under tool_choice "none"."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return self.tools
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """Messages as the chat template expects them: role and plain-text content, plus an
+        assistant turn's tool calls (arguments as objects, which is what templates render
+        with tojson) and a tool turn's tool_call_id."""
         turns = []
         for message in self.messages:
             # "developer" is OpenAI's newer name for the system role.
             role = "system" if message.role == "developer" else message.role
-            turns.append({"role": role, "content": message.text()})
+            turn: dict[str, Any] = {"role": role, "content": message.text()}
+            if message.tool_calls:
+                turn["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
+            if message.tool_call_id is not None:
+                turn["tool_call_id"] = message.tool_call_id
+            if message.name is not None and role == "tool":
+                turn["name"] = message.name
+            turns.append(turn)
         return turns
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = dict(call["function"])
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except ValueError:
+            pass  # rendered as the string it is
+    return {"id": call.get("id"), "type": call.get("type", "function"), "function": function}
 
 
 # Friendly messages for fields whose pydantic errors, one per union member,
@@ -532,9 +616,44 @@ class ChatLogprobs(BaseModel):
     content: Optional[list[ChatTokenLogprob]] = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallOut]] = None
+
+
+class DeltaFunctionCall(BaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _without_unset(self, handler):
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of a call: the first carries id, type and name; later ones only more
+    arguments text, under the same index."""
+
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
+
+    @model_serializer(mode="wrap")
+    def _without_unset(self, handler):
+        return {key: value for key, value in handler(self).items() if value is not None}
 
 
 class ChatChoice(BaseModel):
@@ -558,6 +677,7 @@ class ChatDelta(BaseModel):
 
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
     @model_serializer(mode="wrap")
     def _without_unset(self, handler):

@@ -162,13 +162,15 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The rendered prompt text for a conversation."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: Optional[list[dict]] = None) -> str:
+        """The rendered prompt text for a conversation; tools (OpenAI's function definitions)
+        go to the template, which renders them if its family knows how."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template; send a plain prompt instead "
                              "of chat messages")
         _check_messages(messages)
-        return self.hf.apply_chat_template(messages, tokenize=False,
+        return self.hf.apply_chat_template(messages, tokenize=False, tools=tools or None,
                                            add_generation_prompt=add_generation_prompt)
 
     def __repr__(self) -> str:

@@ -1,0 +1,262 @@
+"""Structured outputs, tool calling and logit_bias through the official openai client, unchanged,
+against a real `rooflm serve` with SmolLM2-135M-Instruct on the CPU.
+
+Constrained generations stay short (schemas with bounded strings and numbers), so each test is
+bounded in time; the schema test still covers 32 samples over 8 seeds.
+"""
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import openai
+import pytest
+
+from tests.server.server_utils import API_KEY, MODEL, SMALL_ENGINE_ARGS, start_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 16},
+                           "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+    "required": ["zone"]}}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+# What a Hermes/Qwen-family model writes to call a tool; forced below with a regex, so that
+# the "auto" parser is tested on the real server whatever the 135M model would choose.
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def structured_server(tmp_path_factory):
+    """A server of this module's own: the main server's 120 s request timeout and 1024 tokens in
+    flight are tight for 4 constrained samples a request on a loaded 2-core machine."""
+    process = start_server(tmp_path_factory.mktemp("structured"), "structured", SMALL_ENGINE_ARGS + [
+        "--api-key", API_KEY, "--request-timeout", "900", "--max-tokens-in-flight", "4096"])
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(structured_server):
+    return openai.OpenAI(base_url=f"{structured_server.url}/v1", api_key=API_KEY, max_retries=0,
+                         timeout=900)
+
+
+def test_json_schema_output_always_parses_and_validates(client):
+    def ask(seed):
+        return client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Describe a person as JSON."}],
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+            temperature=1.0, seed=seed, n=4, max_tokens=80)
+
+    # All 8 at once: the engine batches their 32 samples, which a loaded CPU needs.
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        replies = list(pool.map(ask, range(8)))
+    texts = []
+    for reply in replies:
+        for choice in reply.choices:
+            assert choice.finish_reason == "stop", choice
+            texts.append(choice.message.content)
+    assert len(texts) == 32
+    for text in texts:
+        jsonschema.validate(json.loads(text), PERSON)
+    assert len(set(texts)) > 1  # sampled, not one answer forced 32 times
+
+
+def test_json_schema_streamed_equals_whole(client):
+    args = dict(model=MODEL, messages=[{"role": "user", "content": "A person, as JSON."}],
+                response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+                temperature=0, max_tokens=80)
+    whole = client.chat.completions.create(**args).choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, **args))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole
+    jsonschema.validate(json.loads(streamed), PERSON)
+
+
+def test_json_object_mode(client):
+    for seed in range(3):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Reply with this JSON object: {\"ok\": true}"}],
+            response_format={"type": "json_object"}, temperature=0.7, seed=seed, max_tokens=150)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop", choice
+        assert isinstance(json.loads(choice.message.content), dict)
+
+
+def test_vllm_extras_regex_and_choice_on_completions(client):
+    out = client.completions.create(model=MODEL, prompt="My phone number is", max_tokens=20,
+                                    temperature=1.0, seed=3, n=3,
+                                    extra_body={"guided_regex": r"\d{3}-\d{4}"})
+    for choice in out.choices:
+        assert re.fullmatch(r"\d{3}-\d{4}", choice.text), choice.text
+        assert choice.finish_reason == "stop"
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Is Paris in France?"}], max_tokens=5,
+        temperature=1.0, seed=5, n=4, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert {c.message.content for c in out.choices} <= {"yes", "no"}
+
+
+def test_stop_string_ends_a_constrained_output(client):
+    out = client.completions.create(model=MODEL, prompt="Count:", max_tokens=20, temperature=0,
+                                    stop=["3"], extra_body={"guided_regex": r"1 2 3 4 5"})
+    assert out.choices[0].text == "1 2 " and out.choices[0].finish_reason == "stop"
+
+
+def test_tool_choice_required_gives_parsable_calls(client):
+    for stream in (False, True):
+        args = dict(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL, TIME_TOOL],
+                    tool_choice="required", parallel_tool_calls=False, temperature=0.7, seed=2,
+                    max_tokens=80)
+        if not stream:
+            choice = client.chat.completions.create(**args).choices[0]
+            calls, finish = choice.message.tool_calls, choice.finish_reason
+            assert choice.message.content is None
+        else:
+            calls, finish = _collect_stream(client.chat.completions.create(stream=True, **args))
+        assert finish == "tool_calls"
+        assert len(calls) == 1
+        name, arguments = calls[0].function.name, json.loads(calls[0].function.arguments)
+        assert name in ("get_weather", "get_time")
+        schema = (WEATHER_TOOL if name == "get_weather" else TIME_TOOL)["function"]["parameters"]
+        jsonschema.validate(arguments, schema)
+        assert calls[0].id and calls[0].type == "function"
+
+
+def test_named_tool_choice_streams_the_arguments(client):
+    args = dict(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL, TIME_TOOL],
+                tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                temperature=0, max_tokens=60)
+    whole = client.chat.completions.create(**args).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    assert whole.message.tool_calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(whole.message.tool_calls[0].function.arguments),
+                        WEATHER_TOOL["function"]["parameters"])
+    calls, finish = _collect_stream(client.chat.completions.create(stream=True, **args))
+    assert finish == "tool_calls"
+    assert [c.function.name for c in calls] == ["get_weather"]
+    assert calls[0].function.arguments == whole.message.tool_calls[0].function.arguments
+
+
+def test_tool_choice_auto_parses_a_hermes_call(client):
+    args = dict(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL], tool_choice="auto",
+                temperature=0, max_tokens=60,
+                extra_body={"guided_regex": HERMES_CALL.replace("{", r"\{").replace("}", r"\}")})
+    choice = client.chat.completions.create(**args).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
+    calls, finish = _collect_stream(client.chat.completions.create(stream=True, **args))
+    assert finish == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"})]
+
+
+def test_tool_choice_auto_without_a_call_is_plain_content(client):
+    reply = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL],
+                                           tool_choice="auto", temperature=0, max_tokens=8,
+                                           extra_body={"guided_choice": ["It is sunny."]})
+    choice = reply.choices[0]
+    assert choice.message.content == "It is sunny." and not choice.message.tool_calls
+    assert choice.finish_reason == "stop"
+
+
+def test_tool_choice_none_and_auto_without_tools_are_accepted(client):
+    for tool_choice in ("none", "auto"):
+        reply = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=3,
+                                               temperature=0, tool_choice=tool_choice)
+        assert reply.choices[0].message.content
+
+
+def test_replayed_tool_conversation(client):
+    messages = ASK_WEATHER + [
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "clear"}'},
+    ]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL],
+                                           temperature=0, max_tokens=12)
+    assert reply.choices[0].message.content
+    question_only = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER,
+                                                   tools=[WEATHER_TOOL], temperature=0, max_tokens=1)
+    # The tool's answer (and the template's turns around it) reached the prompt.
+    assert reply.usage.prompt_tokens >= question_only.usage.prompt_tokens + 15
+
+
+# SmolLM2's id of " Paris": the force case below proves it, by producing it four times.
+PARIS = 7042
+
+
+def test_logit_bias_forces_and_bans_tokens(client):
+    prompt = "The capital of France is"
+    base = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    assert base.choices[0].text == " Paris"
+    forced = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=1.0,
+                                       seed=1, logit_bias={str(PARIS): 100})
+    assert forced.choices[0].text == " Paris" * 4
+    banned = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                       logit_bias={str(PARIS): -100})
+    assert banned.choices[0].text != " Paris"
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_tokens=3, temperature=0,
+        logit_bias={str(PARIS): 100}, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == " Paris" * 3
+
+
+def _collect_stream(chunks):
+    """Tool calls assembled from streamed deltas, as an SDK user assembles them."""
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        for delta in choice.delta.tool_calls or []:
+            entry = calls.setdefault(delta.index, {"id": None, "type": None, "name": "", "arguments": ""})
+            entry["id"] = delta.id or entry["id"]
+            entry["type"] = delta.type or entry["type"]
+            if delta.function is not None:
+                entry["name"] += delta.function.name or ""
+                entry["arguments"] += delta.function.arguments or ""
+        finish = choice.finish_reason or finish
+
+    class Function:
+        def __init__(self, name, arguments):
+            self.name, self.arguments = name, arguments
+
+    class Call:
+        def __init__(self, entry):
+            self.id, self.type = entry["id"], entry["type"]
+            self.function = Function(entry["name"], entry["arguments"])
+
+    return [Call(calls[i]) for i in sorted(calls)], finish
