@@ -223,7 +223,9 @@ def test_async_equals_sync_under_a_schema_with_n_and_preemption():
     results = []
     for mode, run_params, extra in ((False, params, {}), (True, params, {}),
                                     (True, n2, dict(num_blocks=28, block_size=4,
-                                                    max_num_batched_tokens=16))):
+                                                    max_num_batched_tokens=16,
+                                                    # so that the small pool preempts
+                                                    reserve_new_tokens=False))):
         llm = LLM(max_model_len=256, num_blocks=extra.pop("num_blocks", 64),
                   async_scheduling=mode, **extra)
         outs = llm.generate(prompts, run_params)
