@@ -141,6 +141,8 @@ class NullMetrics:
     def observe_first_token(self, ttft_seconds): pass
     def observe_inter_token(self, seconds): pass
     def observe_finished(self, reason, e2e_seconds, queue_seconds): pass
+    def observe_request(self, prompt_tokens, generation_tokens, max_tokens, prefill_seconds,
+                        decode_seconds): pass
 
 
 class SnapshotMetrics:
@@ -198,6 +200,17 @@ class _Tracked:
     scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
+    generation_tokens: int = 0  # over all n samples
+
+
+def request_phases(scheduled: Optional[float], first_token: Optional[float],
+                   last_token: Optional[float]) -> tuple[Optional[float], Optional[float]]:
+    """(prefill, decode) seconds as vLLM defines them: first scheduled to first token, first
+    token to last; None where a timestamp is missing (never scheduled, no token)."""
+    if first_token is None:
+        return None, None
+    prefill = None if scheduled is None else first_token - scheduled
+    return prefill, (last_token or first_token) - first_token
 
 
 def admission_check(engine, limits: AdmissionLimits, tokens_in_flight: int,
@@ -517,6 +530,7 @@ class AsyncLLMEngine:
             if new_tokens:
                 tracked.first_token_time = tracked.first_token_time or now
                 tracked.last_token_time = now
+                tracked.generation_tokens += new_tokens
             deliveries.append((tracked.stream, out))
             if out.finished:
                 self._finish(tracked, finish_reason_of(out), now)
@@ -533,6 +547,11 @@ class AsyncLLMEngine:
             e2e = now - tracked.arrival_time
             if tracked.scheduled_time is not None:
                 queued = tracked.scheduled_time - tracked.arrival_time
+            prefill, decode = request_phases(tracked.scheduled_time, tracked.first_token_time,
+                                             tracked.last_token_time)
+            self.metrics.observe_request(tracked.request.num_prompt_tokens,
+                                         tracked.generation_tokens, tracked.request.max_tokens,
+                                         prefill, decode)
         self.metrics.observe_finished(reason, e2e, queued)
 
     def _die(self, exc: BaseException) -> None:

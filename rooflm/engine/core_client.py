@@ -40,7 +40,7 @@ import zmq.asyncio
 
 from rooflm.engine.async_engine import (AdmissionLimits, AdmissionRejected, EngineDeadError,
                                         GenerateRequest, NullMetrics, RequestAborted, RequestStream,
-                                        SnapshotMetrics, finish_reason_of)
+                                        SnapshotMetrics, finish_reason_of, request_phases)
 from rooflm.engine.core_process import EngineCoreProcess
 from rooflm.engine.core_protocol import (Abort, AddError, AddReply, AddRequests, Configure,
                                          CoreState, EngineDead, Heartbeat, RequestDelta, Shutdown,
@@ -78,6 +78,7 @@ class _Tracked:
         self.prompt_logprobs = None
         self.first_token_time: Optional[float] = None
         self.last_token_time: Optional[float] = None
+        self.generation_tokens = 0  # over all n samples
 
     def apply(self, delta: RequestDelta) -> RequestOutput:
         """Add one step's news; the RequestOutput LLMEngine.step() would have returned."""
@@ -340,6 +341,7 @@ class EngineCoreClient:
                     generation_tokens += new_tokens
                 tracked.first_token_time = tracked.first_token_time or now
                 tracked.last_token_time = now
+                tracked.generation_tokens += new_tokens
             tracked.stream.put(out)
             if delta.finished:
                 self._finish(tracked, finish_reason_of(out), now, delta.queued_s)
@@ -356,6 +358,14 @@ class EngineCoreClient:
         e2e = None
         if reason != "abort":
             e2e = now - tracked.request.arrival_time
+            # The core sends when it first scheduled the request (as queued_s: one monotonic
+            # clock for the host); token times are this process's, as for TTFT.
+            scheduled = None if queued_s is None else tracked.request.arrival_time + queued_s
+            prefill, decode = request_phases(scheduled, tracked.first_token_time,
+                                             tracked.last_token_time)
+            self.metrics.observe_request(len(tracked.request.prompt_token_ids),
+                                         tracked.generation_tokens,
+                                         tracked.request.params.max_tokens or 0, prefill, decode)
         else:
             queued_s = None
         self.metrics.observe_finished(reason, e2e, queued_s)

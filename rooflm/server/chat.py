@@ -15,6 +15,7 @@ from rooflm.server.admission import submit
 from rooflm.server.generation import answer
 from rooflm.server.logprobs import new_entries
 from rooflm.server.prompts import chat_prompt
+from rooflm.server.request_id import engine_base_id
 from rooflm.server.streaming import sse
 
 if TYPE_CHECKING:
@@ -31,6 +32,8 @@ class ChatHandler:
         self.num_top = request.num_logprobs()
 
     async def __call__(self, raw: Request) -> Response:
+        # The X-Request-Id names the response and its engine requests (request_id.py).
+        self.id = f"chatcmpl-{engine_base_id(raw)}"
         request = self.request
         prompt = await chat_prompt(self.state.tokenizer, request)
         # Chat has no default max_tokens: up to the context length.
