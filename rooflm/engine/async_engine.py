@@ -141,8 +141,7 @@ class NullMetrics:
     def observe_first_token(self, ttft_seconds): pass
     def observe_inter_token(self, seconds): pass
     def observe_finished(self, reason, e2e_seconds, queue_seconds): pass
-    def observe_request(self, prompt_tokens, generation_tokens, max_tokens, prefill_seconds,
-                        decode_seconds): pass
+    def observe_request(self, prompt_tokens, sample_tokens, prefill_seconds, decode_seconds): pass
 
 
 class SnapshotMetrics:
@@ -200,7 +199,6 @@ class _Tracked:
     scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
-    generation_tokens: int = 0  # over all n samples
 
 
 def request_phases(scheduled: Optional[float], first_token: Optional[float],
@@ -530,14 +528,14 @@ class AsyncLLMEngine:
             if new_tokens:
                 tracked.first_token_time = tracked.first_token_time or now
                 tracked.last_token_time = now
-                tracked.generation_tokens += new_tokens
             deliveries.append((tracked.stream, out))
             if out.finished:
-                self._finish(tracked, finish_reason_of(out), now)
+                self._finish(tracked, finish_reason_of(out), now, out)
         self.metrics.add_tokens(prompt_tokens, generation_tokens)
         return deliveries
 
-    def _finish(self, tracked: _Tracked, reason: str, now: float) -> None:
+    def _finish(self, tracked: _Tracked, reason: str, now: float,
+                out: Optional[RequestOutput] = None) -> None:
         self._tracked.pop(tracked.request.request_id, None)
         self._tokens_in_flight -= tracked.reserved_tokens
         if not tracked.record_metrics:
@@ -549,9 +547,10 @@ class AsyncLLMEngine:
                 queued = tracked.scheduled_time - tracked.arrival_time
             prefill, decode = request_phases(tracked.scheduled_time, tracked.first_token_time,
                                              tracked.last_token_time)
-            self.metrics.observe_request(tracked.request.num_prompt_tokens,
-                                         tracked.generation_tokens, tracked.request.max_tokens,
-                                         prefill, decode)
+            if out is not None:
+                self.metrics.observe_request(tracked.request.num_prompt_tokens,
+                                             [len(s.token_ids) for s in out.outputs],
+                                             prefill, decode)
         self.metrics.observe_finished(reason, e2e, queued)
 
     def _die(self, exc: BaseException) -> None:

@@ -78,7 +78,6 @@ class _Tracked:
         self.prompt_logprobs = None
         self.first_token_time: Optional[float] = None
         self.last_token_time: Optional[float] = None
-        self.generation_tokens = 0  # over all n samples
 
     def apply(self, delta: RequestDelta) -> RequestOutput:
         """Add one step's news; the RequestOutput LLMEngine.step() would have returned."""
@@ -341,17 +340,17 @@ class EngineCoreClient:
                     generation_tokens += new_tokens
                 tracked.first_token_time = tracked.first_token_time or now
                 tracked.last_token_time = now
-                tracked.generation_tokens += new_tokens
             tracked.stream.put(out)
             if delta.finished:
-                self._finish(tracked, finish_reason_of(out), now, delta.queued_s)
+                self._finish(tracked, finish_reason_of(out), now, delta.queued_s, out)
         self.metrics.add_tokens(prompt_tokens, generation_tokens)
         for report in message.reports:
             for observer in self.core.observers:
                 observer(report)
         self._publish(message.state)
 
-    def _finish(self, tracked: _Tracked, reason: str, now: float, queued_s: Optional[float]) -> None:
+    def _finish(self, tracked: _Tracked, reason: str, now: float, queued_s: Optional[float],
+                out: Optional[RequestOutput] = None) -> None:
         self._tracked.pop(tracked.request.request_id, None)
         if not tracked.request.record_metrics:
             return
@@ -363,9 +362,10 @@ class EngineCoreClient:
             scheduled = None if queued_s is None else tracked.request.arrival_time + queued_s
             prefill, decode = request_phases(scheduled, tracked.first_token_time,
                                              tracked.last_token_time)
-            self.metrics.observe_request(len(tracked.request.prompt_token_ids),
-                                         tracked.generation_tokens,
-                                         tracked.request.params.max_tokens or 0, prefill, decode)
+            if out is not None:
+                self.metrics.observe_request(len(tracked.request.prompt_token_ids),
+                                             [len(s.token_ids) for s in out.outputs],
+                                             prefill, decode)
         else:
             queued_s = None
         self.metrics.observe_finished(reason, e2e, queued_s)

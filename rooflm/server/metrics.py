@@ -128,7 +128,8 @@ class ServerMetrics:
             token_buckets)
         self.request_max_num_generation_tokens = histogram(
             "vllm:request_max_num_generation_tokens",
-            "Histogram of maximum number of requested generation tokens.", token_buckets)
+            "Histogram of maximum number of generation tokens over a request's samples.",
+            token_buckets)
         self.request_prefill_time = histogram(
             "vllm:request_prefill_time_seconds",
             "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
@@ -200,13 +201,17 @@ class ServerMetrics:
         if queue_seconds is not None:
             self.request_queue_time.observe(queue_seconds)
 
-    def observe_request(self, prompt_tokens: int, generation_tokens: int, max_tokens: int,
+    def observe_request(self, prompt_tokens: int, sample_tokens: list[int],
                         prefill_seconds: Optional[float], decode_seconds: Optional[float]) -> None:
-        """A request that finished (stop or length): its sizes, and its prefill and decode
-        times where it was scheduled and produced a token (None: not observed)."""
+        """A request that finished (stop or length): its prompt, the tokens each of its n samples
+        generated, and its prefill and decode times (None: not observed).
+
+        request_generation_tokens counts all n samples; request_max_num_generation_tokens is the
+        longest sample, as vLLM records it for a parallel-sampling request (for n = 1 the two agree).
+        """
         self.request_prompt_tokens.observe(prompt_tokens)
-        self.request_generation_tokens.observe(generation_tokens)
-        self.request_max_num_generation_tokens.observe(max_tokens)
+        self.request_generation_tokens.observe(sum(sample_tokens))
+        self.request_max_num_generation_tokens.observe(max(sample_tokens, default=0))
         if prefill_seconds is not None:
             self.request_prefill_time.observe(max(prefill_seconds, 0.0))
         if decode_seconds is not None:

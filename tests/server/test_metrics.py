@@ -96,7 +96,7 @@ def test_counts_what_the_test_did(server, auth):
     assert delta("vllm:request_generation_tokens_sum") == 5 + 3
     assert delta("vllm:request_generation_tokens_bucket", le="5.0") == 2
     assert delta("vllm:request_generation_tokens_bucket", le="2.0") == 0
-    assert delta("vllm:request_max_num_generation_tokens_sum") == 5 + 3
+    assert delta("vllm:request_max_num_generation_tokens_sum") == 5 + 3  # n = 1: the same
     assert delta("vllm:request_prefill_time_seconds_count") == 2
     assert delta("vllm:request_decode_time_seconds_count") == 2
     # Prefill + decode fit inside end-to-end (queueing is the rest).
@@ -104,3 +104,24 @@ def test_counts_what_the_test_did(server, auth):
         "vllm:request_decode_time_seconds_sum")
     assert 0 < phases <= delta("vllm:e2e_request_latency_seconds_sum") + 1e-6
     assert delta("vllm:request_decode_time_seconds_sum") > 0  # 5 and 3 tokens: several steps
+
+
+def test_parallel_samples_in_the_per_request_histograms(server, auth):
+    """n = 2: request_generation_tokens counts both samples, request_max_num_generation_tokens the
+    longest (vLLM's parallel-sampling rule); one observation each per request."""
+    assert_idle(wait_until_idle(server.url))
+    before = scrape(server.url)
+    out = httpx.post(server.url + "/v1/completions", headers=auth, timeout=60, json={
+        "model": MODEL, "prompt": "Two samples", "max_tokens": 3, "n": 2, "ignore_eos": True,
+        "temperature": 1.0, "seed": 3})
+    assert out.status_code == 200, out.text
+    after = wait_until_idle(server.url)
+
+    def delta(name, **labels):
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert delta("vllm:request_generation_tokens_count") == 1
+    assert delta("vllm:request_generation_tokens_sum") == 2 * 3
+    assert delta("vllm:request_max_num_generation_tokens_count") == 1
+    assert delta("vllm:request_max_num_generation_tokens_sum") == 3
+    assert delta("vllm:request_prompt_tokens_sum") == out.json()["usage"]["prompt_tokens"]
