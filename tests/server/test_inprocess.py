@@ -62,3 +62,18 @@ def test_cors_only_for_allowed_origins(app):
         assert denied.headers["access-control-expose-headers"] == "X-Request-Id"
         assert len(denied.headers["x-request-id"]) == 32
         assert len(allowed.headers["x-request-id"]) == 32
+
+
+def test_tokenize_without_a_tokenizer_is_a_clear_400():
+    # A dummy-weight preset has no tokenizer: token ids in, token ids out, and /tokenize says why not.
+    app = create_app(dict(model="smollm2-135m", load_format="dummy", max_model_len=64,
+                          num_blocks=8), ServerConfig(log_interval=0, warmup=False))
+    with TestClient(app) as client:
+        for path, body, param in (("/tokenize", {"prompt": "Hi"}, "prompt"),
+                                  ("/detokenize", {"tokens": [1, 2]}, "tokens"),
+                                  ("/v1/responses", {"model": "smollm2-135m", "input": "Hi"},
+                                   "input")):
+            response = client.post(path, json=body)
+            assert response.status_code == 400, (path, response.text)
+            error = response.json()["error"]
+            assert error["param"] == param and "no tokenizer" in error["message"], error
