@@ -44,10 +44,10 @@ from rooflm.engine.async_engine import AsyncLLMEngine
 from rooflm.server import protocol as p
 from rooflm.server.body import read_body_in_time
 from rooflm.server.chat import ChatHandler
+from rooflm.server.chat_template import ChatTemplateError
 from rooflm.server.completions import CompletionHandler
 from rooflm.server.config import ServerConfig, derive_model_name
 from rooflm.server.errors import error_response, server_error
-from rooflm.server.chat_template import ChatTemplateError
 from rooflm.server.middleware import APIKeyMiddleware, HeaderLimitMiddleware
 from rooflm.server.request_id import HEADER as REQUEST_ID_HEADER
 from rooflm.server.request_id import RequestIdMiddleware, request_id
@@ -138,7 +138,9 @@ def _add_error_handlers(app: FastAPI) -> None:
             message, code = f"{path} is not supported by rooflm", "unsupported_endpoint"
         elif exc.status_code == 405:
             allowed = (exc.headers or {}).get("Allow", "")
-            message = f"{raw.method} is not allowed on {path}" + (f"; use {allowed}" if allowed else "")
+            message = f"{raw.method} is not allowed on {path}"
+            if allowed:
+                message += f"; use {allowed}"
             code = "method_not_allowed"
         error = p.RequestError(message, status=exc.status_code, code=code,
                                headers=dict(exc.headers or {}))

@@ -260,3 +260,20 @@ def test_a_chat_template_file_is_read(tmp_path):
     path.write_text(TEMPLATE)
     assert load_chat_template(str(path)) == TEMPLATE
     assert load_chat_template(TEMPLATE) == TEMPLATE  # inline
+
+
+@pytest.mark.parametrize("template,words", [
+    ("{{ raise_exception('needs a system turn') }}", "fails on a sample conversation"),
+    ("{% for m in messages %}<turn>{% endfor %}", "does not render the messages' content"),
+])
+def test_a_chat_template_that_cannot_render_is_refused(template, words):
+    from rooflm.model.loader import resolve_model
+    from rooflm.server.chat_template import ChatTemplateError, install_chat_template
+    from rooflm.tokenizer.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(resolve_model(None, "auto")[0], "auto")
+    with pytest.raises(ChatTemplateError, match=words):
+        install_chat_template(tokenizer, template)
+    install_chat_template(tokenizer, TEMPLATE)
+    assert tokenizer.apply_chat_template(QUESTION) == (
+        "<<user>>What is the capital of France?\n<<assistant>>")
