@@ -548,7 +548,7 @@ class AsyncLLMEngine:
             prefill, decode = request_phases(tracked.scheduled_time, tracked.first_token_time,
                                              tracked.last_token_time)
             if out is not None:
-                self.metrics.observe_request(tracked.request.num_prompt_tokens,
+                self.metrics.observe_request(len(out.prompt_token_ids),
                                              [len(s.token_ids) for s in out.outputs],
                                              prefill, decode)
         self.metrics.observe_finished(reason, e2e, queued)
