@@ -15,4 +15,15 @@ def __getattr__(name):
 
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams"]
-__version__ = "0.1.0"
+
+
+def _version() -> str:
+    # One source of truth: pyproject.toml's version, as installed.
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("rooflm")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "0+unknown"
+
+
+__version__ = _version()

@@ -156,6 +156,7 @@ class NullMetrics:
     def observe_first_token(self, ttft_seconds): pass
     def observe_inter_token(self, seconds): pass
     def observe_finished(self, reason, e2e_seconds, queue_seconds): pass
+    def observe_request(self, prompt_tokens, sample_tokens, prefill_seconds, decode_seconds): pass
 
 
 class SnapshotMetrics:
@@ -213,6 +214,16 @@ class _Tracked:
     scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
+
+
+def request_phases(scheduled: Optional[float], first_token: Optional[float],
+                   last_token: Optional[float]) -> tuple[Optional[float], Optional[float]]:
+    """(prefill, decode) seconds as vLLM defines them: first scheduled to first token, first
+    token to last; None where a timestamp is missing (never scheduled, no token)."""
+    if first_token is None:
+        return None, None
+    prefill = None if scheduled is None else first_token - scheduled
+    return prefill, (last_token or first_token) - first_token
 
 
 def admission_check(engine, limits: AdmissionLimits, tokens_in_flight: int,
@@ -534,11 +545,12 @@ class AsyncLLMEngine:
                 tracked.last_token_time = now
             deliveries.append((tracked.stream, out))
             if out.finished:
-                self._finish(tracked, finish_reason_of(out), now)
+                self._finish(tracked, finish_reason_of(out), now, out)
         self.metrics.add_tokens(prompt_tokens, generation_tokens)
         return deliveries
 
-    def _finish(self, tracked: _Tracked, reason: str, now: float) -> None:
+    def _finish(self, tracked: _Tracked, reason: str, now: float,
+                out: Optional[RequestOutput] = None) -> None:
         self._tracked.pop(tracked.request.request_id, None)
         self._tokens_in_flight -= tracked.reserved_tokens
         if not tracked.record_metrics:
@@ -548,6 +560,12 @@ class AsyncLLMEngine:
             e2e = now - tracked.arrival_time
             if tracked.scheduled_time is not None:
                 queued = tracked.scheduled_time - tracked.arrival_time
+            prefill, decode = request_phases(tracked.scheduled_time, tracked.first_token_time,
+                                             tracked.last_token_time)
+            if out is not None:
+                self.metrics.observe_request(len(out.prompt_token_ids),
+                                             [len(s.token_ids) for s in out.outputs],
+                                             prefill, decode)
         self.metrics.observe_finished(reason, e2e, queued)
 
     def _die(self, exc: BaseException) -> None:

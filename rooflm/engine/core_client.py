@@ -40,7 +40,7 @@ import zmq.asyncio
 
 from rooflm.engine.async_engine import (AdmissionLimits, AdmissionRejected, EngineDeadError,
                                         GenerateRequest, NullMetrics, RequestAborted, RequestStream,
-                                        SnapshotMetrics, finish_reason_of)
+                                        SnapshotMetrics, finish_reason_of, request_phases)
 from rooflm.engine.core_process import EngineCoreProcess
 from rooflm.engine.core_protocol import (Abort, AddError, AddReply, AddRequests, Configure,
                                          CoreState, EngineDead, Heartbeat, RequestDelta, Shutdown,
@@ -342,20 +342,30 @@ class EngineCoreClient:
                 tracked.last_token_time = now
             tracked.stream.put(out)
             if delta.finished:
-                self._finish(tracked, finish_reason_of(out), now, delta.queued_s)
+                self._finish(tracked, finish_reason_of(out), now, delta.queued_s, out)
         self.metrics.add_tokens(prompt_tokens, generation_tokens)
         for report in message.reports:
             for observer in self.core.observers:
                 observer(report)
         self._publish(message.state)
 
-    def _finish(self, tracked: _Tracked, reason: str, now: float, queued_s: Optional[float]) -> None:
+    def _finish(self, tracked: _Tracked, reason: str, now: float, queued_s: Optional[float],
+                out: Optional[RequestOutput] = None) -> None:
         self._tracked.pop(tracked.request.request_id, None)
         if not tracked.request.record_metrics:
             return
         e2e = None
         if reason != "abort":
             e2e = now - tracked.request.arrival_time
+            # The core sends when it first scheduled the request (as queued_s: one monotonic
+            # clock for the host); token times are this process's, as for TTFT.
+            scheduled = None if queued_s is None else tracked.request.arrival_time + queued_s
+            prefill, decode = request_phases(scheduled, tracked.first_token_time,
+                                             tracked.last_token_time)
+            if out is not None:
+                self.metrics.observe_request(len(tracked.request.prompt_token_ids),
+                                             [len(s.token_ids) for s in out.outputs],
+                                             prefill, decode)
         else:
             queued_s = None
         self.metrics.observe_finished(reason, e2e, queued_s)

@@ -18,6 +18,11 @@ A request's path through the server:
      runs past request_timeout, aborts its engine requests (generation.py),
      which frees their KV blocks at the engine's next step.
 
+Every response carries X-Request-Id (request_id.py): the client's, or a new one.
+Besides the OpenAI routes: /tokenize, /detokenize, /version (tokenize.py, vLLM's
+shapes) and /v1/responses (responses.py). Any other path is a 404 in OpenAI's
+error shape naming the endpoint as unsupported; a wrong method is a 405.
+
 Health: /health is 200 while the engine loop is alive and making progress;
 /ready is 200 once a warm-up generation has run, until shutdown begins.
 """
@@ -39,10 +44,15 @@ from rooflm.engine.async_engine import AsyncLLMEngine
 from rooflm.server import protocol as p
 from rooflm.server.body import read_body_in_time
 from rooflm.server.chat import ChatHandler
+from rooflm.server.chat_template import ChatTemplateError
 from rooflm.server.completions import CompletionHandler
 from rooflm.server.config import ServerConfig, derive_model_name
 from rooflm.server.errors import error_response, server_error
 from rooflm.server.middleware import APIKeyMiddleware, HeaderLimitMiddleware
+from rooflm.server.request_id import HEADER as REQUEST_ID_HEADER
+from rooflm.server.request_id import RequestIdMiddleware, request_id
+from rooflm.server.responses import create_response
+from rooflm.server.tokenize import detokenize, tokenize, version
 from rooflm.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -71,7 +81,12 @@ def create_app(engine_kwargs: Optional[dict] = None, config: Optional[ServerConf
         from rooflm.engine.llm_engine import LLMEngine
         engine = LLMEngine.from_kwargs(**(engine_kwargs or {}))
     model_name = config.served_model_name or derive_model_name(engine.info.model)
-    state = ServerState(config, engine, model_name, front)
+    try:
+        state = ServerState(config, engine, model_name, front)
+    except ChatTemplateError:
+        if engine_process:
+            engine.close()  # the core process would otherwise outlive this failed start
+        raise
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -93,7 +108,10 @@ def create_app(engine_kwargs: Optional[dict] = None, config: Optional[ServerConf
         # Added last, so it runs first: preflights and 401s carry CORS headers.
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["GET", "POST", "OPTIONS"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["Authorization", "Content-Type", REQUEST_ID_HEADER],
+                           expose_headers=[REQUEST_ID_HEADER])
+    # Added last, so it runs first: every answer, the middleware's own included, has the id.
+    app.add_middleware(RequestIdMiddleware)
     return app
 
 
@@ -112,15 +130,25 @@ def _add_error_handlers(app: FastAPI) -> None:
                                              param=path or None))
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_: Request, exc: StarletteHTTPException):
-        error = p.RequestError(str(exc.detail), status=exc.status_code,
-                               code="not_found" if exc.status_code == 404 else None,
+    async def on_http_error(raw: Request, exc: StarletteHTTPException):
+        # Only the router raises these: a path no route serves, or a method it does not take.
+        path = raw.url.path[:200]
+        message, code = str(exc.detail), None
+        if exc.status_code == 404:
+            message, code = f"{path} is not supported by rooflm", "unsupported_endpoint"
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            message = f"{raw.method} is not allowed on {path}"
+            if allowed:
+                message += f"; use {allowed}"
+            code = "method_not_allowed"
+        error = p.RequestError(message, status=exc.status_code, code=code,
                                headers=dict(exc.headers or {}))
         return error_response(error)
 
     @app.exception_handler(Exception)
-    async def on_unexpected(_: Request, exc: Exception):
-        logger.exception("unhandled error in a request handler")
+    async def on_unexpected(raw: Request, exc: Exception):
+        logger.exception("request %s: unhandled error in a request handler", request_id(raw))
         return error_response(server_error(f"internal error: {type(exc).__name__}", 500,
                                            "internal_error"))
 
@@ -157,6 +185,26 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         card = p.ModelCard(id=state.model_name, max_model_len=state.info.max_model_len)
         return JSONResponse(card.model_dump())
 
+    @app.get("/version")
+    async def get_version():
+        return JSONResponse(version().model_dump())
+
+    @app.post("/tokenize")
+    async def post_tokenize(raw: Request):
+        body = await _read_json(raw, state)
+        return JSONResponse((await tokenize(state, body)).model_dump(exclude_none=True))
+
+    @app.post("/detokenize")
+    async def post_detokenize(raw: Request):
+        body = await _read_json(raw, state)
+        return JSONResponse((await detokenize(state, body)).model_dump())
+
+    @app.post("/v1/responses")
+    async def post_response(raw: Request):
+        arrival = time.monotonic()
+        body = await _read_json(raw, state)
+        return await create_response(state, raw, body, arrival)
+
     @app.post("/v1/completions")
     async def create_completion(raw: Request):
         arrival = time.monotonic()
@@ -170,11 +218,15 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return await ChatHandler(state, request, arrival)(raw)
 
 
-async def _parse(raw: Request, state: ServerState, model: type[p.SamplingRequest]):
+async def _read_json(raw: Request, state: ServerState) -> dict:
     state.check_accepting()
-    body = await read_body_in_time(raw, state.config.max_body_bytes, state.config.request_timeout)
+    return await read_body_in_time(raw, state.config.max_body_bytes, state.config.request_timeout)
+
+
+async def _parse(raw: Request, state: ServerState, model: type[p.SamplingRequest]):
+    body = await _read_json(raw, state)
     request = p.validate_request(model, body)
     state.check_model(request.model)
     request.check(state.limits)
-    state.log_ignored(request)
+    state.log_ignored(request, request_id(raw))
     return request

@@ -15,6 +15,7 @@ from rooflm.server.admission import submit
 from rooflm.server.generation import answer
 from rooflm.server.logprobs import new_entries
 from rooflm.server.prompts import chat_prompt
+from rooflm.server.request_id import engine_base_id
 from rooflm.server.streaming import sse
 from rooflm.server.structured import prepare_constraint
 from rooflm.server.tools import ToolCalling, ToolCallStream, check_tools, tool_calls_out
@@ -35,6 +36,8 @@ class ChatHandler:
         self._tool_streams: dict[int, ToolCallStream] = {}  # per choice
 
     async def __call__(self, raw: Request) -> Response:
+        # The X-Request-Id names the response and its engine requests (request_id.py).
+        self.id = f"chatcmpl-{engine_base_id(raw)}"
         request = self.request
         check_tools(request)
         tokenizer = self.state.tokenizer

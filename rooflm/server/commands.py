@@ -66,12 +66,16 @@ def register(subparsers) -> None:
                        help="run the engine loop in a process of its own, so HTTP, tokenization "
                             "and SSE never hold up a step (default: on); --no-engine-process "
                             "runs it on a thread of the server's process")
+    group.add_argument("--chat-template", default=None,
+                       help="a Jinja chat template replacing the model's: a file path, or the "
+                            "template itself (checked at start-up)")
     group.add_argument("--uvicorn-log-level", default="warning")
     add_engine_args(parser)
     parser.set_defaults(func=cmd_serve)
 
 
 def server_config(args: argparse.Namespace):
+    from rooflm.server.chat_template import load_chat_template
     from rooflm.server.config import ServerConfig
     origins = tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip())
     return ServerConfig(
@@ -89,6 +93,7 @@ def server_config(args: argparse.Namespace):
         shutdown_timeout=args.shutdown_timeout,
         log_interval=args.log_interval,
         peak_bandwidth_gbs=args.peak_bandwidth_gbs,
+        chat_template=None if args.chat_template is None else load_chat_template(args.chat_template),
     )
 
 
@@ -138,11 +143,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from rooflm.server.state import FLUSH_GRACE_S
 
     from rooflm.engine.core_process import EngineStartError
+    from rooflm.server.chat_template import ChatTemplateError
 
-    config = server_config(args)
+    try:
+        config = server_config(args)  # before the model loads: a bad template fails fast
+    except ChatTemplateError as exc:
+        print(f"rooflm: error: --chat-template: {exc}", file=sys.stderr)
+        return 1
     _show_server_logs()
     try:
         app = create_app(engine_kwargs(args), config, engine_process=args.engine_process)
+    except ChatTemplateError as exc:
+        print(f"rooflm: error: --chat-template: {exc}", file=sys.stderr)
+        return 1
     except EngineStartError as exc:
         print(f"rooflm: error: {exc}", file=sys.stderr)
         return 1

@@ -18,6 +18,7 @@ from rooflm.server.admission import submit
 from rooflm.server.generation import answer
 from rooflm.server.logprobs import join_logprobs, new_entries
 from rooflm.server.prompts import PreparedPrompt, completion_prompts, prompt_text
+from rooflm.server.request_id import engine_base_id
 from rooflm.server.streaming import sse
 from rooflm.server.structured import prepare_constraint
 
@@ -38,6 +39,8 @@ class CompletionHandler:
         self._started: set[int] = set()  # choices streamed so far: the first carries the echo
 
     async def __call__(self, raw: Request) -> Response:
+        # The X-Request-Id names the response and its engine requests (request_id.py).
+        self.id = f"cmpl-{engine_base_id(raw)}"
         request = self.request
         await prepare_constraint(request)
         self.prompts = await completion_prompts(self.state.tokenizer, request)

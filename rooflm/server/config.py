@@ -32,6 +32,7 @@ class ServerConfig:
     log_interval: float = 10.0  # seconds; 0: no periodic log line
     peak_bandwidth_gbs: float = 0.0  # 0: the GPU table's, if it knows the device
     warmup: bool = True
+    chat_template: Optional[str] = None  # the template's text (--chat-template); None: the model's
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_n", "max_body_bytes", "max_header_bytes"):

@@ -40,6 +40,22 @@ REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 STEP_TIME_BUCKETS = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
                      5.0, 10.0]
 
+
+
+def build_1_2_5_buckets(max_value: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value: vLLM's buckets for per-request token counts
+    (prompt, generation, max_tokens), bounded by the context length."""
+    buckets: list[float] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10 ** exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
 # vLLM's FinishReason values, plus "error" for requests the engine failed.
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 
@@ -47,7 +63,7 @@ LABEL_NAMES = ["model_name", "engine"]
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, engine_index: str = "0"):
+    def __init__(self, model_name: str, engine_index: str = "0", max_model_len: int = 2048):
         # vLLM disables the *_created series; dashboards never use them. This is
         # a process-wide switch of prometheus_client.
         prometheus_client.disable_created_metrics()
@@ -100,6 +116,26 @@ class ServerMetrics:
         self.request_queue_time = histogram(
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
+
+        # Per finished request, as vLLM's dashboard reads them: prefill is first scheduled to
+        # first token, decode is first token to last; the token counts use 1-2-5 buckets up to
+        # the context length.
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.",
+            token_buckets)
+        self.request_max_num_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of generation tokens over a request's samples.",
+            token_buckets)
+        self.request_prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.request_decode_time = histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
 
         # rooflm's own.
         self.step_time = histogram("rooflm:step_time_seconds",
@@ -164,6 +200,22 @@ class ServerMetrics:
             self.e2e_request_latency.observe(e2e_seconds)
         if queue_seconds is not None:
             self.request_queue_time.observe(queue_seconds)
+
+    def observe_request(self, prompt_tokens: int, sample_tokens: list[int],
+                        prefill_seconds: Optional[float], decode_seconds: Optional[float]) -> None:
+        """A request that finished (stop or length): its prompt, the tokens each of its n samples
+        generated, and its prefill and decode times (None: not observed).
+
+        request_generation_tokens counts all n samples; request_max_num_generation_tokens is the
+        longest sample, as vLLM records it for a parallel-sampling request (for n = 1 the two agree).
+        """
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(sum(sample_tokens))
+        self.request_max_num_generation_tokens.observe(max(sample_tokens, default=0))
+        if prefill_seconds is not None:
+            self.request_prefill_time.observe(max(prefill_seconds, 0.0))
+        if decode_seconds is not None:
+            self.request_decode_time.observe(max(decode_seconds, 0.0))
 
     def record_step(self, stats: "StepStats") -> None:
         """One step as the StepMeter costed it: its time, and its MBU and MFU where the

@@ -21,6 +21,7 @@ from rooflm.engine.async_engine import AdmissionLimits, AsyncLLMEngine, Generate
 from rooflm.engine.host_gc import tune_gc_for_serving
 from rooflm.sampling_params import SamplingParams
 from rooflm.server import protocol as p
+from rooflm.server.chat_template import install_chat_template
 from rooflm.server.config import ServerConfig
 from rooflm.server.errors import server_error
 from rooflm.server.logprobs import LogprobFormatter
@@ -50,7 +51,9 @@ class ServerState:
         self.info = engine.info
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
-        self.metrics = ServerMetrics(model_name)
+        if config.chat_template is not None:
+            install_chat_template(self.tokenizer, config.chat_template)
+        self.metrics = ServerMetrics(model_name, max_model_len=self.info.max_model_len)
         self.meter = attach_step_meter(engine, self.metrics, config.peak_bandwidth_gbs)
         self.max_tokens_in_flight = config.tokens_in_flight_cap(self.info.kv_capacity_tokens)
         limits = AdmissionLimits(config.max_queued_requests, self.max_tokens_in_flight)
@@ -162,8 +165,9 @@ class ServerState:
                                  f"serves `{self.model_name}`", param="model", status=404,
                                  code="model_not_found")
 
-    def log_ignored(self, request: p.OpenAIModel) -> None:
+    def log_ignored(self, request: p.OpenAIModel, request_id: str = "-") -> None:
         names = p.ignored_fields(request)
         if names:
             shown = [name[:40] for name in names[:10]]
-            logger.warning("ignoring unknown request fields: %s", ", ".join(shown))
+            logger.warning("request %s: ignoring unknown request fields: %s", request_id,
+                           ", ".join(shown))

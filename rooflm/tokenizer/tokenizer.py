@@ -154,6 +154,10 @@ class Tokenizer:
     def chat_template(self) -> Optional[str]:
         return getattr(self.hf, "chat_template", None)
 
+    def set_chat_template(self, template: str) -> None:
+        """Replace the model's chat template (rooflm serve --chat-template)."""
+        self.hf.chat_template = template
+
     # -- text <-> ids ------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

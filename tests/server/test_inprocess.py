@@ -37,6 +37,12 @@ def test_in_process_app(app):
         assert client.get("/health").status_code == 200
         metrics = client.get("/metrics").text
         assert 'vllm:generation_tokens_total{engine="0",model_name="tiny"} 2.0' in metrics
+        # The per-request series, fed on the engine thread's path too (the 400 never ran).
+        labels = '{engine="0",model_name="tiny"}'
+        assert f"vllm:request_generation_tokens_sum{labels} 2.0" in metrics
+        assert f"vllm:request_max_num_generation_tokens_sum{labels} 2.0" in metrics
+        assert f"vllm:request_prefill_time_seconds_count{labels} 1.0" in metrics
+        assert f"vllm:request_decode_time_seconds_count{labels} 1.0" in metrics
 
 
 def test_cors_only_for_allowed_origins(app):
@@ -52,3 +58,22 @@ def test_cors_only_for_allowed_origins(app):
         denied = client.get("/v1/models", headers={"Origin": "http://ui.example"})
         assert denied.status_code == 401
         assert denied.headers["access-control-allow-origin"] == "http://ui.example"
+        # ...and an X-Request-Id the page may read, as every answer does, preflights included.
+        assert denied.headers["access-control-expose-headers"] == "X-Request-Id"
+        assert len(denied.headers["x-request-id"]) == 32
+        assert len(allowed.headers["x-request-id"]) == 32
+
+
+def test_tokenize_without_a_tokenizer_is_a_clear_400():
+    # A dummy-weight preset has no tokenizer: token ids in, token ids out, and /tokenize says why not.
+    app = create_app(dict(model="smollm2-135m", load_format="dummy", max_model_len=64,
+                          num_blocks=8), ServerConfig(log_interval=0, warmup=False))
+    with TestClient(app) as client:
+        for path, body, param in (("/tokenize", {"prompt": "Hi"}, "prompt"),
+                                  ("/detokenize", {"tokens": [1, 2]}, "tokens"),
+                                  ("/v1/responses", {"model": "smollm2-135m", "input": "Hi"},
+                                   "input")):
+            response = client.post(path, json=body)
+            assert response.status_code == 400, (path, response.text)
+            error = response.json()["error"]
+            assert error["param"] == param and "no tokenizer" in error["message"], error

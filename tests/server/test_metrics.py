@@ -25,6 +25,11 @@ EXPECTED_TYPES = {
     "vllm:inter_token_latency_seconds": "histogram",
     "vllm:e2e_request_latency_seconds": "histogram",
     "vllm:request_queue_time_seconds": "histogram",
+    "vllm:request_prompt_tokens": "histogram",
+    "vllm:request_generation_tokens": "histogram",
+    "vllm:request_max_num_generation_tokens": "histogram",
+    "vllm:request_prefill_time_seconds": "histogram",
+    "vllm:request_decode_time_seconds": "histogram",
     "rooflm:step_time_seconds": "histogram",
     "rooflm:kv_free_blocks": "gauge",
     "rooflm:kv_num_blocks": "gauge",
@@ -48,6 +53,10 @@ def test_names_types_labels_and_buckets(server):
     ttft_bounds = [float(s.labels["le"]) for s in families["vllm:time_to_first_token_seconds"].samples
                    if s.name.endswith("_bucket") and s.labels["le"] != "+Inf"]
     assert ttft_bounds == server_metrics.TTFT_BUCKETS
+    # Token-count buckets: vLLM's 1-2-5 ladder up to the context length (512 here).
+    token_bounds = [float(s.labels["le"]) for s in families["vllm:request_prompt_tokens"].samples
+                    if s.name.endswith("_bucket") and s.labels["le"] != "+Inf"]
+    assert token_bounds == [1, 2, 5, 10, 20, 50, 100, 200, 500]
     # The peak bandwidth is unknown on this server: no MBU series rather than a made-up one.
     assert not families.get("rooflm:mbu") or not families["rooflm:mbu"].samples
     assert "vllm:prompt_tokens_created" not in httpx.get(server.url + "/metrics").text
@@ -80,3 +89,39 @@ def test_counts_what_the_test_did(server, auth):
     assert 0 <= delta("vllm:prefix_cache_hits_total") <= delta("vllm:prefix_cache_queries_total")
     assert delta("rooflm:step_time_seconds_count") >= 5
     assert delta("vllm:num_preemptions_total") == 0
+    # Per request (vLLM's dashboard): sizes of both, their max_tokens, prefill and decode times.
+    assert delta("vllm:request_prompt_tokens_count") == 2
+    assert delta("vllm:request_prompt_tokens_sum") == delta("vllm:prompt_tokens_total")
+    assert delta("vllm:request_generation_tokens_count") == 2
+    assert delta("vllm:request_generation_tokens_sum") == 5 + 3
+    assert delta("vllm:request_generation_tokens_bucket", le="5.0") == 2
+    assert delta("vllm:request_generation_tokens_bucket", le="2.0") == 0
+    assert delta("vllm:request_max_num_generation_tokens_sum") == 5 + 3  # n = 1: the same
+    assert delta("vllm:request_prefill_time_seconds_count") == 2
+    assert delta("vllm:request_decode_time_seconds_count") == 2
+    # Prefill + decode fit inside end-to-end (queueing is the rest).
+    phases = delta("vllm:request_prefill_time_seconds_sum") + delta(
+        "vllm:request_decode_time_seconds_sum")
+    assert 0 < phases <= delta("vllm:e2e_request_latency_seconds_sum") + 1e-6
+    assert delta("vllm:request_decode_time_seconds_sum") > 0  # 5 and 3 tokens: several steps
+
+
+def test_parallel_samples_in_the_per_request_histograms(server, auth):
+    """n = 2: request_generation_tokens counts both samples, request_max_num_generation_tokens the
+    longest (vLLM's parallel-sampling rule); one observation each per request."""
+    assert_idle(wait_until_idle(server.url))
+    before = scrape(server.url)
+    out = httpx.post(server.url + "/v1/completions", headers=auth, timeout=60, json={
+        "model": MODEL, "prompt": "Two samples", "max_tokens": 3, "n": 2, "ignore_eos": True,
+        "temperature": 1.0, "seed": 3})
+    assert out.status_code == 200, out.text
+    after = wait_until_idle(server.url)
+
+    def delta(name, **labels):
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert delta("vllm:request_generation_tokens_count") == 1
+    assert delta("vllm:request_generation_tokens_sum") == 2 * 3
+    assert delta("vllm:request_max_num_generation_tokens_count") == 1
+    assert delta("vllm:request_max_num_generation_tokens_sum") == 3
+    assert delta("vllm:request_prompt_tokens_sum") == out.json()["usage"]["prompt_tokens"]

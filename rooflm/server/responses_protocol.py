@@ -1,0 +1,180 @@
+"""The Responses API's request and response bodies (POST /v1/responses), the core of it.
+
+Shapes follow the `openai` package's types (openai/types/responses/). What
+rooflm serves: `input` as text or a list of messages, `instructions`,
+`max_output_tokens`, `temperature`, `top_p`, `stream`, usage. What it refuses
+with a 400 naming the field rather than pretending: `store: true` (nothing is
+stored), `previous_response_id` (hence nothing to continue from), `tools`,
+`background`, a `text.format` other than plain text, and input items that are
+not messages (function calls, images, files).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, Field
+
+from rooflm.server import protocol as p
+
+# Roles an input message may have; "developer" is OpenAI's newer name for system.
+INPUT_ROLES = ("user", "assistant", "system", "developer")
+# Content part types whose text goes into the prompt: user/system parts are input_text, earlier
+# assistant turns replayed from a previous output are output_text.
+TEXT_PART_TYPES = ("input_text", "output_text", "text")
+
+
+class ResponsesRequest(p.OpenAIModel):
+    model: str
+    input: Union[str, list[dict[str, Any]]]
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    stream: Optional[bool] = False
+    store: Optional[bool] = None
+    previous_response_id: Optional[str] = None
+    metadata: Optional[dict[str, str]] = None
+    user: Optional[str] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    text: Optional[dict[str, Any]] = None
+    background: Optional[bool] = None
+    truncation: Optional[str] = None
+
+    def check(self) -> None:
+        """What this server does not do; the caller checks ranges through the chat path."""
+        if self.store:
+            raise p.RequestError("store: true is not supported: rooflm stores no responses; send "
+                                 "store: false or leave it out", param="store")
+        if self.previous_response_id is not None:
+            raise p.RequestError("previous_response_id is not supported: rooflm stores no "
+                                 "responses; send the whole conversation as input",
+                                 param="previous_response_id")
+        if self.tools:
+            raise p.RequestError("tools in /v1/responses are not supported yet", param="tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise p.RequestError("tool_choice in /v1/responses is not supported yet (only "
+                                 "'none' or 'auto' without tools)", param="tool_choice")
+        if self.background:
+            raise p.RequestError("background: true is not supported", param="background")
+        text_format = (self.text or {}).get("format")
+        if text_format is not None and (not isinstance(text_format, dict)
+                                        or text_format.get("type") != "text"):
+            raise p.RequestError("text.format other than {'type': 'text'} is not supported in "
+                                 "/v1/responses yet", param="text.format")
+        if self.truncation not in (None, "disabled", "auto"):
+            raise p.RequestError("truncation must be 'auto' or 'disabled'", param="truncation")
+        if isinstance(self.input, str) and not self.input:
+            raise p.RequestError("input must not be empty", param="input")
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The conversation as chat messages: instructions as the system turn, then input."""
+        messages = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            messages.append({"role": "user", "content": self.input})
+            return messages
+        if not self.input:
+            raise p.RequestError("input must be a string or a non-empty list of messages",
+                                 param="input")
+        for i, item in enumerate(self.input):
+            messages.append(_message(i, item))
+        return messages
+
+
+def _message(i: int, item: dict[str, Any]) -> dict[str, Any]:
+    kind = item.get("type", "message")
+    if kind != "message":
+        raise p.RequestError(f"input.{i}: items of type {p.short_repr(kind)} are not supported; "
+                             f"only messages", param=f"input.{i}.type")
+    role = item.get("role")
+    if role not in INPUT_ROLES:
+        raise p.RequestError(f"input.{i}.role must be one of {', '.join(INPUT_ROLES)}, got "
+                             f"{p.short_repr(role)}", param=f"input.{i}.role")
+    content = item.get("content")
+    if isinstance(content, str):
+        return {"role": role, "content": content}
+    if not isinstance(content, list):
+        raise p.RequestError(f"input.{i}.content must be a string or a list of content parts",
+                             param=f"input.{i}.content")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in TEXT_PART_TYPES \
+                or not isinstance(part.get("text"), str):
+            raise p.RequestError(f"input.{i}.content.{j}: only text parts ({{'type': "
+                                 f"'input_text', 'text': ...}}) are supported",
+                                 param=f"input.{i}.content")
+        texts.append(part["text"])
+    return {"role": role, "content": "".join(texts)}
+
+
+# ---- the response ---------------------------------------------------------------------------------
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    role: Literal["assistant"] = "assistant"
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[OutputText]
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseError(BaseModel):
+    code: str
+    message: str
+
+
+class ResponseObject(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    model: str
+    output: list[OutputMessage]
+    error: Optional[ResponseError] = None
+    incomplete_details: Optional[IncompleteDetails] = None
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+    parallel_tool_calls: bool = False
+    previous_response_id: Optional[str] = None
+    store: bool = False
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    tool_choice: Union[str, dict[str, Any]] = "none"
+    tools: list[Any] = Field(default_factory=list)
+    truncation: str = "disabled"
+    usage: Optional[ResponseUsage] = None
+    user: Optional[str] = None

@@ -1,0 +1,115 @@
+"""POST /tokenize and /detokenize in vLLM's shapes, and GET /version.
+
+/tokenize takes a prompt ({"prompt"}) or a conversation ({"messages",
+"add_generation_prompt"}), which goes through the same chat-template path as
+/v1/chat/completions, so a client can count exactly the tokens a chat request
+will cost. /detokenize turns ids back into text. `model` is optional, as in
+vLLM; when sent it must be the served model's name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any, Optional
+
+from pydantic import BaseModel
+
+import rooflm
+from rooflm.server import protocol as p
+from rooflm.server.prompts import chat_prompt
+
+if TYPE_CHECKING:
+    from rooflm.server.state import ServerState
+
+
+class TokenizeCompletionRequest(p.OpenAIModel):
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: Optional[bool] = True
+    return_token_strs: Optional[bool] = False
+
+
+class TokenizeChatRequest(p.OpenAIModel):
+    model: Optional[str] = None
+    messages: list[Any]  # checked as a chat request's messages are
+    add_generation_prompt: Optional[bool] = True
+    # The chat template writes the special tokens itself (BOS included).
+    add_special_tokens: Optional[bool] = False
+    return_token_strs: Optional[bool] = False
+
+
+class DetokenizeRequest(p.OpenAIModel):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+def version() -> VersionResponse:
+    return VersionResponse(version=rooflm.__version__)
+
+
+def _tokenizer(state: "ServerState", param: str):
+    if state.tokenizer is None:
+        raise p.RequestError("this model has no tokenizer (dummy weights): it cannot "
+                             "tokenize or detokenize text", param=param)
+    return state.tokenizer
+
+
+def _check_model(state: "ServerState", model: Optional[str]) -> None:
+    if model is not None:
+        state.check_model(model)
+
+
+async def tokenize(state: "ServerState", body: dict) -> TokenizeResponse:
+    if "messages" in body:
+        request = p.validate_request(TokenizeChatRequest, body)
+        _check_model(state, request.model)
+        tokenizer = _tokenizer(state, "messages")
+        chat = p.validate_request(p.ChatCompletionRequest, {
+            "model": state.model_name, "messages": request.messages,
+            "add_generation_prompt": request.add_generation_prompt})
+        chat.check(state.limits)
+        prompt = await chat_prompt(tokenizer, chat)
+        ids = prompt.token_ids
+        if request.add_special_tokens:
+            ids = await asyncio.to_thread(tokenizer.encode, prompt.text, True)
+    else:
+        request = p.validate_request(TokenizeCompletionRequest, body)
+        _check_model(state, request.model)
+        tokenizer = _tokenizer(state, "prompt")
+        ids = await asyncio.to_thread(tokenizer.encode, request.prompt,
+                                      request.add_special_tokens is not False)
+    token_strs = None
+    if request.return_token_strs:
+        token_strs = tokenizer.hf.convert_ids_to_tokens(ids)
+    return TokenizeResponse(count=len(ids), max_model_len=state.info.max_model_len, tokens=ids,
+                            token_strs=token_strs)
+
+
+async def detokenize(state: "ServerState", body: dict) -> DetokenizeResponse:
+    request = p.validate_request(DetokenizeRequest, body)
+    _check_model(state, request.model)
+    tokenizer = _tokenizer(state, "tokens")
+    # The tokenizer's own size: it may exceed the model's vocab (added tokens) or fall
+    # short of it (padded embedding rows have no text).
+    vocab_size = tokenizer.vocab_size
+    for i, token_id in enumerate(request.tokens):
+        if not 0 <= token_id < vocab_size:
+            raise p.RequestError(f"tokens has id {p.short_repr(token_id)} at index {i}, outside "
+                                 f"the tokenizer's vocabulary [0, {vocab_size})", param="tokens")
+    text = await asyncio.to_thread(tokenizer.decode, request.tokens, False)
+    return DetokenizeResponse(prompt=text)
