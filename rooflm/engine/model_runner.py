@@ -176,7 +176,9 @@ class ModelRunner:
         if load_format == "dummy":
             model.init_dummy_weights(self.config.load.seed)
         else:
-            model.load_weights(iter_weights(path, load_format))
+            # Quantized blocks only where a kernel takes them: the CPU (rooflm/quant/).
+            keep_quantized = self.config.load.quantization == "auto" and self.device.type == "cpu"
+            model.load_weights(iter_weights(path, load_format, keep_quantized=keep_quantized))
         self.model = model.eval()
         self.timings["load_s"] = time.perf_counter() - t0
 
