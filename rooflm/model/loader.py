@@ -82,7 +82,10 @@ def resolve_model(model: Optional[str], load_format: str) -> tuple[str, str]:
                 raise load_error(model, "GGUF file not found")
             return model, "gguf"
         if _is_preset(model):
-            return model, "dummy"
+            # A preset has a shape and no weights: running it means random weights, which must
+            # be asked for (an 8B preset in fp32 also fills a small machine's memory).
+            raise ModelLoadError(
+                f"{model} is a shape preset: pass --load-format dummy, or a model path")
         raise ModelLoadError(
             f"cannot tell what model {model!r} is: it is not a directory, not a .gguf file and "
             f"not a preset name (presets: {', '.join(sorted(presets.PRESETS))})")
