@@ -41,3 +41,19 @@ def test_cli_preset_without_dummy_is_an_error_not_a_random_model(capsys):
     assert main(["generate", "--model", "llama-3-8b", "hi"]) == 2
     err = capsys.readouterr().err
     assert "llama-3-8b is a shape preset: pass --load-format dummy, or a model path" in err
+
+
+def test_version_flag(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("rooflm 0.")
+
+
+def test_serve_takes_the_model_positionally_and_refuses_two(capsys):
+    from rooflm.cli import build_parser
+    args = build_parser().parse_args(["serve", "x.gguf"])
+    assert args.model_tag == "x.gguf" and args.model is None
+    args = build_parser().parse_args(["serve", "a.gguf", "--model", "b.gguf"])
+    assert args.func(args) == 2
+    assert "two models given: 'a.gguf' and --model 'b.gguf'" in capsys.readouterr().err
