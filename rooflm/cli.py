@@ -122,9 +122,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("rooflm")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rooflm", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--version", action="version", version=f"rooflm {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for prompts with the offline engine")

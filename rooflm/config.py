@@ -100,11 +100,17 @@ class LoadConfig:
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
     tokenizer: Optional[str] = None
     seed: int = 0
+    # auto: GGUF Q4_0/Q4_1/Q8_0 weights stay in their blocks where a kernel multiplies them
+    # (rooflm/quant/; the CPU today), activations rounded to bf16 for those matmuls.
+    # none: every weight dequantized to --dtype (exact float weights, slower).
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(
                 f"load_format must be one of auto, safetensors, gguf, dummy; got {self.load_format!r}")
+        if self.quantization not in ("auto", "none"):
+            raise ValueError(f"quantization must be auto or none; got {self.quantization!r}")
 
 
 @dataclass(frozen=True)

@@ -159,6 +159,7 @@ class ModelRunner:
         pool sized from what they and the largest step leave free, the CUDA graphs (which
         hold the pool's addresses), the host pool for swapping. Returns the number of device
         and host KV blocks, for the block manager."""
+        self.check_memory(path, load_format)
         self.load_model(path, load_format)
         num_blocks = self.determine_num_blocks()
         self.allocate_kv_cache(num_blocks)
@@ -166,6 +167,31 @@ class ModelRunner:
         num_host = self.num_host_blocks()
         self.allocate_host_cache(num_host)
         return num_blocks, num_host
+
+    def keeps_quantized(self) -> bool:
+        """GGUF blocks stay quantized where a kernel takes them: the CPU (rooflm/quant/)."""
+        return self.config.load.quantization == "auto" and self.device.type == "cpu"
+
+    def check_memory(self, path: str, load_format: str) -> None:
+        """Refuse a load that cannot fit, before anything is allocated (engine/memory_check.py)."""
+        import os
+
+        from rooflm.engine.memory_check import MemoryNeed, activation_bytes, available_bytes, check_fits
+
+        cfg, sched = self.model_config, self.config.scheduler
+        elem = self.dtype.itemsize
+        weights = cfg.num_params() * elem
+        if load_format == "gguf" and self.keeps_quantized():
+            # At most the file's blocks plus the embedding in float (its lookup table).
+            weights = min(weights, os.path.getsize(path) + cfg.vocab_size * cfg.hidden_size * elem)
+        kv = 0
+        if self.device.type == "cpu":
+            kv = (self.determine_num_blocks() + self.num_host_blocks()) * self.kv_bytes_per_block()
+        tokens = min(sched.max_num_batched_tokens, self.max_model_len * sched.max_num_seqs)
+        need = MemoryNeed(weights, kv, activation_bytes(cfg, tokens, sched.max_num_seqs, elem),
+                          self.device.type)
+        check_fits(need, available_bytes(self.device), self.config.load.model or "the default model",
+                   self.dtype)
 
     def load_model(self, path: str, load_format: str) -> None:
         from rooflm.model.loader import iter_weights
@@ -185,7 +211,8 @@ class ModelRunner:
         if load_format == "dummy":
             model.init_dummy_weights(self.config.load.seed)
         else:
-            model.load_weights(iter_weights(path, load_format))
+            # Quantized blocks only where a kernel takes them: the CPU (rooflm/quant/).
+            model.load_weights(iter_weights(path, load_format, keep_quantized=self.keeps_quantized()))
         self.model = model.eval()
         self.timings["load_s"] = time.perf_counter() - t0
 

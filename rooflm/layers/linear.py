@@ -3,6 +3,10 @@
 Fusing q/k/v into one matmul and gate/up into another halves the kernel
 launches of a layer. The checkpoint stores them apart, so each fused layer
 knows which row range a named shard goes to.
+
+A layer's weight is either a float parameter or, when the checkpoint's blocks are kept
+quantized (GGUF Q4_0/Q4_1/Q8_0 on the CPU), a rooflm.quant QuantizedLinearMethod that
+multiplies them directly; forward does not change for the model either way.
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from rooflm.quant.gguf_blocks import BlockTensor
+from rooflm.quant.linear_method import QuantizedLinearMethod, make_quantized_linear
+
 
 class Linear(torch.nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -20,9 +27,29 @@ class Linear(torch.nn.Module):
         self.out_features = out_features
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features))
         self.bias = torch.nn.Parameter(torch.empty(out_features)) if bias else None
+        self.quant: Optional[QuantizedLinearMethod] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            y = self.quant(x)
+            return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
+
+    def load_blocks(self, blocks: BlockTensor) -> None:
+        """Take a whole weight in quantized blocks: kept as they are where a kernel multiplies
+        them on this layer's device, else dequantized into the float weight."""
+        expected = (self.out_features, self.in_features)
+        if blocks.shape != expected:
+            raise ValueError(f"shape mismatch: checkpoint {blocks.shape}, model expects {expected}")
+        method = make_quantized_linear(blocks, self.weight.device)
+        if method is None:
+            with torch.no_grad():
+                self.weight.copy_(blocks.dequantize())
+            return
+        self.quant = method
+        # The float weight is never read again; an empty one keeps the parameter's name
+        # (and frees out_features x in_features floats).
+        self.weight = torch.nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
 
 class FusedLinear(Linear):
@@ -35,8 +62,10 @@ class FusedLinear(Linear):
         for name, size in shard_sizes.items():
             self.shard_offsets[name] = (offset, size)
             offset += size
+        # Quantized shards wait here until finish_loading: fusing needs all of them.
+        self._block_shards: dict[str, BlockTensor] = {}
 
-    def load_shard(self, shard: str, param_kind: str, tensor: torch.Tensor) -> None:
+    def load_shard(self, shard: str, param_kind: str, tensor) -> None:
         offset, size = self.shard_offsets[shard]
         target: Optional[torch.nn.Parameter] = self.weight if param_kind == "weight" else self.bias
         if target is None:
@@ -46,5 +75,23 @@ class FusedLinear(Linear):
             raise ValueError(
                 f"shape mismatch for {shard}.{param_kind}: checkpoint {tuple(tensor.shape)}, "
                 f"model expects {expected}")
+        if isinstance(tensor, BlockTensor):
+            self._block_shards[shard] = tensor
+            return
         with torch.no_grad():
             target[offset:offset + size].copy_(tensor)
+
+    def finish_loading(self) -> None:
+        """Fuse the quantized shards into one quantized weight when every shard came in one
+        block format; otherwise (a mixed checkpoint) dequantize them into the float weight."""
+        shards, self._block_shards = self._block_shards, {}
+        if not shards:
+            return
+        formats = {blocks.format for blocks in shards.values()}
+        if len(shards) == len(self.shard_offsets) and len(formats) == 1:
+            self.load_blocks(BlockTensor.cat([shards[name] for name in self.shard_offsets]))
+            return
+        for name, blocks in shards.items():
+            offset, size = self.shard_offsets[name]
+            with torch.no_grad():
+                self.weight[offset:offset + size].copy_(blocks.dequantize())

@@ -300,8 +300,13 @@ def _rope_scaling_from_factors(gguf_file: _OpenedGGUF, head_dim: int,
 # Weights
 # ---------------------------------------------------------------------------
 
-def open_gguf_weights(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor, str]]]:
+def open_gguf_weights(path: str, keep_quantized: bool = False
+                      ) -> tuple[ModelConfig, Iterator[tuple[str, Any, str]]]:
     """The config, and a stream of (HF name, float32 tensor, path).
+
+    With keep_quantized, 2-D tensors in a block format rooflm.quant multiplies directly
+    (Q4_0, Q4_1, Q8_0) come as rooflm.quant.gguf_blocks.BlockTensor instead, un-permuted the
+    same way; the model decides what to do with them.
 
     Names and tensor types are checked up front so an unusable file fails
     before any weight is dequantized.
@@ -317,11 +322,18 @@ def open_gguf_weights(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch
             raise load_error(path, f"tensor {tensor.name!r} has type {tensor.tensor_type.name}, "
                                    f"which rooflm cannot dequantize (supported: "
                                    f"{', '.join(SUPPORTED_TENSOR_TYPES)})")
-    return gguf_file.config, _iter_tensors(gguf_file)
+    return gguf_file.config, _iter_tensors(gguf_file, keep_quantized)
 
 
-def _iter_tensors(gguf_file: _OpenedGGUF) -> Iterator[tuple[str, torch.Tensor, str]]:
+def _rotary_row_order(rows: int, num_heads: int) -> np.ndarray:
+    """The row order undo_rotary_permutation applies, as indices (for block-quantized rows)."""
+    return undo_rotary_permutation(torch.arange(rows), num_heads).numpy()
+
+
+def _iter_tensors(gguf_file: _OpenedGGUF, keep_quantized: bool = False) -> Iterator[tuple[str, Any, str]]:
     from gguf.quants import dequantize
+
+    from rooflm.quant import gguf_blocks
 
     config = gguf_file.config
     permuted = gguf_file.gguf_architecture in ROTARY_PERMUTED_ARCHITECTURES
@@ -330,6 +342,15 @@ def _iter_tensors(gguf_file: _OpenedGGUF) -> Iterator[tuple[str, torch.Tensor, s
             continue
         name = hf_tensor_name(tensor.name)
         torch_shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        if (keep_quantized and tensor.tensor_type.name in gguf_blocks.FORMATS
+                and len(torch_shape) == 2 and name.endswith(".weight")):
+            blocks = gguf_blocks.decode(tensor.tensor_type.name, tensor.data, torch_shape)
+            if permuted and name.endswith("self_attn.q_proj.weight"):
+                blocks = blocks.rows(_rotary_row_order(torch_shape[0], config.num_attention_heads))
+            elif permuted and name.endswith("self_attn.k_proj.weight"):
+                blocks = blocks.rows(_rotary_row_order(torch_shape[0], config.num_key_value_heads))
+            yield name, blocks, gguf_file.path
+            continue
         try:
             values = dequantize(tensor.data, tensor.tensor_type)
         except (NotImplementedError, ValueError) as exc:

@@ -19,6 +19,8 @@ from rooflm.layers.kernels import TORCH_KERNELS, Kernels
 from rooflm.layers.linear import FusedLinear, Linear
 from rooflm.layers.norm import RMSNorm
 from rooflm.layers.rotary import RotaryEmbedding
+from rooflm.quant.gguf_blocks import BlockTensor
+from rooflm.quant.linear_method import make_quantized_linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -134,6 +136,9 @@ class LlamaForCausalLM(torch.nn.Module):
         else:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.gemv = kernels.gemv  # as LlamaDecoderLayer.gemv: the LM head of one token
+        # Tied embeddings read from quantized blocks: the embedding is dequantized (a lookup reads
+        # one row per token) and the LM head, which reads all of it every step, stays quantized.
+        self.tied_head_quant = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
@@ -141,6 +146,10 @@ class LlamaForCausalLM(torch.nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is not None and self.lm_head.quant is not None:
+            return self.lm_head(hidden).float()
+        if self.lm_head is None and self.tied_head_quant is not None:
+            return self.tied_head_quant(hidden).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.gemv is not None and hidden.shape[0] == 1:
             return self.gemv(hidden, weight, out_dtype=torch.float32)
@@ -155,6 +164,11 @@ class LlamaForCausalLM(torch.nn.Module):
         for name, tensor in weights:
             if self.cfg.tie_word_embeddings and name == "lm_head.weight":
                 continue  # some tied checkpoints still store the head; the embedding is used
+            if isinstance(tensor, BlockTensor) and not _fused_targets(name):
+                tensor = self._load_blocks(name, tensor)
+                if tensor is None:
+                    loaded.add(name)
+                    continue
             for target, shard, kind in _fused_targets(name):
                 module = self.get_submodule(target)
                 module.load_shard(shard, kind, tensor)
@@ -170,9 +184,25 @@ class LlamaForCausalLM(torch.nn.Module):
                 with torch.no_grad():
                     param.copy_(tensor)
                 loaded.add(name)
+        for module in self.modules():
+            if isinstance(module, FusedLinear):
+                module.finish_loading()
         missing = [n for n in self._expected_weight_names() if n not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _load_blocks(self, name: str, blocks: BlockTensor) -> Optional[torch.Tensor]:
+        """A quantized checkpoint tensor that is not a fused shard: a Linear takes it as it is;
+        the embedding is dequantized (and, when tied, also kept quantized as the LM head).
+        Returns the float tensor for the caller to copy where there is no quantized use."""
+        module_name = name.rpartition(".")[0]
+        module = self.get_submodule(module_name)
+        if isinstance(module, Linear) and name.endswith(".weight"):
+            module.load_blocks(blocks)
+            return None
+        if name == "model.embed_tokens.weight" and self.cfg.tie_word_embeddings:
+            self.tied_head_quant = make_quantized_linear(blocks, self.model.embed_tokens.weight.device)
+        return blocks.dequantize()
 
     def _expected_weight_names(self) -> Iterator[str]:
         for name, module in self.named_modules():

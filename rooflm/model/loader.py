@@ -82,7 +82,10 @@ def resolve_model(model: Optional[str], load_format: str) -> tuple[str, str]:
                 raise load_error(model, "GGUF file not found")
             return model, "gguf"
         if _is_preset(model):
-            return model, "dummy"
+            # A preset has a shape and no weights: running it means random weights, which must
+            # be asked for (an 8B preset in fp32 also fills a small machine's memory).
+            raise ModelLoadError(
+                f"{model} is a shape preset: pass --load-format dummy, or a model path")
         raise ModelLoadError(
             f"cannot tell what model {model!r} is: it is not a directory, not a .gguf file and "
             f"not a preset name (presets: {', '.join(sorted(presets.PRESETS))})")
@@ -324,10 +327,14 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def iter_weights(path: str, load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(path: str, load_format: str,
+                 keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF parameter name, tensor) for every weight, one tensor at a time, each
     checked against the config's shapes; raises ModelLoadError at the end if any
     weight the config needs never came.
+
+    keep_quantized: GGUF block-quantized weights come as rooflm.quant BlockTensors
+    (see gguf_loader.open_gguf_weights); other formats ignore it.
 
     Not a generator itself, so a missing file or a bad config is reported at the
     call rather than at the first next().
@@ -339,7 +346,7 @@ def iter_weights(path: str, load_format: str) -> Iterator[tuple[str, torch.Tenso
         stream = _iter_safetensors(path, config)
     elif load_format == "gguf":
         from rooflm.model import gguf_loader
-        config, stream = gguf_loader.open_gguf_weights(path)
+        config, stream = gguf_loader.open_gguf_weights(path, keep_quantized)
     elif load_format == "dummy":
         raise ModelLoadError(
             f"{path!r} has dummy weights; there are no weights to read "

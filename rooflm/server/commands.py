@@ -29,6 +29,10 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "serve", help="serve the OpenAI-compatible API (completions, chat, models, metrics)",
         description=__doc__.splitlines()[0])
+    # vLLM's habit: `serve MODEL`; --model (an engine flag) still works.
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="a model directory, .gguf file or (with --load-format dummy) preset; "
+                             "the same as --model (default: the embedded SmolLM2-135M-Instruct)")
     group = parser.add_argument_group("server options")
     group.add_argument("--host", default="127.0.0.1")
     group.add_argument("--port", type=int, default=8000)
@@ -145,6 +149,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from rooflm.engine.core_process import EngineStartError
     from rooflm.server.chat_template import ChatTemplateError
 
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            print(f"rooflm: error: two models given: {args.model_tag!r} and --model {args.model!r}",
+                  file=sys.stderr)
+            return 2
+        args.model = args.model_tag
     try:
         config = server_config(args)  # before the model loads: a bad template fails fast
     except ChatTemplateError as exc:

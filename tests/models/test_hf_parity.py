@@ -77,17 +77,44 @@ def smollm2_hf():
     return model.eval()
 
 
-@pytest.mark.slow
-def test_smollm2_gguf_greedy_matches_hf(smollm2, smollm2_hf):
-    tok = smollm2.tokenizer
+def smollm2_prompt_ids(tok):
     prompts = ["The capital of France is", "def fibonacci(n):",
                tok.apply_chat_template([{"role": "user", "content": "Name three colors."}])]
+    return [tok.encode(p, add_special_tokens=False) for p in prompts]
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_greedy_matches_hf(smollm2_exact, smollm2_hf):
+    """Dequantized to float32, the weights are HF's: tokens equal, logprobs within 1e-3."""
+    ids = smollm2_prompt_ids(smollm2_exact.tokenizer)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
-    ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
-    outs = smollm2.generate(ids, params)
+    outs = smollm2_exact.generate(ids, params)
     for prompt_ids, out in zip(ids, outs):
         tokens, logprobs = hf_greedy(smollm2_hf, prompt_ids, NEW_TOKENS)
         assert_close_to_hf(out, tokens, logprobs)
+
+
+@pytest.mark.slow
+def test_smollm2_quantized_greedy_close_to_hf(smollm2, smollm2_hf):
+    """The default CPU path (Q4_1 blocks kept, bf16 activations in the matmuls) is not HF's
+    arithmetic, so tokens may part ways; vLLM's check_logprobs_close rule: up to the first
+    difference they are equal, and there each side's token is in the other's top 5."""
+    ids = smollm2_prompt_ids(smollm2.tokenizer)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
+    outs = smollm2.generate(ids, params)
+    matched = 0
+    for prompt_ids, out in zip(ids, outs):
+        hf_tokens, hf_logprobs = hf_greedy(smollm2_hf, prompt_ids, NEW_TOKENS)
+        ours = out.outputs[0]
+        for pos, (mine, theirs) in enumerate(zip(ours.token_ids, hf_tokens)):
+            if mine != theirs:
+                assert theirs in ours.logprobs[pos], f"HF's token {theirs} not in our top 5 at {pos}"
+                assert mine in hf_logprobs[pos].topk(5).indices.tolist(), \
+                    f"our token {mine} not in HF's top 5 at {pos}"
+                break
+            matched += 1
+    # Not a vacuous pass: most of the greedy tokens agree before any divergence.
+    assert matched >= NEW_TOKENS * len(ids) // 2, f"only {matched} leading tokens equal HF's"
 
 
 @pytest.mark.slow

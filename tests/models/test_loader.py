@@ -201,7 +201,14 @@ def test_qwen_sliding_window(tiny_root):
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_dummy_preset_config(name):
     assert load_model_config(name, "dummy") == PRESETS[name]
-    assert resolve_model(name, "auto") == (name, "dummy")
+    assert resolve_model(name, "dummy") == (name, "dummy")
+
+
+@pytest.mark.parametrize("name", ["llama-3-8b", "Qwen3-0.6B"])
+def test_preset_without_dummy_load_format_is_an_error(name):
+    """Never a silent random model: a preset names a shape, not weights."""
+    with pytest.raises(ModelLoadError, match=f"{name} is a shape preset: pass --load-format dummy"):
+        resolve_model(name, "auto")
 
 
 def test_dummy_has_no_weights():

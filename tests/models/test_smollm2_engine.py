@@ -7,7 +7,11 @@ PROMPTS = ["The capital of France is", "Once upon a time,", "List three fruits:"
            "In 1969, the first man on the moon", "My favourite colour is"]
 
 
-def test_batch_independence_fp32(smollm2):
+def test_batch_independence_fp32(smollm2_exact):
+    # The float32 path. The default CPU path (int4 weights, bf16 activations) is not batch
+    # invariant: torch's int4 kernel sums a 1-row and an 8-row matmul differently, and greedy
+    # tokens of this prompt part at the 8th token (seen on 2026-11-23).
+    smollm2 = smollm2_exact
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     target = "Tell me a short story about a robot who learns to paint."
     alone = smollm2.generate([target], params)[0].outputs[0].token_ids

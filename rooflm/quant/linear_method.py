@@ -1,0 +1,125 @@
+"""Linear layers that multiply block-quantized weights without dequantizing them to float.
+
+Why: batch-1 decode reads every weight once per token. SmolLM2-135M dequantized to fp32 is
+0.54 GB a token; its Q4_1 blocks as torch's packed int4 are 4.5 bits a weight (~60 MB for the
+decoder layers). The kernels are torch's own CPU weight-only GEMMs:
+
+  4-bit (Q4_0, Q4_1): aten._weight_int4pack_mm_for_cpu, groups of 32 along K with one
+      (scale, zero) pair per group and row, value = (code - 8) * scale + zero. A GGUF block is
+      exactly one group: scale = d, zero = offset + 8 d. Only the rounding of scale and zero to
+      bf16 (the kernel's activation dtype) changes the weights.
+  8-bit (Q8_0): aten._weight_int8pack_mm, one scale per row, while Q8_0 has one per block of
+      32. With few blocks per row (K <= 2048: SmolLM2's tied LM head has 18) the matmul runs
+      once per block column with that column's scales and the partial products are summed:
+      the file's exact codes, for the same bytes read. With more, the launches would cost more
+      than the reads, so the rows are requantized to one scale (symmetric, max |w| / 127),
+      which moves each weight by up to 1/254 of its row's largest.
+
+Both kernels are vectorised for bf16 activations on AVX2/AVX-512 (fp32 activations take a
+scalar path ~10x slower, measured on the project's AMD EPYC), so activations are rounded to
+bf16 for the matmul and the result is returned in the caller's dtype. Outputs therefore match
+a float32 model to about bf16 precision, not bit for bit; `--quantization none` keeps the
+exact dequantized float path.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from rooflm.quant.gguf_blocks import BLOCK, BlockTensor
+
+ACT_DTYPE = torch.bfloat16
+
+
+def cpu_kernels_available() -> bool:
+    """Whether this torch has the CPU weight-only kernels (torch >= 2.5 for the int4 one)."""
+    aten = torch.ops.aten
+    return all(hasattr(aten, op) for op in ("_weight_int4pack_mm_for_cpu",
+                                            "_convert_weight_to_int4pack_for_cpu",
+                                            "_weight_int8pack_mm"))
+
+
+class QuantizedLinearMethod(torch.nn.Module):
+    """y = x @ W.T (+ bias) for a quantized W; holds the packed weight as buffers."""
+
+    in_features: int
+    out_features: int
+    format: str
+
+    def weight_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+
+class Int4GroupLinear(QuantizedLinearMethod):
+    def __init__(self, blocks: BlockTensor):
+        super().__init__()
+        rows, cols = blocks.shape
+        self.in_features, self.out_features, self.format = cols, rows, blocks.format
+        codes = torch.from_numpy(blocks.codes).to(torch.int32)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+        scale = torch.from_numpy(blocks.scale)
+        zero = torch.from_numpy(blocks.offset) + 8.0 * scale
+        # [K / 32, N, 2]: the kernel's layout, groups outermost.
+        self.register_buffer("scales_and_zeros",
+                             torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(ACT_DTYPE))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(ACT_DTYPE)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, BLOCK, self.scales_and_zeros)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+class Int8BlockLinear(QuantizedLinearMethod):
+    def __init__(self, blocks: BlockTensor):
+        super().__init__()
+        rows, cols = blocks.shape
+        self.in_features, self.out_features, self.format = cols, rows, blocks.format
+        self.num_blocks = cols // BLOCK
+        codes = torch.from_numpy(blocks.codes).reshape(rows, self.num_blocks, BLOCK)
+        self.register_buffer("codes", codes.transpose(0, 1).contiguous())  # [blocks, N, 32]
+        self.register_buffer("scale", torch.from_numpy(blocks.scale).T.contiguous().to(ACT_DTYPE))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.num_blocks, BLOCK).to(ACT_DTYPE)
+        # Partial sums in fp32: the kernel returns bf16, and 18 bf16 roundings of partials
+        # larger than their sum would add up.
+        y = torch.zeros(flat.shape[0], self.out_features, dtype=torch.float32)
+        for b in range(self.num_blocks):
+            y += torch.ops.aten._weight_int8pack_mm(flat[:, b].contiguous(), self.codes[b], self.scale[b])
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+# Above this many blocks per row a Q8_0 weight is requantized per row (see the header).
+MAX_Q8_BLOCK_COLUMNS = 64
+
+
+class Int8RowLinear(QuantizedLinearMethod):
+    def __init__(self, blocks: BlockTensor):
+        super().__init__()
+        rows, cols = blocks.shape
+        self.in_features, self.out_features, self.format = cols, rows, blocks.format
+        weight = blocks.dequantize()
+        scale = weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+        codes = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        self.register_buffer("codes", codes)
+        self.register_buffer("scale", scale.to(ACT_DTYPE))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(ACT_DTYPE)
+        y = torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scale)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+def make_quantized_linear(blocks: BlockTensor, device: torch.device) -> Optional[QuantizedLinearMethod]:
+    """The module for `blocks` on `device`, or None when no kernel here takes the format
+    (then the caller dequantizes). Only the CPU kernels exist so far."""
+    if device.type != "cpu" or not cpu_kernels_available():
+        return None
+    if blocks.bits == 4:
+        # The packed int4 layout tiles 16 output rows (torch's _convert_weight_to_int4pack_cpu).
+        return Int4GroupLinear(blocks) if blocks.shape[0] % 16 == 0 else None
+    if blocks.shape[1] // BLOCK <= MAX_Q8_BLOCK_COLUMNS:
+        return Int8BlockLinear(blocks)
+    return Int8RowLinear(blocks)
