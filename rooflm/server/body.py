@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 from fastapi import Request
@@ -129,7 +130,34 @@ def _parse_json_object(body: bytes) -> dict:
         raise p.RequestError(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise p.RequestError(f"the request body must be a JSON object, got {type(value).__name__}")
+    if _SURROGATE_ESCAPE.search(text):
+        _refuse_lone_surrogates(value, ())
     return value
+
+
+# A \uD800-\uDFFF escape: JSON lets one stand alone, and Python's parser makes it a
+# lone surrogate, which is not text (no UTF-8 for it): the tokenizer, the engine-core
+# messages and the stop matcher would each fail on it in their own way. A valid pair
+# parses into one character, so only what is left alone is refused.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+
+
+def _refuse_lone_surrogates(value, path: tuple) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            where = ".".join(str(part) for part in path)
+            raise p.RequestError(f"{where or 'the request body'} holds a lone UTF-16 surrogate "
+                                 f"escape (\\uD800-\\uDFFF), which is not text",
+                                 param=where or None) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_lone_surrogates(key, path)
+            _refuse_lone_surrogates(item, path + (key,))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _refuse_lone_surrogates(item, path + (index,))
 
 
 def _too_large(max_bytes: int) -> p.RequestError:

@@ -32,7 +32,8 @@ class ChatHandler:
 
     async def __call__(self, raw: Request) -> Response:
         request = self.request
-        prompt = await chat_prompt(self.state.tokenizer, request)
+        prompt = await chat_prompt(self.state.tokenizer, request,
+                                   self.state.config.split_special_tokens)
         # Chat has no default max_tokens: up to the context length.
         generation = await submit(self.state, self.id, [prompt], request, self.arrival, None)
         return await answer(raw, generation, request.stream, self, request.include_usage_in_stream,

@@ -66,6 +66,10 @@ def register(subparsers) -> None:
                        help="run the engine loop in a process of its own, so HTTP, tokenization "
                             "and SSE never hold up a step (default: on); --no-engine-process "
                             "runs it on a thread of the server's process")
+    group.add_argument("--split-special-tokens", action="store_true",
+                       help="treat special tokens typed in chat message content as plain text "
+                            "(default: they are parsed as special tokens, as in vLLM; a request's "
+                            "split_special_tokens field overrides)")
     group.add_argument("--uvicorn-log-level", default="warning")
     add_engine_args(parser)
     parser.set_defaults(func=cmd_serve)
@@ -89,6 +93,7 @@ def server_config(args: argparse.Namespace):
         shutdown_timeout=args.shutdown_timeout,
         log_interval=args.log_interval,
         peak_bandwidth_gbs=args.peak_bandwidth_gbs,
+        split_special_tokens=args.split_special_tokens,
     )
 
 

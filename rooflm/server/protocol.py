@@ -162,6 +162,9 @@ class SamplingRequest(OpenAIModel):
     # Keeps prefix-cache hits within one tenant: requests share cached K/V only
     # when their salts are equal.
     cache_salt: Optional[str] = None
+    # True: special tokens' text in the prompt or message content stays plain text
+    # (vLLM's /tokenize and HF's name); None: the server's default (chat only).
+    split_special_tokens: Optional[bool] = None
     # OpenAI fields rooflm does not implement; refused when set.
     logit_bias: Optional[dict[str, Any]] = None
     best_of: Optional[int] = None
