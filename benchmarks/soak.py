@@ -142,11 +142,13 @@ def hostile_cases(model: str) -> list:
 
 class Traffic:
     def __init__(self, client: httpx.AsyncClient, model: str, rng: random.Random,
-                 max_tokens: int, hostile_fraction: float, api_key: Optional[str]):
+                 max_tokens: int, hostile_fraction: float, api_key: Optional[str],
+                 prompt_words: int):
         self.client = client
         self.model = model
         self.rng = rng
         self.max_tokens = max_tokens
+        self.prompt_words = prompt_words
         self.hostile_fraction = hostile_fraction
         self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.hostile = hostile_cases(model)
@@ -190,7 +192,7 @@ class Traffic:
                            f"{response.text[:200]}")
 
     def _valid_body(self) -> tuple[str, dict]:
-        words = " ".join(self.rng.choice(WORDS) for _ in range(self.rng.randint(10, 300)))
+        words = " ".join(self.rng.choice(WORDS) for _ in range(self.rng.randint(1, self.prompt_words)))
         body = {"model": self.model, "max_tokens": self.rng.randint(8, self.max_tokens),
                 "temperature": self.rng.choice([0.0, 0.7, 1.0]), "ignore_eos": True,
                 "stream": self.rng.random() < 0.5}
@@ -237,7 +239,8 @@ async def run_traffic(base_url: str, model: str, args, samples: list, server_pid
     limits = httpx.Limits(max_connections=args.max_connections)
     async with httpx.AsyncClient(base_url=base_url, timeout=args.request_timeout,
                                  limits=limits) as client:
-        traffic = Traffic(client, model, rng, args.max_tokens, args.hostile_fraction, args.api_key)
+        traffic = Traffic(client, model, rng, args.max_tokens, args.hostile_fraction, args.api_key,
+                          args.prompt_words)
         deadline = time.monotonic() + args.minutes * 60
         next_sample = time.monotonic()
         tasks: set[asyncio.Task] = set()
@@ -374,7 +377,10 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--rate", type=float, default=8.0, help="requests per second, steady")
     parser.add_argument("--hostile-fraction", type=float, default=0.3)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128,
+                        help="valid requests ask for 8 to this many tokens")
+    parser.add_argument("--prompt-words", type=int, default=300,
+                        help="valid prompts have 1 to this many words")
     parser.add_argument("--max-connections", type=int, default=256)
     parser.add_argument("--request-timeout", type=float, default=300.0)
     parser.add_argument("--warmup-s", type=float, default=30.0,
@@ -389,6 +395,15 @@ def main() -> int:
     if base_url is None:
         proc, base_url = start_server(args.serve_args, out, args.api_key)
         server_pid = proc.pid
+    try:
+        return _soak(args, out, base_url, server_pid, proc)
+    finally:
+        if proc is not None and proc.poll() is None:  # interrupted: the server goes with us
+            proc.kill()
+
+
+def _soak(args, out: Path, base_url: str, server_pid: Optional[int],
+          proc: Optional[subprocess.Popen]) -> int:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     with httpx.Client(base_url=base_url, timeout=30, headers=headers) as client:
         model = client.get("/v1/models").json()["data"][0]["id"]

@@ -215,6 +215,43 @@ def test_a_client_trickling_its_headers_blocks_nobody(tiny):
     asyncio.run(asyncio.wait_for(_served_while_trickling(tiny.url), timeout=60))
 
 
+# ---- clients that hang up together ---------------------------------------------------------------
+
+
+async def _streams_dropped_together(url: str, count: int) -> int:
+    """count streams, each held until it has sent a token, then all closed at once;
+    returns how many were streaming (the rest were refused with 429)."""
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": True,
+            "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    async with httpx.AsyncClient(base_url=url, timeout=60, headers=headers,
+                                 limits=httpx.Limits(max_connections=count)) as client:
+        async def open_one():
+            response = await client.send(client.build_request("POST", "/v1/completions", json=body),
+                                         stream=True)
+            if response.status_code != 200:
+                await response.aread()
+                assert response.status_code == 429, response.text
+                await response.aclose()
+                return None
+            lines = response.aiter_lines()
+            while not (await lines.__anext__()).startswith("data:"):
+                pass  # admitted and generating
+            return response, lines
+
+        opened = await asyncio.gather(*[open_one() for _ in range(count)])
+        streaming = [o for o in opened if o is not None]
+        for response, _ in streaming:
+            await response.aclose()  # every client hangs up mid-stream, together
+        return len(streaming)
+
+
+def test_many_streams_dropped_at_once_free_everything(tiny):
+    streaming = asyncio.run(asyncio.wait_for(_streams_dropped_together(tiny.url, 8), timeout=120))
+    assert streaming >= 4
+    assert_idle(wait_until_idle(tiny.url, timeout=20))
+
+
 # ---- odds and ends ----------------------------------------------------------------------------------
 
 
