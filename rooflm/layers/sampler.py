@@ -46,6 +46,20 @@ class SamplingRow:
     suppress_token_ids: tuple[int, ...] = ()
 
 
+# The largest logit a penalty may produce. Finite after division by the
+# smallest temperature the sampler divides by (MIN_TEMPERATURE,
+# 1e-5: 1e30 / 1e-5 = 1e35 < float32's 3.4e38), so softmax never sees inf.
+LOGIT_LIMIT = 1e30
+
+# The smallest temperature the sampler divides by (vLLM's _SAMPLING_EPS).
+MIN_TEMPERATURE = 1e-5
+
+# The repetition penalty as the sampler applies it: float32 holds neither
+# 1e-300 (it rounds to 0, and x / 0 is inf, 0 * inf NaN) nor 1e300 (inf). Past
+# these bounds the clamped logits are the same whatever the penalty.
+REPETITION_PENALTY_RANGE = (1e-30, 1e30)
+
+
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         # Pinned memory makes the copy truly asynchronous.
@@ -140,6 +154,9 @@ class SamplingMetadata:
                 min_ps.append(p.min_p)
                 if row.generator is not None:
                     generators.append((i, row.generator))
+            # A temperature this small is greedy in effect; dividing by a smaller one
+            # overflows the logits to inf (SamplingParams takes any temperature > 0).
+            temperatures = [max(t, MIN_TEMPERATURE) for t in temperatures]
             temperature = column(temperatures, torch.float32)
             if any(k < vocab_size for k in top_ks):
                 top_k = column(top_ks, torch.int64)
@@ -152,7 +169,9 @@ class SamplingMetadata:
         # the other rows keep zero counts and neutral penalty values.
         repetition_penalty = seen_mask = None
         if any(p.repetition_penalty != 1.0 for p in params):
-            repetition_penalty = column([p.repetition_penalty for p in params], torch.float32)
+            low, high = REPETITION_PENALTY_RANGE
+            penalties = [min(max(p.repetition_penalty, low), high) for p in params]
+            repetition_penalty = column(penalties, torch.float32)
             seen_lists = []
             for row in rows:
                 if row.params.repetition_penalty != 1.0:
@@ -266,6 +285,12 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
         # the logit's sign, so divide positive logits and multiply negative ones.
         penalty = meta.repetition_penalty
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        # Any penalty far from 1 overflows here (a logit of 5 / 1e-30 is +inf in
+        # float32), and two +inf logits make softmax NaN. Clamping keeps the
+        # penalty's meaning (seen tokens pushed to the extreme) with finite values;
+        # -inf (a token already ruled out) passes unchanged.
+        penalised = penalised.clamp(min=-LOGIT_LIMIT, max=LOGIT_LIMIT)
+        penalised = torch.where(torch.isneginf(logits), logits, penalised)
         logits = torch.where(meta.seen_mask, penalised, logits)
     if meta.output_counts is not None:
         # OpenAI semantics, output tokens only: frequency scales with the

@@ -98,6 +98,9 @@ def create_app(engine_kwargs: Optional[dict] = None, config: Optional[ServerConf
 
     app = FastAPI(title="rooflm", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
+    # A trailing slash is another path (404), not a 307 to a Location built from the
+    # client's own Host header.
+    app.router.redirect_slashes = False
     app.state.rooflm = state
     _add_error_handlers(app)
     _add_routes(app, state)

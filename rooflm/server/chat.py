@@ -43,7 +43,7 @@ class ChatHandler:
         tokenizer = self.state.tokenizer
         self.tools = ToolCalling(request, tokenizer.chat_template if tokenizer is not None else None)
         await prepare_constraint(request, self.tools.constraint())
-        prompt = await chat_prompt(tokenizer, request)
+        prompt = await chat_prompt(tokenizer, request, self.state.config.split_special_tokens)
         # Chat has no default max_tokens: up to the context length.
         generation = await submit(self.state, self.id, [prompt], request, self.arrival, None)
         return await answer(raw, generation, request.stream, self, request.include_usage_in_stream,

@@ -73,6 +73,10 @@ def register(subparsers) -> None:
     group.add_argument("--chat-template", default=None,
                        help="a Jinja chat template replacing the model's: a file path, or the "
                             "template itself (checked at start-up)")
+    group.add_argument("--split-special-tokens", action="store_true",
+                       help="treat special tokens typed in chat message content as plain text "
+                            "(default: they are parsed as special tokens, as in vLLM; a request's "
+                            "split_special_tokens field overrides)")
     group.add_argument("--uvicorn-log-level", default="warning")
     add_engine_args(parser)
     parser.set_defaults(func=cmd_serve)
@@ -98,6 +102,7 @@ def server_config(args: argparse.Namespace):
         log_interval=args.log_interval,
         peak_bandwidth_gbs=args.peak_bandwidth_gbs,
         chat_template=None if args.chat_template is None else load_chat_template(args.chat_template),
+        split_special_tokens=args.split_special_tokens,
     )
 
 

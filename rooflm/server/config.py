@@ -33,6 +33,8 @@ class ServerConfig:
     peak_bandwidth_gbs: float = 0.0  # 0: the GPU table's, if it knows the device
     warmup: bool = True
     chat_template: Optional[str] = None  # the template's text (--chat-template); None: the model's
+    # The default of a chat request's split_special_tokens: message content as plain text.
+    split_special_tokens: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_n", "max_body_bytes", "max_header_bytes"):

@@ -31,7 +31,10 @@ async def completion_prompts(tokenizer, request: p.CompletionRequest) -> list[Pr
     for prompt in request.prompts():
         if isinstance(prompt, str):
             _require_tokenizer(tokenizer, "prompt")
-            ids = await asyncio.to_thread(tokenizer.encode, prompt)
+            if request.split_special_tokens:
+                ids = await asyncio.to_thread(tokenizer.encode_plain_text, prompt)
+            else:
+                ids = await asyncio.to_thread(tokenizer.encode, prompt)
             if not ids:
                 raise p.RequestError("the prompt encodes to no tokens", param="prompt")
             prepared.append(PreparedPrompt(prompt, ids))
@@ -40,20 +43,23 @@ async def completion_prompts(tokenizer, request: p.CompletionRequest) -> list[Pr
     return prepared
 
 
-async def chat_prompt(tokenizer, request: p.ChatCompletionRequest) -> PreparedPrompt:
+async def chat_prompt(tokenizer, request: p.ChatCompletionRequest,
+                      split_special_tokens: bool = False) -> PreparedPrompt:
+    """split_special_tokens: the server's default (--split-special-tokens) where the request
+    does not say; True keeps special tokens typed in message content as plain text."""
     _require_tokenizer(tokenizer, "messages")
     conversation = request.conversation()
     add_generation_prompt = request.add_generation_prompt is not False
     tools = request.template_tools()
+    if request.split_special_tokens is not None:
+        split_special_tokens = request.split_special_tokens
     try:
-        text = await asyncio.to_thread(tokenizer.apply_chat_template, conversation,
-                                       add_generation_prompt, tools)
+        text, ids = await asyncio.to_thread(tokenizer.encode_chat, conversation,
+                                            add_generation_prompt, split_special_tokens, tools)
     except Exception as exc:  # noqa: BLE001 - ValueError and jinja2's TemplateError (incl. SecurityError)
         if not isinstance(exc, ValueError) and "jinja2" not in type(exc).__module__:
             raise
         raise p.RequestError(f"cannot apply the chat template: {exc}", param="messages") from None
-    # The template already wrote the special tokens (BOS included) into the text.
-    ids = await asyncio.to_thread(tokenizer.encode, text, False)
     return PreparedPrompt(text, ids)
 
 

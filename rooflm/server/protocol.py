@@ -21,6 +21,7 @@ would silently change the answer.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Optional, Union
@@ -166,6 +167,9 @@ class SamplingRequest(OpenAIModel):
     # Keeps prefix-cache hits within one tenant: requests share cached K/V only
     # when their salts are equal.
     cache_salt: Optional[str] = None
+    # True: special tokens' text in the prompt or message content stays plain text
+    # (vLLM's /tokenize and HF's name); None: the server's default (chat only).
+    split_special_tokens: Optional[bool] = None
     # Token id (as a string, JSON's only key type) -> bias in [-100, 100].
     logit_bias: Optional[dict[str, Any]] = None
     # Structured outputs: OpenAI's response_format, and vLLM's structured_outputs object and
@@ -212,8 +216,9 @@ class SamplingRequest(OpenAIModel):
         _check_range("min_p", self.min_p, 0.0, 1.0)
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        if self.repetition_penalty is not None and not self.repetition_penalty > 0:
-            raise RequestError(f"repetition_penalty must be > 0, got "
+        # vLLM's bound: finite and > 0 (1e400 in JSON parses to inf, and inf > 0).
+        if self.repetition_penalty is not None and not 0 < self.repetition_penalty < math.inf:
+            raise RequestError(f"repetition_penalty must be a finite number > 0, got "
                                f"{short_repr(self.repetition_penalty)}", param="repetition_penalty")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise RequestError(f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {short_repr(self.seed)}",

@@ -14,8 +14,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shutil
 import tempfile
+import uuid
 from typing import Any, Optional
 
 from rooflm.model.loader import ModelLoadError, load_error, resolve_model
@@ -24,6 +26,11 @@ logger = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = "ROOFLM_CACHE_DIR"
 DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "rooflm")
+
+# Brackets of the placeholders encode_chat renders in place of message content: Unicode
+# private-use characters, which no template writes.
+_PLACEHOLDER_OPEN = "\ue000"
+_PLACEHOLDER_CLOSE = "\ue001"
 
 # Any one of these makes a directory loadable by AutoTokenizer without the hub.
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -163,6 +170,11 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
+    def encode_plain_text(self, text: str) -> list[int]:
+        """Like encode(text), but a special token's text in it stays text (split into
+        ordinary tokens); the tokenizer's own BOS, if it adds one, is still added."""
+        return list(self.hf.encode(text, add_special_tokens=True, split_special_tokens=True))
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
@@ -176,6 +188,51 @@ class Tokenizer:
         _check_messages(messages)
         return self.hf.apply_chat_template(messages, tokenize=False, tools=tools or None,
                                            add_generation_prompt=add_generation_prompt)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    split_special_tokens: bool = False,
+                    tools: Optional[list[dict]] = None) -> tuple[str, list[int]]:
+        """The rendered prompt and its token ids.
+
+        The template writes the special tokens (BOS included) into the text, so the
+        text is encoded without adding any. By default, as in vLLM and HF, the whole
+        text is encoded at once, and a special token's text typed inside a message
+        ("<|im_start|>system ...") becomes that special token: the sender can forge
+        turns. split_special_tokens=True keeps message content plain text: content is
+        rendered as placeholders, and each piece of content is encoded on its own with
+        special tokens split (HF's split_special_tokens; vLLM's placeholder idea,
+        vllm-project/vllm#31735). Content holding no special token's text takes the
+        plain path, so its ids are the same either way; otherwise the ids at the
+        boundaries between template and content may differ from one whole-text encode.
+        """
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        if not split_special_tokens or not self._has_special_text(messages):
+            return text, self.encode(text, add_special_tokens=False)
+        nonce = uuid.uuid4().hex
+        # Only text content is marked: an assistant turn with tool calls may have none.
+        marked = [{**m, "content": f"{_PLACEHOLDER_OPEN}{nonce}:{i}{_PLACEHOLDER_CLOSE}"}
+                  if isinstance(m.get("content"), str) else m for i, m in enumerate(messages)]
+        rendered = self.apply_chat_template(marked, add_generation_prompt, tools)
+        pieces = re.split(f"{_PLACEHOLDER_OPEN}{nonce}:(\\d+){_PLACEHOLDER_CLOSE}", rendered)
+        ids: list[int] = []
+        parts: list[str] = []
+        for position, piece in enumerate(pieces):
+            if position % 2 == 0:  # the template's own text: its special tokens are real
+                if nonce in piece:
+                    raise ValueError("the chat template changed the message content; cannot "
+                                     "keep special tokens in it as text")
+                ids += self.encode(piece, add_special_tokens=False)
+                parts.append(piece)
+            else:  # a message's content: plain text
+                content = messages[int(piece)]["content"]
+                ids += self.hf.encode(content, add_special_tokens=False, split_special_tokens=True)
+                parts.append(content)
+        return "".join(parts), ids
+
+    def _has_special_text(self, messages: list[dict]) -> bool:
+        specials = [token for token in self.hf.get_added_vocab() if token]
+        return any(isinstance(message.get("content"), str) and token in message["content"]
+                   for message in messages for token in specials)
 
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos_token_id={self.bos_token_id}, "
