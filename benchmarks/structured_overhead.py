@@ -29,12 +29,12 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from rooflm.bench.results import git_commit  # noqa: E402
 from rooflm.engine.llm_engine import LLMEngine  # noqa: E402
 from rooflm.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
@@ -120,11 +120,7 @@ def main(argv=None) -> int:
     tpot = {v: statistics.median(r["tpot_ms_median"] for r in rows if r["variant"] == v)
             for v in ("free", "schema")}
     ratio = tpot["schema"] / tpot["free"]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+    commit = git_commit()  # ROOFLM_COMMIT where the tree is a copy (the device machine)
     result = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit,
               "device": str(engine.runner.device), "model": args.model or "default",
               "async_scheduling": engine.async_scheduling, "batch_size": args.batch_size,
