@@ -75,18 +75,67 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from rooflm.llm import LLM
     params = sampling_params(args)
     llm = LLM(**engine_kwargs(args))
-    prompts = list(args.prompt)
-    if args.chat_template:
-        tok = llm.tokenizer
-        prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]),
-                              add_special_tokens=False) for p in prompts]
+    try:
+        prompts, labels, templated = _generate_prompts(args, llm)
+    except ValueError as exc:
+        print(f"rooflm: error: {exc}", file=sys.stderr)
+        return 2
     outputs = llm.generate(prompts, params)
-    for prompt, out in zip(args.prompt, outputs):
+    for label, out in zip(labels, outputs):
         for sample in out.outputs:
             if len(outputs) > 1 or len(out.outputs) > 1:
-                print(f"--- {prompt!r} [{sample.index}] ({sample.finish_reason})")
-            print(sample.text.strip() if args.chat_template else sample.text)
+                print(f"--- {label!r} [{sample.index}] ({sample.finish_reason})")
+            text = sample.text.strip() if templated else sample.text
+            # A model without a tokenizer has no text: its token ids are the output.
+            print(text if llm.tokenizer is not None else " ".join(map(str, sample.token_ids)))
     return 0
+
+
+def _generate_prompts(args: argparse.Namespace, llm) -> tuple[list, list[str], bool]:
+    """(prompts for the engine, labels to print, whether the chat template wrapped them).
+
+    Text prompts need a tokenizer; the chat template is applied only where the tokenizer has
+    one. --prompt-token-ids and --random-prompt-len give prompts to a model without a
+    tokenizer (a shape preset with dummy weights)."""
+    tok = llm.tokenizer
+    if args.prompt_token_ids is not None or args.random_prompt_len is not None:
+        if args.prompt:
+            raise ValueError("give text prompts, or --prompt-token-ids / --random-prompt-len, not both")
+        if args.prompt_token_ids is not None:
+            ids = _parse_token_ids(args.prompt_token_ids, llm.engine.model_config.vocab_size)
+        else:
+            ids = _random_ids(args.random_prompt_len, llm.engine.model_config.vocab_size)
+        return [ids], [f"{len(ids)} token ids"], False
+    if not args.prompt:
+        raise ValueError("give a prompt (text), or --prompt-token-ids / --random-prompt-len")
+    if tok is None:
+        raise ValueError(f"{llm.engine.info.model} has no tokenizer, so text prompts cannot be "
+                         f"encoded: pass --tokenizer (an HF tokenizer directory or a .gguf file), "
+                         f"or token ids with --prompt-token-ids 1,2,3 or --random-prompt-len N")
+    if not (args.chat_template and tok.chat_template):
+        return list(args.prompt), list(args.prompt), False
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]),
+                          add_special_tokens=False) for p in args.prompt]
+    return prompts, list(args.prompt), True
+
+
+def _parse_token_ids(text: str, vocab_size: int) -> list[int]:
+    try:
+        ids = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise ValueError(f"--prompt-token-ids must be comma-separated integers, got {text!r}") from None
+    if not ids or any(not 0 <= i < vocab_size for i in ids):
+        raise ValueError(f"--prompt-token-ids must be non-empty ids in [0, {vocab_size}), got {text!r}")
+    return ids
+
+
+def _random_ids(length: int, vocab_size: int) -> list[int]:
+    import random
+    if length < 1:
+        raise ValueError(f"--random-prompt-len must be >= 1, got {length}")
+    rng = random.Random(0)
+    # From 100 up: skips the special and byte tokens at the start of most vocabularies.
+    return [rng.randrange(min(100, vocab_size - 1), vocab_size) for _ in range(length)]
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -137,9 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for prompts with the offline engine")
-    gen.add_argument("prompt", nargs="+")
+    gen.add_argument("prompt", nargs="*")
     gen.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True,
-                     help="wrap each prompt as a user turn of the model's chat template")
+                     help="wrap each prompt as a user turn of the model's chat template, if it has one")
+    gen.add_argument("--prompt-token-ids", default=None,
+                     help="one prompt as comma-separated token ids (models without a tokenizer)")
+    gen.add_argument("--random-prompt-len", type=int, default=None,
+                     help="one prompt of N random token ids (models without a tokenizer)")
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
