@@ -35,6 +35,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rooflm.bench.results import git_commit  # noqa: E402
+from rooflm.cli import add_engine_args, engine_kwargs  # noqa: E402
 from rooflm.engine.llm_engine import LLMEngine  # noqa: E402
 from rooflm.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
@@ -46,7 +47,7 @@ def schema(min_chars: int) -> dict:
 
 
 def _sync(engine: LLMEngine) -> None:
-    if engine.runner.device.type == "cuda":
+    if engine.info.device.startswith("cuda"):
         import torch
         torch.cuda.synchronize()
 
@@ -87,25 +88,19 @@ def run_variant(engine: LLMEngine, variant: str, args, round_index: int) -> dict
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None)
-    p.add_argument("--load-format", default="auto")
-    p.add_argument("--dtype", default="auto")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--min-chars", type=int, default=4000)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
-                   help="auto: the engine's default (on with CUDA)")
     p.add_argument("--out", default=None, help="directory for result.json and result.md")
+    add_engine_args(p)  # --model, --load-format, --dtype, --async-scheduling, ... as every command
+    p.set_defaults(max_model_len=1024)
     args = p.parse_args(argv)
+    if args.max_num_seqs is None:
+        args.max_num_seqs = max(args.batch_size, 1)
 
-    engine = LLMEngine.from_kwargs(model=args.model, load_format=args.load_format, dtype=args.dtype,
-                                   max_model_len=args.max_model_len,
-                                   max_num_seqs=max(args.batch_size, 1),
-                                   async_scheduling={"auto": None, "on": True, "off": False}[
-                                       args.async_scheduling])
+    engine = LLMEngine.from_kwargs(**engine_kwargs(args))
     if engine.tokenizer is None:
         raise SystemExit("the model has no tokenizer: make one with benchmarks/make_dummy_model_dir.py")
     # Warm-up: compile the grammar, and run both paths once (graphs, allocator, xgrammar caches).
@@ -122,17 +117,17 @@ def main(argv=None) -> int:
     ratio = tpot["schema"] / tpot["free"]
     commit = git_commit()  # ROOFLM_COMMIT where the tree is a copy (the device machine)
     result = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit,
-              "device": str(engine.runner.device), "model": args.model or "default",
-              "async_scheduling": engine.async_scheduling, "batch_size": args.batch_size,
+              "device": engine.info.device, "model": args.model or "default",
+              "async_scheduling": engine.info.async_scheduling, "batch_size": args.batch_size,
               "input_len": args.input_len, "output_len": args.output_len,
               "tpot_ms_free": tpot["free"], "tpot_ms_schema": tpot["schema"],
               "schema_over_free": ratio, "rounds": rows}
-    if engine.runner.device.type == "cuda":
+    if engine.info.device.startswith("cuda"):
         import torch
         result["gpu"] = torch.cuda.get_device_name()
     line = (f"batch {args.batch_size}: TPOT free {tpot['free']:.2f} ms, JSON schema "
             f"{tpot['schema']:.2f} ms, ratio {ratio:.3f} ({result['device']}, async "
-            f"{engine.async_scheduling})")
+            f"{engine.info.async_scheduling})")
     print(line)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
