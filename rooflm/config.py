@@ -139,8 +139,13 @@ class CacheConfig:
     cpu_kv_cache_gb: float = 1.0
     swap_space_gb: float = 1.0  # host memory for swap preemption
     enable_prefix_caching: bool = True
+    # auto: K/V stored in the model's dtype. fp8 (or fp8_e4m3): E4M3 with one fp32 scale per
+    # token and KV head (layers/kv_cache.py): half the bytes per decode step, twice the tokens.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be auto, fp8 or fp8_e4m3, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:

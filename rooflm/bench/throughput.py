@@ -203,7 +203,8 @@ def throughput_bound(engine, gpu, requests: list[BenchRequest]) -> dict:
     config = info.model_config
     elem = info.weight_dtype_bytes
     compute_dtype = compute_dtype_name(getattr(torch, info.dtype))
-    common = dict(weight_bytes=elem, kv_bytes=elem, act_bytes=elem, compute_dtype=compute_dtype)
+    # K/V at the pool's bytes per element (FP8 caches: 1 byte plus the scales' share).
+    common = dict(weight_bytes=elem, kv_bytes=info.kv_dtype_bytes, act_bytes=elem, compute_dtype=compute_dtype)
     peak_flops = gpu.peak_flops(compute_dtype)
     num = len(requests)
     prompt_lens = [len(r.prompt_token_ids) for r in requests]

@@ -18,6 +18,7 @@ import torch
 from rooflm.config import EngineConfig, with_device_defaults
 from rooflm.engine.block_manager import BlockManager
 from rooflm.engine.host_gc import tune_gc_for_serving
+from rooflm.layers import kv_cache as kv_format
 from rooflm.engine.model_runner import ModelRunner, StepHandle, StepResult, resolve_device
 from rooflm.engine.output_processor import OutputProcessor
 from rooflm.engine.outputs import RequestOutput
@@ -94,9 +95,9 @@ class LLMEngine:
             num_blocks=self.block_manager.num_blocks, num_host_blocks=self.block_manager.num_host_blocks,
             max_num_seqs=cfg.scheduler.max_num_seqs, max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
             device=str(self.runner.device), dtype=str(self.runner.dtype).replace("torch.", ""),
-            weight_dtype_bytes=self.runner.dtype.itemsize, kv_dtype_bytes=self.runner.kv_dtype.itemsize,
+            weight_dtype_bytes=self.runner.dtype.itemsize, kv_dtype_bytes=self.runner.kv_bytes_per_element(),
             async_scheduling=self.async_scheduling, has_tokenizer=self.tokenizer is not None,
-            startup_s=self.startup_s)
+            startup_s=self.startup_s, kv_cache_dtype=kv_format.parse_kv_cache_dtype(cfg.cache.kv_cache_dtype))
 
     # ---- the read-only face ------------------------------------------------------------------
 

@@ -22,7 +22,9 @@ from rooflm.engine.block_manager import slot_mapping
 from rooflm.engine.report import NULL_TRACER
 from rooflm.engine.scheduler import ScheduledSeq, SchedulerOutput
 from rooflm.layers.attention import AttentionMetadata, ReferenceBackend
+from rooflm.layers import kv_cache as kv_format
 from rooflm.layers.kernels import TORCH_KERNELS, Kernels, triton_kernels
+from rooflm.layers.kv_cache import KVCache
 from rooflm.layers.sampler import Sampler, SamplingMetadata, SamplingRow, compute_logprobs
 
 logger = logging.getLogger(__name__)
@@ -133,9 +135,15 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.backend = self._make_backend()
         self.model = None
+        # The pools: [layers, 2 (K, V), blocks, block_size, H_kv, D], and for FP8 caches the
+        # scales [layers, 2, blocks, block_size, H_kv] fp32 (layers/kv_cache.py). Swaps and
+        # copy-on-write move a block of every pool.
         self.kv_cache: Optional[torch.Tensor] = None
+        self.kv_scales: Optional[torch.Tensor] = None
         self.host_kv_cache: Optional[torch.Tensor] = None
-        self.kv_dtype = self.dtype
+        self.host_kv_scales: Optional[torch.Tensor] = None
+        self.kv_cache_dtype = config.cache.kv_cache_dtype
+        self.kv_dtype = kv_format.storage_dtype(self.kv_cache_dtype, self.dtype)
         self.sampler = Sampler()
         self.graphs = None
         self.piecewise = None  # PiecewiseGraphRunner for steps with prefill chunks
@@ -222,9 +230,12 @@ class ModelRunner:
             return TORCH_KERNELS
         return triton_kernels(self.config.runtime.decode_gemv)
 
+    def kv_bytes_per_element(self) -> float:
+        """Bytes per stored K or V element, FP8 scales included."""
+        return kv_format.bytes_per_element(self.kv_cache_dtype, self.dtype, self.model_config.head_dim)
+
     def kv_bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return self.model_config.kv_bytes_per_token(elem) * self.block_size
+        return round(self.model_config.kv_bytes_per_token(self.kv_bytes_per_element()) * self.block_size)
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -280,7 +291,7 @@ class ModelRunner:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del hidden, logits
-        self.kv_cache = self.kv_caches = None
+        self.kv_cache = self.kv_caches = self.kv_scales = None
         torch.cuda.empty_cache()
         self.timings["profile_s"] = time.perf_counter() - t0
         return peak
@@ -288,18 +299,36 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int, quiet: bool = False) -> None:
         cfg = self.model_config
         shape = (cfg.num_hidden_layers, 2, num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_hidden_layers)]
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        self.kv_scales = None
+        if kv_format.is_fp8(self.kv_cache_dtype):
+            self.kv_scales = torch.zeros(shape[:-1], dtype=torch.float32, device=self.device)
+        self.kv_caches = [self._layer_cache(i) for i in range(cfg.num_hidden_layers)]
         if not quiet:
-            logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
-                        self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
+            logger.info("KV cache: %d blocks of %d tokens, %s (%.2f GiB)", num_blocks, self.block_size,
+                        str(self.kv_dtype).replace("torch.", ""), num_blocks * self.kv_bytes_per_block() / 2**30)
+
+    def _layer_cache(self, layer: int) -> KVCache:
+        k, v = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
+        if self.kv_scales is None:
+            return KVCache(k, v)
+        return KVCache(k, v, self.kv_scales[layer, 0], self.kv_scales[layer, 1])
 
     def allocate_host_cache(self, num_blocks: int) -> None:
         if num_blocks <= 0:
             return
-        shape = (self.kv_cache.shape[0], 2, num_blocks) + tuple(self.kv_cache.shape[3:])
         pin = self.device.type == "cuda"
-        self.host_kv_cache = torch.zeros(shape, dtype=self.dtype, pin_memory=pin)
+        shape = (self.kv_cache.shape[0], 2, num_blocks) + tuple(self.kv_cache.shape[3:])
+        self.host_kv_cache = torch.zeros(shape, dtype=self.kv_dtype, pin_memory=pin)
+        if self.kv_scales is not None:
+            self.host_kv_scales = torch.zeros(shape[:-1], dtype=torch.float32, pin_memory=pin)
+
+    def _pools(self) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """(device pool, host pool) pairs whose blocks move together."""
+        pools = [(self.kv_cache, self.host_kv_cache)]
+        if self.kv_scales is not None:
+            pools.append((self.kv_scales, self.host_kv_scales))
+        return pools
 
     def num_host_blocks(self) -> int:
         if self.config.scheduler.preemption_mode != "swap":
@@ -310,14 +339,16 @@ class ModelRunner:
 
     def apply_block_ops(self, out: SchedulerOutput) -> None:
         """Swaps and copy-on-write copies, before the forward pass writes new K/V."""
-        for dev, host in out.blocks_to_swap_out:
-            self.host_kv_cache[:, :, host].copy_(self.kv_cache[:, :, dev])
-        for host, dev in out.blocks_to_swap_in:
-            self.kv_cache[:, :, dev].copy_(self.host_kv_cache[:, :, host], non_blocking=True)
+        for pool, host_pool in self._pools():
+            for dev, host in out.blocks_to_swap_out:
+                host_pool[:, :, host].copy_(pool[:, :, dev])
+            for host, dev in out.blocks_to_swap_in:
+                pool[:, :, dev].copy_(host_pool[:, :, host], non_blocking=True)
         if out.blocks_to_copy:
             src = torch.tensor([s for s, _ in out.blocks_to_copy], device=self.device)
             dst = torch.tensor([d for _, d in out.blocks_to_copy], device=self.device)
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+            for pool, _ in self._pools():
+                pool[:, :, dst] = pool[:, :, src]
 
     def prepare(self, out: SchedulerOutput, suppress: dict[int, tuple[int, ...]]) -> StepInputs:
         # Decodes (one query token) first: the attention backend splits the batch there.

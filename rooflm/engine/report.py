@@ -44,6 +44,7 @@ class EngineInfo:
     async_scheduling: bool
     has_tokenizer: bool
     startup_s: float
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8" (E4M3 + per-head scales)
 
     @property
     def kv_capacity_tokens(self) -> int:

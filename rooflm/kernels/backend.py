@@ -47,36 +47,42 @@ class TritonBackend(AttentionBackend):
 
     def rope_and_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                        rotary, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> torch.Tensor:
+                       slot_mapping: torch.Tensor, k_scale: Optional[torch.Tensor] = None,
+                       v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Rotate q (in place) and k, store k and v in their slots; returns the rotated q."""
         table = getattr(rotary, "cos_sin_cache", None)
         if table is None or table.dtype != torch.float32 or table.shape[-1] != q.shape[-1]:
-            return super().rope_and_write(q, k, v, positions, rotary, k_cache, v_cache, slot_mapping)
+            return super().rope_and_write(q, k, v, positions, rotary, k_cache, v_cache, slot_mapping,
+                                          k_scale, v_scale)
         return rope_kv_write(q, k, v, positions.long(), table, k_cache, v_cache, slot_mapping,
-                             is_neox=getattr(rotary, "is_neox", True))
+                             is_neox=getattr(rotary, "is_neox", True), k_scale=k_scale, v_scale=v_scale)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        write_kv(k, v, k_cache, v_cache, slot_mapping)
+                 slot_mapping: torch.Tensor, k_scale: Optional[torch.Tensor] = None,
+                 v_scale: Optional[torch.Tensor] = None) -> None:
+        write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float, sliding_window: Optional[int], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+               scale: float, sliding_window: Optional[int], k_scale: Optional[torch.Tensor] = None,
+               v_scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.split is not None:
-            return self.split.attend(q, k_cache, v_cache, scale, sliding_window)
+            return self.split.attend(q, k_cache, v_cache, scale, sliding_window, k_scale, v_scale)
         if out is None:
             out = torch.empty_like(q)
         plan = meta.plan
         if plan is None:
-            plan = meta.plan = self.plan(q, k_cache, v_cache, meta, sliding_window, out)
+            plan = meta.plan = self.plan(q, k_cache, v_cache, meta, sliding_window, out, k_scale, v_scale)
         decode, prefill = plan
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
         if decode is not None:
-            decode_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out, plan=decode)
+            decode_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out, plan=decode, **scales)
         if prefill is not None:
-            prefill_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out, plan=prefill)
+            prefill_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out, plan=prefill, **scales)
         return out
 
     def plan(self, q, k_cache, v_cache, meta: AttentionMetadata, sliding_window: Optional[int],
-             out: torch.Tensor) -> tuple[Optional[DecodePlan], Optional[PrefillPlan]]:
+             out: torch.Tensor, k_scale: Optional[torch.Tensor] = None,
+             v_scale: Optional[torch.Tensor] = None) -> tuple[Optional[DecodePlan], Optional[PrefillPlan]]:
         """The step's launches, the same for every layer: decodes first, then prefill chunks."""
         decode = None
         num_decodes = meta.num_decodes
@@ -92,9 +98,10 @@ class TritonBackend(AttentionBackend):
                 span = min(self.split_span, sliding_window) if sliding_window else self.split_span
                 config = decode_config(q.shape[-1], q.dtype, cdiv(span, num_splits))
             decode = plan_decode_attention(q, k_cache, v_cache, meta, sliding_window, out=out,
-                                           num_seqs=num_decodes, num_splits=num_splits, config=config)
+                                           num_seqs=num_decodes, num_splits=num_splits, config=config,
+                                           k_scale=k_scale, v_scale=v_scale)
         prefill = None
         if num_decodes < meta.num_seqs:
             prefill = plan_prefill_attention(q, k_cache, v_cache, meta, sliding_window, out=out,
-                                             first_seq=num_decodes)
+                                             first_seq=num_decodes, k_scale=k_scale, v_scale=v_scale)
         return decode, prefill

@@ -27,19 +27,25 @@ aim is to stream every K/V byte once, at full bandwidth, on every SM.
   nothing) chosen from host-side sizes, and every split range is computed in
   the kernel from the sequence's own length, so a fixed count is correct for
   any lengths (what CUDA graphs need).
+* FP8 caches (layers/kv_cache.py): K/V tiles are loaded as E4M3 (half the
+  bytes), widened to q's dtype for the dots, and each key's scores are
+  multiplied by its K scale, each value's softmax weight by its V scale
+  (p v = sum_n p_n s_n v_n): dequantized K/V never exist in memory.
 * Block sizes 16 to 256: a key tile of BLOCK_N keys reads one block-table
   entry when BLOCK_N <= block_size, else one entry per key.
 
 Shapes
 ------
 q, out      [T, H, D]  (the first num_seqs sequences of the batch, one token each)
-k/v cache   [num_blocks, block_size, H_kv, D]
+k/v cache   [num_blocks, block_size, H_kv, D]   (q's dtype, or FP8 with scales)
+k/v scale   [num_blocks, block_size, H_kv] fp32 (FP8 only)
 partials    o [num_seqs, H, num_splits, D] fp32, lse [num_seqs, H, num_splits] fp32
 
 Work
 ----
 FLOPs = 4 * D * H * sum_s(visible keys of s)
-Bytes = 2 * sum_s(visible keys of s) * H_kv * D * e   (K and V, read once)
+Bytes = 2 * sum_s(visible keys of s) * H_kv * D * e   (K and V, read once;
+        FP8: e = 1 + 4 / D with the scales)
         + q and out (2 * num_seqs * H * D * e) + partials (2 * 4 * num_seqs * H * num_splits * (D + 1))
 The K/V term dominates: the yardstick is GB/s of K/V read against the
 device's copy bandwidth.
@@ -55,7 +61,7 @@ import triton
 import triton.language as tl
 
 from rooflm.kernels.utils import (check_paged_attention_inputs, config_for_head_dim, LOG2E, cdiv, dot_precision, is_interpreter,
-                                  kv_tile_offsets, load_2d, next_power_of_2, num_sms, upcast_dots,
+                                  kv_tile_offsets, load_2d, load_kv_scales, next_power_of_2, num_sms, upcast_dots,
                                   gdc_launch_dependents, gdc_wait, pdl_supported)
 from rooflm.layers.attention import AttentionMetadata, paged_attention_ref
 
@@ -67,10 +73,11 @@ _MASKED = tl.constexpr(-1.0e30)
 # --------------------------------------------------------------------------
 
 @triton.jit
-def _decode_key_range(acc, l_i, m_i, q, k_base, v_base, block_table_ptr, lo, hi, kv_lo, kv_hi, qk_scale,
-                      stride_cb, stride_ct, offs_d, d_ok,
+def _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_table_ptr, lo, hi, kv_lo, kv_hi,
+                      qk_scale, stride_cb, stride_ct, stride_sb, stride_st, offs_d, d_ok,
                       BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAD_D: tl.constexpr,
-                      MASKED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                      MASKED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                      FP8: tl.constexpr):
     """Online-softmax update with the key tiles lo .. hi; keys outside [kv_lo, kv_hi) are masked."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
@@ -81,10 +88,16 @@ def _decode_key_range(acc, l_i, m_i, q, k_base, v_base, block_table_ptr, lo, hi,
                                   BLOCK_SIZE, BLOCK_N, MASKED)
         k = load_2d(k_base + kv_offs[:, None] + offs_d[None, :], kv_ok, d_ok, MASKED, PAD_D)
         v = load_2d(v_base + kv_offs[:, None] + offs_d[None, :], kv_ok, d_ok, MASKED, PAD_D)
-        if UPCAST:
+        if FP8:  # widen E4M3 to q's dtype for the dots; the scales are applied outside them
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        elif UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if FP8:
+            qk = qk * load_kv_scales(ks_base, block_table_ptr, start_n, kv_ok, stride_sb, stride_st,
+                                     BLOCK_SIZE, BLOCK_N, MASKED)[None, :]
         if MASKED:
             qk = tl.where(kv_ok[None, :], qk, _MASKED)
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -92,6 +105,9 @@ def _decode_key_range(acc, l_i, m_i, q, k_base, v_base, block_table_ptr, lo, hi,
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
+        if FP8:  # sum_n p_n (s_n v_n) = sum_n (p_n s_n) v_n
+            p = p * load_kv_scales(vs_base, block_table_ptr, start_n, kv_ok, stride_sb, stride_st,
+                                   BLOCK_SIZE, BLOCK_N, MASKED)[None, :]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -99,13 +115,14 @@ def _decode_key_range(acc, l_i, m_i, q, k_base, v_base, block_table_ptr, lo, hi,
 
 @triton.jit(do_not_specialize=["sliding_window", "num_splits"])
 def _decode_attention_kernel(
-        out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+        out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
         block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, qk_scale, sliding_window, num_splits,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
+        stride_sb, stride_st,
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
         SINGLE_SPLIT: tl.constexpr, SLIDING: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        PDL: tl.constexpr):
+        FP8: tl.constexpr, PDL: tl.constexpr):
     PAD_D: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
     if PDL:  # launched early (programmatic dependent launch): wait for q and the K/V writes
         gdc_launch_dependents()
@@ -139,23 +156,28 @@ def _decode_attention_kernel(
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_ch
     v_base = v_cache_ptr + kv_head * stride_ch
+    ks_base = k_scale_ptr + kv_head  # scales: [block, slot, head], unit head stride
+    vs_base = v_scale_ptr + kv_head
     m_i = tl.full([ROWS], _MASKED, dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM_PAD], dtype=tl.float32)
     if SLIDING:
         # The window's lower edge can fall anywhere: mask every tile.
-        acc, l_i, m_i = _decode_key_range(acc, l_i, m_i, q, k_base, v_base, block_table_ptr, start, end,
-                                          kv_lo, end, qk_scale, stride_cb, stride_ct, offs_d, d_ok,
-                                          BLOCK_SIZE, BLOCK_N, PAD_D, True, UPCAST, DOT_PRECISION)
+        acc, l_i, m_i = _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_table_ptr,
+                                          start, end, kv_lo, end, qk_scale, stride_cb, stride_ct,
+                                          stride_sb, stride_st, offs_d, d_ok,
+                                          BLOCK_SIZE, BLOCK_N, PAD_D, True, UPCAST, DOT_PRECISION, FP8)
     else:
         # Whole tiles unmasked, then the ragged tail.
         full_end = tl.maximum(start + ((end - start) // BLOCK_N) * BLOCK_N, start)
-        acc, l_i, m_i = _decode_key_range(acc, l_i, m_i, q, k_base, v_base, block_table_ptr, start, full_end,
-                                          0, end, qk_scale, stride_cb, stride_ct, offs_d, d_ok,
-                                          BLOCK_SIZE, BLOCK_N, PAD_D, False, UPCAST, DOT_PRECISION)
-        acc, l_i, m_i = _decode_key_range(acc, l_i, m_i, q, k_base, v_base, block_table_ptr, full_end, end,
-                                          0, end, qk_scale, stride_cb, stride_ct, offs_d, d_ok,
-                                          BLOCK_SIZE, BLOCK_N, PAD_D, True, UPCAST, DOT_PRECISION)
+        acc, l_i, m_i = _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_table_ptr,
+                                          start, full_end, 0, end, qk_scale, stride_cb, stride_ct,
+                                          stride_sb, stride_st, offs_d, d_ok,
+                                          BLOCK_SIZE, BLOCK_N, PAD_D, False, UPCAST, DOT_PRECISION, FP8)
+        acc, l_i, m_i = _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_table_ptr,
+                                          full_end, end, 0, end, qk_scale, stride_cb, stride_ct,
+                                          stride_sb, stride_st, offs_d, d_ok,
+                                          BLOCK_SIZE, BLOCK_N, PAD_D, True, UPCAST, DOT_PRECISION, FP8)
 
     if SINGLE_SPLIT:
         out = acc / l_i[:, None]
@@ -266,11 +288,13 @@ def plan_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           meta: AttentionMetadata, sliding_window: Optional[int] = None, *,
                           out: Optional[torch.Tensor] = None, num_seqs: Optional[int] = None,
                           num_splits: Optional[int] = None,
-                          config: Optional[tuple[int, int, int]] = None) -> Optional[DecodePlan]:
+                          config: Optional[tuple[int, int, int]] = None,
+                          k_scale: Optional[torch.Tensor] = None,
+                          v_scale: Optional[torch.Tensor] = None) -> Optional[DecodePlan]:
     """Check the inputs and fix the launch for a step (see decode_attention); None: no decodes."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    check_paged_attention_inputs(q, k_cache, v_cache, meta, out if out is not None else q)
+    check_paged_attention_inputs(q, k_cache, v_cache, meta, out if out is not None else q, k_scale, v_scale)
     num_seqs = meta.num_decodes if num_seqs is None else num_seqs
     if num_seqs == 0:
         return None
@@ -297,7 +321,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      *, out: Optional[torch.Tensor] = None, num_seqs: Optional[int] = None,
                      num_splits: Optional[int] = None,
                      config: Optional[tuple[int, int, int]] = None,
-                     plan: Optional[DecodePlan] = None) -> torch.Tensor:
+                     plan: Optional[DecodePlan] = None, k_scale: Optional[torch.Tensor] = None,
+                     v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of the one query token of each of the first num_seqs sequences.
 
     num_seqs defaults to meta.num_decodes; those sequences must have exactly one
@@ -305,13 +330,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     returns it. num_splits (default: decode_num_splits) may be fixed by the
     caller, e.g. for CUDA-graph capture; config = (BLOCK_N, num_warps,
     num_stages) overrides the table. plan: from plan_decode_attention for this
-    step's metadata and shapes (then num_seqs, num_splits and config are its own).
+    step's metadata and shapes (then num_seqs, num_splits and config are its own). FP8 caches
+    take their k_scale / v_scale [num_blocks, block_size, H_kv] fp32.
     """
     if out is None:
         out = torch.empty_like(q)
     if plan is None:
         plan = plan_decode_attention(q, k_cache, v_cache, meta, sliding_window, out=out, num_seqs=num_seqs,
-                                     num_splits=num_splits, config=config)
+                                     num_splits=num_splits, config=config, k_scale=k_scale, v_scale=v_scale)
         if plan is None:
             return out
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -321,16 +347,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_n, num_warps, num_stages = plan.config
     num_seqs, num_splits, pdl = plan.num_seqs, plan.num_splits, plan.pdl
     pdl_kwargs = {"launch_pdl": True} if pdl else {}
+    fp8 = k_scale is not None
     _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, plan.part_out, plan.part_lse, q, k_cache, v_cache,
+        k_scale if fp8 else q, v_scale if fp8 else q,
         meta.block_tables, meta.seq_lens, meta.query_start_loc, scale * LOG2E,
         sliding_window if plan.sliding else 0, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+        k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
         NUM_HEADS=num_heads, GROUP=group, ROWS=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         SINGLE_SPLIT=num_splits == 1, SLIDING=plan.sliding, UPCAST=upcast_dots(q.dtype),
-        DOT_PRECISION=dot_precision(q.dtype), PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=dot_precision(q.dtype), FP8=fp8, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
         **pdl_kwargs,
     )
     if num_splits > 1:
@@ -349,9 +378,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          meta: AttentionMetadata, scale: float,
-                         sliding_window: Optional[int] = None) -> torch.Tensor:
+                         sliding_window: Optional[int] = None, k_scale: Optional[torch.Tensor] = None,
+                         v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The engine core's reference: fp32 attention over K/V gathered through the block tables."""
-    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale)
 
 
 def decode_kv_bytes(meta: AttentionMetadata, num_kv_heads: int, head_dim: int, elem_bytes: int,

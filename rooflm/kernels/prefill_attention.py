@@ -39,6 +39,11 @@ otherwise each key's address is gathered (cp.async). Measured on the H100,
 TMA is worth ~20% (see benchmarks/results/), so large cache blocks (>= 64)
 are the fast configuration.
 
+FP8 caches (layers/kv_cache.py): K/V tiles are gathered as E4M3, widened to
+q's dtype for the dots, and scaled outside them (scores by each key's K
+scale, softmax weights by each value's V scale), as in decode; TMA is not
+used for them.
+
 Varlen scheduling: the grid's first axis enumerates query tiles of all
 sequences; a program finds its sequence by binary search over
 query_start_loc (tile index of sequence s starts at q_start[s] // BLOCK_Q + s,
@@ -49,7 +54,8 @@ first. No host work depends on the data, so the launch can be graph-captured.
 Shapes
 ------
 q, out      [T, H, D]                         (q may be a strided view)
-k/v cache   [num_blocks, block_size, H_kv, D]
+k/v cache   [num_blocks, block_size, H_kv, D]   (q's dtype, or FP8 with scales)
+k/v scale   [num_blocks, block_size, H_kv] fp32 (FP8 only)
 block_tables [num_seqs, max_blocks] int32, seq_lens [num_seqs] int32,
 query_start_loc [num_seqs + 1] int32
 D in {64, 80, 96, 128, 256} (80 and 96 are padded to 128 inside the tile).
@@ -76,7 +82,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rooflm.kernels.utils import (check_paged_attention_inputs, config_for_head_dim, LOG2E, dot_precision, is_interpreter,
-                                  kv_tile_offsets, load_2d, next_power_of_2, upcast_dots)
+                                  kv_tile_offsets, load_2d, load_kv_scales, next_power_of_2, upcast_dots)
 from rooflm.layers.attention import AttentionMetadata, paged_attention_ref
 
 # A masked score. Finite on purpose: a row whose first tile is fully masked
@@ -106,11 +112,12 @@ def _find_seq(query_start_loc_ptr, target, seq_lo, seq_hi, BLOCK_Q: tl.constexpr
 
 @triton.jit
 def _attend_key_range(acc, l_i, m_i, q, q_pos,
-                      k_base, v_base, k_desc, v_desc, kv_col, block_table_ptr, lo, hi, kv_end,
-                      qk_scale, sliding_window, stride_cb, stride_ct, offs_d, d_ok,
+                      k_base, v_base, ks_base, vs_base, k_desc, v_desc, kv_col, block_table_ptr, lo, hi, kv_end,
+                      qk_scale, sliding_window, stride_cb, stride_ct, stride_sb, stride_st, offs_d, d_ok,
                       BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAD_D: tl.constexpr,
                       MASKED: tl.constexpr, SLIDING: tl.constexpr, UPCAST: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, ABLATE: tl.constexpr):
+                      DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, ABLATE: tl.constexpr,
+                      FP8: tl.constexpr):
     """Online-softmax update of (acc, l, m) with keys lo .. hi - 1 (kv_end bounds the loads)."""
     offs_n = tl.arange(0, BLOCK_N)
     # Unmasked tiles inside one cache block can come through the copy engine (TMA):
@@ -130,9 +137,14 @@ def _attend_key_range(acc, l_i, m_i, q, q_pos,
             kv_offs = kv_tile_offsets(block_table_ptr, start_n, kv_ok, stride_cb, stride_ct,
                                       BLOCK_SIZE, BLOCK_N, MASKED)
             k = load_2d(k_base + kv_offs[:, None] + offs_d[None, :], kv_ok, d_ok, MASKED, PAD_D)
-        if UPCAST:
+        if FP8:  # widen E4M3 to q's dtype for the dot; the key's scale multiplies its scores
+            k = k.to(q.dtype)
+        elif UPCAST:
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if FP8:
+            qk = qk * load_kv_scales(ks_base, block_table_ptr, start_n, kv_ok, stride_sb, stride_st,
+                                     BLOCK_SIZE, BLOCK_N, MASKED)[None, :]
         if MASKED:
             visible = k_idx[None, :] <= q_pos[:, None]
             if SLIDING:
@@ -152,7 +164,11 @@ def _attend_key_range(acc, l_i, m_i, q, q_pos,
             v = v_desc.load([row, kv_col])
         else:
             v = load_2d(v_base + kv_offs[:, None] + offs_d[None, :], kv_ok, d_ok, MASKED, PAD_D)
-        if UPCAST:
+        if FP8:  # sum_n p_n (s_n v_n) = sum_n (p_n s_n) v_n
+            v = v.to(q.dtype)
+            p = p * load_kv_scales(vs_base, block_table_ptr, start_n, kv_ok, stride_sb, stride_st,
+                                   BLOCK_SIZE, BLOCK_N, MASKED)[None, :]
+        elif UPCAST:
             v = v.to(tl.float32)
         if ABLATE != 2:  # 2, timing experiment: no rescale of the accumulator (wrong results)
             acc = acc * alpha[:, None]
@@ -163,15 +179,15 @@ def _attend_key_range(acc, l_i, m_i, q, q_pos,
 
 @triton.jit(do_not_specialize=["seq_lo", "seq_hi", "tile_lo", "num_tiles", "sliding_window"])
 def _prefill_attention_kernel(
-        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc,
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, k_desc, v_desc,
         block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
         seq_lo, seq_hi, tile_lo, num_tiles, qk_scale, sliding_window,
         stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_cb, stride_ct, stride_ch, stride_bt,
+        stride_cb, stride_ct, stride_ch, stride_bt, stride_sb, stride_st,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SLIDING: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-        ABLATE: tl.constexpr = 0):
+        FP8: tl.constexpr = False, ABLATE: tl.constexpr = 0):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     PAD_D: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
 
@@ -217,6 +233,8 @@ def _prefill_attention_kernel(
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_ch
     v_base = v_cache_ptr + kv_head * stride_ch
+    ks_base = k_scale_ptr + kv_head  # scales: [block, slot, head], unit head stride
+    vs_base = v_scale_ptr + kv_head
     kv_col = kv_head * HEAD_DIM  # column of this head in the [slots, H_kv * D] view (TMA)
 
     m_i = tl.full([BLOCK_M], _MASKED, dtype=tl.float32)
@@ -225,17 +243,17 @@ def _prefill_attention_kernel(
     # The three key ranges: window edge (masked), bulk (unmasked), causal diagonal (masked).
     if SLIDING:
         acc, l_i, m_i = _attend_key_range(
-            acc, l_i, m_i, q, q_pos, k_base, v_base, k_desc, v_desc, kv_col, block_table_ptr,
-            lo, full_lo, hi, qk_scale, sliding_window, stride_cb, stride_ct, offs_d, d_ok,
-            BLOCK_SIZE, BLOCK_N, PAD_D, True, SLIDING, UPCAST, DOT_PRECISION, USE_TMA, ABLATE)
+            acc, l_i, m_i, q, q_pos, k_base, v_base, ks_base, vs_base, k_desc, v_desc, kv_col, block_table_ptr,
+            lo, full_lo, hi, qk_scale, sliding_window, stride_cb, stride_ct, stride_sb, stride_st, offs_d, d_ok,
+            BLOCK_SIZE, BLOCK_N, PAD_D, True, SLIDING, UPCAST, DOT_PRECISION, USE_TMA, ABLATE, FP8)
     acc, l_i, m_i = _attend_key_range(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, k_desc, v_desc, kv_col, block_table_ptr,
-        full_lo, full_hi, hi, qk_scale, sliding_window, stride_cb, stride_ct, offs_d, d_ok,
-        BLOCK_SIZE, BLOCK_N, PAD_D, False, SLIDING, UPCAST, DOT_PRECISION, USE_TMA, ABLATE)
+        acc, l_i, m_i, q, q_pos, k_base, v_base, ks_base, vs_base, k_desc, v_desc, kv_col, block_table_ptr,
+        full_lo, full_hi, hi, qk_scale, sliding_window, stride_cb, stride_ct, stride_sb, stride_st, offs_d, d_ok,
+        BLOCK_SIZE, BLOCK_N, PAD_D, False, SLIDING, UPCAST, DOT_PRECISION, USE_TMA, ABLATE, FP8)
     acc, l_i, m_i = _attend_key_range(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, k_desc, v_desc, kv_col, block_table_ptr,
-        full_hi, hi, hi, qk_scale, sliding_window, stride_cb, stride_ct, offs_d, d_ok,
-        BLOCK_SIZE, BLOCK_N, PAD_D, True, SLIDING, UPCAST, DOT_PRECISION, USE_TMA, ABLATE)
+        acc, l_i, m_i, q, q_pos, k_base, v_base, ks_base, vs_base, k_desc, v_desc, kv_col, block_table_ptr,
+        full_hi, hi, hi, qk_scale, sliding_window, stride_cb, stride_ct, stride_sb, stride_st, offs_d, d_ok,
+        BLOCK_SIZE, BLOCK_N, PAD_D, True, SLIDING, UPCAST, DOT_PRECISION, USE_TMA, ABLATE, FP8)
 
     out = acc / l_i[:, None]
     o_offs = tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
@@ -314,11 +332,16 @@ def plan_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            meta: AttentionMetadata, sliding_window: Optional[int] = None, *,
                            out: Optional[torch.Tensor] = None, first_seq: int = 0,
                            config: Optional[tuple[int, int, int, int]] = None,
-                           use_tma: Optional[bool] = None) -> Optional[PrefillPlan]:
+                           use_tma: Optional[bool] = None, k_scale: Optional[torch.Tensor] = None,
+                           v_scale: Optional[torch.Tensor] = None) -> Optional[PrefillPlan]:
     """Check the inputs and fix the launch for a step (see prefill_attention); None: no chunks."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    check_paged_attention_inputs(q, k_cache, v_cache, meta, out if out is not None else q)
+    check_paged_attention_inputs(q, k_cache, v_cache, meta, out if out is not None else q, k_scale, v_scale)
+    if k_scale is not None:
+        if use_tma:
+            raise ValueError("FP8 caches are read with gathered loads, not TMA")
+        use_tma = False
     num_seqs = meta.num_seqs
     if first_seq >= num_seqs:
         return None
@@ -353,7 +376,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       *, out: Optional[torch.Tensor] = None, first_seq: int = 0,
                       config: Optional[tuple[int, int, int, int]] = None,
                       use_tma: Optional[bool] = None, _ablate: int = 0,
-                      plan: Optional[PrefillPlan] = None) -> torch.Tensor:
+                      plan: Optional[PrefillPlan] = None, k_scale: Optional[torch.Tensor] = None,
+                      v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of the queries of sequences first_seq.. against their paged K/V.
 
     q: [T, H, D]; k_cache/v_cache: [num_blocks, block_size, H_kv, D]; the K/V of
@@ -366,12 +390,13 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     exp2, 2: no accumulator rescale) is for the benchmark's what-limits-it
     experiments only: the results are wrong. plan: from plan_prefill_attention
     for this step's metadata and shapes (then first_seq, config and use_tma are its own).
+    FP8 caches take their k_scale / v_scale [num_blocks, block_size, H_kv] fp32.
     """
     if out is None:
         out = torch.empty_like(q)
     if plan is None:
         plan = plan_prefill_attention(q, k_cache, v_cache, meta, sliding_window, out=out, first_seq=first_seq,
-                                      config=config, use_tma=use_tma)
+                                      config=config, use_tma=use_tma, k_scale=k_scale, v_scale=v_scale)
         if plan is None:
             return out
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -390,17 +415,19 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         k_desc, v_desc = k_cache, v_cache  # unused
 
     grid = (plan.num_tiles, num_kv_heads)
+    fp8 = k_scale is not None
     _prefill_attention_kernel[grid](
-        out, q, k_cache, v_cache, k_desc, v_desc,
+        out, q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, k_desc, v_desc,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
         plan.first_seq, meta.num_seqs, plan.tile_lo, plan.num_tiles, scale * LOG2E,
         sliding_window if plan.sliding else 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+        k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         SLIDING=plan.sliding, UPCAST=upcast_dots(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
-        USE_TMA=plan.use_tma, ABLATE=_ablate, num_warps=num_warps, num_stages=num_stages,
+        USE_TMA=plan.use_tma, FP8=fp8, ABLATE=_ablate, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
@@ -411,9 +438,10 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: AttentionMetadata, scale: float,
-                          sliding_window: Optional[int] = None) -> torch.Tensor:
+                          sliding_window: Optional[int] = None, k_scale: Optional[torch.Tensor] = None,
+                          v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The engine core's reference: fp32 attention over K/V gathered through the block tables."""
-    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale)
 
 
 def prefill_flops(meta: AttentionMetadata, num_heads: int, head_dim: int,

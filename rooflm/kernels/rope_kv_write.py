@@ -21,12 +21,17 @@ to the storage dtype.
 `write_kv` is the same kernel without the rotation: the plain KV-cache write
 of the attention backend.
 
+FP8 caches (layers/kv_cache.py): each head vector of rotated k and of v is
+stored as x / s in E4M3 with s = max(|x|) / 448 written beside it (one fp32
+per token and KV head), computed from the registers that already hold x.
+
 Shapes
 ------
 q [T, H, D], k/v [T, H_kv, D]   (views of a fused qkv output are fine: any
                                   token and head strides, unit last stride)
 positions [T] int64, cos_sin_cache [max_pos, D] fp32 (cos | sin halves)
 k/v cache [num_blocks, block_size, H_kv, D], slot_mapping [T] int64
+k/v scale [num_blocks, block_size, H_kv] fp32 (FP8 caches only)
 
 Work
 ----
@@ -44,8 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rooflm.kernels.utils import (check_last_dim_contiguous, gdc_launch_dependents, gdc_wait, next_power_of_2,
-                                  pdl_supported)
+from rooflm.kernels.utils import (check_kv_scales, check_last_dim_contiguous, gdc_launch_dependents, gdc_wait,
+                                  is_interpreter, next_power_of_2, pdl_supported, round_to_e4m3)
 
 
 # --------------------------------------------------------------------------
@@ -62,13 +67,23 @@ def _rotate(row_ptr, head_offs, h_ok, offs_1, offs_2, i_ok, c, s):
 
 
 @triton.jit
+def _fp8_scale(amax, scale_ptrs, mask):
+    """Store and return the E4M3 scale of each head vector: max(|x|) / 448, never 0."""
+    scale = tl.maximum(amax / 448.0, 1e-12)
+    tl.store(scale_ptrs, scale, mask=mask)
+    return scale
+
+
+@triton.jit
 def _rope_kv_write_kernel(
         q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+        k_scale_ptr, v_scale_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
-        stride_cb, stride_ct, stride_ch,
+        stride_cb, stride_ct, stride_ch, stride_sb, stride_st,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
         KV_HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, IS_NEOX: tl.constexpr, APPLY_ROPE: tl.constexpr, PDL: tl.constexpr):
+        BLOCK_SIZE: tl.constexpr, IS_NEOX: tl.constexpr, APPLY_ROPE: tl.constexpr, FP8: tl.constexpr,
+        ROUND_E4M3: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # launched early (programmatic dependent launch): wait for q, k, v
         gdc_launch_dependents()
         gdc_wait()
@@ -110,14 +125,30 @@ def _rope_kv_write_kernel(
         if APPLY_ROPE:
             k1, k2 = _rotate(k_row, kv_heads * stride_kh, kv_ok, offs_1, offs_2, i_ok, c, s)
         else:
-            k1 = tl.load(k_row + kv_heads[:, None] * stride_kh + offs_1[None, :], mask=kv_mask)
-            k2 = tl.load(k_row + kv_heads[:, None] * stride_kh + offs_2[None, :], mask=kv_mask)
-        tl.store(kc_row + offs_1[None, :], k1.to(cache_dtype), mask=kv_mask)
-        tl.store(kc_row + offs_2[None, :], k2.to(cache_dtype), mask=kv_mask)
+            k1 = tl.load(k_row + kv_heads[:, None] * stride_kh + offs_1[None, :], mask=kv_mask, other=0.0)
+            k2 = tl.load(k_row + kv_heads[:, None] * stride_kh + offs_2[None, :], mask=kv_mask, other=0.0)
         # v is copied whole, not in pairs.
         offs_d = tl.arange(0, 2 * HALF_PAD)
         v_mask = kv_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-        v = tl.load(v_ptr + t * stride_vt + kv_heads[:, None] * stride_vh + offs_d[None, :], mask=v_mask)
+        v = tl.load(v_ptr + t * stride_vt + kv_heads[:, None] * stride_vh + offs_d[None, :], mask=v_mask,
+                    other=0.0)
+        if FP8:  # one scale per head vector, from the values already in registers
+            k1 = k1.to(tl.float32)
+            k2 = k2.to(tl.float32)
+            v = v.to(tl.float32)
+            scale_offs = (slot // BLOCK_SIZE) * stride_sb + (slot % BLOCK_SIZE) * stride_st + kv_heads
+            k_amax = tl.maximum(tl.max(tl.abs(k1), 1), tl.max(tl.abs(k2), 1))
+            ks = _fp8_scale(k_amax, k_scale_ptr + scale_offs, kv_ok)
+            vs = _fp8_scale(tl.max(tl.abs(v), 1), v_scale_ptr + scale_offs, kv_ok)
+            k1 = k1 / ks[:, None]
+            k2 = k2 / ks[:, None]
+            v = v / vs[:, None]
+            if ROUND_E4M3:
+                k1 = round_to_e4m3(k1)
+                k2 = round_to_e4m3(k2)
+                v = round_to_e4m3(v)
+        tl.store(kc_row + offs_1[None, :], k1.to(cache_dtype), mask=kv_mask)
+        tl.store(kc_row + offs_2[None, :], k2.to(cache_dtype), mask=kv_mask)
         tl.store(v_cache_ptr + cache_offs + kv_heads[:, None] * stride_ch + offs_d[None, :],
                  v.to(cache_dtype), mask=v_mask)
 
@@ -127,7 +158,9 @@ def _rope_kv_write_kernel(
 # --------------------------------------------------------------------------
 
 def _check_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              slot_mapping: torch.Tensor) -> None:
+              slot_mapping: torch.Tensor, k_scale: Optional[torch.Tensor],
+              v_scale: Optional[torch.Tensor]) -> None:
+    check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     num_tokens, num_kv_heads, head_dim = k.shape
     if v.shape != k.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
@@ -152,15 +185,16 @@ def _num_warps(elements: int) -> int:
 
 def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                   cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor, is_neox: bool = True) -> torch.Tensor:
+                  slot_mapping: torch.Tensor, is_neox: bool = True, k_scale: Optional[torch.Tensor] = None,
+                  v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Rotate q in place and write rotated k and v into their cache slots; returns q.
 
     q [T, H, D], k/v [T, H_kv, D] (strided views allowed), positions [T] int64,
     cos_sin_cache [max_pos, D] fp32 with cos in the first D/2 columns and sin
     in the last D/2, slot_mapping [T] int64 (-1: do not write). k itself is
-    not modified.
+    not modified. FP8 caches take k_scale / v_scale [num_blocks, block_size, H_kv] fp32.
     """
-    _check_kv(k, v, k_cache, v_cache, slot_mapping)
+    _check_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     if k.shape[0] != num_tokens or k.shape[2] != head_dim:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} do not match")
@@ -173,34 +207,39 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     check_last_dim_contiguous("cos_sin_cache", cos_sin_cache)
     if num_tokens == 0:
         return q
-    _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox, apply_rope=True)
+    _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox, True, k_scale, v_scale)
     return q
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: Optional[torch.Tensor] = None,
+             v_scale: Optional[torch.Tensor] = None) -> None:
     """Store k, v [T, H_kv, D] into their cache slots (slot -1: skip); no rotation."""
-    _check_kv(k, v, k_cache, v_cache, slot_mapping)
+    _check_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if k.shape[0] == 0:
         return
-    _launch(k, k, v, slot_mapping, k, k_cache, v_cache, slot_mapping, True, apply_rope=False)
+    _launch(k, k, v, slot_mapping, k, k_cache, v_cache, slot_mapping, True, False, k_scale, v_scale)
 
 
-def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox, apply_rope):
+def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox, apply_rope,
+            k_scale, v_scale):
     num_tokens, num_kv_heads, head_dim = k.shape
     num_heads = q.shape[1] if apply_rope else 0
     half_pad = next_power_of_2(head_dim // 2)
     kv_heads_pad = next_power_of_2(num_kv_heads)
     heads_pad = next_power_of_2(num_heads) if apply_rope else 1
     pdl = pdl_supported(q.device)
+    fp8 = k_scale is not None
+    scale_strides = (k_scale.stride(0), k_scale.stride(1)) if fp8 else (0, 0)
     _rope_kv_write_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        k_scale if fp8 else k_cache, v_scale if fp8 else v_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0) if apply_rope else 0,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *scale_strides,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=heads_pad, KV_HEADS_PAD=kv_heads_pad,
         HEAD_DIM=head_dim, HALF_PAD=half_pad, BLOCK_SIZE=k_cache.shape[1], IS_NEOX=is_neox,
-        APPLY_ROPE=apply_rope, PDL=pdl, num_warps=_num_warps((heads_pad + 3 * kv_heads_pad) * half_pad),
+        APPLY_ROPE=apply_rope, FP8=fp8, ROUND_E4M3=fp8 and is_interpreter(), PDL=pdl, num_warps=_num_warps((heads_pad + 3 * kv_heads_pad) * half_pad),
         **({"launch_pdl": True} if pdl else {}),
     )
 
@@ -229,12 +268,16 @@ def rotate_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Te
 
 def rope_kv_write_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor, is_neox: bool = True) -> torch.Tensor:
+                      slot_mapping: torch.Tensor, is_neox: bool = True, k_scale: Optional[torch.Tensor] = None,
+                      v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Same contract as rope_kv_write, in torch: rotates q in place, writes the cache, returns q."""
     from rooflm.layers.attention import write_kv_ref
 
     q.copy_(rotate_ref(q, positions, cos_sin_cache, is_neox))
-    write_kv_ref(rotate_ref(k, positions, cos_sin_cache, is_neox), v, k_cache, v_cache, slot_mapping)
+    # The kernel quantizes the rotated k before rounding it to k's dtype: so does the reference.
+    k_rot = rotate_ref(k.float(), positions, cos_sin_cache, is_neox) if k_scale is not None else \
+        rotate_ref(k, positions, cos_sin_cache, is_neox)
+    write_kv_ref(k_rot, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q
 
 

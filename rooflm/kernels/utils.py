@@ -163,6 +163,31 @@ def kv_tile_offsets(block_table_ptr, start_n, kv_ok, stride_b, stride_t,
     return offs
 
 
+@triton.jit
+def round_to_e4m3(x):
+    """x (fp32, |x| <= 448) rounded to the nearest E4M3 value, ties away from zero.
+
+    For the interpreter only: Triton 3.x's interpreter converts fp32 to E4M3 wrongly when the
+    rounding carries into the exponent (31.9 -> 16, not 32). Values already on the E4M3 grid
+    convert exactly, so the interpreter's kernels round first. Compiled kernels use the
+    hardware conversion (round to nearest even)."""
+    ax = tl.abs(x)
+    e = tl.maximum(tl.floor(tl.log2(tl.maximum(ax, 1e-30))), -6.0)  # -6: E4M3's smallest normal exponent
+    step = tl.exp2(e - 3.0)  # 3 mantissa bits
+    r = tl.floor(ax / step + 0.5) * step
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def load_kv_scales(scale_base, block_table_ptr, start_n, kv_ok, stride_sb, stride_st,
+                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """The fp32 scales [BLOCK_N] of an FP8 key (or value) tile; 0 for keys where kv_ok is false."""
+    offs = kv_tile_offsets(block_table_ptr, start_n, kv_ok, stride_sb, stride_st, BLOCK_SIZE, BLOCK_N, MASKED)
+    if MASKED:
+        return tl.load(scale_base + offs, mask=kv_ok, other=0.0)
+    return tl.load(scale_base + offs)
+
+
 def random_paged_batch(seq_lens: list[int], query_lens: list[int], num_kv_heads: int, head_dim: int,
                        block_size: int, dtype: torch.dtype, device: torch.device | str,
                        spare_blocks: int = 3, poison_unused: bool = True):
@@ -235,17 +260,41 @@ def config_for_head_dim(table: dict, head_dim_pad: int):
     return table[min(larger)] if larger else table[max(table)]
 
 
+def check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: Optional[torch.Tensor],
+                    v_scale: Optional[torch.Tensor]) -> None:
+    """An FP8 cache comes with fp32 scales [num_blocks, block_size, H_kv] (layers/kv_cache.py);
+    any other cache with none."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must share a dtype")
+    if not fp8:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"scales are for FP8 caches; this cache is {k_cache.dtype}")
+        return
+    if k_scale is None or v_scale is None:
+        raise ValueError("an FP8 (E4M3) cache needs k_scale and v_scale")
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t.dtype != torch.float32 or t.shape != k_cache.shape[:3] or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be fp32 {tuple(k_cache.shape[:3])} with unit last stride, "
+                             f"got {t.dtype} {tuple(t.shape)}")
+    if k_scale.stride() != v_scale.stride():
+        raise ValueError("k_scale and v_scale must share strides")
+
+
 def check_paged_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                 meta, out: Optional[torch.Tensor]) -> torch.Tensor:
+                                 meta, out: Optional[torch.Tensor], k_scale: Optional[torch.Tensor] = None,
+                                 v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Checks shared by the paged attention wrappers; returns out (allocated when None).
 
-    q [T, H, D]; k_cache, v_cache [num_blocks, block_size, H_kv, D] with equal strides.
+    q [T, H, D]; k_cache, v_cache [num_blocks, block_size, H_kv, D] with equal strides, in q's
+    dtype, or FP8 with their scales.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, kv_dim = k_cache.shape
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"q must be fp16, bf16 or fp32, got {q.dtype}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    if k_cache.dtype != q.dtype and k_scale is None:
         raise TypeError(f"cache dtype ({k_cache.dtype}, {v_cache.dtype}) must match q ({q.dtype})")
     if v_cache.shape != k_cache.shape or kv_dim != head_dim:
         raise ValueError(f"cache shapes {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not match q {tuple(q.shape)}")

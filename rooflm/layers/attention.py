@@ -1,7 +1,8 @@
 """Attention over the paged KV cache: metadata, the torch reference, and the layer.
 
-Cache layout (one pair of tensors per layer, views into one pool):
+Cache layout (one KVCache per layer, views into one pool; formats in layers/kv_cache.py):
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    k_scale, v_scale: [num_blocks, block_size, num_kv_heads] fp32, FP8 caches only (else None)
 A token's slot is block_id * block_size + offset; slot_mapping gives the slot
 of every token of the step (-1 for padding tokens, which are not written).
 
@@ -21,6 +22,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from rooflm.layers.kv_cache import KVCache, dequantize_ref, quantize_fp8_ref
 
 
 @dataclass
@@ -45,28 +48,39 @@ class AttentionMetadata:
 
 
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store k, v [num_tokens, num_kv_heads, head_dim] into their cache slots."""
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> None:
+    """Store k, v [num_tokens, num_kv_heads, head_dim] into their cache slots (FP8 caches:
+    quantized with one scale per token and head, stored in k_scale / v_scale)."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     block_size = k_cache.shape[1]
     blocks = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots % block_size
-    k_cache[blocks, offsets] = k[valid].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[valid].to(v_cache.dtype)
+    for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        if scales is None:
+            cache[blocks, offsets] = x[valid].to(cache.dtype)
+        else:
+            values, scale = quantize_fp8_ref(x[valid])
+            cache[blocks, offsets] = values
+            scales[blocks, offsets] = scale
 
 
-def gather_kv_ref(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first seq_len tokens of one sequence: [seq_len, num_kv_heads, head_dim]."""
+def gather_kv_ref(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+                  scales: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The first seq_len tokens of one sequence, in fp32: [seq_len, num_kv_heads, head_dim]."""
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = cache[block_table[:num_blocks].long()]  # [n, block_size, H_kv, D]
-    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+    table = block_table[:num_blocks].long()
+    blocks = cache[table]  # [n, block_size, H_kv, D]
+    scale = None if scales is None else scales[table].reshape(-1, cache.shape[2])[:seq_len]
+    return dequantize_ref(blocks.reshape(-1, *cache.shape[2:])[:seq_len], scale)
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float,
-                        sliding_window: Optional[int] = None) -> torch.Tensor:
+                        sliding_window: Optional[int] = None, k_scale: Optional[torch.Tensor] = None,
+                        v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of the packed queries against K/V read through the block tables.
 
     q: [num_tokens, num_heads, head_dim]; returns the same shape, in q's dtype.
@@ -81,7 +95,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     first = 0
     if meta.num_decodes > 1 and (sliding_window is None or meta.max_seq_len <= sliding_window):
         first = meta.num_decodes
-        out[:first] = _batched_decode_ref(q[:first], k_cache, v_cache, meta, scale, group)
+        out[:first] = _batched_decode_ref(q[:first], k_cache, v_cache, meta, scale, group, k_scale, v_scale)
     for s in range(first, meta.num_seqs):
         seq_len = meta.seq_lens_cpu[s]
         query_len = starts[s + 1] - starts[s]
@@ -89,8 +103,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             continue
         # [H, q_len, D] queries against [H_kv, seq_len, D] keys and values.
         qf = q[starts[s]:starts[s + 1]].float().transpose(0, 1)
-        k = gather_kv_ref(k_cache, meta.block_tables[s], seq_len).float().transpose(0, 1)
-        v = gather_kv_ref(v_cache, meta.block_tables[s], seq_len).float().transpose(0, 1)
+        k = gather_kv_ref(k_cache, meta.block_tables[s], seq_len, k_scale).transpose(0, 1)
+        v = gather_kv_ref(v_cache, meta.block_tables[s], seq_len, v_scale).transpose(0, 1)
         if group > 1:  # GQA: each K/V head serves `group` consecutive query heads
             k = k.repeat_interleave(group, dim=0)
             v = v.repeat_interleave(group, dim=0)
@@ -101,7 +115,9 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def _batched_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float, group: int) -> torch.Tensor:
+                        meta: AttentionMetadata, scale: float, group: int,
+                        k_scale: Optional[torch.Tensor] = None,
+                        v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """All decodes in one SDPA call: K/V gathered to the longest context, shorter ones masked."""
     n = q.shape[0]
     block_size = k_cache.shape[1]
@@ -109,8 +125,8 @@ def _batched_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_blocks = (max_len + block_size - 1) // block_size
     tables = meta.block_tables[:n, :num_blocks].long()
     # [n, num_blocks, block_size, H_kv, D] -> [n, H_kv, L, D]
-    k = k_cache[tables].flatten(1, 2)[:, :max_len].float().transpose(1, 2)
-    v = v_cache[tables].flatten(1, 2)[:, :max_len].float().transpose(1, 2)
+    k = _gather_batched(k_cache, k_scale, tables, max_len)
+    v = _gather_batched(v_cache, v_scale, tables, max_len)
     visible = torch.arange(max_len, device=q.device)[None, :] < meta.seq_lens[:n, None]
     # Slots past a sequence's end hold whatever the pool holds (stale K/V, another
     # sequence's block, uninitialised memory: possibly NaN/Inf). A masked score still
@@ -123,6 +139,14 @@ def _batched_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     o = F.scaled_dot_product_attention(q.float()[:, :, None, :], k, v, attn_mask=visible[:, None, None, :],
                                        scale=scale)
     return o[:, :, 0, :].to(q.dtype)
+
+
+def _gather_batched(cache: torch.Tensor, scales: Optional[torch.Tensor], tables: torch.Tensor,
+                    max_len: int) -> torch.Tensor:
+    """[n, num_blocks] block tables -> fp32 [n, H_kv, max_len, D]."""
+    values = cache[tables].flatten(1, 2)[:, :max_len]
+    scale = None if scales is None else scales[tables].flatten(1, 2)[:, :max_len]
+    return dequantize_ref(values, scale).transpose(1, 2)
 
 
 def _causal_mask(query_len: int, seq_len: int, sliding_window: Optional[int], device):
@@ -166,29 +190,39 @@ class Attention(torch.nn.Module):
         self.backend = backend or ReferenceBackend()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, H_kv, D] (views are fine) -> [T, H*D]."""
-        k_cache, v_cache = kv_cache
-        q = self.backend.rope_and_write(q, k, v, positions, self.rotary, k_cache, v_cache, meta.slot_mapping)
-        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
+        k_cache, v_cache, k_scale, v_scale = KVCache(*kv_cache)
+        scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
+        q = self.backend.rope_and_write(q, k, v, positions, self.rotary, k_cache, v_cache, meta.slot_mapping,
+                                        **scales)
+        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.sliding_window, **scales)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
 
 class AttentionBackend:
-    """The interface a fast path implements; see ReferenceBackend for the semantics."""
+    """The interface a fast path implements; see ReferenceBackend for the semantics.
+
+    k_scale / v_scale are the per-(token, KV head) scales of an FP8 cache (layers/kv_cache.py),
+    passed only when the cache is FP8: a backend without FP8 support never sees them.
+    """
 
     name = "abstract"
 
-    def rope_and_write(self, q, k, v, positions, rotary, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+    def rope_and_write(self, q, k, v, positions, rotary, k_cache, v_cache, slot_mapping,
+                       k_scale=None, v_scale=None) -> torch.Tensor:
         """Rotate q and k at their positions, store k and v in their slots; return rotated q."""
         q, k = rotary(positions, q, k)
-        self.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
+        self.write_kv(k, v, k_cache, v_cache, slot_mapping, **scales)
         return q
 
-    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:  # pragma: no cover
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None,
+                 v_scale=None) -> None:  # pragma: no cover
         raise NotImplementedError
 
-    def attend(self, q, k_cache, v_cache, meta, scale, sliding_window) -> torch.Tensor:  # pragma: no cover
+    def attend(self, q, k_cache, v_cache, meta, scale, sliding_window, k_scale=None,
+               v_scale=None) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError
 
 
@@ -197,8 +231,8 @@ class ReferenceBackend(AttentionBackend):
 
     name = "reference"
 
-    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+        write_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
-    def attend(self, q, k_cache, v_cache, meta, scale, sliding_window) -> torch.Tensor:
-        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window)
+    def attend(self, q, k_cache, v_cache, meta, scale, sliding_window, k_scale=None, v_scale=None) -> torch.Tensor:
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale)

@@ -2,7 +2,7 @@
 Qwen2/2.5 (q/k/v bias) and Qwen3 (RMSNorm over each q and k head).
 
 The model consumes a packed step: input_ids and positions of every scheduled
-token, one (k_cache, v_cache) pair per layer, and the step's AttentionMetadata.
+token, one KVCache (K and V pools, and FP8 scales) per layer, and the step's AttentionMetadata.
 Parameter names follow HF's, so a checkpoint's tensors map onto them by name.
 """
 
@@ -16,13 +16,12 @@ from rooflm.config import ModelConfig
 from rooflm.layers.activation import SiluAndMul
 from rooflm.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from rooflm.layers.kernels import TORCH_KERNELS, Kernels
+from rooflm.layers.kv_cache import KVCache
 from rooflm.layers.linear import FusedLinear, Linear
 from rooflm.layers.norm import RMSNorm
 from rooflm.layers.rotary import RotaryEmbedding
 from rooflm.quant.gguf_blocks import BlockTensor
 from rooflm.quant.linear_method import make_quantized_linear
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class LlamaAttention(torch.nn.Module):
