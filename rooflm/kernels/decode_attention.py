@@ -60,7 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rooflm.kernels.utils import (check_paged_attention_inputs, config_for_head_dim, LOG2E, cdiv, dot_precision, is_interpreter,
+from rooflm.kernels.utils import (check_paged_attention_inputs, config_for_head_dim, LOG2E, cdiv, dot_precision, fp8_pv, is_interpreter,
                                   kv_tile_offsets, load_2d, load_kv_scales, next_power_of_2, num_sms, upcast_dots,
                                   gdc_launch_dependents, gdc_wait, pdl_supported)
 from rooflm.layers.attention import AttentionMetadata, paged_attention_ref
@@ -88,7 +88,7 @@ def _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_
                                   BLOCK_SIZE, BLOCK_N, MASKED)
         k = load_2d(k_base + kv_offs[:, None] + offs_d[None, :], kv_ok, d_ok, MASKED, PAD_D)
         v = load_2d(v_base + kv_offs[:, None] + offs_d[None, :], kv_ok, d_ok, MASKED, PAD_D)
-        if FP8:  # widen E4M3 to q's dtype for the dots; the scales are applied outside them
+        if FP8:  # widen E4M3 to q's dtype (fp16 on the GPU) for the dots; scales applied outside them
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         elif UPCAST:
@@ -105,10 +105,11 @@ def _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if FP8:  # sum_n p_n (s_n v_n) = sum_n (p_n s_n) v_n
-            p = p * load_kv_scales(vs_base, block_table_ptr, start_n, kv_ok, stride_sb, stride_st,
-                                   BLOCK_SIZE, BLOCK_N, MASKED)[None, :]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        if FP8:
+            acc = fp8_pv(acc, p, v, vs_base, block_table_ptr, start_n, kv_ok, stride_sb, stride_st,
+                          BLOCK_SIZE, BLOCK_N, MASKED, DOT_PRECISION)
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -142,6 +143,8 @@ def _decode_attention_kernel(
     q = load_2d(q_ptr + tok * stride_qt + head[:, None] * stride_qh + offs_d[None, :], g_ok, d_ok, True, PAD_D)
     if UPCAST:
         q = q.to(tl.float32)
+    elif FP8:  # E4M3 widens to fp16 in one instruction (to bf16 in three): the dots run in fp16
+        q = q.to(tl.float16)
 
     # This split's keys: [start, end), of the visible keys [kv_lo, seq_len).
     if SLIDING:

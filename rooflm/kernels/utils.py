@@ -188,6 +188,21 @@ def load_kv_scales(scale_base, block_table_ptr, start_n, kv_ok, stride_sb, strid
     return tl.load(scale_base + offs)
 
 
+@triton.jit
+def fp8_pv(acc, p, v, vs_base, block_table_ptr, start_n, kv_ok, stride_sb, stride_st,
+           BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + sum_n p_n s_n v_n for an FP8 value tile v (widened, unscaled) with scales s_n.
+
+    The scales ride on p, normalised by the tile's largest scale so that p s_n / s_max stays in
+    [0, 1] where fp16 is accurate (a V scale can be 1e-7); s_max multiplies the tile's product."""
+    vs = load_kv_scales(vs_base, block_table_ptr, start_n, kv_ok, stride_sb, stride_st,
+                        BLOCK_SIZE, BLOCK_N, MASKED)
+    vs_max = tl.max(vs, 0)
+    vs_max = tl.where(vs_max > 0, vs_max, 1.0)
+    pv = tl.dot((p * (vs / vs_max)[None, :]).to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc + pv * vs_max
+
+
 def random_paged_batch(seq_lens: list[int], query_lens: list[int], num_kv_heads: int, head_dim: int,
                        block_size: int, dtype: torch.dtype, device: torch.device | str,
                        spare_blocks: int = 3, poison_unused: bool = True):

@@ -145,6 +145,7 @@ def test_throughput_counts_rates_and_bound(capsys, tmp_path, tiny_path):
     # A tiny model on the CPU against an H100's roof is a tiny fraction of it.
     assert 0 < result["fraction_of_bound"] < 1
     assert "Bound on output tokens/s:" in out and "what-if" in out
+    assert bound["serial_output_tokens_per_s"] <= bound["output_tokens_per_s"] * (1 + 1e-9)
     assert "| requests |" in out_md.read_text()
 
 
@@ -177,3 +178,19 @@ def test_bench_has_serve_too():
     args = build_parser().parse_args(["bench", "serve", "--base-url", "http://127.0.0.1:1",
                                       "--model", "m"])
     assert args.func.__name__ == "run_serve"
+
+
+def test_throughput_breakdown_accounts_every_step(tiny_path, tmp_path, capsys):
+    out_json = tmp_path / "breakdown.json"
+    rc, out, err = run_bench(capsys, "throughput", "--model", tiny_path, "--num-prompts", "6",
+                             "--input-len", "8", "--output-len", "4", "--range-ratio", "0.5",
+                             "--gpu", "h100", "--breakdown", "--output-json", str(out_json))
+    assert rc == 0, err
+    result = read_json(out_json)
+    kinds = result["breakdown"]
+    assert kinds and sum(k["steps"] for k in kinds.values()) == result["num_steps"]
+    for name, k in kinds.items():
+        # Operations one after another never take less than all of them overlapped.
+        assert 0 < k["floor_s"] <= k["serial_floor_s"] * (1 + 1e-9), name
+        assert sum(b["steps"] for b in k["by_batch"].values()) == k["steps"]
+    assert "Step breakdown" in out and "serial" in out
