@@ -10,8 +10,8 @@ ceil(DP / (gpus_per_host / TP)) hosts. For each GPU type and TP that holds the m
      rate / DP (a replica's share; a load-aware router gives it smoother arrivals than
      that, so this errs on the safe side), from that bound upward, doubling the step
      until the SLO holds, then bisecting;
-  3. headroom: the highest rate per replica that still meets the SLO (bisection), as a
-     share above the rate asked for; and the margin of each SLO figure;
+  3. headroom: the highest rate per replica that still meets the SLO (bisection, at most its
+     capacity), as a share above the rate asked for; and the margin of each SLO figure;
   4. the cheapest layouts are checked once more as a whole: DP replicas behind the
      router, at the full rate (one more replica is added while that check fails).
 The price of a layout is its GPUs x the price per GPU-hour (prices.py).
@@ -112,6 +112,7 @@ class LayoutResult:
     dp: int
     metrics: dict  # one replica at rate / dp
     margins: dict[str, float]
+    capacity_per_replica: float = math.inf  # requests/s of one replica given a backlog
     max_rate_per_replica: Optional[float] = None
     verified: Optional[bool] = None  # the whole layout at the full rate
     verified_metrics: Optional[dict] = field(default=None, repr=False)
@@ -178,7 +179,7 @@ class Planner:
         low = max(1, math.ceil(self.rate / cap))  # fewer cannot keep up
         ok, metrics = self._meets(cand, low)
         if ok:
-            return LayoutResult(cand, low, metrics, self.slo.margins(metrics))
+            return LayoutResult(cand, low, metrics, self.slo.margins(metrics), capacity_per_replica=cap)
         failed, step = low, 1
         while True:  # double the step until the SLO holds
             dp = failed + step
@@ -196,13 +197,18 @@ class Planner:
                 best, best_metrics = mid, metrics
             else:
                 failed = mid
-        return LayoutResult(cand, best, best_metrics, self.slo.margins(best_metrics))
+        return LayoutResult(cand, best, best_metrics, self.slo.margins(best_metrics), capacity_per_replica=cap)
 
-    def max_rate(self, cand: Candidate, low: float, steps: int = 6) -> float:
-        """The highest rate one replica takes within the SLO, from a rate known to meet it."""
-        high = low * 2
-        while self.slo.met(self._run(cand, high, self.num_prompts)) and high < low * 64:
-            low, high = high, high * 2
+    def max_rate(self, cand: Candidate, low: float, capacity: float, steps: int = 6) -> float:
+        """The highest rate one replica takes within the SLO, from a rate known to meet it, and
+        never above its capacity (a short probe can meet an SLO at a rate no replica sustains)."""
+        if low >= capacity:
+            return capacity
+        high = min(low * 2, capacity)
+        while high < capacity and self.slo.met(self._run(cand, high, self.num_prompts)):
+            low, high = high, min(high * 2, capacity)
+        if high >= capacity and self.slo.met(self._run(cand, capacity, self.num_prompts)):
+            return capacity
         for _ in range(steps):
             mid = (low + high) / 2
             if self.slo.met(self._run(cand, mid, self.num_prompts)):
@@ -237,7 +243,8 @@ class Planner:
         shortlisted = []
         for result in results[:top]:
             result = self.verify(result)
-            result.max_rate_per_replica = self.max_rate(result.candidate, self.rate / result.dp)
+            result.max_rate_per_replica = self.max_rate(result.candidate, self.rate / result.dp,
+                                                        result.capacity_per_replica)
             shortlisted.append(result)
         shortlisted.sort(key=lambda r: (not r.verified, r.price_per_hour, r.num_gpus))
         return shortlisted + results[top:]
