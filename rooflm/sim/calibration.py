@@ -24,7 +24,6 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Optional
 
 import numpy as np
 

@@ -17,7 +17,6 @@ import json
 import math
 import os
 import sys
-from dataclasses import replace
 from typing import Optional, TextIO
 
 from rooflm.config import SchedulerConfig
@@ -171,7 +170,7 @@ def workload_for(args, rate: float, num_prompts: Optional[int] = None, seed: Opt
         args.seed if seed is None else seed)
 
 
-def _ingress_s(args, rate: float) -> float:
+def _ingress_s(args) -> float:
     from rooflm.sim.simulator import SERVER_INGRESS_S
 
     if args.ingress_ms is not None:
@@ -215,7 +214,7 @@ def _run(args, out: TextIO) -> int:
     sweep, results = [], []
     for i, rate in enumerate(rates):
         requests = workload_for(args, rate, seed=args.seed + i)
-        cfg = SimConfig(replica, args.dp, args.router, _ingress_s(args, rate), model.vocab_size, args.seed)
+        cfg = SimConfig(replica, args.dp, args.router, _ingress_s(args), model.vocab_size, args.seed)
         result = simulate(cfg, cost, requests)
         metrics = sim_metrics(result, slos)
         label = "trace " + args.trace if args.trace else f"{rate:g} req/s ({args.arrival})"
@@ -314,7 +313,7 @@ def _plan(args, out: TextIO) -> int:
         raise ValueError("--plan draws its own arrivals at each rate: give lengths by flags, not --trace")
     out.write(f"planning {name} at {rate:g} req/s, {slo}; {len(candidates)} candidates "
               f"({args.num_prompts} requests per probe, {args.router} router); prices: {PRICE_SOURCE}\n")
-    planner = Planner(slo, rate, workload, args.num_prompts, args.router, _ingress_s(args, rate),
+    planner = Planner(slo, rate, workload, args.num_prompts, args.router, _ingress_s(args),
                       args.seed, out=out, verbose=args.verbose)
     results = planner.plan(candidates, args.top)
     if not results:

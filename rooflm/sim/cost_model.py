@@ -32,7 +32,7 @@ a fixed latency per collective (2 per layer, one for the embedding, one logits g
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import Protocol
 
 from rooflm.config import ModelConfig
 from rooflm.engine.report import BatchShape

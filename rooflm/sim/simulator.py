@@ -14,8 +14,8 @@ from __future__ import annotations
 import heapq
 import math
 import random
+import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 from rooflm.sim.cost_model import StepCostModel
 from rooflm.sim.replica import ReplicaConfig, RequestRecord, SimReplica
@@ -77,8 +77,6 @@ def _prompt_ids(req: SimRequest, rng: random.Random, prefixes: dict, vocab: rang
 
 
 def simulate(cfg: SimConfig, cost_model: StepCostModel, requests: list[SimRequest]) -> SimResult:
-    import time
-
     t0 = time.perf_counter()
     requests = sorted(requests, key=lambda r: r.arrival_s)
     replicas = [SimReplica(cfg.replica, cost_model, i, cfg.record_steps) for i in range(cfg.num_replicas)]

@@ -1,7 +1,6 @@
 """rooflm simulate: workloads, the cost model and its calibration, routers, the plan search, the CLI."""
 
 import json
-import math
 import random
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from rooflm.sim.plan import SLO, Candidate, Planner
 from rooflm.sim.replica import ReplicaConfig
 from rooflm.sim.router import Router
 from rooflm.sim.simulator import SimConfig, simulate
-from rooflm.sim.workload import LengthDist, SimRequest, arrival_times, load_trace, synthetic_workload
+from rooflm.sim.workload import LengthDist, arrival_times, load_trace, synthetic_workload
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVE_RESULT = ROOT / "benchmarks/results/serving-h100-20261123-s4/895fdec/serve-poisson-rate16.json"
