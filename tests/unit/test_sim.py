@@ -157,8 +157,16 @@ def test_calibration_fit_recovers_a_known_engine_and_round_trips(tmp_path):
                for shape, seqs in random_shapes(300)]
     base = RooflineCostModel(LLAMA, get_gpu("h100"))
     fitted, fit = fit_correction(samples, base, "test")
-    assert fit["median_rel_error"] < 1e-6 and fit["p90_rel_error"] < 1e-6
+    # The weak prior (fixed costs small, efficiencies near the roofline) costs ~0.1% here.
+    assert fit["median_rel_error"] < 1e-3 and fit["p90_rel_error"] < 2e-3
     assert fitted.host == pytest.approx(truth.host, rel=1e-6)
+    assert fitted.device[:2] == pytest.approx(truth.device[:2], rel=0.05)
+    # Decode steps alone cannot tell a fixed cost from the weight read: the prior gives it to
+    # the weight read, which a GPU that borrows the correction scales by its own bandwidth.
+    decodes = [(BatchShape(b, b * c), b) for b in (1, 8, 64, 256) for c in (128, 1000)] * 5
+    only = [StepSample(s, n, engine.step_seconds(s, n), 0.0) for s, n in decodes]
+    fitted_decode, fit_decode = fit_correction(only, base, "test")
+    assert fit_decode["p90_rel_error"] < 0.01 and fitted_decode.device[0] < 1e-4
     table = CalibrationTable("h100", "test GPU", "llama-3-8b", LLAMA, "bf16", "bf16", True, 1234, 16, 512, 2048,
                              fitted, fit, {"date": "today"}, samples)
     table.save(str(tmp_path / "t.json"))
