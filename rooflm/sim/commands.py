@@ -138,6 +138,11 @@ def replica_config(args, model, gpu_key: str, tp: int, tables) -> tuple:
                                gpu_memory_utilization=args.gpu_memory_utilization,
                                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max_num_seqs)
         num_blocks, source = mem.num_blocks, f"perf/memory estimate for {gpu.mem_gb:g} GB x TP {tp}"
+    # Past max_num_seqs sequences of full length, blocks only keep cached prefixes; a small model
+    # on a large GPU would otherwise build millions of them (seconds per replica) for nothing.
+    cap = max_num_seqs * -(-max_model_len // args.block_size)
+    if num_blocks > cap:
+        num_blocks, source = cap, source + f", capped at {max_num_seqs} full-length sequences"
     async_scheduling = True if args.async_scheduling is None else args.async_scheduling
     cfg = ReplicaConfig(sched, num_blocks=max(num_blocks, 0), block_size=args.block_size,
                         enable_prefix_caching=args.enable_prefix_caching, max_model_len=max_model_len,
