@@ -119,6 +119,7 @@ def replica_config(args, model, gpu_key: str, tp: int, tables) -> tuple:
     """The engine configuration one replica runs, and where its KV pool size is from."""
     from rooflm.perf.gpus import get_gpu
     from rooflm.perf.memory import inference_memory
+    from rooflm.perf.roofline import KV_CACHE_BYTES, kv_bytes_per_token_per_gpu
     from rooflm.sim.replica import ReplicaConfig
 
     max_num_seqs = args.max_num_seqs or 512  # the engine's CUDA default
@@ -144,9 +145,14 @@ def replica_config(args, model, gpu_key: str, tp: int, tables) -> tuple:
     if num_blocks > cap:
         num_blocks, source = cap, source + f", capped at {max_num_seqs} full-length sequences"
     async_scheduling = True if args.async_scheduling is None else args.async_scheduling
+    num_host_blocks = 0
+    if args.preemption_mode == "swap":  # the engine's rule: swap space over one block's K/V (one GPU)
+        block_bytes = args.block_size * kv_bytes_per_token_per_gpu(model, KV_CACHE_BYTES[args.kv_dtype], tp)
+        num_host_blocks = int(args.swap_space_gb * 2**30 // block_bytes)
     cfg = ReplicaConfig(sched, num_blocks=max(num_blocks, 0), block_size=args.block_size,
-                        enable_prefix_caching=args.enable_prefix_caching, max_model_len=max_model_len,
-                        async_scheduling=async_scheduling, sliding_window=model.sliding_window)
+                        enable_prefix_caching=args.enable_prefix_caching, num_host_blocks=num_host_blocks,
+                        max_model_len=max_model_len, async_scheduling=async_scheduling,
+                        sliding_window=model.sliding_window)
     return cfg, source
 
 
