@@ -152,6 +152,12 @@ class BlockManager:
         """Blocks that hold num_tokens tokens."""
         return -(-num_tokens // self.block_size)
 
+    def blocks_for_request(self, prompt_len: int, max_tokens: int, n: int = 1) -> int:
+        """Most blocks a request can ever hold: its prompt's full blocks, shared by its n
+        samples, plus each sample's own blocks from there to prompt + max_tokens tokens."""
+        prompt_blocks = prompt_len // self.block_size
+        return prompt_blocks + n * (self.blocks_needed(prompt_len + max_tokens) - prompt_blocks)
+
     def new_table(self) -> BlockTable:
         return BlockTable(self.block_size)
 

@@ -258,8 +258,7 @@ class LLMEngine:
 
     def _check_fits(self, prompt_len: int, max_tokens: int, n: int) -> None:
         bm = self.block_manager
-        prompt_blocks = prompt_len // bm.block_size
-        need = prompt_blocks + n * (bm.blocks_needed(prompt_len + max_tokens) - prompt_blocks)
+        need = bm.blocks_for_request(prompt_len, max_tokens, n)
         if need > bm.num_blocks:
             # max_tokens: the field a client can always lower to fit (the prompt fits the context).
             raise InvalidRequest(f"request needs up to {need} KV-cache blocks (prompt {prompt_len} + "

@@ -1,0 +1,229 @@
+"""One simulated engine: the engine's own scheduler, block manager and output processor,
+with a step-cost model in place of the model runner.
+
+Nothing of the scheduling is re-implemented here. A SimReplica builds the real
+engine.scheduler.Scheduler over a real engine.block_manager.BlockManager and hands each
+step's results to the real engine.output_processor.OutputProcessor (no tokenizer), exactly
+as LLMEngine does; only the model runner is replaced: a step takes the time the cost model
+gives its BatchShape, and its "sampled" tokens are a filler id, or EOS where the workload
+says the request stops early. `step_call` mirrors LLMEngine.step(), sync and async:
+
+  sync   schedule step t, run it, process its tokens;
+  async  schedule step t and queue it behind step t-1 on the device, then wait for step
+         t-1's tokens and process them (the host's work overlaps the device's, and a new
+         request reaches the scheduler only at the next call).
+
+What the real engine does around that (validation in add_request, max_tokens resolution,
+the KV-fits check) is called through the same functions the engine calls.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Optional
+
+from rooflm.config import SchedulerConfig
+from rooflm.engine.block_manager import BlockManager
+from rooflm.engine.model_runner import StepResult
+from rooflm.engine.output_processor import OutputProcessor
+from rooflm.engine.report import BatchShape, batch_shape
+from rooflm.engine.request import Request, RequestStatus
+from rooflm.engine.scheduler import Scheduler, SchedulerOutput
+from rooflm.errors import InvalidRequest
+from rooflm.sampling_params import SamplingParams, resolve_max_tokens
+from rooflm.sim.cost_model import StepCostModel
+
+# Token ids the simulated sampler emits: any id works (the scheduler never reads them), but
+# the filler must not be the EOS id, and generated blocks are hashed into the prefix cache.
+FILLER_TOKEN = 1
+EOS_TOKEN = 0
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """The engine options a replica runs with: the scheduler's and the KV pool's."""
+
+    scheduler: SchedulerConfig
+    num_blocks: int
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_host_blocks: int = 0
+    max_model_len: int = 4096
+    async_scheduling: bool = True
+    sliding_window: Optional[int] = None
+
+
+@dataclass
+class RequestRecord:
+    """What one request went through, in simulated seconds."""
+
+    request_id: str
+    arrival_s: float  # when the client sent it
+    prompt_len: int
+    output_len: int  # tokens the workload says it generates
+    replica: int = 0
+    delivered_s: Optional[float] = None  # when the engine could first schedule it
+    scheduled_s: Optional[float] = None  # first scheduled: the end of its queueing
+    token_times: list[float] = field(default_factory=list)
+    finish_s: Optional[float] = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    error: str = ""
+
+
+@dataclass
+class _Launched:
+    out: SchedulerOutput
+    shape: BatchShape
+    end_s: float
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One launched step, for the result's KV-usage-over-time series."""
+
+    start_s: float
+    end_s: float
+    shape: BatchShape
+    kv_usage: float
+    num_running: int
+    num_waiting: int
+    num_preempted: int
+
+
+class SimReplica:
+    def __init__(self, cfg: ReplicaConfig, cost_model: StepCostModel, index: int = 0,
+                 record_steps: bool = True):
+        self.cfg = cfg
+        self.index = index
+        self.cost_model = cost_model
+        self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                          cfg.num_host_blocks)
+        self.scheduler = Scheduler(cfg.scheduler, self.block_manager)
+        self.outputs = OutputProcessor(self.scheduler, None, {EOS_TOKEN}, cfg.max_model_len,
+                                       itertools.count())
+        self.records: dict[str, RequestRecord] = {}
+        self._requests: dict[str, Request] = {}
+        self._stop_at: dict[str, int] = {}  # request id -> output length where EOS is sampled
+        self.in_flight: Optional[_Launched] = None
+        self.device_free_s = 0.0
+        self.num_steps = 0
+        self.busy_s = 0.0
+        self.record_steps = record_steps
+        self.steps: list[StepSample] = []
+        self.finished: list[RequestRecord] = []
+        self._outstanding_tokens = 0  # prompt + output tokens of unfinished requests (router load)
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def add_request(self, record: RequestRecord, token_ids: list[int], max_tokens: int,
+                    stops_early: bool) -> bool:
+        """Queue a request as LLMEngine.add_request does (the same max_tokens resolution and
+        KV-fits check). A request the engine would reject is finished with its error."""
+        record.replica = self.index
+        try:
+            resolved = resolve_max_tokens(max_tokens, len(token_ids), self.cfg.max_model_len)
+            need = self.block_manager.blocks_for_request(len(token_ids), resolved)
+            if need > self.block_manager.num_blocks:
+                raise InvalidRequest(f"request needs up to {need} KV-cache blocks but the cache has "
+                                     f"{self.block_manager.num_blocks}", param="max_tokens")
+        except InvalidRequest as exc:
+            record.error = str(exc)
+            self.finished.append(record)
+            return False
+        params = SamplingParams(max_tokens=resolved, temperature=0.0, ignore_eos=not stops_early,
+                                output_kind="final")
+        req = Request(record.request_id, None, token_ids, params, resolved,
+                      arrival_time=record.arrival_s)
+        req.seqs.append(self.outputs.new_seq(req, 0, list(token_ids)))
+        self.scheduler.add(req)
+        self.records[record.request_id] = record
+        self._requests[record.request_id] = req
+        if stops_early:
+            self._stop_at[record.request_id] = record.output_len
+        self._outstanding_tokens += len(token_ids) + record.output_len
+        return True
+
+    # ---- load, for routers ---------------------------------------------------------------
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.records)
+
+    @property
+    def outstanding_tokens(self) -> int:
+        return self._outstanding_tokens
+
+    def kv_usage(self) -> float:
+        return self.block_manager.usage()
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished() or self.in_flight is not None
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def step_call(self, now: float) -> Optional[float]:
+        """One LLMEngine.step() call at host time `now`. Returns when the host is free for the
+        next call, or None when the replica is idle (nothing scheduled, nothing in flight)."""
+        out = self.scheduler.schedule()
+        launched = None
+        if not out.is_empty:
+            launched = self._launch(out, now)
+        if not self.cfg.async_scheduling:
+            if launched is None:
+                return None
+            self._process(launched)
+            return launched.end_s
+        previous, self.in_flight = self.in_flight, launched
+        if previous is not None:
+            self._process(previous)
+            return max(now, previous.end_s)
+        return now if launched is not None else None
+
+    def _launch(self, out: SchedulerOutput, now: float) -> _Launched:
+        shape = batch_shape(out, self.cfg.sliding_window)
+        start = max(now, self.device_free_s)
+        seconds = self.cost_model.step_seconds(shape, len(out.scheduled))
+        end = start + seconds
+        self.device_free_s = end
+        self.num_steps += 1
+        self.busy_s += seconds
+        for sch in out.scheduled:
+            record = self.records[sch.request.request_id]
+            if record.scheduled_s is None:
+                record.scheduled_s = now
+        if self.record_steps:
+            self.steps.append(StepSample(start, end, shape, self.block_manager.usage(),
+                                         len(self.scheduler.running), len(self.scheduler.waiting),
+                                         len(out.preempted)))
+        return _Launched(out, shape, end)
+
+    def _process(self, step: _Launched) -> None:
+        """The step's tokens reach the host at its end: the real output processor applies them."""
+        sampled: dict[int, list[int]] = {}
+        t = step.end_s
+        for sch in step.out.scheduled:
+            seq, req = sch.seq, sch.request
+            if not sch.completes or seq.finished or req.status == RequestStatus.FINISHED:
+                continue
+            stop_at = self._stop_at.get(req.request_id)
+            eos = stop_at is not None and seq.num_output_tokens + 1 == stop_at
+            sampled[seq.seq_id] = [EOS_TOKEN if eos else FILLER_TOKEN]
+            self.records[req.request_id].token_times.append(t)
+        for output in self.outputs.process(step.out, StepResult(sampled, {}, {})):
+            if output.finished:
+                self._finish(output.request_id, output.num_cached_tokens, t)
+
+    def _finish(self, request_id: str, num_cached: int, t: float) -> None:
+        record = self.records.pop(request_id)
+        record.finish_s = t
+        record.num_cached_tokens = num_cached
+        record.num_preemptions = self._requests.pop(request_id).num_preemptions
+        self._stop_at.pop(request_id, None)
+        self._outstanding_tokens -= record.prompt_len + record.output_len
+        self.finished.append(record)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions

@@ -1,0 +1,128 @@
+"""The discrete-event loop: arrivals, a router, and data-parallel replicas that step.
+
+Events, in time order (a delivery before a step call at the same instant):
+  arrival    the client sends a request; the router picks its replica at once;
+  delivery   `ingress_s` later (the API process: HTTP, tokenization, the hop to the engine
+             core) the request is in that replica's scheduler;
+  step call  a replica runs one LLMEngine.step() (replica.step_call) and says when the host
+             is free for the next; an idle replica sleeps until its next delivery.
+Each replica keeps its own clock through its step calls; they share nothing but the router.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+from rooflm.sim.cost_model import StepCostModel
+from rooflm.sim.replica import ReplicaConfig, RequestRecord, SimReplica
+from rooflm.sim.router import Router
+from rooflm.sim.workload import SimRequest
+
+# The API process's share of a served request's latency, not in the engine's steps: a
+# request at concurrency 1 had TTFT 10.63 ms through `rooflm serve` and 8.43 ms offline
+# (H100, benchmarks/results/serving-h100-20261123-s4/README.md), 2.2 ms apart.
+SERVER_INGRESS_S = 0.0022
+
+_DELIVER, _WAKE = 0, 1
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    replica: ReplicaConfig
+    num_replicas: int = 1
+    router: str = "round-robin"
+    ingress_s: float = SERVER_INGRESS_S
+    vocab_size: int = 32000
+    seed: int = 0
+    record_steps: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ValueError(f"number of replicas must be >= 1, got {self.num_replicas}")
+        if self.ingress_s < 0:
+            raise ValueError(f"ingress must be >= 0 s, got {self.ingress_s}")
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]  # in arrival order
+    replicas: list[SimReplica] = field(repr=False)
+    duration_s: float
+    wall_s: float = 0.0  # how long the simulation itself took
+
+    @property
+    def num_steps(self) -> int:
+        return sum(r.num_steps for r in self.replicas)
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(r.num_preemptions for r in self.replicas)
+
+
+def _prompt_ids(req: SimRequest, rng: random.Random, prefixes: dict, vocab: range) -> list[int]:
+    """Random ids, so that prompts share no prefix by accident; a prefix group's requests
+    share their first prefix_len ids."""
+    ids: list[int] = []
+    if req.prefix_group is not None and req.prefix_len:
+        prefix = prefixes.get(req.prefix_group)
+        if prefix is None or len(prefix) < req.prefix_len:
+            prefix = rng.choices(vocab, k=req.prefix_len)
+            prefixes[req.prefix_group] = prefix
+        ids = prefix[:req.prefix_len]
+    return ids + rng.choices(vocab, k=req.prompt_len - len(ids))
+
+
+def simulate(cfg: SimConfig, cost_model: StepCostModel, requests: list[SimRequest]) -> SimResult:
+    t0 = time.perf_counter()
+    requests = sorted(requests, key=lambda r: r.arrival_s)
+    replicas = [SimReplica(cfg.replica, cost_model, i, cfg.record_steps) for i in range(cfg.num_replicas)]
+    router = Router(cfg.router)
+    rng = random.Random(cfg.seed + 1)
+    vocab = range(min(100, cfg.vocab_size - 1), cfg.vocab_size)
+    prefixes: dict = {}
+    records = [RequestRecord(f"sim-{i}", r.arrival_s, r.prompt_len, r.output_len)
+               for i, r in enumerate(requests)]
+    awake = [False] * len(replicas)
+    events: list[tuple] = []  # (time, kind, counter, replica, request index)
+    counter = 0
+    i = 0
+    while i < len(requests) or events:
+        next_arrival = requests[i].arrival_s if i < len(requests) else math.inf
+        if next_arrival <= (events[0][0] if events else math.inf):
+            req = requests[i]
+            ids = _prompt_ids(req, rng, prefixes, vocab)
+            key = req.prefix_group if req.prefix_group is not None else tuple(ids[:cfg.replica.block_size])
+            r = router.pick(replicas, key)
+            heapq.heappush(events, (req.arrival_s + cfg.ingress_s, _DELIVER, counter, r, (i, ids)))
+            counter += 1
+            i += 1
+            continue
+        now, kind, _, r, payload = heapq.heappop(events)
+        replica = replicas[r]
+        if kind == _DELIVER:
+            index, ids = payload
+            req = requests[index]
+            records[index].delivered_s = now
+            replica.add_request(records[index], ids, req.max_tokens or req.output_len, req.stops_early)
+            if not awake[r]:
+                awake[r] = True
+                heapq.heappush(events, (now, _WAKE, counter, r, None))
+                counter += 1
+            continue
+        following = replica.step_call(now)
+        if following is None:
+            awake[r] = False
+            if replica.has_work():
+                raise RuntimeError(f"replica {r} has unfinished requests but scheduled nothing "
+                                   f"and has nothing in flight: they would never finish")
+            continue
+        heapq.heappush(events, (following, _WAKE, counter, r, None))
+        counter += 1
+    finished = [rec.finish_s for rec in records if rec.finish_s is not None]
+    start = min((r.arrival_s for r in requests), default=0.0)
+    duration = (max(finished) - min(start, 0.0)) if finished else 0.0
+    return SimResult(records, replicas, duration, time.perf_counter() - t0)
