@@ -176,6 +176,22 @@ def test_measure_without_a_gpu_says_so():
         measure_gpu()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU measurement")
+def test_roofline_gpu_measure_on_a_cpu_measures_this_cpu():
+    # One measurement for `roofline --gpu measure`, `profile` and `bench` (perf/host_peaks.py).
+    from rooflm.perf.host_peaks import measure_host
+
+    args = _parse(["roofline", "--model", "smollm2-135m", "--gpu", "measure", "--phase", "decode"])
+    out = io.StringIO()
+    assert args.func(args, out=out) == 0
+    host = measure_host()
+    assert host is measure_host("cpu")  # cached: every consumer sees the same roofs
+    assert host.key == "cpu" and "measured" in host.source
+    assert 1 < host.mem_bw_gbs < 1000 and 1e9 < host.peak_flops("fp32") < 1e14
+    assert host.peak_flops("bf16") > 0
+    assert host.source in out.getvalue()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_measure_gpu_on_a_gpu():
