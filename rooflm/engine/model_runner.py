@@ -147,8 +147,11 @@ class ModelRunner:
 
     def _make_backend(self):
         choice = self.config.runtime.attention_backend
-        if choice == "reference" or (choice == "auto" and self.device.type != "cuda"):
+        if choice == "reference":
             return ReferenceBackend()
+        if choice == "auto" and self.device.type != "cuda":
+            from rooflm.layers.cpu_attention import CpuBackend
+            return CpuBackend()  # the reference math, planned once a step
         from rooflm.kernels.backend import TritonBackend
         return TritonBackend(split_span=self.max_model_len)
 
@@ -255,7 +258,7 @@ class ModelRunner:
 
     def _make_kernels(self) -> Kernels:
         """Triton's fused kernels with the Triton attention backend (CUDA), else torch."""
-        if self.backend.name == "reference":
+        if self.backend.name in ("reference", "cpu"):
             return TORCH_KERNELS
         return triton_kernels(self.config.runtime.decode_gemv)
 

@@ -169,7 +169,7 @@ class Attention(torch.nn.Module):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, H_kv, D] (views are fine) -> [T, H*D]."""
         k_cache, v_cache = kv_cache
-        q = self.backend.rope_and_write(q, k, v, positions, self.rotary, k_cache, v_cache, meta.slot_mapping)
+        q = self.backend.rope_and_write_step(q, k, v, positions, self.rotary, k_cache, v_cache, meta)
         out = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
@@ -184,6 +184,12 @@ class AttentionBackend:
         q, k = rotary(positions, q, k)
         self.write_kv(k, v, k_cache, v_cache, slot_mapping)
         return q
+
+    def rope_and_write_step(self, q, k, v, positions, rotary, k_cache, v_cache,
+                            meta: AttentionMetadata) -> torch.Tensor:
+        """rope_and_write with the step's metadata, for a backend that plans once a step
+        (layers/cpu_attention.py); by default the same as rope_and_write."""
+        return self.rope_and_write(q, k, v, positions, rotary, k_cache, v_cache, meta.slot_mapping)
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:  # pragma: no cover
         raise NotImplementedError
