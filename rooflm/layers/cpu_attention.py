@@ -57,8 +57,8 @@ class CpuBackend(ReferenceBackend):
         if plan.all_slots_valid:
             heads, dim = k_cache.shape[-2:]
             slots = meta.slot_mapping
-            k_cache.view(-1, heads, dim).index_copy_(0, slots, k.to(k_cache.dtype))
-            v_cache.view(-1, heads, dim).index_copy_(0, slots, v.to(v_cache.dtype))
+            k_cache.view(-1, heads, dim).index_copy_(0, slots, _as(k, k_cache.dtype))
+            v_cache.view(-1, heads, dim).index_copy_(0, slots, _as(v, v_cache.dtype))
         else:
             write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
         return q
@@ -114,8 +114,13 @@ class CpuBackend(ReferenceBackend):
             v = v_cache[table].reshape(-1, kv_heads, dim)[:length]
         # [H_kv, group, D] x [H_kv, D, L] -> [H_kv, group, L]: each K/V head serves its group of
         # consecutive query heads, as repeat_interleave would pair them.
-        qg = q[0].float().view(kv_heads, heads // kv_heads, dim)
-        scores = torch.bmm(qg, k.float().permute(1, 2, 0)).mul_(scale)
+        qg = _as(q[0], torch.float32).view(kv_heads, heads // kv_heads, dim)
+        scores = torch.bmm(qg, _as(k, torch.float32).permute(1, 2, 0)).mul_(scale)
         probs = torch.softmax(scores, dim=-1)
-        out = torch.bmm(probs, v.float().transpose(0, 1))  # [H_kv, group, D]
-        return out.reshape(1, heads, dim).to(q.dtype)
+        out = torch.bmm(probs, _as(v, torch.float32).transpose(0, 1))  # [H_kv, group, D]
+        return _as(out.reshape(1, heads, dim), q.dtype)
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in dtype; no dispatch when it already is (a few microseconds, times layers)."""
+    return x if x.dtype == dtype else x.to(dtype)
