@@ -2,7 +2,7 @@
 # FP8 KV cache (--kv-cache-dtype fp8) against the bf16 cache, one device call: the GPU tests of
 # the attention kernels (compiled), the kernels side by side, then the engine on ShareGPT-like
 # traffic, 500 x 1024/1024 and batch-1 latency with each cache.
-# Usage (GPU machine, repo root): OUT=dir bash benchmarks/kv_fp8.sh
+# Usage (GPU machine, repo root): OUT=dir bash benchmarks/kv_fp8.sh [quick]   (quick: fewer tests, no latency)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results/kv-fp8}
@@ -11,21 +11,22 @@ MODEL="--model llama-3-8b --load-format dummy"
 SHAREGPT="--num-prompts 1000 --input-len 230 --output-len 200 --range-ratio 0.9 --max-model-len 4096"
 LONG="--num-prompts 500 --input-len 1024 --output-len 1024 --max-model-len 2048"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
-timeout 240 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8_kv.py tests/kernels/test_decode_attention.py \
-  tests/kernels/test_prefill_attention.py tests/kernels/test_rope_kv_write.py tests/kernels/test_backend.py \
-  > "$OUT/gpu-tests.txt" 2>&1; tail -2 "$OUT/gpu-tests.txt"
+# quick: the FP8 tests and the backend's only (the full kernel suite: tests/kernels, 2 min more).
+TESTS="tests/kernels/test_fp8_kv.py tests/kernels/test_backend.py"
+[ "${1:-}" = "quick" ] || TESTS="$TESTS tests/kernels/test_decode_attention.py tests/kernels/test_prefill_attention.py tests/kernels/test_rope_kv_write.py"
+timeout 240 python -m pytest -q -p no:cacheprovider -m gpu $TESTS > "$OUT/gpu-tests.txt" 2>&1; tail -2 "$OUT/gpu-tests.txt"
 timeout 120 python benchmarks/kv_fp8.py --out "$OUT" 2>&1 | tee "$OUT/kernels.txt"
 run() {  # name, flags...
   local name=$1; shift
-  timeout 200 python -m rooflm bench throughput $MODEL "$@" --disable-tqdm --output-json "$OUT/$name.json" \
+  timeout 200 python -m rooflm bench throughput $MODEL "$@" --breakdown --disable-tqdm --output-json "$OUT/$name.json" \
     > "$OUT/$name.txt" 2>&1
-  echo "$name: $(grep -E 'Output token thr' "$OUT/$name.txt") $(grep -E 'Measured' "$OUT/$name.txt") \
-$(grep -E 'Preemptions' "$OUT/$name.txt" | tr -s ' ')"
+  echo "$name: $(grep -E 'Output token thr|Measured|Bound|Preemptions' "$OUT/$name.txt" | tr -s ' ' | tr '\n' ';')"
 }
 run sharegpt-bf16 $SHAREGPT
 run sharegpt-fp8 $SHAREGPT --kv-cache-dtype fp8
 run long-bf16 $LONG
 run long-fp8 $LONG --kv-cache-dtype fp8
+[ "${1:-}" = "quick" ] && exit 0
 for kv in auto fp8; do
   timeout 100 python -m rooflm bench latency $MODEL --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 \
     --num-iters-warmup 1 --max-model-len 2048 --kv-cache-dtype $kv --disable-tqdm --output-json "$OUT/latency-b1-$kv.json" \

@@ -28,7 +28,8 @@ attends P + k positions, on average P + N/2. Then
 
 An MBU of 1 would be a decode step at the bandwidth floor. On CUDA the peak
 comes from --gpu (a table entry, or "measure"); by default the H100 datasheet
-on an H100 and a measurement elsewhere. On the CPU MBU is n/a unless
+on an H100 and a measurement elsewhere. On the CPU the bandwidth is measured
+(perf/host_peaks.py, the same measurement `rooflm profile` uses) unless
 --cpu-bandwidth-gbs says what the memory system delivers.
 """
 
@@ -83,7 +84,8 @@ def register(subparsers) -> None:
                    help="peak bandwidth for MBU on CUDA: a GPU table key (h100, a100, ...) or "
                         "'measure' (default: h100 datasheet on an H100 SXM, else measure)")
     g.add_argument("--cpu-bandwidth-gbs", type=float, default=None,
-                   help="memory bandwidth of the CPU in GB/s, for MBU of a CPU run (default: n/a)")
+                   help="memory bandwidth of the CPU in GB/s, for MBU of a CPU run (default: "
+                        "measured on this CPU before the run)")
     g.add_argument("--output-json", default=None, help="write the result to this JSON file")
     g.add_argument("--output-md", default=None, help="write a markdown summary to this file")
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
@@ -152,11 +154,12 @@ def decode_step_cost(engine, batch_size: int, input_len: int, output_len: int):
     mean_context = input_len + output_len / 2
     if config.sliding_window:
         mean_context = min(mean_context, config.sliding_window)
-    # The engine keeps weights, activations and the KV cache in one dtype.
-    elem = info.weight_dtype_bytes
+    # Weights as stored (quantized blocks count their bytes); activations in the engine's dtype.
+    act = info.act_dtype_bytes or info.weight_dtype_bytes
     return step_cost(config, num_decode_seqs=batch_size,
                      decode_context_tokens=round(batch_size * mean_context),
-                     weight_bytes=elem, kv_bytes=info.kv_dtype_bytes, act_bytes=elem,
+                     weight_bytes=info.weight_dtype_bytes, kv_bytes=info.kv_dtype_bytes, act_bytes=act,
+                     head_bytes=info.head_dtype_bytes or None,
                      compute_dtype=compute_dtype_name(getattr(torch, info.dtype)))
 
 
@@ -322,7 +325,7 @@ def format_summary(result: dict) -> str:
              " Decode roofline ".center(width, "-"),
              f"{'Bytes per decode step (MB):':<36} {result['decode_bytes_per_step'] / 1e6:.2f}"]
     if result["mbu"] is None:
-        reason = "no bandwidth known: give --cpu-bandwidth-gbs" if result["bandwidth_gbs"] is None \
+        reason = "no bandwidth known" if result["bandwidth_gbs"] is None \
             else "no decode step (output-len 1)"
         lines.append(f"{'MBU:':<36} n/a ({reason})")
     else:

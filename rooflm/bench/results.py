@@ -175,12 +175,14 @@ def resolve_gpu(device, gpu_name: Optional[str], cpu_bandwidth_gbs: Optional[flo
     CUDA: --gpu NAME from the table or "measure"; by default the H100 SXM
     datasheet on an H100 SXM, and a measurement on any other GPU (an H100 PCIe
     has 2.0 TB/s, not the SXM's 3.35, so its name alone is not enough).
-    CPU: a bandwidth given with --cpu-bandwidth-gbs (no FLOP rates), else None.
+    CPU: a bandwidth given with --cpu-bandwidth-gbs (no FLOP rates), else this
+    CPU measured (perf/host_peaks.py, as `rooflm profile` does); "measure" is the same.
     With allow_other_gpu, --gpu NAME on the CPU gives that GPU's rates, for an
     analytic what-if bound; a utilization measured on one device against
     another's peak would mean nothing, so without it that is an error.
     """
     from rooflm.perf.gpus import GpuSpec, get_gpu
+    from rooflm.perf.host_peaks import measure_host
 
     if device.type == "cuda":
         name = device_name(device).lower()
@@ -189,15 +191,16 @@ def resolve_gpu(device, gpu_name: Optional[str], cpu_bandwidth_gbs: Optional[flo
         if not gpu_name and "h100" in name and "pcie" not in name:
             return get_gpu("h100")
         return _measure(device)
-    if gpu_name:
-        if gpu_name.lower() == "measure" or not allow_other_gpu:
-            raise ValueError(f"--gpu {gpu_name} needs a CUDA device; on the CPU give "
-                             f"--cpu-bandwidth-gbs")
-        return get_gpu(gpu_name)
     if cpu_bandwidth_gbs:
         return GpuSpec(key="cpu", name=cpu_model(), peak_tflops={}, mem_bw_gbs=cpu_bandwidth_gbs,
                        source="--cpu-bandwidth-gbs")
-    return None
+    if gpu_name and gpu_name.lower() != "measure":
+        if not allow_other_gpu:
+            raise ValueError(f"--gpu {gpu_name} is a GPU's datasheet and this run is on the CPU: "
+                             f"leave --gpu out (or --gpu measure) to measure this CPU, or give "
+                             f"--cpu-bandwidth-gbs")
+        return get_gpu(gpu_name)
+    return measure_host(device)
 
 
 def _measure(device):

@@ -206,10 +206,11 @@ def throughput_bound(engine, gpu, requests: list[BenchRequest]) -> dict:
 
     info = engine.info
     config = info.model_config
-    elem = info.weight_dtype_bytes
+    act = info.act_dtype_bytes or info.weight_dtype_bytes
     compute_dtype = compute_dtype_name(getattr(torch, info.dtype))
     # K/V at the pool's bytes per element (FP8 caches: 1 byte plus the scales' share).
-    common = dict(weight_bytes=elem, kv_bytes=info.kv_dtype_bytes, act_bytes=elem, compute_dtype=compute_dtype)
+    common = dict(weight_bytes=info.weight_dtype_bytes, kv_bytes=info.kv_dtype_bytes,
+                  act_bytes=act, compute_dtype=compute_dtype, head_bytes=info.head_dtype_bytes or None)
     peak_flops = gpu.peak_flops(compute_dtype)
     num = len(requests)
     prompt_lens = [len(r.prompt_token_ids) for r in requests]

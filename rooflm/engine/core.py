@@ -278,7 +278,7 @@ class EngineCore:
 
 
 def run_engine_core(config_bytes: bytes, input_address: str, output_address: str,
-                    parent_pid: int, log_level: int) -> None:
+                    parent_pid: int, log_level: int, rooflm_log_level: int = logging.NOTSET) -> None:
     """The process's entry point (multiprocessing 'spawn'): build the engine, serve, exit.
 
     config_bytes: the EngineConfig, msgspec-encoded. Exits 0 after Shutdown, 1 on a failure.
@@ -287,6 +287,7 @@ def run_engine_core(config_bytes: bytes, input_address: str, output_address: str
     _exit_with_parent(parent_pid, _socket_dir(input_address))
     logging.basicConfig(level=log_level,
                         format="%(levelname)s %(name)s (engine core): %(message)s")
+    logging.getLogger("rooflm").setLevel(rooflm_log_level)  # the server's: start-up progress
     context = zmq.Context()
     input_socket = context.socket(zmq.PULL)
     input_socket.bind(input_address)

@@ -83,7 +83,8 @@ class EngineCoreProcess:
         process = spawn.Process(
             target=run_engine_core, name="rooflm-engine-core",
             args=(msgspec.msgpack.encode(config), input_address, output_address,
-                  multiprocessing.current_process().pid, logging.getLogger().getEffectiveLevel()))
+                  multiprocessing.current_process().pid, logging.getLogger().getEffectiveLevel(),
+                  logging.getLogger("rooflm").getEffectiveLevel()))
         core = cls(process, context, input_socket, output_socket, socket_dir)
         process.start()
         atexit.register(core.close)

@@ -95,9 +95,12 @@ class LLMEngine:
             num_blocks=self.block_manager.num_blocks, num_host_blocks=self.block_manager.num_host_blocks,
             max_num_seqs=cfg.scheduler.max_num_seqs, max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
             device=str(self.runner.device), dtype=str(self.runner.dtype).replace("torch.", ""),
-            weight_dtype_bytes=self.runner.dtype.itemsize, kv_dtype_bytes=self.runner.kv_bytes_per_element(),
+            weight_dtype_bytes=self.runner.linear_bytes_per_weight(),
+            kv_dtype_bytes=self.runner.kv_bytes_per_element(),
             async_scheduling=self.async_scheduling, has_tokenizer=self.tokenizer is not None,
-            startup_s=self.startup_s, kv_cache_dtype=kv_format.parse_kv_cache_dtype(cfg.cache.kv_cache_dtype))
+            startup_s=self.startup_s, act_dtype_bytes=self.runner.dtype.itemsize,
+            head_dtype_bytes=self.runner.head_bytes_per_weight(),
+            kv_cache_dtype=kv_format.parse_kv_cache_dtype(cfg.cache.kv_cache_dtype))
 
     # ---- the read-only face ------------------------------------------------------------------
 
@@ -135,7 +138,11 @@ class LLMEngine:
 
     def _load_tokenizer(self):
         from rooflm.tokenizer.tokenizer import load_model_tokenizer
-        return load_model_tokenizer(self.config.load.tokenizer, self.model_path, self.load_format)
+        t0 = time.perf_counter()
+        tokenizer = load_model_tokenizer(self.config.load.tokenizer, self.model_path, self.load_format)
+        if tokenizer is not None:  # from a GGUF file this takes seconds: say where they went
+            logger.info("tokenizer loaded in %.1f s", time.perf_counter() - t0)
+        return tokenizer
 
     # ---- requests --------------------------------------------------------------------
 

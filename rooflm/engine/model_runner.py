@@ -155,8 +155,11 @@ class ModelRunner:
 
     def _make_backend(self):
         choice = self.config.runtime.attention_backend
-        if choice == "reference" or (choice == "auto" and self.device.type != "cuda"):
+        if choice == "reference":
             return ReferenceBackend()
+        if choice == "auto" and self.device.type != "cuda":
+            from rooflm.layers.cpu_attention import CpuBackend
+            return CpuBackend()  # the reference math, planned once a step
         from rooflm.kernels.backend import TritonBackend
         return TritonBackend(split_span=self.max_model_len)
 
@@ -168,9 +171,17 @@ class ModelRunner:
         hold the pool's addresses), the host pool for swapping. Returns the number of device
         and host KV blocks, for the block manager."""
         self.check_memory(path, load_format)
+        # Progress lines: start-up takes seconds to minutes, and a silent wait looks hung.
+        logger.info("loading weights (%s, %s) on %s ...", load_format, path or "-", self.device)
         self.load_model(path, load_format)
+        logger.info("weights loaded in %.1f s (%.0f MB)", self.timings["load_s"],
+                    self.weight_bytes() / 1e6)
+        if self.device.type == "cuda" and self.config.cache.num_blocks is None:
+            logger.info("profiling memory: a forward of the largest step, to size the KV cache ...")
         num_blocks = self.determine_num_blocks()
         self.allocate_kv_cache(num_blocks)
+        if self.device.type == "cuda" and not self.config.runtime.enforce_eager:
+            logger.info("capturing CUDA graphs ...")
         self.capture_graphs()
         num_host = self.num_host_blocks()
         self.allocate_host_cache(num_host)
@@ -224,9 +235,38 @@ class ModelRunner:
         self.model = model.eval()
         self.timings["load_s"] = time.perf_counter() - t0
 
+    def weight_bytes(self) -> int:
+        """Bytes of every parameter and buffer of the model as stored (quantized ones included)."""
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def linear_bytes_per_weight(self) -> float:
+        """Bytes per weight of the decoder layers' linear layers, from the tensors themselves
+        (quantized blocks and scales included): what a decode step streams per weight
+        (EngineInfo.weight_dtype_bytes, hence MBU)."""
+        from rooflm.layers.linear import Linear
+
+        stored = weights = 0
+        for module in self.model.model.layers.modules():
+            if isinstance(module, Linear):
+                stored += module.stored_weight_bytes()
+                weights += module.in_features * module.out_features
+        return stored / weights if weights else float(self.dtype.itemsize)
+
+    def head_bytes_per_weight(self) -> float:
+        """Bytes per LM head weight as stored: its own Linear, or for a tied head the
+        embedding's table, or the quantized copy of it the CPU path multiplies with."""
+        head = getattr(self.model, "lm_head", None)
+        if head is not None:
+            return head.stored_weight_bytes() / (head.in_features * head.out_features)
+        quant = getattr(self.model, "tied_head_quant", None)
+        if quant is not None:
+            return quant.weight_bytes() / (quant.in_features * quant.out_features)
+        return float(self.model.model.embed_tokens.weight.element_size())
+
     def _make_kernels(self) -> Kernels:
         """Triton's fused kernels with the Triton attention backend (CUDA), else torch."""
-        if self.backend.name == "reference":
+        if self.backend.name in ("reference", "cpu"):
             return TORCH_KERNELS
         return triton_kernels(self.config.runtime.decode_gemv)
 

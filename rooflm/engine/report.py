@@ -39,11 +39,15 @@ class EngineInfo:
     max_num_batched_tokens: int
     device: str  # "cuda:0", "cpu"
     dtype: str  # torch dtype name without "torch.": "bfloat16", "float32"
+    # Bytes per weight of the layers' linear weights as stored: quantized blocks with their
+    # scales count what they hold (0.625 for Q4_1 as packed int4), not the dtype.
     weight_dtype_bytes: float
     kv_dtype_bytes: float
     async_scheduling: bool
     has_tokenizer: bool
     startup_s: float
+    act_dtype_bytes: float = 0.0  # bytes per activation element; 0: as weight_dtype_bytes
+    head_dtype_bytes: float = 0.0  # bytes per LM head weight as stored; 0: step_cost's default
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8" (E4M3 + per-head scales)
 
     @property

@@ -194,8 +194,7 @@ class Attention(torch.nn.Module):
         """q: [T, H, D], k/v: [T, H_kv, D] (views are fine) -> [T, H*D]."""
         k_cache, v_cache, k_scale, v_scale = KVCache(*kv_cache)
         scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
-        q = self.backend.rope_and_write(q, k, v, positions, self.rotary, k_cache, v_cache, meta.slot_mapping,
-                                        **scales)
+        q = self.backend.rope_and_write_step(q, k, v, positions, self.rotary, k_cache, v_cache, meta, **scales)
         out = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.sliding_window, **scales)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
@@ -216,6 +215,13 @@ class AttentionBackend:
         scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
         self.write_kv(k, v, k_cache, v_cache, slot_mapping, **scales)
         return q
+
+    def rope_and_write_step(self, q, k, v, positions, rotary, k_cache, v_cache,
+                            meta: AttentionMetadata, k_scale=None, v_scale=None) -> torch.Tensor:
+        """rope_and_write with the step's metadata, for a backend that plans once a step
+        (layers/cpu_attention.py); by default the same as rope_and_write."""
+        scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
+        return self.rope_and_write(q, k, v, positions, rotary, k_cache, v_cache, meta.slot_mapping, **scales)
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None,
                  v_scale=None) -> None:  # pragma: no cover

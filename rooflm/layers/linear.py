@@ -35,6 +35,12 @@ class Linear(torch.nn.Module):
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 
+    def stored_weight_bytes(self) -> int:
+        """Bytes the weight holds in memory: the quantized blocks and scales, or the floats."""
+        if self.quant is not None:
+            return self.quant.weight_bytes()
+        return self.weight.numel() * self.weight.element_size()
+
     def load_blocks(self, blocks: BlockTensor) -> None:
         """Take a whole weight in quantized blocks: kept as they are where a kernel multiplies
         them on this layer's device, else dequantized into the float weight."""

@@ -13,9 +13,10 @@ import torch
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
-    xf = x.float()
+    fp32 = dtype == torch.float32  # then the casts are no-ops: skip their dispatch (CPU decode)
+    xf = x if fp32 else x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    return weight * (xf if fp32 else xf.to(dtype))
 
 
 class RMSNorm(torch.nn.Module):

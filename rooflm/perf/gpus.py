@@ -128,10 +128,12 @@ _ALIASES = {
 
 
 def get_gpu(name: str) -> GpuSpec:
-    """A GPU of the table by key or alias; "measure" measures the present GPU instead."""
+    """A GPU of the table by key or alias; "measure" measures this machine instead (its GPU,
+    else its CPU: perf/host_peaks.py)."""
     key = name.lower()
     if key == "measure":
-        return measure_gpu()
+        from rooflm.perf.host_peaks import measure_host
+        return measure_host()
     key = _ALIASES.get(key, key)
     if key not in GPUS:
         raise ValueError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}, or 'measure'")

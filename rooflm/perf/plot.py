@@ -7,10 +7,11 @@ this module costs nothing and nothing ever needs a display.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 from rooflm.perf.gpus import GpuSpec
-from rooflm.perf.roofline import COMM, OpRoofline
+from rooflm.perf.roofline import ATTENTION, COMM, MATMUL, VECTOR, OpRoofline
 
 
 def _pyplot():
@@ -27,9 +28,11 @@ def plot_roofline(rows: Sequence[OpRoofline], gpu: GpuSpec, path: str, title: st
     """Log-log roofline: attainable TFLOP/s against FLOP/byte, every operation as a point.
 
     Each point sits at the operation's arithmetic intensity and the rate it
-    would reach at its floor time (FLOPs / floor), i.e. on its own roof. Ops
-    with no FLOPs (the embedding gather, TP all-reduces) have no place on a
-    log axis and are listed in the legend title instead.
+    would reach at its floor time (FLOPs / floor), i.e. on its own roof; ops that
+    would overprint are one point with a merged label (group_points), and each
+    point's area grows with its share of the step's floor time. Ops with no FLOPs
+    (the embedding gather, TP all-reduces) have no place on a log axis and are
+    listed in the legend title instead.
     """
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 6))
@@ -51,18 +54,22 @@ def plot_roofline(rows: Sequence[OpRoofline], gpu: GpuSpec, path: str, title: st
         ax.axvline(peak / bw, color=color, linestyle=":", linewidth=0.8)
 
     roof_handles, _ = ax.get_legend_handles_labels()
-    # Ops of one step often share an intensity (all the weight matmuls of a decode
-    # step sit together), so they are told apart by colour and marker in a legend
-    # rather than by labels that would overprint each other.
+    # Ops of one step often share a point (the weight matmuls of a decode step all sit at
+    # ~1 FLOP/B on the same roof): those are drawn as one marker with a merged label, so
+    # nothing overprints. The marker's area shows the group's share of the step's floor time.
     colors = plt.get_cmap("tab20").colors
     markers = "oDs^vP*Xhp<>"
     op_handles = []
-    for i, r in enumerate(plotted):
-        achieved = r.op.flops / r.floor_s / 1e12
+    for i, group in enumerate(group_points(rows)):
+        color = colors[i % len(colors)]
         op_handles.append(ax.scatter(
-            [r.op.intensity], [achieved], marker=markers[i % len(markers)],
-            color=colors[i % len(colors)], s=55, zorder=3, edgecolors="black", linewidths=0.4,
-            label=f"{r.op.name} ({r.op.intensity:.3g} FLOP/B, {r.bound})"))
+            [group.intensity], [group.tflops], marker=markers[i % len(markers)], color=color,
+            s=marker_area(group.share), zorder=3, edgecolors="black", linewidths=0.4, alpha=0.85,
+            label=f"{group.label}: {group.share:.0%} of the step ({group.intensity:.3g} FLOP/B, "
+                  f"{group.bound})"))
+        if group.share >= _LABELLED_SHARE:  # the rest are named in the legend only
+            ax.annotate(f"{group.short_label} {group.share:.0%}", (group.intensity, group.tflops),
+                        textcoords="offset points", xytext=(12, -12 * (i % 3)), fontsize=8)
 
     skipped = [r.op.name for r in rows if r not in plotted]
     ax.set_xscale("log")
@@ -77,10 +84,82 @@ def plot_roofline(rows: Sequence[OpRoofline], gpu: GpuSpec, path: str, title: st
     roof_legend = ax.legend(handles=roof_handles, loc="lower right", fontsize=8,
                             title=legend_title, title_fontsize=7)
     ax.add_artist(roof_legend)
-    ax.legend(handles=op_handles, loc="upper left", fontsize=7, title="operations", title_fontsize=8)
+    op_legend = ax.legend(handles=op_handles, loc="upper left", fontsize=7, title="operations",
+                          title_fontsize=8)
+    for handle in getattr(op_legend, "legend_handles", []):  # one size in the legend
+        handle.set_sizes([40])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# Points closer than this in both log10 coordinates would overprint: they are one group.
+_SAME_POINT_DECADES = 0.06
+# Groups with at least this share of the step get a label beside their marker.
+_LABELLED_SHARE = 0.02
+
+
+@dataclass(frozen=True)
+class PointGroup:
+    """Operations drawn as one marker: their shared place on the roofline and their time."""
+
+    names: tuple[str, ...]
+    kinds: tuple[str, ...]
+    intensity: float  # FLOP/B, of the group's total FLOPs over its total bytes
+    tflops: float  # the rate at the group's floor time
+    share: float  # the group's floor time over the whole step's floor time
+    bound: str
+
+    @property
+    def label(self) -> str:
+        if len(self.names) == 1:
+            return self.names[0]
+        return f"{self.short_label} ({', '.join(self.names)})"
+
+    @property
+    def short_label(self) -> str:
+        if len(self.names) == 1:
+            return self.names[0]
+        kinds = set(self.kinds)
+        noun = {MATMUL: "matmuls", ATTENTION: "attention ops", VECTOR: "element-wise ops"}
+        return f"{len(self.names)} {noun[kinds.pop()] if len(kinds) == 1 else 'ops'}"
+
+
+def group_points(rows: Sequence[OpRoofline]) -> list[PointGroup]:
+    """The step's operations with FLOPs as roofline points, those that would overprint merged,
+    largest share of the step's floor time first."""
+    total_s = sum(r.floor_s for r in rows) or 1.0
+    plotted = [r for r in rows if r.op.flops > 0 and r.op.kind != COMM]
+    clusters: list[list[OpRoofline]] = []
+    for r in sorted(plotted, key=lambda r: r.op.intensity):
+        for cluster in clusters:
+            head = cluster[0]
+            if (abs(math.log10(r.op.intensity / head.op.intensity)) < _SAME_POINT_DECADES
+                    and abs(math.log10(_rate(r) / _rate(head))) < _SAME_POINT_DECADES):
+                cluster.append(r)
+                break
+        else:
+            clusters.append([r])
+    groups = []
+    for cluster in clusters:
+        flops = sum(r.op.flops for r in cluster)
+        floor_s = sum(r.floor_s for r in cluster)
+        bounds = {r.bound for r in cluster}
+        groups.append(PointGroup(
+            names=tuple(r.op.name for r in cluster), kinds=tuple(r.op.kind for r in cluster),
+            intensity=flops / sum(r.op.bytes for r in cluster), tflops=flops / floor_s / 1e12,
+            share=floor_s / total_s, bound=bounds.pop() if len(bounds) == 1 else "mixed"))
+    return sorted(groups, key=lambda g: -g.share)
+
+
+def _rate(r: OpRoofline) -> float:
+    return r.op.flops / r.floor_s
+
+
+def marker_area(share: float) -> float:
+    """Scatter area (points^2) for a share of the step's time: area grows with the share,
+    and a 1% op is still visible."""
+    return 25.0 + 900.0 * share
 
 
 def plot_serving(ttfts_ms: Sequence[float], tpots_ms: Sequence[float], itls_ms: Sequence[float],

@@ -18,18 +18,19 @@ the LM head, the sampler), collect and process. Each step's bytes and FLOPs come
 from its StepReport (engine.add_observer) through the same StepMeter the server
 uses for its MBU/MFU gauges. Nothing is patched, so the profiled step is the real one.
 
-The verdict, first match wins:
+The verdict, first match wins, always with the fraction of each roof beside it:
   * KV-capacity-bound: preemptions during the run, or steps where requests
     waited while the KV pool was over 95% used;
-  * CPU/launch-bound: on a GPU, the device is idle between kernels (the union
-    of kernel intervals covers under 80% of the profiled wall time); on a CPU,
-    the heavy compute ops (matmuls and attention, by their self CPU time) take
-    under half of the profiled step's wall time, the rest being Python,
-    dispatch and small ops (the evidence says which);
   * memory-bound or compute-bound: the step's bytes and FLOPs (step_cost) over
-    its time, as fractions of the device's peak bandwidth and FLOP rate; the
-    larger fraction names the bound. On a CPU the peaks are measured on the
-    spot (a large copy and an fp32 matmul), as no table lists CPUs.
+    its time reach at least half of the device's peak bandwidth or FLOP rate;
+    the larger fraction names the bound. Peaks: the GPU table, or this machine
+    measured (perf/host_peaks.py: no table lists CPUs);
+  * far from both roofs, the largest share of the step names the limit
+    (time_shares): CPU/launch-bound when it is overhead (on a GPU the idle gaps
+    between kernels, with the time the host spent in device syncs; on a CPU the
+    time outside any op and the small ops), kernel-bound when it is the matmul
+    and attention kernels' own time over the step's floor. Every share is
+    printed as evidence.
 Notes flag a measurement to distrust: timed and profiled steps far apart, or a
 CPU shared with other processes (load average above the core count).
 """
@@ -52,6 +53,7 @@ import torch
 
 from rooflm.engine.report import PhaseTracer
 from rooflm.perf.gpus import GpuSpec, get_gpu, measure_gpu
+from rooflm.perf.host_peaks import measure_host
 from rooflm.perf.live import StepMeter, default_gpu_for
 
 RANGE_PREFIX = "rooflm."
@@ -74,8 +76,9 @@ PHASES = (
 
 AUTO_WARMUP_DECODE_STEPS = 3  # decode-only steps that end an automatic warm-up
 KV_FULL_USAGE = 0.95
-GPU_BUSY_THRESHOLD = 0.80
-CPU_COMPUTE_THRESHOLD = 0.50
+# A step at this fraction of a roof or above is bound by it; under it for both roofs, the
+# verdict names what takes the time instead (time_shares).
+NEAR_ROOF = 0.50
 
 # Kernel classes by name pattern (lower case), first match wins: sampling goes
 # before the broad element-wise patterns so that exponential_ / argmax kernels,
@@ -93,7 +96,8 @@ KERNEL_CLASSES = (
 CPU_OP_CLASSES = (
     ("memcpy", {"copy_", "_to_copy", "to", "contiguous", "clone", "fill_", "zero_", "zeros",
                 "empty", "empty_like", "index_put_", "_index_put_impl_", "index_copy_"}),
-    ("GEMM", {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "mv", "dot"}),
+    ("GEMM", {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "mv", "dot",
+              "_weight_int4pack_mm_for_cpu", "_weight_int8pack_mm"}),
     ("attention", {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
                    "_scaled_dot_product_attention_math", "_scaled_dot_product_efficient_attention",
                    "_scaled_dot_product_flash_attention"}),
@@ -282,9 +286,15 @@ def analyse_device_trace(trace: dict) -> Optional[dict]:
         by_kernel[e.get("name", "?")] += t - s
     busy = _union_length(intervals)
     by_class["idle gaps"] = window - busy
+    # The host blocked on the device (cudaStreamSynchronize, .item(), a blocking copy): time
+    # the host cannot prepare the next launch in.
+    sync_us = sum(min(float(e["ts"]) + float(e.get("dur", 0)), w1) - max(float(e["ts"]), w0)
+                  for e in events if e.get("ph") == "X" and "synchronize" in e.get("name", "").lower()
+                  and e.get("cat", "").lower() == "cuda_runtime"
+                  and float(e["ts"]) < w1 and float(e["ts"]) + float(e.get("dur", 0)) > w0)
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:8]
     return {"window_us": window, "busy_us": busy, "busy_fraction": busy / window,
-            "by_class_us": dict(by_class), "top_kernels_us": top}
+            "by_class_us": dict(by_class), "top_kernels_us": top, "sync_us": sync_us}
 
 
 def analyse_cpu_ops(prof) -> dict:
@@ -312,40 +322,13 @@ def analyse_cpu_ops(prof) -> dict:
             "by_class_us": dict(by_class), "top_ops": top[:8], "top_other_ops": top_other[:4]}
 
 
-# ---- CPU peaks (no table lists CPUs) ---------------------------------------------------------
-
-
-def measure_cpu_peaks(dtype: torch.dtype = torch.float32) -> dict:
-    """Rough copy bandwidth (bytes read + written) and matmul rate of this CPU, median of 3."""
-    n_bytes = 128 << 20  # 4x the L3 of the dev machines: every byte goes to DRAM
-    src = torch.randn(n_bytes // 4, dtype=torch.float32).to(dtype)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(4):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    copy_gbs = 2 * src.numel() * src.element_size() / statistics.median(times[1:]) / 1e9
-    del src, dst
-    n = 1024
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
-    times = []
-    for _ in range(4):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        times.append(time.perf_counter() - t0)
-    gflops = 2 * n**3 / statistics.median(times[1:]) / 1e9
-    return {"copy_gbs": copy_gbs, "matmul_gflops": gflops, "dtype": str(dtype).replace("torch.", ""),
-            "threads": torch.get_num_threads()}
-
-
 # ---- the run ---------------------------------------------------------------------------------
 
 
 def _resolve_gpu(choice: str, device: torch.device) -> Optional[GpuSpec]:
     if device.type != "cuda":
-        return None
+        # No table lists CPUs: this one measured, as `bench` and `roofline --gpu measure` do.
+        return measure_host(device)
     if choice != "auto":
         return get_gpu(choice)
     spec = default_gpu_for(device)
@@ -471,24 +454,21 @@ def _summarise(engine, instrument: EngineInstrument, meter: StepMeter, gpu: Opti
 
     cpu_ops = analyse_cpu_ops(prof)
     s["cpu_ops"] = cpu_ops
+    if gpu is not None and timed.stats:
+        s["mbu"] = step_bytes / timed_wall / gpu.mem_bw
+        s["mfu"] = step_flops / timed_wall / gpu.peak_flops(meter.compute_dtype)
+        s["peak_gbps"] = gpu.mem_bw_gbs
+        s["peak_tflops"] = gpu.peak_flops(meter.compute_dtype) / 1e12
+        s["peaks_source"] = gpu.source
     if on_cuda:
         s["gpu"] = gpu.name if gpu else None
         dev = analyse_device_trace(trace)
         s["device_trace"] = dev
         s["gpu_busy_fraction"] = dev["busy_fraction"] if dev else None
-        if gpu is not None and timed.stats:
-            s["mbu"] = step_bytes / timed_wall / gpu.mem_bw
-            s["mfu"] = step_flops / timed_wall / gpu.peak_flops(meter.compute_dtype)
-            s["peak_gbps"] = gpu.mem_bw_gbs
-            s["peak_tflops"] = gpu.peak_flops(meter.compute_dtype) / 1e12
     else:
         s["gpu"] = None
         s["gpu_busy_fraction"] = None
-        peaks = measure_cpu_peaks(getattr(torch, info.dtype))
-        s["cpu_peaks"] = peaks
-        if timed.stats:  # none when runner.execute could not be wrapped
-            s["mbu"] = s["achieved_gbps"] / peaks["copy_gbs"]
-            s["mfu"] = s["achieved_gflops"] / peaks["matmul_gflops"]
+        s["cpu_peaks"] = {"name": gpu.name, "threads": torch.get_num_threads()}
         s["cpu_compute_fraction"] = min(cpu_ops["heavy_self_us"] / 1e6 / prof_wall, 1.0)
         s["load_average"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         s["cpu_count"] = os.cpu_count()
@@ -518,10 +498,73 @@ def _notes(s: dict) -> list[str]:
     return notes
 
 
+def time_shares(s: dict) -> list[tuple[str, float, str]]:
+    """Where the step's time goes, as (what, share of the step, evidence), largest first.
+
+    The share of the work at the roof (the step's floor: its bytes at peak bandwidth or its
+    FLOPs at the peak rate, the larger) is one entry; the rest is what keeps the step from it:
+    on a GPU the idle gaps between kernels (the host launching, Python, synchronisation), the
+    small kernels, and the heavy kernels' time over the floor; on a CPU the time outside any
+    op (Python, framework), the small ops, and the heavy ops' time over the floor.
+    """
+    floor = max(s.get("mbu") or 0.0, s.get("mfu") or 0.0)  # the floor as a share of the step
+    steps = max(s["profiled_steps"], 1)
+    shares = []
+    if not s["cpu_run"]:
+        dev = s.get("device_trace")
+        if not dev:
+            return []
+        window = dev["window_us"]
+        by = dev["by_class_us"]
+        heavy = (by.get("GEMM", 0.0) + by.get("attention", 0.0)) / window
+        small = sum(us for cls, us in by.items()
+                    if cls not in ("GEMM", "attention", "idle gaps")) / window
+        idle = by.get("idle gaps", 0.0) / window
+        sync_ms = dev.get("sync_us", 0.0) / 1e3 / steps
+        shares.append(("launch gaps (the GPU idle between kernels: host time, Python, launches"
+                       + (", synchronisation" if sync_ms else "") + ")", idle,
+                       f"{by.get('idle gaps', 0.0) / 1e3 / steps:.3f} ms per step idle"
+                       + (f", of which the host waited {sync_ms:.3f} ms in device syncs"
+                          if sync_ms else "")))
+        shares.append(("small kernels (norms, element-wise, sampling, copies)", small,
+                       "; ".join(f"{cls} {us / 1e3 / steps:.3f} ms" for cls, us in by.items()
+                                 if cls not in ("GEMM", "attention", "idle gaps"))))
+    else:
+        ops = s["cpu_ops"]
+        wall_us = s["step_ms_profiled"] * 1e3 * steps or 1e-12
+        heavy = ops["heavy_self_us"] / wall_us
+        small = max(ops["ops_self_us"] - ops["heavy_self_us"], 0.0) / wall_us
+        top_other = ", ".join(f"{name} {us / 1e3 / steps:.2f} ms"
+                              for name, us, _ in ops["top_other_ops"][:3])
+        shares.append(("host time outside any op (Python, the framework's dispatch)",
+                       s["cpu_outside_ops_fraction"],
+                       f"{ops['op_calls'] / steps:,.0f} op calls per step, "
+                       f"{ops['ops_self_us'] / max(ops['op_calls'], 1):,.1f} us each on average"))
+        shares.append(("small ops (norms, rotary, copies, sampling, indexing)", small, top_other))
+    below = max(heavy - floor, 0.0)
+    shares.append(("the matmul and attention kernels below the roofs", below,
+                   f"they take {heavy:.0%} of the step; at the roof the step would take "
+                   f"{floor:.0%} of it"))
+    shares.sort(key=lambda t: -t[1])
+    return shares
+
+
+def _roofs(s: dict) -> str:
+    if s.get("mbu") is None or s.get("mfu") is None:
+        return "roof fractions unknown (no peak rates for this device)"
+    return f"{s['mbu']:.0%} of the bandwidth roof, {s['mfu']:.0%} of the FLOP roof"
+
+
 def _verdict(s: dict, compute_dtype: str) -> tuple[str, list[str]]:
+    """The verdict and its evidence; s["verdict_line"] gets the verdict with its numbers."""
+    verdict, evidence, why = _judge(s, compute_dtype)
+    s["verdict_line"] = f"{verdict}: {why}" if why else verdict
+    return verdict, evidence
+
+
+def _judge(s: dict, compute_dtype: str) -> tuple[str, list[str], str]:
     evidence = []
     kv = s["kv"]
-    on_cuda = not s["cpu_run"]
     if kv["preemptions_run"] > 0 or kv["steps_waiting_on_full_pool"] > 0:
         evidence.append(
             f"{kv['preemptions_run']} preemption(s) during the run "
@@ -532,65 +575,45 @@ def _verdict(s: dict, compute_dtype: str) -> tuple[str, list[str]]:
             f"{kv['block_size']} tokens)")
         evidence.append("more KV blocks (--num-blocks, --gpu-memory-utilization), fewer concurrent "
                         "sequences (--max-num-seqs) or a smaller KV dtype would let the batch run whole")
-        return "KV-capacity-bound", evidence
-    if on_cuda:
-        busy = s.get("gpu_busy_fraction")
-        if busy is not None and busy < GPU_BUSY_THRESHOLD:
-            dev = s["device_trace"]
-            evidence.append(f"the GPU ran kernels {busy:.0%} of the profiled wall time (under "
-                            f"{GPU_BUSY_THRESHOLD:.0%}); idle gaps between kernels "
-                            f"{dev['by_class_us'].get('idle gaps', 0) / 1e3 / s['profiled_steps']:.2f} "
-                            f"ms per step")
-            evidence.append("the CPU (Python, scheduling, kernel launches) cannot keep the GPU fed: "
-                            "CUDA graphs, a larger batch, or less host work per step")
-            if s.get("mbu") is not None:
-                evidence.append(f"while it ran: {s['achieved_gbps']:,.0f} GB/s = MBU {s['mbu']:.1%}, "
-                                f"{s['achieved_gflops'] / 1e3:,.1f} TFLOP/s = MFU {s['mfu']:.1%} of "
-                                f"{s['gpu']} over the whole step; the "
-                                f"{'bandwidth' if s['mbu'] >= s['mfu'] else 'FLOP'} roof is next")
-            return "CPU/launch-bound", evidence
-        if busy is not None:
-            evidence.append(f"the GPU ran kernels {busy:.0%} of the profiled wall time")
-    else:
-        frac = s["cpu_compute_fraction"]
-        steps = s["profiled_steps"]
-        ops = s["cpu_ops"]
-        wall_ms = s["step_ms_profiled"]
-        heavy_ms = ops["heavy_self_us"] / 1e3 / steps
-        evidence.append(f"heavy compute ops (matmuls, attention) took {heavy_ms:.2f} ms of the "
-                        f"{wall_ms:.2f} ms profiled step ({frac:.0%})"
-                        + (f": under {CPU_COMPUTE_THRESHOLD:.0%}" if frac < CPU_COMPUTE_THRESHOLD else ""))
-        other_ms = max(ops["ops_self_us"] - ops["heavy_self_us"], 0.0) / 1e3 / steps
-        top_other = ", ".join(f"{name} {us / 1e3 / steps:.2f} ms" for name, us, _ in ops["top_other_ops"][:3])
-        evidence.append(f"the rest: Python and framework outside any op {s['cpu_outside_ops_fraction']:.0%}, "
-                        f"other ops {other_ms:.2f} ms ({top_other}); {ops['op_calls'] / steps:,.0f} op "
-                        f"calls per step, {ops['ops_self_us'] / max(ops['op_calls'], 1):,.1f} us each "
-                        f"on average")
-        if frac < CPU_COMPUTE_THRESHOLD:
-            evidence.append("per-step time goes to overhead (Python, dispatch, small and non-compute "
-                            "ops), not to the work the model must do; on a GPU this shows as launch gaps")
-            return "CPU/launch-bound", evidence
+        return "KV-capacity-bound", evidence, _roofs(s)
     mbu, mfu = s.get("mbu"), s.get("mfu")
-    if mbu is None or mfu is None:
-        evidence.append("no peak rates for this device: bandwidth and FLOP fractions unknown")
-        return "undetermined", evidence
-    if on_cuda:
-        peaks = f"{s['gpu']}: {s['peak_gbps']:,.0f} GB/s, {s['peak_tflops']:,.0f} TFLOP/s {compute_dtype}"
+    if mbu is not None and mfu is not None:
+        if s["cpu_run"]:
+            peaks = f"this CPU, measured: {s['peak_gbps']:,.1f} GB/s, {s['peak_tflops'] * 1e3:,.1f} GFLOP/s"
+        else:
+            peaks = f"{s['gpu']}: {s['peak_gbps']:,.0f} GB/s, {s['peak_tflops']:,.0f} TFLOP/s {compute_dtype}"
+        evidence.append(f"the step moves {s['bytes_per_step'] / 1e6:,.1f} MB and does "
+                        f"{s['flops_per_step'] / 1e9:,.4g} GFLOP (step_cost): {s['achieved_gbps']:,.1f} "
+                        f"GB/s = {mbu:.1%} of peak bandwidth, {s['achieved_gflops']:,.1f} GFLOP/s = "
+                        f"{mfu:.1%} of peak FLOP/s ({peaks})")
+        if max(mbu, mfu) >= NEAR_ROOF:
+            if mbu >= mfu:
+                evidence.append("bandwidth is the nearer roof: batching more sequences per step, or "
+                                "smaller weights / KV (quantization), buys throughput")
+                return "memory-bound", evidence, _roofs(s)
+            evidence.append("the FLOP rate is the nearer roof: faster kernels or lower-precision "
+                            "math buy throughput")
+            return "compute-bound", evidence, _roofs(s)
+        evidence.append(f"both under {NEAR_ROOF:.0%}: neither memory nor arithmetic limits this "
+                        f"step; what does is below")
+    shares = time_shares(s)
+    if not shares:
+        evidence.append("no trace of the device's kernels: where the time goes is unknown")
+        return "undetermined", evidence, _roofs(s)
+    for what, share, detail in shares:
+        evidence.append(f"{what}: {share:.0%} of the step" + (f" ({detail})" if detail else ""))
+    what, share, _ = shares[0]
+    if what.startswith("the matmul"):
+        evidence.append("the heavy kernels themselves are slow for this shape: a kernel made for "
+                        "it (weight-only quantized GEMV, a fused or compiled step), or more "
+                        "sequences per step")
+        verdict = "kernel-bound"
     else:
-        p = s["cpu_peaks"]
-        peaks = (f"this CPU, measured: {p['copy_gbs']:,.1f} GB/s copy, {p['matmul_gflops']:,.1f} "
-                 f"GFLOP/s {p['dtype']} matmul, {p['threads']} threads")
-    evidence.append(f"the step moves {s['bytes_per_step'] / 1e6:,.1f} MB and does "
-                    f"{s['flops_per_step'] / 1e9:,.4g} GFLOP (step_cost): {s['achieved_gbps']:,.1f} "
-                    f"GB/s = {mbu:.1%} of peak bandwidth, {s['achieved_gflops']:,.1f} GFLOP/s = "
-                    f"{mfu:.1%} of peak FLOP/s ({peaks})")
-    if mbu >= mfu:
-        evidence.append("bandwidth is the nearer roof: batching more sequences per step, or "
-                        "smaller weights / KV (quantization), buys throughput")
-        return "memory-bound", evidence
-    evidence.append("the FLOP rate is the nearer roof: faster kernels or lower-precision math "
-                    "buy throughput")
-    return "compute-bound", evidence
+        evidence.append("per-step time goes to overhead, not to the work the model must do: "
+                        "fewer, fused ops per step (a compiled or graph-captured step), less "
+                        "Python per step, or a larger batch to spread it over")
+        verdict = "CPU/launch-bound"
+    return verdict, evidence, f"{what} {share:.0%} of the step; {_roofs(s)}"
 
 
 # ---- printing --------------------------------------------------------------------------------
@@ -663,7 +686,7 @@ def format_summary(s: dict) -> str:
     for note in s.get("notes", []):
         lines.append(f"note: {note}")
     lines.append("")
-    lines.append(f"verdict: {s['verdict']}")
+    lines.append(f"verdict: {s.get('verdict_line', s['verdict'])}")
     for e in s["evidence"]:
         lines.append(f"  - {e}")
     return "\n".join(lines) + "\n"

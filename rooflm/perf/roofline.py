@@ -216,6 +216,7 @@ def step_cost(
     tp: int = 1,
     compute_dtype: str = "bf16",
     embed_bytes: Optional[float] = None,
+    head_bytes: Optional[float] = None,
 ) -> StepCost:
     """FLOPs and bytes of one forward step of a batch, per GPU.
 
@@ -234,7 +235,9 @@ def step_cost(
     element and per activation element. compute_dtype: the tensor-core format
     of the linear layers (see WEIGHT_FORMATS). embed_bytes: bytes per
     embedding parameter, by default the activation dtype (max of weight and
-    act bytes: quantization leaves embeddings alone).
+    act bytes: quantization leaves embeddings alone). head_bytes: bytes per LM head
+    weight as stored, by default embed_bytes when tied, else weight_bytes (an engine
+    that keeps a tied head quantized says so).
     """
     if prefill_attention_pairs is None:
         prefill_attention_pairs = causal_pairs(prefill_tokens, 0, config.sliding_window)
@@ -322,7 +325,8 @@ def step_cost(
                       layers * (w + tokens * inter * a + tokens * h * a), weight_bytes=layers * w))
 
     # LM head on the sampled rows only. Its weight is read only if some row is sampled.
-    head_bytes = embed_bytes if config.tie_word_embeddings else weight_bytes
+    if head_bytes is None:
+        head_bytes = embed_bytes if config.tie_word_embeddings else weight_bytes
     w = h * vocab * head_bytes if sampled else 0.0
     ops.append(OpCost("lm_head", MATMUL, 2 * sampled * h * vocab,
                       w + sampled * h * a + sampled * vocab * a, weight_bytes=w))

@@ -66,6 +66,10 @@ class Int4GroupLinear(QuantizedLinearMethod):
                              torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(ACT_DTYPE))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:  # the model's [T, K]: no reshapes (a decode step is host-bound)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(ACT_DTYPE), self.packed, BLOCK,
+                                                           self.scales_and_zeros)
+            return y.to(x.dtype)
         flat = x.reshape(-1, self.in_features).to(ACT_DTYPE)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, BLOCK, self.scales_and_zeros)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -82,12 +86,13 @@ class Int8BlockLinear(QuantizedLinearMethod):
         self.register_buffer("scale", torch.from_numpy(blocks.scale).T.contiguous().to(ACT_DTYPE))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.num_blocks, BLOCK).to(ACT_DTYPE)
+        # [blocks, T, 32] in one copy, so that each block column is a contiguous slice.
+        columns = x.reshape(-1, self.num_blocks, BLOCK).to(ACT_DTYPE).transpose(0, 1).contiguous()
         # Partial sums in fp32: the kernel returns bf16, and 18 bf16 roundings of partials
         # larger than their sum would add up.
-        y = torch.zeros(flat.shape[0], self.out_features, dtype=torch.float32)
+        y = torch.zeros(columns.shape[1], self.out_features, dtype=torch.float32)
         for b in range(self.num_blocks):
-            y += torch.ops.aten._weight_int8pack_mm(flat[:, b].contiguous(), self.codes[b], self.scale[b])
+            y += torch.ops.aten._weight_int8pack_mm(columns[b], self.codes[b], self.scale[b])
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 

@@ -20,7 +20,8 @@ A request's path through the server:
 
 Every response carries X-Request-Id (request_id.py): the client's, or a new one.
 Besides the OpenAI routes: /tokenize, /detokenize, /version (tokenize.py, vLLM's
-shapes) and /v1/responses (responses.py). Any other path is a 404 in OpenAI's
+shapes), /v1/responses (responses.py) and /docs (FastAPI's page over /openapi.json).
+Each request ends with one access log line (access_log.py) unless --disable-log-requests. Any other path is a 404 in OpenAI's
 error shape naming the endpoint as unsupported; a wrong method is a 405.
 
 Health: /health is 200 while the engine loop is alive and making progress;
@@ -40,6 +41,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import rooflm
 from rooflm.engine.async_engine import AsyncLLMEngine
 from rooflm.server import protocol as p
 from rooflm.server.body import read_body_in_time
@@ -48,7 +50,8 @@ from rooflm.server.chat_template import ChatTemplateError
 from rooflm.server.completions import CompletionHandler
 from rooflm.server.config import ServerConfig, derive_model_name
 from rooflm.server.errors import error_response, server_error
-from rooflm.server.middleware import APIKeyMiddleware, HeaderLimitMiddleware
+from rooflm.server.access_log import AccessLogMiddleware
+from rooflm.server.middleware import DOCS_PATH, OPENAPI_PATH, APIKeyMiddleware, HeaderLimitMiddleware
 from rooflm.server.request_id import HEADER as REQUEST_ID_HEADER
 from rooflm.server.request_id import RequestIdMiddleware, request_id
 from rooflm.server.responses import create_response
@@ -96,8 +99,9 @@ def create_app(engine_kwargs: Optional[dict] = None, config: Optional[ServerConf
         finally:
             await state.stop()
 
-    app = FastAPI(title="rooflm", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    # /docs is FastAPI's own page (Swagger UI over /openapi.json), as vLLM serves it.
+    app = FastAPI(title="rooflm", version=rooflm.__version__, lifespan=lifespan,
+                  docs_url=DOCS_PATH, redoc_url=None, openapi_url=OPENAPI_PATH)
     # A trailing slash is another path (404), not a 307 to a Location built from the
     # client's own Host header.
     app.router.redirect_slashes = False
@@ -113,6 +117,9 @@ def create_app(engine_kwargs: Optional[dict] = None, config: Optional[ServerConf
                            allow_methods=["GET", "POST", "OPTIONS"],
                            allow_headers=["Authorization", "Content-Type", REQUEST_ID_HEADER],
                            expose_headers=[REQUEST_ID_HEADER])
+    if config.log_requests:
+        # Outside every check, so 401s and 431s are logged too; inside the id middleware.
+        app.add_middleware(AccessLogMiddleware)
     # Added last, so it runs first: every answer, the middleware's own included, has the id.
     app.add_middleware(RequestIdMiddleware)
     return app

@@ -77,6 +77,9 @@ def register(subparsers) -> None:
                        help="treat special tokens typed in chat message content as plain text "
                             "(default: they are parsed as special tokens, as in vLLM; a request's "
                             "split_special_tokens field overrides)")
+    group.add_argument("--disable-log-requests", action="store_true",
+                       help="no access log line per request (method, path, status, latency, "
+                            "tokens; default: one line as each response ends)")
     group.add_argument("--uvicorn-log-level", default="warning")
     add_engine_args(parser)
     parser.set_defaults(func=cmd_serve)
@@ -103,6 +106,7 @@ def server_config(args: argparse.Namespace):
         peak_bandwidth_gbs=args.peak_bandwidth_gbs,
         chat_template=None if args.chat_template is None else load_chat_template(args.chat_template),
         split_special_tokens=args.split_special_tokens,
+        log_requests=not args.disable_log_requests,
     )
 
 
@@ -139,10 +143,13 @@ def _make_server_class():
 
 
 def _show_server_logs() -> None:
-    """The ready line and the periodic stats line are INFO; show them by default."""
-    server_logger = logging.getLogger("rooflm.server")
-    if server_logger.getEffectiveLevel() > logging.INFO:
-        server_logger.setLevel(logging.INFO)
+    """Start-up progress (weights, KV cache, graphs, "ready in"), the access log and the
+    periodic stats line are rooflm's INFO lines; show them by default, as vLLM does. Other
+    libraries stay at the root level (--log-level). The engine core process takes the
+    "rooflm" logger's level with it (engine/core_process.py)."""
+    rooflm_logger = logging.getLogger("rooflm")
+    if rooflm_logger.getEffectiveLevel() > logging.INFO:
+        rooflm_logger.setLevel(logging.INFO)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -35,6 +35,8 @@ class ServerConfig:
     chat_template: Optional[str] = None  # the template's text (--chat-template); None: the model's
     # The default of a chat request's split_special_tokens: message content as plain text.
     split_special_tokens: bool = False
+    # One access log line per request (server/access_log.py); --disable-log-requests: off.
+    log_requests: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_n", "max_body_bytes", "max_header_bytes"):

@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from rooflm.engine.async_engine import RequestStream
 from rooflm.engine.outputs import RequestOutput
 from rooflm.server import protocol as p
+from rooflm.server.access_log import note_generation
 from rooflm.server.errors import GenerationTimeout, generation_error
 from rooflm.server.streaming import ChunkFormat, EngineStreamingResponse, stream_events
 
@@ -141,6 +142,7 @@ async def answer(raw: Request, generation: Generation, stream: bool, fmt: ChunkF
                  include_usage: bool, build: Callable[[list[RequestOutput]], BaseModel]) -> Response:
     """An SSE stream of the generation's chunks, or the JSON of build(final outputs) once all
     are done; a client gone before then gets nothing."""
+    note_generation(raw.scope, generation)
     if stream:
         return EngineStreamingResponse(stream_events(generation, fmt, include_usage),
                                        on_close=generation.close)

@@ -11,8 +11,11 @@ import hmac
 from rooflm.server import protocol as p
 from rooflm.server.errors import error_response
 
-# Paths anyone may GET without the API key: probes and scrapers carry no secrets.
-PUBLIC_PATHS = ("/health", "/ready", "/metrics")
+DOCS_PATH = "/docs"
+OPENAPI_PATH = "/openapi.json"
+# Paths anyone may GET without the API key: probes and scrapers carry no secrets, and the
+# docs page's browser fetch of the schema sends no Authorization header.
+PUBLIC_PATHS = ("/health", "/ready", "/metrics", DOCS_PATH, OPENAPI_PATH)
 
 
 class APIKeyMiddleware:

@@ -70,6 +70,11 @@ def _client_request_id(scope):
     return None
 
 
+def scope_request_id(scope: dict):
+    """The request's id from an ASGI scope, None before RequestIdMiddleware ran."""
+    return scope.get(_SCOPE_KEY)
+
+
 def request_id(raw: Request) -> str:
     """The request's id (set by RequestIdMiddleware; a new one if the app runs without it)."""
     value = raw.scope.get(_SCOPE_KEY)

@@ -27,6 +27,7 @@ from fastapi.responses import Response
 from rooflm.engine.outputs import RequestOutput
 from rooflm.server import protocol as p
 from rooflm.server import responses_protocol as rp
+from rooflm.server.access_log import note_generation
 from rooflm.server.admission import submit
 from rooflm.server.errors import generation_error
 from rooflm.server.generation import Generation, answer
@@ -69,6 +70,7 @@ async def create_response(state: "ServerState", raw: Request, body: dict,
     handler = ResponseHandler(state, request, engine_base_id(raw))
     generation = await submit(state, handler.id, [prompt], chat, arrival, None)
     if request.stream:
+        note_generation(raw.scope, generation)
         return EngineStreamingResponse(handler.events(generation), on_close=generation.close)
     return await answer(raw, generation, False, None, False,
                         lambda finals: handler.response(finals[0], generation))

@@ -1,5 +1,7 @@
 """The real default model through the engine: batching, stop strings, streaming text."""
 
+import pytest
+
 from rooflm import SamplingParams
 
 PROMPTS = ["The capital of France is", "Once upon a time,", "List three fruits:",
@@ -61,3 +63,37 @@ def test_prompt_logprobs_and_top_logprobs(smollm2):
         assert entry[tok].rank == 1 and len(entry) == 5  # greedy token is the top one
         ranked = sorted(entry.values(), key=lambda e: e.rank)
         assert [e.logprob for e in ranked] == sorted([e.logprob for e in ranked], reverse=True)
+
+
+def test_weight_bytes_come_from_the_stored_tensors(smollm2, smollm2_exact):
+    # The file's own block bytes per weight, for the layers' linear weights and for the tied
+    # LM head: what a decode step streams, so what MBU must count on the quantized path.
+    from gguf import GGUFReader
+
+    from rooflm.model.loader import default_model_path
+    from rooflm.perf.live import StepMeter
+
+    tensors = {t.name: t for t in GGUFReader(default_model_path()).tensors}
+    parts = ("attn_q.", "attn_k.", "attn_v.", "attn_output.", "ffn_gate.", "ffn_up.", "ffn_down.")
+    layers = [t for name, t in tensors.items() if name.startswith("blk.")
+              and any(part in name for part in parts)]
+    layer_bytes = sum(int(t.n_bytes) for t in layers) / sum(int(t.n_elements) for t in layers)
+    head = tensors["token_embd.weight"]
+    head_bytes = int(head.n_bytes) / int(head.n_elements)
+    assert layer_bytes == pytest.approx(20 / 32)  # Q4_1: 32 codes of 4 bits, fp16 d and m
+    assert head_bytes == pytest.approx(34 / 32)  # Q8_0: 32 codes of 8 bits, fp16 d
+    quant, exact = smollm2.engine.info, smollm2_exact.engine.info
+    assert quant.weight_dtype_bytes == pytest.approx(layer_bytes, rel=1e-3)
+    assert quant.head_dtype_bytes == pytest.approx(head_bytes, rel=1e-3)
+    assert exact.weight_dtype_bytes == exact.head_dtype_bytes == 4.0
+    assert quant.act_dtype_bytes == exact.act_dtype_bytes == 4.0
+    # A decode step's bytes: the quantized weights, not float32 ones.
+    cfg = quant.model_config
+    shape = dict(num_decode_seqs=1, decode_context_tokens=64)
+    quant_bytes = StepMeter.for_engine(quant)._step_cost(**shape).bytes
+    exact_bytes = StepMeter.for_engine(exact)._step_cost(**shape).bytes
+    layer_weights = cfg.num_hidden_layers * (cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size)
+                                             + cfg.q_size * cfg.hidden_size
+                                             + 3 * cfg.hidden_size * cfg.intermediate_size)
+    saved = layer_weights * (4 - layer_bytes) + cfg.vocab_size * cfg.hidden_size * (4 - head_bytes)
+    assert exact_bytes - quant_bytes == pytest.approx(saved, rel=1e-3)

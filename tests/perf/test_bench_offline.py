@@ -79,16 +79,23 @@ def test_latency_reports_ttft_tpot_and_mbu(capsys, tmp_path, tiny_path):
     assert "| batch |" in out_md.read_text()
 
 
-def test_latency_mbu_is_na_on_cpu_without_a_bandwidth(capsys, tmp_path, tiny_path):
+def test_latency_measures_the_cpu_as_profile_does(capsys, tmp_path, tiny_path):
+    # No --cpu-bandwidth-gbs: the CPU is measured by the one module that `profile` and
+    # `roofline --gpu measure` use too (perf/host_peaks.py), once per process.
+    from rooflm.perf.host_peaks import measure_host
+
     out_json = tmp_path / "latency.json"
     rc, out, err = run_bench(capsys, "latency", "--model", tiny_path, "--batch-size", "1",
                              "--input-len", "4", "--output-len", "2", "--num-iters", "1",
                              "--num-iters-warmup", "0", "--output-json", str(out_json))
     assert rc == 0, err
     result = read_json(out_json)
-    assert result["mbu"] is None and result["bandwidth_gbs"] is None
+    host = measure_host("cpu")  # cached: the same measurement the bench used
+    assert result["bandwidth_gbs"] == pytest.approx(host.mem_bw_gbs)
+    assert result["bandwidth_source"].startswith("measured")
+    assert 0 < result["mbu"] < 1
     assert result["output_tokens_per_iter"] == 2
-    assert "n/a" in out
+    assert "MBU:" in out and "n/a" not in out
 
 
 def test_latency_refuses_a_gpu_peak_for_a_cpu_run(capsys, tiny_path):

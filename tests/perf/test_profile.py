@@ -53,9 +53,14 @@ def test_profile_writes_a_trace_and_a_summary_and_calls_a_tiny_batch_cpu_bound(
     assert "CPU run: GPU figures not applicable" in text
     assert "GPU busy fraction: n/a (CPU run)" in text
     assert "wall time per step:" in text and "CPU time per step by phase" in text
-    assert "verdict: CPU/launch-bound" in text
     assert summary["verdict"] == "CPU/launch-bound"
+    # The verdict names the overhead with its share, and both roof fractions beside it.
+    line = next(l for l in text.splitlines() if l.startswith("verdict: "))
+    assert line.startswith("verdict: CPU/launch-bound: ")
+    assert "% of the step" in line and "of the bandwidth roof" in line and "of the FLOP roof" in line
     assert summary["cpu_compute_fraction"] < 0.5
+    assert summary["mbu"] < profile.NEAR_ROOF and summary["mfu"] < profile.NEAR_ROOF
+    assert "measured" in summary["peaks_source"]
     assert summary["timed_steps"] == 4 and summary["profiled_steps"] == 4
     # The automatic warm-up: the 16-token prompt in one step, then 3 decode steps.
     assert summary["warmup_steps"] == 4
@@ -154,9 +159,16 @@ def test_device_trace_busy_fraction_is_the_union_of_kernels_over_the_step_window
     assert profile.analyse_device_trace({"traceEvents": us[:2]}) is None
 
 
-def gpu_summary(busy, mbu, mfu, preemptions=0):
+def gpu_summary(busy, mbu, mfu, preemptions=0, gemm_share=None):
+    """A GPU run's summary as _summarise builds it, for a window of 1000 us over 10 steps."""
+    window = 1000.0
+    idle = (1 - busy) * window
+    gemm = busy * window * 0.9 if gemm_share is None else gemm_share * window
+    small = busy * window - gemm
     return {"cpu_run": False, "gpu_busy_fraction": busy, "profiled_steps": 10, "gpu": "H100",
-            "device_trace": {"by_class_us": {"idle gaps": 5000.0}},
+            "device_trace": {"window_us": window, "sync_us": 30.0,
+                             "by_class_us": {"idle gaps": idle, "GEMM": gemm,
+                                             "norm/elementwise": small}},
             "kv": {"preemptions_run": preemptions, "preemptions_measured": 0,
                    "steps_waiting_on_full_pool": 0, "peak_usage": 0.5, "num_blocks": 100,
                    "block_size": 16},
@@ -170,8 +182,37 @@ def gpu_summary(busy, mbu, mfu, preemptions=0):
     (0.95, 0.7, 0.05, 0, "memory-bound"),
     (0.95, 0.3, 0.6, 0, "compute-bound"),
     (0.45, 0.2, 0.01, 3, "KV-capacity-bound"),
+    # Busy, but the GEMMs run at 18% of bandwidth: the kernels are the limit, not memory.
+    (0.95, 0.18, 0.07, 0, "kernel-bound"),
 ])
 def test_gpu_verdicts(busy, mbu, mfu, preemptions, verdict):
-    v, evidence = profile._verdict(gpu_summary(busy, mbu, mfu, preemptions), "bf16")
+    s = gpu_summary(busy, mbu, mfu, preemptions)
+    v, evidence = profile._verdict(s, "bf16")
     assert v == verdict
     assert evidence
+    # The fraction of each roof is always printed next to the word.
+    assert s["verdict_line"].startswith(verdict)
+    assert f"{mbu:.0%} of the bandwidth roof, {mfu:.0%} of the FLOP roof" in s["verdict_line"]
+
+
+def test_far_from_both_roofs_is_never_memory_bound():
+    # The issue's step: 18% of bandwidth, 7% of the FLOP rate, most of the step in launch gaps.
+    s = gpu_summary(0.4, 0.18, 0.07)
+    v, evidence = profile._verdict(s, "bf16")
+    assert v == "CPU/launch-bound"
+    assert "launch gaps" in s["verdict_line"] and "60% of the step" in s["verdict_line"]
+    text = "\n".join(evidence)
+    assert "the host waited 0.003 ms in device syncs" in text  # 30 us over 10 steps
+    assert "both under 50%" in text
+    # Near a roof the bound is that roof, whatever the gaps.
+    s = gpu_summary(0.85, 0.55, 0.07)
+    assert profile._verdict(s, "bf16")[0] == "memory-bound"
+
+
+def test_time_shares_account_for_the_whole_step():
+    s = gpu_summary(0.8, 0.3, 0.05, gemm_share=0.6)
+    shares = dict((what.split(" (")[0], share) for what, share, _ in profile.time_shares(s))
+    assert shares["launch gaps"] == pytest.approx(0.2)
+    assert shares["small kernels"] == pytest.approx(0.2)
+    # GEMM time over the step's floor (30% of the step at the bandwidth roof).
+    assert shares["the matmul and attention kernels below the roofs"] == pytest.approx(0.3)

@@ -1,6 +1,7 @@
 """The roofline model against hand-computed cases."""
 
 import argparse
+import math
 import io
 
 import pytest
@@ -176,8 +177,54 @@ def test_measure_without_a_gpu_says_so():
         measure_gpu()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU measurement")
+def test_roofline_gpu_measure_on_a_cpu_measures_this_cpu():
+    # One measurement for `roofline --gpu measure`, `profile` and `bench` (perf/host_peaks.py).
+    from rooflm.perf.host_peaks import measure_host
+
+    args = _parse(["roofline", "--model", "smollm2-135m", "--gpu", "measure", "--phase", "decode"])
+    out = io.StringIO()
+    assert args.func(args, out=out) == 0
+    host = measure_host()
+    assert host is measure_host("cpu")  # cached: every consumer sees the same roofs
+    assert host.key == "cpu" and "measured" in host.source
+    assert 1 < host.mem_bw_gbs < 1000 and 1e9 < host.peak_flops("fp32") < 1e14
+    assert host.peak_flops("bf16") > 0
+    assert host.source in out.getvalue()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_measure_gpu_on_a_gpu():
     gpu = measure_gpu(repeats=5)
     assert gpu.mem_bw > 1e11 and gpu.peak_flops("bf16") > 1e13
+
+
+def test_plot_merges_overlapping_ops_and_sizes_them_by_time_share(tmp_path):
+    from rooflm.perf.plot import group_points, marker_area, plot_roofline
+    from rooflm.perf.roofline import roofline
+
+    gpu = get_gpu("h100")
+    step = step_cost(get_preset("llama-3-8b"), num_decode_seqs=1, decode_context_tokens=1024)
+    rows = roofline(step, gpu)
+    groups = group_points(rows)
+    # Batch-1 decode: the weight matmuls all sit at ~1 FLOP/B on the bandwidth roof: one point.
+    matmuls = next(g for g in groups if "qkv_proj" in g.names)
+    assert {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"} <= set(matmuls.names)
+    assert matmuls.short_label == f"{len(matmuls.names)} matmuls"
+    assert "qkv_proj" in matmuls.label and "down_proj" in matmuls.label
+    # Every op with FLOPs is in exactly one group, and no two groups overprint.
+    names = [n for g in groups for n in g.names]
+    assert sorted(names) == sorted(r.op.name for r in rows if r.op.flops > 0 and r.op.kind != "comm")
+    for a in groups:
+        for b in groups:
+            if a is not b:
+                assert not (abs(math.log10(a.intensity / b.intensity)) < 0.06
+                            and abs(math.log10(a.tflops / b.tflops)) < 0.06)
+    # Shares of the step's floor time: the matmuls read the weights, most of a decode step.
+    assert groups[0] is matmuls and matmuls.share > 0.8
+    assert sum(g.share for g in groups) <= 1.0 + 1e-9
+    assert marker_area(matmuls.share) > marker_area(groups[-1].share)
+    png = tmp_path / "decode.png"
+    plot_roofline(rows, gpu, str(png))
+    assert png.read_bytes()[:8] == PNG_MAGIC

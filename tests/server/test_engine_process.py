@@ -36,7 +36,8 @@ def servers(tmp_path_factory):
                              env={"ROOFLM_ENGINE_CORE_PROFILE": str(tmp / "core.prof")}),
         "crash": start_server(tmp, "crash", SMALL_ENGINE_ARGS + ["--keep-running-on-error"]),
         "orphan": start_server(tmp, "orphan", SMALL_ENGINE_ARGS),
-        "thread": start_server(tmp, "thread", SMALL_ENGINE_ARGS + ["--no-engine-process"]),
+        "thread": start_server(tmp, "thread", SMALL_ENGINE_ARGS + ["--no-engine-process",
+                                                                   "--disable-log-requests"]),
     }
     try:
         for process in started.values():
@@ -102,6 +103,11 @@ def test_no_engine_process_keeps_the_engine_thread(servers):
     response = httpx.post(server.url + "/v1/completions", timeout=60, json={
         "model": MODEL, "prompt": "Hi", "max_tokens": 3, "ignore_eos": True})
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+    # --disable-log-requests: no access line (they carry "request_id="), and the engine's own
+    # start-up lines still come, from the thread.
+    log = server.log_path.read_text(errors="replace")
+    assert "request_id=" not in log and "rooflm.server.access" not in log
+    assert "weights loaded in" in log and "ready in " in log
 
 
 async def _stream_while_the_core_dies(server, core_pid: int) -> list:
