@@ -9,7 +9,7 @@ OUT=${OUT:-benchmarks/results/kv-fp8}
 mkdir -p "$OUT"
 MODEL="--model llama-3-8b --load-format dummy"
 SHAREGPT="--num-prompts 1000 --input-len 230 --output-len 200 --range-ratio 0.9 --max-model-len 4096"
-LONG="--num-prompts 500 --input-len 1024 --output-len 1024 --max-model-len 2048"
+LONG="--num-prompts ${LONG_PROMPTS:-500} --input-len 1024 --output-len 1024 --max-model-len 2048"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 # quick: the FP8 tests and the backend's only (the full kernel suite: tests/kernels, 2 min more).
 TESTS="tests/kernels/test_fp8_kv.py tests/kernels/test_backend.py"
