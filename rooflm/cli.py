@@ -210,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _register_optional(sub) -> None:
     """Subcommands that live with their own subsystem."""
     import importlib
-    for module in ("rooflm.perf.commands", "rooflm.server.commands", "rooflm.bench.commands"):
+    for module in ("rooflm.perf.commands", "rooflm.server.commands", "rooflm.bench.commands",
+                   "rooflm.train.commands"):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:

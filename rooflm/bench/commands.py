@@ -21,3 +21,5 @@ def register(subparsers) -> None:
     latency.register(bench_subparsers)
     throughput.register(bench_subparsers)
     serve.register(bench_subparsers)
+    from rooflm.train import bench as train_bench  # `rooflm bench train`: the training knob sweep
+    train_bench.register(bench_subparsers)
