@@ -107,6 +107,9 @@ class CausalLM(torch.nn.Module):
         self.lm_head = model.lm_head  # None when tied to the embedding
         # One rotary table, shared by every layer (a non-persistent buffer: nothing to save).
         self.rotary = model.model.layers[0].self_attn.attn.rotary
+        # The trainer may swap in a compiled copy, which fuses the fp32 up-cast into the
+        # log-softmax instead of writing fp32 logits (4 bytes x vocab per token) to memory.
+        self.loss_fn = next_token_loss
 
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -127,8 +130,9 @@ class CausalLM(torch.nn.Module):
         logits = F.linear(self.norm(x), self.head_weight())
         if targets is None:
             return logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        loss = self.loss_fn(logits, targets)
         return (loss, logits) if return_logits else loss
+
 
     def _window_mask(self, s: int, device) -> Optional[torch.Tensor]:
         """None (plain causal) unless a sliding window is shorter than the sequence."""
@@ -138,6 +142,11 @@ class CausalLM(torch.nn.Module):
         pos = torch.arange(s, device=device)
         distance = pos[:, None] - pos[None, :]
         return (distance >= 0) & (distance < window)
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every position, computed in fp32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 # ---- names: rooflm's fused parameters <-> HF's checkpoint tensors ------------------------

@@ -125,13 +125,17 @@ def classify(name: str, on_cuda: bool) -> str:
 
 
 def kernel_breakdown(prof, on_cuda: bool) -> dict[str, float]:
-    """Seconds of device time (CPU: self time of aten ops) by category, from one profiled step."""
+    """Seconds of device time (CPU: self time of aten ops) by category, from one profiled step.
+
+    On CUDA only the kernels themselves count: a CPU op's device time is its kernels' again."""
+    from torch.autograd import DeviceType
+
     totals = {"matmul": 0.0, "attention": 0.0, "communication": 0.0, "other": 0.0}
     for evt in prof.key_averages():
         if on_cuda:
-            us = getattr(evt, "self_device_time_total", None)
-            if us is None:
-                us = getattr(evt, "self_cuda_time_total", 0.0)
+            if evt.device_type != DeviceType.CUDA:
+                continue
+            us = evt.self_device_time_total
         else:
             if not evt.key.startswith(("aten::", "c10d::", "gloo", "mkl")):
                 continue

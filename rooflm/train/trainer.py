@@ -24,7 +24,7 @@ from rooflm.layers.kernels import TORCH_KERNELS
 from rooflm.model.loader import iter_weights, load_model_config, resolve_model
 from rooflm.model.registry import get_model_class
 from rooflm.train import checkpoint, measure, parallel
-from rooflm.train.causal import CausalLM
+from rooflm.train.causal import CausalLM, next_token_loss
 from rooflm.train.config import TrainConfig
 from rooflm.train.data import SYNTHETIC, TokenWindows, read_token_ids
 from rooflm.train.precision import Precision, convert_to_fp8, get_precision
@@ -129,6 +129,7 @@ class Trainer:
         if cfg.compile:
             for block in self.model.blocks:
                 block.compile()
+            self.model.loss_fn = torch.compile(next_token_loss)
         sixteen_bit = self.precision.autocast_dtype if cfg.precision in ("bf16", "fp16") else None
         self.wrapped = parallel.wrap(self.model, cfg.parallel, self.info, sixteen_bit)
         self.params = [p for p in self.model.parameters() if p.requires_grad]

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One device call (one H100, < 8 minutes): `rooflm train` on the Llama-3.2-1B shape (dummy weights),
+# bf16, seq 2048, with its best flags, beside an eager HF-transformers step of the same config; then
+# the knob table of `rooflm bench train`. Prints a short table last.
+#   OUT=dir bash benchmarks/train.sh            (KNOBS=... to pick rows, HF_COMPILE=1 adds compiled HF)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-benchmarks/results/train-h100}
+mkdir -p "$OUT"
+SHAPE="--model llama-3.2-1b --load-format dummy --seq-len 2048"
+MB=${MICRO_BATCH:-4}
+GA=${GRAD_ACCUM:-2}
+KNOBS=${KNOBS:-fp32,bf16,fused,compile,selective,full,fsdp}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt"
+
+python -m pytest -q -m gpu tests/train -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/pytest-gpu.txt"
+
+# 1. HF transformers, eager (and compiled with HF_COMPILE=1), the same shape and step.
+python benchmarks/train_hf.py --seq-len 2048 --micro-batch "$MB" --grad-accum "$GA" --steps 8 \
+  --out "$OUT/hf_eager.json" 2>&1 | grep -v Warn | tail -3
+if [[ "${HF_COMPILE:-0}" == 1 ]]; then
+  python benchmarks/train_hf.py --seq-len 2048 --micro-batch "$MB" --grad-accum "$GA" --steps 8 --compile \
+    --out "$OUT/hf_compile.json" 2>&1 | grep -v Warn | tail -3
+fi
+
+# 2. rooflm train, best flags: bf16 autocast, torch.compile per block, fused AdamW.
+python -m rooflm train $SHAPE --micro-batch "$MB" --grad-accum "$GA" --precision bf16 --compile --fused \
+  --max-steps 10 --warmup-measure-steps 4 --no-progress --results "$OUT/train_best.json" 2>&1 \
+  | grep -v Warn | tail -9 | tee "$OUT/train_best.txt"
+
+# 3. The knob table: one shape, one knob at a time (grad-accum 1).
+python -m rooflm bench train $SHAPE --micro-batch "$MB" --max-steps 6 --warmup-measure-steps 2 \
+  --knobs "$KNOBS" --out "$OUT" 2>&1 | grep -v Warn | tail -12
+
+# 4. The short table: rooflm vs HF, memory vs prediction.
+python - "$OUT" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+rows = []
+for name, label in (("hf_eager.json", "HF transformers eager"), ("hf_compile.json", "HF transformers compiled"),
+                    ("train_best.json", "rooflm train (bf16, compile, fused)")):
+    path = os.path.join(out, name)
+    if os.path.exists(path):
+        r = json.load(open(path))
+        pred = r.get("predicted_memory_bytes")
+        rows.append((label, r["tokens_per_s"], r["mfu"], r["peak_memory_bytes"] / 2**30,
+                     pred / 2**30 if pred else None, r.get("verdict")))
+print("\n| run | tokens/s | MFU | peak GiB | predicted GiB |\n| --- | ---: | ---: | ---: | ---: |")
+for label, tps, mfu, peak, pred, _ in rows:
+    print(f"| {label} | {tps:,.0f} | {mfu:.1%} | {peak:.1f} | {'' if pred is None else f'{pred:.1f}'} |")
+for label, *_, verdict in rows:
+    if verdict:
+        print(f"{label}: {verdict}")
+bt = os.path.join(out, "bench_train.md")
+if os.path.exists(bt):
+    print("\nknob table (grad-accum 1):\n" + open(bt).read())
+PY
