@@ -33,26 +33,5 @@ python -m rooflm train $SHAPE --micro-batch "$MB" --grad-accum "$GA" --precision
 python -m rooflm bench train $SHAPE --micro-batch "$MB" --max-steps 6 --warmup-measure-steps 2 \
   --knobs "$KNOBS" --out "$OUT" 2>&1 | grep -v Warn | tail -12
 
-# 4. The short table: rooflm vs HF, memory vs prediction.
-python - "$OUT" <<'PY'
-import json, os, sys
-out = sys.argv[1]
-rows = []
-for name, label in (("hf_eager.json", "HF transformers eager"), ("hf_compile.json", "HF transformers compiled"),
-                    ("train_best.json", "rooflm train (bf16, compile, fused)")):
-    path = os.path.join(out, name)
-    if os.path.exists(path):
-        r = json.load(open(path))
-        pred = r.get("predicted_memory_bytes")
-        rows.append((label, r["tokens_per_s"], r["mfu"], r["peak_memory_bytes"] / 2**30,
-                     pred / 2**30 if pred else None, r.get("verdict")))
-print("\n| run | tokens/s | MFU | peak GiB | predicted GiB |\n| --- | ---: | ---: | ---: | ---: |")
-for label, tps, mfu, peak, pred, _ in rows:
-    print(f"| {label} | {tps:,.0f} | {mfu:.1%} | {peak:.1f} | {'' if pred is None else f'{pred:.1f}'} |")
-for label, *_, verdict in rows:
-    if verdict:
-        print(f"{label}: {verdict}")
-bt = os.path.join(out, "bench_train.md")
-if os.path.exists(bt):
-    print("\nknob table (grad-accum 1):\n" + open(bt).read())
-PY
+# 4. The short table: rooflm vs HF, memory vs prediction, then the knob table.
+python benchmarks/train_report.py "$OUT" | tee "$OUT/summary.md"

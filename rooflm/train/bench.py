@@ -97,26 +97,19 @@ def format_table(rows: list[dict]) -> str:
 
 
 def cmd_bench_train(args: argparse.Namespace) -> int:
-    import torch.distributed as dist
-
-    from rooflm.train.commands import config_from_args
+    from rooflm.train.commands import config_from_args, is_rank_zero, run_job
 
     knobs = [k.strip() for k in args.knobs.split(",") if k.strip()]
     unknown = [k for k in knobs if k not in KNOBS]
     if unknown:
         print(f"error: unknown knob(s) {', '.join(unknown)}; known: {', '.join(KNOBS)}", file=sys.stderr)
         return 2
-    try:
-        base = config_from_args(args, progress=False)
-        rows = run_sweep(base, knobs, args.gpu)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    if int(os.environ.get("RANK", "0")) != 0:
-        return 0
+    rc, base = run_job(lambda: config_from_args(args, progress=False))
+    if rc:
+        return rc
+    rc, rows = run_job(lambda: run_sweep(base, knobs, args.gpu))
+    if rc or not is_rank_zero():
+        return rc
     table = format_table(rows)
     if args.out:
         os.makedirs(args.out, exist_ok=True)

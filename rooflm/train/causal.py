@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from rooflm.config import ModelConfig
-from rooflm.layers.linear import FusedLinear
 from rooflm.layers.rotary import apply_rope_torch
 
 
@@ -164,7 +163,8 @@ def hf_name(name: str) -> str:
 def hf_state_dict(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Split the fused q/k/v and gate/up tensors back into HF's names and shapes, so a
     checkpoint loads in rooflm (serve, generate, resume) and in transformers alike."""
-    fused = {name: module for name, module in model.named_modules() if isinstance(module, FusedLinear)}
+    # FusedLinear, or a layer swapped in for it that kept its shard map (fp8 training).
+    fused = {name: module for name, module in model.named_modules() if hasattr(module, "shard_offsets")}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors:
         prefix, _, kind = name.rpartition(".")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 from rooflm.train.config import CHECKPOINTING, LR_SCHEDULES, PARALLEL, PRECISIONS, TrainConfig
@@ -66,31 +67,37 @@ def config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig:
     return TrainConfig(**values)
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    import os
-
+def run_job(job):
+    """job() under the CLI's rules: a ValueError is the user's input, printed as an error (exit 2);
+    the process group, if the job made one, ends with it. Returns (exit code, job's result)."""
     import torch.distributed as dist
 
-    from rooflm.train.trainer import format_summary, train
-
     try:
-        cfg = config_from_args(args)
+        return 0, job()
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        result = train(cfg, args.gpu)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return 2, None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    if int(os.environ.get("RANK", "0")) == 0:
+
+
+def is_rank_zero() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from rooflm.train.trainer import format_summary, train
+
+    rc, cfg = run_job(lambda: config_from_args(args))
+    if rc:
+        return rc
+    rc, result = run_job(lambda: train(cfg, args.gpu))
+    if rc == 0 and is_rank_zero():
         print(format_summary(result))
         if cfg.results:
             print(f"results: {cfg.results}")
-    return 0
+    return rc
 
 
 def register(sub) -> None:

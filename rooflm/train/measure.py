@@ -160,8 +160,12 @@ def verdict(step_s: float, kernels: dict[str, float], data_s: float, mfu: float)
     }
     limit = max(causes, key=causes.get)
     shares = ", ".join(f"{k} {v / step_s:.0%}" for k, v in causes.items()) if step_s > 0 else ""
+    compute_words = (f"compute-bound at {mfu:.0%} MFU: matmul/attention kernels fill the step"
+                     if mfu >= 0.3 else
+                     f"matmul/attention kernels fill the step but run at {mfu:.1%} of the roof: "
+                     f"shapes too small to fill the device (a larger micro-batch or model)")
     words = {
-        "compute": f"compute-bound at {mfu:.0%} MFU: matmul/attention kernels fill the step",
+        "compute": compute_words,
         "memory": "memory-bound: element-wise/norm/optimizer kernels take more time than the "
                   "matmuls (fuse them: --compile, --fused)",
         "communication": "communication-bound: collectives the backward pass did not hide",
