@@ -6,7 +6,8 @@ import os
 import sys
 
 RUNS = (("hf_eager.json", "HF transformers, eager"), ("hf_compile.json", "HF transformers, compiled"),
-        ("train_best.json", "rooflm train: bf16, compile, fused AdamW"))
+        ("train_compile.json", "rooflm train: bf16, compile, fused AdamW"),
+        ("train_fsdp.json", "rooflm train: the same + FSDP2 (world of one)"))
 
 
 def main(out: str) -> None:
@@ -30,7 +31,7 @@ def main(out: str) -> None:
     table = os.path.join(out, "bench_train.md")
     if os.path.exists(table):
         with open(table, encoding="utf-8") as f:
-            print("\nknob table (grad-accum 1):\n" + f.read())
+            print("\nknob table:\n" + f.read())
 
 
 if __name__ == "__main__":

@@ -57,12 +57,15 @@ def _short_verdict(result: dict) -> str:
     return max(causes, key=causes.get)
 
 
-def run_sweep(base: TrainConfig, knobs: list[str], gpu=None) -> list[dict]:
+def run_sweep(base: TrainConfig, knobs: list[str], gpu=None, out=None) -> list[dict]:
+    """One training run per knob; with `out`, each run's full results go to out/train_KNOB.json."""
     from rooflm.train.trainer import train
 
     rows = []
     for knob in knobs:
         cfg = knob_config(base, knob, compile_best="compile" in knobs)
+        if out:
+            cfg = dataclasses.replace(cfg, results=os.path.join(out, f"train_{knob}.json"))
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         try:
@@ -107,7 +110,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     rc, base = run_job(lambda: config_from_args(args, progress=False))
     if rc:
         return rc
-    rc, rows = run_job(lambda: run_sweep(base, knobs, args.gpu))
+    rc, rows = run_job(lambda: run_sweep(base, knobs, args.gpu, args.out))
     if rc or not is_rank_zero():
         return rc
     table = format_table(rows)

@@ -109,7 +109,7 @@ class PhaseTimes:
 _COMM = ("nccl", "gloo", "c10d::", "all_reduce", "allreduce", "reduce_scatter", "all_gather",
          "allgather", "broadcast")
 _ATTENTION = ("flash", "fmha", "attention", "sdpa", "cudnn_", "scaled_dot_product")
-_MATMUL_CUDA = ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "splitk")
+_MATMUL_CUDA = ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "matmul", "splitk")
 _MATMUL_CPU = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int", "mkl", "onednn")
 
 
