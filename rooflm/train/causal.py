@@ -26,6 +26,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from rooflm.config import ModelConfig
 from rooflm.layers.rotary import apply_rope_torch
+from rooflm.train.qat import plain_name
 
 
 def _saved_ops() -> set:
@@ -167,6 +168,7 @@ def hf_state_dict(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) 
     fused = {name: module for name, module in model.named_modules() if hasattr(module, "shard_offsets")}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors:
+        name = plain_name(name)  # QAT: the fp32 master weight under its own name
         prefix, _, kind = name.rpartition(".")
         module = fused.get(prefix)
         if module is None:

@@ -30,6 +30,8 @@ HELP = {
     "save_every": "also checkpoint every N steps, into SAVE_DIR/step-N",
     "resume": "continue from a checkpoint directory (the same --model and --data)",
     "results": "JSON results file",
+    "qat": "quantization-aware training: fake-quantize the block weights to int8 or int4 "
+           "(per output channel, straight-through gradient)",
     "teacher": "distil from this teacher model (same vocabulary): KL on the logits",
     "warmup_measure_steps": "steps left out of the timing (compile, allocator warm-up)",
     "profile": "profile the last step for the kernel-time breakdown and the verdict",

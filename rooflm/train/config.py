@@ -52,6 +52,7 @@ class TrainConfig:
     teacher_load_format: str = "auto"
     distill_alpha: float = 1.0  # weight of the KL term; 1 - alpha on the next-token loss
     distill_temperature: float = 1.0
+    qat: Optional[str] = None  # fake-quant QAT of the block weights: int8 or int4 (per channel)
 
     def __post_init__(self) -> None:
         def one_of(name, allowed):
@@ -72,6 +73,8 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0; got {self.lr}")
         if self.warmup_steps < 0 or self.save_every < 0 or self.warmup_measure_steps < 0:
             raise ValueError("warmup-steps, save-every and measure warm-up must be >= 0")
+        if self.qat is not None and self.qat not in ("int8", "int4"):
+            raise ValueError(f"qat must be int8 or int4; got {self.qat!r}")
         if not 0.0 <= self.distill_alpha <= 1.0:
             raise ValueError(f"distill-alpha must be in [0, 1]; got {self.distill_alpha}")
 

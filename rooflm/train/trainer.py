@@ -27,6 +27,7 @@ from rooflm.train import checkpoint, measure, parallel
 from rooflm.train.causal import CausalLM, next_token_loss
 from rooflm.train.config import TrainConfig
 from rooflm.train.data import SYNTHETIC, TokenWindows, read_token_ids
+from rooflm.train.qat import apply_qat
 from rooflm.train.precision import Precision, convert_to_fp8, get_precision
 
 
@@ -125,6 +126,8 @@ class Trainer:
         self.model = CausalLM(lm, cfg.activation_checkpointing)
         if cfg.precision == "fp8":
             convert_to_fp8(self.model)
+        if cfg.qat:
+            apply_qat(self.model, cfg.qat)
         self.teacher = self._build_teacher() if cfg.teacher else None
         if cfg.compile:
             for block in self.model.blocks:

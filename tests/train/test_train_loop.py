@@ -147,3 +147,28 @@ def test_bench_train_prints_the_knob_table(tiny_llama, tmp_path, capsys):
         assert f"| {knob} |" in table
     rows = json.loads((tmp_path / "bench_train.json").read_text())["rows"]
     assert all("error" not in r for r in rows), rows
+
+
+def test_qat_forward_sees_the_quantized_weights_and_exports_the_master_ones(tiny_llama, tmp_path,
+                                                                           pattern_ids):
+    from safetensors.torch import load_file
+
+    from rooflm.train.causal import CausalLM
+    from rooflm.train.qat import apply_qat, fake_quantize
+    from rooflm.train.trainer import build_model
+
+    _, lm, _, _ = build_model(tiny_llama, "safetensors", torch.device("cpu"), 16, 0)
+    model = CausalLM(lm)
+    master = model.blocks[0].layer.mlp.down_proj.weight.detach().clone()
+    assert apply_qat(model, "int4") == 8  # qkv, o, gate_up, down in each of 2 layers
+    seen = model.blocks[0].layer.mlp.down_proj.weight
+    assert torch.equal(seen, fake_quantize(master, "int4"))
+    scale = master.abs().amax(dim=1, keepdim=True) / 7
+    assert torch.allclose(seen / scale, torch.round(seen / scale), atol=1e-4)  # on the int4 grid
+    assert (seen / scale).abs().max() <= 8 + 1e-4
+
+    result = train(tiny_config(tiny_llama, data=pattern_ids, qat="int4", max_steps=8,
+                               save_dir=str(tmp_path / "qat")))
+    assert result["losses"][-1] < result["losses"][0]
+    weights = load_file(str(tmp_path / "qat" / "model.safetensors"))
+    assert "model.layers.0.mlp.down_proj.weight" in weights and len(weights) == 2 * 9 + 3
