@@ -11,7 +11,7 @@ mkdir -p "$OUT"
 SHAPE="--model llama-3.2-1b --load-format dummy --seq-len 2048"
 MB=${MICRO_BATCH:-4}
 GA=${GRAD_ACCUM:-2}
-KNOBS=${KNOBS:-fp32,bf16,fused,compile,selective,full,fsdp}
+KNOBS=${KNOBS:-fp32,bf16,fused,compile,cudnn,selective,full,fsdp}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt"
 
 python -m pytest -q -m gpu tests/train -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/pytest-gpu.txt"

@@ -7,6 +7,7 @@ import sys
 
 RUNS = (("hf_eager.json", "HF transformers, eager"), ("hf_compile.json", "HF transformers, compiled"),
         ("train_compile.json", "rooflm train: bf16, compile, fused AdamW"),
+        ("train_cudnn.json", "rooflm train: the same, cuDNN attention first"),
         ("train_fsdp.json", "rooflm train: the same + FSDP2 (world of one)"))
 
 

@@ -6,6 +6,7 @@ Rows (each a full `rooflm train` run of --max-steps steps in this process):
   fp16          fp16 autocast with dynamic loss scaling
   fused         bf16 + fused AdamW
   compile       bf16 + fused AdamW + torch.compile per block: the "best" row
+  cudnn         best with cuDNN's attention kernel tried first
   selective     best + selective activation checkpointing
   full          best + full activation checkpointing
   fsdp          best + FSDP2 over the processes of this launch (a world of one without torchrun)
@@ -33,11 +34,13 @@ KNOBS = {
     "fp16": dict(precision="fp16"),
     "fused": dict(precision="bf16", fused=True),
     "compile": dict(BEST),
+    "cudnn": dict(BEST, sdpa_backend="cudnn"),
     "selective": dict(BEST, activation_checkpointing="selective"),
     "full": dict(BEST, activation_checkpointing="full"),
     "fsdp": dict(BEST, parallel="fsdp"),
 }
-_OFF = dict(precision="fp32", fused=False, compile=False, activation_checkpointing="none")
+_OFF = dict(precision="fp32", fused=False, compile=False, activation_checkpointing="none",
+            sdpa_backend="auto")
 
 
 def knob_config(base: TrainConfig, knob: str, compile_best: bool = True) -> TrainConfig:
@@ -135,6 +138,7 @@ def register(bench_subparsers) -> None:
                       "fused AdamW, FSDP on one shape",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_args(p, skip=("precision", "compile", "activation_checkpointing", "fused", "parallel",
+                            "sdpa_backend",
                             "save_dir", "save_every", "resume", "results", "profile", "progress"))
     p.add_argument("--knobs", default=",".join(KNOBS), help=f"rows to run, of {', '.join(KNOBS)}")
     p.add_argument("--out", default=None, help="directory for bench_train.json and bench_train.md")

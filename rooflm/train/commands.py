@@ -12,7 +12,7 @@ import dataclasses
 import os
 import sys
 
-from rooflm.train.config import CHECKPOINTING, LR_SCHEDULES, PARALLEL, PRECISIONS, TrainConfig
+from rooflm.train.config import CHECKPOINTING, LR_SCHEDULES, PARALLEL, PRECISIONS, SDPA_BACKENDS, TrainConfig
 
 HELP = {
     "model": "HF directory (safetensors), .gguf file (dequantized to fp32), or a preset with "
@@ -26,6 +26,7 @@ HELP = {
     "fused": "fused AdamW kernel (one launch for all parameters)",
     "parallel": "none, or under torchrun: ddp or fsdp (FSDP2 fully_shard per decoder block)",
     "lr_schedule": "cosine, linear or constant after --warmup-steps of linear warm-up",
+    "sdpa_backend": "the attention kernel tried first (auto: torch's order; cudnn is fastest on H100)",
     "save_dir": "write a checkpoint here (HF safetensors + optimizer/scheduler/RNG state)",
     "save_every": "also checkpoint every N steps, into SAVE_DIR/step-N",
     "resume": "continue from a checkpoint directory (the same --model and --data)",
@@ -38,7 +39,7 @@ HELP = {
 }
 CHOICES = {"precision": PRECISIONS, "activation_checkpointing": CHECKPOINTING,
            "lr_schedule": LR_SCHEDULES, "parallel": PARALLEL, "optimizer": ("adamw",),
-           "device": ("auto", "cpu", "cuda")}
+           "device": ("auto", "cpu", "cuda"), "sdpa_backend": SDPA_BACKENDS}
 
 
 def add_train_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:

@@ -9,6 +9,7 @@ PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 CHECKPOINTING = ("none", "full", "selective")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 PARALLEL = ("none", "ddp", "fsdp")
+SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class TrainConfig:
     optimizer: str = "adamw"
     fused: bool = False
     parallel: str = "none"  # under torchrun: ddp or fsdp; none = one process
+    sdpa_backend: str = "auto"  # the SDPA kernel tried first (auto: torch's own order)
     # optimizer and schedule
     lr: float = 3e-4
     lr_schedule: str = "cosine"
@@ -65,6 +67,7 @@ class TrainConfig:
         one_of("activation_checkpointing", CHECKPOINTING)
         one_of("lr_schedule", LR_SCHEDULES)
         one_of("parallel", PARALLEL)
+        one_of("sdpa_backend", SDPA_BACKENDS)
         one_of("optimizer", ("adamw",))
         for name in ("seq_len", "micro_batch", "grad_accum", "max_steps"):
             if getattr(self, name) < 1:

@@ -46,6 +46,20 @@ PRECISIONS = {
 }
 
 
+def sdpa_priority(backend: str):
+    """A context that tries `backend`'s attention kernel first and falls back through torch's
+    others where it does not apply (cuDNN's is the fastest on an H100; see DESIGN.md)."""
+    if backend == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    first = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]
+    order = [first] + [b for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                                   SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH) if b != first]
+    return sdpa_kernel(order, set_priority=True)
+
+
 def get_precision(name: str, device_type: str) -> Precision:
     if name not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {name!r}")

@@ -28,7 +28,7 @@ from rooflm.train.causal import CausalLM, next_token_loss
 from rooflm.train.config import TrainConfig
 from rooflm.train.data import SYNTHETIC, TokenWindows, read_token_ids
 from rooflm.train.qat import apply_qat
-from rooflm.train.precision import Precision, convert_to_fp8, get_precision
+from rooflm.train.precision import Precision, convert_to_fp8, get_precision, sdpa_priority
 
 
 # ---- building ----------------------------------------------------------------------------
@@ -164,7 +164,8 @@ class Trainer:
     # ---- one step ----
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with self.precision.autocast(self.device.type):
+        # The attention kernel is chosen in the forward; its backward follows it.
+        with self.precision.autocast(self.device.type), sdpa_priority(self.cfg.sdpa_backend):
             if self.teacher is None:
                 return self.wrapped(inputs, targets)
             loss, logits = self.wrapped(inputs, targets, return_logits=True)

@@ -40,6 +40,7 @@ def test_gradients_match_transformers_on_cuda(tmp_path):
 
 @pytest.mark.parametrize("knobs", [
     dict(precision="bf16", compile=True, fused=True),
+    dict(precision="bf16", compile=True, fused=True, sdpa_backend="cudnn"),
     dict(precision="fp16", activation_checkpointing="selective"),
     dict(precision="bf16", parallel="fsdp", activation_checkpointing="full"),
 ])

@@ -74,11 +74,12 @@ def test_sixteen_bit_training_lowers_the_loss(tiny_llama, precision, pattern_ids
     assert losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
-def test_activation_checkpointing_gives_the_same_step(tiny_llama, mode):
+@pytest.mark.parametrize("knob", [dict(activation_checkpointing="full"),
+                                  dict(activation_checkpointing="selective"), dict(sdpa_backend="math")])
+def test_recompute_and_attention_kernel_knobs_give_the_same_step(tiny_llama, knob):
     plain = train(tiny_config(tiny_llama, max_steps=3))
-    recomputed = train(tiny_config(tiny_llama, max_steps=3, activation_checkpointing=mode))
-    assert recomputed["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+    changed = train(tiny_config(tiny_llama, max_steps=3, **knob))
+    assert changed["losses"] == pytest.approx(plain["losses"], rel=1e-5)
 
 
 def test_distillation_pulls_the_student_toward_the_teacher(tmp_path, pattern_ids):
