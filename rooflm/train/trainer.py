@@ -234,6 +234,8 @@ class Trainer:
     def run(self) -> dict:
         cfg, info = self.cfg, self.info
         timer = StepTimer(self.device)
+        # The roof first: measuring it allocates buffers that are no part of training's peak.
+        roof = measure.device_roof(self.device, self.precision.peak_format, self.gpu)
         measure.reset_peak_memory(self.device)
         first_measured = self.start_step + cfg.warmup_measure_steps
         # Profile the last step, once the warm-up is over and a timed step came before it.
@@ -242,7 +244,6 @@ class Trainer:
         tokens_per_step = cfg.tokens_per_step * info.world_size
         flops_per_rank_step = (measure.train_flops_per_sequence(self.model_cfg, cfg.seq_len)
                                * cfg.micro_batch * cfg.grad_accum)
-        roof = measure.device_roof(self.device, self.precision.peak_format, self.gpu)
         for step in range(self.start_step, cfg.max_steps):
             if step == profile_at:
                 loss = self._profile_step(step, timer)
