@@ -18,12 +18,14 @@ def main(out: str) -> None:
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
                 rows.append((label, json.load(f)))
-    print("| run | tokens/s | MFU | peak GiB | predicted GiB |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print("| run | tokens/s | MFU | peak GiB | memory --train GiB | with the recipe's fp32 grads |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for label, r in rows:
         predicted = r.get("predicted_memory_bytes")
+        recipe = r.get("predicted_memory_recipe_bytes")
         print(f"| {label} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['peak_memory_bytes'] / 2**30:.1f} | "
-              f"{'' if predicted is None else f'{predicted / 2**30:.1f}'} |")
+              f"{'' if predicted is None else f'{predicted / 2**30:.1f}'} | "
+              f"{'' if recipe is None else f'{recipe / 2**30:.1f}'} |")
     for label, r in rows:
         if r.get("phases_s"):
             print(f"{label}: phases " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["phases_s"].items()))

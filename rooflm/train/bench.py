@@ -74,7 +74,8 @@ def run_sweep(base: TrainConfig, knobs: list[str], gpu=None, out=None) -> list[d
         try:
             result = train(cfg, gpu)
             rows.append(dict(knob=knob, **{k: result[k] for k in (
-                "tokens_per_s", "mfu", "peak_memory_bytes", "predicted_memory_bytes", "step_s",
+                "tokens_per_s", "mfu", "peak_memory_bytes", "predicted_memory_bytes",
+                "predicted_memory_recipe_bytes", "step_s",
                 "phases_s", "kernels_s", "verdict", "last_loss")}, limit=_short_verdict(result)))
         except (RuntimeError, ValueError) as exc:  # e.g. out of memory: the row says so
             rows.append(dict(knob=knob, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"))
@@ -88,7 +89,7 @@ def run_sweep(base: TrainConfig, knobs: list[str], gpu=None, out=None) -> list[d
 
 def format_table(rows: list[dict]) -> str:
     base = next((r for r in rows if r.get("tokens_per_s")), None)
-    lines = ["| knob | tokens/s | vs first | MFU | peak GiB | predicted GiB | limit |",
+    lines = ["| knob | tokens/s | vs first | MFU | peak GiB | predicted GiB (memory --train / recipe) | limit |",
              "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         if "error" in r:
@@ -97,7 +98,8 @@ def format_table(rows: list[dict]) -> str:
         speed = r["tokens_per_s"] or 0.0
         ratio = speed / base["tokens_per_s"] if base and speed else 0.0
         lines.append(f"| {r['knob']} | {speed:,.0f} | {ratio:.2f}x | {(r['mfu'] or 0):.1%} | "
-                     f"{r['peak_memory_bytes'] / 2**30:.2f} | {r['predicted_memory_bytes'] / 2**30:.2f} | "
+                     f"{r['peak_memory_bytes'] / 2**30:.2f} | {r['predicted_memory_bytes'] / 2**30:.2f} / "
+                     f"{r['predicted_memory_recipe_bytes'] / 2**30:.2f} | "
                      f"{r['limit']} |")
     return "\n".join(lines)
 

@@ -82,6 +82,17 @@ def predicted_memory(cfg: ModelConfig, seq_len: int, micro_batch: int, memory_dt
     return mem.fsdp_per_gpu(full) if parallel == "fsdp" else mem.ddp_per_gpu(full)
 
 
+def recipe_extra_bytes(cfg: ModelConfig, precision: str, parallel: str) -> float:
+    """What this lab's recipe holds beyond rooflm memory --train's ZeRO accounting (bf16 weights,
+    bf16 grads, fp32 master, Adam = 16 B/param): under autocast without FSDP the 16-bit weights
+    are autocast's cached casts (the same 2 B/param) but the gradients land on the fp32
+    parameters, 4 B/param instead of 2. FSDP's mixed-precision policy reduces into fp32 shards,
+    which the accounting already counts as its 16 B/param / N."""
+    if precision in ("bf16", "fp16", "fp8") and parallel != "fsdp":
+        return 2.0 * cfg.num_params()
+    return 0.0
+
+
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

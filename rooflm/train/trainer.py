@@ -327,6 +327,8 @@ class Trainer:
             "peak_memory_bytes": peak,
             "peak_memory_measured_as": peak_what,
             "predicted_memory_bytes": predicted,
+            "predicted_memory_recipe_bytes": predicted + measure.recipe_extra_bytes(
+                self.model_cfg, cfg.precision, cfg.parallel),
             "phases_s": phases,
             "kernels_s": self.kernels,
             "profiled_step_s": self.profiled_step_s,
@@ -358,7 +360,8 @@ def format_summary(r: dict) -> str:
     else:
         lines.append("too few steps after the warm-up to time (raise --max-steps)")
     lines.append(f"peak memory {r['peak_memory_bytes'] / gib:.2f} GiB ({r['peak_memory_measured_as']}) | "
-                 f"rooflm memory --train predicts {r['predicted_memory_bytes'] / gib:.2f} GiB")
+                 f"rooflm memory --train predicts {r['predicted_memory_bytes'] / gib:.2f} GiB "
+                 f"({r['predicted_memory_recipe_bytes'] / gib:.2f} GiB with this recipe's fp32 gradients)")
     if r["phases_s"]:
         p = r["phases_s"]
         lines.append("phases per step: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in p.items()))

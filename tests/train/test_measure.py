@@ -25,3 +25,33 @@ def test_training_flops_are_six_per_matmul_parameter_per_token_plus_causal_atten
 def test_verdict_names_the_largest_cause(kernels, data, limit):
     _, causes = verdict(1.0, kernels, data, mfu=0.5)
     assert max(causes, key=causes.get) == limit
+
+
+def test_saved_activations_match_rooflm_memory_train(tmp_path):
+    """What the backward pass keeps (every tensor saved for it that is not a parameter) against
+    rooflm memory --train's activation accounting: a 2-layer Llama-3.2-1B-wide model, fp32."""
+    import dataclasses
+
+    import torch
+
+    from rooflm.model.llama import LlamaForCausalLM
+    from rooflm.perf.memory import training_memory
+    from rooflm.train.causal import CausalLM
+
+    cfg = dataclasses.replace(get_preset("llama-3.2-1b"), num_hidden_layers=2, vocab_size=8192)
+    lm = LlamaForCausalLM(cfg, max_positions=256)
+    lm.init_dummy_weights(0)
+    model = CausalLM(lm)
+    storages = {}
+
+    def keep(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    tokens = torch.randint(0, cfg.vocab_size, (1, 257))
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        model(tokens[:, :-1], tokens[:, 1:])
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = sum(n for ptr, n in storages.items() if ptr not in params)
+    predicted = training_memory(cfg, seq_len=256, dtype="fp32").activations
+    assert abs(saved / predicted - 1) < 0.10, (saved, predicted)
