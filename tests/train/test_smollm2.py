@@ -18,7 +18,7 @@ def held_out_loss(trainer: Trainer, batches) -> float:
 @pytest.mark.slow
 def test_smollm2_training_lowers_the_loss_on_pydoc_topics():
     cfg = TrainConfig(data=pydoc_data.topics.__file__, device="cpu", seq_len=64, micro_batch=2,
-                      max_steps=4, lr=3e-4, warmup_steps=1, progress=False, profile=False)
+                      max_steps=4, lr=3e-4, warmup_steps=1, fused=True, progress=False, profile=False)
     trainer = Trainer(cfg)
     assert trainer.model_cfg.num_params() > 100e6
     # Windows of the same text that training never reads (their sample numbers are far past it).
