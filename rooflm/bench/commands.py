@@ -13,11 +13,13 @@ def register(subparsers) -> None:
     from rooflm.bench import latency, serve, throughput
 
     bench = subparsers.add_parser(
-        "bench", help="benchmarks: latency, throughput (offline engine), serve (an endpoint)",
+        "bench", help="benchmarks: latency, throughput (offline engine), serve (an endpoint), train",
         description="Benchmarks. latency: one batch, TTFT/TPOT/MBU. throughput: many requests at "
                     "once, tokens/s against the analytic bound. serve: load-test an "
-                    "OpenAI-compatible server.")
+                    "OpenAI-compatible server. train: the training knob sweep (rooflm/train).")
     bench_subparsers = bench.add_subparsers(dest="bench_command", required=True)
     latency.register(bench_subparsers)
     throughput.register(bench_subparsers)
     serve.register(bench_subparsers)
+    from rooflm.train import bench as train_bench  # `rooflm bench train`: the training knob sweep
+    train_bench.register(bench_subparsers)
