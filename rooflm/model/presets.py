@@ -27,6 +27,13 @@ PRESETS: dict[str, ModelConfig] = {
         rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192),
         max_position_embeddings=131072, bos_token_id=128000,
         eos_token_ids=(128001, 128008, 128009)),
+    "llama-3.2-1b": ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=2048,
+        intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=RopeScaling("llama3", 32.0, 1.0, 4.0, 8192),
+        max_position_embeddings=131072, tie_word_embeddings=True, bos_token_id=128000,
+        eos_token_ids=(128001, 128008, 128009)),
     "mistral-7b": ModelConfig(
         architecture="MistralForCausalLM", vocab_size=32000, hidden_size=4096,
         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
