@@ -108,9 +108,6 @@ def main() -> int:
     blocks = max_batch * -(-(args.input_len + args.output_len + 2 * args.k) // 16) + 64
     common = dict(model=args.model, load_format="dummy", max_model_len=args.input_len + args.output_len + 64,
                   num_blocks=blocks, max_num_seqs=max_batch, cuda_graph_max_batch=max_batch)
-    rng = random.Random(0)
-    prompts = {b: [[rng.randrange(1000, 100000) for _ in range(args.input_len)] for _ in range(b)]
-               for b in args.batches}
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     warm = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     rows, truth = [], {}
@@ -125,6 +122,9 @@ def main() -> int:
     # ---- plain ------------------------------------------------------------------------------
     llm = LLM(**common)
     vocab = llm.engine.model_config.vocab_size
+    rng = random.Random(0)
+    prompts = {b: [[rng.randrange(vocab // 8, vocab) for _ in range(args.input_len)] for _ in range(b)]
+               for b in args.batches}
     for b in args.batches:
         llm.generate(prompts[b], warm)
         best = None
