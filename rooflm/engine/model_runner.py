@@ -98,6 +98,7 @@ class StepHandle:
     meta: Optional[SamplingMetadata] = None
     constrained_rows: list[int] = field(default_factory=list)  # rows with a grammar
     num_accepted: Optional[torch.Tensor] = None  # [verifying sequences] accepted drafts (spec)
+    spec: object = None  # the proposer's draft distributions (SchedulerOutput.spec)
 
     @property
     def needs_bitmask(self) -> bool:
@@ -445,7 +446,7 @@ class ModelRunner:
         with self.tracer.phase("prepare"):
             inputs = self.prepare(out, suppress)
         fixup = self._pending_fixup(inputs, prev)
-        handle = StepHandle(inputs, StepResult({}, {}, {}))
+        handle = StepHandle(inputs, StepResult({}, {}, {}), spec=out.spec)
         full_graph = self._graph_runs(inputs)
         handle.graph = "full" if full_graph else ("piecewise" if self._piecewise_runs(inputs) else "eager")
         logits = self._forward(inputs, handle.result, fixup, full_graph)
@@ -461,14 +462,19 @@ class ModelRunner:
                 handle.logits, handle.meta = logits, meta
                 return handle
             with self.tracer.phase("sample"):
-                if inputs.spec_rows:
-                    from rooflm.spec.rejection import verify
-                    handle.sampled, handle.num_accepted = verify(
-                        self.sampler, logits, meta, inputs.spec_rows, inputs.row_owner, out.spec)
-                else:
-                    handle.sampled = self.sampler(logits, meta)
+                self._sample(handle, logits, meta)
             self._copy_results_to_host(handle)
         return handle
+
+    def _sample(self, handle: "StepHandle", logits: torch.Tensor, meta: SamplingMetadata) -> None:
+        """Sample every row, or verify the drafts of speculating sequences (rooflm/spec/)."""
+        inputs = handle.inputs
+        if inputs.spec_rows:
+            from rooflm.spec.rejection import verify
+            handle.sampled, handle.num_accepted = verify(
+                self.sampler, logits, meta, inputs.spec_rows, inputs.row_owner, handle.spec)
+        else:
+            handle.sampled = self.sampler(logits, meta)
 
     @torch.inference_mode()
     def sample_constrained(self, handle: "StepHandle", bitmask: torch.Tensor) -> None:
@@ -478,7 +484,7 @@ class ModelRunner:
         handle.logits = handle.meta = None
         with self.tracer.phase("sample"):
             meta.token_bitmask = self._pin(bitmask).to(self.device, non_blocking=True)
-            handle.sampled = self.sampler(logits, meta)
+            self._sample(handle, logits, meta)
         self._copy_results_to_host(handle)
 
     def _copy_results_to_host(self, handle: "StepHandle") -> None:

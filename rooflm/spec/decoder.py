@@ -107,6 +107,8 @@ class SpecDecoder:
         params = req.params
         if req.grammar is not None or seq.num_output_tokens < params.min_tokens:
             return 0  # the grammar's mask and min_tokens' suppression need each token first
+        if req.needs_fork:
+            return 0  # a one-token prompt of n > 1: its first sample forks the request
         # Verifying k drafts can emit k + 1 tokens: never more than max_tokens or the context allow.
         room = min(req.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_known_tokens)
         return max(0, min(k, room - 1))

@@ -4,6 +4,7 @@ greedy text identical to plain decoding, with stop strings, on copy-heavy and op
 import pytest
 
 from rooflm import LLM, SamplingParams
+from rooflm.sampling_params import StructuredOutputsParams
 
 TEXT = ("The quick brown fox jumps over the lazy dog. The dog, being lazy, does not move. "
         "The fox jumps again, and again the dog does not move.")
@@ -35,3 +36,19 @@ def test_greedy_text_is_identical_with_ngram_speculation(smollm2_exact, spec_llm
     assert ref_stop.finish_reason == "stop"
     assert (out_stop.text, out_stop.finish_reason) == (ref_stop.text, ref_stop.finish_reason)
     assert out_stop.token_ids == ref_stop.token_ids
+
+
+def test_constrained_and_speculating_requests_share_a_step(smollm2_exact, spec_llm):
+    """A grammar-constrained request does not speculate; the one beside it does, unchanged."""
+    params = SamplingParams(temperature=0, max_tokens=24)
+    choice = SamplingParams(temperature=0, max_tokens=8,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    tok = spec_llm.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template(c), add_special_tokens=False)
+               for c in CONVERSATIONS[:1] + [[{"role": "user", "content": "Is water wet?"}]]]
+    ref = smollm2_exact.generate(prompts[:1], params)[0].outputs[0]
+    before = spec_llm.engine.snapshot().spec.num_accepted_tokens
+    copy, answer = spec_llm.generate(prompts, [params, choice])
+    assert copy.outputs[0].token_ids == ref.token_ids
+    assert answer.outputs[0].text in ("yes", "no")
+    assert spec_llm.engine.snapshot().spec.num_accepted_tokens > before

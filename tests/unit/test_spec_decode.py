@@ -135,10 +135,11 @@ def test_stop_tokens_and_max_tokens_cut_a_proposal(tiny_path, plain, reference):
 
 def test_n_greater_than_one_forks_and_speculates(tiny_path, plain):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, n=3)
-    ref = tokens(plain.generate(PROMPTS[:2], params))
+    prompts = PROMPTS[:2] + [[17]]  # a one-token prompt forks at its first sample
+    ref = tokens(plain.generate(prompts, params))
     for method in ("ngram", "draft-same"):
         llm = spec_llm(tiny_path, method)
-        assert tokens(llm.generate(PROMPTS[:2], params)) == ref
+        assert tokens(llm.generate(prompts, params)) == ref
         check_all_blocks_free(llm)
 
 
