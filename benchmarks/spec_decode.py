@@ -81,9 +81,9 @@ def spec_delta(llm: LLM, before):
             "verify_s": after.verify_s - (before.verify_s if before else 0.0)}
 
 
-def free(llm: LLM) -> None:
+def release_memory() -> None:
+    """After the caller dropped its engine: collect it and hand its blocks back to the device."""
     import torch
-    del llm
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -133,7 +133,8 @@ def main() -> int:
             best = seconds if best is None else min(best, seconds)
         truth[b] = outs
         record("plain", b, best)
-    free(llm)
+    llm = None
+    release_memory()
 
     def replay_runs(llm, label, b, make_proposer, original):
         for a in args.acceptances:
@@ -168,7 +169,8 @@ def main() -> int:
             forced_k(llm)
             replay_runs(llm, "ngram-k4-forced", b, lambda r: r, ngram)
             llm.engine.spec.cfg = policy_cfg
-    free(llm)
+    llm = ngram = None
+    release_memory()
 
     # ---- draft-model engine --------------------------------------------------------------------
     if not args.skip_draft:
@@ -184,7 +186,8 @@ def main() -> int:
                 forced_k(llm)
                 replay_runs(llm, "draft-k4-forced", b, lambda r: DraftCostReplay(draft, r), draft)
                 llm.engine.spec.cfg = policy_cfg
-        free(llm)
+        llm = draft = None
+        release_memory()
 
     plain = {r["batch"]: r["tok_s"] for r in rows if r["variant"] == "plain"}
     for r in rows:

@@ -128,13 +128,7 @@ class LLMEngine:
             kv_admission_stalls=sched.num_kv_stalls, spec=self._spec_snapshot())
 
     def _spec_snapshot(self) -> Optional[SpecSnapshot]:
-        if self.spec is None:
-            return None
-        st = self.spec.stats
-        return SpecSnapshot(num_drafts=st.num_drafts, num_draft_tokens=st.num_draft_tokens,
-                            num_accepted_tokens=st.num_accepted_tokens,
-                            accepted_per_pos=tuple(st.accepted_per_pos), draft_s=st.draft_s,
-                            verify_s=st.verify_s)
+        return self.spec.stats.snapshot() if self.spec is not None else None
 
     def add_observer(self, observer: Callable[[StepReport], None]) -> None:
         """Call observer(report) after each executed step, on the engine's thread. Observers

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from rooflm.config import SpeculativeConfig
+from rooflm.engine.report import SpecSnapshot
 from rooflm.engine.request import Request, Sequence
 from rooflm.engine.scheduler import Scheduler, SchedulerOutput
 from rooflm.spec.proposer import DraftRequest, Proposer
@@ -44,14 +45,10 @@ class SpecStats:
     draft_s: float = 0.0  # host seconds proposing (a draft model's forwards included)
     verify_s: float = 0.0  # seconds of steps with verification, launch to results
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens a verifying sequence gains per step: accepted drafts plus the one after."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+    def snapshot(self) -> SpecSnapshot:
+        """The totals as the engine's face shows them (acceptance rate, mean accepted length)."""
+        return SpecSnapshot(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                            tuple(self.accepted_per_pos), self.draft_s, self.verify_s)
 
 
 @dataclass
