@@ -50,7 +50,7 @@ def run(llm: LLM, prompt: str, params: SamplingParams) -> tuple[float, int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--out", default=None)
@@ -71,9 +71,11 @@ def main() -> int:
             s, n = run(plain, prompt, params)
             totals["plain_s"] += s
             totals["plain_tokens"] += n
-            s, n = run(spec, prompt, params)
-            totals["spec_s"] += s
-            totals["spec_tokens"] += n
+            s2, n2 = run(spec, prompt, params)
+            totals["spec_s"] += s2
+            totals["spec_tokens"] += n2
+            print(f"{kind}: plain {n} tokens in {s:.1f} s, n-gram {n2} tokens in {s2:.1f} s",
+                  file=sys.stderr, flush=True)
             load.append(os.getloadavg()[0])
         after = spec.engine.snapshot().spec
         drafts = after.num_drafts - before.num_drafts
