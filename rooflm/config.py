@@ -203,28 +203,68 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (rooflm/spec/): a proposer drafts up to k tokens per sequence and
+    the target model verifies them in one forward; outputs are those of plain decoding."""
+
+    speculative_method: Optional[str] = None  # None (off) | ngram | draft
+    num_speculative_tokens: int = 4  # k: draft tokens per sequence and step, at most
+    draft_model: Optional[str] = None  # --speculative-method draft: path, .gguf or preset name
+    draft_load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    # Prompt lookup: the longest suffix of the sequence (max down to min tokens) that occurred
+    # earlier in it proposes the tokens that followed that occurrence.
+    ngram_prompt_lookup_max: int = 4
+    ngram_prompt_lookup_min: int = 1
+    # Speculate only while the step's decode rows times (1 + k) stay within this many tokens,
+    # shortening k (then switching speculation off) as the batch grows: past it the verify
+    # forward is no longer memory-bound and its extra rows cost the batch real compute.
+    # None: 256 on CUDA (the bf16 GEMM's ridge point on an H100 is ~300 tokens), 8 on the CPU.
+    speculative_max_batch_tokens: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.speculative_method not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative_method must be ngram or draft, got {self.speculative_method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.speculative_method == "draft" and not self.draft_model:
+            raise ValueError("speculative_method draft needs draft_model (a path, .gguf or preset name)")
+        if self.draft_load_format not in ("auto", "safetensors", "gguf", "dummy"):
+            raise ValueError(f"draft_load_format must be one of auto, safetensors, gguf, dummy; "
+                             f"got {self.draft_load_format!r}")
+        if not 1 <= self.ngram_prompt_lookup_min <= self.ngram_prompt_lookup_max:
+            raise ValueError(f"need 1 <= ngram_prompt_lookup_min <= ngram_prompt_lookup_max, got "
+                             f"{self.ngram_prompt_lookup_min} and {self.ngram_prompt_lookup_max}")
+        if self.speculative_max_batch_tokens is not None and self.speculative_max_batch_tokens < 2:
+            raise ValueError(f"speculative_max_batch_tokens must be >= 2, got "
+                             f"{self.speculative_max_batch_tokens}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     load: LoadConfig = field(default_factory=LoadConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
 def with_device_defaults(cfg: EngineConfig, device_type: str) -> EngineConfig:
     """The config with the defaults that depend on the device filled in (None fields)."""
     from dataclasses import replace
 
-    sched, runtime = cfg.scheduler, cfg.runtime
+    sched, runtime, spec = cfg.scheduler, cfg.runtime, cfg.speculative
     if sched.max_num_seqs is None:
         sched = replace(sched, max_num_seqs=512 if device_type == "cuda" else 256)
     if runtime.cuda_graph_max_batch is None:
         runtime = replace(runtime, cuda_graph_max_batch=sched.max_num_seqs)
-    return replace(cfg, scheduler=sched, runtime=runtime)
+    if spec.speculative_method and spec.speculative_max_batch_tokens is None:
+        spec = replace(spec, speculative_max_batch_tokens=256 if device_type == "cuda" else 8)
+    return replace(cfg, scheduler=sched, runtime=runtime, speculative=spec)
 
 
 _SECTIONS = {"load": LoadConfig, "device": DeviceConfig, "cache": CacheConfig,
-             "scheduler": SchedulerConfig, "runtime": RuntimeConfig}
+             "scheduler": SchedulerConfig, "runtime": RuntimeConfig, "speculative": SpeculativeConfig}
 
 
 def engine_config_from_kwargs(**kwargs) -> EngineConfig:

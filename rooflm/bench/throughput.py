@@ -156,6 +156,20 @@ class RunResult:
     cached_prompt_tokens: int
     steps: int
     preemptions: int
+    spec: Optional[dict] = None  # speculative decoding over the run (spec_summary)
+
+
+def spec_summary(before, after) -> Optional[dict]:
+    """Speculative decoding between two snapshots' SpecSnapshots; None without it."""
+    if after is None:
+        return None
+    drafts = after.num_drafts - before.num_drafts
+    draft_tokens = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    return {"drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
+            "draft_s": after.draft_s - before.draft_s, "verify_s": after.verify_s - before.verify_s}
 
 
 def run_requests(engine, requests: list[BenchRequest], tag: str, disable_tqdm: bool) -> RunResult:
@@ -193,7 +207,8 @@ def run_requests(engine, requests: list[BenchRequest], tag: str, disable_tqdm: b
         output_tokens=sum(len(o.outputs[0].token_ids) for o in final.values()),
         cached_prompt_tokens=sum(o.num_cached_tokens for o in final.values()),
         steps=after.steps - before.steps,
-        preemptions=after.num_preemptions - before.num_preemptions)
+        preemptions=after.num_preemptions - before.num_preemptions,
+        spec=spec_summary(before.spec, after.spec))
 
 
 # ---------------------------------------------------------------- the bound
@@ -340,6 +355,7 @@ def run_throughput(args: argparse.Namespace, out: TextIO = None) -> int:
         "bound": None,
         "fraction_of_bound": None,
         "breakdown": breakdown.as_dict() if breakdown else None,
+        "spec_decode": run.spec,
     }
     if gpu is not None:
         bound = throughput_bound(engine, gpu, requests)
@@ -376,6 +392,14 @@ def format_summary(result: dict, device_type: str) -> str:
              row("Total token throughput (tok/s):", f"{result['total_tokens_per_s']:,.1f}"),
              row("Engine steps:", str(result["num_steps"])),
              row("Preemptions:", str(result["num_preemptions"]))]
+    spec = result.get("spec_decode")
+    if spec is not None:
+        lines += [" Speculative decoding ".center(width, "-"),
+                  row("Drafts / draft tokens / accepted:",
+                      f"{spec['drafts']:,} / {spec['draft_tokens']:,} / {spec['accepted_tokens']:,}"),
+                  row("Acceptance rate:", f"{spec['acceptance_rate']:.3f}"),
+                  row("Mean accepted length (tokens/step):", f"{spec['mean_accepted_length']:.2f}"),
+                  row("Draft / verify time (s):", f"{spec['draft_s']:.2f} / {spec['verify_s']:.2f}")]
     bound = result["bound"]
     if bound is not None:
         what_if = "" if device_type == "cuda" else " (what-if: this run is on the CPU)"

@@ -167,6 +167,7 @@ class SnapshotMetrics:
         self.metrics = metrics
         self._seen_prefix = (0, 0)
         self._seen_preemptions = 0
+        self._seen_spec = None  # the last SpecSnapshot published
 
     def publish(self, snap: EngineSnapshot, tokens_in_flight: int) -> None:
         metrics = self.metrics
@@ -178,6 +179,23 @@ class SnapshotMetrics:
         self._seen_prefix = (snap.prefix_queried_tokens, snap.prefix_hit_tokens)
         metrics.add_preemptions(snap.num_preemptions - self._seen_preemptions)
         self._seen_preemptions = snap.num_preemptions
+        if snap.spec is not None:
+            self._publish_spec(snap.spec)
+
+    def _publish_spec(self, spec) -> None:
+        seen = self._seen_spec
+        if seen is None:
+            per_pos = list(spec.accepted_per_pos)
+            delta = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, spec.draft_s,
+                     spec.verify_s)
+        else:
+            per_pos = [a - b for a, b in zip(spec.accepted_per_pos, seen.accepted_per_pos)]
+            delta = (spec.num_drafts - seen.num_drafts, spec.num_draft_tokens - seen.num_draft_tokens,
+                     spec.num_accepted_tokens - seen.num_accepted_tokens, spec.draft_s - seen.draft_s,
+                     spec.verify_s - seen.verify_s)
+        drafts, draft_tokens, accepted, draft_s, verify_s = delta
+        self.metrics.add_spec_decode(drafts, draft_tokens, accepted, per_pos, draft_s, verify_s)
+        self._seen_spec = spec
 
 
 # ---- commands from the event loop to the engine thread ----------------------------------------------

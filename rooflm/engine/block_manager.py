@@ -265,6 +265,15 @@ class BlockManager:
             table.ids.append(self._pop_free())
         return True
 
+    def trim(self, table: BlockTable, num_tokens: int) -> None:
+        """Free the table's blocks past those that hold num_tokens tokens (speculative
+        decoding's rollback: blocks taken for drafts that were rejected)."""
+        assert not table.on_host
+        keep = self.blocks_needed(num_tokens)
+        while len(table.ids) > keep:
+            self._release(table.ids.pop())
+        table.num_cached_blocks = min(table.num_cached_blocks, keep)
+
     def _copy_on_write(self, table: BlockTable, index: int, copies: list[tuple[int, int]]) -> None:
         src = table.ids[index]
         dst = self._pop_free()

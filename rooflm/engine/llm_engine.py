@@ -23,7 +23,7 @@ from rooflm.engine.model_runner import ModelRunner, StepHandle, StepResult, reso
 from rooflm.engine.output_processor import OutputProcessor
 from rooflm.engine.outputs import RequestOutput
 from rooflm.engine.report import (NULL_TRACER, BatchShape, EngineInfo, EngineSnapshot, PhaseTracer,
-                                  StepReport, StepTimings, batch_shape)
+                                  SpecSnapshot, StepReport, StepTimings, batch_shape)
 from rooflm.engine.request import Request, RequestStatus, Sequence
 from rooflm.engine.scheduler import Scheduler, SchedulerOutput
 from rooflm.errors import InvalidRequest
@@ -59,13 +59,26 @@ class LLMEngine:
         self.tokenizer = self._load_tokenizer()
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        self.spec = None  # spec.decoder.SpecDecoder with --speculative-method
+        if config.speculative.speculative_method:
+            from rooflm.spec.decoder import SpecDecoder
+            from rooflm.spec.factory import make_proposer
+            proposer = make_proposer(config, self.model_config, self.max_model_len)
+            self.spec = SpecDecoder(config.speculative, proposer, self.max_model_len)
+            self.runner.extra_kv_bytes_per_block = proposer.kv_bytes_per_block()
         num_blocks, num_host = self.runner.initialize(self.model_path, self.load_format)
+        if self.spec is not None:
+            self.spec.proposer.allocate(num_blocks)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching, num_host)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.async_scheduling = config.runtime.async_scheduling
         if self.async_scheduling is None:
             self.async_scheduling = self.runner.device.type == "cuda"
+        if self.spec is not None and self.async_scheduling:
+            # Proposals need the previous step's tokens on the host.
+            logger.info("speculative decoding runs with synchronous scheduling")
+            self.async_scheduling = False
         self._in_flight: Optional[_InFlight] = None  # launched, not yet processed
         self._last_collect = time.perf_counter()
         self._observers: list[Callable[[StepReport], None]] = []
@@ -116,7 +129,10 @@ class LLMEngine:
             num_preemptions=sched.num_preemptions, prefix_queried_tokens=bm.prefix_queries,
             prefix_hit_tokens=bm.prefix_hits, prompt_tokens=self._num_prompt_tokens,
             generation_tokens=self.output_processor.num_generated_tokens, steps=self._num_steps,
-            kv_admission_stalls=sched.num_kv_stalls)
+            kv_admission_stalls=sched.num_kv_stalls, spec=self._spec_snapshot())
+
+    def _spec_snapshot(self) -> Optional[SpecSnapshot]:
+        return self.spec.stats.snapshot() if self.spec is not None else None
 
     def add_observer(self, observer: Callable[[StepReport], None]) -> None:
         """Call observer(report) after each executed step, on the engine's thread. Observers
@@ -311,7 +327,12 @@ class LLMEngine:
         t0 = time.perf_counter()
         failed = self._reap_failed_grammars() if self._compiling else []
         with self.tracer.phase("schedule"):
+            if self.spec is not None:
+                self.spec.plan(self.scheduler)
             out = self.scheduler.schedule()
+        if self.spec is not None and not out.is_empty:
+            with self.tracer.phase("propose"):
+                self.spec.propose(out, self.scheduler)
         t1 = time.perf_counter()
         launched = None
         if not out.is_empty:
@@ -348,6 +369,8 @@ class LLMEngine:
         with self.tracer.phase("collect"):
             result = self.runner.collect(step.handle)
         t1 = time.perf_counter()
+        if self.spec is not None:
+            self.spec.observe(step.out, result.sampled, t1 - step.launched_at)
         with self.tracer.phase("process"):
             outputs = self._process(step.out, result)
         t2 = time.perf_counter()

@@ -76,6 +76,9 @@ class StepInputs:
     row_owner: list[ScheduledSeq]  # which scheduled sequence each sampling row belongs to
     prompt_logprob_spans: list[tuple[ScheduledSeq, int, int, int]]  # (seq, packed index, position, count)
     pending_positions: list[tuple[int, int]]  # (packed index, seq_id) of inputs still on the device
+    # Speculative decoding: (first sampling row, number of drafts) of each verifying sequence;
+    # its 1 + drafts rows score the drafts and give the token after the accepted ones.
+    spec_rows: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -96,6 +99,8 @@ class StepHandle:
     logits: Optional[torch.Tensor] = None
     meta: Optional[SamplingMetadata] = None
     constrained_rows: list[int] = field(default_factory=list)  # rows with a grammar
+    num_accepted: Optional[torch.Tensor] = None  # [verifying sequences] accepted drafts (spec)
+    spec: object = None  # the proposer's draft distributions (SchedulerOutput.spec)
 
     @property
     def needs_bitmask(self) -> bool:
@@ -146,6 +151,9 @@ class ModelRunner:
         self.kv_dtype = kv_format.storage_dtype(self.kv_cache_dtype, self.dtype)
         self.sampler = Sampler()
         self.graphs = None
+        # Bytes per KV block of a second pool sized with this one (a draft model's), so that
+        # the device's KV budget covers both.
+        self.extra_kv_bytes_per_block = 0
         self.piecewise = None  # PiecewiseGraphRunner for steps with prefill chunks
         self.tracer = NULL_TRACER  # names the phases of a step for the profiler
         self.timings: dict[str, float] = {}
@@ -281,7 +289,7 @@ class ModelRunner:
         cache = self.config.cache
         if cache.num_blocks is not None:
             return cache.num_blocks
-        per_block = self.kv_bytes_per_block()
+        per_block = self.kv_bytes_per_block() + self.extra_kv_bytes_per_block
         if self.device.type == "cuda":
             peak_activations = self.profile_run()
             free, total = torch.cuda.mem_get_info(self.device)
@@ -404,6 +412,7 @@ class ModelRunner:
         row_owner: list[ScheduledSeq] = []
         spans: list[tuple[ScheduledSeq, int, int, int]] = []
         pending: list[tuple[int, int]] = []
+        spec_rows: list[tuple[int, int]] = []
         for sch in order:
             seq, start, n = sch.seq, sch.start, sch.num_new_tokens
             base = len(input_ids)
@@ -416,6 +425,11 @@ class ModelRunner:
                     input_ids.append(0)
                 positions.append(start)
                 slots.append(seq.block_table.slot(start))
+            elif sch.spec_token_ids:  # the last token, then the drafts to verify
+                input_ids.append(seq.token_ids[start])
+                input_ids.extend(sch.spec_token_ids)
+                positions.extend(range(start, start + n))
+                slots.extend(seq.block_table.slots(start, n))
             else:
                 known = seq.token_ids[start:start + n]
                 input_ids.extend(known)
@@ -433,7 +447,9 @@ class ModelRunner:
                 count = min(start + n, seq.num_prompt_tokens - 1) - first
                 if count > 0:
                     spans.append((sch, base + first - start, first, count))
-            if sch.completes:
+            if sch.spec_token_ids:
+                self._spec_rows(sch, base, logits_indices, rows, row_owner, spec_rows, suppress)
+            elif sch.completes:
                 copies = req.params.n if req.needs_fork else 1
                 for _ in range(copies):
                     logits_indices.append(base + n - 1)
@@ -448,7 +464,22 @@ class ModelRunner:
         return StepInputs(host=host, query_start_loc_cpu=query_start, seq_lens_cpu=seq_lens,
                           max_query_len=max(s.num_new_tokens for s in order), num_decodes=num_decodes,
                           order=order, logits_indices=logits_indices, rows=rows, row_owner=row_owner,
-                          prompt_logprob_spans=spans, pending_positions=pending)
+                          prompt_logprob_spans=spans, pending_positions=pending, spec_rows=spec_rows)
+
+    @staticmethod
+    def _spec_rows(sch: ScheduledSeq, base: int, logits_indices: list[int], rows: list[SamplingRow],
+                   row_owner: list[ScheduledSeq], spec_rows: list[tuple[int, int]],
+                   suppress: dict[int, tuple[int, ...]]) -> None:
+        """A verifying sequence's 1 + k sampling rows: row j is the logits after draft j, and
+        its history (for penalties) holds the drafts before it."""
+        req, seq, drafts = sch.request, sch.seq, sch.spec_token_ids
+        spec_rows.append((len(rows), len(drafts)))
+        for j in range(len(drafts) + 1):
+            logits_indices.append(base + j)
+            history = seq.output_token_ids + drafts[:j] if j else seq.output_token_ids
+            rows.append(SamplingRow(req.params, req.prompt_token_ids, history, req.generator,
+                                    suppress.get(seq.seq_id, ())))
+            row_owner.append(sch)
 
     def _pin(self, t: torch.Tensor) -> torch.Tensor:
         # Pinned host memory makes the copies below asynchronous; torch caches the pages.
@@ -486,7 +517,7 @@ class ModelRunner:
         with self.tracer.phase("prepare"):
             inputs = self.prepare(out, suppress)
         fixup = self._pending_fixup(inputs, prev)
-        handle = StepHandle(inputs, StepResult({}, {}, {}))
+        handle = StepHandle(inputs, StepResult({}, {}, {}), spec=out.spec)
         full_graph = self._graph_runs(inputs)
         handle.graph = "full" if full_graph else ("piecewise" if self._piecewise_runs(inputs) else "eager")
         logits = self._forward(inputs, handle.result, fixup, full_graph)
@@ -502,9 +533,19 @@ class ModelRunner:
                 handle.logits, handle.meta = logits, meta
                 return handle
             with self.tracer.phase("sample"):
-                handle.sampled = self.sampler(logits, meta)
+                self._sample(handle, logits, meta)
             self._copy_results_to_host(handle)
         return handle
+
+    def _sample(self, handle: "StepHandle", logits: torch.Tensor, meta: SamplingMetadata) -> None:
+        """Sample every row, or verify the drafts of speculating sequences (rooflm/spec/)."""
+        inputs = handle.inputs
+        if inputs.spec_rows:
+            from rooflm.spec.rejection import verify
+            handle.sampled, handle.num_accepted = verify(
+                self.sampler, logits, meta, inputs.spec_rows, inputs.row_owner, handle.spec)
+        else:
+            handle.sampled = self.sampler(logits, meta)
 
     @torch.inference_mode()
     def sample_constrained(self, handle: "StepHandle", bitmask: torch.Tensor) -> None:
@@ -514,7 +555,7 @@ class ModelRunner:
         handle.logits = handle.meta = None
         with self.tracer.phase("sample"):
             meta.token_bitmask = self._pin(bitmask).to(self.device, non_blocking=True)
-            handle.sampled = self.sampler(logits, meta)
+            self._sample(handle, logits, meta)
         self._copy_results_to_host(handle)
 
     def _copy_results_to_host(self, handle: "StepHandle") -> None:
@@ -524,7 +565,7 @@ class ModelRunner:
         scheduling already holds the next step: the host would wait for step t+1 to read
         step t. Copies into pinned memory plus an event wait for step t alone."""
         s = handle.sampled
-        tensors = (s.sampled_token_ids, s.logprob_token_ids, s.logprobs, s.ranks)
+        tensors = (s.sampled_token_ids, s.logprob_token_ids, s.logprobs, s.ranks, handle.num_accepted)
         if self.device.type != "cuda":
             handle.host_sampled = tensors
             return
@@ -553,7 +594,7 @@ class ModelRunner:
             return result
         if handle.ready is not None:
             handle.ready.synchronize()  # the step's one wait for the device
-        ids, lp_ids, lp_vals, ranks = handle.host_sampled
+        ids, lp_ids, lp_vals, ranks, accepted = handle.host_sampled
         token_ids = ids.tolist()
         want_lp = lp_ids is not None
         if want_lp:
@@ -567,7 +608,38 @@ class ModelRunner:
                 for j in range(1, 1 + k):
                     entry.setdefault(lp_ids[r][j], (lp_vals[r][j], j))
                 result.logprobs.setdefault(sid, []).append(entry)
+        if accepted is not None:
+            # A verifying sequence's rows hold its accepted drafts, then the token after them.
+            for (row, _), a in zip(inputs.spec_rows, accepted.tolist()):
+                sid = inputs.row_owner[row].seq.seq_id
+                result.sampled[sid] = result.sampled[sid][:a + 1]
+                if sid in result.logprobs:
+                    result.logprobs[sid] = result.logprobs[sid][:a + 1]
         return result
+
+    @torch.inference_mode()
+    def forward_logits(self, input_ids: list[int], positions: list[int], slots: list[int],
+                       query_lens: list[int], tables: list[list[int]], logits_indices: list[int],
+                       fixup=None) -> torch.Tensor:
+        """Logits at logits_indices of a packed batch described by host lists, for a companion
+        model's forwards (speculative decoding's draft model): sequences with one query token
+        first; query_lens[s] tokens of sequence s end at position positions[last of s]. Runs
+        the decode graph, the piecewise graphs or eagerly, like a step."""
+        query_start = [0]
+        seq_lens = []
+        for n in query_lens:
+            query_start.append(query_start[-1] + n)
+            seq_lens.append(positions[query_start[-1] - 1] + 1)
+        host = HostInputs(
+            input_ids=self._host(input_ids, torch.int64), positions=self._host(positions, torch.int64),
+            slot_mapping=self._host(slots, torch.int64), query_start_loc=self._host(query_start, torch.int32),
+            seq_lens=self._host(seq_lens, torch.int32),
+            block_tables=self._pin(torch.from_numpy(_block_table_array(tables))))
+        inputs = StepInputs(host=host, query_start_loc_cpu=query_start, seq_lens_cpu=seq_lens,
+                            max_query_len=max(query_lens), num_decodes=sum(1 for n in query_lens if n == 1),
+                            order=[], logits_indices=logits_indices, rows=[], row_owner=[],
+                            prompt_logprob_spans=[], pending_positions=[])
+        return self._forward(inputs, StepResult({}, {}, {}), fixup, self._graph_runs(inputs))
 
     def _graph_runs(self, inputs: StepInputs) -> bool:
         """A captured graph runs plain decode steps of a captured batch size or less."""
@@ -588,7 +660,7 @@ class ModelRunner:
             with self.tracer.phase("graph"):
                 logits = self.graphs.run(h.input_ids, h.positions, h.slot_mapping, h.seq_lens,
                                          h.block_tables, fixup)
-            if not inputs.rows:
+            if not inputs.logits_indices:
                 return None
             idx = self._host(inputs.logits_indices, torch.int64).to(self.device, non_blocking=True)
             return logits.index_select(0, idx)
@@ -604,7 +676,7 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if inputs.prompt_logprob_spans:
             self._prompt_logprobs(hidden, inputs, result)
-        if not inputs.rows:
+        if not inputs.logits_indices:
             return None
         # On CUDA the LM head's rows are padded to a multiple of 64 (repeats of the last row): a
         # new row count each step would give the allocator a new [rows, vocab] size each step.

@@ -91,10 +91,13 @@ class OutputProcessor:
                 continue
             tokens = result.sampled[seq.seq_id]
             lps = result.logprobs.get(seq.seq_id, [None] * len(tokens))
-            targets = self._fork(req, seq) if req.needs_fork else [seq]
             request_deltas = deltas.setdefault(req.request_id, {})
-            for target, token, lp in zip(targets, tokens, lps):
-                request_deltas[target.index] = self._append_token(req, target, token, lp)
+            if sch.spec_token_ids:
+                request_deltas[seq.index] = self._append_verified(req, seq, tokens, lps)
+            else:
+                targets = self._fork(req, seq) if req.needs_fork else [seq]
+                for target, token, lp in zip(targets, tokens, lps):
+                    request_deltas[target.index] = self._append_token(req, target, token, lp)
             req.first_token_time = req.first_token_time or now
             req.last_token_time = now
             touched[req.request_id] = req
@@ -139,6 +142,21 @@ class OutputProcessor:
             self.scheduler.free_seq(seq)
         seq.output_text += text
         return [token], text
+
+    def _append_verified(self, req: Request, seq: Sequence, tokens: list[int],
+                         lps: list[Optional[dict]]) -> tuple[list[int], str]:
+        """A verify step's tokens (accepted drafts, then one more), appended one at a time:
+        a stop string, stop token or max_tokens cuts them where plain decoding would have
+        stopped. Then the K/V of rejected drafts is rolled back."""
+        ids, text = [], ""
+        for token, lp in zip(tokens, lps):
+            _, piece = self._append_token(req, seq, token, lp)
+            ids.append(token)
+            text += piece
+            if seq.finished:
+                break
+        self.scheduler.rollback_spec(seq)
+        return ids, text
 
     @staticmethod
     def _flush_text(seq: Sequence, stopped_by_string: bool) -> str:

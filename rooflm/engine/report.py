@@ -60,6 +60,27 @@ class EngineInfo:
 
 
 @dataclass(frozen=True)
+class SpecSnapshot:
+    """Speculative decoding since start (vLLM's spec_decode counters)."""
+
+    num_drafts: int  # verify steps of a sequence with at least one draft
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: tuple[int, ...]  # accepted drafts at each draft position
+    draft_s: float  # host seconds proposing (a draft model's forwards included)
+    verify_s: float  # seconds of steps that verified drafts, launch to results
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verify step of a sequence: accepted drafts plus the one after them."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass(frozen=True)
 class EngineSnapshot:
     num_running_reqs: int
     num_waiting_reqs: int  # waiting for admission, preempted-by-recompute included
@@ -77,6 +98,7 @@ class EngineSnapshot:
     # Since start: steps whose admission stopped because the KV pool (less the room kept for
     # the running requests' growth) could not take the next waiting request.
     kv_admission_stalls: int = 0
+    spec: Optional[SpecSnapshot] = None  # None without speculative decoding
 
     @property
     def kv_usage(self) -> float:

@@ -51,6 +51,9 @@ class Sequence:
     # Structured outputs: this sequence's grammar matcher (structured.matcher.SequenceGrammar),
     # made at its first bitmask fill and advanced by the output processor on each token.
     grammar: object = None
+    # Speculative decoding (rooflm/spec/): draft slots the next step may verify after this
+    # sequence's last token; set before scheduling, 0 when it does not speculate.
+    num_spec_slots: int = 0
 
     @property
     def num_tokens(self) -> int:

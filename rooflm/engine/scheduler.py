@@ -40,6 +40,10 @@ class ScheduledSeq:
     num_new_tokens: int
     start: int  # num_computed_tokens when scheduled: the position of the first new token
     completes: bool  # after this step the K/V is complete, so the sequence samples a token
+    # Speculative decoding: the draft tokens verified after the sequence's last token, filled
+    # in by the proposer once the step is scheduled (num_new_tokens = 1 + their number).
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_spec_slots: int = 0  # draft slots allocated; the proposer fills at most this many
 
 
 @dataclass(slots=True)
@@ -50,6 +54,7 @@ class _Planned:
     start: int  # position of the first new token: after the computed ones, or the prefix hit
     num_new_tokens: int
     hit: PrefixHit = NO_HIT  # a waiting sequence's cached prefix, taken on admission
+    num_spec: int = 0  # draft slots after the sequence's last token (speculative decoding)
 
 
 @dataclass
@@ -59,6 +64,7 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     preempted: list[Request] = field(default_factory=list)
+    spec: object = None  # the proposer's device data for verification (spec.decoder.SpecBatch)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -136,6 +142,25 @@ class Scheduler:
         known = min(seq.num_computed_tokens, seq.num_known_tokens)
         self.bm.cache_full_blocks(seq.block_table, seq.token_ids, known, req.cache_salt)
 
+    # ---- speculative decoding ------------------------------------------------------------
+
+    def shrink_spec(self, sch: ScheduledSeq, num_drafts: int) -> None:
+        """The proposer filled fewer draft slots than were scheduled: the step computes fewer
+        tokens (blocks allocated for the unused slots go back at rollback_spec)."""
+        unused = sch.num_spec_slots - num_drafts
+        sch.num_new_tokens -= unused
+        sch.seq.num_computed_tokens -= unused
+        sch.num_spec_slots = num_drafts
+
+    def rollback_spec(self, seq: Sequence) -> None:
+        """After a verify step: the K/V of rejected drafts is not the sequence's. Only the
+        tokens before the last appended one count as computed (the last one's K/V is computed
+        next step), and blocks past them are freed."""
+        if seq.finished or seq.block_table is None:
+            return
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_known_tokens - 1)
+        self.bm.trim(seq.block_table, seq.num_computed_tokens)
+
     # ---- the step ---------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -194,8 +219,9 @@ class Scheduler:
         for i, seq in enumerate(seqs):
             reserve = len(seqs) - i - 1  # keep one token for each sequence still to plan
             n = min(seq.num_uncomputed_tokens, budget - reserve)
-            plan.append(_Planned(seq, seq.num_computed_tokens, n))
-            budget -= n
+            spec = self._spec_slots(seq, budget - reserve - n)
+            plan.append(_Planned(seq, seq.num_computed_tokens, n + spec, num_spec=spec))
+            budget -= n + spec
         return plan
 
     def _plan_one(self, req: Request, seq: Sequence, budget: int) -> list[_Planned] | None:
@@ -205,7 +231,25 @@ class Scheduler:
             return None
         if not self._schedulable(req, seq):
             return None
-        return [_Planned(seq, seq.num_computed_tokens, min(seq.num_uncomputed_tokens, budget))]
+        n = min(seq.num_uncomputed_tokens, budget)
+        spec = self._spec_slots(seq, budget - n)
+        return [_Planned(seq, seq.num_computed_tokens, n + spec, num_spec=spec)]
+
+    @staticmethod
+    def _spec_slots(seq: Sequence, budget: int) -> int:
+        """Draft slots a decoding sequence gets after its last token, within the budget: the
+        tokens to verify count like any others (the one-counter rule)."""
+        if not seq.num_spec_slots or seq.num_uncomputed_tokens != 1 or seq.num_pending:
+            return 0
+        return max(0, min(seq.num_spec_slots, budget))
+
+    @staticmethod
+    def _without_drafts(plan: list[_Planned]) -> list[_Planned] | None:
+        """The plan with its draft slots dropped, or None if it had none: drafts are the
+        first thing to give up when the pool is short, before anyone is preempted."""
+        if not any(p.num_spec for p in plan):
+            return None
+        return [_Planned(p.seq, p.start, p.num_new_tokens - p.num_spec, p.hit) for p in plan]
 
     def _plan_admission(self, req: Request, hits: list[PrefixHit], budget: int) -> list[_Planned] | None:
         """Tokens for every live sequence of a waiting group after its prefix hits, or None
@@ -245,7 +289,8 @@ class Scheduler:
             start = seq.num_computed_tokens
             ok = self.bm.allocate(seq.block_table, start, start + n, out.blocks_to_copy)
             assert ok, "allocation was checked for the whole group"
-            out.scheduled.append(ScheduledSeq(req, seq, n, start, start + n == seq.num_tokens))
+            completes = start + n - p.num_spec == seq.num_tokens
+            out.scheduled.append(ScheduledSeq(req, seq, n, start, completes, num_spec_slots=p.num_spec))
             used += n
         return used
 
@@ -259,6 +304,10 @@ class Scheduler:
                 kept.append(req)  # no budget left this step; it stays running
                 continue
             while not self._fits(req, plan):
+                bare = self._without_drafts(plan)
+                if bare is not None:
+                    plan = bare
+                    continue
                 victim = queue.pop() if queue else req
                 self._preempt(victim, out)
                 if victim is req:

@@ -347,7 +347,13 @@ class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
         raw_logits = logits
+        logits = self.process_logits(logits, meta)
+        sampled = self.choose(logits, meta)
+        return self.with_logprobs(raw_logits, sampled, meta)
 
+    @staticmethod
+    def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Penalties, logit_bias, suppressed tokens and the grammar's mask, before temperature."""
         logits = apply_penalties(logits, meta)
         if meta.bias_rows is not None:
             logits = logits.index_put((meta.bias_rows, meta.bias_ids), meta.bias_values,
@@ -359,7 +365,10 @@ class Sampler(torch.nn.Module):
         if meta.token_bitmask is not None:
             # Last, so no bias or penalty can bring back a token the grammar forbids.
             logits = apply_token_bitmask(logits, meta.token_bitmask)
+        return logits
 
+    def choose(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Each row's token from its processed logits: the argmax or a draw."""
         if meta.all_greedy:
             sampled = torch.argmax(logits, dim=-1)
         else:
@@ -369,7 +378,11 @@ class Sampler(torch.nn.Module):
             else:
                 greedy_sampled = torch.argmax(logits, dim=-1)
                 sampled = torch.where(meta.greedy_mask, greedy_sampled, random_sampled)
+        return sampled
 
+    @staticmethod
+    def with_logprobs(raw_logits: torch.Tensor, sampled: torch.Tensor,
+                      meta: SamplingMetadata) -> SamplerOutput:
         logprob_token_ids = logprobs = ranks = None
         if meta.max_num_logprobs is not None:
             logprob_token_ids, logprobs, ranks = compute_logprobs(
@@ -382,12 +395,17 @@ class Sampler(torch.nn.Module):
             ranks=ranks,
         )
 
+    @classmethod
+    def _sample_random(cls, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        return sample_from_probs(cls.probs(logits, meta), meta.generators)
+
     @staticmethod
-    def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    def probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The distribution a random row draws from: temperature, top-k, top-p, min-p, softmax
+        (speculative decoding's rejection sampler preserves exactly this one)."""
         logits = logits / meta.temperature
         if meta.top_k is not None or meta.top_p is not None:
             logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
         if meta.min_p is not None:
             logits = apply_min_p(logits, meta.min_p)
-        probs = torch.softmax(logits, dim=-1)
-        return sample_from_probs(probs, meta.generators)
+        return torch.softmax(logits, dim=-1)

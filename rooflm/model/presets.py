@@ -27,7 +27,8 @@ PRESETS: dict[str, ModelConfig] = {
         rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192),
         max_position_embeddings=131072, bos_token_id=128000,
         eos_token_ids=(128001, 128008, 128009)),
-    # Llama-3.2-1B: the 1B-class shape of the training benchmark (benchmarks/train.sh).
+    # Llama-3.2-1B: the training benchmark's 1B-class shape (benchmarks/train.sh) and the
+    # speculative-decoding draft beside the 8B (benchmarks/spec_decode.sh).
     "llama-3.2-1b": ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=2048,
         intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,

@@ -156,7 +156,36 @@ class ServerMetrics:
                                       "Tokens reserved by admitted requests (prompt + n * "
                                       "max_tokens), the quantity --max-tokens-in-flight caps.")
 
+        # Speculative decoding, under vLLM's names (absent-valued zeros without it).
+        self.spec_decode_num_drafts = counter("vllm:spec_decode_num_drafts",
+                                              "Number of spec decoding drafts.")
+        self.spec_decode_num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens",
+                                                    "Number of draft tokens.")
+        self.spec_decode_num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
+                                                       "Number of accepted tokens.")
+        self._spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted tokens per draft's position in speculative sequence.",
+                                     LABEL_NAMES + ["position"], registry=self.registry)
+        self.spec_decode_draft_time = counter("rooflm:spec_decode_draft_seconds",
+                                              "Host seconds spent proposing draft tokens.")
+        self.spec_decode_verify_time = counter("rooflm:spec_decode_verify_seconds",
+                                               "Seconds of steps that verified draft tokens.")
+
     # ---- written by the engine's async front ------------------------------------------------------
+
+    def add_spec_decode(self, drafts: int, draft_tokens: int, accepted: int,
+                        accepted_per_pos: list[int], draft_s: float, verify_s: float) -> None:
+        """What speculative decoding did since the previous call."""
+        for counter, value in ((self.spec_decode_num_drafts, drafts),
+                               (self.spec_decode_num_draft_tokens, draft_tokens),
+                               (self.spec_decode_num_accepted_tokens, accepted),
+                               (self.spec_decode_draft_time, draft_s),
+                               (self.spec_decode_verify_time, verify_s)):
+            if value > 0:
+                counter.inc(value)
+        for position, value in enumerate(accepted_per_pos):
+            if value > 0:
+                self._spec_per_pos.labels(*self._labels, str(position)).inc(value)
 
     def set_scheduler_state(self, running: int, waiting: int, kv_usage: float, free_blocks: int,
                             num_blocks: int) -> None:
