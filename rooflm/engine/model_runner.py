@@ -363,11 +363,12 @@ class ModelRunner:
                 if count > 0:
                     spans.append((sch, base + first - start, first, count))
             if sch.completes:
-                copies = req.params.n if req.needs_fork else 1
-                for _ in range(copies):
+                # A forking prompt samples its n first tokens, one row per sample.
+                samples = range(req.params.n) if req.needs_fork else (seq.index,)
+                for index in samples:
                     logits_indices.append(base + n - 1)
                     rows.append(SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids,
-                                            req.generator, suppress.get(seq.seq_id, ())))
+                                            req.generator(index), suppress.get(seq.seq_id, ())))
                     row_owner.append(sch)
         tables = _block_table_array([s.seq.block_table.ids for s in order])
         host = HostInputs(
