@@ -130,24 +130,27 @@ def test_stop_string_ends_a_constrained_output(client):
     assert out.choices[0].text == "1 2 " and out.choices[0].finish_reason == "stop"
 
 
-def test_tool_choice_required_gives_parsable_calls(client):
-    for stream in (False, True):
-        args = dict(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL, TIME_TOOL],
-                    tool_choice="required", parallel_tool_calls=False, temperature=0.7, seed=2,
-                    max_tokens=80)
-        if not stream:
-            choice = client.chat.completions.create(**args).choices[0]
-            calls, finish = choice.message.tool_calls, choice.finish_reason
-            assert choice.message.content is None
-        else:
-            calls, finish = _collect_stream(client.chat.completions.create(stream=True, **args))
-        assert finish == "tool_calls"
-        assert len(calls) == 1
-        name, arguments = calls[0].function.name, json.loads(calls[0].function.arguments)
-        assert name in ("get_weather", "get_time")
-        schema = (WEATHER_TOOL if name == "get_weather" else TIME_TOOL)["function"]["parameters"]
-        jsonschema.validate(arguments, schema)
-        assert calls[0].id and calls[0].type == "function"
+def test_tool_choice_required_gives_parsable_calls_streamed_in_fragments(client):
+    args = dict(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL, TIME_TOOL],
+                tool_choice="required", parallel_tool_calls=False, temperature=0.7, seed=2,
+                max_tokens=80)
+    choice = client.chat.completions.create(**args).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    name, arguments = call.function.name, json.loads(call.function.arguments)
+    assert name in ("get_weather", "get_time")
+    schema = (WEATHER_TOOL if name == "get_weather" else TIME_TOOL)["function"]["parameters"]
+    jsonschema.validate(arguments, schema)
+    assert call.id and call.type == "function"
+    # Streamed, same seed: the name first, then the arguments in fragments (not one whole call
+    # at the end), joining to exactly the arguments of the whole reply.
+    chunks = list(client.chat.completions.create(stream=True, **args))
+    calls, finish = _collect_stream(chunks)
+    assert finish == "tool_calls" and len(calls) == 1
+    assert (calls[0].function.name, calls[0].function.arguments) == (name, call.function.arguments)
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].id and deltas[0].function.name == name
+    assert sum(1 for d in deltas[1:] if d.function.arguments) >= 3
 
 
 def test_named_tool_choice_streams_the_arguments(client):
@@ -177,10 +180,14 @@ def test_tool_choice_auto_parses_a_hermes_call(client):
     [call] = choice.message.tool_calls
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
-    calls, finish = _collect_stream(client.chat.completions.create(stream=True, **args))
+    chunks = list(client.chat.completions.create(stream=True, **args))
+    calls, finish = _collect_stream(chunks)
     assert finish == "tool_calls"
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
-        ("get_weather", {"city": "Paris", "unit": "celsius"})]
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        ("get_weather", call.function.arguments)]
+    fragments = [d.function.arguments for c in chunks if c.choices
+                 for d in c.choices[0].delta.tool_calls or [] if d.function.arguments]
+    assert len(fragments) >= 3  # the arguments streamed as the model wrote them
 
 
 def test_tool_choice_auto_without_a_call_is_plain_content(client):
