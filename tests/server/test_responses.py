@@ -1,10 +1,7 @@
 """POST /v1/responses against a real `rooflm serve`, through the official openai client
 (client.responses.create, streamed and not) and raw HTTP for what the client hides."""
 
-import json
-
 import httpx
-import jsonschema
 import openai
 import pytest
 
@@ -124,82 +121,3 @@ def test_a_too_long_input_names_input(server, auth):
     error = assert_openai_error(httpx.post(server.url + "/v1/responses", headers=auth, json=body,
                                            timeout=30), 400)
     assert error["param"] == "input", error
-
-
-# ---- function tools -------------------------------------------------------------------------------
-
-WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
-           "parameters": {"type": "object",
-                          "properties": {"city": {"type": "string", "maxLength": 16},
-                                         "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                          "required": ["city", "unit"]}}
-TIME = {"type": "function", "name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
-    "required": ["zone"]}}
-ASK = "What is the weather in Paris?"
-
-
-def test_required_tool_call_is_a_function_call_item(client):
-    out = client.responses.create(model=MODEL, input=ASK, tools=[WEATHER, TIME],
-                                  tool_choice="required", parallel_tool_calls=False,
-                                  temperature=0, max_output_tokens=80)
-    assert out.status == "completed"
-    [call] = [item for item in out.output if item.type == "function_call"]
-    assert call.name in ("get_weather", "get_time") and call.call_id.startswith("call_")
-    assert call.id.startswith("fc_") and call.status == "completed"
-    schema = (WEATHER if call.name == "get_weather" else TIME)["parameters"]
-    jsonschema.validate(json.loads(call.arguments), schema)
-    assert out.tool_choice == "required" and [t.name for t in out.tools] == ["get_weather", "get_time"]
-
-
-def test_named_tool_call_streams_its_arguments(client):
-    args = dict(model=MODEL, input=ASK, tools=[WEATHER, TIME],
-                tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
-                max_output_tokens=60)
-    whole = client.responses.create(**args)
-    [call] = whole.output
-    assert call.type == "function_call" and call.name == "get_weather"
-    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
-    events = list(client.responses.create(stream=True, **args))
-    kinds = [e.type for e in events]
-    deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
-    assert len(deltas) >= 3  # fragments as the model writes them, not one piece at the end
-    assert kinds == (["response.created", "response.in_progress", "response.output_item.added"]
-                     + ["response.function_call_arguments.delta"] * len(deltas)
-                     + ["response.function_call_arguments.done", "response.output_item.done",
-                        "response.completed"])
-    added, done = events[2].item, events[-2].item
-    assert added.type == "function_call" and added.name == "get_weather" and added.arguments == ""
-    assert {d.item_id for d in deltas} == {added.id} and {d.output_index for d in deltas} == {0}
-    arguments = "".join(d.delta for d in deltas)
-    assert arguments == events[-3].arguments == done.arguments == call.arguments
-    assert events[-1].response.output[0].arguments == arguments
-    assert [e.sequence_number for e in events] == list(range(len(events)))
-
-
-def test_required_streamed_equals_whole(client):
-    args = dict(model=MODEL, input=ASK, tools=[WEATHER], tool_choice="required", temperature=0,
-                max_output_tokens=80)
-    [call] = client.responses.create(**args).output
-    events = list(client.responses.create(stream=True, **args))
-    [done] = [e.item for e in events if e.type == "response.output_item.done"]
-    assert (done.name, done.arguments, done.type) == (call.name, call.arguments, "function_call")
-
-
-def test_a_replayed_tool_conversation(client, server, auth):
-    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather",
-            "arguments": '{"city": "Paris", "unit": "celsius"}'}
-    answer = {"type": "function_call_output", "call_id": "call_1",
-              "output": '{"temperature": 21, "sky": "clear"}'}
-    out = client.responses.create(model=MODEL, input=[{"role": "user", "content": ASK}, call, answer],
-                                  tools=[WEATHER], tool_choice="none", temperature=0,
-                                  max_output_tokens=8)
-    assert out.output[0].type == "message" and out.output_text
-    # The prompt is the chat conversation: the call as an assistant turn, the output as a tool turn.
-    messages = [{"role": "user", "content": ASK},
-                {"role": "assistant", "content": None, "tool_calls": [{
-                    "id": "call_1", "type": "function",
-                    "function": {"name": "get_weather", "arguments": call["arguments"]}}]},
-                {"role": "tool", "tool_call_id": "call_1", "content": answer["output"]}]
-    assert out.usage.input_tokens == _tokens(server, auth, messages)
-    assert out.usage.input_tokens >= _tokens(server, auth, messages[:1]) + 15

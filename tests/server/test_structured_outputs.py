@@ -9,6 +9,7 @@ import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -122,6 +123,32 @@ def test_vllm_extras_regex_and_choice_on_completions(client):
         model=MODEL, messages=[{"role": "user", "content": "Is Paris in France?"}], max_tokens=5,
         temperature=1.0, seed=5, n=4, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     assert {c.message.content for c in out.choices} <= {"yes", "no"}
+
+
+# vLLM's documentation example of a Lark grammar, sent as vLLM users send it.
+LARK_SQL = """
+?start: select_statement
+?select_statement: "SELECT " column_list " FROM " table_name
+?column_list: column_name ("," column_name)*
+?table_name: identifier
+?column_name: identifier
+?identifier: /[a-zA-Z_][a-zA-Z0-9_]*/
+"""
+
+
+def test_lark_grammar_as_vllm_takes_it(client):
+    out = client.completions.create(model=MODEL, prompt="SQL that lists the users' names:",
+                                    max_tokens=24, temperature=1.0, seed=1, n=2,
+                                    extra_body={"structured_outputs": {"grammar": LARK_SQL}})
+    for choice in out.choices:
+        if choice.finish_reason == "stop":
+            assert re.fullmatch(r"SELECT \w+(,\w+)* FROM \w+", choice.text), choice.text
+        else:  # an identifier may run to max_tokens; what came is still the grammar's prefix
+            assert re.fullmatch(r"SELECT \w+(,\w+)*( FROM \w*)?|SELECT \w*", choice.text), choice.text
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                  extra_body={"guided_grammar": 'start: "a" ('})
+    assert "read as Lark" in err.value.message and err.value.body["param"] == "guided_grammar"
 
 
 def test_stop_string_ends_a_constrained_output(client):
@@ -240,6 +267,91 @@ def test_logit_bias_forces_and_bans_tokens(client):
         model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_tokens=3, temperature=0,
         logit_bias={str(PARIS): 100}, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == " Paris" * 3
+
+
+# ---- function tools in /v1/responses (this module's server: constrained generation is slow on a
+# loaded CPU) -------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object",
+                          "properties": {"city": {"type": "string", "maxLength": 16},
+                                         "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                          "required": ["city", "unit"]}}
+TIME = {"type": "function", "name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+    "required": ["zone"]}}
+ASK = "What is the weather in Paris?"
+
+
+def test_responses_required_tool_call_is_a_function_call_item(client):
+    out = client.responses.create(model=MODEL, input=ASK, tools=[WEATHER, TIME],
+                                  tool_choice="required", parallel_tool_calls=False,
+                                  temperature=0, max_output_tokens=60)
+    assert out.status == "completed"
+    [call] = [item for item in out.output if item.type == "function_call"]
+    assert call.name in ("get_weather", "get_time") and call.call_id.startswith("call_")
+    assert call.id.startswith("fc_") and call.status == "completed"
+    schema = (WEATHER if call.name == "get_weather" else TIME)["parameters"]
+    jsonschema.validate(json.loads(call.arguments), schema)
+    assert out.tool_choice == "required" and [t.name for t in out.tools] == ["get_weather", "get_time"]
+
+
+def test_responses_named_tool_call_streams_its_arguments(client):
+    args = dict(model=MODEL, input=ASK, tools=[WEATHER, TIME],
+                tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
+                max_output_tokens=60)
+    whole = client.responses.create(**args)
+    [call] = whole.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    events = list(client.responses.create(stream=True, **args))
+    kinds = [e.type for e in events]
+    deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) >= 3  # fragments as the model writes them, not one piece at the end
+    assert kinds == (["response.created", "response.in_progress", "response.output_item.added"]
+                     + ["response.function_call_arguments.delta"] * len(deltas)
+                     + ["response.function_call_arguments.done", "response.output_item.done",
+                        "response.completed"])
+    added, done = events[2].item, events[-2].item
+    assert added.type == "function_call" and added.name == "get_weather" and added.arguments == ""
+    assert {d.item_id for d in deltas} == {added.id} and {d.output_index for d in deltas} == {0}
+    arguments = "".join(d.delta for d in deltas)
+    assert arguments == events[-3].arguments == done.arguments == call.arguments
+    assert events[-1].response.output[0].arguments == arguments
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_required_streamed_equals_whole(client):
+    args = dict(model=MODEL, input=ASK, tools=[WEATHER], tool_choice="required", temperature=0,
+                max_output_tokens=60)
+    [call] = client.responses.create(**args).output
+    events = list(client.responses.create(stream=True, **args))
+    [done] = [e.item for e in events if e.type == "response.output_item.done"]
+    assert (done.name, done.arguments, done.type) == (call.name, call.arguments, "function_call")
+
+
+def test_responses_replayed_tool_conversation(client, structured_server, auth):
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+            "arguments": '{"city": "Paris", "unit": "celsius"}'}
+    answer = {"type": "function_call_output", "call_id": "call_1",
+              "output": '{"temperature": 21, "sky": "clear"}'}
+    out = client.responses.create(model=MODEL, input=[{"role": "user", "content": ASK}, call, answer],
+                                  tools=[WEATHER], tool_choice="none", temperature=0,
+                                  max_output_tokens=8)
+    assert out.output[0].type == "message" and out.output_text
+    # The prompt is the chat conversation: the call as an assistant turn, the output as a tool turn.
+    messages = [{"role": "user", "content": ASK},
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": call["arguments"]}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": answer["output"]}]
+    assert out.usage.input_tokens == _tokens(structured_server, auth, messages)
+    assert out.usage.input_tokens >= _tokens(structured_server, auth, messages[:1]) + 15
+
+
+def _tokens(server, auth, messages) -> int:
+    out = httpx.post(server.url + "/tokenize", headers=auth, timeout=60, json={"messages": messages})
+    return out.json()["count"]
 
 
 def _collect_stream(chunks):
