@@ -284,16 +284,20 @@ ASK = "What is the weather in Paris?"
 
 
 def test_responses_required_tool_call_is_a_function_call_item(client):
-    out = client.responses.create(model=MODEL, input=ASK, tools=[WEATHER, TIME],
-                                  tool_choice="required", parallel_tool_calls=False,
-                                  temperature=0, max_output_tokens=60)
+    args = dict(model=MODEL, input=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                parallel_tool_calls=False, temperature=0, max_output_tokens=60)
+    out = client.responses.create(**args)
     assert out.status == "completed"
-    [call] = [item for item in out.output if item.type == "function_call"]
-    assert call.name in ("get_weather", "get_time") and call.call_id.startswith("call_")
-    assert call.id.startswith("fc_") and call.status == "completed"
+    [call] = out.output
+    assert call.type == "function_call" and call.name in ("get_weather", "get_time")
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_") and call.status == "completed"
     schema = (WEATHER if call.name == "get_weather" else TIME)["parameters"]
     jsonschema.validate(json.loads(call.arguments), schema)
     assert out.tool_choice == "required" and [t.name for t in out.tools] == ["get_weather", "get_time"]
+    # Streamed: the same call, as one function_call item.
+    events = list(client.responses.create(stream=True, **args))
+    [done] = [e.item for e in events if e.type == "response.output_item.done"]
+    assert (done.type, done.name, done.arguments) == ("function_call", call.name, call.arguments)
 
 
 def test_responses_named_tool_call_streams_its_arguments(client):
@@ -319,15 +323,6 @@ def test_responses_named_tool_call_streams_its_arguments(client):
     assert arguments == events[-3].arguments == done.arguments == call.arguments
     assert events[-1].response.output[0].arguments == arguments
     assert [e.sequence_number for e in events] == list(range(len(events)))
-
-
-def test_responses_required_streamed_equals_whole(client):
-    args = dict(model=MODEL, input=ASK, tools=[WEATHER], tool_choice="required", temperature=0,
-                max_output_tokens=60)
-    [call] = client.responses.create(**args).output
-    events = list(client.responses.create(stream=True, **args))
-    [done] = [e.item for e in events if e.type == "response.output_item.done"]
-    assert (done.name, done.arguments, done.type) == (call.name, call.arguments, "function_call")
 
 
 def test_responses_replayed_tool_conversation(client, structured_server, auth):
