@@ -215,10 +215,11 @@ def test_the_dashboard_queries_only_series_we_export(server):
 # ---- --chat-template ------------------------------------------------------------------------------------
 
 # A tool-aware template in the Hermes/Qwen family: tools listed up front, calls as <tool_call>.
-TEMPLATE = ("{% if tools %}<<tools>>{% for t in tools %}{{ t['function']['name'] }};{% endfor %}\n"
-            "{% endif %}{% for m in messages %}<<{{ m['role'] }}>>{% if m['tool_calls'] %}"
-            "{% for c in m['tool_calls'] %}<tool_call>{{ c['function']['name'] }}</tool_call>"
-            "{% endfor %}{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}"
+# ("{{ nl }}": the template engine's trim_blocks drops a newline right after a block tag.)
+TEMPLATE = ("{% set nl = '\\n' %}{% if tools %}<<tools>>{% for t in tools %}{{ t['function']['name'] }};"
+            "{% endfor %}{{ nl }}{% endif %}{% for m in messages %}<<{{ m['role'] }}>>"
+            "{% if m['tool_calls'] %}{% for c in m['tool_calls'] %}<tool_call>{{ c['function']['name'] }}"
+            "</tool_call>{% endfor %}{% else %}{{ m['content'] }}{% endif %}{{ nl }}{% endfor %}"
             "{% if add_generation_prompt %}<<assistant>>{% endif %}")
 
 
