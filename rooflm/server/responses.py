@@ -3,7 +3,8 @@
 The input becomes chat messages (instructions first, as the system turn), which
 go through the same checks, chat template and admission as
 /v1/chat/completions; errors name the Responses fields (max_output_tokens,
-input). One sample per request (the API has no n). A request that stops at
+input, text.format). `text.format` json_object / json_schema is chat's
+response_format. One sample per request (the API has no n). A request that stops at
 max_output_tokens is "incomplete", as OpenAI reports it.
 
 Function tools go through chat's tool machinery (server/tools.py): the same
@@ -58,6 +59,8 @@ class ResponsesChatRequest(p.ChatCompletionRequest):
     def field_for(self, param: Optional[str]) -> Optional[str]:
         if param in ("prompt", "messages"):
             return "input"
+        if param == "response_format":
+            return "text.format"
         return super().field_for(param)
 
 
@@ -71,14 +74,15 @@ async def create_response(state: "ServerState", raw: Request, body: dict,
             "max_completion_tokens": request.max_output_tokens,
             "temperature": request.temperature, "top_p": request.top_p,
             "tools": request.chat_tools(), "tool_choice": request.chat_tool_choice(),
-            "parallel_tool_calls": request.parallel_tool_calls}
+            "parallel_tool_calls": request.parallel_tool_calls,
+            "response_format": request.chat_response_format()}
     chat = p.validate_request(ResponsesChatRequest, {k: v for k, v in body.items() if v is not None})
     chat.check(state.limits)
     check_tools(chat)
     tokenizer = state.tokenizer
     tools = ToolCalling(chat, tokenizer.chat_template if tokenizer is not None else None)
-    await prepare_constraint(chat, tools.constraint())
     try:
+        await prepare_constraint(chat, tools.constraint())
         prompt = await chat_prompt(tokenizer, chat, state.config.split_special_tokens)
     except p.RequestError as exc:
         exc.param = chat.field_for(exc.param)
@@ -114,6 +118,7 @@ class ResponseHandler:
             metadata=request.metadata or {}, temperature=request.temperature, top_p=request.top_p,
             tool_choice=request.tool_choice or ("auto" if request.tools else "none"),
             tools=request.tools or [], user=request.user,
+            text=request.text if (request.text or {}).get("format") else {"format": {"type": "text"}},
             truncation=request.truncation or "disabled",
             parallel_tool_calls=request.parallel_tool_calls is not False, usage=usage)
 

@@ -2,15 +2,15 @@
 
 Shapes follow the `openai` package's types (openai/types/responses/). What
 rooflm serves: `input` as text or a list of messages, `instructions`,
-`max_output_tokens`, `temperature`, `top_p`, `stream`, usage, and function
+`max_output_tokens`, `temperature`, `top_p`, `stream`, usage, structured outputs
+(`text.format` json_object / json_schema, through chat's response_format), and function
 tools: `tools` ({"type": "function", "name", "parameters"}), `tool_choice`
 ("none", "auto", "required", {"type": "function", "name"}), `parallel_tool_calls`,
 `function_call` output items, and `function_call` / `function_call_output` input
 items to replay a tool conversation. What it refuses with a 400 naming the field
 rather than pretending: `store: true` (nothing is stored),
 `previous_response_id` (hence nothing to continue from), tools other than
-functions (web search, file search, ...), `background`, a `text.format` other
-than plain text, and input items of other kinds (images, files, reasoning).
+functions (web search, file search, ...), `background`, and input items of other kinds (images, files, reasoning).
 """
 
 from __future__ import annotations
@@ -67,14 +67,27 @@ class ResponsesRequest(p.OpenAIModel):
         if self.background:
             raise p.RequestError("background: true is not supported", param="background")
         text_format = (self.text or {}).get("format")
-        if text_format is not None and (not isinstance(text_format, dict)
-                                        or text_format.get("type") != "text"):
-            raise p.RequestError("text.format other than {'type': 'text'} is not supported in "
-                                 "/v1/responses yet", param="text.format")
+        if text_format is not None and (not isinstance(text_format, dict) or text_format.get(
+                "type") not in ("text", "json_object", "json_schema")):
+            raise p.RequestError("text.format must be {'type': 'text'}, {'type': 'json_object'} or "
+                                 "{'type': 'json_schema', 'name': ..., 'schema': {...}}",
+                                 param="text.format")
         if self.truncation not in (None, "disabled", "auto"):
             raise p.RequestError("truncation must be 'auto' or 'disabled'", param="truncation")
         if isinstance(self.input, str) and not self.input:
             raise p.RequestError("input must not be empty", param="input")
+
+    def chat_response_format(self) -> Optional[dict[str, Any]]:
+        """text.format as chat's response_format: the Responses API flattens json_schema's fields
+        ({"type": "json_schema", "name", "schema", "strict"}); chat nests them."""
+        text_format = (self.text or {}).get("format")
+        if not text_format or text_format.get("type") == "text":
+            return None
+        if text_format["type"] == "json_object":
+            return {"type": "json_object"}
+        nested = {key: text_format[key] for key in ("name", "schema", "strict", "description")
+                  if key in text_format}
+        return {"type": "json_schema", "json_schema": nested}
 
     def chat_tools(self) -> Optional[list[dict[str, Any]]]:
         """The function tools in chat's nested shape; the chat path checks names and schemas."""

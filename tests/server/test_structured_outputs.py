@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from tests.server.server_utils import API_KEY, MODEL, SMALL_ENGINE_ARGS, start_server
+from tests.unit.test_structured import LARK_SQL  # vLLM's documentation example
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -123,17 +124,6 @@ def test_vllm_extras_regex_and_choice_on_completions(client):
         model=MODEL, messages=[{"role": "user", "content": "Is Paris in France?"}], max_tokens=5,
         temperature=1.0, seed=5, n=4, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     assert {c.message.content for c in out.choices} <= {"yes", "no"}
-
-
-# vLLM's documentation example of a Lark grammar, sent as vLLM users send it.
-LARK_SQL = """
-?start: select_statement
-?select_statement: "SELECT " column_list " FROM " table_name
-?column_list: column_name ("," column_name)*
-?table_name: identifier
-?column_name: identifier
-?identifier: /[a-zA-Z_][a-zA-Z0-9_]*/
-"""
 
 
 def test_lark_grammar_as_vllm_takes_it(client):
@@ -323,6 +313,17 @@ def test_responses_named_tool_call_streams_its_arguments(client):
     assert arguments == events[-3].arguments == done.arguments == call.arguments
     assert events[-1].response.output[0].arguments == arguments
     assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_text_format_json_schema(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                               "sunny": {"type": "boolean"}},
+              "required": ["city", "sunny"], "additionalProperties": False}
+    out = client.responses.create(model=MODEL, input=ASK, max_output_tokens=30, temperature=0,
+                                  text={"format": {"type": "json_schema", "name": "weather",
+                                                   "schema": schema, "strict": True}})
+    assert out.status == "completed" and out.text.format.type == "json_schema"
+    jsonschema.validate(json.loads(out.output_text), schema)
 
 
 def test_responses_replayed_tool_conversation(client, structured_server, auth):

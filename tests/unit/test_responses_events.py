@@ -113,3 +113,13 @@ def test_no_tools_keeps_the_plain_event_order():
                          "response.content_part.added"]
     assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
                           "response.output_item.done", "response.incomplete"]
+
+
+def test_text_format_becomes_chats_response_format():
+    def fmt(text):
+        return rp.ResponsesRequest(model="m", input="x", text=text).chat_response_format()
+    schema = {"type": "object"}
+    assert fmt({"format": {"type": "json_schema", "name": "w", "schema": schema, "strict": True}}) == {
+        "type": "json_schema", "json_schema": {"name": "w", "schema": schema, "strict": True}}
+    assert fmt({"format": {"type": "json_object"}}) == {"type": "json_object"}
+    assert fmt({"format": {"type": "text"}}) is None and fmt(None) is None
