@@ -72,7 +72,7 @@ class StructuredOutputsParams:
     json_object: bool = False  # any JSON object (response_format {"type": "json_object"})
     regex: Optional[str] = None
     choice: Optional[list[str]] = None  # one of these strings, verbatim
-    grammar: Optional[str] = None  # an EBNF grammar (xgrammar's / llama.cpp's GBNF dialect)
+    grammar: Optional[str] = None  # EBNF (xgrammar's / llama.cpp's GBNF dialect) or Lark
     # The request field the constraint came from, so that a grammar that does not compile
     # is a 400 naming what the client sent (response_format, guided_json, tool_choice, ...).
     param: str = "structured_outputs"

@@ -206,11 +206,15 @@ class LLMEngine:
         grammar = None
         if params.structured_outputs is not None:
             grammar = self._compile_grammar(params)
-        generator = None
+        generators = []
         if params.seed is not None:
-            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+            # One generator per sample, seeded seed + index as vLLM seeds its n child requests:
+            # a sample's draws never depend on how long its siblings run (under async
+            # scheduling a finished sample is sampled once more, and that draw is its own).
+            generators = [torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
+                          for i in range(params.n)]
         req = Request(request_id, text, token_ids, params, max_tokens, cache_salt=cache_salt,
-                      arrival_time=arrival_time or time.monotonic(), generator=generator)
+                      arrival_time=arrival_time or time.monotonic(), generators=generators)
         req.grammar = grammar
         if grammar is not None:
             self._compiling.append(req)

@@ -450,11 +450,12 @@ class ModelRunner:
             if sch.spec_token_ids:
                 self._spec_rows(sch, base, logits_indices, rows, row_owner, spec_rows, suppress)
             elif sch.completes:
-                copies = req.params.n if req.needs_fork else 1
-                for _ in range(copies):
+                # A forking prompt samples its n first tokens, one row per sample.
+                samples = range(req.params.n) if req.needs_fork else (seq.index,)
+                for index in samples:
                     logits_indices.append(base + n - 1)
                     rows.append(SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids,
-                                            req.generator, suppress.get(seq.seq_id, ())))
+                                            req.generator(index), suppress.get(seq.seq_id, ())))
                     row_owner.append(sch)
         tables = _block_table_array([s.seq.block_table.ids for s in order])
         host = HostInputs(
@@ -477,7 +478,7 @@ class ModelRunner:
         for j in range(len(drafts) + 1):
             logits_indices.append(base + j)
             history = seq.output_token_ids + drafts[:j] if j else seq.output_token_ids
-            rows.append(SamplingRow(req.params, req.prompt_token_ids, history, req.generator,
+            rows.append(SamplingRow(req.params, req.prompt_token_ids, history, req.generator(seq.index),
                                     suppress.get(seq.seq_id, ())))
             row_owner.append(sch)
 

@@ -104,7 +104,8 @@ class Request:
     cache_salt: Optional[str] = None
     status: RequestStatus = RequestStatus.WAITING
     seqs: list[Sequence] = field(default_factory=list)
-    generator: Optional[torch.Generator] = None
+    # Seeded requests: sample i's generator (seed + i), on the logits' device; empty: global RNG.
+    generators: list[torch.Generator] = field(default_factory=list)
     prompt_logprobs: Optional[list[Optional[Logprobs]]] = None
     num_cached_tokens: int = 0
     forked: bool = False
@@ -122,6 +123,10 @@ class Request:
         """The scheduler admits the request only once its grammar has compiled; one that failed
         to compile waits until the engine finishes it."""
         return self.grammar is not None and not self.grammar.ready
+
+    def generator(self, index: int) -> Optional[torch.Generator]:
+        """The generator sample `index` draws from; None: the global RNG."""
+        return self.generators[index] if self.generators else None
 
     @property
     def live_seqs(self) -> list[Sequence]:

@@ -2,11 +2,15 @@
 
 Shapes follow the `openai` package's types (openai/types/responses/). What
 rooflm serves: `input` as text or a list of messages, `instructions`,
-`max_output_tokens`, `temperature`, `top_p`, `stream`, usage. What it refuses
-with a 400 naming the field rather than pretending: `store: true` (nothing is
-stored), `previous_response_id` (hence nothing to continue from), `tools`,
-`background`, a `text.format` other than plain text, and input items that are
-not messages (function calls, images, files).
+`max_output_tokens`, `temperature`, `top_p`, `stream`, usage, structured outputs
+(`text.format` json_object / json_schema, through chat's response_format), and function
+tools: `tools` ({"type": "function", "name", "parameters"}), `tool_choice`
+("none", "auto", "required", {"type": "function", "name"}), `parallel_tool_calls`,
+`function_call` output items, and `function_call` / `function_call_output` input
+items to replay a tool conversation. What it refuses with a 400 naming the field
+rather than pretending: `store: true` (nothing is stored),
+`previous_response_id` (hence nothing to continue from), tools other than
+functions (web search, file search, ...), `background`, and input items of other kinds (images, files, reasoning).
 """
 
 from __future__ import annotations
@@ -52,22 +56,53 @@ class ResponsesRequest(p.OpenAIModel):
             raise p.RequestError("previous_response_id is not supported: rooflm stores no "
                                  "responses; send the whole conversation as input",
                                  param="previous_response_id")
-        if self.tools:
-            raise p.RequestError("tools in /v1/responses are not supported yet", param="tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise p.RequestError("tool_choice in /v1/responses is not supported yet (only "
-                                 "'none' or 'auto' without tools)", param="tool_choice")
+        for i, tool in enumerate(self.tools or []):
+            if not isinstance(tool, dict) or tool.get("type") != "function":
+                kind = tool.get("type") if isinstance(tool, dict) else tool
+                raise p.RequestError(f"tools.{i}: only function tools ({{'type': 'function', "
+                                     f"'name': ..., 'parameters': ...}}) are supported, got "
+                                     f"type {p.short_repr(kind)}", param="tools")
+            if not isinstance(tool.get("name"), str) or not tool["name"]:
+                raise p.RequestError(f"tools.{i}.name is required", param="tools")
         if self.background:
             raise p.RequestError("background: true is not supported", param="background")
         text_format = (self.text or {}).get("format")
-        if text_format is not None and (not isinstance(text_format, dict)
-                                        or text_format.get("type") != "text"):
-            raise p.RequestError("text.format other than {'type': 'text'} is not supported in "
-                                 "/v1/responses yet", param="text.format")
+        if text_format is not None and (not isinstance(text_format, dict) or text_format.get(
+                "type") not in ("text", "json_object", "json_schema")):
+            raise p.RequestError("text.format must be {'type': 'text'}, {'type': 'json_object'} or "
+                                 "{'type': 'json_schema', 'name': ..., 'schema': {...}}",
+                                 param="text.format")
         if self.truncation not in (None, "disabled", "auto"):
             raise p.RequestError("truncation must be 'auto' or 'disabled'", param="truncation")
         if isinstance(self.input, str) and not self.input:
             raise p.RequestError("input must not be empty", param="input")
+
+    def chat_response_format(self) -> Optional[dict[str, Any]]:
+        """text.format as chat's response_format: the Responses API flattens json_schema's fields
+        ({"type": "json_schema", "name", "schema", "strict"}); chat nests them."""
+        text_format = (self.text or {}).get("format")
+        if not text_format or text_format.get("type") == "text":
+            return None
+        if text_format["type"] == "json_object":
+            return {"type": "json_object"}
+        nested = {key: text_format[key] for key in ("name", "schema", "strict", "description")
+                  if key in text_format}
+        return {"type": "json_schema", "json_schema": nested}
+
+    def chat_tools(self) -> Optional[list[dict[str, Any]]]:
+        """The function tools in chat's nested shape; the chat path checks names and schemas."""
+        if self.tools is None:
+            return None
+        return [{"type": "function", "function": {
+            key: tool[key] for key in ("name", "description", "parameters") if key in tool}}
+            for tool in self.tools]
+
+    def chat_tool_choice(self) -> Optional[Union[str, dict[str, Any]]]:
+        """tool_choice in chat's shape: {"type": "function", "name"} -> nested under "function"."""
+        choice = self.tool_choice
+        if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+            return {"type": "function", "function": {"name": choice["name"]}}
+        return choice
 
     def messages(self) -> list[dict[str, Any]]:
         """The conversation as chat messages: instructions as the system turn, then input."""
@@ -81,15 +116,56 @@ class ResponsesRequest(p.OpenAIModel):
             raise p.RequestError("input must be a string or a non-empty list of messages",
                                  param="input")
         for i, item in enumerate(self.input):
-            messages.append(_message(i, item))
+            if not isinstance(item, dict):
+                raise p.RequestError(f"input.{i} must be an object", param=f"input.{i}")
+            kind = item.get("type", "message")
+            if kind == "function_call":
+                _add_function_call(messages, i, item)
+            elif kind == "function_call_output":
+                messages.append(_function_call_output(i, item))
+            elif kind == "message":
+                messages.append(_message(i, item))
+            else:
+                raise p.RequestError(f"input.{i}: items of type {p.short_repr(kind)} are not "
+                                     f"supported; only messages, function_call and "
+                                     f"function_call_output", param=f"input.{i}.type")
         return messages
 
 
+def _string_field(i: int, item: dict[str, Any], key: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or not value:
+        raise p.RequestError(f"input.{i}.{key} must be a non-empty string",
+                             param=f"input.{i}.{key}")
+    return value
+
+
+def _add_function_call(messages: list[dict[str, Any]], i: int, item: dict[str, Any]) -> None:
+    """A replayed call: consecutive calls are one assistant turn with several tool_calls, as the
+    chat template sees a turn that called tools in parallel."""
+    call = {"id": _string_field(i, item, "call_id"), "type": "function",
+            "function": {"name": _string_field(i, item, "name"),
+                         "arguments": _string_field(i, item, "arguments")}}
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+        last["tool_calls"].append(call)
+    else:
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+
+
+def _function_call_output(i: int, item: dict[str, Any]) -> dict[str, Any]:
+    output = item.get("output")
+    if isinstance(output, list):  # content parts; their text is the tool's answer
+        if not all(isinstance(part, dict) and isinstance(part.get("text"), str) for part in output):
+            raise p.RequestError(f"input.{i}.output: only text parts are supported",
+                                 param=f"input.{i}.output")
+        output = "".join(part["text"] for part in output)
+    if not isinstance(output, str):
+        raise p.RequestError(f"input.{i}.output must be a string", param=f"input.{i}.output")
+    return {"role": "tool", "tool_call_id": _string_field(i, item, "call_id"), "content": output}
+
+
 def _message(i: int, item: dict[str, Any]) -> dict[str, Any]:
-    kind = item.get("type", "message")
-    if kind != "message":
-        raise p.RequestError(f"input.{i}: items of type {p.short_repr(kind)} are not supported; "
-                             f"only messages", param=f"input.{i}.type")
     role = item.get("role")
     if role not in INPUT_ROLES:
         raise p.RequestError(f"input.{i}.role must be one of {', '.join(INPUT_ROLES)}, got "
@@ -129,6 +205,15 @@ class OutputMessage(BaseModel):
     content: list[OutputText]
 
 
+class FunctionCallItem(BaseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
 class InputTokensDetails(BaseModel):
     cached_tokens: int = 0
     cache_write_tokens: int = 0
@@ -161,7 +246,7 @@ class ResponseObject(BaseModel):
     created_at: int
     status: Literal["in_progress", "completed", "incomplete", "failed"]
     model: str
-    output: list[OutputMessage]
+    output: list[Union[OutputMessage, FunctionCallItem]]
     error: Optional[ResponseError] = None
     incomplete_details: Optional[IncompleteDetails] = None
     instructions: Optional[str] = None

@@ -1,6 +1,6 @@
 """POST /tokenize and /detokenize in vLLM's shapes, and GET /version.
 
-/tokenize takes a prompt ({"prompt"}) or a conversation ({"messages",
+/tokenize takes a prompt ({"prompt"}) or a conversation ({"messages", "tools",
 "add_generation_prompt"}), which goes through the same chat-template path as
 /v1/chat/completions, so a client can count exactly the tokens a chat request
 will cost. /detokenize turns ids back into text. `model` is optional, as in
@@ -17,6 +17,7 @@ from pydantic import BaseModel
 import rooflm
 from rooflm.server import protocol as p
 from rooflm.server.prompts import chat_prompt
+from rooflm.server.tools import check_tools
 
 if TYPE_CHECKING:
     from rooflm.server.state import ServerState
@@ -32,6 +33,7 @@ class TokenizeCompletionRequest(p.OpenAIModel):
 class TokenizeChatRequest(p.OpenAIModel):
     model: Optional[str] = None
     messages: list[Any]  # checked as a chat request's messages are
+    tools: Optional[list[Any]] = None  # as chat sends them: the template renders them (vLLM's field)
     add_generation_prompt: Optional[bool] = True
     # The chat template writes the special tokens itself (BOS included).
     add_special_tokens: Optional[bool] = False
@@ -79,10 +81,13 @@ async def tokenize(state: "ServerState", body: dict) -> TokenizeResponse:
         request = p.validate_request(TokenizeChatRequest, body)
         _check_model(state, request.model)
         tokenizer = _tokenizer(state, "messages")
-        chat = p.validate_request(p.ChatCompletionRequest, {
-            "model": state.model_name, "messages": request.messages,
-            "add_generation_prompt": request.add_generation_prompt})
+        fields = {"model": state.model_name, "messages": request.messages,
+                  "add_generation_prompt": request.add_generation_prompt}
+        if request.tools is not None:
+            fields["tools"] = request.tools
+        chat = p.validate_request(p.ChatCompletionRequest, fields)
         chat.check(state.limits)
+        check_tools(chat)
         prompt = await chat_prompt(tokenizer, chat)
         ids = prompt.token_ids
         if request.add_special_tokens:

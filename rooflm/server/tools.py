@@ -19,7 +19,8 @@ from typing import Any, Optional
 from rooflm.sampling_params import StructuredOutputsParams
 from rooflm.server import protocol as p
 from rooflm.tools.choice import named_function_schema, parse_named, parse_required, required_schema
-from rooflm.tools.parsers import ToolCall, ToolParser, parser_for_template
+from rooflm.tools.parsers import (CallDelta, JsonArrayToolParser, ToolCall, ToolParser,
+                                  parser_for_template)
 
 
 def _functions(request: p.ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -117,32 +118,41 @@ def tool_calls_out(calls: list[ToolCall]) -> list[p.ToolCallOut]:
             for c in calls]
 
 
-def _whole_call_delta(index: int, call: ToolCall) -> p.DeltaToolCall:
-    return p.DeltaToolCall(index=index, id=call.id, type="function",
-                           function=p.DeltaFunctionCall(name=call.name, arguments=call.arguments))
+def _delta(delta: CallDelta, index: int) -> p.DeltaToolCall:
+    if delta.id is None:
+        return p.DeltaToolCall(index=index, function=p.DeltaFunctionCall(arguments=delta.arguments))
+    return p.DeltaToolCall(index=index, id=delta.id, type="function",
+                           function=p.DeltaFunctionCall(name=delta.name, arguments=delta.arguments))
 
 
 class ToolCallStream:
     """One choice's stream: feed() each text delta and, at the end, finish(). Both return
-    (content delta, tool-call deltas)."""
+    (content delta, tool-call deltas). A call's first delta carries its id and name as soon as
+    the name is complete; its arguments follow in fragments as the model writes them, under
+    every tool_choice (named: the reply is the arguments; required: the JSON array is read as
+    it grows; auto: the template family's parser)."""
 
     def __init__(self, calling: ToolCalling):
         self.calling = calling
         self.num_calls = 0
-        self._buffer = ""  # "required": the array, parsed at the end
-        self._parser = calling.parser.stream() if calling.mode == "auto" else None
-        self._named_call: Optional[ToolCall] = None
+        mode = calling.mode
+        self._parser = None
+        if mode == "auto":
+            self._parser = calling.parser.stream()
+        elif mode == "required":
+            self._parser = JsonArrayToolParser().stream()
+        self._named_id: Optional[str] = None
 
     @property
     def called(self) -> bool:
         return self.num_calls > 0
 
-    def _number(self, calls: list[ToolCall]) -> list[p.DeltaToolCall]:
+    def _number(self, deltas: list[CallDelta]) -> list[p.DeltaToolCall]:
         if not self.calling.parallel:
-            calls = calls[:max(0, 1 - self.num_calls)]
-        deltas = [_whole_call_delta(self.num_calls + i, c) for i, c in enumerate(calls)]
-        self.num_calls += len(calls)
-        return deltas
+            deltas = [d for d in deltas if d.index == 0]
+        out = [_delta(d, d.index) for d in deltas]
+        self.num_calls = max([self.num_calls] + [d.index + 1 for d in deltas])
+        return out
 
     def feed(self, text: str) -> tuple[str, list[p.DeltaToolCall]]:
         mode = self.calling.mode
@@ -150,28 +160,16 @@ class ToolCallStream:
             return text, []
         if mode == "named":
             # The reply is the arguments: stream them as they come, under one call.
-            if self._named_call is None:
-                self._named_call = ToolCall(self.calling.named["name"], "")
+            if self._named_id is None:
+                self._named_id = ToolCall(self.calling.named["name"], "").id
                 self.num_calls = 1
-                return "", [p.DeltaToolCall(index=0, id=self._named_call.id, type="function",
-                                            function=p.DeltaFunctionCall(
-                                                name=self._named_call.name, arguments=text))]
-            return "", [p.DeltaToolCall(index=0, function=p.DeltaFunctionCall(arguments=text))]
-        if mode == "required":
-            self._buffer += text
-            return "", []
-        content, calls = self._parser.feed(text)
-        return content, self._number(calls)
+                return "", [_delta(CallDelta(0, text, self._named_id, self.calling.named["name"]), 0)]
+            return "", [_delta(CallDelta(0, text), 0)]
+        content, deltas = self._parser.feed(text)
+        return content, self._number(deltas)
 
     def finish(self) -> tuple[str, list[p.DeltaToolCall]]:
-        mode = self.calling.mode
-        if mode == "required":
-            calls = parse_required(self._buffer)
-            if not calls:
-                return self._buffer, []
-            return "", self._number(calls)
-        if mode == "auto":
-            content, calls = self._parser.finish()
-            return content, self._number(calls)
-        return "", []
-
+        if self._parser is None:
+            return "", []
+        content, deltas = self._parser.finish()
+        return content, self._number(deltas)

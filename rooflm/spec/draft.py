@@ -161,8 +161,9 @@ class DraftModelProposer(Proposer):
         temps = torch.tensor([max(batch[rows[r]].request.params.temperature, MIN_TEMPERATURE)
                               for r in random_rows], device=logits.device)
         q = torch.softmax(logits[random_rows].float() / temps[:, None], dim=-1)
-        generators = [(n, batch[rows[r]].request.generator) for n, r in enumerate(random_rows)
-                      if batch[rows[r]].request.generator is not None]
+        generators = [(n, batch[rows[r]].request.generator(batch[rows[r]].seq.index))
+                      for n, r in enumerate(random_rows)
+                      if batch[rows[r]].request.generator(batch[rows[r]].seq.index) is not None]
         drawn = sample_from_probs(q, generators)
         index = torch.tensor(random_rows, device=logits.device)
         tokens = tokens.index_copy(0, index, drawn)

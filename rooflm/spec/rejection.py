@@ -69,8 +69,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata,
     final = target[seqs, num_accepted]
     if not all(greedy):
         residual = _residual(probs, q, drafts, num_accepted, num_drafts, max_k)
-        generators = [(s, sch.request.generator) for s, sch in enumerate(owners)
-                      if sch.request.generator is not None and not sch.request.params.greedy]
+        generators = [(s, sch.request.generator(sch.seq.index)) for s, sch in enumerate(owners)
+                      if sch.request.generator(sch.seq.index) is not None and not sch.request.params.greedy]
         drawn = sample_from_probs(residual, generators)
         final = torch.where(greedy_t, final, drawn)
     columns = torch.arange(max_k + 1, device=dev)[None, :]
@@ -89,7 +89,7 @@ def _accept_random(probs: torch.Tensor, q: Optional[torch.Tensor], drafts: torch
     q_draft = torch.ones_like(p_draft) if q is None else q.gather(-1, drafts[..., None]).squeeze(-1)
     u = torch.rand(p_draft.shape, device=p_draft.device)
     for s, sch in enumerate(owners):
-        generator = sch.request.generator
+        generator = sch.request.generator(sch.seq.index)
         if generator is not None and not sch.request.params.greedy:
             k = len(sch.spec_token_ids)
             u[s, :k] = torch.rand(k, generator=generator, device=u.device)

@@ -6,6 +6,13 @@ process runs this check in a worker thread before admission, so a bad schema is 
 naming the field the client sent; the engine then compiles the same Grammar against
 the vocabulary (compiler.py).
 
+A grammar is EBNF (xgrammar's dialect, llama.cpp's GBNF plus repetition ranges) or Lark,
+told apart as vLLM tells them: a grammar none of whose lines defines a rule with "::=" is
+Lark. Lark goes through xgrammar's own Lark front end (rules and terminals, regular
+expressions, `?rule`, aliases, repetition, `%import common.*`, `%ignore`), so a Lark grammar
+written for vLLM works here unchanged; like vLLM, a Lark grammar without a `start` rule
+starts at its first rule. Lark templates are not supported; the error says so.
+
 JSON is generated without free whitespace (xgrammar's any_whitespace=False, with
 json.dumps' separators ", " and ": "): a small model offered free whitespace can emit
 newlines until max_tokens and never close the object, and the compact form is still
@@ -31,6 +38,29 @@ def _choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+# Comments of either dialect, for telling them apart: EBNF's "#", Lark's "//".
+_COMMENT = re.compile(r"(#|//).*$")
+# A Lark rule's definition: optional ?/! modifier, a lower-case name, an optional priority.
+_LARK_RULE = re.compile(r"^\s*[?!]?([a-z_][a-z0-9_]*)(?:\.-?\d+)?\s*:", re.MULTILINE)
+
+
+def is_lark(grammar: str) -> bool:
+    """vLLM's test: a grammar with no "::=" rule definition is Lark."""
+    return not any("::=" in _COMMENT.sub("", line) for line in grammar.splitlines())
+
+
+def lark_with_start(grammar: str) -> str:
+    """The grammar with a `start` rule: the first rule's, when it has none (as vLLM does)."""
+    names = _LARK_RULE.findall(grammar)
+    if not names or "start" in names:
+        return grammar
+    return f"start: {names[0]}\n{grammar}"
+
+
+def grammar_syntax(grammar: str) -> str:
+    return "Lark" if is_lark(grammar) else "EBNF"
+
+
 def build_grammar(spec: StructuredOutputsParams):
     """The xgrammar Grammar of a constraint. Raises RuntimeError (xgrammar's) on a bad one."""
     import xgrammar as xgr
@@ -44,6 +74,8 @@ def build_grammar(spec: StructuredOutputsParams):
         return xgr.Grammar.from_regex(spec.regex)
     if kind == "choice":
         return xgr.Grammar.from_ebnf(_choice_ebnf(spec.choice))
+    if is_lark(spec.grammar):
+        return xgr.Grammar.from_lark(lark_with_start(spec.grammar))
     return xgr.Grammar.from_ebnf(spec.grammar)
 
 
@@ -58,5 +90,10 @@ def check_structured_outputs(spec: StructuredOutputsParams) -> None:
     try:
         build_grammar(spec)
     except (RuntimeError, ValueError, TypeError) as exc:
-        raise InvalidRequest(f"{spec.param}: the {spec.kind.replace('_', ' ')} constraint does "
-                             f"not compile: {error_message(exc)}", param=spec.param) from None
+        kind = spec.kind.replace('_', ' ')
+        if spec.kind == "grammar":
+            # Which dialect it was read as: a Lark grammar with one stray "::=" is read as EBNF.
+            kind = (f"grammar (read as {grammar_syntax(spec.grammar)}: Lark unless a rule is "
+                    f"defined with '::=')")
+        raise InvalidRequest(f"{spec.param}: the {kind} constraint does not compile: "
+                             f"{error_message(exc)}", param=spec.param) from None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from rooflm.tools.parsers import ToolCall
+from rooflm.tools.parsers import JsonArrayToolParser, ToolCall
 
 # A function without "parameters" takes an object with any keys.
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -39,16 +39,7 @@ def required_schema(functions: list[dict], parallel_tool_calls: bool) -> dict:
 
 def parse_required(text: str) -> list[ToolCall]:
     """The calls of a "required" output; [] when it does not parse (e.g. cut by max_tokens)."""
-    try:
-        items = json.loads(text)
-    except ValueError:
-        return []
-    calls = []
-    for item in items if isinstance(items, list) else []:
-        if isinstance(item, dict) and isinstance(item.get("name"), str):
-            calls.append(ToolCall(item["name"], json.dumps(item.get("parameters", {}),
-                                                           ensure_ascii=False)))
-    return calls
+    return JsonArrayToolParser().parse(text)[1]
 
 
 def parse_named(name: str, text: str) -> Optional[ToolCall]:

@@ -214,7 +214,12 @@ def test_the_dashboard_queries_only_series_we_export(server):
 
 # ---- --chat-template ------------------------------------------------------------------------------------
 
-TEMPLATE = ("{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}\n{% endfor %}"
+# A tool-aware template in the Hermes/Qwen family: tools listed up front, calls as <tool_call>.
+# ("{{ nl }}": the template engine's trim_blocks drops a newline right after a block tag.)
+TEMPLATE = ("{% set nl = '\\n' %}{% if tools %}<<tools>>{% for t in tools %}{{ t['function']['name'] }};"
+            "{% endfor %}{{ nl }}{% endif %}{% for m in messages %}<<{{ m['role'] }}>>"
+            "{% if m['tool_calls'] %}{% for c in m['tool_calls'] %}<tool_call>{{ c['function']['name'] }}"
+            "</tool_call>{% endfor %}{% else %}{{ m['content'] }}{% endif %}{{ nl }}{% endfor %}"
             "{% if add_generation_prompt %}<<assistant>>{% endif %}")
 
 
@@ -237,6 +242,35 @@ def test_chat_template_inline_replaces_the_models(templated_server):
     chat = httpx.post(url + "/v1/chat/completions", timeout=60, json={
         "model": MODEL, "messages": QUESTION, "max_tokens": 1})
     assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(tokens)
+
+
+def test_tools_and_tool_turns_reach_a_servers_template(templated_server):
+    url = templated_server.url
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    messages = QUESTION + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}]
+    tokens = httpx.post(url + "/tokenize", timeout=30,
+                        json={"messages": messages, "tools": [tool]}).json()["tokens"]
+    text = httpx.post(url + "/detokenize", json={"tokens": tokens}, timeout=30).json()["prompt"]
+    assert text == ("<<tools>>get_weather;\n<<user>>What is the capital of France?\n"
+                    "<<assistant>><tool_call>get_weather</tool_call>\n<<tool>>21 C\n<<assistant>>")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    chat = client.chat.completions.create(model=MODEL, messages=messages, tools=[tool], max_tokens=1)
+    assert chat.usage.prompt_tokens == len(tokens)
+    answer = client.responses.create(model=MODEL, tools=[{"type": "function", **tool["function"]}],
+                                     max_output_tokens=1, input=[
+        QUESTION[0], {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                      "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "21 C"}])
+    assert answer.usage.input_tokens == len(tokens)
+    # tool_choice "none": the tools stay out of the template.
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=[tool],
+                                          tool_choice="none", max_tokens=1)
+    plain = httpx.post(url + "/tokenize", json={"messages": QUESTION}, timeout=30).json()["count"]
+    assert chat.usage.prompt_tokens == plain
 
 
 def _serve_fails(args: list[str]) -> str:

@@ -44,6 +44,31 @@ def test_async_equals_sync(tiny_path, params):
     assert async_ == sync
 
 
+def test_seeded_samples_that_end_at_different_steps(tiny_path):
+    # A stop set of a third of the vocabulary ends the n samples at different steps. Under
+    # async scheduling the step after a sample's last one is already queued and still
+    # samples it (the host has not read the stop token yet): that draw must come from the
+    # finished sample's own generator, not from one its siblings go on drawing from.
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=20, n=4,
+                            stop_token_ids=list(range(0, 256, 3)))
+    sync, async_ = run_both(tiny_path, PROMPTS[:4], params)
+    lengths = {len(tokens) for request in sync for tokens, _, _ in request}
+    assert len(lengths) > 2  # the samples did end at different steps
+    assert async_ == sync
+
+
+def test_seeded_samples_of_one_request_differ(tiny_path):
+    params = SamplingParams(temperature=1.0, seed=2, max_tokens=8, n=3, ignore_eos=True)
+    [outs] = LLM(model=tiny_path, device="cpu", dtype="float32").generate([PROMPTS[0]], params)
+    samples = [o.token_ids for o in outs.outputs]
+    assert len({tuple(s) for s in samples}) == 3
+    # Sample i of n is the one sample of the same request seeded with seed + i (as vLLM seeds
+    # its child requests), so a seeded request's samples are reproducible one by one.
+    one = SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
+    [alone] = LLM(model=tiny_path, device="cpu", dtype="float32").generate([PROMPTS[0]], one)
+    assert alone.outputs[0].token_ids == samples[1]
+
+
 def test_async_equals_sync_with_preemption_and_chunking(tiny_path):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     for mode in ("recompute", "swap"):

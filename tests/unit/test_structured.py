@@ -112,6 +112,69 @@ def test_a_constraint_that_does_not_compile_names_its_field(spec):
     assert "/project/" not in str(err.value)  # xgrammar's C++ location is left out
 
 
+# ---- Lark grammars, as vLLM accepts them -----------------------------------------------------------
+
+# vLLM's own documentation example of a Lark grammar.
+LARK_SQL = """
+?start: select_statement
+?select_statement: "SELECT " column_list " FROM " table_name
+?column_list: column_name ("," column_name)*
+?table_name: identifier
+?column_name: identifier
+?identifier: /[a-zA-Z_][a-zA-Z0-9_]*/
+"""
+# Lark's JSON example: aliases, optional brackets, %import common and %ignore.
+LARK_JSON = r"""
+?start: value
+?value: object | array | string | SIGNED_NUMBER -> number | "true" -> true | "null" -> null
+array  : "[" [value ("," value)*] "]"
+object : "{" [pair ("," pair)*] "}"
+pair   : string ":" value
+string : ESCAPED_STRING
+%import common.ESCAPED_STRING
+%import common.SIGNED_NUMBER
+%import common.WS
+%ignore WS
+"""
+
+
+def _accepts(spec: StructuredOutputsParams, text: str) -> bool:
+    from xgrammar.testing import _is_grammar_accept_string
+    from rooflm.structured.grammars import build_grammar
+    return _is_grammar_accept_string(build_grammar(spec), text)
+
+
+@pytest.mark.parametrize("grammar,good,bad", [
+    (LARK_SQL, ["SELECT a,b FROM t", "SELECT x FROM users_2"], ["SELECT FROM t", "select a FROM t"]),
+    (LARK_JSON, ['{"a": [1, -2.5e3, true], "b": null}', '[ ] '], ['{"a" 1}', "[1,]"]),
+    # No start rule: the first rule is the start, as in vLLM.
+    ('greeting: "hello" | "hi" NAME\nNAME: /[A-Z][a-z]+/', ["hello", "hiBob"], ["hi", "Hello"]),
+    # EBNF (a rule defined with ::=) keeps working, Lark-looking comments and all.
+    ('# digits\nroot ::= [0-9]+ ("." [0-9]+)?', ["12", "3.25"], ["1.", "a"]),
+])
+def test_lark_and_ebnf_grammars_are_both_accepted(grammar, good, bad):
+    spec = StructuredOutputsParams(grammar=grammar, param="guided_grammar")
+    check_structured_outputs(spec)
+    for text in good:
+        assert _accepts(spec, text), text
+    for text in bad:
+        assert not _accepts(spec, text), text
+
+
+@pytest.mark.parametrize("grammar,words", [
+    ('start: "a" (', ["read as Lark", "line 1", "')'"]),
+    ("_sep{x, sep}: x (sep x)*\nstart: _sep{\"a\", \",\"}", ["read as Lark", "templates"]),
+    ('root ::= "a" (', ["read as EBNF"]),
+])
+def test_a_bad_grammar_names_the_syntax_it_was_read_as(grammar, words):
+    spec = StructuredOutputsParams(grammar=grammar, param="structured_outputs")
+    with pytest.raises(InvalidRequest) as err:
+        check_structured_outputs(spec)
+    assert err.value.param == "structured_outputs"
+    for word in words:
+        assert word in str(err.value), str(err.value)
+
+
 # ---- the scheduler waits for a grammar without blocking others ------------------------------------
 
 
@@ -241,9 +304,8 @@ def test_async_equals_sync_under_a_schema_with_n_and_preemption():
         if extra:
             assert llm.engine.snapshot().num_preemptions > 0
         del llm
-    # Async scheduling changes nothing: step t+1's mask saw step t's token. (n = 1 here: with
-    # n > 1 and a seed, async scheduling samples a dropped token for a sample that just hit
-    # EOS, which draws from the request's shared generator; an engine property, not a mask one.)
+    # Async scheduling changes nothing: step t+1's mask saw step t's token. (Seeded n > 1 under
+    # async scheduling, apart from masks, is tests/unit/test_async_scheduling.py's.)
     assert results[0] == results[1]
 
 

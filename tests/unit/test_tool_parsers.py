@@ -7,12 +7,25 @@ import jsonschema
 import pytest
 
 from rooflm.tools.choice import parse_named, parse_required, required_schema
-from rooflm.tools.parsers import (HermesToolParser, Llama3JsonToolParser, parser_for_template)
+from rooflm.tools.parsers import (CallScanner, HermesToolParser, JsonArrayToolParser,
+                                  Llama3JsonToolParser, parser_for_template)
 
 HERMES = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
           '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
 LLAMA = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {"zone": "CET"}}'
+REQUIRED = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {"zone": "CET"}}]'
 CALLS = [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]
+
+
+def assemble(deltas):
+    """Calls joined from streamed deltas, as an SDK user joins them: (id, name, arguments)."""
+    calls = {}
+    for d in deltas:
+        if d.id is not None:
+            assert d.index not in calls  # one first delta per call
+            calls[d.index] = [d.id, d.name, ""]
+        calls[d.index][2] += d.arguments
+    return [tuple(calls[i]) for i in sorted(calls)]
 
 
 def as_pairs(calls):
@@ -43,24 +56,57 @@ def test_text_that_is_not_a_call_stays_content(parser, text):
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
-@pytest.mark.parametrize("parser,text", [(HermesToolParser(), HERMES), (Llama3JsonToolParser(), LLAMA)])
+@pytest.mark.parametrize("parser,text", [(HermesToolParser(), HERMES), (Llama3JsonToolParser(), LLAMA),
+                                         (JsonArrayToolParser(), REQUIRED)])
 def test_streamed_in_pieces_equals_whole(parser, text, size):
     stream = parser.stream()
-    content, calls = "", []
+    content, deltas = "", []
     for start in range(0, len(text), size):
         c, new = stream.feed(text[start:start + size])
-        content, calls = content + c, calls + new
+        content, deltas = content + c, deltas + new
     c, new = stream.finish()
-    content, calls = content + c, calls + new
+    content, deltas = content + c, deltas + new
     whole_content, whole_calls = parser.parse(text)
-    assert content.strip() == (whole_content or "") and as_pairs(calls) == as_pairs(whole_calls)
+    assert content.strip() == (whole_content or "")
+    # The arguments are the model's own text, the same whole or streamed, and valid JSON.
+    assert [(name, args) for _, name, args in assemble(deltas)] == [
+        (c.name, c.arguments) for c in whole_calls]
+    assert as_pairs(whole_calls) == CALLS
+    if size < 5:  # small pieces: each call's arguments came in several fragments
+        for index in range(2):
+            assert sum(1 for d in deltas if d.index == index and d.arguments) > 3
 
 
-def test_hermes_stream_emits_a_call_as_soon_as_it_closes():
+def test_a_call_streams_its_name_first_then_argument_fragments():
+    stream = HermesToolParser().stream()
+    content, deltas = stream.feed('Sure.<tool_call>\n{"name": "get_weather", "argu')
+    assert content == "Sure." and len(deltas) == 1
+    assert deltas[0].name == "get_weather" and deltas[0].id.startswith("call_") and deltas[0].arguments == ""
+    _, deltas = stream.feed('ments": {"city": "Pa')
+    assert [(d.id, d.arguments) for d in deltas] == [(None, '{"city": "Pa')]
+    _, deltas = stream.feed('ris"}}\n</tool_call>')
+    assert [d.arguments for d in deltas] == ['ris"}']
+
+
+def test_hermes_stream_finishes_a_call_at_its_closing_tag():
     stream = HermesToolParser().stream()
     first = HERMES[:HERMES.index("</tool_call>") + len("</tool_call>")]
-    content, calls = stream.feed(first)
-    assert content == "Let me check.\n" and as_pairs(calls) == CALLS[:1]
+    content, deltas = stream.feed(first)
+    assert content == "Let me check.\n"
+    assert [(n, json.loads(a)) for _, n, a in assemble(deltas)] == CALLS[:1]
+
+
+def test_call_objects_in_other_shapes():
+    # Arguments written as a JSON string (some models do), keys in either order, nested values.
+    content, calls = HermesToolParser().parse(
+        '<tool_call>{"arguments": "{\\"x\\": [1, {\\"y\\": \\"}\\"}]}", "name": "f"}</tool_call>')
+    assert as_pairs(calls) == [("f", {"x": [1, {"y": "}"}]})]
+    _, calls = Llama3JsonToolParser().parse('{"name": "g", "parameters": {"a": {"b": [true, null, 2.5]}}}')
+    assert calls[0].arguments == '{"a": {"b": [true, null, 2.5]}}'
+    _, calls = Llama3JsonToolParser().parse('{"name": "h"}')  # no arguments: an empty object
+    assert as_pairs(calls) == [("h", {})]
+    scanner = CallScanner()
+    assert scanner.feed('{"name": "f", "arguments": {}} tail') == " tail" and scanner.done
 
 
 def test_parser_follows_the_template_family():
