@@ -37,9 +37,9 @@ def run_verify(logits_rows: torch.Tensor, drafts: torch.Tensor, params: Sampling
                q: torch.Tensor = None):
     """DRAWS independent verifying sequences, each with the same K + 1 target rows."""
     owners, rows, spec_rows = [], [], []
-    request = SimpleNamespace(params=params, generator=None)
+    request = SimpleNamespace(params=params, generator=lambda index: None)
     for s in range(DRAWS):
-        sch = SimpleNamespace(request=request, seq=SimpleNamespace(seq_id=s),
+        sch = SimpleNamespace(request=request, seq=SimpleNamespace(seq_id=s, index=0),
                               spec_token_ids=drafts[s].tolist())
         spec_rows.append((len(rows), K))
         for _ in range(K + 1):
