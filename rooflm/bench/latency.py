@@ -29,7 +29,7 @@ attends P + k positions, on average P + N/2. Then
 An MBU of 1 would be a decode step at the bandwidth floor. On CUDA the peak
 comes from --gpu (a table entry, or "measure"); by default the H100 datasheet
 on an H100 and a measurement elsewhere. On the CPU the bandwidth is measured
-(perf/host_peaks.py, the same measurement `rooflm profile` uses) unless
+(perf/gpus.py, the same measurement `rooflm profile` uses) unless
 --cpu-bandwidth-gbs says what the memory system delivers.
 """
 

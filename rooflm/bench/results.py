@@ -22,22 +22,12 @@ import subprocess
 import sys
 from typing import Any, Optional, Sequence
 
+from rooflm.perf.gpus import cpu_model  # noqa: F401  (re-exported: the stamp names the CPU)
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # ---------------------------------------------------------------- the stamp
-
-
-def cpu_model() -> str:
-    """The CPU's marketing name from /proc/cpuinfo, or what platform knows elsewhere."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def git_commit(repo_dir: str = REPO_ROOT) -> str:
@@ -176,13 +166,13 @@ def resolve_gpu(device, gpu_name: Optional[str], cpu_bandwidth_gbs: Optional[flo
     datasheet on an H100 SXM, and a measurement on any other GPU (an H100 PCIe
     has 2.0 TB/s, not the SXM's 3.35, so its name alone is not enough).
     CPU: a bandwidth given with --cpu-bandwidth-gbs (no FLOP rates), else this
-    CPU measured (perf/host_peaks.py, as `rooflm profile` does); "measure" is the same.
+    CPU measured (perf/gpus.py, as `rooflm profile` does); "measure" is the same.
     With allow_other_gpu, --gpu NAME on the CPU gives that GPU's rates, for an
     analytic what-if bound; a utilization measured on one device against
     another's peak would mean nothing, so without it that is an error.
     """
     from rooflm.perf.gpus import GpuSpec, get_gpu
-    from rooflm.perf.host_peaks import measure_host
+    from rooflm.perf.gpus import measure_host
 
     if device.type == "cuda":
         name = device_name(device).lower()

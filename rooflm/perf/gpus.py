@@ -1,4 +1,5 @@
-"""Peak rates of the GPUs the roofline model knows, and a way to measure the present one.
+"""Peak rates of the GPUs the roofline model knows, and the one measurement of this machine's
+peaks (its GPU, else its CPU) that `profile`, `bench` and `roofline --gpu measure` all use.
 
 Every number in the table is a *dense* datasheet peak (no 2:4 sparsity): a
 kernel that reaches it is at the roof. "fp32" is the CUDA-core (non-tensor)
@@ -19,9 +20,11 @@ waiting on arithmetic: A100 bf16 312e12 / 2.0e12 = 156 FLOP/B, H100 SXM
 
 from __future__ import annotations
 
+import platform
 import statistics
+import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 # The format a kernel would fall back to when the GPU lacks the one asked for:
 # fp8 weights on an A100 are dequantized and multiplied in bf16 (Marlin-style),
@@ -129,10 +132,9 @@ _ALIASES = {
 
 def get_gpu(name: str) -> GpuSpec:
     """A GPU of the table by key or alias; "measure" measures this machine instead (its GPU,
-    else its CPU: perf/host_peaks.py)."""
+    else its CPU: measure_host)."""
     key = name.lower()
     if key == "measure":
-        from rooflm.perf.host_peaks import measure_host
         return measure_host()
     key = _ALIASES.get(key, key)
     if key not in GPUS:
@@ -235,3 +237,83 @@ def measure_gpu(device: Optional[str] = None, copy_bytes: int = 1 << 30, matmul_
                 f"{copy_bytes >> 20} MiB copy {copy_gbs:.0f} GB/s"
                 + (f"; tf32/fp8/int8 scaled from the {table.key} datasheet" if table else "")))
 
+
+# ---- this machine's CPU, and the one measurement everything uses -----------------------------
+#
+# The peak rates of the machine a run is on, measured: one place for `profile`, `bench` and
+# `roofline --gpu measure` alike.
+#
+# A GPU is measured by perf/gpus.py's measure_gpu (a 1 GiB device copy, an 8192^3 bf16 GEMM).
+# No table lists CPUs, so a CPU is measured here, the same way in spirit:
+#
+#   * bandwidth: a copy of 128 MiB (larger than the L3 of the machines here, so every byte goes
+#     to DRAM), counted as bytes read + written, median of 5 after a warm-up;
+#   * FLOP rate: a 1024^3 matmul in fp32 and in bf16 (the dtypes the CPU paths run in), median
+#     of 5 after a warm-up, with the threads torch uses now.
+#
+# The result is a GpuSpec (key "cpu") so every consumer reads peaks one way: mem_bw_gbs and
+# peak_flops(dtype). Measurements are cached per process and thread count: a CPU measurement
+# takes about a second, and a bench that measured twice would print two different roofs.
+
+CPU_COPY_BYTES = 128 << 20
+CPU_MATMUL_N = 1024
+REPEATS = 5
+
+_cache: dict[tuple, GpuSpec] = {}
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name from /proc/cpuinfo, or what platform knows elsewhere."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int = REPEATS) -> float:
+    fn()  # warm-up: page faults, thread pool start, kernel selection
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_cpu() -> GpuSpec:
+    """This CPU's copy bandwidth and fp32 / bf16 matmul rates, as a GpuSpec."""
+    import torch
+
+    threads = torch.get_num_threads()
+    src = torch.randn(CPU_COPY_BYTES // 4)  # random, non-zero: nothing compresses it
+    dst = torch.empty_like(src)
+    copy_gbs = 2 * CPU_COPY_BYTES / _median_seconds(lambda: dst.copy_(src)) / 1e9
+    del src, dst
+    n = CPU_MATMUL_N
+    tflops = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a = torch.randn(n, n).to(dtype)
+        b = torch.randn(n, n).to(dtype)
+        tflops[name] = 2 * n**3 / _median_seconds(lambda: torch.mm(a, b)) / 1e12
+    return GpuSpec(
+        key="cpu", name=f"{cpu_model()} ({threads} threads, measured)", peak_tflops=tflops,
+        mem_bw_gbs=copy_gbs,
+        source=(f"measured: {CPU_COPY_BYTES >> 20} MiB copy {copy_gbs:.1f} GB/s, {n}^3 matmul "
+                f"fp32 {tflops['fp32'] * 1e3:.1f} / bf16 {tflops['bf16'] * 1e3:.1f} GFLOP/s, "
+                f"{threads} threads"))
+
+
+def measure_host(device=None) -> GpuSpec:
+    """The measured peaks of `device` (default: CUDA when present, else the CPU), cached."""
+    import torch
+
+    device = torch.device(device if device is not None
+                          else ("cuda" if torch.cuda.is_available() else "cpu"))
+    key = (str(device), torch.get_num_threads())
+    if key not in _cache:
+        _cache[key] = measure_gpu(str(device)) if device.type == "cuda" else measure_cpu()
+    return _cache[key]

@@ -24,7 +24,7 @@ The verdict, first match wins, always with the fraction of each roof beside it:
   * memory-bound or compute-bound: the step's bytes and FLOPs (step_cost) over
     its time reach at least half of the device's peak bandwidth or FLOP rate;
     the larger fraction names the bound. Peaks: the GPU table, or this machine
-    measured (perf/host_peaks.py: no table lists CPUs);
+    measured (perf/gpus.py: no table lists CPUs);
   * far from both roofs, the largest share of the step names the limit
     (time_shares): CPU/launch-bound when it is overhead (on a GPU the idle gaps
     between kernels, with the time the host spent in device syncs; on a CPU the
@@ -53,7 +53,7 @@ import torch
 
 from rooflm.engine.report import PhaseTracer
 from rooflm.perf.gpus import GpuSpec, get_gpu, measure_gpu
-from rooflm.perf.host_peaks import measure_host
+from rooflm.perf.gpus import measure_host
 from rooflm.perf.live import StepMeter, default_gpu_for
 
 RANGE_PREFIX = "rooflm."

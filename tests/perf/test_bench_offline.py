@@ -81,8 +81,8 @@ def test_latency_reports_ttft_tpot_and_mbu(capsys, tmp_path, tiny_path):
 
 def test_latency_measures_the_cpu_as_profile_does(capsys, tmp_path, tiny_path):
     # No --cpu-bandwidth-gbs: the CPU is measured by the one module that `profile` and
-    # `roofline --gpu measure` use too (perf/host_peaks.py), once per process.
-    from rooflm.perf.host_peaks import measure_host
+    # `roofline --gpu measure` use too (perf/gpus.py), once per process.
+    from rooflm.perf.gpus import measure_host
 
     out_json = tmp_path / "latency.json"
     rc, out, err = run_bench(capsys, "latency", "--model", tiny_path, "--batch-size", "1",

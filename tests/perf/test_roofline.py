@@ -179,8 +179,8 @@ def test_measure_without_a_gpu_says_so():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU measurement")
 def test_roofline_gpu_measure_on_a_cpu_measures_this_cpu():
-    # One measurement for `roofline --gpu measure`, `profile` and `bench` (perf/host_peaks.py).
-    from rooflm.perf.host_peaks import measure_host
+    # One measurement for `roofline --gpu measure`, `profile` and `bench` (perf/gpus.py).
+    from rooflm.perf.gpus import measure_host
 
     args = _parse(["roofline", "--model", "smollm2-135m", "--gpu", "measure", "--phase", "decode"])
     out = io.StringIO()

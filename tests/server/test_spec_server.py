@@ -20,7 +20,8 @@ def spec_server(tmp_path_factory):
 
 
 def test_server_speculates_and_reports_it(spec_server):
-    text = "one two three four five six seven eight nine ten " * 3
+    # Ends inside the pattern, so the model continues it and the prompt lookup's drafts match.
+    text = "one two three four five six seven eight nine ten " * 3 + "one two three"
     body = {"model": "SmolLM2-135M-Instruct", "prompt": text, "max_tokens": 12, "temperature": 0,
             "ignore_eos": True}
     response = httpx.post(spec_server.url + "/v1/completions", json=body, timeout=120)
