@@ -64,6 +64,16 @@ def decode_sweep(seq_lens, configs):
                                                     **scales)) * 1e3 for c in configs}
 
 
+def decode_ablation(seq_lens, name="512 x 330"):
+    """What the FP8 decode's scale handling costs: 0 as shipped, 1 without any scales, 2 with the V
+    scales folded into p (no per-tile normalisation). 1 and 2 are timing experiments only."""
+    meta, _, (k, v, scales) = caches(seq_lens, [1] * len(seq_lens))
+    q = torch.randn(len(seq_lens), H, D, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    return {f"{name} ablate {a}": bench(lambda: decode_attention(q, k, v, meta, D ** -0.5, out=out, _ablate=a,
+                                                                  **scales)) * 1e3 for a in (0, 1, 2)}
+
+
 def prefill_row(name, seq_lens):
     meta, bf16, fp8 = caches(seq_lens, seq_lens)
     q = torch.randn(sum(seq_lens), H, D, device="cuda", dtype=torch.bfloat16)
@@ -92,13 +102,15 @@ def main() -> None:
         print(f"{r['kind']:<8}{r['shape']:<12}{r['bf16_us']:>10.1f}{r['fp8_us']:>10.1f}"
               f"{r['bf16_' + unit]:>9.0f} {unit[:2].upper()}{r['fp8_' + unit]:>9.0f} {unit[:2].upper()}"
               f"{r['speedup']:>8.2f}x")
+    ablate = decode_ablation([330] * 512) | decode_ablation([1280] * 64, "64 x 1280")
+    print("fp8 decode ablations, us: " + ", ".join(f"{k} {us:.1f}" for k, us in ablate.items()))
     sweep = decode_sweep([330] * 512, [(128, 4, 3), (128, 4, 4), (128, 8, 3), (64, 4, 4), (256, 8, 3), (64, 2, 4)])
     print("fp8 decode 512 x 330 by (BLOCK_N, warps, stages), us: "
           + ", ".join(f"{c} {us:.1f}" for c, us in sweep.items()))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "kv_fp8_kernels.json"), "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows, "fp8_decode_sweep_us": sweep,
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows, "fp8_decode_sweep_us": sweep, "fp8_decode_ablation_us": ablate,
                        "commit": os.environ.get("ROOFLM_COMMIT")}, f, indent=1)
 
 

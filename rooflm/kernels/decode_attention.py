@@ -77,7 +77,7 @@ def _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_
                       qk_scale, stride_cb, stride_ct, stride_sb, stride_st, offs_d, d_ok,
                       BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAD_D: tl.constexpr,
                       MASKED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                      FP8: tl.constexpr):
+                      FP8: tl.constexpr, ABLATE: tl.constexpr):
     """Online-softmax update with the key tiles lo .. hi; keys outside [kv_lo, kv_hi) are masked."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
@@ -95,7 +95,7 @@ def _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        if FP8:
+        if FP8 and ABLATE != 1:  # ABLATE 1 (timing experiment, wrong results): no scales at all
             qk = qk * load_kv_scales(ks_base, block_table_ptr, start_n, kv_ok, stride_sb, stride_st,
                                      BLOCK_SIZE, BLOCK_N, MASKED)[None, :]
         if MASKED:
@@ -105,9 +105,13 @@ def _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if FP8:
+        if FP8 and ABLATE == 0:
             acc = fp8_pv(acc, p, v, vs_base, block_table_ptr, start_n, kv_ok, stride_sb, stride_st,
                           BLOCK_SIZE, BLOCK_N, MASKED, DOT_PRECISION)
+        elif FP8 and ABLATE == 2:  # timing experiment: V scales folded into p, no normalisation
+            vs = load_kv_scales(vs_base, block_table_ptr, start_n, kv_ok, stride_sb, stride_st,
+                                BLOCK_SIZE, BLOCK_N, MASKED)
+            acc = tl.dot((p * vs[None, :]).to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         else:
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -123,7 +127,7 @@ def _decode_attention_kernel(
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
         SINGLE_SPLIT: tl.constexpr, SLIDING: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        FP8: tl.constexpr, PDL: tl.constexpr):
+        FP8: tl.constexpr, PDL: tl.constexpr, ABLATE: tl.constexpr = 0):
     PAD_D: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
     if PDL:  # launched early (programmatic dependent launch): wait for q and the K/V writes
         gdc_launch_dependents()
@@ -169,18 +173,18 @@ def _decode_attention_kernel(
         acc, l_i, m_i = _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_table_ptr,
                                           start, end, kv_lo, end, qk_scale, stride_cb, stride_ct,
                                           stride_sb, stride_st, offs_d, d_ok,
-                                          BLOCK_SIZE, BLOCK_N, PAD_D, True, UPCAST, DOT_PRECISION, FP8)
+                                          BLOCK_SIZE, BLOCK_N, PAD_D, True, UPCAST, DOT_PRECISION, FP8, ABLATE)
     else:
         # Whole tiles unmasked, then the ragged tail.
         full_end = tl.maximum(start + ((end - start) // BLOCK_N) * BLOCK_N, start)
         acc, l_i, m_i = _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_table_ptr,
                                           start, full_end, 0, end, qk_scale, stride_cb, stride_ct,
                                           stride_sb, stride_st, offs_d, d_ok,
-                                          BLOCK_SIZE, BLOCK_N, PAD_D, False, UPCAST, DOT_PRECISION, FP8)
+                                          BLOCK_SIZE, BLOCK_N, PAD_D, False, UPCAST, DOT_PRECISION, FP8, ABLATE)
         acc, l_i, m_i = _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_table_ptr,
                                           full_end, end, 0, end, qk_scale, stride_cb, stride_ct,
                                           stride_sb, stride_st, offs_d, d_ok,
-                                          BLOCK_SIZE, BLOCK_N, PAD_D, True, UPCAST, DOT_PRECISION, FP8)
+                                          BLOCK_SIZE, BLOCK_N, PAD_D, True, UPCAST, DOT_PRECISION, FP8, ABLATE)
 
     if SINGLE_SPLIT:
         out = acc / l_i[:, None]
@@ -325,7 +329,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      num_splits: Optional[int] = None,
                      config: Optional[tuple[int, int, int]] = None,
                      plan: Optional[DecodePlan] = None, k_scale: Optional[torch.Tensor] = None,
-                     v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     v_scale: Optional[torch.Tensor] = None, _ablate: int = 0) -> torch.Tensor:
     """Attention of the one query token of each of the first num_seqs sequences.
 
     num_seqs defaults to meta.num_decodes; those sequences must have exactly one
@@ -334,7 +338,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     caller, e.g. for CUDA-graph capture; config = (BLOCK_N, num_warps,
     num_stages) overrides the table. plan: from plan_decode_attention for this
     step's metadata and shapes (then num_seqs, num_splits and config are its own). FP8 caches
-    take their k_scale / v_scale [num_blocks, block_size, H_kv] fp32.
+    take their k_scale / v_scale [num_blocks, block_size, H_kv] fp32. _ablate (FP8 only; 1: no
+    scales, 2: V scales folded into p) is for the benchmark's what-limits-it experiments: wrong
+    or less accurate results.
     """
     if out is None:
         out = torch.empty_like(q)
@@ -362,7 +368,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         NUM_HEADS=num_heads, GROUP=group, ROWS=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         SINGLE_SPLIT=num_splits == 1, SLIDING=plan.sliding, UPCAST=upcast_dots(q.dtype),
-        DOT_PRECISION=dot_precision(q.dtype), FP8=fp8, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=dot_precision(q.dtype), FP8=fp8, PDL=pdl, ABLATE=_ablate, num_warps=num_warps,
+        num_stages=num_stages,
         **pdl_kwargs,
     )
     if num_splits > 1:
