@@ -73,16 +73,16 @@ def config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig:
 def run_job(job):
     """job() under the CLI's rules: a ValueError is the user's input, printed as an error (exit 2);
     the process group, if the job made one, ends with it. Returns (exit code, job's result)."""
-    import torch.distributed as dist
+    from rooflm.train.parallel import shutdown
 
     try:
-        return 0, job()
+        result = job()
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        shutdown(clean=False)
         return 2, None
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    shutdown()
+    return 0, result
 
 
 def is_rank_zero() -> bool:
