@@ -10,6 +10,7 @@ run has mid-way (~510 running sequences of ~330 tokens of context; mixed steps o
             share the SMs and HBM when nothing orders them
   halves    NanoFlow's pipeline over two half batches: G(T/2) beside A(S/2), twice per layer,
             which re-reads the weights once more but can hide attention behind GEMMs
+  carveoutK G limited to all SMs but K (torch._C._set_sm_carveout_experimental), alone and beside A
 
 Bytes and FLOPs per layer are printed beside each time so the result reads against the roofline:
 the overlapped floor is max(FLOPs / matmul rate, bytes / copy rate), the serial floor their sum.
@@ -68,6 +69,28 @@ def attention_set(num_seqs: int, ctx: int, seed: int):
     plan = plan_decode_attention(q, k, v, meta)
     scale = HEAD_DIM ** -0.5
     return lambda: decode_attention(q, k, v, meta, scale, out=out, plan=plan)
+
+
+CARVEOUTS = (8, 16, 32, 48)
+
+
+class sm_carveout:
+    """torch's experimental cuBLAS SM-count target (None: all SMs); yields whether it exists."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def __enter__(self) -> bool:
+        setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
+        if setter is None:
+            return False
+        setter(self.k)
+        return True
+
+    def __exit__(self, *exc) -> None:
+        setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
+        if setter is not None:
+            setter(None)
 
 
 def timed(fn) -> float:
@@ -154,6 +177,17 @@ def run_case(name: str, tokens: int, num_seqs: int, ctx: int, copy_gbps: float, 
         fn()
     torch.cuda.synchronize()
     ms = {k: timed(fn) / LAYERS * 1e3 for k, fn in variants.items()}  # us per layer
+    # The GEMMs limited to 132 - k SMs (cuBLAS's SM-count target), so that attention's programs
+    # find k SMs free beside them instead of waiting for the GEMM to retire.
+    for k in CARVEOUTS:
+        with sm_carveout(k) as ok:
+            if not ok:
+                break
+            g, t = lambda: g_only(), together(False)
+            g(), t()
+            torch.cuda.synchronize()
+            ms[f"G_carveout{k}"] = timed(g) / LAYERS * 1e3
+            ms[f"together_carveout{k}"] = timed(t) / LAYERS * 1e3
     flops = 2 * tokens * (HIDDEN * (HEADS + 2 * KV_HEADS) * HEAD_DIM + HIDDEN * HIDDEN + HIDDEN * 2 * FFN + FFN * HIDDEN)
     w_bytes = 2 * (HIDDEN * (HEADS + 2 * KV_HEADS) * HEAD_DIM + HIDDEN * HIDDEN + HIDDEN * 2 * FFN + FFN * HIDDEN)
     kv_bytes = num_seqs * ctx * KV_HEADS * HEAD_DIM * 2 * 2
@@ -191,11 +225,11 @@ def main() -> None:
             json.dump(result, f, indent=1)
     print(f"copy {copy_gbps:.0f} GB/s, matmul {mm_tflops:.0f} TFLOP/s; us per layer")
     keys = ["G", "A", "serial", "together_gemm_first", "together_attention_first", "halves_serial",
-            "halves_overlapped"]
+            "halves_overlapped"] + [f"{v}_carveout{k}" for k in CARVEOUTS for v in ("G", "together")]
     print("| case | " + " | ".join(keys) + " | serial floor | overlapped floor | halves floor |")
     for r in rows:
         u = r["us_per_layer"]
-        print(f"| {r['case']} | " + " | ".join(f"{u[k]:.0f}" for k in keys)
+        print(f"| {r['case']} | " + " | ".join(f"{u[k]:.0f}" if k in u else "-" for k in keys)
               + f" | {r['serial_floor_us']:.0f} | {r['overlapped_floor_us']:.0f} | {r['halves_floor_us']:.0f} |")
 
 
