@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from rooflm import LLM, SamplingParams
-from rooflm.spec.ngram import lookup
+from rooflm.spec.ngram import NgramIndex, lookup
 from rooflm.spec.replay import ReplayProposer
 from tests.models.tiny_models import make_tiny_model
 
@@ -85,6 +85,19 @@ def test_lookup_takes_the_longest_suffix_and_its_latest_occurrence():
     assert lookup(np.array([4, 5, 6]), 3, 3, 1) == []  # nothing repeats
     assert lookup(np.array([8, 1, 8]), 2, 3, 2) == []  # only 1-grams repeat, min is 2
     assert lookup(np.array([8, 1, 8]), 2, 3, 1) == [1, 8]
+
+
+def test_incremental_index_finds_what_the_scan_finds():
+    # Small vocabularies make repeats (and several candidate n) common; tokens arrive 1-4 at a
+    # time, as accepted drafts do.
+    rng = np.random.default_rng(0)
+    for vocab, n_min, n_max in [(3, 1, 4), (5, 2, 3), (50, 1, 2)]:
+        tokens = rng.integers(0, vocab, 5).tolist()
+        index = NgramIndex(n_min, n_max)
+        while len(tokens) < 160:
+            k = int(rng.integers(1, 6))
+            assert index.lookup(tokens, k) == lookup(np.array(tokens), k, n_max, n_min), tokens
+            tokens += rng.integers(0, vocab, int(rng.integers(1, 5))).tolist()
 
 
 # ---- greedy: identical to plain decoding ----------------------------------------------------------
