@@ -16,7 +16,15 @@ until all are done. Per iteration it measures:
 
 and reports the medians over --num-iters iterations after --num-iters-warmup
 warm-up ones (which absorb one-time costs: kernel compilation, allocator
-growth, caches).
+growth, caches). Several --input-len values (or `sweep`) repeat that for each
+prompt length on the one engine: TTFT against context length.
+
+The TTFT floor is the prefill at the device's roofs: the prompts cut into the
+scheduler's chunks (--max-num-batched-tokens per step, first come first
+served, as the scheduler cuts them), each chunk's operations (its GEMMs, its
+attention over the cached prefix and itself) at the floor of their own roof,
+summed. It needs the device's FLOP rates, so a CPU run given only
+--cpu-bandwidth-gbs has none.
 
 MBU, the model bandwidth utilization of decode: a decode step must read every
 weight and the K/V of every sequence's context at least once. Those bytes come
@@ -73,7 +81,11 @@ def register(subparsers) -> None:
                     "model bandwidth utilization (MBU) of the decode steps.")
     g = p.add_argument_group("benchmark options")
     g.add_argument("--batch-size", type=int, default=8, help="requests per batch (default 8)")
-    g.add_argument("--input-len", type=int, default=32, help="prompt tokens per request (default 32)")
+    g.add_argument("--input-len", nargs="+", default=["32"], metavar="N",
+                   help="prompt tokens per request (default 32). Several lengths, or 'sweep' "
+                        "(128, 256, ... doubling up to --max-model-len minus --output-len), "
+                        "measure each in turn and print TTFT and TPOT against context length, "
+                        "each beside its roofline floor")
     g.add_argument("--output-len", type=int, default=128,
                    help="output tokens per request, EOS ignored (default 128)")
     g.add_argument("--num-iters", type=int, default=10, help="measured iterations (default 10)")
@@ -183,11 +195,73 @@ def mbu_fields(step, tpot_s: Optional[float], gpu) -> dict:
     return fields
 
 
+def prefill_floor_s(engine, batch_size: int, input_len: int, gpu) -> Optional[float]:
+    """The batch's prefill at the device's roofs, chunk by chunk as the scheduler cuts it
+    (see the module docstring); None without FLOP rates."""
+    from rooflm.bench.results import compute_dtype_name
+    from rooflm.perf.roofline import causal_pairs, step_cost
+
+    info = engine.info
+    config = info.model_config
+    act = info.act_dtype_bytes or info.weight_dtype_bytes
+    budget = info.max_num_batched_tokens
+    done = [0] * batch_size  # prompt tokens computed per request
+    total = 0.0
+    try:
+        while done[-1] < input_len:
+            room, new_tokens, pairs, context, sampled = budget, 0, 0, 0, 0
+            for i in range(batch_size):
+                take = min(input_len - done[i], room)
+                if take <= 0:
+                    continue
+                pairs += causal_pairs(take, done[i], config.sliding_window)
+                context += done[i] + take
+                new_tokens += take
+                room -= take
+                done[i] += take
+                sampled += done[i] == input_len
+                if room == 0:
+                    break
+            step = step_cost(config, prefill_tokens=new_tokens, prefill_attention_pairs=pairs,
+                             prefill_context_tokens=context, num_sampled_prefills=sampled,
+                             weight_bytes=info.weight_dtype_bytes, kv_bytes=info.kv_dtype_bytes,
+                             act_bytes=act, head_bytes=info.head_dtype_bytes or None,
+                             compute_dtype=compute_dtype_name(getattr(torch, info.dtype)))
+            total += step.floor_seconds(gpu)
+    except KeyError:  # no FLOP rate for this device (a CPU given only its bandwidth)
+        return None
+    return total
+
+
+def resolve_input_lens(values: list[str], max_model_len: int, output_len: int) -> list[int]:
+    """--input-len: integers, or 'sweep' for 128, 256, ... up to what the context leaves."""
+    longest = max_model_len - output_len
+    if values == ["sweep"]:
+        if longest < 1:
+            raise ValueError(f"--input-len sweep: --output-len {output_len} leaves no room for a "
+                             f"prompt in --max-model-len {max_model_len}")
+        lengths = [n for n in (128 << i for i in range(20)) if n < longest] + [longest]
+        return [n for n in lengths if n >= 1]
+    lengths = []
+    for v in values:
+        try:
+            n = int(v)
+        except ValueError:
+            raise ValueError(f"--input-len takes integers or 'sweep', got {v!r}") from None
+        if n < 1:
+            raise ValueError(f"--input-len must be >= 1, got {n}")
+        if n > longest:
+            raise ValueError(f"--input-len {n} + --output-len {output_len} is over --max-model-len "
+                             f"{max_model_len}")
+        lengths.append(n)
+    return lengths
+
+
 # ---------------------------------------------------------------- the command
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    for name in ("batch_size", "input_len", "output_len", "num_iters"):
+    for name in ("batch_size", "output_len", "num_iters"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.num_iters_warmup < 0:
@@ -237,57 +311,73 @@ def run_latency(args: argparse.Namespace, out: TextIO = None) -> int:
 
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     rng = random.Random(args.prompt_seed)
-    vocab = engine.info.model_config.vocab_size
-    preemptions_before = engine.snapshot().num_preemptions
-    iterations = _run_iterations(engine, rng, params, args, vocab)
-    preemptions = engine.snapshot().num_preemptions - preemptions_before
-
-    summary = summarize(iterations)
-    step = decode_step_cost(engine, args.batch_size, args.input_len, args.output_len)
-    tpot_ms = summary["tpot_ms"]["median"] if summary["tpot_ms"] else None
-    mbu = mbu_fields(step, tpot_ms / 1e3 if tpot_ms else None, gpu)
+    lengths = resolve_input_lens(args.input_len, engine.info.max_model_len, args.output_len)
+    points = [_measure_point(engine, rng, params, args, n, gpu) for n in lengths]
 
     result = {
         "benchmark": "latency",
         **stamp_fields,
         "model": args.model or "default (SmolLM2-135M-Instruct)",
         "dtype": engine.info.dtype,
-        "batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
+        "batch_size": args.batch_size, "input_len": lengths[0] if len(lengths) == 1 else lengths,
+        "output_len": args.output_len,
         "num_iters": args.num_iters, "num_iters_warmup": args.num_iters_warmup,
         "engine_options": engine_options,
         "startup_s": engine.info.startup_s,
-        **summary,
-        "output_tokens_per_iter": iterations[0].output_tokens,
-        "expected_output_tokens_per_iter": args.batch_size * args.output_len,
-        "num_preemptions": preemptions,
-        **mbu,
-        "iterations": [_iteration_json(it) for it in iterations],
     }
-    out.write(format_summary(result))
+    if len(points) == 1:
+        result.update(points[0])
+        out.write(format_summary(result))
+    else:
+        result["sweep"] = points
+        out.write(format_sweep(result))
     if args.output_json:
         write_json(args.output_json, result)
         out.write(f"result written to {args.output_json}\n")
     if args.output_md:
-        write_markdown(args.output_md, "rooflm bench latency", result, *_markdown_rows(result))
+        rows = _markdown_rows(result) if len(points) == 1 else _sweep_markdown_rows(result)
+        write_markdown(args.output_md, "rooflm bench latency", result, *rows)
         out.write(f"markdown written to {args.output_md}\n")
     return 0
 
 
-def _run_iterations(engine, rng: random.Random, params, args: argparse.Namespace,
+def _measure_point(engine, rng: random.Random, params, args: argparse.Namespace, input_len: int,
+                   gpu) -> dict:
+    """Warm-up and measured iterations at one prompt length, with the floors beside them."""
+    preemptions_before = engine.snapshot().num_preemptions
+    iterations = _run_iterations(engine, rng, params, args, input_len, engine.info.model_config.vocab_size)
+    preemptions = engine.snapshot().num_preemptions - preemptions_before
+    summary = summarize(iterations)
+    step = decode_step_cost(engine, args.batch_size, input_len, args.output_len)
+    tpot_ms = summary["tpot_ms"]["median"] if summary["tpot_ms"] else None
+    floor = prefill_floor_s(engine, args.batch_size, input_len, gpu) if gpu is not None else None
+    return {
+        "input_len": input_len,
+        **summary,
+        "ttft_floor_ms": floor * 1e3 if floor is not None else None,
+        "output_tokens_per_iter": iterations[0].output_tokens,
+        "expected_output_tokens_per_iter": args.batch_size * args.output_len,
+        "num_preemptions": preemptions,
+        **mbu_fields(step, tpot_ms / 1e3 if tpot_ms else None, gpu),
+        "iterations": [_iteration_json(it) for it in iterations],
+    }
+
+
+def _run_iterations(engine, rng: random.Random, params, args: argparse.Namespace, input_len: int,
                     vocab: int) -> list[IterationResult]:
     from tqdm import tqdm
 
     total = args.num_iters_warmup + args.num_iters
-    bar = tqdm(total=total, desc="warm-up" if args.num_iters_warmup else "measure",
+    bar = tqdm(total=total, desc=f"{input_len} tokens: " + ("warm-up" if args.num_iters_warmup else "measure"),
                unit="iter", disable=args.disable_tqdm, file=sys.stderr)
     iterations = []
     for i in range(total):
         warmup = i < args.num_iters_warmup
         if i == args.num_iters_warmup:
-            bar.set_description("measure")
+            bar.set_description(f"{input_len} tokens: measure")
         # Fresh prompts every iteration: a repeated prompt would be served by the prefix cache.
-        prompts = random_prompts(rng, args.batch_size, args.input_len, vocab)
-        result = run_iteration(engine, prompts, params, tag=f"latency-{i}")
+        prompts = random_prompts(rng, args.batch_size, input_len, vocab)
+        result = run_iteration(engine, prompts, params, tag=f"latency-{input_len}-{i}")
         if not warmup:
             iterations.append(result)
         bar.update(1)
@@ -317,7 +407,8 @@ def format_summary(result: dict) -> str:
              f"{'Batch x input x output:':<36} {result['batch_size']} x {result['input_len']} x "
              f"{result['output_len']}",
              f"{'Iterations (warm-up):':<36} {result['num_iters']} ({result['num_iters_warmup']})",
-             f"{'Median TTFT (ms):':<36} {_fmt_ms(result['ttft_ms'])}",
+             f"{'Median TTFT (ms):':<36} {_fmt_ms(result['ttft_ms'])}"
+             + (f" (floor {result['ttft_floor_ms']:.2f})" if result.get("ttft_floor_ms") else ""),
              f"{'Median TPOT (ms):':<36} {_fmt_ms(result['tpot_ms'])}",
              f"{'Median end-to-end latency (ms):':<36} {_fmt_ms(result['e2e_latency_ms'])}",
              f"{'Median output tokens/s:':<36} {result['output_tokens_per_s']['median']:.1f}",
@@ -345,3 +436,38 @@ def _markdown_rows(result: dict) -> tuple[list[str], list[list]]:
            result["ttft_ms"]["median"], tpot, result["e2e_latency_ms"]["median"],
            result["output_tokens_per_s"]["median"], mbu]
     return headers, [row]
+
+
+def _ratio(measured: Optional[float], floor: Optional[float]) -> Optional[float]:
+    return floor / measured if measured and floor else None
+
+
+def format_sweep(result: dict) -> str:
+    """TTFT and TPOT against context length, each beside its floor."""
+    lines = [f"rooflm bench latency: {result['model']} on {result['device_name']} ({result['dtype']}), "
+             f"batch {result['batch_size']}, {result['output_len']} output tokens, medians of "
+             f"{result['num_iters']}",
+             f"{'input':>8} {'TTFT ms':>10} {'floor':>9} {'of floor':>8} {'TPOT ms':>9} {'floor':>8} {'MBU':>6}"]
+    for p in result["sweep"]:
+        ttft, tpot = p["ttft_ms"]["median"], p["tpot_ms"]["median"] if p["tpot_ms"] else None
+        share = _ratio(ttft, p["ttft_floor_ms"])
+        cells = [f"{p['input_len']:>8}", f"{ttft:>10.2f}",
+                 f"{p['ttft_floor_ms']:>9.2f}" if p["ttft_floor_ms"] else f"{'n/a':>9}",
+                 f"{100 * share:>7.0f}%" if share else f"{'n/a':>8}",
+                 f"{tpot:>9.3f}" if tpot else f"{'n/a':>9}",
+                 f"{p['decode_floor_ms']:>8.3f}" if p["decode_floor_ms"] else f"{'n/a':>8}",
+                 f"{100 * p['mbu']:>5.0f}%" if p["mbu"] is not None else f"{'n/a':>6}"]
+        lines.append(" ".join(cells))
+    lines.append("floors: prefill chunk by chunk and one decode step at the device's roofs "
+                 "('of floor': how close the measured TTFT comes to it)")
+    return "\n".join(lines) + "\n"
+
+
+def _sweep_markdown_rows(result: dict) -> tuple[list[str], list[list]]:
+    headers = ["input", "TTFT ms", "TTFT floor ms", "TPOT ms", "decode floor ms", "MBU"]
+    rows = []
+    for p in result["sweep"]:
+        tpot = p["tpot_ms"]["median"] if p["tpot_ms"] else None
+        mbu = f"{100 * p['mbu']:.1f}%" if p["mbu"] is not None else None
+        rows.append([p["input_len"], p["ttft_ms"]["median"], p["ttft_floor_ms"], tpot, p["decode_floor_ms"], mbu])
+    return headers, rows

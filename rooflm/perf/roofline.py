@@ -77,7 +77,7 @@ _SAMPLING_FLOPS = 8
 
 # Kinds of operation, each with its own roof.
 MATMUL = "matmul"  # tensor cores at the weight format's compute dtype
-ATTENTION = "attention"  # bf16 tensor cores
+ATTENTION = "attention"  # tensor cores in the activations' dtype (bf16; fp32 models: fp32)
 VECTOR = "vector"  # CUDA cores (fp32 rate)
 COMM = "comm"  # GPU-to-GPU link under tensor parallelism
 
@@ -419,7 +419,9 @@ def op_roofline(op: OpCost, gpu: GpuSpec, compute_dtype: str = "bf16") -> OpRoof
     if op.kind == MATMUL:
         peak = gpu.peak_flops(compute_dtype)
     elif op.kind == ATTENTION:
-        peak = gpu.peak_flops("bf16")
+        # Attention multiplies activations, not weights: bf16 for every weight format but a
+        # float32 model's (whose attention in bf16 would be priced at a CPU's scalar bf16 rate).
+        peak = gpu.peak_flops("fp32" if compute_dtype == "fp32" else "bf16")
     else:
         peak = gpu.peak_flops("fp32")
     return OpRoofline(op, peak, gpu.mem_bw, op.flops / peak, op.bytes / gpu.mem_bw)

@@ -79,6 +79,58 @@ def test_latency_reports_ttft_tpot_and_mbu(capsys, tmp_path, tiny_path):
     assert "| batch |" in out_md.read_text()
 
 
+def test_latency_sweeps_context_lengths_beside_the_prefill_floor(capsys, tmp_path, tiny_path):
+    # --gpu h100 is refused for a CPU run; a measured CPU has FLOP rates, so floors exist.
+    out_json = tmp_path / "sweep.json"
+    rc, out, err = run_bench(capsys, "latency", "--model", tiny_path, "--batch-size", "2",
+                             "--input-len", "5", "40", "--output-len", "3", "--num-iters", "1",
+                             "--num-iters-warmup", "0", "--max-num-batched-tokens", "16",
+                             "--output-json", str(out_json))
+    assert rc == 0, err
+    result = read_json(out_json)
+    assert result["input_len"] == [5, 40]
+    points = result["sweep"]
+    assert [p["input_len"] for p in points] == [5, 40]
+    for p in points:
+        assert p["output_tokens_per_iter"] == 6
+        assert 0 < p["ttft_floor_ms"] and p["ttft_ms"]["median"] > 0
+        assert p["decode_floor_ms"] > 0
+    # Two prompts of 40 in chunks of 16 take 5 chunks, of 5 one: more FLOPs and more weight reads.
+    assert points[1]["ttft_floor_ms"] > points[0]["ttft_floor_ms"]
+    assert "TTFT ms" in out and "    40 " in out
+
+
+def test_prefill_floor_counts_each_chunk_of_the_schedule(tiny_path):
+    import dataclasses
+    from types import SimpleNamespace
+
+    from rooflm.bench.latency import prefill_floor_s
+    from rooflm.engine.llm_engine import LLMEngine
+    from rooflm.perf.gpus import get_gpu
+
+    engine = LLMEngine.from_kwargs(model=tiny_path, device="cpu", max_num_batched_tokens=8)
+    h100 = get_gpu("h100")
+    one_chunk = prefill_floor_s(engine, 1, 8, h100)
+    # 16 tokens in two chunks of 8 read the weights twice: more than in one chunk of 16.
+    wide = SimpleNamespace(info=dataclasses.replace(engine.info, max_num_batched_tokens=16))
+    assert prefill_floor_s(engine, 1, 16, h100) > prefill_floor_s(wide, 1, 16, h100) > one_chunk
+    # Two prompts of 4 fill one chunk of 8: cheaper than two chunks.
+    assert prefill_floor_s(engine, 2, 4, h100) < 2 * one_chunk
+    cpu_without_flops = SimpleNamespace(peak_flops=lambda dtype: (_ for _ in ()).throw(KeyError(dtype)))
+    assert prefill_floor_s(engine, 1, 8, cpu_without_flops) is None
+
+
+def test_latency_input_len_sweep_and_bad_lengths():
+    from rooflm.bench.latency import resolve_input_lens
+
+    assert resolve_input_lens(["sweep"], 1024, 24) == [128, 256, 512, 1000]
+    assert resolve_input_lens(["sweep"], 64, 8) == [56]
+    assert resolve_input_lens(["7", "9"], 64, 8) == [7, 9]
+    for bad, msg in [(["x"], "integers or 'sweep'"), (["0"], ">= 1"), (["60"], "over --max-model-len")]:
+        with pytest.raises(ValueError, match=msg):
+            resolve_input_lens(bad, 64, 8)
+
+
 def test_latency_measures_the_cpu_as_profile_does(capsys, tmp_path, tiny_path):
     # No --cpu-bandwidth-gbs: the CPU is measured by the one module that `profile` and
     # `roofline --gpu measure` use too (perf/gpus.py), once per process.
