@@ -88,7 +88,7 @@ def main() -> int:
             vocab = json.load(f)["vocab_size"]
         trace = os.path.join(args.out, "offline-trace.json")
         offline_trace(offline, vocab, trace)
-        sim = simulate(["--trace", trace, "--ingress-ms", "0", *common], os.path.join(args.out, "sim-offline.json"))
+        sim = simulate(["--trace", trace, "--ingress-ms", "0", "--api-token-us", "0", *common], os.path.join(args.out, "sim-offline.json"))
         rows.append(row("offline (bench throughput)", "output tok/s", offline["output_tokens_per_s"],
                         sim["output_throughput"], TARGETS["throughput"]))
         rows.append(row("offline (bench throughput)", "steps", offline.get("num_steps"),

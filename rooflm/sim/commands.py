@@ -50,6 +50,11 @@ def register(sub) -> None:
     hw.add_argument("--ingress-ms", type=float, default=None,
                     help="API-process latency before a request reaches the engine (default 2.2 ms: "
                          "measured `rooflm serve` vs offline TTFT; 0 for offline workloads)")
+    hw.add_argument("--api-token-us", type=float, default=None,
+                    help="API-process CPU per streamed token, per-request work included (default 67 "
+                         "us: measured behind `rooflm serve` on the H100 host; 0 for offline workloads)")
+    hw.add_argument("--api-request-us", type=float, default=0.0,
+                    help="API-process CPU per request on top of --api-token-us (default 0)")
     wl = p.add_argument_group("workload")
     wl.add_argument("--trace", default=None, metavar="FILE",
                     help="JSON/CSV trace (arrival_s, prompt_len, output_len[, max_tokens, prefix_group, "
@@ -181,6 +186,13 @@ def workload_for(args, rate: float, num_prompts: Optional[int] = None, seed: Opt
         args.seed if seed is None else seed)
 
 
+def _api_cost(args):
+    from rooflm.sim.api_process import API_TOKEN_S, ApiCost
+
+    token_s = API_TOKEN_S if args.api_token_us is None else args.api_token_us / 1e6
+    return ApiCost(request_s=args.api_request_us / 1e6, token_s=token_s)
+
+
 def _ingress_s(args) -> float:
     from rooflm.sim.simulator import SERVER_INGRESS_S
 
@@ -225,7 +237,8 @@ def _run(args, out: TextIO) -> int:
     sweep, results = [], []
     for i, rate in enumerate(rates):
         requests = workload_for(args, rate, seed=args.seed + i)
-        cfg = SimConfig(replica, args.dp, args.router, _ingress_s(args), model.vocab_size, args.seed)
+        cfg = SimConfig(replica, args.dp, args.router, _ingress_s(args), model.vocab_size, args.seed,
+                        api=_api_cost(args))
         result = simulate(cfg, cost, requests)
         metrics = sim_metrics(result, slos)
         label = "trace " + args.trace if args.trace else f"{rate:g} req/s ({args.arrival})"
@@ -324,7 +337,7 @@ def _plan(args, out: TextIO) -> int:
         raise ValueError("--plan draws its own arrivals at each rate: give lengths by flags, not --trace")
     out.write(f"planning {name} at {rate:g} req/s, {slo}; {len(candidates)} candidates "
               f"({args.num_prompts} requests per probe, {args.router} router); prices: {PRICE_SOURCE}\n")
-    planner = Planner(slo, rate, workload, args.num_prompts, args.router, _ingress_s(args),
+    planner = Planner(slo, rate, workload, args.num_prompts, args.router, _ingress_s(args), _api_cost(args),
                       args.seed, out=out, verbose=args.verbose)
     results = planner.plan(candidates, args.top)
     if not results:

@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, TextIO
 
+from rooflm.sim.api_process import ApiCost
 from rooflm.sim.cost_model import StepCostModel
 from rooflm.sim.metrics import sim_metrics
 from rooflm.sim.replica import ReplicaConfig
@@ -147,13 +148,14 @@ class Planner:
     num_prompts: int = 1000
     router: str = "least-loaded"
     ingress_s: float = 0.0
+    api: ApiCost = ApiCost()
     seed: int = 0
     max_dp: int = 256
     out: TextIO = field(default_factory=lambda: sys.stdout)
     verbose: bool = False
 
     def _run(self, cand: Candidate, rate: float, n: int, dp: int = 1) -> dict:
-        cfg = SimConfig(cand.replica, num_replicas=dp, router=self.router, ingress_s=self.ingress_s,
+        cfg = SimConfig(cand.replica, num_replicas=dp, router=self.router, ingress_s=self.ingress_s, api=self.api,
                         seed=self.seed, record_steps=False)
         return sim_metrics(simulate(cfg, cand.cost_model, self.workload(rate, n, self.seed)),
                            self.slo.goodput_slos(), series_points=0)

@@ -32,6 +32,7 @@ from rooflm.engine.request import Request, RequestStatus
 from rooflm.engine.scheduler import Scheduler, SchedulerOutput
 from rooflm.errors import InvalidRequest
 from rooflm.sampling_params import SamplingParams, resolve_max_tokens
+from rooflm.sim.api_process import ApiProcess
 from rooflm.sim.cost_model import StepCostModel
 
 # Token ids the simulated sampler emits: any id works (the scheduler never reads them), but
@@ -94,8 +95,9 @@ class StepSample:
 
 class SimReplica:
     def __init__(self, cfg: ReplicaConfig, cost_model: StepCostModel, index: int = 0,
-                 record_steps: bool = True):
+                 record_steps: bool = True, api: Optional[ApiProcess] = None):
         self.cfg = cfg
+        self.api = api  # streams the tokens to clients; None: they arrive at the step's end
         self.index = index
         self.cost_model = cost_model
         self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
@@ -203,6 +205,7 @@ class SimReplica:
         """The step's tokens reach the host at its end: the real output processor applies them."""
         sampled: dict[int, list[int]] = {}
         t = step.end_s
+        got: list[RequestRecord] = []
         for sch in step.out.scheduled:
             seq, req = sch.seq, sch.request
             if not sch.completes or seq.finished or req.status == RequestStatus.FINISHED:
@@ -210,10 +213,16 @@ class SimReplica:
             stop_at = self._stop_at.get(req.request_id)
             eos = stop_at is not None and seq.num_output_tokens + 1 == stop_at
             sampled[seq.seq_id] = [EOS_TOKEN if eos else FILLER_TOKEN]
-            self.records[req.request_id].token_times.append(t)
+            got.append(self.records[req.request_id])
+        # When each token reaches its client: the step's end, or later behind the API process.
+        times = self.api.send(t, len(got)) if self.api is not None else [t] * len(got)
+        for record, at in zip(got, times):
+            record.token_times.append(at)
         for output in self.outputs.process(step.out, StepResult(sampled, {}, {})):
             if output.finished:
-                self._finish(output.request_id, output.num_cached_tokens, t)
+                record = self.records[output.request_id]
+                self._finish(output.request_id, output.num_cached_tokens,
+                             record.token_times[-1] if record.token_times else t)
 
     def _finish(self, request_id: str, num_cached: int, t: float) -> None:
         record = self.records.pop(request_id)

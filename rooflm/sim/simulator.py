@@ -2,8 +2,10 @@
 
 Events, in time order (a delivery before a step call at the same instant):
   arrival    the client sends a request; the router picks its replica at once;
-  delivery   `ingress_s` later (the API process: HTTP, tokenization, the hop to the engine
-             core) the request is in that replica's scheduler;
+  delivery   once the replica's API process has admitted it (sim/api_process.py: a FIFO
+             server that also streams every token, so it queues under load) and `ingress_s`
+             of latency later (HTTP, the hop to the engine core), the request is in that
+             replica's scheduler;
   step call  a replica runs one LLMEngine.step() (replica.step_call) and says when the host
              is free for the next; an idle replica sleeps until its next delivery.
 Each replica keeps its own clock through its step calls; they share nothing but the router.
@@ -17,15 +19,17 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from rooflm.sim.api_process import API_TOKEN_S, ApiCost, ApiProcess
 from rooflm.sim.cost_model import StepCostModel
 from rooflm.sim.replica import ReplicaConfig, RequestRecord, SimReplica
 from rooflm.sim.router import Router
 from rooflm.sim.workload import SimRequest
 
-# The API process's share of a served request's latency, not in the engine's steps: a
-# request at concurrency 1 had TTFT 10.63 ms through `rooflm serve` and 8.43 ms offline
-# (H100, benchmarks/results/serving-h100-20261123-s4/README.md), 2.2 ms apart.
-SERVER_INGRESS_S = 0.0022
+# The API path's latency beside its CPU work (sim/api_process.py): a request at concurrency 1
+# had TTFT 10.63 ms through `rooflm serve` and 8.43 ms offline (H100,
+# benchmarks/results/serving-h100-20261123-s4/README.md), 2.2 ms apart, of which the API
+# process's CPU for the first token is counted by its own model.
+SERVER_INGRESS_S = 0.0022 - API_TOKEN_S
 
 _DELIVER, _WAKE = 0, 1
 
@@ -39,6 +43,7 @@ class SimConfig:
     vocab_size: int = 32000
     seed: int = 0
     record_steps: bool = True
+    api: ApiCost = ApiCost()  # each replica's API process; all zero: no API process modelled
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -79,7 +84,9 @@ def _prompt_ids(req: SimRequest, rng: random.Random, prefixes: dict, vocab: rang
 def simulate(cfg: SimConfig, cost_model: StepCostModel, requests: list[SimRequest]) -> SimResult:
     t0 = time.perf_counter()
     requests = sorted(requests, key=lambda r: r.arrival_s)
-    replicas = [SimReplica(cfg.replica, cost_model, i, cfg.record_steps) for i in range(cfg.num_replicas)]
+    replicas = [SimReplica(cfg.replica, cost_model, i, cfg.record_steps,
+                           ApiProcess(cfg.api) if cfg.api.active else None)
+                for i in range(cfg.num_replicas)]
     router = Router(cfg.router)
     rng = random.Random(cfg.seed + 1)
     vocab = range(min(100, cfg.vocab_size - 1), cfg.vocab_size)
@@ -97,7 +104,9 @@ def simulate(cfg: SimConfig, cost_model: StepCostModel, requests: list[SimReques
             ids = _prompt_ids(req, rng, prefixes, vocab)
             key = req.prefix_group if req.prefix_group is not None else tuple(ids[:cfg.replica.block_size])
             r = router.pick(replicas, key)
-            heapq.heappush(events, (req.arrival_s + cfg.ingress_s, _DELIVER, counter, r, (i, ids)))
+            api = replicas[r].api
+            admitted = api.admit(req.arrival_s) if api is not None else req.arrival_s
+            heapq.heappush(events, (admitted + cfg.ingress_s, _DELIVER, counter, r, (i, ids)))
             counter += 1
             i += 1
             continue

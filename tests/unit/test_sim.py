@@ -13,6 +13,7 @@ from rooflm.engine.report import BatchShape
 from rooflm.model.presets import get_preset
 from rooflm.perf.gpus import get_gpu
 from rooflm.perf.roofline import causal_pairs, step_cost
+from rooflm.sim.api_process import ApiCost, ApiProcess
 from rooflm.sim.calibration import CalibrationTable, StepSample, correction_for, fit_correction, nnls
 from rooflm.sim.cost_model import Correction, RooflineCostModel, SyntheticCostModel
 from rooflm.sim.metrics import sim_metrics
@@ -223,6 +224,45 @@ def test_overload_queues_and_preempts_in_the_simulated_engine():
     assert metrics["sim"]["queue_ms"]["p99"] > 20
     assert max(p["kv_usage"] for p in metrics["sim"]["kv_usage_series"]) > 0.9
     assert metrics["request_goodput"] < metrics["request_throughput"]
+
+
+def test_api_process_is_one_fifo_server_for_requests_and_tokens():
+    api = ApiProcess(ApiCost(request_s=0.002, token_s=0.001))
+    assert api.admit(1.0) == pytest.approx(1.002)
+    # A step's 3 tokens at 1.0005 wait for the admission, then leave one by one.
+    assert api.send(1.0005, 3) == pytest.approx([1.003, 1.004, 1.005])
+    assert api.admit(1.004) == pytest.approx(1.007)  # behind the tokens
+    assert api.send(2.0, 1) == pytest.approx([2.001])  # idle in between: no wait
+    assert api.busy_s == pytest.approx(0.002 * 2 + 0.001 * 4)
+    with pytest.raises(ValueError, match=">= 0"):
+        ApiCost(token_s=-1e-6)
+
+
+def test_api_process_queueing_grows_ttft_with_load_not_throughput():
+    """Every streamed token costs the API process time: at a low rate that adds little to TTFT,
+    near its capacity (~1 / token cost) much more, while the engine's steps are the same."""
+    def run(rate, token_s):
+        reqs = synthetic_workload(150, LengthDist("fixed", 16), LengthDist("fixed", 20), "poisson", rate,
+                                  seed=4)
+        cfg = SimConfig(small_replica(max_num_seqs=64, num_blocks=4000), ingress_s=0.0,
+                        api=ApiCost(token_s=token_s))
+        result = simulate(cfg, SyntheticCostModel(step_s=0.004, per_seq_s=2e-5), reqs)
+        return sim_metrics(result), result
+
+    # 20 output tokens per request at 300 us a token: the API process saturates near 167 req/s.
+    for rate in (20.0, 150.0):
+        base, base_result = run(rate, 0.0)
+        api, api_result = run(rate, 300e-6)
+        assert api_result.num_steps == pytest.approx(base_result.num_steps, rel=0.15)
+        added = api["ttft_ms"]["median"] - base["ttft_ms"]["median"]
+        if rate == 20.0:
+            assert 0.2 < added < 3, added  # about one token's cost plus a little waiting
+            low = added
+        else:
+            assert added > 3 * low, (added, low)
+        # Tokens leave in order: the API process never reorders a request's tokens.
+        for rec in api_result.records:
+            assert rec.token_times == sorted(rec.token_times) and rec.finish_s == rec.token_times[-1]
 
 
 # ---- the plan search -----------------------------------------------------------------------------
