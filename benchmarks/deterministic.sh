@@ -39,7 +39,7 @@ if [ "$PART" != compare ]; then
     throughput sharegpt-$mode $flag
     echo "cost runs, $mode: done"
   done
-  python benchmarks/deterministic_kernels.py --out "$OUT" 2>&1 | grep -v Warn | tail -14
+  python benchmarks/deterministic_kernels.py --out "$OUT" 2>&1 | grep -v Warn | tee "$OUT/kernels.txt" | tail -45
 fi
 
 python - "$OUT" <<'PY'

@@ -26,6 +26,34 @@ PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
                "lm_head": (128256, 4096)}
 
 
+# Tile shapes (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages) to compare with the table's: a
+# shape-dependent (never M-dependent) choice could fill more SMs for the narrow projections.
+CANDIDATES = [(128, 64, 64, 8, 4, 4), (64, 64, 64, 8, 4, 4), (128, 256, 64, 8, 8, 3)]
+
+
+def bench_tile_shapes() -> list[dict]:
+    """Each candidate against the table's shape at M = 1 and 2048, and whether it sums like it
+    (bitwise equal outputs: then BLOCK_M / BLOCK_N could change without changing any token)."""
+    from rooflm.kernels.matmul_persistent import matmul_config
+    rows = []
+    base = matmul_config(torch.bfloat16)
+    for name in ("o", "down", "gate_up"):
+        n, k = PROJECTIONS[name]
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        for m in (1, 2048):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = matmul_persistent(x, w, config=base)
+            t_base = do_bench(lambda: matmul_persistent(x, w, config=base), return_mode="median")
+            for cand in CANDIDATES:
+                t = do_bench(lambda: matmul_persistent(x, w, config=cand), return_mode="median")
+                same = bool(torch.equal(matmul_persistent(x, w, config=cand), ref))
+                rows.append(dict(kernel="matmul-tiles", shape=name, m=m, config=list(cand), ms=t,
+                                 table_ms=t_base, sums_like_table=same))
+                print(f"tiles {name:8s} M={m:5d} {cand}: {t:7.3f} ms (table {t_base:7.3f})  same sums: {same}",
+                      flush=True)
+    return rows
+
+
 def bench_matmul() -> list[dict]:
     rows = []
     for name, (n, k) in PROJECTIONS.items():
@@ -73,7 +101,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    rows = bench_matmul() + bench_attention()
+    rows = bench_matmul() + bench_attention() + bench_tile_shapes()
     with open(os.path.join(args.out, "kernels.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
 

@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rooflm.kernels.utils import cdiv, check_last_dim_contiguous, is_interpreter, num_sms
+from rooflm.kernels.utils import cdiv, check_last_dim_contiguous, dot_precision, is_interpreter, num_sms, upcast_dots
 
 
 # --------------------------------------------------------------------------
@@ -70,8 +70,8 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 def _matmul_persistent_kernel(y_ptr, x_ptr, w_ptr, bias_ptr, M, N, K, num_programs,
                               stride_xm, stride_wn, stride_ym,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              GROUP_M: tl.constexpr,
-                              HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                              GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                              UPCAST: tl.constexpr):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
@@ -90,6 +90,9 @@ def _matmul_persistent_kernel(y_ptr, x_ptr, w_ptr, bias_ptr, M, N, K, num_progra
             k_ok = offs_k < K - k0
             a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if UPCAST:  # the interpreter's bf16 dot (utils.upcast_dots); never compiled
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
@@ -123,10 +126,13 @@ def matmul_config(dtype: torch.dtype) -> tuple[int, int, int, int, int, int]:
 
 
 def matmul_persistent(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                      out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                      out_dtype: Optional[torch.dtype] = None,
+                      config: Optional[tuple[int, int, int, int, int, int]] = None) -> torch.Tensor:
     """y = x @ weight^T + bias with a summation order independent of x's row count.
 
-    x [..., K]; weight [N, K]; bias [N]. Leading dims of x are flattened into M.
+    x [..., K]; weight [N, K]; bias [N]. Leading dims of x are flattened into M. config overrides
+    the table (benchmarks/deterministic_kernels.py compares tile shapes); a caller that wants
+    batch invariance must never choose it from M.
     """
     if weight.dim() != 2:
         raise ValueError(f"weight must be [N, K], got {tuple(weight.shape)}")
@@ -145,7 +151,7 @@ def matmul_persistent(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m > 0 and n > 0:
-        block_m, block_n, block_k, group_m, num_warps, num_stages = matmul_config(x.dtype)
+        block_m, block_n, block_k, group_m, num_warps, num_stages = config or matmul_config(x.dtype)
         num_tiles = cdiv(m, block_m) * cdiv(n, block_n)
         sms = num_sms(x.device.index or 0) if x.device.type == "cuda" else num_sms()
         programs = min(sms, num_tiles)
@@ -153,7 +159,7 @@ def matmul_persistent(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
             y, x2, weight, bias if bias is not None else weight, m, n, k, programs,
             x2.stride(0), weight.stride(0), y.stride(0),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-            HAS_BIAS=bias is not None, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(x.dtype), UPCAST=upcast_dots(x.dtype),
             num_warps=num_warps, num_stages=num_stages,
         )
     return y.reshape(*lead, n)
