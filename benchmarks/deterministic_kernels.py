@@ -20,6 +20,7 @@ from triton.testing import do_bench
 
 from rooflm.kernels.backend import TritonBackend
 from rooflm.kernels.matmul_persistent import matmul_bytes, matmul_flops, matmul_persistent
+from rooflm.kernels.prefill_attention import plan_prefill_attention, prefill_attention
 from rooflm.kernels.utils import random_paged_batch
 
 PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
@@ -90,6 +91,23 @@ def bench_attention() -> list[dict]:
                 meta.plan = plan
                 backend.attend(q, k_cache, v_cache, meta, 128 ** -0.5, None, out=out)
             times[label] = do_bench(step, return_mode="median")
+        if query_lens[0] == 1:  # decodes: would a shorter query tile sum alike (and how fast)?
+            uniform = TritonBackend(deterministic=True)
+            meta.plan = None
+            table_plan = uniform.plan(q, k_cache, v_cache, meta, None, out)
+            ref = out.clone()
+            uniform.attend(q, k_cache, v_cache, meta, 128 ** -0.5, None, out=ref)
+            for block_m in (64, 16):
+                config = (block_m,) + table_plan[1].config[1:]  # plan: (decode None, prefill)
+                plan = plan_prefill_attention(q, k_cache, v_cache, meta, None, out=out, config=config,
+                                              uniform=True)
+                alt = torch.empty_like(out)
+                prefill_attention(q, k_cache, v_cache, meta, 128 ** -0.5, None, out=alt, plan=plan)
+                t = do_bench(lambda: prefill_attention(q, k_cache, v_cache, meta, 128 ** -0.5, None, out=alt,
+                                                       plan=plan), return_mode="median")
+                same = bool(torch.equal(alt, ref))
+                rows.append(dict(kernel="attention-tiles", case=name, config=list(config), ms=t, sums_like_table=same))
+                print(f"attention {name:18s} uniform BLOCK_M={block_m}: {t:7.3f} ms  same sums: {same}", flush=True)
         rows.append(dict(kernel="attention", case=name, default_ms=times["default"],
                          deterministic_ms=times["deterministic"], ratio=times["deterministic"] / times["default"]))
         print(f"attention {name:18s} default {times['default']:7.3f} ms  uniform {times['deterministic']:7.3f} ms  "
