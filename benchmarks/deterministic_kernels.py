@@ -23,6 +23,7 @@ from rooflm.kernels.matmul_persistent import matmul_bytes, matmul_flops, matmul_
 from rooflm.kernels.prefill_attention import plan_prefill_attention, prefill_attention
 from rooflm.kernels.utils import random_paged_batch
 
+DEVICE = "cuda"
 PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
                "lm_head": (128256, 4096)}
 
@@ -40,9 +41,9 @@ def bench_tile_shapes() -> list[dict]:
     base = matmul_config(torch.bfloat16)
     for name in ("o", "down", "gate_up"):
         n, k = PROJECTIONS[name]
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k ** 0.5
         for m in (1, 2048):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
             ref = matmul_persistent(x, w, config=base)
             t_base = do_bench(lambda: matmul_persistent(x, w, config=base), return_mode="median")
             for cand in CANDIDATES:
@@ -58,9 +59,9 @@ def bench_tile_shapes() -> list[dict]:
 def bench_matmul() -> list[dict]:
     rows = []
     for name, (n, k) in PROJECTIONS.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-        for m in (1, 64, 512, 2048):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k ** 0.5
+        for m in M_VALUES:
+            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
             t_cublas = do_bench(lambda: F.linear(x, w), return_mode="median")
             t_det = do_bench(lambda: matmul_persistent(x, w), return_mode="median")
             row = dict(kernel="matmul", shape=name, m=m, n=n, k=k, cublas_ms=t_cublas, deterministic_ms=t_det,
@@ -72,14 +73,17 @@ def bench_matmul() -> list[dict]:
     return rows
 
 
+ATTENTION_CASES = {"decode 1 x 1152": ([1152], [1]), "decode 64 x 1280": ([1280] * 64, [1] * 64),
+                   "prefill 1 x 2048": ([2048], [2048]), "prefill 8 x 1024": ([1024] * 8, [1024] * 8)}
+M_VALUES = (1, 64, 512, 2048)
+
+
 def bench_attention() -> list[dict]:
     rows = []
-    cases = {"decode 1 x 1152": ([1152], [1]), "decode 64 x 1280": ([1280] * 64, [1] * 64),
-             "prefill 1 x 2048": ([2048], [2048]), "prefill 8 x 1024": ([1024] * 8, [1024] * 8)}
-    for name, (seq_lens, query_lens) in cases.items():
-        meta, k_cache, v_cache = random_paged_batch(seq_lens, query_lens, 8, 128, 16, torch.bfloat16, "cuda",
+    for name, (seq_lens, query_lens) in ATTENTION_CASES.items():
+        meta, k_cache, v_cache = random_paged_batch(seq_lens, query_lens, 8, 128, 16, torch.bfloat16, DEVICE,
                                                     poison_unused=False)
-        q = torch.randn(sum(query_lens), 32, 128, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(sum(query_lens), 32, 128, device=DEVICE, dtype=torch.bfloat16)
         out = torch.empty_like(q)
         times = {}
         for label, backend in (("default", TritonBackend(split_span=2048)),
@@ -121,7 +125,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = bench_matmul() + bench_attention() + bench_tile_shapes()
     with open(os.path.join(args.out, "kernels.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        json.dump({"device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
