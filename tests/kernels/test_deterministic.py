@@ -168,8 +168,8 @@ def test_engine_deterministic_triton_path_matches_reference(tmp_path):
     from tests.models.tiny_models import make_tiny_model
 
     path, _ = make_tiny_model(tmp_path, "qwen3", initializer_range=0.3)
-    prompts = [[5, 17, 42, 99, 3, 250, 7, 8, 9], [30, 31, 32]]
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = [[5, 17, 42, 99, 3, 250, 7, 8, 9]]  # 9 tokens, chunks of 8: a chunked prefill
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     kw = dict(model=path, device=DEVICE, dtype="float32", block_size=4, max_num_batched_tokens=8,
               enforce_eager=True)
     ref = LLM(attention_backend="reference", **kw).generate(prompts, params)

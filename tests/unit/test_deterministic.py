@@ -21,10 +21,10 @@ def tiny_llama(tmp_path_factory):
 
 def requests():
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 37, 17, 30)]
-    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 29, 17, 24)]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
     # A seeded random request with n = 2: each sample draws from its own generator.
-    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=7, n=2, max_tokens=8, ignore_eos=True, logprobs=2)
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=7, n=2, max_tokens=6, ignore_eos=True, logprobs=2)
     # The first two prompts share a 12-token head (a prefix-cache hit of 3 blocks).
     prompts[1][:12] = prompts[3][:12]
     return prompts, [greedy, greedy, seeded, greedy]
@@ -34,6 +34,7 @@ def run(path, **kw):
     prompts, params = requests()
     llm = LLM(model=path, device="cpu", dtype="float32", block_size=4, deterministic=True, **kw)
     outs = llm.generate(prompts, params)
+    run.preemptions = llm.engine.snapshot().num_preemptions
     return [[(c.token_ids, [{t: (lp.logprob, lp.rank) for t, lp in d.items()} for d in c.logprobs])
              for c in o.outputs] for o in outs]
 
@@ -43,9 +44,13 @@ def test_deterministic_cpu_outputs_do_not_depend_on_batching(tiny_llama):
     assert len(base[2]) == 2 and base[2][0][0] != base[2][1][0]  # two different samples
     # One request at a time, prompts chunked 8 tokens a step, no prefix cache.
     assert run(tiny_llama, max_num_seqs=1, max_num_batched_tokens=8, enable_prefix_caching=False) == base
-    # A pool of 16 blocks (64 tokens) for ~200: requests are preempted, by swapping and recomputing.
-    assert run(tiny_llama, num_blocks=16, preemption_mode="swap", max_num_batched_tokens=16) == base
-    assert run(tiny_llama, num_blocks=16, preemption_mode="recompute") == base
+    # A pool of 12 blocks (48 tokens) for ~110, admission without growth room: requests are
+    # preempted, by swapping and by recomputing.
+    assert run(tiny_llama, num_blocks=12, preemption_mode="swap", max_num_batched_tokens=16,
+               reserve_new_tokens=False) == base
+    assert run.preemptions > 0
+    assert run(tiny_llama, num_blocks=12, preemption_mode="recompute", reserve_new_tokens=False) == base
+    assert run.preemptions > 0
 
 
 def test_deterministic_cpu_wiring_and_closeness_to_default(tiny_llama):
