@@ -1,7 +1,8 @@
 """The CPU's batch-invariant attention: the torch reference, one query token at a time.
 
 The reference backend attends a prefill chunk's queries in one SDPA call and a batch of decodes
-in another, and SDPA's CPU kernels block their sums by the number of queries: a token's
+in another, and the sums of a batched call may be blocked by its shape (the tests see logprobs
+move in their last bits between batchings without this mode): a token's
 attention output then depends on the chunk it was computed in. Here every query token is its
 own SDPA call against exactly the keys it sees, so a token gets the same numbers in a decode
 step, in any prefill chunk, beside any other sequences. (On the GPU the Triton backend does the
