@@ -200,6 +200,10 @@ class RuntimeConfig:
     # Freeze the start-up heap and collect young objects every 50,000 allocations instead of 700
     # (process-wide; engine/host_gc.py): the collector took about half the host time per sequence.
     tune_gc: bool = True
+    # Batch-invariant kernels (rooflm/deterministic/): a request's tokens and logprobs do not depend
+    # on what else is in the batch, the step's size, chunking, preemption, prefix hits or graphs.
+    # Costs speed (README "Deterministic inference"); turns decode_gemv off.
+    deterministic: bool = False
 
 
 @dataclass(frozen=True)

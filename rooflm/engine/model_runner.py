@@ -163,13 +163,17 @@ class ModelRunner:
 
     def _make_backend(self):
         choice = self.config.runtime.attention_backend
-        if choice == "reference":
-            return ReferenceBackend()
-        if choice == "auto" and self.device.type != "cuda":
+        deterministic = self.config.runtime.deterministic
+        if choice == "reference" or (choice == "auto" and self.device.type != "cuda"):
+            if deterministic:  # one query token at a time (rooflm/deterministic/)
+                from rooflm.deterministic.attention import RowwiseReferenceBackend
+                return RowwiseReferenceBackend()
+            if choice == "reference":
+                return ReferenceBackend()
             from rooflm.layers.cpu_attention import CpuBackend
             return CpuBackend()  # the reference math, planned once a step
         from rooflm.kernels.backend import TritonBackend
-        return TritonBackend(split_span=self.max_model_len)
+        return TritonBackend(split_span=self.max_model_len, deterministic=deterministic)
 
     # ---- set-up ----------------------------------------------------------------------------
 
@@ -273,7 +277,11 @@ class ModelRunner:
         return float(self.model.model.embed_tokens.weight.element_size())
 
     def _make_kernels(self) -> Kernels:
-        """Triton's fused kernels with the Triton attention backend (CUDA), else torch."""
+        """Triton's fused kernels with the Triton attention backend (CUDA), else torch;
+        --deterministic: the batch-invariant set (rooflm/deterministic/)."""
+        if self.config.runtime.deterministic:
+            from rooflm.deterministic import deterministic_kernels
+            return deterministic_kernels("cuda" if self.backend.name == "triton" else "cpu")
         if self.backend.name in ("reference", "cpu"):
             return TORCH_KERNELS
         return triton_kernels(self.config.runtime.decode_gemv)

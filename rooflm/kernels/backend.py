@@ -10,7 +10,9 @@ Same semantics as ReferenceBackend (rooflm/layers/attention.py):
   through the block tables. The model runner puts decodes (one query token)
   first: the split-KV decode kernel serves the first meta.num_decodes
   sequences and the prefill kernel the rest (prefill, chunked prefill and
-  prefix-cache hits alike, since it reads all K/V from the cache).
+  prefix-cache hits alike, since it reads all K/V from the cache). With
+  deterministic=True every sequence, decodes included, goes through the prefill
+  kernel's uniform path (batch-invariant rows; rooflm/deterministic/).
 
 The model runner picks this backend on CUDA and the reference on CPU; model
 code does not change.
@@ -33,7 +35,8 @@ from rooflm.layers.attention import AttentionBackend, AttentionMetadata
 class TritonBackend(AttentionBackend):
     name = "triton"
 
-    def __init__(self, decode_num_splits: Optional[int] = None, split_span: Optional[int] = None):
+    def __init__(self, decode_num_splits: Optional[int] = None, split_span: Optional[int] = None,
+                 deterministic: bool = False):
         # A fixed split count keeps the decode grid constant (CUDA-graph capture);
         # None sizes it per step from the batch.
         self.decode_num_splits = decode_num_splits
@@ -44,6 +47,12 @@ class TritonBackend(AttentionBackend):
         # Set only while piecewise CUDA graphs are captured (engine/piecewise_graph.py): attention
         # is then cut out of the graph, and this object records where it goes.
         self.split = None
+        # --deterministic: every query row, decodes included, goes through the prefill kernel with
+        # one (masked) loop over the key tiles from position 0 and one tile table entry: a token's
+        # attention is summed in the same order in a decode step, a prefill chunk of any size, a
+        # graph replay or eagerly, and whatever else is in the batch. No split-KV at all (the
+        # split count followed the batch size), which is what it costs on long contexts.
+        self.deterministic = deterministic
 
     def rope_and_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                        rotary, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -84,6 +93,9 @@ class TritonBackend(AttentionBackend):
              out: torch.Tensor, k_scale: Optional[torch.Tensor] = None,
              v_scale: Optional[torch.Tensor] = None) -> tuple[Optional[DecodePlan], Optional[PrefillPlan]]:
         """The step's launches, the same for every layer: decodes first, then prefill chunks."""
+        if self.deterministic:
+            return None, plan_prefill_attention(q, k_cache, v_cache, meta, sliding_window, out=out,
+                                                k_scale=k_scale, v_scale=v_scale, uniform=True)
         decode = None
         num_decodes = meta.num_decodes
         if num_decodes > 0:

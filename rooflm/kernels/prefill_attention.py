@@ -189,7 +189,7 @@ def _prefill_attention_kernel(
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SLIDING: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-        FP8: tl.constexpr = False, ABLATE: tl.constexpr = 0):
+        FP8: tl.constexpr = False, ABLATE: tl.constexpr = 0, UNIFORM: tl.constexpr = False):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     PAD_D: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
 
@@ -233,6 +233,13 @@ def _prefill_attention_kernel(
     else:
         lo = 0
         full_lo = 0
+    if UNIFORM:
+        # Every key tile through the masked loop: which tiles a row sees unmasked depends on the
+        # other rows of its query tile (the tile's first position), and the unmasked loop rounds
+        # the scaled scores differently (the scale may fuse into the exp2's FMA). One loop for all
+        # tiles gives a row the same sums alone (a decode), in any prefill chunk, or beside others.
+        full_lo = lo
+        full_hi = lo
 
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_ch
@@ -330,6 +337,7 @@ class PrefillPlan:
     config: tuple[int, int, int, int]  # BLOCK_M, BLOCK_N, num_warps, num_stages
     use_tma: bool
     sliding: bool
+    uniform: bool = False  # every key tile masked: a row's sums do not depend on its tile-mates
 
 
 def plan_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -337,14 +345,17 @@ def plan_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: Optional[torch.Tensor] = None, first_seq: int = 0,
                            config: Optional[tuple[int, int, int, int]] = None,
                            use_tma: Optional[bool] = None, k_scale: Optional[torch.Tensor] = None,
-                           v_scale: Optional[torch.Tensor] = None) -> Optional[PrefillPlan]:
-    """Check the inputs and fix the launch for a step (see prefill_attention); None: no chunks."""
+                           v_scale: Optional[torch.Tensor] = None,
+                           uniform: bool = False) -> Optional[PrefillPlan]:
+    """Check the inputs and fix the launch for a step (see prefill_attention); None: no chunks.
+    uniform: one code path for every key tile (batch-invariant rows: --deterministic); it
+    takes gathered loads, not TMA."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     check_paged_attention_inputs(q, k_cache, v_cache, meta, out if out is not None else q, k_scale, v_scale)
-    if k_scale is not None:
+    if k_scale is not None or uniform:
         if use_tma:
-            raise ValueError("FP8 caches are read with gathered loads, not TMA")
+            raise ValueError("FP8 caches and uniform plans are read with gathered loads, not TMA")
         use_tma = False
     num_seqs = meta.num_seqs
     if first_seq >= num_seqs:
@@ -372,7 +383,7 @@ def plan_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tile_lo = starts[first_seq] // block_q + first_seq
     num_tiles = starts[num_seqs] // block_q + num_seqs - tile_lo
     sliding = sliding_window is not None and sliding_window > 0
-    return PrefillPlan(first_seq, tile_lo, num_tiles, config, use_tma, sliding)
+    return PrefillPlan(first_seq, tile_lo, num_tiles, config, use_tma, sliding, uniform)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -381,7 +392,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       config: Optional[tuple[int, int, int, int]] = None,
                       use_tma: Optional[bool] = None, _ablate: int = 0,
                       plan: Optional[PrefillPlan] = None, k_scale: Optional[torch.Tensor] = None,
-                      v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      v_scale: Optional[torch.Tensor] = None, uniform: bool = False) -> torch.Tensor:
     """Causal attention of the queries of sequences first_seq.. against their paged K/V.
 
     q: [T, H, D]; k_cache/v_cache: [num_blocks, block_size, H_kv, D]; the K/V of
@@ -394,13 +405,16 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     exp2, 2: no accumulator rescale) is for the benchmark's what-limits-it
     experiments only: the results are wrong. plan: from plan_prefill_attention
     for this step's metadata and shapes (then first_seq, config and use_tma are its own).
+    uniform: every key tile through one (masked) loop, so a query row's result does not depend
+    on the rows beside it; decodes may then run through this kernel too (--deterministic).
     FP8 caches take their k_scale / v_scale [num_blocks, block_size, H_kv] fp32.
     """
     if out is None:
         out = torch.empty_like(q)
     if plan is None:
         plan = plan_prefill_attention(q, k_cache, v_cache, meta, sliding_window, out=out, first_seq=first_seq,
-                                      config=config, use_tma=use_tma, k_scale=k_scale, v_scale=v_scale)
+                                      config=config, use_tma=use_tma, k_scale=k_scale, v_scale=v_scale,
+                                      uniform=uniform)
         if plan is None:
             return out
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -431,7 +445,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         SLIDING=plan.sliding, UPCAST=upcast_dots(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
-        USE_TMA=plan.use_tma, FP8=fp8, ABLATE=_ablate, num_warps=num_warps, num_stages=num_stages,
+        USE_TMA=plan.use_tma, FP8=fp8, ABLATE=_ablate, UNIFORM=plan.uniform, num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 

@@ -4,6 +4,8 @@ construction like the attention backend, never patched onto modules afterwards.
 None means the layer's torch code (the CPU path and the reference). On CUDA the runner
 passes the Triton kernels of rooflm/kernels/: RMSNorm with the residual add fused, SiLU-mul,
 and the one-token GEMV that runs a whole decoder layer as four weight reads.
+With --deterministic (rooflm/deterministic/) the runner passes batch-invariant ones instead:
+a linear kernel whose sums do not depend on the number of rows, and no GEMV.
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ class Kernels:
     rmsnorm: Optional[Callable] = None  # (x, weight, eps, residual) -> y or (y, x + residual)
     silu_mul: Optional[Callable] = None  # [T, 2I] -> [T, I]
     gemv: Optional[Callable] = None  # rooflm.kernels.gemv.gemv, for one-token steps
+    # (x, weight, bias, quant) -> y for every linear layer and the LM head; None: F.linear (or the
+    # layer's quantized method). Set only by --deterministic: a batch-invariant matmul.
+    linear: Optional[Callable] = None
+    # RMSNorm over each head of q and k ([T, H, D]; Qwen3); None: torch.
+    head_norm: Optional[Callable] = None
 
 
 TORCH_KERNELS = Kernels()

@@ -21,8 +21,10 @@ from rooflm.quant.linear_method import QuantizedLinearMethod, make_quantized_lin
 
 
 class Linear(torch.nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, kernel=None):
         super().__init__()
+        # Kernels.linear (layers/kernels.py): set by --deterministic, else None (F.linear).
+        self.kernel = kernel
         self.in_features = in_features
         self.out_features = out_features
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features))
@@ -30,6 +32,8 @@ class Linear(torch.nn.Module):
         self.quant: Optional[QuantizedLinearMethod] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.bias, self.quant)
         if self.quant is not None:
             y = self.quant(x)
             return y if self.bias is None else y + self.bias
@@ -61,8 +65,8 @@ class Linear(torch.nn.Module):
 class FusedLinear(Linear):
     """Rows [offset, offset + size) of the output belong to the shard named `name`."""
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False):
-        super().__init__(in_features, sum(shard_sizes.values()), bias)
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False, kernel=None):
+        super().__init__(in_features, sum(shard_sizes.values()), bias, kernel)
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         offset = 0
         for name, size in shard_sizes.items():

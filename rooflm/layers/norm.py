@@ -28,8 +28,10 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
-        if self.kernel is not None and x.dim() == 2:  # q/k norms over heads stay in torch
+        if self.kernel is not None and x.dim() == 2:
             return self.kernel(x, self.weight, self.eps, residual)
+        if self.kernel is not None and residual is None:  # q/k norms over heads (Kernels.head_norm)
+            return self.kernel(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         if residual is None:
             return rms_norm_torch(x, self.weight, self.eps)
         residual = x + residual

@@ -25,15 +25,16 @@ from rooflm.quant.linear_method import make_quantized_linear
 
 
 class LlamaAttention(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: Optional[AttentionBackend]):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: Optional[AttentionBackend],
+                 kernels: Kernels = TORCH_KERNELS):
         super().__init__()
         self.cfg = cfg
         self.qkv_proj = FusedLinear(cfg.hidden_size, {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
-                                    bias=cfg.attention_bias)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size)
-        if cfg.qk_norm:  # over each head ([T, H, D]): the 2-D fused kernel does not apply
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+                                    bias=cfg.attention_bias, kernel=kernels.linear)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, kernel=kernels.linear)
+        if cfg.qk_norm:  # over each head ([T, H, D]): torch, or Kernels.head_norm
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels.head_norm)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels.head_norm)
         self.attn = Attention(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, rotary,
                               cfg.sliding_window, backend)
 
@@ -60,8 +61,8 @@ class LlamaMLP(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: Kernels = TORCH_KERNELS):
         super().__init__()
         self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": cfg.intermediate_size,
-                                                          "up": cfg.intermediate_size})
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+                                                          "up": cfg.intermediate_size}, kernel=kernels.linear)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, kernel=kernels.linear)
         self.act = SiluAndMul(kernels.silu_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,7 +74,7 @@ class LlamaDecoderLayer(torch.nn.Module):
                  kernels: Kernels = TORCH_KERNELS):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.rmsnorm)
-        self.self_attn = LlamaAttention(cfg, rotary, backend)
+        self.self_attn = LlamaAttention(cfg, rotary, backend, kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.rmsnorm)
         self.mlp = LlamaMLP(cfg, kernels)
         # On CUDA (rooflm.kernels.gemv.gemv): one-token steps run the layer as four weight
@@ -135,6 +136,7 @@ class LlamaForCausalLM(torch.nn.Module):
         else:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.gemv = kernels.gemv  # as LlamaDecoderLayer.gemv: the LM head of one token
+        self.linear = kernels.linear  # --deterministic: the batch-invariant matmul, for the LM head
         # Tied embeddings read from quantized blocks: the embedding is dequantized (a lookup reads
         # one row per token) and the LM head, which reads all of it every step, stays quantized.
         self.tied_head_quant = None
@@ -145,6 +147,11 @@ class LlamaForCausalLM(torch.nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.linear is not None:
+            head = self.lm_head
+            weight = self.model.embed_tokens.weight if head is None else head.weight
+            quant = self.tied_head_quant if head is None else head.quant
+            return self.linear(hidden, weight, None, quant).float()
         if self.lm_head is not None and self.lm_head.quant is not None:
             return self.lm_head(hidden).float()
         if self.lm_head is None and self.tied_head_quant is not None:

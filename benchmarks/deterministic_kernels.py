@@ -1,0 +1,132 @@
+"""Why --deterministic costs what it costs: its kernels against the default ones, Llama-3-8B shapes.
+
+  matmul: the persistent batch-invariant matmul (one tile shape for every M) vs cuBLAS (F.linear)
+          for each projection at M = 1, 64, 512, 2048 tokens;
+  attention: the uniform prefill path (decodes included, no split-KV, every key tile masked) vs
+          the default launches (split-KV decode kernel; prefill with TMA and unmasked tiles).
+
+Times are triton.testing.do_bench medians (ms). Writes kernels.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from rooflm.kernels.backend import TritonBackend
+from rooflm.kernels.matmul_persistent import matmul_bytes, matmul_flops, matmul_persistent
+from rooflm.kernels.prefill_attention import plan_prefill_attention, prefill_attention
+from rooflm.kernels.utils import random_paged_batch
+
+DEVICE = "cuda"
+PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+               "lm_head": (128256, 4096)}
+
+
+# Tile shapes (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages) to compare with the table's: a
+# shape-dependent (never M-dependent) choice could fill more SMs for the narrow projections.
+CANDIDATES = [(128, 64, 64, 8, 4, 4), (64, 64, 64, 8, 4, 4), (128, 256, 64, 8, 8, 3)]
+
+
+def bench_tile_shapes() -> list[dict]:
+    """Each candidate against the table's shape at M = 1 and 2048, and whether it sums like it
+    (bitwise equal outputs: then BLOCK_M / BLOCK_N could change without changing any token)."""
+    from rooflm.kernels.matmul_persistent import matmul_config
+    rows = []
+    base = matmul_config(torch.bfloat16)
+    for name in ("o", "down", "gate_up"):
+        n, k = PROJECTIONS[name]
+        w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k ** 0.5
+        for m in (1, 2048):
+            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+            ref = matmul_persistent(x, w, config=base)
+            t_base = do_bench(lambda: matmul_persistent(x, w, config=base), return_mode="median")
+            for cand in CANDIDATES:
+                t = do_bench(lambda: matmul_persistent(x, w, config=cand), return_mode="median")
+                same = bool(torch.equal(matmul_persistent(x, w, config=cand), ref))
+                rows.append(dict(kernel="matmul-tiles", shape=name, m=m, config=list(cand), ms=t,
+                                 table_ms=t_base, sums_like_table=same))
+                print(f"tiles {name:8s} M={m:5d} {cand}: {t:7.3f} ms (table {t_base:7.3f})  same sums: {same}",
+                      flush=True)
+    return rows
+
+
+def bench_matmul() -> list[dict]:
+    rows = []
+    for name, (n, k) in PROJECTIONS.items():
+        w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k ** 0.5
+        for m in M_VALUES:
+            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+            t_cublas = do_bench(lambda: F.linear(x, w), return_mode="median")
+            t_det = do_bench(lambda: matmul_persistent(x, w), return_mode="median")
+            row = dict(kernel="matmul", shape=name, m=m, n=n, k=k, cublas_ms=t_cublas, deterministic_ms=t_det,
+                       ratio=t_det / t_cublas, det_tflops=matmul_flops(m, n, k) / t_det / 1e9,
+                       det_gbs=matmul_bytes(m, n, k, 2) / t_det / 1e6)
+            rows.append(row)
+            print(f"matmul {name:8s} M={m:5d}  cuBLAS {t_cublas:7.3f} ms  persistent {t_det:7.3f} ms  "
+                  f"x{row['ratio']:.2f}  ({row['det_tflops']:.0f} TFLOP/s, {row['det_gbs']:.0f} GB/s)", flush=True)
+    return rows
+
+
+ATTENTION_CASES = {"decode 1 x 1152": ([1152], [1]), "decode 64 x 1280": ([1280] * 64, [1] * 64),
+                   "prefill 1 x 2048": ([2048], [2048]), "prefill 8 x 1024": ([1024] * 8, [1024] * 8)}
+M_VALUES = (1, 64, 512, 2048)
+
+
+def bench_attention() -> list[dict]:
+    rows = []
+    for name, (seq_lens, query_lens) in ATTENTION_CASES.items():
+        meta, k_cache, v_cache = random_paged_batch(seq_lens, query_lens, 8, 128, 16, torch.bfloat16, DEVICE,
+                                                    poison_unused=False)
+        q = torch.randn(sum(query_lens), 32, 128, device=DEVICE, dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        times = {}
+        for label, backend in (("default", TritonBackend(split_span=2048)),
+                               ("deterministic", TritonBackend(split_span=2048, deterministic=True))):
+            meta.plan = None
+            plan = backend.plan(q, k_cache, v_cache, meta, None, out)
+
+            def step(backend=backend, plan=plan):
+                meta.plan = plan
+                backend.attend(q, k_cache, v_cache, meta, 128 ** -0.5, None, out=out)
+            times[label] = do_bench(step, return_mode="median")
+        if query_lens[0] == 1:  # decodes: would a shorter query tile sum alike (and how fast)?
+            uniform = TritonBackend(deterministic=True)
+            meta.plan = None
+            table_plan = uniform.plan(q, k_cache, v_cache, meta, None, out)
+            ref = out.clone()
+            uniform.attend(q, k_cache, v_cache, meta, 128 ** -0.5, None, out=ref)
+            for block_m in (64, 16):
+                config = (block_m,) + table_plan[1].config[1:]  # plan: (decode None, prefill)
+                plan = plan_prefill_attention(q, k_cache, v_cache, meta, None, out=out, config=config,
+                                              uniform=True)
+                alt = torch.empty_like(out)
+                prefill_attention(q, k_cache, v_cache, meta, 128 ** -0.5, None, out=alt, plan=plan)
+                t = do_bench(lambda: prefill_attention(q, k_cache, v_cache, meta, 128 ** -0.5, None, out=alt,
+                                                       plan=plan), return_mode="median")
+                same = bool(torch.equal(alt, ref))
+                rows.append(dict(kernel="attention-tiles", case=name, config=list(config), ms=t, sums_like_table=same))
+                print(f"attention {name:18s} uniform BLOCK_M={block_m}: {t:7.3f} ms  same sums: {same}", flush=True)
+        rows.append(dict(kernel="attention", case=name, default_ms=times["default"],
+                         deterministic_ms=times["deterministic"], ratio=times["deterministic"] / times["default"]))
+        print(f"attention {name:18s} default {times['default']:7.3f} ms  uniform {times['deterministic']:7.3f} ms  "
+              f"x{rows[-1]['ratio']:.2f}", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    rows = bench_matmul() + bench_attention() + bench_tile_shapes()
+    with open(os.path.join(args.out, "kernels.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""A batch-invariant matmul for linear layers: y = x @ W^T (+ bias), persistent, in Triton.
+
+Why
+---
+cuBLAS picks its algorithm (tile shape, split-K, stream-K) from M, the number of
+tokens in the step, so the same token's row of y is summed in a different order
+when it runs alone, beside 63 others, or in a 2048-token prefill chunk. The sums
+differ in their last bits, and greedy decoding turns last bits into different
+tokens. This kernel sums every output element in one order whatever M is
+(--deterministic, rooflm/deterministic/): the row's result depends on its own
+inputs only.
+
+Algorithm
+---------
+One tile configuration (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) per dtype, for
+every M, and no split-K: element (m, n) is
+
+    acc = 0 (fp32);  for k0 in 0, BLOCK_K, 2 BLOCK_K, ...:  acc += x[m, k0:k0+BK] . W[n, k0:k0+BK]
+    y[m, n] = (acc + bias[n]).to(out dtype)
+
+with the tile's dot done by one tl.dot of fixed shape. M only changes how many
+tiles there are, never how a tile computes. The kernel is persistent: a grid of
+min(#SMs, #tiles) programs walks the tiles (grouped along M so that neighbouring
+programs share W tiles in L2), which keeps launches cheap and the grid small.
+Rows past M and columns past N are masked loads (zeros) and masked stores.
+
+Shapes
+------
+x [M, K] (unit last stride), W [N, K] (torch.nn.Linear layout, unit last stride),
+bias [N] or None; y [M, N] in out_dtype (default x's dtype).
+
+Work
+----
+FLOPs = 2 M N K.  Bytes >= (M K + N K) e + M N e_out: a decode step (small M) is
+bound by reading W (memory), a prefill chunk (M in the thousands) by the matrix
+units (compute). The one tile shape is a compromise for both: its cost against
+cuBLAS is measured by benchmarks/deterministic.sh.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from rooflm.kernels.utils import cdiv, check_last_dim_contiguous, dot_precision, is_interpreter, num_sms, upcast_dots
+
+
+# --------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------
+
+@triton.jit
+def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Tile index -> (pid_m, pid_n), GROUP_M row tiles at a time (L2 reuse of W tiles)."""
+    tiles_per_group = GROUP_M * num_pid_n
+    group = tile // tiles_per_group
+    first_m = group * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % tiles_per_group) % group_rows
+    pid_n = (tile % tiles_per_group) // group_rows
+    return pid_m, pid_n
+
+
+# M and the program count change every step: not specialised on, so one compiled kernel serves
+# every batch (specialising on M == 1 would also give decode its own code, and maybe its own sums).
+@triton.jit(do_not_specialize=["M", "num_programs"])
+def _matmul_persistent_kernel(y_ptr, x_ptr, w_ptr, bias_ptr, M, N, K, num_programs,
+                              stride_xm, stride_wn, stride_ym,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                              UPCAST: tl.constexpr):
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    offs_k = tl.arange(0, BLOCK_K)
+    for tile in range(tl.program_id(0), num_tiles, num_programs):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+        w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # W^T tile [BK, BN]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        # The K loop: always from 0 in steps of BLOCK_K, one dot per step, whatever M is.
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = offs_k < K - k0
+            a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if UPCAST:  # the interpreter's bf16 dot (utils.upcast_dots); never compiled
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+# --------------------------------------------------------------------------
+# Wrapper
+# --------------------------------------------------------------------------
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages): one per dtype, never chosen
+# from M (that is the point). 128 x 128 x 64 with 8 warps is the shape vLLM's and the
+# Thinking Machines batch-invariant matmuls use for 16-bit inputs on Hopper; fp32 tiles are
+# twice the bytes and take half the K step to stay within shared memory.
+MATMUL_CONFIGS = {
+    torch.bfloat16: (128, 128, 64, 8, 8, 3),
+    torch.float16: (128, 128, 64, 8, 8, 3),
+    torch.float32: (64, 64, 32, 8, 4, 3),
+}
+# The interpreter pays per operation, not per element: a small fixed shape keeps tests quick.
+_INTERPRETER_CONFIG = (16, 32, 32, 4, 1, 1)
+
+
+def matmul_config(dtype: torch.dtype) -> tuple[int, int, int, int, int, int]:
+    if is_interpreter():
+        return _INTERPRETER_CONFIG
+    return MATMUL_CONFIGS[dtype]
+
+
+def matmul_persistent(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                      out_dtype: Optional[torch.dtype] = None,
+                      config: Optional[tuple[int, int, int, int, int, int]] = None) -> torch.Tensor:
+    """y = x @ weight^T + bias with a summation order independent of x's row count.
+
+    x [..., K]; weight [N, K]; bias [N]. Leading dims of x are flattened into M. config overrides
+    the table (benchmarks/deterministic_kernels.py compares tile shapes); a caller that wants
+    batch invariance must never choose it from M.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [N, K], got {tuple(weight.shape)}")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x's last dim {x.shape[-1]} does not match weight's K {k}")
+    if x.dtype != weight.dtype or x.dtype not in MATMUL_CONFIGS:
+        raise TypeError(f"x and weight must share one of fp16, bf16, fp32; got {x.dtype}, {weight.dtype}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    check_last_dim_contiguous("weight", weight)
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    if m > 0 and n > 0:
+        block_m, block_n, block_k, group_m, num_warps, num_stages = config or matmul_config(x.dtype)
+        num_tiles = cdiv(m, block_m) * cdiv(n, block_n)
+        sms = num_sms(x.device.index or 0) if x.device.type == "cuda" else num_sms()
+        programs = min(sms, num_tiles)
+        _matmul_persistent_kernel[(programs,)](
+            y, x2, weight, bias if bias is not None else weight, m, n, k, programs,
+            x2.stride(0), weight.stride(0), y.stride(0),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+            HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(x.dtype), UPCAST=upcast_dots(x.dtype),
+            num_warps=num_warps, num_stages=num_stages,
+        )
+    return y.reshape(*lead, n)
+
+
+# --------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------
+
+def matmul_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+               out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """fp32 reference: the same product, summed by torch."""
+    y = x.float() @ weight.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype or x.dtype)
+
+
+def matmul_flops(m: int, n: int, k: int) -> int:
+    return 2 * m * n * k
+
+
+def matmul_bytes(m: int, n: int, k: int, elem_bytes: int, out_bytes: Optional[int] = None) -> int:
+    """Each input read once and the output written once (the floor; tiles re-read x and W)."""
+    return (m * k + n * k) * elem_bytes + m * n * (out_bytes or elem_bytes)

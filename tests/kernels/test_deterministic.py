@@ -1,0 +1,182 @@
+"""Batch invariance of the --deterministic kernels (rooflm/deterministic/): a row's result is
+bit-identical whatever else is in the launch. Under Triton's interpreter on the CPU (small
+shapes, fp16/fp32); compiled, with bf16 and model-sized shapes, on a GPU."""
+
+import pytest
+import torch
+
+from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
+from rooflm.kernels.matmul_persistent import matmul_persistent, matmul_ref
+from rooflm.kernels.prefill_attention import prefill_attention, prefill_attention_ref
+from rooflm.kernels.rmsnorm import rmsnorm
+from rooflm.kernels.utils import random_paged_batch
+from rooflm.layers.attention import AttentionMetadata
+
+
+def rows_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise (NaNs included), not numerically."""
+    return torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
+                       b.view(torch.int16 if b.element_size() == 2 else torch.int32))
+
+
+# ---- matmul ---------------------------------------------------------------------------------
+
+def check_matmul_rows(m_big, n, k, dtype, subsets, bias):
+    x = torch.randn(m_big, k, device=DEVICE).to(dtype)
+    w = (torch.randn(n, k, device=DEVICE) / k ** 0.5).to(dtype)
+    b = torch.randn(n, device=DEVICE).to(dtype) if bias else None
+    full = matmul_persistent(x, w, b)
+    assert_close(full, matmul_ref(x, w, b), dtype, "matmul")
+    for lo, hi in subsets:
+        part = matmul_persistent(x[lo:hi].clone(), w, b)
+        assert rows_equal(part, full[lo:hi]), f"rows {lo}:{hi} of M={m_big} differ when run as M={hi - lo}"
+
+
+# What the interpreter can and cannot show: a tile's tl.dot is numpy's matmul there, which casts
+# fp16 operands to fp32 and calls BLAS, whose sums depend on a row's place in the tile (its
+# micro-kernel tails): an interpreter artefact, not the GPU's. So the CPU cases draw values whose
+# products and sums are exact in fp32 (small multiples of powers of two; exact_values below):
+# every dot is then exact in any order, and what is left to differ is everything around the
+# dots (tiling, masks, key ranges and their order, softmax rescaling), which is what these
+# tests check on the CPU. The summation order inside the matrix units is checked by the GPU
+# cases (random bf16, model shapes).
+def exact_values(*shape, scale=0.5):
+    """Values in {-1, 0, 1} * scale, fp16: dot products of them are exact in fp32."""
+    return (torch.randint(-1, 2, shape, device=DEVICE) * scale).half()
+
+
+def test_matmul_row_is_the_same_for_every_m():
+    # Rows alone (M = 1), in a partial tile, across tile boundaries, at another tile offset.
+    x, w, b = exact_values(40, 80), exact_values(72, 80), exact_values(72)
+    full = matmul_persistent(x, w, b)
+    assert torch.equal(full, matmul_ref(x, w, b))  # exact inputs: exact result
+    for lo, hi in [(0, 1), (7, 8), (39, 40), (3, 20), (16, 33)]:
+        assert rows_equal(matmul_persistent(x[lo:hi].clone(), w, b), full[lo:hi]), (lo, hi)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_matmul_matches_reference(dtype):
+    x, w, b = torch.randn(19, 70, device=DEVICE), torch.randn(33, 70, device=DEVICE), torch.randn(33, device=DEVICE)
+    x, w, b = x.to(dtype), (w / 8).to(dtype), b.to(dtype)
+    assert_close(matmul_persistent(x, w, b), matmul_ref(x, w, b), dtype, "matmul")
+
+
+def test_matmul_input_checks():
+    x = torch.randn(2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="K"):
+        matmul_persistent(x, torch.randn(4, 9, device=DEVICE))
+    with pytest.raises(TypeError, match="share"):
+        matmul_persistent(x, torch.randn(4, 8, device=DEVICE).half())
+    assert matmul_persistent(x[:0], torch.randn(4, 8, device=DEVICE)).shape == (0, 4)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (28672, 4096)])
+def test_matmul_gpu_bf16_rows_invariant(n, k):
+    """The Llama-3-8B projections in bf16: one token alone, in a decode batch, in a prefill chunk."""
+    check_matmul_rows(2048, n, k, torch.bfloat16, [(0, 1), (5, 6), (0, 64), (100, 356), (1000, 2048)],
+                      bias=False)
+
+
+# ---- RMSNorm ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rmsnorm_row_is_the_same_for_every_row_count(with_residual):
+    x = torch.randn(33, 300, device=DEVICE).half()
+    r = torch.randn(33, 300, device=DEVICE).half() if with_residual else None
+    w = torch.randn(300, device=DEVICE).half()
+    full = rmsnorm(x, w, 1e-6, r)
+    for lo, hi in [(0, 1), (32, 33), (5, 17)]:
+        part = rmsnorm(x[lo:hi], w, 1e-6, None if r is None else r[lo:hi])
+        if with_residual:  # (no dot here: random values, exact comparison)
+            assert rows_equal(part[0], full[0][lo:hi]) and rows_equal(part[1], full[1][lo:hi])
+        else:
+            assert rows_equal(part, full[lo:hi])
+
+
+# ---- attention: a token as a decode, in a chunk, beside others ----------------------------
+
+def sub_meta(meta: AttentionMetadata, seqs: list[int], query_lens: list[int]) -> AttentionMetadata:
+    """Metadata for the last query_lens[i] tokens of sequences seqs[i] of a full-prefill meta."""
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    seq_lens = [meta.seq_lens_cpu[s] for s in seqs]
+    dev = meta.seq_lens.device
+    return AttentionMetadata(
+        slot_mapping=torch.full((starts[-1],), -1, dtype=torch.int64, device=dev),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        block_tables=meta.block_tables[seqs].contiguous(), max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens), num_decodes=sum(1 for q in query_lens if q == 1),
+        query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
+
+
+def query_rows(meta: AttentionMetadata, q: torch.Tensor, seqs: list[int], query_lens: list[int]) -> torch.Tensor:
+    starts = meta.query_start_loc_cpu
+    return torch.cat([q[starts[s + 1] - n:starts[s + 1]] for s, n in zip(seqs, query_lens)])
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_uniform_attention_row_same_as_decode_chunk_or_in_batch(window):
+    torch.manual_seed(21)
+    dtype, head_dim, group, num_kv_heads = torch.float16, 64, 2, 2
+    seq_lens = [70, 45, 9]
+    meta, k_cache, v_cache = random_paged_batch(seq_lens, seq_lens, num_kv_heads, head_dim, 16, dtype, DEVICE)
+    # Exact dots (see exact_values): q.k in multiples of 1/4 up to 16; the softmax weights, fp16
+    # in [2^-6, 1], times V in {-1, 0, 1} summed over <= 70 keys fit fp32's 24 bits.
+    k_cache = torch.where(k_cache.isnan(), k_cache, exact_values(*k_cache.shape))
+    v_cache = torch.where(v_cache.isnan(), v_cache, exact_values(*v_cache.shape, scale=1.0))
+    q = exact_values(sum(seq_lens), num_kv_heads * group, head_dim)
+    scale = head_dim ** -0.5
+    full = prefill_attention(q, k_cache, v_cache, meta, scale, window, uniform=True)
+    assert_close(full, prefill_attention_ref(q, k_cache, v_cache, meta, scale, window), dtype, "uniform")
+    # (sequences, query lengths): a decode alone, decodes beside a chunk, chunks of other sizes
+    # and offsets, each sequence's last tokens taken from the full prefill above.
+    for seqs, query_lens in [([0], [1]), ([1, 0, 2], [1, 1, 5]), ([0], [23]), ([2, 0], [1, 40]),
+                             ([1], [45])]:
+        sub = sub_meta(meta, seqs, query_lens)
+        q_sub = query_rows(meta, q, seqs, query_lens)
+        out = prefill_attention(q_sub, k_cache, v_cache, sub, scale, window, uniform=True)
+        assert rows_equal(out, query_rows(meta, full, seqs, query_lens)), f"{seqs=} {query_lens=}"
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_uniform_attention_gpu_bf16_decode_equals_prefill_row():
+    """Llama-3-8B attention shape (32 heads, 8 KV heads, D 128) in bf16, block size 16."""
+    torch.manual_seed(0)
+    seq_lens = [900, 300, 1200]
+    meta, k_cache, v_cache = random_paged_batch(seq_lens, seq_lens, 8, 128, 16, torch.bfloat16, DEVICE)
+    q = torch.randn(sum(seq_lens), 32, 128, device=DEVICE).to(torch.bfloat16)
+    full = prefill_attention(q, k_cache, v_cache, meta, 128 ** -0.5, uniform=True)
+    for seqs, query_lens in [([0], [1]), ([1, 0, 2], [1, 1, 256]), ([2], [700]), ([0, 1], [1, 300])]:
+        sub = sub_meta(meta, seqs, query_lens)
+        out = prefill_attention(query_rows(meta, q, seqs, query_lens), k_cache, v_cache, sub, 128 ** -0.5,
+                                uniform=True)
+        assert rows_equal(out, query_rows(meta, full, seqs, query_lens)), f"{seqs=} {query_lens=}"
+
+
+# ---- the engine with --deterministic on the Triton path -------------------------------------
+
+def test_engine_deterministic_triton_path_matches_reference(tmp_path):
+    """The batch-invariant kernel set in the engine (persistent matmul in every linear layer and
+    the LM head, decodes through the uniform prefill kernel, no GEMV) gives the reference's
+    greedy tokens. Batch invariance itself is the GPU tests' (interpreter dots: see above)."""
+    from rooflm import LLM, SamplingParams
+    from tests.models.tiny_models import make_tiny_model
+
+    path, _ = make_tiny_model(tmp_path, "qwen3", initializer_range=0.3)
+    prompts = [[5, 17, 42, 99, 3, 250, 7, 8, 9]]  # 9 tokens, chunks of 8: a chunked prefill
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    kw = dict(model=path, device=DEVICE, dtype="float32", block_size=4, max_num_batched_tokens=8,
+              enforce_eager=True)
+    ref = LLM(attention_backend="reference", **kw).generate(prompts, params)
+    llm = LLM(attention_backend="triton", deterministic=True, **kw)
+    model = llm.engine.runner.model
+    assert llm.engine.runner.backend.deterministic and model.model.layers[0].gemv is None
+    assert model.model.layers[0].mlp.down_proj.kernel is not None and model.linear is not None
+    assert model.model.layers[0].self_attn.q_norm.kernel is not None  # head norms through Triton
+    out = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
