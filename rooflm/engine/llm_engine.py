@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Optional, Union
 import torch
 
 from rooflm.config import EngineConfig, with_device_defaults
+from rooflm.distributed.group import SINGLE
 from rooflm.engine.block_manager import BlockManager
 from rooflm.engine.host_gc import tune_gc_for_serving
 from rooflm.layers import kv_cache as kv_format
@@ -58,7 +59,13 @@ class LLMEngine:
         self.model_config = load_model_config(self.model_path, self.load_format)
         self.tokenizer = self._load_tokenizer()
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        # Tensor parallelism: the executor starts ranks 1..N-1 and this process joins as rank 0.
+        self.executor = None
+        tp = None
+        if config.parallel.tensor_parallel_size > 1:
+            self.executor = self._start_workers()
+            tp = self.executor.tp
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len, tp or SINGLE)
         self.spec = None  # spec.decoder.SpecDecoder with --speculative-method
         if config.speculative.speculative_method:
             from rooflm.spec.decoder import SpecDecoder
@@ -99,6 +106,23 @@ class LLMEngine:
             tune_gc_for_serving()
         logger.info("ready in %.1f s (%s)", self.startup_s,
                     ", ".join(f"{k} {v:.1f} s" for k, v in self.runner.timings.items()))
+
+    def _start_workers(self):
+        from rooflm.distributed.executor import TPExecutor
+        if self.config.speculative.speculative_method:
+            raise ValueError("speculative decoding does not run with tensor_parallel_size > 1 yet")
+        return TPExecutor.start(self.config, self.model_config, self.max_model_len,
+                                self.model_path, self.load_format)
+
+    def check_alive(self) -> None:
+        """Raise if part of the engine is gone (a tensor-parallel worker that died)."""
+        if self.executor is not None:
+            self.executor.check_alive()
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes, if it has any (tensor parallelism)."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def _make_info(self) -> EngineInfo:
         cfg = self.config
@@ -329,6 +353,7 @@ class LLMEngine:
         the GPU before step t's tokens are read back, so host work overlaps device work and
         the outputs returned are those of the previous step."""
         t0 = time.perf_counter()
+        self.check_alive()
         failed = self._reap_failed_grammars() if self._compiling else []
         with self.tracer.phase("schedule"):
             if self.spec is not None:
