@@ -119,7 +119,7 @@ class TPExecutor:
             if self._stopping:
                 return
             dead = sentinels[ready[0]]
-            dead.join(0)
+            dead.join(JOIN_TIMEOUT_S)  # its exit code
             self.error = (f"tensor-parallel worker {dead.name} (pid {dead.pid}) exited with code "
                           f"{dead.exitcode}")
             logger.error("%s; stopping the other ranks", self.error)
