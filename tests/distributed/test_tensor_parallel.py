@@ -97,3 +97,26 @@ def test_a_worker_that_dies_fails_the_engine_and_leaves_nothing_running(tmp_path
         assert not any(p.is_alive() for p in engine.executor.processes)
     finally:
         engine.shutdown()
+
+
+def test_roofline_and_memory_take_the_tensor_parallel_size(capsys):
+    from rooflm.cli import main
+    from rooflm.model.presets import PRESETS
+    from rooflm.perf.roofline import phase_step_cost, roofline
+    from rooflm.perf.gpus import get_gpu
+
+    cfg = PRESETS["llama-3-8b"]
+    one = phase_step_cost(cfg, "decode", 1, 1024)
+    two = phase_step_cost(cfg, "decode", 1, 1024, tp=2, allreduce_latency_s=5e-6)
+    comm = next(op for op in two.ops if op.name == "tp all-reduce")
+    # 2 all-reduces per layer + the embedding's + the logits' gather, each paying the latency
+    assert comm.latency_s == pytest.approx((2 * 32 + 2) * 5e-6)
+    assert comm.bytes == pytest.approx(65 * 1 * 4096 * 2 + 0.5 * 128256 * 2)  # ring: 2(N-1)/N = 1
+    link = next(r for r in roofline(two, get_gpu("h200")) if r.op.name == "tp all-reduce")
+    assert link.floor_s == pytest.approx(comm.bytes / 450e9 + comm.latency_s)
+    assert two.bytes < 0.55 * one.bytes  # per-rank weights: half, plus the replicated norms
+    assert main(["roofline", "--model", "llama-3-8b", "--tensor-parallel-size", "2", "--gpu", "h200",
+                 "--allreduce-latency-us", "5"]) == 0
+    assert "66 collectives per step" in capsys.readouterr().out
+    assert main(["memory", "--model", "llama-3-8b", "--tensor-parallel-size", "2", "--gpu", "h200"]) == 0
+    assert "4 KV heads" in capsys.readouterr().out
