@@ -97,7 +97,7 @@ class TPExecutor:
                           logging.getLogger().getEffectiveLevel()))
                 process.start()
                 processes.append(process)
-        device = rank_device(base, 0)
+        device = rank_device(base, int(os.environ.get("LOCAL_RANK", 0)))
         if device.type == "cuda":
             torch.cuda.set_device(device)
         logger.info("tensor parallelism: %d ranks (%s)", size, "nccl" if device.type == "cuda" else "gloo")

@@ -82,7 +82,8 @@ def run_worker(rank: int, size: int, init_method: str, config: EngineConfig, mod
     if parent_pid:
         _exit_with_parent(parent_pid)
     from rooflm.engine.model_runner import resolve_device
-    device = rank_device(resolve_device(config.device.device), rank)
+    # Under torchrun on several hosts a rank's GPU is its index on its own host.
+    device = rank_device(resolve_device(config.device.device), int(os.environ.get("LOCAL_RANK", rank)))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     config = replace(config, device=replace(config.device, device=str(device)))

@@ -137,6 +137,7 @@ class LlamaForCausalLM(torch.nn.Module):
                  tp: TPGroup = SINGLE):
         super().__init__()
         self.cfg = cfg
+        self.heads = tp.heads(cfg.num_attention_heads, cfg.num_key_value_heads)  # this rank's
         self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings, backend, kernels, tp)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = tp_layers.lm_head(cfg.hidden_size, cfg.vocab_size, tp, tied)
