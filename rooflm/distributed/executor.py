@@ -65,7 +65,9 @@ class TPExecutor:
         self._lock = threading.Lock()
         if processes:
             threading.Thread(target=self._watch, name="rooflm-tp-watch", daemon=True).start()
-        atexit.register(self.shutdown, clean=False)
+        # At exit without shutdown(): workers this process spawned are terminated; torchrun's
+        # ranks are not ours to kill, so they are told to stop.
+        atexit.register(self.shutdown, clean=not processes)
 
     @classmethod
     def start(cls, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
