@@ -57,14 +57,15 @@ class LLMEngine:
         self.config = config
         self.model_path, self.load_format = resolve_model(config.load.model, config.load.load_format)
         self.model_config = load_model_config(self.model_path, self.load_format)
-        self.tokenizer = self._load_tokenizer()
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
-        # Tensor parallelism: the executor starts ranks 1..N-1 and this process joins as rank 0.
+        # Tensor parallelism: the executor checks the size, starts ranks 1..N-1 and this process
+        # joins as rank 0 (under torchrun, ranks > 0 become workers here).
         self.executor = None
         tp = None
         if config.parallel.tensor_parallel_size > 1:
             self.executor = self._start_workers()
             tp = self.executor.tp
+        self.tokenizer = self._load_tokenizer()
         self.runner = ModelRunner(config, self.model_config, self.max_model_len, tp or SINGLE)
         self.spec = None  # spec.decoder.SpecDecoder with --speculative-method
         if config.speculative.speculative_method:
