@@ -65,9 +65,9 @@ class TPExecutor:
         self._lock = threading.Lock()
         if processes:
             threading.Thread(target=self._watch, name="rooflm-tp-watch", daemon=True).start()
-        # At exit without shutdown(): workers this process spawned are terminated; torchrun's
-        # ranks are not ours to kill, so they are told to stop.
-        atexit.register(self.shutdown, clean=not processes)
+        # At exit without shutdown(), the workers are stopped the same way (tearing gloo down
+        # under a peer that still talks to it can abort the process: group.destroy_group).
+        atexit.register(self.shutdown)
 
     @classmethod
     def start(cls, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
@@ -136,20 +136,27 @@ class TPExecutor:
                 return
             self._stopping = True
             clean = clean and self.error is None
+        # A worker that never answers the stop (stuck in a step rank 0 abandoned) is terminated,
+        # which ends the barrier below with an error rather than a hang.
+        watchdog = threading.Timer(JOIN_TIMEOUT_S, _terminate, args=(self.processes,))
         try:
             if clean:
+                watchdog.start()
                 StepChannel(self.tp).send_stop()
                 destroy_group(self.tp, clean=True)
                 for process in self.processes:
                     process.join(JOIN_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - a broken group: terminate below
             logger.warning("tensor-parallel shutdown: %s", exc)
+            clean = False
         finally:
+            watchdog.cancel()
             _terminate(self.processes)
-            try:  # a group left behind would stop the next engine of this process joining one
-                destroy_group(self.tp, clean=False)
-            except Exception:  # noqa: BLE001
-                pass
+            if not clean:  # a group left behind would stop this process joining another one
+                try:
+                    destroy_group(self.tp, clean=False)
+                except Exception:  # noqa: BLE001
+                    pass
             atexit.unregister(self.shutdown)
 
 

@@ -138,7 +138,8 @@ class LLMEngine:
             async_scheduling=self.async_scheduling, has_tokenizer=self.tokenizer is not None,
             startup_s=self.startup_s, act_dtype_bytes=self.runner.dtype.itemsize,
             head_dtype_bytes=self.runner.head_bytes_per_weight(),
-            kv_cache_dtype=kv_format.parse_kv_cache_dtype(cfg.cache.kv_cache_dtype))
+            kv_cache_dtype=kv_format.parse_kv_cache_dtype(cfg.cache.kv_cache_dtype),
+            tensor_parallel_size=cfg.parallel.tensor_parallel_size)
 
     # ---- the read-only face ------------------------------------------------------------------
 
