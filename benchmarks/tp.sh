@@ -17,8 +17,8 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader | tee "$O
 if [ "$(nvidia-smi -L | wc -l)" -lt 2 ]; then echo "benchmarks/tp.sh needs 2 GPUs"; exit 1; fi
 git rev-parse --short HEAD > "$OUT/commit.txt" 2>/dev/null || true
 
-timeout 240 python -m pytest -q -p no:cacheprovider -m gpu tests/distributed/test_tp_gpu.py > "$OUT/gpu-tests.txt" 2>&1
-echo "parity test: $(tail -1 "$OUT/gpu-tests.txt")"
+timeout 240 python -m pytest -q -s -p no:cacheprovider -m gpu tests/distributed/test_tp_gpu.py > "$OUT/gpu-tests.txt" 2>&1
+echo "parity test: $(grep -h "sequences token-for-token" "$OUT/gpu-tests.txt" | tr "\n" " ") $(tail -1 "$OUT/gpu-tests.txt")"
 timeout 120 python benchmarks/allreduce.py --ranks 2 --out "$OUT" 2>&1 | tee "$OUT/allreduce.txt"
 
 latency() {  # tp, extra flags
