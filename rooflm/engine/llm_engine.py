@@ -74,7 +74,12 @@ class LLMEngine:
             proposer = make_proposer(config, self.model_config, self.max_model_len)
             self.spec = SpecDecoder(config.speculative, proposer, self.max_model_len)
             self.runner.extra_kv_bytes_per_block = proposer.kv_bytes_per_block()
-        num_blocks, num_host = self.runner.initialize(self.model_path, self.load_format)
+        try:
+            num_blocks, num_host = self.runner.initialize(self.model_path, self.load_format)
+        except BaseException:
+            if self.executor is not None:  # workers waiting in a start-up collective
+                self.executor.shutdown(clean=False)
+            raise
         if self.spec is not None:
             self.spec.proposer.allocate(num_blocks)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size,
