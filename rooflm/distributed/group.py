@@ -19,9 +19,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-# A step waits on its peers for at most this long before the collective raises, so that a
-# rank that hangs (rather than dies: the executor sees deaths at once) cannot hang the engine.
+# A step's device collectives wait on their peers for at most this long before they raise,
+# so that a rank that hangs (rather than dies: the executor sees deaths at once) cannot hang
+# the engine. The host group waits far longer: a worker waits there for the next step, and
+# a server may sit idle for hours. (On the CPU both are one gloo group: the long timeout.)
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
+IDLE_TIMEOUT = datetime.timedelta(days=30)
+# Every rank must have joined by then: a worker that fails before joining fails the start.
+STARTUP_TIMEOUT = datetime.timedelta(minutes=3)
 
 
 @dataclass(frozen=True)
@@ -128,10 +133,15 @@ def init_group(rank: int, size: int, init_method: str, device: torch.device) -> 
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                            timeout=COLLECTIVE_TIMEOUT, **kwargs)
+    if init_method.startswith("tcp://"):  # our own store: its timeout bounds the rendezvous only
+        host, port = init_method[len("tcp://"):].rsplit(":", 1)
+        kwargs["store"] = dist.TCPStore(host, int(port), size, rank == 0, timeout=STARTUP_TIMEOUT)
+    else:
+        kwargs["init_method"] = init_method
+    dist.init_process_group(backend, rank=rank, world_size=size,
+                            timeout=COLLECTIVE_TIMEOUT if backend == "nccl" else IDLE_TIMEOUT, **kwargs)
     device_group = dist.group.WORLD
-    host_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if backend == "nccl" else device_group
+    host_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT) if backend == "nccl" else device_group
     return TPGroup(rank, size, device_group, host_group)
 
 
