@@ -79,6 +79,12 @@ class StepPacket:
                    blocks_to_copy=_pairs(take(2 * copies)))
 
 
+def payload_size(header: list[int]) -> int:
+    """Int64s in the payload a header announces (what pack writes after it)."""
+    tokens, num_seqs, width, logits, pending = header[1:6]
+    return 3 * tokens + 2 * num_seqs + 1 + num_seqs * width + logits + 2 * pending + 2 * sum(header[6:10])
+
+
 def _flat(pairs: list[tuple[int, int]]) -> list[int]:
     return [v for pair in pairs for v in pair]
 
@@ -108,7 +114,5 @@ class StepChannel:
         header = self.tp.broadcast_host(torch.empty(HEADER_LEN, dtype=torch.int64)).tolist()
         if header[0] == OP_STOP:
             return None
-        tokens, num_seqs, width = header[1], header[2], header[3]
-        size = 3 * tokens + 2 * num_seqs + 1 + num_seqs * width + header[4] + 2 * header[5] + 2 * sum(header[6:10])
-        payload = self.tp.broadcast_host(torch.empty(size, dtype=torch.int64))
+        payload = self.tp.broadcast_host(torch.empty(payload_size(header), dtype=torch.int64))
         return StepPacket.unpack(header, payload)
