@@ -244,6 +244,19 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Spreading one model over several devices (rooflm/distributed/)."""
+
+    # One worker process per rank (rank 0 is the engine's own process); each holds 1/N of
+    # the heads, the MLP columns and the vocabulary, and its own KV pool.
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     load: LoadConfig = field(default_factory=LoadConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
@@ -251,6 +264,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 def with_device_defaults(cfg: EngineConfig, device_type: str) -> EngineConfig:
@@ -268,7 +282,8 @@ def with_device_defaults(cfg: EngineConfig, device_type: str) -> EngineConfig:
 
 
 _SECTIONS = {"load": LoadConfig, "device": DeviceConfig, "cache": CacheConfig,
-             "scheduler": SchedulerConfig, "runtime": RuntimeConfig, "speculative": SpeculativeConfig}
+             "scheduler": SchedulerConfig, "runtime": RuntimeConfig, "speculative": SpeculativeConfig,
+             "parallel": ParallelConfig}
 
 
 def engine_config_from_kwargs(**kwargs) -> EngineConfig:

@@ -171,7 +171,7 @@ def decode_step_cost(engine, batch_size: int, input_len: int, output_len: int):
     return step_cost(config, num_decode_seqs=batch_size,
                      decode_context_tokens=round(batch_size * mean_context),
                      weight_bytes=info.weight_dtype_bytes, kv_bytes=info.kv_dtype_bytes, act_bytes=act,
-                     head_bytes=info.head_dtype_bytes or None,
+                     head_bytes=info.head_dtype_bytes or None, tp=info.tensor_parallel_size,
                      compute_dtype=compute_dtype_name(getattr(torch, info.dtype)))
 
 

@@ -225,7 +225,8 @@ def throughput_bound(engine, gpu, requests: list[BenchRequest]) -> dict:
     compute_dtype = compute_dtype_name(getattr(torch, info.dtype))
     # K/V at the pool's bytes per element (FP8 caches: 1 byte plus the scales' share).
     common = dict(weight_bytes=info.weight_dtype_bytes, kv_bytes=info.kv_dtype_bytes,
-                  act_bytes=act, compute_dtype=compute_dtype, head_bytes=info.head_dtype_bytes or None)
+                  act_bytes=act, compute_dtype=compute_dtype, head_bytes=info.head_dtype_bytes or None,
+                  tp=info.tensor_parallel_size)  # per rank: each GPU's share, plus the all-reduces
     peak_flops = gpu.peak_flops(compute_dtype)
     num = len(requests)
     prompt_lens = [len(r.prompt_token_ids) for r in requests]

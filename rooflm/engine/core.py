@@ -124,6 +124,7 @@ class EngineCore:
         self._send(EngineReady(self.engine.info, self.state()))
         backoff = False
         while True:
+            self.engine.check_alive()  # a tensor-parallel worker that died fails the core
             messages = self._receive(self._wait_s(backoff))
             for message in messages:
                 if isinstance(message, Shutdown):
@@ -300,6 +301,7 @@ def run_engine_core(config_bytes: bytes, input_address: str, output_address: str
         core = EngineCore(LLMEngine(config), input_socket, output_socket, fault_step_from_env())
         with _profiled(os.environ.get(PROFILE_ENV)):
             core.run()
+        core.engine.shutdown()  # its tensor-parallel workers, if any
     except BaseException as exc:  # noqa: BLE001 - any failure ends the core; the API is told
         # A model that cannot be loaded as given (ValueError) is the user's to fix: its
         # message says what is wrong, and the API process prints it.

@@ -85,7 +85,7 @@ class CUDAGraphRunner:
     def _num_splits(self, batch: int) -> int | None:
         from rooflm.kernels.decode_attention import decode_num_splits
         cfg = self.model.cfg
-        return decode_num_splits(batch, cfg.num_key_value_heads, self.max_model_len, cfg.sliding_window)
+        return decode_num_splits(batch, self.model.heads.num_kv_heads, self.max_model_len, cfg.sliding_window)
 
     def _forward(self, batch: int, num_splits: int | None) -> torch.Tensor:
         b = self.buffers

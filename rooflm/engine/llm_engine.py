@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Optional, Union
 import torch
 
 from rooflm.config import EngineConfig, with_device_defaults
+from rooflm.distributed.group import SINGLE
 from rooflm.engine.block_manager import BlockManager
 from rooflm.engine.host_gc import tune_gc_for_serving
 from rooflm.layers import kv_cache as kv_format
@@ -56,9 +57,16 @@ class LLMEngine:
         self.config = config
         self.model_path, self.load_format = resolve_model(config.load.model, config.load.load_format)
         self.model_config = load_model_config(self.model_path, self.load_format)
-        self.tokenizer = self._load_tokenizer()
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        # Tensor parallelism: the executor checks the size, starts ranks 1..N-1 and this process
+        # joins as rank 0 (under torchrun, ranks > 0 become workers here).
+        self.executor = None
+        tp = None
+        if config.parallel.tensor_parallel_size > 1:
+            self.executor = self._start_workers()
+            tp = self.executor.tp
+        self.tokenizer = self._load_tokenizer()
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len, tp or SINGLE)
         self.spec = None  # spec.decoder.SpecDecoder with --speculative-method
         if config.speculative.speculative_method:
             from rooflm.spec.decoder import SpecDecoder
@@ -66,7 +74,12 @@ class LLMEngine:
             proposer = make_proposer(config, self.model_config, self.max_model_len)
             self.spec = SpecDecoder(config.speculative, proposer, self.max_model_len)
             self.runner.extra_kv_bytes_per_block = proposer.kv_bytes_per_block()
-        num_blocks, num_host = self.runner.initialize(self.model_path, self.load_format)
+        try:
+            num_blocks, num_host = self.runner.initialize(self.model_path, self.load_format)
+        except BaseException:
+            if self.executor is not None:  # workers waiting in a start-up collective
+                self.executor.shutdown(clean=False)
+            raise
         if self.spec is not None:
             self.spec.proposer.allocate(num_blocks)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size,
@@ -100,6 +113,25 @@ class LLMEngine:
         logger.info("ready in %.1f s (%s)", self.startup_s,
                     ", ".join(f"{k} {v:.1f} s" for k, v in self.runner.timings.items()))
 
+    def _start_workers(self):
+        from rooflm.distributed.executor import TPExecutor
+        if self.config.speculative.speculative_method:
+            raise ValueError("speculative decoding does not run with tensor_parallel_size > 1 yet")
+        if self.config.runtime.deterministic:  # the parallel layers' matmuls are not the batch-invariant one
+            raise ValueError("--deterministic does not run with tensor_parallel_size > 1 yet")
+        return TPExecutor.start(self.config, self.model_config, self.max_model_len,
+                                self.model_path, self.load_format)
+
+    def check_alive(self) -> None:
+        """Raise if part of the engine is gone (a tensor-parallel worker that died)."""
+        if self.executor is not None:
+            self.executor.check_alive()
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes, if it has any (tensor parallelism)."""
+        if self.executor is not None:
+            self.executor.shutdown()
+
     def _make_info(self) -> EngineInfo:
         cfg = self.config
         return EngineInfo(
@@ -113,7 +145,8 @@ class LLMEngine:
             async_scheduling=self.async_scheduling, has_tokenizer=self.tokenizer is not None,
             startup_s=self.startup_s, act_dtype_bytes=self.runner.dtype.itemsize,
             head_dtype_bytes=self.runner.head_bytes_per_weight(),
-            kv_cache_dtype=kv_format.parse_kv_cache_dtype(cfg.cache.kv_cache_dtype))
+            kv_cache_dtype=kv_format.parse_kv_cache_dtype(cfg.cache.kv_cache_dtype),
+            tensor_parallel_size=cfg.parallel.tensor_parallel_size)
 
     # ---- the read-only face ------------------------------------------------------------------
 
@@ -329,6 +362,7 @@ class LLMEngine:
         the GPU before step t's tokens are read back, so host work overlaps device work and
         the outputs returned are those of the previous step."""
         t0 = time.perf_counter()
+        self.check_alive()
         failed = self._reap_failed_grammars() if self._compiling else []
         with self.tracer.phase("schedule"):
             if self.spec is not None:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from rooflm.config import EngineConfig, ModelConfig
+from rooflm.distributed.group import SINGLE, TPGroup
 from rooflm.engine.block_manager import slot_mapping
 from rooflm.engine.report import NULL_TRACER
 from rooflm.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -131,8 +132,19 @@ def _block_table_array(tables: list[list[int]]) -> np.ndarray:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+                 tp: TPGroup = SINGLE):
         self.config = config
+        # Tensor parallelism (rooflm/distributed/): this rank's shard of the model and its own
+        # KV pool (its KV heads, the same block tables). Rank 0 sends each step's inputs to
+        # the other ranks (step_broadcast.py) and samples; they run the same forward.
+        self.tp = tp
+        self.num_kv_heads = tp.heads(model_config.num_attention_heads,
+                                     model_config.num_key_value_heads).num_kv_heads
+        self.step_channel = None
+        if tp.size > 1 and tp.is_driver:
+            from rooflm.distributed.step_broadcast import StepChannel
+            self.step_channel = StepChannel(tp)
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.device = resolve_device(config.device.device)
@@ -211,7 +223,7 @@ class ModelRunner:
 
         cfg, sched = self.model_config, self.config.scheduler
         elem = self.dtype.itemsize
-        weights = cfg.num_params() * elem
+        weights = cfg.num_params() * elem // self.tp.size  # about: norms are replicated
         if load_format == "gguf" and self.keeps_quantized():
             # At most the file's blocks plus the embedding in float (its lookup table).
             weights = min(weights, os.path.getsize(path) + cfg.vocab_size * cfg.hidden_size * elem)
@@ -236,10 +248,16 @@ class ModelRunner:
         try:
             with torch.device(self.device):
                 model = cls(self.model_config, max_positions=self.max_model_len, backend=self.backend,
-                            kernels=self._make_kernels())
+                            kernels=self._make_kernels(), tp=self.tp)
         finally:
             torch.set_default_dtype(prev)
-        if load_format == "dummy":
+        if self.tp.size > 1:
+            # Each rank narrows every tensor to its part as it comes (safetensors: reading only
+            # those bytes); dummy weights are the single-device model's, drawn one at a time.
+            weights = (model.dummy_weights(self.config.load.seed) if load_format == "dummy"
+                       else iter_weights(path, load_format, lazy=True))
+            model.load_weights(weights)
+        elif load_format == "dummy":
             model.init_dummy_weights(self.config.load.seed)
         else:
             # Quantized blocks only where a kernel takes them: the CPU (rooflm/quant/).
@@ -291,7 +309,9 @@ class ModelRunner:
         return kv_format.bytes_per_element(self.kv_cache_dtype, self.dtype, self.model_config.head_dim)
 
     def kv_bytes_per_block(self) -> int:
-        return round(self.model_config.kv_bytes_per_token(self.kv_bytes_per_element()) * self.block_size)
+        """This rank's bytes per block: its KV heads only."""
+        whole = self.model_config.kv_bytes_per_token(self.kv_bytes_per_element()) * self.block_size
+        return round(whole * self.num_kv_heads / self.model_config.num_key_value_heads)
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -310,7 +330,8 @@ class ModelRunner:
             budget = cache.cpu_kv_cache_gb * 2**30
         # No point holding more than every sequence at full length.
         cap = self.config.scheduler.max_num_seqs * -(-self.max_model_len // self.block_size)
-        return max(1, min(int(budget // per_block), cap))
+        # Every rank's pool has the same number of blocks (one block table for all): the least.
+        return self.tp.min_over_ranks(max(1, min(int(budget // per_block), cap)))
 
     @torch.inference_mode()
     def profile_run(self) -> int:
@@ -354,7 +375,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, quiet: bool = False) -> None:
         cfg = self.model_config
-        shape = (cfg.num_hidden_layers, 2, num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (cfg.num_hidden_layers, 2, num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_scales = None
         if kv_format.is_fp8(self.kv_cache_dtype):
@@ -525,6 +546,9 @@ class ModelRunner:
             self.apply_block_ops(out)
         with self.tracer.phase("prepare"):
             inputs = self.prepare(out, suppress)
+        if self.step_channel is not None:
+            with self.tracer.phase("broadcast"):
+                self._send_step(out, inputs, prev)
         fixup = self._pending_fixup(inputs, prev)
         handle = StepHandle(inputs, StepResult({}, {}, {}), spec=out.spec)
         full_graph = self._graph_runs(inputs)
@@ -555,6 +579,25 @@ class ModelRunner:
                 self.sampler, logits, meta, inputs.spec_rows, inputs.row_owner, handle.spec)
         else:
             handle.sampled = self.sampler(logits, meta)
+        if self.tp.size > 1:
+            # The workers fill next step's pending input ids from these, as rank 0 does.
+            self.tp.broadcast_device(handle.sampled.sampled_token_ids)
+
+    def _send_step(self, out: SchedulerOutput, inputs: "StepInputs", prev: Optional["StepHandle"]) -> None:
+        """This step's inputs to the other ranks of the tensor-parallel group."""
+        from rooflm.distributed.step_broadcast import StepPacket
+
+        h = inputs.host
+        pending_rows = [prev.row_of[sid] for _, sid in inputs.pending_positions] if prev else []
+        self.step_channel.send(StepPacket(
+            input_ids=h.input_ids, positions=h.positions, slot_mapping=h.slot_mapping,
+            query_start_loc=h.query_start_loc, seq_lens=h.seq_lens, block_tables=h.block_tables,
+            logits_indices=inputs.logits_indices, max_query_len=inputs.max_query_len,
+            num_decodes=inputs.num_decodes, pending_positions=[p for p, _ in inputs.pending_positions],
+            pending_rows=pending_rows,
+            prompt_logprob_spans=[(base, count) for _, base, _, count in inputs.prompt_logprob_spans],
+            blocks_to_swap_out=list(out.blocks_to_swap_out), blocks_to_swap_in=list(out.blocks_to_swap_in),
+            blocks_to_copy=list(out.blocks_to_copy)))
 
     @torch.inference_mode()
     def sample_constrained(self, handle: "StepHandle", bitmask: torch.Tensor) -> None:

@@ -128,7 +128,7 @@ class PiecewiseGraphRunner:
         # bucket runs at a time. Per layer and bucket it would take gigabytes.
         cfg = model.cfg
         dtype = model.model.embed_tokens.weight.dtype
-        shape = (self.max_tokens, cfg.num_attention_heads, cfg.head_dim)
+        shape = (self.max_tokens, model.heads.num_heads, cfg.head_dim)  # this rank's heads
         self.attention_q = torch.empty(shape, dtype=dtype, device=device)
         self.attention_out = torch.empty(shape, dtype=dtype, device=device)
         self.hidden = torch.empty(self.max_tokens, cfg.hidden_size, dtype=dtype, device=device)

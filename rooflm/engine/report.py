@@ -49,6 +49,7 @@ class EngineInfo:
     act_dtype_bytes: float = 0.0  # bytes per activation element; 0: as weight_dtype_bytes
     head_dtype_bytes: float = 0.0  # bytes per LM head weight as stored; 0: step_cost's default
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8" (E4M3 + per-head scales)
+    tensor_parallel_size: int = 1  # ranks the model is split over (each holds 1/N, its own KV pool)
 
     @property
     def kv_capacity_tokens(self) -> int:

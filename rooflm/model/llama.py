@@ -13,6 +13,8 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from rooflm.config import ModelConfig
+from rooflm.distributed import layers as tp_layers
+from rooflm.distributed.group import SINGLE, TPGroup
 from rooflm.layers.activation import SiluAndMul
 from rooflm.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from rooflm.layers.kernels import TORCH_KERNELS, Kernels
@@ -26,16 +28,19 @@ from rooflm.quant.linear_method import make_quantized_linear
 
 class LlamaAttention(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: Optional[AttentionBackend],
-                 kernels: Kernels = TORCH_KERNELS):
+                 kernels: Kernels = TORCH_KERNELS, tp: TPGroup = SINGLE):
         super().__init__()
         self.cfg = cfg
-        self.qkv_proj = FusedLinear(cfg.hidden_size, {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
-                                    bias=cfg.attention_bias, kernel=kernels.linear)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, kernel=kernels.linear)
+        # This rank's heads (all of them on one device): q/k/v are column-parallel by head,
+        # o_proj row-parallel, so attention itself needs no communication.
+        self.heads = tp.heads(cfg.num_attention_heads, cfg.num_key_value_heads)
+        self.qkv_proj = tp_layers.qkv_linear(cfg.hidden_size, self.heads, cfg.head_dim, cfg.attention_bias, tp,
+                                             kernels.linear)
+        self.o_proj = tp_layers.row_linear(cfg.q_size, cfg.hidden_size, tp, kernels.linear)
         if cfg.qk_norm:  # over each head ([T, H, D]): torch, or Kernels.head_norm
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels.head_norm)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels.head_norm)
-        self.attn = Attention(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, rotary,
+        self.attn = Attention(self.heads.num_heads, self.heads.num_kv_heads, cfg.head_dim, rotary,
                               cfg.sliding_window, backend)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
@@ -45,24 +50,26 @@ class LlamaAttention(torch.nn.Module):
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: KVCache,
                meta: AttentionMetadata) -> torch.Tensor:
         """Fused q/k/v projections [T, q + 2 kv] -> attention output [T, q_size], before o_proj."""
-        cfg = self.cfg
+        heads, head_dim = self.heads, self.cfg.head_dim
         t = qkv.shape[0]
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(t, cfg.num_attention_heads, cfg.head_dim)
-        k = k.view(t, cfg.num_key_value_heads, cfg.head_dim)
-        v = v.view(t, cfg.num_key_value_heads, cfg.head_dim)
-        if cfg.qk_norm:
+        q_size, kv_size = heads.num_heads * head_dim, heads.num_kv_heads * head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(t, heads.num_heads, head_dim)
+        k = k.view(t, heads.num_kv_heads, head_dim)
+        v = v.view(t, heads.num_kv_heads, head_dim)
+        if self.cfg.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
         return self.attn(positions, q, k, v, kv_cache, meta)
 
 
 class LlamaMLP(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: Kernels = TORCH_KERNELS):
+    def __init__(self, cfg: ModelConfig, kernels: Kernels = TORCH_KERNELS, tp: TPGroup = SINGLE):
         super().__init__()
-        self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": cfg.intermediate_size,
-                                                          "up": cfg.intermediate_size}, kernel=kernels.linear)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, kernel=kernels.linear)
+        # Column-parallel gate/up, row-parallel down: one all-reduce for the MLP.
+        self.gate_up_proj = tp_layers.merged_column_linear(
+            cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}, tp, kernels.linear)
+        self.down_proj = tp_layers.row_linear(cfg.intermediate_size, cfg.hidden_size, tp, kernels.linear)
         self.act = SiluAndMul(kernels.silu_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,12 +78,12 @@ class LlamaMLP(torch.nn.Module):
 
 class LlamaDecoderLayer(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: Optional[AttentionBackend],
-                 kernels: Kernels = TORCH_KERNELS):
+                 kernels: Kernels = TORCH_KERNELS, tp: TPGroup = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.rmsnorm)
-        self.self_attn = LlamaAttention(cfg, rotary, backend, kernels)
+        self.self_attn = LlamaAttention(cfg, rotary, backend, kernels, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.rmsnorm)
-        self.mlp = LlamaMLP(cfg, kernels)
+        self.mlp = LlamaMLP(cfg, kernels, tp)
         # On CUDA (rooflm.kernels.gemv.gemv): one-token steps run the layer as four weight
         # GEMVs with the norms, SiLU-mul and residual adds folded in.
         self.gemv = kernels.gemv
@@ -101,20 +108,20 @@ class LlamaDecoderLayer(torch.nn.Module):
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         h = x if residual is None else x + residual
         qkv = gemv(h, attn.qkv_proj.weight, bias=attn.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps)
-        h = gemv(attn.attend(positions, qkv, kv_cache, meta), attn.o_proj.weight, residual=h)
+        h = _row_gemv(gemv, attn.attend(positions, qkv, kv_cache, meta), attn.o_proj, h)
         act = gemv(h, mlp.gate_up_proj.weight, norm_weight=ln2.weight, eps=ln2.eps, gated=True)
-        return gemv(act, mlp.down_proj.weight, residual=h), None
+        return _row_gemv(gemv, act, mlp.down_proj, h), None
 
 
 class LlamaModel(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, backend: Optional[AttentionBackend],
-                 kernels: Kernels = TORCH_KERNELS):
+                 kernels: Kernels = TORCH_KERNELS, tp: TPGroup = SINGLE):
         super().__init__()
-        self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = tp_layers.vocab_embedding(cfg.vocab_size, cfg.hidden_size, tp)
         # One rotary table shared by all layers.
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.layers = torch.nn.ModuleList(
-            LlamaDecoderLayer(cfg, rotary, backend, kernels) for _ in range(cfg.num_hidden_layers))
+            LlamaDecoderLayer(cfg, rotary, backend, kernels, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.rmsnorm)
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata):
@@ -127,14 +134,14 @@ class LlamaModel(torch.nn.Module):
 
 class LlamaForCausalLM(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: Optional[int] = None,
-                 backend: Optional[AttentionBackend] = None, kernels: Kernels = TORCH_KERNELS):
+                 backend: Optional[AttentionBackend] = None, kernels: Kernels = TORCH_KERNELS,
+                 tp: TPGroup = SINGLE):
         super().__init__()
         self.cfg = cfg
-        self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings, backend, kernels)
-        if cfg.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.heads = tp.heads(cfg.num_attention_heads, cfg.num_key_value_heads)  # this rank's
+        self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings, backend, kernels, tp)
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = tp_layers.lm_head(cfg.hidden_size, cfg.vocab_size, tp, tied)
         self.gemv = kernels.gemv  # as LlamaDecoderLayer.gemv: the LM head of one token
         self.linear = kernels.linear  # --deterministic: the batch-invariant matmul, for the LM head
         # Tied embeddings read from quantized blocks: the embedding is dequantized (a lookup reads
@@ -147,6 +154,8 @@ class LlamaForCausalLM(torch.nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.lm_head, tp_layers.ParallelLMHead):
+            return self.lm_head.logits(hidden)  # this rank's vocabulary rows, then one all-gather
         if self.linear is not None:
             head = self.lm_head
             weight = self.model.embed_tokens.weight if head is None else head.weight
@@ -184,6 +193,9 @@ class LlamaForCausalLM(torch.nn.Module):
                 if name not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
                 param = params[name]
+                # Under tensor parallelism, this rank's part (a lazy slice reads only it).
+                tensor = tp_layers.checkpoint_shard(self.get_submodule(name.rpartition(".")[0]),
+                                                    name.rpartition(".")[2], tensor)
                 if tuple(param.shape) != tuple(tensor.shape):
                     raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
                                      f"model expects {tuple(param.shape)}")
@@ -222,15 +234,49 @@ class LlamaForCausalLM(torch.nn.Module):
             if not name.startswith(fused_prefixes):
                 yield name
 
+    def dummy_weights(self, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights init_dummy_weights draws for the whole (single-device) model, as HF-named
+        checkpoint tensors, fused ones split again: a tensor-parallel rank loads its part of the
+        same weights through load_weights. Each whole tensor exists once, briefly, on this device."""
+        sample = next(self.parameters())
+        with torch.device("meta"):
+            whole = type(self)(self.cfg, max_positions=1)
+        gen = torch.Generator(device=sample.device).manual_seed(seed)
+        fused = {name: m for name, m in whole.named_modules() if isinstance(m, FusedLinear)}
+        for name, param in whole.named_parameters():
+            tensor = torch.empty(param.shape, dtype=sample.dtype, device=sample.device)
+            _dummy_fill(name, tensor, gen)
+            module_name, _, kind = name.rpartition(".")
+            if module_name not in fused:
+                yield name, tensor
+                continue
+            for src, (dst, shard) in _FUSED.items():  # back to the checkpoint's q/k/v, gate/up
+                if module_name.endswith("." + dst):
+                    offset, size = fused[module_name].shard_offsets[shard]
+                    yield f"{module_name[:-len(dst)]}{src}.{kind}", tensor[offset:offset + size]
+
     def init_dummy_weights(self, seed: int = 0) -> None:
         """Random weights of the right shapes, generated where the parameters live."""
         gen = torch.Generator(device=next(self.parameters()).device).manual_seed(seed)
         with torch.no_grad():
             for name, param in self.named_parameters():
-                if name.endswith("norm.weight") or "layernorm" in name:
-                    param.fill_(1.0)
-                else:
-                    param.normal_(0.0, 0.02, generator=gen)
+                _dummy_fill(name, param, gen)
+
+
+def _dummy_fill(name: str, tensor: torch.Tensor, gen: torch.Generator) -> None:
+    with torch.no_grad():
+        if name.endswith("norm.weight") or "layernorm" in name:
+            tensor.fill_(1.0)
+        else:
+            tensor.normal_(0.0, 0.02, generator=gen)
+
+
+def _row_gemv(gemv, x: torch.Tensor, linear: Linear, residual: torch.Tensor) -> torch.Tensor:
+    """residual + x @ W^T in one GEMV. A row-parallel layer holds a slice of W's columns: rank 0
+    adds the residual to its partial sum, the others add nothing, and one all-reduce sums them."""
+    if isinstance(linear, tp_layers.RowParallelLinear):
+        return linear.tp.all_reduce(gemv(x, linear.weight, residual=linear.partial_with_residual(residual)))
+    return gemv(x, linear.weight, residual=residual)
 
 
 _FUSED = {

@@ -327,14 +327,33 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def iter_weights(path: str, load_format: str,
-                 keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+class LazySlice:
+    """A safetensors tensor not read yet: narrow() reads only the rows or columns asked for
+    (a tensor-parallel rank's part), load() all of it. Valid while the stream is at it."""
+
+    def __init__(self, handle_slice):
+        self._slice = handle_slice
+        self.shape = tuple(handle_slice.get_shape())
+
+    def narrow(self, dim: int, start: int, size: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + size)
+        return self._slice[tuple(index)]
+
+    def load(self) -> torch.Tensor:
+        return self._slice[:]
+
+
+def iter_weights(path: str, load_format: str, keep_quantized: bool = False,
+                 lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF parameter name, tensor) for every weight, one tensor at a time, each
     checked against the config's shapes; raises ModelLoadError at the end if any
     weight the config needs never came.
 
     keep_quantized: GGUF block-quantized weights come as rooflm.quant BlockTensors
     (see gguf_loader.open_gguf_weights); other formats ignore it.
+    lazy: safetensors tensors come as LazySlices, for a reader that wants part of each
+    (tensor parallelism); GGUF tensors are dequantized whole, one at a time, either way.
 
     Not a generator itself, so a missing file or a bad config is reported at the
     call rather than at the first next().
@@ -343,7 +362,7 @@ def iter_weights(path: str, load_format: str,
         path, load_format = resolve_model(path, load_format)
     if load_format == "safetensors":
         config = _load_hf_config(path)
-        stream = _iter_safetensors(path, config)
+        stream = _iter_safetensors(path, config, lazy)
     elif load_format == "gguf":
         from rooflm.model import gguf_loader
         config, stream = gguf_loader.open_gguf_weights(path, keep_quantized)
@@ -410,8 +429,8 @@ def _safetensors_files(model_dir: str) -> list[str]:
                    f"checkpoints are supported, not .bin)")
 
 
-def _iter_safetensors(model_dir: str,
-                      config: ModelConfig) -> Iterator[tuple[str, torch.Tensor, str]]:
+def _iter_safetensors(model_dir: str, config: ModelConfig,
+                      lazy: bool = False) -> Iterator[tuple[str, torch.Tensor, str]]:
     from safetensors import safe_open
 
     for file_path in _safetensors_files(model_dir):
@@ -429,7 +448,7 @@ def _iter_safetensors(model_dir: str,
                 if name == "lm_head.weight" and config.tie_word_embeddings:
                     continue
                 try:
-                    tensor = handle.get_tensor(name)
+                    tensor = LazySlice(handle.get_slice(name)) if lazy else handle.get_tensor(name)
                 except Exception as exc:
                     raise load_error(
                         file_path, f"cannot read tensor {name!r} (corrupt or truncated "

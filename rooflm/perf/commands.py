@@ -44,7 +44,11 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", choices=sorted(WEIGHT_FORMATS), default="bf16", help="weight dtype")
     p.add_argument("--kv-dtype", choices=sorted(KV_CACHE_BYTES), default=None,
                    help="KV cache dtype (default: bf16, or fp32 with fp32 weights)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (per-GPU figures)")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                   help="tensor-parallel GPUs (per-GPU figures, plus the all-reduces)")
+    p.add_argument("--allreduce-latency-us", type=float, default=None,
+                   help="fixed cost of one all-reduce with --tp > 1 (default: an NVLink estimate; "
+                        "benchmarks/tp.sh measures it)")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="draw the roofline chart")
     p.set_defaults(func=run_roofline)
 
@@ -64,7 +68,8 @@ def register(subparsers) -> None:
     p.add_argument("--gpu-mem", type=float, default=None, metavar="GB",
                    help="GPU memory in GB (default: that of --gpu, else 80)")
     p.add_argument("--gpu", default=None, choices=sorted(GPUS), help="take --gpu-mem from this GPU")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (inference)")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                   help="tensor-parallel GPUs (inference: per-GPU figures)")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -155,8 +160,10 @@ def run_roofline(args: argparse.Namespace, out: TextIO = None) -> int:
         config = resolve_model_config(args.model)
         gpu = get_gpu(args.gpu)
         kv_dtype = _default_kv_dtype(args.dtype, args.kv_dtype)
+        latency = None if args.allreduce_latency_us is None else args.allreduce_latency_us * 1e-6
         step = phase_step_cost(config, args.phase, args.batch_size, args.context,
-                               weight_dtype=args.dtype, kv_dtype=kv_dtype, tp=args.tp)
+                               weight_dtype=args.dtype, kv_dtype=kv_dtype, tp=args.tp,
+                               allreduce_latency_s=latency)
     except (ValueError, RuntimeError, OSError, ImportError) as exc:
         print(f"rooflm roofline: error: {exc}", file=sys.stderr)
         return 2
@@ -217,12 +224,26 @@ def format_roofline(step, gpu: GpuSpec, model_name: str, config: ModelConfig, ph
         per_what = f"{batch_size} x {context} prompt tokens per step"
         rate = f"{summary.tokens_per_s:,.0f} prompt tokens/s (TTFT floor {summary.floor_s * 1e3:.2f} ms)"
     lines.append(f"step floor {summary.floor_s * 1e3:.3f} ms -> at most {rate}  [{per_what}]")
+    if tp > 1:
+        lines.append(_tp_line(step, gpu, config))
     lines.append(f"ridge point of {gpu.key}: {gpu.ridge_point(step.compute_dtype):.0f} FLOP/B "
                  f"({step.compute_dtype} tensor cores), {gpu.ridge_point('fp32'):.0f} FLOP/B "
                  f"(fp32 CUDA cores); this step's linear layers: {summary.matmul_intensity:.1f} FLOP/B")
     lines.append("")
     lines.extend(_wrap(verdict(step, gpu, phase, fmt.bytes_per_param), 100))
     return "\n".join(lines) + "\n"
+
+
+def _tp_line(step, gpu: GpuSpec, config: ModelConfig) -> str:
+    """What tensor parallelism adds to a step: its collectives, by size and by count."""
+    comm = next(op for op in step.ops if op.name == "tp all-reduce")
+    link_s = comm.bytes / (gpu.interconnect_gbs * 1e9)
+    messages = 2 * config.num_hidden_layers + 1 + (1 if step.num_sampled else 0)
+    return (f"tensor parallel: {messages} collectives per step (2 all-reduces per layer of "
+            f"{step.num_tokens} x {config.hidden_size}, the embedding's, the logits' all-gather): "
+            f"{comm.bytes / MB:.2f} MB sent per GPU = {link_s * 1e6:.1f} us at "
+            f"{gpu.interconnect_gbs:g} GB/s + {comm.latency_s * 1e6:.0f} us of latency "
+            f"({comm.latency_s / messages * 1e6:.1f} us each)")
 
 
 def _wrap(text: str, width: int) -> list[str]:

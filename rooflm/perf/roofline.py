@@ -97,6 +97,7 @@ class OpCost:
     bytes: float
     weight_bytes: float = 0.0
     kv_bytes: float = 0.0
+    latency_s: float = 0.0  # COMM: the collectives' fixed cost, paid per message whatever its size
 
     @property
     def intensity(self) -> float:
@@ -202,6 +203,12 @@ def kv_bytes_per_token_per_gpu(config: ModelConfig, kv_bytes: float, tp: int = 1
     return 2 * config.num_hidden_layers * _shard(config, tp).kv * kv_bytes
 
 
+# One NCCL all-reduce of a few kB between GPUs of one NVLink host, launched inside a CUDA
+# graph: roughly 5-10 us on H100s by nccl-tests-style small-message figures (an estimate:
+# benchmarks/tp.sh measures the device's own and prints it; --allreduce-latency-us sets it).
+ALLREDUCE_LATENCY_S = 8e-6
+
+
 def step_cost(
     config: ModelConfig,
     num_decode_seqs: int = 0,
@@ -217,6 +224,7 @@ def step_cost(
     compute_dtype: str = "bf16",
     embed_bytes: Optional[float] = None,
     head_bytes: Optional[float] = None,
+    allreduce_latency_s: Optional[float] = None,
 ) -> StepCost:
     """FLOPs and bytes of one forward step of a batch, per GPU.
 
@@ -237,8 +245,11 @@ def step_cost(
     embedding parameter, by default the activation dtype (max of weight and
     act bytes: quantization leaves embeddings alone). head_bytes: bytes per LM head
     weight as stored, by default embed_bytes when tied, else weight_bytes (an engine
-    that keeps a tied head quantized says so).
+    that keeps a tied head quantized says so). allreduce_latency_s: the fixed cost of one
+    collective under tensor parallelism (default ALLREDUCE_LATENCY_S).
     """
+    if allreduce_latency_s is None:
+        allreduce_latency_s = ALLREDUCE_LATENCY_S
     if prefill_attention_pairs is None:
         prefill_attention_pairs = causal_pairs(prefill_tokens, 0, config.sliding_window)
     if prefill_context_tokens is None:
@@ -340,10 +351,13 @@ def step_cost(
         # Ring all-reduce sends 2(N-1)/N of the message per GPU: two per layer
         # (after o_proj and down_proj) and one for the vocab-parallel embedding;
         # the logits are all-gathered, (N-1)/N of them per GPU.
+        # At batch 1 the messages are 8 kB: their fixed cost, not the link, is the time.
         ring = 2 * (tp - 1) / tp
         comm_bytes = (2 * layers + 1) * ring * tokens * h * a
         comm_bytes += (tp - 1) / tp * sampled * config.vocab_size * a
-        ops.append(OpCost("tp all-reduce", COMM, 0.0, comm_bytes))
+        messages = 2 * layers + 1 + (1 if sampled else 0)
+        ops.append(OpCost("tp all-reduce", COMM, 0.0, comm_bytes,
+                          latency_s=messages * allreduce_latency_s))
 
     hbm_ops = [op for op in ops if op.kind != COMM]
     return StepCost(
@@ -354,7 +368,8 @@ def step_cost(
 
 
 def phase_step_cost(config: ModelConfig, phase: str, batch_size: int, context: int,
-                    weight_dtype: str = "bf16", kv_dtype: str = "bf16", tp: int = 1) -> StepCost:
+                    weight_dtype: str = "bf16", kv_dtype: str = "bf16", tp: int = 1,
+                    allreduce_latency_s: Optional[float] = None) -> StepCost:
     """The step of a uniform batch: `batch_size` sequences of `context` tokens.
 
     decode: every sequence decodes one token with `context` positions to attend
@@ -370,7 +385,8 @@ def phase_step_cost(config: ModelConfig, phase: str, batch_size: int, context: i
     fmt = WEIGHT_FORMATS[weight_dtype]
     act_bytes = 4.0 if weight_dtype == "fp32" else 2.0
     common = dict(weight_bytes=fmt.bytes_per_param, kv_bytes=KV_CACHE_BYTES[kv_dtype],
-                  act_bytes=act_bytes, tp=tp, compute_dtype=fmt.compute_dtype)
+                  act_bytes=act_bytes, tp=tp, compute_dtype=fmt.compute_dtype,
+                  allreduce_latency_s=allreduce_latency_s)
     window = config.sliding_window
     attended = min(context, window) if window else context
     if phase == "decode":
@@ -415,7 +431,7 @@ def op_roofline(op: OpCost, gpu: GpuSpec, compute_dtype: str = "bf16") -> OpRoof
         if gpu.interconnect_gbs is None:
             raise ValueError(f"{gpu.name} has no GPU-to-GPU link in the table; tp must be 1")
         link = gpu.interconnect_gbs * 1e9
-        return OpRoofline(op, 0.0, link, 0.0, op.bytes / link)
+        return OpRoofline(op, 0.0, link, 0.0, op.bytes / link + op.latency_s)
     if op.kind == MATMUL:
         peak = gpu.peak_flops(compute_dtype)
     elif op.kind == ATTENTION:

@@ -1,0 +1,173 @@
+"""A process's place in a tensor-parallel group, and the collectives the layers use.
+
+Two process groups: the device group (NCCL on CUDA, gloo on the CPU) carries the layers'
+all-reduces and all-gathers and the sampled token ids; the host group (always gloo) carries
+each step's metadata from rank 0 (step_broadcast.py), so that the workers copy it to their
+own device the way rank 0 does, and nothing of the step's description waits on a device.
+
+NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0 is set before NCCL starts, since
+the GPU hosts here forbid it (and NCCL would otherwise try it on NVSwitch systems).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+# A step's device collectives wait on their peers for at most this long before they raise,
+# so that a rank that hangs (rather than dies: the executor sees deaths at once) cannot hang
+# the engine. The host group waits far longer: a worker waits there for the next step, and
+# a server may sit idle for hours. (On the CPU both are one gloo group: the long timeout.)
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
+IDLE_TIMEOUT = datetime.timedelta(days=30)
+# Every rank must have joined by then: a worker that fails before joining fails the start.
+STARTUP_TIMEOUT = datetime.timedelta(minutes=3)
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """The attention heads one rank holds. Query heads split evenly; KV heads split evenly
+    when there are at least as many as ranks, else each rank holds the one KV head its
+    query heads read (GQA/MQA with fewer KV heads than ranks: replicated)."""
+
+    num_heads: int
+    num_kv_heads: int
+    first_head: int
+    first_kv_head: int
+
+
+class TPGroup:
+    """Rank and size, plus the collectives; size 1 makes every collective a no-op."""
+
+    def __init__(self, rank: int = 0, size: int = 1, device_group=None, host_group=None):
+        self.rank = rank
+        self.size = size
+        self.device_group = device_group
+        self.host_group = host_group
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    def heads(self, num_heads: int, num_kv_heads: int) -> HeadShard:
+        check_divisible(num_heads, num_kv_heads, self.size)
+        kv_per_rank = max(1, num_kv_heads // self.size)
+        heads_per_rank = num_heads // self.size
+        return HeadShard(heads_per_rank, kv_per_rank, self.rank * heads_per_rank,
+                         self.rank * num_kv_heads // self.size)
+
+    def split(self, total: int) -> tuple[int, int]:
+        """(start, size) of this rank's even share of `total` rows (total divisible by size)."""
+        share = total // self.size
+        return self.rank * share, share
+
+    def padded_split(self, total: int) -> tuple[int, int, int]:
+        """(start, size held, size allocated) of a dimension split in ceil(total / N) pieces:
+        the vocabulary, which no tokenizer sizes for the rank count. The last rank's piece
+        may be short; its allocated rows past the end stay zero."""
+        share = -(-total // self.size)
+        start = min(self.rank * share, total)
+        return start, min(share, total - start), share
+
+    # ---- collectives ------------------------------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.device_group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] on every rank -> [..., size * n], rank r's piece at r * n."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = torch.empty((self.size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+        if x.device.type == "cuda":
+            dist.all_gather_into_tensor(parts, x, group=self.device_group)
+        else:  # gloo gathers into a list
+            dist.all_gather(list(parts.unbind(0)), x, group=self.device_group)
+        return parts.movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
+
+    def broadcast_device(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x into every rank's x (same shape and dtype), on the device group."""
+        if self.size > 1:
+            dist.broadcast(x, src=0, group=self.device_group)
+        return x
+
+    def broadcast_host(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.broadcast(x, src=0, group=self.host_group)
+        return x
+
+    def min_over_ranks(self, value: int) -> int:
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.host_group)
+        return int(t.item())
+
+
+SINGLE = TPGroup()
+
+
+def check_divisible(num_heads: int, num_kv_heads: int, size: int) -> None:
+    """The shapes tensor parallelism of `size` ranks can split, with the reason when not."""
+    if num_heads % size:
+        raise ValueError(f"tensor_parallel_size {size} does not divide the model's "
+                         f"{num_heads} attention heads")
+    if num_kv_heads >= size and num_kv_heads % size:
+        raise ValueError(f"tensor_parallel_size {size} does not divide the model's "
+                         f"{num_kv_heads} KV heads")
+    if num_kv_heads < size and size % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size {size} is not a multiple of the model's "
+                         f"{num_kv_heads} KV heads (each rank must hold whole KV heads)")
+
+
+def init_group(rank: int, size: int, init_method: str, device: torch.device) -> TPGroup:
+    """Join the group (blocks until every rank has)."""
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    if init_method.startswith("tcp://"):  # our own store: its timeout bounds the rendezvous only
+        host, port = init_method[len("tcp://"):].rsplit(":", 1)
+        kwargs["store"] = dist.TCPStore(host, int(port), size, rank == 0, timeout=STARTUP_TIMEOUT)
+    else:
+        kwargs["init_method"] = init_method
+    dist.init_process_group(backend, rank=rank, world_size=size,
+                            timeout=COLLECTIVE_TIMEOUT if backend == "nccl" else IDLE_TIMEOUT, **kwargs)
+    device_group = dist.group.WORLD
+    host_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT) if backend == "nccl" else device_group
+    return TPGroup(rank, size, device_group, host_group)
+
+
+def destroy_group(group: TPGroup, clean: bool = True) -> None:
+    """Leave the group. After a clean run every rank first meets at a barrier (a rank that tears
+    gloo down while a peer still talks to it can abort: rooflm/train/parallel.py::shutdown)."""
+    if group.size == 1 or not dist.is_initialized():
+        return
+    if clean:
+        dist.barrier(group=group.host_group)
+    dist.destroy_process_group()
+
+
+def abort_group() -> None:
+    """Make collectives blocked on a dead peer return with an error (NCCL would wait for the
+    timeout); best effort, as the call is private to torch."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None and dist.is_initialized():
+        try:
+            abort()
+        except Exception:  # noqa: BLE001 - the group is broken either way
+            pass
+
+
+def visible_devices(device: torch.device) -> Optional[int]:
+    """How many devices of this type ranks could use (None on the CPU: no limit)."""
+    if device.type == "cuda":
+        return torch.cuda.device_count()
+    return None

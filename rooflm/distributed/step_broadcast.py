@@ -1,0 +1,118 @@
+"""A step's description, from rank 0 to the workers, as one int64 tensor.
+
+The scheduler runs once, on rank 0. What a worker needs to run the same forward is what the
+model runner turns a SchedulerOutput into: input ids, positions, slot mapping, query starts,
+sequence lengths, block tables, the rows whose logits are computed, the pending tokens (ids
+still on the device, from the previous step's samples), prompt-logprob spans and the block
+operations (swaps, copy-on-write). All of it is integers: rank 0 packs them into one int64
+tensor behind a 16-entry header of counts and broadcasts it over the host (gloo) group;
+the header goes first so that the worker can size its receive buffer (two broadcasts, one
+message). Nothing is pickled. Each worker then copies the tensors to its own device
+exactly as rank 0 does, so every rank launches the same kernels in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from rooflm.distributed.group import TPGroup
+
+HEADER_LEN = 16
+OP_STEP, OP_STOP = 0, 1
+
+
+@dataclass
+class StepPacket:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    seq_lens: torch.Tensor  # [S] int32
+    block_tables: torch.Tensor  # [S, W] int32
+    logits_indices: list[int]
+    max_query_len: int
+    num_decodes: int
+    pending_positions: list[int] = field(default_factory=list)  # packed index of each pending id
+    pending_rows: list[int] = field(default_factory=list)  # its row in the previous step's samples
+    prompt_logprob_spans: list[tuple[int, int]] = field(default_factory=list)  # (packed index, count)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+
+    def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        num_seqs, width = self.block_tables.shape
+        header = torch.tensor(
+            [OP_STEP, self.input_ids.numel(), num_seqs, width, len(self.logits_indices),
+             len(self.pending_positions), len(self.prompt_logprob_spans), len(self.blocks_to_swap_out),
+             len(self.blocks_to_swap_in), len(self.blocks_to_copy), self.max_query_len,
+             self.num_decodes] + [0] * (HEADER_LEN - 12), dtype=torch.int64)
+        tail = (self.logits_indices + self.pending_positions + self.pending_rows
+                + _flat(self.prompt_logprob_spans) + _flat(self.blocks_to_swap_out)
+                + _flat(self.blocks_to_swap_in) + _flat(self.blocks_to_copy))
+        payload = torch.cat([self.input_ids, self.positions, self.slot_mapping,
+                             self.query_start_loc.long(), self.seq_lens.long(),
+                             self.block_tables.long().reshape(-1), torch.tensor(tail, dtype=torch.int64)])
+        return header, payload
+
+    @classmethod
+    def unpack(cls, header: list[int], payload: torch.Tensor) -> "StepPacket":
+        _, tokens, num_seqs, width, logits, pending, spans, swap_out, swap_in, copies, max_q, decodes = header[:12]
+        sizes = [tokens, tokens, tokens, num_seqs + 1, num_seqs, num_seqs * width]
+        parts = list(payload[:sum(sizes)].split(sizes))
+        tail = payload[sum(sizes):].tolist()
+        taken = 0
+
+        def take(n: int) -> list[int]:
+            nonlocal taken
+            taken += n
+            return tail[taken - n:taken]
+
+        return cls(input_ids=parts[0], positions=parts[1], slot_mapping=parts[2],
+                   query_start_loc=parts[3].int(), seq_lens=parts[4].int(),
+                   block_tables=parts[5].int().reshape(num_seqs, width), logits_indices=take(logits),
+                   max_query_len=max_q, num_decodes=decodes, pending_positions=take(pending),
+                   pending_rows=take(pending), prompt_logprob_spans=_pairs(take(2 * spans)),
+                   blocks_to_swap_out=_pairs(take(2 * swap_out)), blocks_to_swap_in=_pairs(take(2 * swap_in)),
+                   blocks_to_copy=_pairs(take(2 * copies)))
+
+
+def payload_size(header: list[int]) -> int:
+    """Int64s in the payload a header announces (what pack writes after it)."""
+    tokens, num_seqs, width, logits, pending = header[1:6]
+    return 3 * tokens + 2 * num_seqs + 1 + num_seqs * width + logits + 2 * pending + 2 * sum(header[6:10])
+
+
+def _flat(pairs: list[tuple[int, int]]) -> list[int]:
+    return [v for pair in pairs for v in pair]
+
+
+def _pairs(values: list[int]) -> list[tuple[int, int]]:
+    return list(zip(values[0::2], values[1::2]))
+
+
+class StepChannel:
+    """Rank 0 sends, the workers receive; both over the group's host (gloo) group."""
+
+    def __init__(self, tp: TPGroup):
+        self.tp = tp
+
+    def send(self, packet: StepPacket) -> None:
+        header, payload = packet.pack()
+        self.tp.broadcast_host(header)
+        self.tp.broadcast_host(payload)
+
+    def send_stop(self) -> None:
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        header[0] = OP_STOP
+        self.tp.broadcast_host(header)
+
+    def receive(self) -> Optional[StepPacket]:
+        """The next step, or None when rank 0 stops the group."""
+        header = self.tp.broadcast_host(torch.empty(HEADER_LEN, dtype=torch.int64)).tolist()
+        if header[0] == OP_STOP:
+            return None
+        payload = self.tp.broadcast_host(torch.empty(payload_size(header), dtype=torch.int64))
+        return StepPacket.unpack(header, payload)
