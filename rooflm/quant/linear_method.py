@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from rooflm.quant import native
 from rooflm.quant.gguf_blocks import BLOCK, BlockTensor
 
 ACT_DTYPE = torch.bfloat16
@@ -96,6 +97,38 @@ class Int8BlockLinear(QuantizedLinearMethod):
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
+class NativeBlockLinear(QuantizedLinearMethod):
+    """The file's blocks multiplied by rooflm's own C kernels (rooflm/quant/native.py): the
+    exact codes, scales and offsets, with activations quantized to int8 per block of 32."""
+
+    def __init__(self, blocks: BlockTensor, lib):
+        super().__init__()
+        rows, cols = blocks.shape
+        self.in_features, self.out_features, self.format = cols, rows, blocks.format
+        self._lib = lib
+        codes = blocks.codes.reshape(rows, cols // BLOCK, BLOCK)
+        if blocks.bits == 4:  # two codes a byte: element j in the low nibble, j + 16 in the high
+            packed = codes[:, :, :BLOCK // 2] | (codes[:, :, BLOCK // 2:] << 4)
+            self.register_buffer("codes", torch.from_numpy(packed.astype("uint8")).contiguous())
+            self.register_buffer("offset", torch.from_numpy(blocks.offset).float().contiguous())
+        else:
+            self.register_buffer("codes", torch.from_numpy(blocks.codes).contiguous())
+            self.offset = None
+        self.register_buffer("scale", torch.from_numpy(blocks.scale).float().contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.dtype != torch.float32 or not flat.is_contiguous():
+            flat = flat.float().contiguous()
+        if self.offset is not None:
+            y = native.q4_linear(self._lib, flat, self.codes, self.scale, self.offset)
+        else:
+            y = native.q8_linear(self._lib, flat, self.codes, self.scale)
+        if x.dim() != 2:
+            y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
 # Above this many blocks per row a Q8_0 weight is requantized per row (see the header).
 MAX_Q8_BLOCK_COLUMNS = 64
 
@@ -120,7 +153,12 @@ class Int8RowLinear(QuantizedLinearMethod):
 def make_quantized_linear(blocks: BlockTensor, device: torch.device) -> Optional[QuantizedLinearMethod]:
     """The module for `blocks` on `device`, or None when no kernel here takes the format
     (then the caller dequantizes). Only the CPU kernels exist so far."""
-    if device.type != "cpu" or not cpu_kernels_available():
+    if device.type != "cpu":
+        return None
+    lib = native.library()
+    if lib is not None:
+        return NativeBlockLinear(blocks, lib)
+    if not cpu_kernels_available():
         return None
     if blocks.bits == 4:
         # The packed int4 layout tiles 16 output rows (torch's _convert_weight_to_int4pack_cpu).
