@@ -1,6 +1,6 @@
 """rooflm.quant: GGUF blocks decoded exactly, and the quantized linears against a float32
-reference (relative error at bf16 level for torch's kernels, which take bf16 activations; at
-int8 level for rooflm's native kernels, which quantize them per block of 32)."""
+reference (relative error at bf16 level for torch's kernels, which take bf16 activations; far
+below it for rooflm's native kernels, which split them into two int8 levels per block of 32)."""
 
 import numpy as np
 import pytest
@@ -104,12 +104,12 @@ def test_native_linear_matches_float_reference_and_is_batch_invariant(fmt, cols)
     x = torch.randn(6, cols)
     out = method(x)
     assert out.dtype == torch.float32 and out.shape == (6, rows)
-    # int8 activations, one scale per block of 32: ~0.5% measured, about twice bf16's error
-    assert rel_err(out, x @ weight.T) < 1.5e-2
+    # activations as two int8 levels a block of 32 (~15 bits): 2e-5 measured, bf16's is 3e-3
+    assert rel_err(out, x @ weight.T) < 2e-4
     # each token's row is the same whatever batch it is in
     assert torch.equal(method(x[2:3]), out[2:3])
     half = method(x.to(torch.bfloat16))  # a bf16 model: computed in fp32, returned in bf16
-    assert half.dtype == torch.bfloat16 and rel_err(half, x @ weight.T) < 2e-2
+    assert half.dtype == torch.bfloat16 and rel_err(half, x.to(torch.bfloat16).float() @ weight.T) < 1e-2
     assert method.weight_bytes() < weight.numel() * 4 / 3
 
 
