@@ -1,5 +1,9 @@
 """Linear layers that multiply block-quantized weights without dequantizing them to float.
 
+Where rooflm's native kernels build (rooflm/quant/native.py: a C compiler and AVX2/FMA),
+NativeBlockLinear takes every 4-bit and 8-bit format with the file's exact blocks; the torch
+kernel modules below are the fallback.
+
 Why: batch-1 decode reads every weight once per token. SmolLM2-135M dequantized to fp32 is
 0.54 GB a token; its Q4_1 blocks as torch's packed int4 are 4.5 bits a weight (~60 MB for the
 decoder layers). The kernels are torch's own CPU weight-only GEMMs:
