@@ -31,13 +31,13 @@ def torch_twin(method):
     """Torch's kernel module over the same blocks as a NativeBlockLinear."""
     from rooflm.quant.gguf_blocks import BlockTensor
     from rooflm.quant.linear_method import Int4GroupLinear, Int8BlockLinear
-    scale = method.scale.numpy()
+    scale = method.scale.float().numpy()
     if method.offset is None:
         return Int8BlockLinear(BlockTensor("Q8_0", method.codes.numpy(), scale, np.zeros_like(scale)))
     packed = method.codes.numpy()
     codes = np.concatenate([packed & 0x0F, packed >> 4], axis=2).reshape(method.out_features,
                                                                           method.in_features)
-    return Int4GroupLinear(BlockTensor("Q4_1", codes, scale, method.offset.numpy()))
+    return Int4GroupLinear(BlockTensor("Q4_1", codes, scale, method.offset.float().numpy()))
 
 
 def main() -> int:

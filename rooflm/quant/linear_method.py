@@ -114,11 +114,12 @@ class NativeBlockLinear(QuantizedLinearMethod):
         if blocks.bits == 4:  # two codes a byte: element j in the low nibble, j + 16 in the high
             packed = codes[:, :, :BLOCK // 2] | (codes[:, :, BLOCK // 2:] << 4)
             self.register_buffer("codes", torch.from_numpy(packed.astype("uint8")).contiguous())
-            self.register_buffer("offset", torch.from_numpy(blocks.offset).float().contiguous())
+            self.register_buffer("offset", torch.from_numpy(blocks.offset).to(torch.float16).contiguous())
         else:
             self.register_buffer("codes", torch.from_numpy(blocks.codes).contiguous())
             self.offset = None
-        self.register_buffer("scale", torch.from_numpy(blocks.scale).float().contiguous())
+        # fp16, as in the file (decoded exactly from it): the file's bytes per weight.
+        self.register_buffer("scale", torch.from_numpy(blocks.scale).to(torch.float16).contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)

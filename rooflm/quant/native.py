@@ -11,7 +11,7 @@ maddubs): 11-12 ms for those 30 layers on the same core. Threads: OpenMP, the sa
 libgomp torch loaded (same soname), torch.get_num_threads() of them.
 
 Built once per source version into ~/.cache/rooflm (or $ROOFLM_CACHE_DIR): `cc -O3 -mavx2
--mfma -fopenmp`, about a second. Where there is no compiler, no AVX2/FMA, or
+-mfma -mf16c -fopenmp`, about a second. Where there is no compiler, no AVX2/FMA/F16C, or
 ROOFLM_NATIVE_KERNELS=0, `library()` is None and rooflm/quant/linear_method.py uses torch's
 kernels instead.
 """
@@ -34,8 +34,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "block_matmul.c"
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
-REQUIRED_CPU_FLAGS = ("avx2", "fma")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
@@ -104,7 +104,7 @@ def _check(status: int) -> None:
 
 def q4_linear(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
               offset: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float32 contiguous -> [M, N] float32; codes [N, K/32, 16] uint8."""
+    """x [M, K] float32 contiguous -> [M, N] float32; codes [N, K/32, 16] uint8, fp16 scale/offset."""
     m, k = x.shape
     n = codes.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
@@ -114,7 +114,7 @@ def q4_linear(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scale: tor
 
 
 def q8_linear(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float32 contiguous -> [M, N] float32; codes [N, K] int8."""
+    """x [M, K] float32 contiguous -> [M, N] float32; codes [N, K] int8, fp16 scale."""
     m, k = x.shape
     n = codes.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)

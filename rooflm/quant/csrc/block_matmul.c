@@ -4,8 +4,10 @@
  *
  * Layouts (rooflm/quant/native.py packs them):
  *   4-bit W: codes [N, K/32, 16] bytes, byte j = element j (low nibble) | element j+16 (high);
- *            scale, offset [N, K/32] float: value = scale * code + offset (Q4_0: offset = -8 scale)
- *   8-bit W: codes [N, K] int8, scale [N, K/32] float (Q8_0)
+ *            scale, offset [N, K/32] fp16 (the file's own): value = scale * code + offset
+ *            (Q4_0: offset = -8 scale)
+ *   8-bit W: codes [N, K] int8, scale [N, K/32] fp16 (Q8_0)
+ * The bytes per weight are the file's: 20/32 for Q4_0/Q4_1, 34/32 for Q8_0.
  *   x: [M, K] float32, contiguous; y: [M, N] float32.
  * Activations: two int8 levels a block (quantize_x below).
  * Each output is one row's dot product with one token, in the same order for any M: the
@@ -83,8 +85,8 @@ static inline __m256 dot_u8(__m256i w, __m256i x, __m256i ones) {
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
 }
 
-int rl_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *scale,
-                 const float *offset, int64_t N, float *y, int threads) {
+int rl_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *scale,
+                 const uint16_t *offset, int64_t N, float *y, int threads) {
     Activations a;
     if (quantize_x(x, M, K, &a)) return -1;
     const int64_t nb = K / QK;
@@ -93,7 +95,7 @@ int rl_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, con
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wn = codes + n * nb * 16;
-        const float *dn = scale + n * nb, *mn = offset + n * nb;
+        const uint16_t *dn = scale + n * nb, *mn = offset + n * nb;
         for (int64_t t = 0; t < M; t++) {
             const int8_t *q1 = a.q1 + t * K, *q2 = a.q2 + t * K;
             const float *d1 = a.d1 + t * nb, *d2 = a.d2 + t * nb, *sq = a.sum_q_d + t * nb;
@@ -104,9 +106,10 @@ int rl_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, con
                 __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
                 __m256 p1 = dot_u8(w, _mm256_loadu_si256((const __m256i *)(q1 + b * QK)), ones);
                 __m256 p2 = dot_u8(w, _mm256_loadu_si256((const __m256i *)(q2 + b * QK)), ones);
-                acc1 = _mm256_fmadd_ps(_mm256_set1_ps(dn[b] * d1[b]), p1, acc1);
-                acc2 = _mm256_fmadd_ps(_mm256_set1_ps(dn[b] * d2[b]), p2, acc2);
-                offsets += mn[b] * sq[b];
+                float db = _cvtsh_ss(dn[b]);
+                acc1 = _mm256_fmadd_ps(_mm256_set1_ps(db * d1[b]), p1, acc1);
+                acc2 = _mm256_fmadd_ps(_mm256_set1_ps(db * d2[b]), p2, acc2);
+                offsets += _cvtsh_ss(mn[b]) * sq[b];
             }
             y[t * N + n] = hsum(_mm256_add_ps(acc1, acc2)) + offsets;
         }
@@ -115,7 +118,7 @@ int rl_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, con
     return 0;
 }
 
-int rl_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scale,
+int rl_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *codes, const uint16_t *scale,
                  int64_t N, float *y, int threads) {
     Activations a;
     if (quantize_x(x, M, K, &a)) return -1;
@@ -124,7 +127,7 @@ int rl_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *codes, cons
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const int8_t *wn = codes + n * K;
-        const float *dn = scale + n * nb;
+        const uint16_t *dn = scale + n * nb;
         for (int64_t t = 0; t < M; t++) {
             const int8_t *q1 = a.q1 + t * K, *q2 = a.q2 + t * K;
             const float *d1 = a.d1 + t * nb, *d2 = a.d2 + t * nb;
@@ -135,8 +138,9 @@ int rl_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *codes, cons
                 __m256i aw = _mm256_sign_epi8(w, w);
                 __m256 p1 = dot_u8(aw, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(q1 + b * QK)), w), ones);
                 __m256 p2 = dot_u8(aw, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(q2 + b * QK)), w), ones);
-                acc1 = _mm256_fmadd_ps(_mm256_set1_ps(dn[b] * d1[b]), p1, acc1);
-                acc2 = _mm256_fmadd_ps(_mm256_set1_ps(dn[b] * d2[b]), p2, acc2);
+                float db = _cvtsh_ss(dn[b]);
+                acc1 = _mm256_fmadd_ps(_mm256_set1_ps(db * d1[b]), p1, acc1);
+                acc2 = _mm256_fmadd_ps(_mm256_set1_ps(db * d2[b]), p2, acc2);
             }
             y[t * N + n] = hsum(_mm256_add_ps(acc1, acc2));
         }
