@@ -219,7 +219,8 @@ def main() -> int:
         md.append(f"| {name} | {med[name]:.1f} | {', '.join(f'{v:.1f}' for v in values)} |")
     md += ["", f"rooflm / llama.cpp: {ratio:.2f}x. Greedy tokens of the first measured prompt equal "
                f"for the first {agree} of {args.output_len} (the two compute differently: llama.cpp "
-               f"quantizes activations to 8 bits, rooflm rounds them to bf16).",
+               f"quantizes activations to 8 bits, rooflm to two 8-bit levels, or bf16 without its "
+               f"native kernels).",
            "", f"Command: `python benchmarks/cpu_vs_llamacpp.py --threads {args.threads} --reps {args.reps} "
                f"--quantization {args.quantization}`", ""]
     stem.with_suffix(".md").write_text("\n".join(md))

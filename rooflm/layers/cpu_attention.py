@@ -14,8 +14,8 @@ for its launch plan), and each layer does only what depends on its own tensors:
           the CPU: no CUDA-graph padding), else the reference write;
   decode: for one decoding sequence, its K/V read in place when its blocks are consecutive
           in the pool (a view, no copy; the common case, as blocks are handed out in order),
-          else gathered once per layer; then grouped-query attention as two batched matmuls
-          over [H_kv, group, D] queries, in fp32, with no mask (the view ends at the context).
+          else gathered once per layer; then one SDPA call with grouped-query heads, in fp32,
+          with no mask (the view ends at the context).
 
 Everything else (prefill chunks, several decodes) is the reference path. The math is the
 reference's (fp32 scores and softmax, the same scale), so results agree to fp32 rounding.
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from rooflm.layers.attention import AttentionMetadata, ReferenceBackend, write_kv_ref
 
@@ -116,13 +117,14 @@ class CpuBackend(ReferenceBackend):
             table = meta.block_tables[0, :plan.num_blocks].long()
             k = k_cache[table].reshape(-1, kv_heads, dim)[:length]
             v = v_cache[table].reshape(-1, kv_heads, dim)[:length]
-        # [H_kv, group, D] x [H_kv, D, L] -> [H_kv, group, L]: each K/V head serves its group of
-        # consecutive query heads, as repeat_interleave would pair them.
-        qg = _as(q[0], torch.float32).view(kv_heads, heads // kv_heads, dim)
-        scores = torch.bmm(qg, _as(k, torch.float32).permute(1, 2, 0)).mul_(scale)
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.bmm(probs, _as(v, torch.float32).transpose(0, 1))  # [H_kv, group, D]
-        return _as(out.reshape(1, heads, dim), q.dtype)
+        # One fused SDPA call (torch's flash-attention CPU kernel: fp32 softmax, each K/V head
+        # serving its group of consecutive query heads) on [1, H, 1, D] against [1, H_kv, L, D]
+        # views: measured 35 us a layer against 93 for the two bmm's and softmax it replaces.
+        out = F.scaled_dot_product_attention(_as(q, torch.float32).view(1, heads, 1, dim),
+                                             _as(k, torch.float32).transpose(0, 1)[None],
+                                             _as(v, torch.float32).transpose(0, 1)[None],
+                                             scale=scale, enable_gqa=kv_heads != heads)
+        return _as(out.view(1, heads, dim), q.dtype)
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,5 +1,9 @@
 """Linear layers that multiply block-quantized weights without dequantizing them to float.
 
+Where rooflm's native kernels build (rooflm/quant/native.py: a C compiler and AVX2/FMA),
+NativeBlockLinear takes every 4-bit and 8-bit format with the file's exact blocks; the torch
+kernel modules below are the fallback.
+
 Why: batch-1 decode reads every weight once per token. SmolLM2-135M dequantized to fp32 is
 0.54 GB a token; its Q4_1 blocks as torch's packed int4 are 4.5 bits a weight (~60 MB for the
 decoder layers). The kernels are torch's own CPU weight-only GEMMs:
@@ -28,6 +32,7 @@ from typing import Optional
 
 import torch
 
+from rooflm.quant import native
 from rooflm.quant.gguf_blocks import BLOCK, BlockTensor
 
 ACT_DTYPE = torch.bfloat16
@@ -96,6 +101,39 @@ class Int8BlockLinear(QuantizedLinearMethod):
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
+class NativeBlockLinear(QuantizedLinearMethod):
+    """The file's blocks multiplied by rooflm's own C kernels (rooflm/quant/native.py): the
+    exact codes, scales and offsets, with activations quantized to int8 per block of 32."""
+
+    def __init__(self, blocks: BlockTensor, lib):
+        super().__init__()
+        rows, cols = blocks.shape
+        self.in_features, self.out_features, self.format = cols, rows, blocks.format
+        self._lib = lib
+        codes = blocks.codes.reshape(rows, cols // BLOCK, BLOCK)
+        if blocks.bits == 4:  # two codes a byte: element j in the low nibble, j + 16 in the high
+            packed = codes[:, :, :BLOCK // 2] | (codes[:, :, BLOCK // 2:] << 4)
+            self.register_buffer("codes", torch.from_numpy(packed.astype("uint8")).contiguous())
+            self.register_buffer("offset", torch.from_numpy(blocks.offset).to(torch.float16).contiguous())
+        else:
+            self.register_buffer("codes", torch.from_numpy(blocks.codes).contiguous())
+            self.offset = None
+        # fp16, as in the file (decoded exactly from it): the file's bytes per weight.
+        self.register_buffer("scale", torch.from_numpy(blocks.scale).to(torch.float16).contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.dtype != torch.float32 or not flat.is_contiguous():
+            flat = flat.float().contiguous()
+        if self.offset is not None:
+            y = native.q4_linear(self._lib, flat, self.codes, self.scale, self.offset)
+        else:
+            y = native.q8_linear(self._lib, flat, self.codes, self.scale)
+        if x.dim() != 2:
+            y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
 # Above this many blocks per row a Q8_0 weight is requantized per row (see the header).
 MAX_Q8_BLOCK_COLUMNS = 64
 
@@ -120,7 +158,12 @@ class Int8RowLinear(QuantizedLinearMethod):
 def make_quantized_linear(blocks: BlockTensor, device: torch.device) -> Optional[QuantizedLinearMethod]:
     """The module for `blocks` on `device`, or None when no kernel here takes the format
     (then the caller dequantizes). Only the CPU kernels exist so far."""
-    if device.type != "cpu" or not cpu_kernels_available():
+    if device.type != "cpu":
+        return None
+    lib = native.library()
+    if lib is not None:
+        return NativeBlockLinear(blocks, lib)
+    if not cpu_kernels_available():
         return None
     if blocks.bits == 4:
         # The packed int4 layout tiles 16 output rows (torch's _convert_weight_to_int4pack_cpu).
