@@ -99,3 +99,7 @@ def quantize_model(model: torch.nn.Module, scheme_name: str) -> None:
         module.quant = method
         module.weight = torch.nn.Parameter(weight.new_empty(0), requires_grad=False)
     model.disable_gemv_where_quantized()
+    if torch.cuda.is_available():
+        # The freed float weights stay in torch's cache otherwise, and the KV pool is sized from
+        # what the device reports free.
+        torch.cuda.empty_cache()
