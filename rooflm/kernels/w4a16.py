@@ -71,7 +71,7 @@ def _dequant_tile(qw_ptr, s_ptr, z_ptr, rn, n_mask, k0, N, K, GROUP: tl.constexp
 @triton.jit
 def _w4a16_kernel(y_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_ym,
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -92,7 +92,7 @@ def _w4a16_kernel(y_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride
         for k0 in range(0, K, BLOCK_K):
             w = _dequant_tile(qw_ptr, s_ptr, z_ptr, rn, n_mask, k0, N, K, GROUP, BLOCK_N, BLOCK_K)
             x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_mask[:, None], other=0.0)
-            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
         offs = rm[:, None] * stride_ym + rn[None, :]
         tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -145,6 +145,8 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     grid = (triton.cdiv(n, cfg.block_n), m if cfg.block_m == 1 else triton.cdiv(m, cfg.block_m))
     _w4a16_kernel[grid](y, x, qweight, scales, zeros, m, n, k, x.stride(0), y.stride(0),
                         GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                        # fp32 activations multiply in full precision (tl.dot would take tf32)
+                        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                         num_warps=cfg.num_warps, num_stages=1 if is_interpreter() else cfg.num_stages)
     return y
 

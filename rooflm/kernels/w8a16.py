@@ -47,7 +47,7 @@ from rooflm.kernels.utils import is_interpreter
 @triton.jit
 def _w8a16_kernel(y_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_ym,
                   HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -82,7 +82,7 @@ def _w8a16_kernel(y_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride
                         mask=n_mask[:, None] & k_mask[None, :], other=0)
             x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :],
                         mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            acc = tl.dot(x, tl.trans(q.to(x.dtype)), acc)
+            acc = tl.dot(x, tl.trans(q.to(x.dtype)), acc, input_precision=PRECISION)
             if HAS_ZERO:
                 xsum += x.to(tl.float32)
         if HAS_ZERO:
@@ -134,7 +134,7 @@ def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     _w8a16_kernel[grid](y, x, qweight, scales, scales if zeros is None else zeros, m, n, k,
                         x.stride(0), y.stride(0), HAS_ZERO=zeros is not None,
                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps,
+                        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps,
                         num_stages=1 if is_interpreter() else cfg.num_stages)
     return y
 
