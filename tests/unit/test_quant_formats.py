@@ -198,3 +198,42 @@ def test_quantized_checkpoint_loads_as_its_dequantized_values(tmp_path, layout, 
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
     for a, b in zip(outs[0].outputs[0].logprobs, outs[1].outputs[0].logprobs):
         assert {t: round(v.logprob, 4) for t, v in a.items()} == {t: round(v.logprob, 4) for t, v in b.items()}
+
+
+def test_quantize_pipeline_writes_a_checkpoint_rooflm_loads(tmp_path):
+    """rooflm quantize's steps on a tiny model: Hessians from calibration windows through the engine,
+    GPTQ per fused linear, split back to HF names, GPTQ files that load to the same weights."""
+    from safetensors.torch import load_file
+    from rooflm.llm import LLM
+    from rooflm.quant.quantize import collect_hessians, quantized_state_dict, write_checkpoint
+    from tests.models.tiny_models import make_tiny_model
+
+    src, _ = make_tiny_model(tmp_path, "qwen2")
+    llm = LLM(model=src, dtype="float32", device="cpu", block_size=4, quantization="none",
+              enable_prefix_caching=False)
+    g = torch.Generator().manual_seed(0)
+    windows = [torch.randint(3, 250, (48,), generator=g).tolist() for _ in range(4)]
+    hessians = collect_hessians(llm, windows)
+    model = llm.engine.runner.model
+    qkv = "model.layers.0.self_attn.qkv_proj"
+    assert hessians[qkv].shape == (64, 64) and torch.allclose(hessians[qkv], hessians[qkv].T)
+    scheme = WeightScheme.parse("int4-g32")
+    tensors = quantized_state_dict(model, scheme, "gptq", hessians, torch.float32)
+    assert "model.layers.0.self_attn.k_proj.qweight" in tensors and "model.layers.0.self_attn.k_proj.bias" in tensors
+    out = tmp_path / "out"
+    write_checkpoint(str(out), json.load(open(os.path.join(src, "config.json"))), tensors, scheme, torch.float32)
+    files = load_file(str(out / "model.safetensors"))
+    decoded = [formats.from_gptq(*[files[f"model.layers.0.self_attn.{p}_proj.{part}"]
+                                   for part in ("qweight", "qzeros", "scales", "g_idx")], 4, 32).dequantize()
+               for p in "qkv"]
+    loaded = LLM(model=str(out), dtype="float32", device="cpu", block_size=4).engine.runner.model
+    weight = loaded.get_submodule(qkv).weight
+    assert torch.allclose(weight, torch.cat(decoded), atol=0)
+    # GPTQ's codes lower the layer's output error on the calibration inputs against RTN's.
+    w = model.get_submodule(qkv).weight.detach()
+    h = hessians[qkv]
+
+    def loss(wq):
+        d = wq - w
+        return torch.einsum("nk,kl,nl->", d, h, d)
+    assert loss(torch.cat(decoded)) < loss(rtn_int4(w, 32).dequantize())
