@@ -60,10 +60,44 @@ def main():
             rows.append(row)
             print(f"{name:8} {m:>3} | {t_bf16:8.1f} {row['bf16_gbs']:6.0f} | {t_w8:8.1f} {row['w8_gbs']:6.0f} {e8:7.1e} | "
                   f"{t_w4:9.1f} {row['w4_gbs']:6.0f} {e4:7.1e} | {t_bf16 / t_w4:.2f}x")
+    sweep = sweep_gemv()
     if args.out:
         os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "quant_gemv_sweep.json"), "w") as f:
+            json.dump(sweep, f, indent=1)
         with open(os.path.join(args.out, "quant_kernels.json"), "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+
+
+def sweep_gemv():
+    """Batch-1 W4A16 tiles on the o_proj and down shapes: which (BLOCK_N, BLOCK_K, warps, stages)
+    streams fastest (pick_config's choice is marked *)."""
+    from rooflm.kernels.w4a16 import W4Config, pick_config
+    out = []
+    print("\nW4A16 batch-1 tile sweep (GB/s of the int4 weight + scales/zeros):")
+    for name in ("o", "down"):
+        n, k = SHAPES[name]
+        reps = min(32, max(2, -(-256 * 2**20 // (n * k // 2))))
+        qw = [pack_int4(torch.randint(0, 16, (n, k), device="cuda", dtype=torch.uint8)) for _ in range(reps)]
+        s4 = (torch.rand(k // 128, n, device="cuda") * 0.01).to(torch.bfloat16)
+        z4 = torch.randint(0, 16, (k // 128, n), device="cuda").to(torch.bfloat16)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        default = pick_config(1, n, k, 128)
+        results = []
+        for bn in (8, 16, 32):
+            for bk in (256, 512):
+                for warps in (4, 8):
+                    for stages in (3,):
+                        cfg = W4Config(1, bn, bk, warps, stages)
+                        t = bench(lambda q, c=cfg: w4a16_linear(x, q, s4, z4, 128, config=c), [(q,) for q in qw])
+                        results.append((w4a16_bytes(1, n, k, 128) / t / 1e3, cfg))
+        results.sort(key=lambda r: -r[0])
+        line = ", ".join(f"{g:.0f}{'*' if c == default else ''} (n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages})"
+                         for g, c in results[:4])
+        mine = [g for g, c in results if c == default]
+        print(f"  {name:8} best: {line}; pick_config: {mine[0] if mine else float('nan'):.0f}")
+        out.append(dict(shape=name, results=[dict(gbs=g, **c._asdict()) for g, c in results]))
+    return out
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ At M <= 64 on an H100 the weight bytes dominate: the bound is bytes / ~3.0 TB/s.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -121,8 +121,9 @@ def pick_config(m: int, n: int, k: int, group: int) -> W4Config:
 
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 group_size: int) -> torch.Tensor:
-    """x [M, K] (fp16/bf16/fp32) @ W.T for W in the layout above; returns [M, N] in x's dtype."""
+                 group_size: int, config: Optional[W4Config] = None) -> torch.Tensor:
+    """x [M, K] (fp16/bf16/fp32) @ W.T for W in the layout above; returns [M, N] in x's dtype.
+    config: tiles to use instead of pick_config's (benchmarks sweep them)."""
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
     m, k = x.shape
@@ -141,7 +142,9 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    cfg = pick_config(m, n, k, group_size)
+    cfg = config or pick_config(m, n, k, group_size)
+    if k % cfg.block_k or cfg.block_k % group_size or (cfg.block_m == 1) != (m == 1):
+        raise ValueError(f"config {cfg} does not fit M={m} K={k} group {group_size}")
     grid = (triton.cdiv(n, cfg.block_n), m if cfg.block_m == 1 else triton.cdiv(m, cfg.block_m))
     _w4a16_kernel[grid](y, x, qweight, scales, zeros, m, n, k, x.stride(0), y.stride(0),
                         GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
