@@ -21,6 +21,10 @@ def register(sub) -> None:
     p.add_argument("--calib-skip-windows", type=int, default=32,
                    help="windows skipped at the start of the text (`eval ppl` scores the first 16 by default: "
                         "calibration must not see them)")
+    p.add_argument("--act-order", action="store_true",
+                   help="GPTQ: quantize inputs by decreasing Hessian diagonal (desc_act, g_idx in the checkpoint)")
+    p.add_argument("--mse", action="store_true",
+                   help="GPTQ: search each group's range for the least Hessian-weighted rounding error")
     p.add_argument("--float-dtype", default="bfloat16", choices=tuple(_FLOAT_DTYPES),
                    help="dtype of the tensors kept in float: embeddings, LM head, norms")
     p.set_defaults(func=run_quantize)
@@ -54,11 +58,13 @@ def run_quantize(args: argparse.Namespace) -> int:
         hessians = collect_hessians(llm, windows)
         calib = f" Calibration: {len(windows)} windows of {args.calib_window} tokens of {path}, after skipping {args.calib_skip_windows}."
         print(f"calibration: {len(windows) * args.calib_window} tokens in {time.perf_counter() - t0:.1f} s")
-    tensors = quantized_state_dict(model, scheme, args.method, hessians, float_dtype)
+    tensors = quantized_state_dict(model, scheme, args.method, hessians, float_dtype, args.act_order, args.mse)
     config = hf_config_dict(llm.engine.model_config)
-    note = (f"# {args.scheme} {args.method} of {args.model or 'the embedded SmolLM2-135M-Instruct'}\n\n"
+    options = "".join(f" --{o.replace('_', '-')}" for o in ("act_order", "mse") if getattr(args, o))
+    note = (f"# {args.scheme} {args.method}{options} of {args.model or 'the embedded SmolLM2-135M-Instruct'}\n\n"
             f"Written by `rooflm quantize` in the GPTQ v1 layout (rooflm/quant/formats.py).{calib} "
             f"Embeddings, LM head and norms in {args.float_dtype}.")
-    write_checkpoint(args.output, config, tensors, scheme, float_dtype, llm.tokenizer, note)
+    write_checkpoint(args.output, config, tensors, scheme, float_dtype, llm.tokenizer, note,
+                     args.act_order and args.method == "gptq")
     print(f"wrote {args.output} ({args.scheme} {args.method}) in {time.perf_counter() - t0:.1f} s")
     return 0

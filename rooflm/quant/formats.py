@@ -213,16 +213,23 @@ def to_awq(weight: GroupWeight) -> dict[str, torch.Tensor]:
 
 
 def to_gptq(weight, bits: int) -> dict[str, torch.Tensor]:
-    """GPTQ v1 tensors of a GroupWeight (bits 4) or ChannelWeight (bits 8); no act-order."""
+    """GPTQ v1 tensors of a GroupWeight (bits 4, act-order as g_idx) or ChannelWeight (bits 8)."""
     if bits == 8:
         codes = weight.codes.to(torch.int32).T + 128  # [K, N], 0..255
         zeros = (weight.zeros.float().round().to(torch.int32) + 128)[None, :]
         scales = weight.scales[None, :]
         g_idx = torch.zeros(codes.shape[0], dtype=torch.int32)
     else:
-        codes = weight.codes.to(torch.int32).T
+        codes = weight.codes.to(torch.int32).T  # [K, N] in the kernel's (group-sorted) order
         zeros = weight.zeros.float().round().to(torch.int32)
         scales = weight.scales
-        g_idx = (torch.arange(codes.shape[0]) // weight.group_size).to(torch.int32)  # no act-order
+        g_idx = (torch.arange(codes.shape[0]) // weight.group_size).to(torch.int32)
+        if weight.perm is not None:  # act-order: back to the input order, groups named by g_idx
+            original = torch.empty_like(codes)
+            original[weight.perm] = codes
+            codes = original
+            order = torch.empty_like(g_idx)
+            order[weight.perm] = g_idx
+            g_idx = order
     return {"qweight": pack_rows(codes, bits), "qzeros": pack_cols(zeros - 1, bits),
             "scales": scales.to(torch.float16).contiguous(), "g_idx": g_idx}

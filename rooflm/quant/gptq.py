@@ -19,18 +19,30 @@ from __future__ import annotations
 import torch
 
 from rooflm.quant.formats import ChannelWeight, GroupWeight
-from rooflm.quant.rtn import int4_params
+from rooflm.quant.rtn import int4_params, int4_params_mse
 
 
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int,
-                  damp: float = 0.01, block: int = 128, scale_dtype: torch.dtype = torch.float16):
-    """w [N, K], hessian [K, K] (sum of x x^T) -> GroupWeight (4-bit) or ChannelWeight (8-bit)."""
+                  damp: float = 0.01, block: int = 128, scale_dtype: torch.dtype = torch.float16,
+                  act_order: bool = False, mse: bool = False):
+    """w [N, K], hessian [K, K] (sum of x x^T) -> GroupWeight (4-bit) or ChannelWeight (8-bit).
+
+    act_order (GPTQ's desc_act, 4-bit): quantize the inputs with the largest Hessian diagonal
+    first, while the most columns remain to absorb their error; groups are formed in that order,
+    and the result carries the permutation (GPTQ's g_idx). mse: each group's range is searched
+    for the smallest Hessian-weighted rounding error instead of taken as min..max."""
     W = w.detach().float().clone()
     n, k = W.shape
     H = hessian.detach().float().clone()
     dead = torch.diag(H) == 0  # inputs never seen: any value works; zero them
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
+    perm = None
+    if act_order and bits == 4:
+        perm = torch.argsort(torch.diag(H), descending=True)
+        W = W[:, perm]
+        H = H[perm][:, perm]
+    diag = torch.diag(H).clone()
     H += damp * torch.diag(H).mean() * torch.eye(k)
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
 
@@ -54,7 +66,10 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size:
             else:
                 if col % group_size == 0:
                     end = min(i + group_size, i2 - i1)
-                    s_g, z_g = int4_params(W1[:, i:end], end - i)
+                    if mse:
+                        s_g, z_g = int4_params_mse(W1[:, i:end], diag[col:col + end - i])
+                    else:
+                        s_g, z_g = int4_params(W1[:, i:end], end - i)
                     g = col // group_size
                     scales[:, g] = s_g[:, 0].to(scale_dtype).float()
                     zeros[:, g] = z_g[:, 0]
@@ -70,4 +85,4 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size:
     if bits == 8:
         return ChannelWeight(codes.to(torch.int8), scale8.to(scale_dtype), torch.zeros(n, dtype=scale_dtype), "int8")
     return GroupWeight(codes.to(torch.uint8), scales.T.contiguous().to(scale_dtype),
-                       zeros.T.contiguous().to(scale_dtype), group_size, None, f"int4-g{group_size}")
+                       zeros.T.contiguous().to(scale_dtype), group_size, perm, f"int4-g{group_size}")

@@ -11,8 +11,8 @@ Steps:
    --float-dtype: the LM head and embeddings are never quantized), config.json with its
    quantization_config, and the tokenizer.
 
-Layout written: GPTQ v1 (formats.py): int4 asymmetric group-wise (`sym: false`) or int8 symmetric
-per channel (`bits: 8, group_size: -1, sym: true`), desc_act false.
+Layout written: GPTQ v1 (formats.py): int4 asymmetric group-wise (`sym: false`; `desc_act: true`
+with --act-order, the permutation in g_idx) or int8 symmetric per channel (`bits: 8, group_size: -1`).
 """
 
 from __future__ import annotations
@@ -61,10 +61,11 @@ def collect_hessians(llm, windows: list[list[int]]) -> dict[str, torch.Tensor]:
     return {k: v.float() for k, v in hessians.items()}
 
 
-def quantize_linear(w: torch.Tensor, scheme: WeightScheme, method: str, hessian: Optional[torch.Tensor]):
+def quantize_linear(w: torch.Tensor, scheme: WeightScheme, method: str, hessian: Optional[torch.Tensor],
+                    act_order: bool = False, mse: bool = False):
     if method == "gptq":
         from rooflm.quant.gptq import gptq_quantize
-        return gptq_quantize(w, hessian, scheme.bits, scheme.group_size)
+        return gptq_quantize(w, hessian, scheme.bits, scheme.group_size, act_order=act_order, mse=mse)
     return quantize_weight(w, scheme)
 
 
@@ -73,13 +74,13 @@ def _rows(weight, start: int, size: int):
     from rooflm.quant.formats import ChannelWeight, GroupWeight
     if isinstance(weight, GroupWeight):
         return GroupWeight(weight.codes[start:start + size], weight.scales[:, start:start + size],
-                           weight.zeros[:, start:start + size], weight.group_size, None, weight.format)
+                           weight.zeros[:, start:start + size], weight.group_size, weight.perm, weight.format)
     return ChannelWeight(weight.codes[start:start + size], weight.scales[start:start + size],
                          weight.zeros[start:start + size], weight.format)
 
 
 def quantized_state_dict(model, scheme: WeightScheme, method: str, hessians: Optional[dict],
-                         float_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+                         float_dtype: torch.dtype, act_order: bool = False, mse: bool = False) -> dict[str, torch.Tensor]:
     """HF-named tensors: GPTQ parts for decoder linears, float for everything else."""
     out: dict[str, torch.Tensor] = {}
     linears = decoder_linears(model)
@@ -91,7 +92,7 @@ def quantized_state_dict(model, scheme: WeightScheme, method: str, hessians: Opt
     for name, module in linears.items():
         prefix, _, leaf = name.rpartition(".")
         q = quantize_linear(module.weight.detach().float(), scheme, method,
-                            None if hessians is None else hessians[name])
+                            None if hessians is None else hessians[name], act_order, mse)
         if leaf in _SPLITS:
             _, names = _SPLITS[leaf]
             for shard, (offset, size) in module.shard_offsets.items():
@@ -108,18 +109,18 @@ def quantized_state_dict(model, scheme: WeightScheme, method: str, hessians: Opt
     return out
 
 
-def gptq_config(scheme: WeightScheme) -> dict:
+def gptq_config(scheme: WeightScheme, act_order: bool = False) -> dict:
     return {"quant_method": "gptq", "bits": scheme.bits, "group_size": scheme.group_size,
-            "desc_act": False, "sym": scheme.bits == 8, "checkpoint_format": "gptq", "lm_head": False,
+            "desc_act": act_order and scheme.bits == 4, "sym": scheme.bits == 8, "checkpoint_format": "gptq", "lm_head": False,
             "true_sequential": False, "damp_percent": 0.01}
 
 
 def write_checkpoint(out_dir: str, config_dict: dict, tensors: dict[str, torch.Tensor], scheme: WeightScheme,
-                     float_dtype: torch.dtype, tokenizer=None, note: str = "") -> None:
+                     float_dtype: torch.dtype, tokenizer=None, note: str = "", act_order: bool = False) -> None:
     from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
     cfg = dict(config_dict)
-    cfg["quantization_config"] = gptq_config(scheme)
+    cfg["quantization_config"] = gptq_config(scheme, act_order)
     cfg["torch_dtype"] = str(float_dtype).replace("torch.", "")
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2)

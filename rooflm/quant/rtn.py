@@ -54,6 +54,27 @@ def int4_params(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.T
     return scale, zero
 
 
+def int4_params_mse(w: torch.Tensor, weight: torch.Tensor | None = None,
+                    shrinks: tuple[float, ...] = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) [N, 1] for one group w [N, g], the range shrunk by the factor (of those tried)
+    that minimises the squared rounding error, each input weighted by `weight` [g] (e.g. diag(H)):
+    clipping a few outliers buys a finer step for the rest (the `mse` option of GPTQ's reference)."""
+    best_err = torch.full((w.shape[0],), float("inf"))
+    best = None
+    for p in shrinks:
+        lo = (w.amin(dim=1) * p).clamp(max=0.0)
+        hi = (w.amax(dim=1) * p).clamp(min=0.0)
+        scale = ((hi - lo) / 15.0).clamp_min(1e-10)
+        zero = torch.round(-lo / scale).clamp(1, 15)
+        q = torch.clamp(torch.round(w / scale[:, None]) + zero[:, None], 0, 15)
+        err = (q - zero[:, None]) * scale[:, None] - w
+        err = (err * err * (1.0 if weight is None else weight[None, :])).sum(dim=1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best = (scale, zero) if best is None else (torch.where(better, scale, best[0]), torch.where(better, zero, best[1]))
+    return best[0][:, None], best[1][:, None]
+
+
 def quantize_int4_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> torch.Tensor:
     n, k = w.shape
     s = scale.repeat_interleave(group_size, dim=1)[:, :k]

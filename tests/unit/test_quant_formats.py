@@ -237,3 +237,19 @@ def test_quantize_pipeline_writes_a_checkpoint_rooflm_loads(tmp_path):
         d = wq - w
         return torch.einsum("nk,kl,nl->", d, h, d)
     assert loss(torch.cat(decoded)) < loss(rtn_int4(w, 32).dequantize())
+
+
+def test_gptq_act_order_and_mse_write_g_idx_that_reads_back():
+    g = torch.Generator().manual_seed(4)
+    k, n = 128, 16
+    x = torch.randn(256, k, generator=g) * torch.linspace(0.1, 3.0, k)  # uneven input scales
+    w = torch.randn(n, k, generator=g)
+    h = x.T @ x
+    q = gptq_quantize(w, h, 4, 32, act_order=True, mse=True)
+    assert q.perm is not None and not torch.equal(q.perm, torch.arange(k))
+    t = formats.to_gptq(q, 4)
+    assert not torch.equal(t["g_idx"], (torch.arange(k) // 32).int())
+    back = formats.from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], 4, 32)
+    assert torch.equal(back.dequantize(), q.dequantize())
+    loss = lambda wq: ((wq - w) @ x.T).norm()
+    assert loss(q.dequantize()) < loss(rtn_int4(w, 32).dequantize())
