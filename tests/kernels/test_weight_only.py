@@ -72,3 +72,29 @@ def test_weight_only_bf16_large(m, n, k):
     q8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8).to(DEVICE)
     s8 = (0.001 * torch.rand(n, generator=g) + 1e-4).to(dtype).to(DEVICE)
     assert_close(w8a16_linear(x, q8, s8), w8a16_linear_ref(x, q8, s8), dtype, "w8")
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_linear_methods_match_dequantized_weights(act_order):
+    """W4A16Linear / W8A16Linear (what a Linear holds on CUDA) against x @ W.T with W decoded from the
+    GPTQ tensors: act-order's permutation of the inputs included."""
+    from rooflm.quant import formats
+    from rooflm.quant.gptq import gptq_quantize
+    from rooflm.quant.linear_method import W4A16Linear, W8A16Linear
+    from rooflm.quant.rtn import rtn_int8
+    g = torch.Generator().manual_seed(7)
+    n, k = 32, 128
+    x_cal = torch.randn(64, k, generator=g) * torch.linspace(0.2, 2.0, k)
+    w = torch.randn(n, k, generator=g)
+    q = gptq_quantize(w, x_cal.T @ x_cal, 4, 32, act_order=act_order)
+    t = formats.to_gptq(q, 4)
+    loaded = formats.from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], 4, 32)
+    assert (loaded.perm is not None) == act_order
+    x = torch.randn(3, k, generator=g).to(torch.float16)
+    for m in (1, 3):
+        out = W4A16Linear(loaded, torch.device(DEVICE), torch.float16)(x[:m].to(DEVICE))
+        ref = (x[:m].float() @ loaded.dequantize().T).to(torch.float16)
+        assert_close(out.cpu(), ref, torch.float16, f"w4 m={m}")
+    q8 = rtn_int8(w)
+    out = W8A16Linear(q8, torch.device(DEVICE), torch.float16)(x.to(DEVICE))
+    assert_close(out.cpu(), (x.float() @ q8.dequantize().T).to(torch.float16), torch.float16, "w8")
