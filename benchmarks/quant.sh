@@ -16,9 +16,9 @@ timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_we
   > "$OUT/gpu-tests.txt" 2>&1; tail -3 "$OUT/gpu-tests.txt"
 timeout 90 python benchmarks/quant_kernels.py --out "$OUT" 2>&1 | tee "$OUT/kernels.txt"
 timeout 150 python benchmarks/quant_decode.py --formats bf16,int8,int4-g128 --batches 1 --out "$OUT/b1" \
-  > "$OUT/decode-b1.txt" 2>&1; grep '^\[' "$OUT/decode-b1.txt"
+  > "$OUT/decode-b1.txt" 2>&1 || tail -5 "$OUT/decode-b1.txt"; grep '^\[' "$OUT/decode-b1.txt"
 timeout 150 python benchmarks/quant_decode.py --formats bf16,int4-g128 --batches 16,64 --out "$OUT/batched" \
-  > "$OUT/decode-batched.txt" 2>&1; grep '^\[' "$OUT/decode-batched.txt"
+  > "$OUT/decode-batched.txt" 2>&1 || tail -5 "$OUT/decode-batched.txt"; grep '^\[' "$OUT/decode-batched.txt"
 echo; echo "== decode, Llama-3-8B shape (dummy weights), H100: tok/s beside the byte bound at 3.0 TB/s =="
 grep -h '^|' "$OUT/decode-b1.txt" | head -2; grep -h '^| [a-z]' "$OUT/decode-b1.txt" "$OUT/decode-batched.txt" | grep -v '^| format'
 tail -1 "$OUT/gpu-tests.txt"
