@@ -14,7 +14,7 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_weight_only.py tests/models/test_gpu_quant.py \
   > "$OUT/gpu-tests.txt" 2>&1; tail -3 "$OUT/gpu-tests.txt"
-timeout 90 python benchmarks/quant_kernels.py --out "$OUT" 2>&1 | tee "$OUT/kernels.txt"
+timeout 120 python benchmarks/quant_kernels.py --out "$OUT" 2>&1 | tee "$OUT/kernels.txt"
 timeout 150 python benchmarks/quant_decode.py --formats bf16,int8,int4-g128 --batches 1 --out "$OUT/b1" \
   > "$OUT/decode-b1.txt" 2>&1 || tail -5 "$OUT/decode-b1.txt"; grep '^\[' "$OUT/decode-b1.txt"
 timeout 150 python benchmarks/quant_decode.py --formats bf16,int4-g128 --batches 16,64 --out "$OUT/batched" \
