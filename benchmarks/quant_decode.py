@@ -1,7 +1,8 @@
 """Decode speed of the Llama-3-8B shape (dummy weights) in bf16 and weight-only int8 / int4 (GPU).
 
 For each format, one engine (--quantization <format>: RTN of the random bf16 weights at load, the
-decoder's linears then run rooflm/kernels/w8a16.py or w4a16.py; embeddings and LM head stay bf16)
+decoder's linears and the (untied) LM head then run rooflm/kernels/w8a16.py or w4a16.py, as
+gpt-fast's int8/int4 modes quantize every linear; embeddings stay bf16)
 and, per batch size, B prompts of 128 random tokens: the time of a generate with 1 output token
 (prefill) is subtracted from one with `out` tokens, so decode tok/s = B * (out - 1) / difference.
 Beside each, the bytes one decode step must read (weights as stored + KV) and the bound they
@@ -62,8 +63,8 @@ def main():
         llm = LLM(model=args.model, load_format="dummy", quantization=quant, max_model_len=1024,
                   max_num_seqs=max(batches), enable_prefix_caching=False, num_blocks=blocks, block_size=16)
         runner = llm.engine.runner
-        wbytes = runner.linear_bytes_per_weight()
-        print(f"[{fmt}] engine ready in {time.perf_counter() - t0:.0f} s; linear bytes/weight {wbytes:.4f}", flush=True)
+        wbytes, head_bytes = runner.linear_bytes_per_weight(), runner.head_bytes_per_weight()
+        print(f"[{fmt}] engine ready in {time.perf_counter() - t0:.0f} s; linear bytes/weight {wbytes:.4f}, LM head {head_bytes:.4f}", flush=True)
         g = torch.Generator().manual_seed(0)
         for b in batches:
             out = args.out_b1 if b == 1 else args.out_batched
@@ -75,7 +76,7 @@ def main():
             # Bytes of one decode step with the engine's own bytes per linear weight (quantized
             # codes + scales + zeros), bf16 embeddings, LM head and KV.
             step = step_cost(config, num_decode_seqs=b, decode_context_tokens=b * (args.input_len + out // 2),
-                             weight_bytes=wbytes, embed_bytes=2.0, head_bytes=2.0)
+                             weight_bytes=wbytes, embed_bytes=2.0, head_bytes=head_bytes)
             bound = b / (step.bytes / (gpu.mem_bw_gbs * 1e9))
             row = dict(format=fmt, batch=b, input_len=args.input_len, output_len=out, decode_tok_s=tps,
                        tpot_ms=1e3 * b / tps, step_bytes=step.bytes, bound_tok_s=bound, linear_bytes_per_weight=wbytes)

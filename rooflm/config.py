@@ -105,7 +105,8 @@ class LoadConfig:
     # none: every weight dequantized to --dtype (exact float weights, slower).
     # GPTQ/AWQ checkpoints (config.json quantization_config) stay quantized on CUDA under auto.
     # int8 | int4-g32 | int4-g64 | int4-g128: round-to-nearest weight-only quantization of the
-    # decoder's linear layers at load (rooflm/quant/rtn.py), e.g. for dummy-weight speed runs.
+    # decoder's linear layers and an untied LM head at load (rooflm/quant/rtn.py), e.g. for
+    # dummy-weight speed runs.
     quantization: str = "auto"
 
     def __post_init__(self) -> None:

@@ -6,7 +6,7 @@
       The zero is kept >= 1 because GPTQ's v1 layout stores zero - 1 in four bits (formats.py):
       a group whose weights are all positive loses at most one step of its range.
 
-`quantize_model` swaps the decoder layers' linear weights for quantized ones after a float load
+`quantize_model` swaps the decoder layers' (and an untied LM head's) linear weights for quantized ones after a float load
 (dummy weights for speed runs, or a float checkpoint quantized on the fly); `rooflm quantize`
 uses the same functions offline (and GPTQ, quant/gptq.py).
 """
@@ -103,13 +103,17 @@ def quantize_weight(w: torch.Tensor, scheme: WeightScheme, scale_dtype: torch.dt
 
 @torch.no_grad()
 def quantize_model(model: torch.nn.Module, scheme_name: str) -> None:
-    """RTN-quantize every decoder-layer linear of a loaded float model in place (embeddings and the
-    LM head stay in float), on the weights' own device; layers then run the quantized kernels."""
+    """RTN-quantize every decoder-layer linear and an untied LM head of a loaded float model in
+    place (as gpt-fast's int8/int4 modes do; embeddings, and a head tied to them, stay in float),
+    on the weights' own device; those layers then run the quantized kernels."""
     from rooflm.layers.linear import Linear
     from rooflm.quant.linear_method import make_linear_method
 
     scheme = WeightScheme.parse(scheme_name)
-    for module in model.model.layers.modules():
+    linears = list(model.model.layers.modules())
+    if getattr(model, "lm_head", None) is not None:
+        linears.append(model.lm_head)
+    for module in linears:
         if not isinstance(module, Linear) or module.quant is not None:
             continue
         weight = module.weight

@@ -49,6 +49,7 @@ def test_dummy_rtn_quantization_runs_with_cuda_graphs():
         llm = LLM(model="llama-3.2-1b", load_format="dummy", device="cuda", quantization=scheme, max_model_len=256,
                   max_num_seqs=8)
         assert 0.5 < llm.engine.runner.linear_bytes_per_weight() <= 1.01
+        assert llm.engine.runner.head_bytes_per_weight() == 2.0  # tied to the embedding: not quantized
         outs = llm.generate([[1, 2, 3]] * 3, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
         del llm
