@@ -58,7 +58,15 @@ def run_quantize(args: argparse.Namespace) -> int:
         hessians = collect_hessians(llm, windows)
         calib = f" Calibration: {len(windows)} windows of {args.calib_window} tokens of {path}, after skipping {args.calib_skip_windows}."
         print(f"calibration: {len(windows) * args.calib_window} tokens in {time.perf_counter() - t0:.1f} s")
-    tensors = quantized_state_dict(model, scheme, args.method, hessians, float_dtype, args.act_order, args.mse)
+    # GPTQ's column loop is thousands of tiny ops per layer: intra-op threads only add barriers
+    # (a 3072 x 576 weight took 1.9 s on one thread of the loaded 2-core box; the two-thread run
+    # of all 120 SmolLM2 linears took ~20 min there).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tensors = quantized_state_dict(model, scheme, args.method, hessians, float_dtype, args.act_order, args.mse)
+    finally:
+        torch.set_num_threads(threads)
     config = hf_config_dict(llm.engine.model_config)
     options = "".join(f" --{o.replace('_', '-')}" for o in ("act_order", "mse") if getattr(args, o))
     note = (f"# {args.scheme} {args.method}{options} of {args.model or 'the embedded SmolLM2-135M-Instruct'}\n\n"
