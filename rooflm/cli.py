@@ -211,7 +211,8 @@ def _register_optional(sub) -> None:
     """Subcommands that live with their own subsystem."""
     import importlib
     for module in ("rooflm.perf.commands", "rooflm.server.commands", "rooflm.bench.commands",
-                   "rooflm.eval.commands", "rooflm.sim.commands", "rooflm.train.commands"):
+                   "rooflm.eval.commands", "rooflm.sim.commands", "rooflm.train.commands",
+                   "rooflm.quant.commands"):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:

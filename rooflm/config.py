@@ -103,14 +103,19 @@ class LoadConfig:
     # auto: GGUF Q4_0/Q4_1/Q8_0 weights stay in their blocks where a kernel multiplies them
     # (rooflm/quant/; the CPU today), activations rounded to bf16 for those matmuls.
     # none: every weight dequantized to --dtype (exact float weights, slower).
+    # GPTQ/AWQ checkpoints (config.json quantization_config) stay quantized on CUDA under auto.
+    # int8 | int4-g32 | int4-g64 | int4-g128: round-to-nearest weight-only quantization of the
+    # decoder's linear layers and an untied LM head at load (rooflm/quant/rtn.py), e.g. for
+    # dummy-weight speed runs.
     quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(
                 f"load_format must be one of auto, safetensors, gguf, dummy; got {self.load_format!r}")
-        if self.quantization not in ("auto", "none"):
-            raise ValueError(f"quantization must be auto or none; got {self.quantization!r}")
+        if self.quantization not in ("auto", "none", "int8", "int4-g32", "int4-g64", "int4-g128"):
+            raise ValueError(f"quantization must be auto, none, int8, int4-g32, int4-g64 or int4-g128; "
+                             f"got {self.quantization!r}")
 
 
 @dataclass(frozen=True)

@@ -262,6 +262,9 @@ class ModelRunner:
         else:
             # Quantized blocks only where a kernel takes them: the CPU (rooflm/quant/).
             model.load_weights(iter_weights(path, load_format, keep_quantized=self.keeps_quantized()))
+        if self.config.load.quantization.startswith("int"):
+            from rooflm.quant.rtn import quantize_model
+            quantize_model(model, self.config.load.quantization)
         self.model = model.eval()
         self.timings["load_s"] = time.perf_counter() - t0
 

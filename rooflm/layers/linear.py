@@ -4,9 +4,9 @@ Fusing q/k/v into one matmul and gate/up into another halves the kernel
 launches of a layer. The checkpoint stores them apart, so each fused layer
 knows which row range a named shard goes to.
 
-A layer's weight is either a float parameter or, when the checkpoint's blocks are kept
-quantized (GGUF Q4_0/Q4_1/Q8_0 on the CPU), a rooflm.quant QuantizedLinearMethod that
-multiplies them directly; forward does not change for the model either way.
+A layer's weight is either a float parameter or, when the checkpoint's weights are kept
+quantized (GGUF Q4_0/Q4_1/Q8_0 on the CPU; GPTQ/AWQ/int8/int4 on CUDA), a rooflm.quant
+QuantizedLinearMethod that multiplies them directly; forward does not change for the model.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from rooflm.quant.gguf_blocks import BlockTensor
-from rooflm.quant.linear_method import QuantizedLinearMethod, make_quantized_linear
+from rooflm.quant.formats import is_quantized_tensor
+from rooflm.quant.linear_method import QuantizedLinearMethod, make_linear_method
 
 
 class Linear(torch.nn.Module):
@@ -45,13 +45,13 @@ class Linear(torch.nn.Module):
             return self.quant.weight_bytes()
         return self.weight.numel() * self.weight.element_size()
 
-    def load_blocks(self, blocks: BlockTensor) -> None:
+    def load_blocks(self, blocks) -> None:
         """Take a whole weight in quantized blocks: kept as they are where a kernel multiplies
         them on this layer's device, else dequantized into the float weight."""
         expected = (self.out_features, self.in_features)
         if blocks.shape != expected:
             raise ValueError(f"shape mismatch: checkpoint {blocks.shape}, model expects {expected}")
-        method = make_quantized_linear(blocks, self.weight.device)
+        method = make_linear_method(blocks, self.weight.device, self.weight.dtype)
         if method is None:
             with torch.no_grad():
                 self.weight.copy_(blocks.dequantize())
@@ -73,7 +73,7 @@ class FusedLinear(Linear):
             self.shard_offsets[name] = (offset, size)
             offset += size
         # Quantized shards wait here until finish_loading: fusing needs all of them.
-        self._block_shards: dict[str, BlockTensor] = {}
+        self._block_shards: dict = {}
 
     def load_shard(self, shard: str, param_kind: str, tensor) -> None:
         offset, size = self.shard_offsets[shard]
@@ -85,7 +85,7 @@ class FusedLinear(Linear):
             raise ValueError(
                 f"shape mismatch for {shard}.{param_kind}: checkpoint {tuple(tensor.shape)}, "
                 f"model expects {expected}")
-        if isinstance(tensor, BlockTensor):
+        if is_quantized_tensor(tensor):
             self._block_shards[shard] = tensor
             return
         with torch.no_grad():
@@ -99,8 +99,14 @@ class FusedLinear(Linear):
             return
         formats = {blocks.format for blocks in shards.values()}
         if len(shards) == len(self.shard_offsets) and len(formats) == 1:
-            self.load_blocks(BlockTensor.cat([shards[name] for name in self.shard_offsets]))
-            return
+            parts = [shards[name] for name in self.shard_offsets]
+            try:
+                fused = type(parts[0]).cat(parts)
+            except ValueError:  # e.g. GPTQ act-order shards with different permutations
+                fused = None
+            if fused is not None:
+                self.load_blocks(fused)
+                return
         for name, blocks in shards.items():
             offset, size = self.shard_offsets[name]
             with torch.no_grad():

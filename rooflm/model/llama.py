@@ -22,8 +22,8 @@ from rooflm.layers.kv_cache import KVCache
 from rooflm.layers.linear import FusedLinear, Linear
 from rooflm.layers.norm import RMSNorm
 from rooflm.layers.rotary import RotaryEmbedding
-from rooflm.quant.gguf_blocks import BlockTensor
-from rooflm.quant.linear_method import make_quantized_linear
+from rooflm.quant.formats import is_quantized_tensor
+from rooflm.quant.linear_method import make_linear_method
 
 
 class LlamaAttention(torch.nn.Module):
@@ -179,7 +179,7 @@ class LlamaForCausalLM(torch.nn.Module):
         for name, tensor in weights:
             if self.cfg.tie_word_embeddings and name == "lm_head.weight":
                 continue  # some tied checkpoints still store the head; the embedding is used
-            if isinstance(tensor, BlockTensor) and not _fused_targets(name):
+            if is_quantized_tensor(tensor) and not _fused_targets(name):
                 tensor = self._load_blocks(name, tensor)
                 if tensor is None:
                     loaded.add(name)
@@ -205,11 +205,21 @@ class LlamaForCausalLM(torch.nn.Module):
         for module in self.modules():
             if isinstance(module, FusedLinear):
                 module.finish_loading()
+        self.disable_gemv_where_quantized()
         missing = [n for n in self._expected_weight_names() if n not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
 
-    def _load_blocks(self, name: str, blocks: BlockTensor) -> Optional[torch.Tensor]:
+    def disable_gemv_where_quantized(self) -> None:
+        """The fused batch-1 GEMV path reads float weights: layers whose linears are quantized take
+        the plain path, whose Linear calls the quantized kernel."""
+        for layer in self.model.layers:
+            if any(m.quant is not None for m in layer.modules() if isinstance(m, Linear)):
+                layer.gemv = None
+        if self.lm_head is not None and self.lm_head.quant is not None:
+            self.gemv = None
+
+    def _load_blocks(self, name: str, blocks) -> Optional[torch.Tensor]:
         """A quantized checkpoint tensor that is not a fused shard: a Linear takes it as it is;
         the embedding is dequantized (and, when tied, also kept quantized as the LM head).
         Returns the float tensor for the caller to copy where there is no quantized use."""
@@ -219,7 +229,8 @@ class LlamaForCausalLM(torch.nn.Module):
             module.load_blocks(blocks)
             return None
         if name == "model.embed_tokens.weight" and self.cfg.tie_word_embeddings:
-            self.tied_head_quant = make_quantized_linear(blocks, self.model.embed_tokens.weight.device)
+            weight = self.model.embed_tokens.weight
+            self.tied_head_quant = make_linear_method(blocks, weight.device, weight.dtype)
         return blocks.dequantize()
 
     def _expected_weight_names(self) -> Iterator[str]:

@@ -251,6 +251,8 @@ def _load_hf_config(model_dir: str) -> ModelConfig:
     head_dim = cfg.get("head_dim") or hidden_size // num_heads
 
     rope_theta, rope_scaling = _parse_rope(cfg, config_path)
+    from rooflm.quant.checkpoint import parse_quant_config
+    parse_quant_config(cfg, config_path)  # an unsupported scheme fails here, named
 
     if architecture == "MistralForCausalLM":
         sliding_window = cfg.get("sliding_window")
@@ -363,6 +365,14 @@ def iter_weights(path: str, load_format: str, keep_quantized: bool = False,
     if load_format == "safetensors":
         config = _load_hf_config(path)
         stream = _iter_safetensors(path, config, lazy)
+        from rooflm.quant.checkpoint import group_quantized, parse_quant_config
+        config_path = os.path.join(path, "config.json")
+        scheme = parse_quant_config(_read_json(config_path), config_path)
+        if scheme is not None:  # GPTQ/AWQ parts come grouped as one quantized '<linear>.weight'
+            if lazy:
+                raise ValueError(f"{path}: {scheme.method} checkpoints do not load with "
+                                 f"tensor_parallel_size > 1 yet")
+            stream = group_quantized(stream, scheme)
     elif load_format == "gguf":
         from rooflm.model import gguf_loader
         config, stream = gguf_loader.open_gguf_weights(path, keep_quantized)

@@ -65,6 +65,10 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
     "int8": WeightFormat(1.0, "bf16", "int8 weight-only, dequantized into bf16 matmuls"),
     "int4": WeightFormat(0.5 + 4.0 / 128, "bf16",
                          "int4 weight-only, group 128, dequantized into bf16 matmuls"),
+    # rooflm's W4A16 kernel layout (rooflm/kernels/w4a16.py): a bf16 scale and zero per group.
+    **{f"int4-g{g}": WeightFormat(0.5 + 4.0 / g, "bf16", f"int4 weight-only, group {g} (rooflm --quantization "
+                                                          f"int4-g{g}), dequantized into bf16 matmuls")
+       for g in (32, 64, 128)},
 }
 
 KV_CACHE_BYTES: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0}

@@ -1,12 +1,17 @@
-"""Quantized weights: formats and the kernels that multiply them.
+"""Quantized weights: formats, the kernels that multiply them, and the tools that make them.
 
 The narrow interface the rest of rooflm sees:
 
-- `gguf_blocks.BlockTensor`: a GGUF tensor kept in its quantized blocks (Q4_0, Q4_1, Q8_0),
-  with the row operations a loader needs (concatenate fused shards, permute q/k rows) and
-  `dequantize()` for the exact float values.
-- `linear_method.make_quantized_linear(blocks)`: the module that computes `x @ W.T` from them
-  (`QuantizedLinearMethod`), or None where no kernel on this device takes that format.
+- quantized tensors, one per linear weight, each with `shape`, `format`, `dequantize()` and `cat()`
+  (fused shards): `gguf_blocks.BlockTensor` (GGUF Q4_0/Q4_1/Q8_0 blocks) and
+  `formats.GroupWeight` / `formats.ChannelWeight` (4-bit group-wise / 8-bit per-channel, decoded
+  from GPTQ or AWQ checkpoints by `checkpoint.group_quantized`, or made by `rtn` / `gptq`);
+- `linear_method.make_linear_method(weight, device, dtype)`: the module that computes `x @ W.T`
+  from one (`QuantizedLinearMethod`: torch's CPU kernels for GGUF blocks, the Triton W4A16/W8A16
+  kernels on CUDA), or None where no kernel on that device takes it (the caller dequantizes);
+- `rtn.quantize_model` (`--quantization int8|int4-gN` at load) and `rooflm quantize`
+  (`quantize.py`, `commands.py`): offline RTN or GPTQ into a GPTQ-layout HF directory.
 
-Neither imports the model or the engine; `layers/linear.py` holds one as its weight.
+Nothing here imports the model or the engine at module level; `layers/linear.py` holds a
+QuantizedLinearMethod as its weight.
 """

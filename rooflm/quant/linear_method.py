@@ -171,3 +171,64 @@ def make_quantized_linear(blocks: BlockTensor, device: torch.device) -> Optional
     if blocks.shape[1] // BLOCK <= MAX_Q8_BLOCK_COLUMNS:
         return Int8BlockLinear(blocks)
     return Int8RowLinear(blocks)
+
+
+# ---------------------------------------------------------------------------
+# CUDA: the Triton weight-only kernels (rooflm/kernels/w4a16.py, w8a16.py)
+# ---------------------------------------------------------------------------
+
+class W4A16Linear(QuantizedLinearMethod):
+    """4-bit group-wise weights (GPTQ, AWQ, rooflm quantize, RTN at load) in the kernel's packing."""
+
+    def __init__(self, weight, device: torch.device, act_dtype: torch.dtype):
+        super().__init__()
+        from rooflm.kernels.w4a16 import pack_int4
+        self.out_features, self.in_features = weight.shape
+        self.format, self.group_size = weight.format, weight.group_size
+        self.register_buffer("qweight", pack_int4(weight.codes).to(device))
+        self.register_buffer("scales", weight.scales.to(device=device, dtype=act_dtype).contiguous())
+        self.register_buffer("zeros", weight.zeros.to(device=device, dtype=act_dtype).contiguous())
+        self.register_buffer("perm", None if weight.perm is None else weight.perm.to(device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from rooflm.kernels.w4a16 import w4a16_linear
+        flat = x.reshape(-1, self.in_features)
+        if self.perm is not None:
+            flat = flat.index_select(1, self.perm)
+        y = w4a16_linear(flat, self.qweight, self.scales, self.zeros, self.group_size)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class W8A16Linear(QuantizedLinearMethod):
+    def __init__(self, weight, device: torch.device, act_dtype: torch.dtype):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.format = weight.format
+        self.register_buffer("qweight", weight.codes.to(device=device, dtype=torch.int8).contiguous())
+        self.register_buffer("scales", weight.scales.to(device=device, dtype=act_dtype).contiguous())
+        # Symmetric weights (zero 0 everywhere) skip the zero-point term.
+        has_zero = bool((weight.zeros != 0).any())
+        self.register_buffer("zeros", weight.zeros.to(device=device, dtype=act_dtype) if has_zero else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from rooflm.kernels.w8a16 import w8a16_linear
+        y = w8a16_linear(x.reshape(-1, self.in_features), self.qweight, self.scales, self.zeros)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def make_linear_method(weight, device: torch.device, act_dtype: torch.dtype) -> Optional[QuantizedLinearMethod]:
+    """The module for any quantized weight (GGUF blocks, GroupWeight, ChannelWeight) on `device`,
+    or None where no kernel here takes it (the caller then dequantizes)."""
+    from rooflm.quant.formats import ChannelWeight, GroupWeight
+    if isinstance(weight, BlockTensor):
+        return make_quantized_linear(weight, device)
+    if device.type != "cuda":
+        return None  # CPU: dequantized at load (no CPU kernel for these layouts yet)
+    if isinstance(weight, GroupWeight):
+        # The kernel's tiles hold whole groups: a short last group (K % g) is dequantized instead.
+        if weight.shape[1] % weight.group_size or weight.group_size % 16:
+            return None
+        return W4A16Linear(weight, device, act_dtype)
+    if isinstance(weight, ChannelWeight):
+        return W8A16Linear(weight, device, act_dtype)
+    raise TypeError(f"no linear method for {type(weight).__name__}")

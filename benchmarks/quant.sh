@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Weight-only quantization on the GPU, one device call (< 8 min on an H100):
+#   1. GPU tests: the W4A16/W8A16 kernels against their references (bf16, 8B shapes) and
+#      quantized tiny checkpoints (GPTQ/AWQ) against their dequantized float copies;
+#   2. the kernels against bf16 F.linear on the Llama-3-8B linear shapes, batch 1..64;
+#   3. decode tok/s of the Llama-3-8B shape (dummy weights, RTN at load): bf16, int8, int4-g128 at
+#      batch 1 (128 in / 256 out), and bf16 vs int4-g128 at batch 16 and 64 (128 in / 128 out),
+#      each beside the bytes a decode step reads and the bound they give at 3.0 TB/s.
+# Usage (GPU machine, repo root): OUT=dir bash benchmarks/quant.sh
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-benchmarks/results/quant-gpu}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
+timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_weight_only.py tests/models/test_gpu_quant.py \
+  > "$OUT/gpu-tests.txt" 2>&1; tail -3 "$OUT/gpu-tests.txt"
+timeout 120 python benchmarks/quant_kernels.py --out "$OUT" 2>&1 | tee "$OUT/kernels.txt"
+timeout 150 python benchmarks/quant_decode.py --formats bf16,int8,int4-g128 --batches 1 --out "$OUT/b1" \
+  > "$OUT/decode-b1.txt" 2>&1 || tail -5 "$OUT/decode-b1.txt"; grep '^\[' "$OUT/decode-b1.txt"
+timeout 150 python benchmarks/quant_decode.py --formats bf16,int4-g128 --batches 16,64 --out "$OUT/batched" \
+  > "$OUT/decode-batched.txt" 2>&1 || tail -5 "$OUT/decode-batched.txt"; grep '^\[' "$OUT/decode-batched.txt"
+echo; echo "== decode, Llama-3-8B shape (dummy weights), H100: tok/s beside the byte bound at 3.0 TB/s =="
+grep -h '^|' "$OUT/decode-b1.txt" | head -2; grep -h '^| [a-z]' "$OUT/decode-b1.txt" "$OUT/decode-batched.txt" | grep -v '^| format'
+tail -1 "$OUT/gpu-tests.txt"

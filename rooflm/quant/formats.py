@@ -1,0 +1,235 @@
+"""Integer weight-only formats in checkpoints (GPTQ, AWQ) and the one form rooflm keeps them in.
+
+Every format decodes to one of two runtime forms, each `value = (code - zero) * scale`:
+
+  GroupWeight  4-bit, one (scale, zero) per output row and group of `group_size` inputs:
+               codes uint8 [N, K] (0..15), scales [K/g, N], zeros [K/g, N] (float, code units),
+               perm: int64 [K] or None (GPTQ act-order: input k of the kernel is perm[k] of x)
+  ChannelWeight 8-bit, one (scale, zero) per output row: codes int8 [N, K], scales [N], zeros [N]
+
+Checkpoint layouts (W is nn.Linear's [N = out, K = in]; all packed tensors are int32):
+
+  GPTQ (AutoGPTQ/GPTQModel, checkpoint_format "gptq", the v1 layout vLLM and transformers read)
+    qweight [K * bits / 32, N]  codes packed along K: word i of column n holds k = i*p .. i*p+p-1,
+                                k = i*p + j in bits [j*bits, (j+1)*bits)      (p = 32 / bits)
+    qzeros  [G, N * bits / 32]  zero points packed along N the same way, each stored MINUS ONE
+    scales  [G, N] fp16;  g_idx [K] int32, the group of input k (k // g unless desc_act)
+    value = scales[g_idx[k], n] * (q[k, n] - (qzeros[g_idx[k], n] + 1))
+    sym=True writes zero 2^(bits-1) (stored 7 / 127 after the minus one).
+
+  AWQ (AutoAWQ "gemm" version, 4-bit)
+    qweight [K, N / 8]          codes packed along N, the 8 columns of a word in the order
+                                0, 2, 4, 6, 1, 3, 5, 7 (nibble i holds column AWQ_ORDER[i])
+    qzeros  [G, N / 8]          zero points, same packing, stored as they are
+    scales  [G, N] fp16
+    value = scales[k // g, n] * (q[k, n] - z[k // g, n])
+
+`rooflm quantize` writes GPTQ (it also holds 8-bit per-channel, group_size -1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+@dataclass(frozen=True)
+class GroupWeight:
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    group_size: int
+    perm: Optional[torch.Tensor] = None
+    format: str = "int4"
+    bits: int = 4
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """W [N, K] in fp32, in the checkpoint's input order."""
+        k = self.codes.shape[1]  # the last group may be short (K not a multiple of g)
+        s = self.scales.float().T.repeat_interleave(self.group_size, dim=1)[:, :k]
+        z = self.zeros.float().T.repeat_interleave(self.group_size, dim=1)[:, :k]
+        w = (self.codes.float() - z) * s
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.perm] = w
+        return out
+
+    @staticmethod
+    def cat(parts: list["GroupWeight"]) -> "GroupWeight":
+        first = parts[0]
+        for p in parts[1:]:
+            if p.group_size != first.group_size or not _same_perm(p.perm, first.perm):
+                raise ValueError("cannot fuse shards with different group sizes or act-order permutations")
+        return GroupWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts], dim=1),
+                           torch.cat([p.zeros for p in parts], dim=1), first.group_size, first.perm, first.format)
+
+
+@dataclass(frozen=True)
+class ChannelWeight:
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    format: str = "int8"
+    bits: int = 8
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        return (self.codes.float() - self.zeros.float()[:, None]) * self.scales.float()[:, None]
+
+    @staticmethod
+    def cat(parts: list["ChannelWeight"]) -> "ChannelWeight":
+        return ChannelWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                             torch.cat([p.zeros for p in parts]), parts[0].format)
+
+
+def _same_perm(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return torch.equal(a, b)
+
+
+def is_quantized_tensor(tensor) -> bool:
+    from rooflm.quant.gguf_blocks import BlockTensor
+    return isinstance(tensor, (BlockTensor, GroupWeight, ChannelWeight))
+
+
+# ---------------------------------------------------------------------------
+# Bit packing in int32 words
+# ---------------------------------------------------------------------------
+
+def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [R, C] with 32/bits codes per word along dim 0 -> int32 [R * 32/bits, C] (GPTQ qweight)."""
+    per = 32 // bits
+    shifts = torch.arange(per, dtype=torch.int32) * bits
+    codes = (packed.to(torch.int32)[:, None, :] >> shifts[None, :, None]) & ((1 << bits) - 1)
+    return codes.reshape(-1, packed.shape[1])
+
+
+def unpack_cols(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [R, C] with 32/bits codes per word along dim 1 -> int32 [R, C * 32/bits] (qzeros, AWQ)."""
+    per = 32 // bits
+    shifts = torch.arange(per, dtype=torch.int32) * bits
+    codes = (packed.to(torch.int32)[:, :, None] >> shifts[None, None, :]) & ((1 << bits) - 1)
+    return codes.reshape(packed.shape[0], -1)
+
+
+def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of unpack_rows: int codes [R, C] -> int32 [R * bits / 32, C]."""
+    per = 32 // bits
+    c = (codes.to(torch.int64) & ((1 << bits) - 1)).reshape(-1, per, codes.shape[1])
+    word = torch.zeros(c.shape[0], c.shape[2], dtype=torch.int64)
+    for j in range(per):
+        word |= c[:, j, :] << (j * bits)
+    return _to_int32(word)
+
+
+def pack_cols(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    per = 32 // bits
+    c = (codes.to(torch.int64) & ((1 << bits) - 1)).reshape(codes.shape[0], -1, per)
+    word = torch.zeros(c.shape[0], c.shape[1], dtype=torch.int64)
+    for j in range(per):
+        word |= c[:, :, j] << (j * bits)
+    return _to_int32(word)
+
+
+def _to_int32(word: torch.Tensor) -> torch.Tensor:
+    # Words with the top bit set are negative int32s (the checkpoints' dtype).
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+# ---------------------------------------------------------------------------
+# Checkpoint layouts -> runtime forms
+# ---------------------------------------------------------------------------
+
+def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: Optional[torch.Tensor],
+              bits: int, group_size: int, act_dtype: torch.dtype = torch.float16):
+    """A GPTQ linear's tensors -> GroupWeight (4-bit) or ChannelWeight (8-bit, one group)."""
+    codes = unpack_rows(qweight, bits)  # [K, N]
+    k, n = codes.shape
+    zeros = unpack_cols(qzeros, bits)[:, :n] + 1  # the v1 format stores zero - 1
+    scales = scales.to(act_dtype)
+    if bits == 8:
+        if scales.shape[0] != 1:
+            raise ValueError(f"GPTQ 8-bit with group_size {group_size}: rooflm's W8A16 kernel takes one "
+                             f"scale per output channel (group_size -1) only")
+        # Codes 0..255 around their zero point: shift both by 128 into int8 (the difference is kept).
+        return ChannelWeight((codes.T - 128).to(torch.int8).contiguous(), scales[0].contiguous(),
+                             (zeros[0] - 128).to(act_dtype), "gptq-int8")
+    if bits != 4:
+        raise ValueError(f"GPTQ bits={bits} is not supported (4 or 8)")
+    g = k if group_size in (-1, 0) else group_size
+    perm = None
+    if g_idx is not None:
+        g_idx = g_idx.to(torch.int64)
+        if not torch.equal(g_idx, torch.arange(k) // g):
+            # act-order: sort the inputs by group so each group is contiguous again; the kernel then
+            # reads x through perm (one gather of the activations per call).
+            perm = torch.argsort(g_idx, stable=True)
+            counts = torch.bincount(g_idx, minlength=-(-k // g))
+            if not torch.equal(counts, torch.bincount(torch.arange(k) // g)):
+                raise ValueError(f"GPTQ g_idx does not put {g} inputs in each group")
+            codes = codes[perm]
+    return GroupWeight(codes.T.to(torch.uint8).contiguous(), scales.contiguous(), zeros.to(act_dtype).contiguous(),
+                       g, perm, "gptq-int4")
+
+
+def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
+             act_dtype: torch.dtype = torch.float16) -> GroupWeight:
+    order = torch.tensor(AWQ_ORDER)
+    inverse = torch.argsort(order)  # column c of a word sits in nibble inverse[c]
+
+    def unpack(packed):
+        nibbles = unpack_cols(packed, 4).reshape(packed.shape[0], -1, 8)
+        return nibbles[:, :, inverse].reshape(packed.shape[0], -1)
+
+    codes = unpack(qweight)  # [K, N]
+    zeros = unpack(qzeros)
+    return GroupWeight(codes.T.to(torch.uint8).contiguous(), scales.to(act_dtype).contiguous(),
+                       zeros.to(act_dtype).contiguous(), group_size, None, "awq-int4")
+
+
+def to_awq(weight: GroupWeight) -> dict[str, torch.Tensor]:
+    """AWQ tensors of a GroupWeight (tests build AWQ checkpoints with it)."""
+    order = torch.tensor(AWQ_ORDER)
+
+    def pack(codes):  # [R, C] -> [R, C / 8], nibble i holding column order[i] of each 8
+        grouped = codes.reshape(codes.shape[0], -1, 8)[:, :, order].reshape(codes.shape[0], -1)
+        return pack_cols(grouped, 4)
+
+    return {"qweight": pack(weight.codes.T.to(torch.int32)), "qzeros": pack(weight.zeros.round().to(torch.int32)),
+            "scales": weight.scales.to(torch.float16)}
+
+
+def to_gptq(weight, bits: int) -> dict[str, torch.Tensor]:
+    """GPTQ v1 tensors of a GroupWeight (bits 4, act-order as g_idx) or ChannelWeight (bits 8)."""
+    if bits == 8:
+        codes = weight.codes.to(torch.int32).T + 128  # [K, N], 0..255
+        zeros = (weight.zeros.float().round().to(torch.int32) + 128)[None, :]
+        scales = weight.scales[None, :]
+        g_idx = torch.zeros(codes.shape[0], dtype=torch.int32)
+    else:
+        codes = weight.codes.to(torch.int32).T  # [K, N] in the kernel's (group-sorted) order
+        zeros = weight.zeros.float().round().to(torch.int32)
+        scales = weight.scales
+        g_idx = (torch.arange(codes.shape[0]) // weight.group_size).to(torch.int32)
+        if weight.perm is not None:  # act-order: back to the input order, groups named by g_idx
+            original = torch.empty_like(codes)
+            original[weight.perm] = codes
+            codes = original
+            order = torch.empty_like(g_idx)
+            order[weight.perm] = g_idx
+            g_idx = order
+    return {"qweight": pack_rows(codes, bits), "qzeros": pack_cols(zeros - 1, bits),
+            "scales": scales.to(torch.float16).contiguous(), "g_idx": g_idx}

@@ -1,0 +1,88 @@
+"""GPTQ: quantize a weight one input column at a time, pushing each column's rounding error onto
+the columns not yet quantized, weighted by the inverse Hessian of the layer's inputs
+(Frantar et al. 2022, "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained
+Transformers", Algorithm 1).
+
+The layer's loss for a weight change dW is ||dW X||^2 = tr(dW H dW^T) with H = X X^T over the
+calibration tokens. Rounding column k by err_k is compensated, exactly for this quadratic loss,
+by subtracting err_k * Hinv[k, k+1:] / Hinv[k, k] from the later columns; with the upper Cholesky
+factor of Hinv this is a row of a triangular matrix. Columns are processed in blocks of 128 so the
+trailing update is one matmul per block (the "lazy batch" of the paper).
+
+Group parameters (scale, zero) are chosen from the already-updated weights when each group starts,
+as RTN would choose them (rtn.int4_params), so the format is the same as RTN's; only the codes
+differ. Inputs are the float model's (no sequential re-run through the quantized layers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rooflm.quant.formats import ChannelWeight, GroupWeight
+from rooflm.quant.rtn import int4_params, int4_params_mse
+
+
+def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int,
+                  damp: float = 0.01, block: int = 128, scale_dtype: torch.dtype = torch.float16,
+                  act_order: bool = False, mse: bool = False):
+    """w [N, K], hessian [K, K] (sum of x x^T) -> GroupWeight (4-bit) or ChannelWeight (8-bit).
+
+    act_order (GPTQ's desc_act, 4-bit): quantize the inputs with the largest Hessian diagonal
+    first, while the most columns remain to absorb their error; groups are formed in that order,
+    and the result carries the permutation (GPTQ's g_idx). mse: each group's range is searched
+    for the smallest Hessian-weighted rounding error instead of taken as min..max."""
+    W = w.detach().float().clone()
+    n, k = W.shape
+    H = hessian.detach().float().clone()
+    dead = torch.diag(H) == 0  # inputs never seen: any value works; zero them
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    perm = None
+    if act_order and bits == 4:
+        perm = torch.argsort(torch.diag(H), descending=True)
+        W = W[:, perm]
+        H = H[perm][:, perm]
+    diag = torch.diag(H).clone()
+    H += damp * torch.diag(H).mean() * torch.eye(k)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+
+    codes = torch.zeros(n, k)
+    if bits == 8:  # symmetric per channel: one scale for the row, fixed up front
+        scale8 = (W.abs().amax(dim=1) / 127.0).clamp_min(1e-10).to(scale_dtype).float()
+    else:
+        groups = -(-k // group_size)
+        scales = torch.zeros(n, groups)
+        zeros = torch.zeros(n, groups)
+    for i1 in range(0, k, block):
+        i2 = min(i1 + block, k)
+        W1 = W[:, i1:i2].clone()
+        err1 = torch.zeros_like(W1)
+        h1 = hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if bits == 8:
+                s, z = scale8, 0.0
+                q = torch.clamp(torch.round(W1[:, i] / s), -127, 127)
+            else:
+                if col % group_size == 0:
+                    end = min(i + group_size, i2 - i1)
+                    if mse:
+                        s_g, z_g = int4_params_mse(W1[:, i:end], diag[col:col + end - i])
+                    else:
+                        s_g, z_g = int4_params(W1[:, i:end], end - i)
+                    g = col // group_size
+                    scales[:, g] = s_g[:, 0].to(scale_dtype).float()
+                    zeros[:, g] = z_g[:, 0]
+                g = col // group_size
+                s, z = scales[:, g], zeros[:, g]
+                q = torch.clamp(torch.round(W1[:, i] / s) + z, 0, 15)
+            codes[:, col] = q
+            dq = (q - z) * s
+            err = (W1[:, i] - dq) / h1[i, i]
+            W1[:, i:] -= err[:, None] * h1[i, i:][None, :]
+            err1[:, i] = err
+        W[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+    if bits == 8:
+        return ChannelWeight(codes.to(torch.int8), scale8.to(scale_dtype), torch.zeros(n, dtype=scale_dtype), "int8")
+    return GroupWeight(codes.to(torch.uint8), scales.T.contiguous().to(scale_dtype),
+                       zeros.T.contiguous().to(scale_dtype), group_size, perm, f"int4-g{group_size}")

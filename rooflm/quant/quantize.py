@@ -1,0 +1,137 @@
+"""`rooflm quantize`: a float model (HF directory or GGUF, anything rooflm loads) -> a GPTQ-layout
+HF directory that rooflm, transformers (with a GPTQ backend) and vLLM recognise.
+
+Steps:
+1. load the model through rooflm itself, every weight in fp32 (`--quantization none`);
+2. for GPTQ, run calibration windows through the engine with a pre-hook on every decoder linear
+   that sums x x^T of its inputs (the Hessian of the layer's squared output error);
+3. quantize each decoder linear: RTN (rtn.py) or GPTQ (gptq.py); fused q/k/v and gate/up share
+   their input, so they are quantized fused (rows are independent) and split back to HF names;
+4. write model.safetensors (GPTQ v1 tensors per linear; norms, embeddings and the LM head in
+   --float-dtype: the LM head and embeddings are never quantized), config.json with its
+   quantization_config, and the tokenizer.
+
+Layout written: GPTQ v1 (formats.py): int4 asymmetric group-wise (`sym: false`; `desc_act: true`
+with --act-order, the permutation in g_idx) or int8 symmetric per channel (`bits: 8, group_size: -1`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Optional
+
+import torch
+
+from rooflm.quant.formats import to_gptq
+from rooflm.quant.rtn import WeightScheme, quantize_weight
+
+logger = logging.getLogger(__name__)
+
+_SPLITS = {"qkv_proj": ("self_attn", {"q": "q_proj", "k": "k_proj", "v": "v_proj"}),
+           "gate_up_proj": ("mlp", {"gate": "gate_proj", "up": "up_proj"})}
+
+
+def decoder_linears(model) -> dict[str, torch.nn.Module]:
+    """rooflm module name -> Linear, for every linear of the decoder layers."""
+    from rooflm.layers.linear import Linear
+    return {f"model.layers.{i}.{name}": m for i, layer in enumerate(model.model.layers)
+            for name, m in layer.named_modules() if isinstance(m, Linear)}
+
+
+def collect_hessians(llm, windows: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Sum of x x^T of each decoder linear's inputs over the calibration windows (prefill)."""
+    from rooflm.sampling_params import SamplingParams
+    model = llm.engine.runner.model
+    hessians: dict[str, torch.Tensor] = {}
+    handles = []
+    for name, module in decoder_linears(model).items():
+        # fp32 sums: tens of thousands of outer products lose ~1e-5 relative, far below the
+        # 1% damping GPTQ adds to the diagonal (fp64 took 2-3x longer on the CPU).
+        hessians[name] = torch.zeros(module.in_features, module.in_features)
+
+        def hook(mod, args, name=name):
+            x = args[0].reshape(-1, mod.in_features).float()
+            hessians[name].addmm_(x.T, x)
+        handles.append(module.register_forward_pre_hook(hook))
+    try:
+        llm.generate(windows, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return hessians
+
+
+def quantize_linear(w: torch.Tensor, scheme: WeightScheme, method: str, hessian: Optional[torch.Tensor],
+                    act_order: bool = False, mse: bool = False):
+    if method == "gptq":
+        from rooflm.quant.gptq import gptq_quantize
+        return gptq_quantize(w, hessian, scheme.bits, scheme.group_size, act_order=act_order, mse=mse)
+    return quantize_weight(w, scheme)
+
+
+def _rows(weight, start: int, size: int):
+    """Rows [start, start + size) of a GroupWeight/ChannelWeight."""
+    from rooflm.quant.formats import ChannelWeight, GroupWeight
+    if isinstance(weight, GroupWeight):
+        return GroupWeight(weight.codes[start:start + size], weight.scales[:, start:start + size],
+                           weight.zeros[:, start:start + size], weight.group_size, weight.perm, weight.format)
+    return ChannelWeight(weight.codes[start:start + size], weight.scales[start:start + size],
+                         weight.zeros[start:start + size], weight.format)
+
+
+def quantized_state_dict(model, scheme: WeightScheme, method: str, hessians: Optional[dict],
+                         float_dtype: torch.dtype, act_order: bool = False, mse: bool = False) -> dict[str, torch.Tensor]:
+    """HF-named tensors: GPTQ parts for decoder linears, float for everything else."""
+    out: dict[str, torch.Tensor] = {}
+    linears = decoder_linears(model)
+    linear_params = {f"{name}.{kind}" for name in linears for kind in ("weight", "bias")}
+    for name, param in model.named_parameters():
+        if name not in linear_params:
+            if param.numel():
+                out[name] = param.detach().to(float_dtype).contiguous()
+    for name, module in linears.items():
+        prefix, _, leaf = name.rpartition(".")
+        q = quantize_linear(module.weight.detach().float(), scheme, method,
+                            None if hessians is None else hessians[name], act_order, mse)
+        if leaf in _SPLITS:
+            _, names = _SPLITS[leaf]
+            for shard, (offset, size) in module.shard_offsets.items():
+                target = f"{prefix}.{names[shard]}"
+                for part, t in to_gptq(_rows(q, offset, size), scheme.bits).items():
+                    out[f"{target}.{part}"] = t
+                if module.bias is not None:
+                    out[f"{target}.bias"] = module.bias.detach()[offset:offset + size].to(float_dtype)
+        else:
+            for part, t in to_gptq(q, scheme.bits).items():
+                out[f"{name}.{part}"] = t
+            if module.bias is not None:
+                out[f"{name}.bias"] = module.bias.detach().to(float_dtype)
+    return out
+
+
+def gptq_config(scheme: WeightScheme, act_order: bool = False) -> dict:
+    return {"quant_method": "gptq", "bits": scheme.bits, "group_size": scheme.group_size,
+            "desc_act": act_order and scheme.bits == 4, "sym": scheme.bits == 8, "checkpoint_format": "gptq", "lm_head": False,
+            "true_sequential": False, "damp_percent": 0.01}
+
+
+def write_checkpoint(out_dir: str, config_dict: dict, tensors: dict[str, torch.Tensor], scheme: WeightScheme,
+                     float_dtype: torch.dtype, tokenizer=None, note: str = "", act_order: bool = False) -> None:
+    from safetensors.torch import save_file
+    os.makedirs(out_dir, exist_ok=True)
+    cfg = dict(config_dict)
+    cfg["quantization_config"] = gptq_config(scheme, act_order)
+    cfg["torch_dtype"] = str(float_dtype).replace("torch.", "")
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2)
+        f.write("\n")
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None:
+        from rooflm.model.dummy_dir import _embed_chat_template
+        tokenizer.hf.save_pretrained(out_dir)
+        _embed_chat_template(out_dir, tokenizer.chat_template)
+    if note:
+        with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as f:
+            f.write(note + "\n")
