@@ -60,6 +60,7 @@ def test_w8a16_matches_reference(m, with_zero):
     assert_close(w8a16_linear(x, qw, s, z), w8a16_linear_ref(x, qw, s, z), dtype, f"m={m} zero={with_zero}")
 
 
+@pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("m", [1, 16, 64])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (4096, 14336)])
