@@ -110,17 +110,29 @@ class TPExecutor:
             raise
         return cls(tp, processes)
 
-    def check_alive(self) -> None:
+    def check_alive(self, grace_s: float = 0.0) -> None:
+        """Raise WorkerDied if a worker is gone. grace_s: how long to wait for a death to show,
+        after a collective failed: a killed process closes its sockets (the peer's collective
+        fails at once) before its parent can reap it, and the watcher thread may not have woken
+        (both seen on a loaded 2-core CI machine)."""
+        if self.error is None:
+            ready = multiprocessing.connection.wait([p.sentinel for p in self.processes], grace_s)
+            dead = next((p for p in self.processes if p.sentinel in ready), None)
+            if dead is not None:
+                self._fail(dead)
         if self.error is not None:
             raise WorkerDied(self.error)
 
     def _watch(self) -> None:
         sentinels = {p.sentinel: p for p in self.processes}
         ready = multiprocessing.connection.wait(list(sentinels))
+        self._fail(sentinels[ready[0]])
+
+    def _fail(self, dead) -> None:
+        """Record the first worker death, stop the other ranks and abort the device group."""
         with self._lock:
-            if self._stopping:
+            if self._stopping or self.error is not None:
                 return
-            dead = sentinels[ready[0]]
             dead.join(JOIN_TIMEOUT_S)  # its exit code
             self.error = (f"tensor-parallel worker {dead.name} (pid {dead.pid}) exited with code "
                           f"{dead.exitcode}")

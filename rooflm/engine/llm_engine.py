@@ -361,6 +361,16 @@ class LLMEngine:
         """One engine step. With async scheduling (CUDA), step t+1 is scheduled and queued on
         the GPU before step t's tokens are read back, so host work overlaps device work and
         the outputs returned are those of the previous step."""
+        if self.executor is None:
+            return self._step()
+        try:
+            return self._step()
+        except Exception:
+            # A collective that failed on a dead worker's sockets: name the worker instead.
+            self.executor.check_alive(grace_s=5.0)
+            raise
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self.check_alive()
         failed = self._reap_failed_grammars() if self._compiling else []
