@@ -38,7 +38,7 @@ def bench_tile_shapes() -> list[dict]:
     (bitwise equal outputs: then BLOCK_M / BLOCK_N could change without changing any token)."""
     from rooflm.kernels.matmul_persistent import matmul_config
     rows = []
-    base = matmul_config(torch.bfloat16)
+    base = matmul_config(torch.bfloat16, 2048)
     for name in ("o", "down", "gate_up"):
         n, k = PROJECTIONS[name]
         w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k ** 0.5

@@ -12,14 +12,20 @@ inputs only.
 
 Algorithm
 ---------
-One tile configuration (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) per dtype, for
-every M, and no split-K: element (m, n) is
+One BLOCK_K per dtype, for every M, and no split-K: element (m, n) is
 
     acc = 0 (fp32);  for k0 in 0, BLOCK_K, 2 BLOCK_K, ...:  acc += x[m, k0:k0+BK] . W[n, k0:k0+BK]
     y[m, n] = (acc + bias[n]).to(out dtype)
 
-with the tile's dot done by one tl.dot of fixed shape. M only changes how many
-tiles there are, never how a tile computes. The kernel is persistent: a grid of
+with each step's dot one tl.dot of BLOCK_K depth. BLOCK_M, BLOCK_N, warps and
+stages only decide which program computes which elements, not the order of any
+element's sum (the matrix unit accumulates each k16 slice into the fp32 acc in
+k order whatever the tile's width): on the H100 every tile shape with BLOCK_M >= 64
+and the same BLOCK_K gave bitwise-equal outputs at M = 1 and 2048
+(benchmarks/deterministic_kernels.py, "same sums"). So the width may follow M
+(MATMUL_BUCKETS: narrow tiles that spread a decode step's weight reads over all
+SMs, wide ones for prefill chunks) while BLOCK_K, the loop and the dot precision
+never do; tests/kernels/test_deterministic.py checks rows bitwise across M on the GPU. The kernel is persistent: a grid of
 min(#SMs, #tiles) programs walks the tiles (grouped along M so that neighbouring
 programs share W tiles in L2), which keeps launches cheap and the grid small.
 Rows past M and columns past N are masked loads (zeros) and masked stores.
@@ -33,8 +39,9 @@ Work
 ----
 FLOPs = 2 M N K.  Bytes >= (M K + N K) e + M N e_out: a decode step (small M) is
 bound by reading W (memory), a prefill chunk (M in the thousands) by the matrix
-units (compute). The one tile shape is a compromise for both: its cost against
-cuBLAS is measured by benchmarks/deterministic.sh.
+units (compute). Tile widths per M bucket serve both: their cost against
+cuBLAS is measured by benchmarks/deterministic.sh and the buckets are chosen by
+benchmarks/deterministic_tiles.py.
 """
 
 from __future__ import annotations
@@ -106,23 +113,45 @@ def _matmul_persistent_kernel(y_ptr, x_ptr, w_ptr, bias_ptr, M, N, K, num_progra
 # Wrapper
 # --------------------------------------------------------------------------
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages): one per dtype, never chosen
-# from M (that is the point). 128 x 128 x 64 with 8 warps is the shape vLLM's and the
-# Thinking Machines batch-invariant matmuls use for 16-bit inputs on Hopper; fp32 tiles are
-# twice the bytes and take half the K step to stay within shared memory.
-MATMUL_CONFIGS = {
-    torch.bfloat16: (128, 128, 64, 8, 8, 3),
-    torch.float16: (128, 128, 64, 8, 8, 3),
-    torch.float32: (64, 64, 32, 8, 4, 3),
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) by dtype, as (largest M, config)
+# buckets. BLOCK_K is one per dtype (it fixes the order of the sums; checked below); the rest
+# may follow M. 128 x 128 x 64 with 8 warps is the shape vLLM's and the Thinking Machines
+# batch-invariant matmuls use for 16-bit inputs on Hopper; fp32 tiles are twice the bytes and
+# take half the K step to stay within shared memory (one bucket: fp32 sums on the CUDA cores).
+# The 16-bit buckets are benchmarks/deterministic_tiles.py's choice on the H100 (2026-11-23,
+# benchmarks/results/deterministic-h100-20261123/): 64 x 64 tiles with 6 stages spread a decode
+# step's weight reads over the SMs (1.0-1.2x cuBLAS's time up to M = 64, against 1.1-2.3x for
+# 128 x 128), 128 x 256 tiles for prefill chunks (1.2-1.3x cuBLAS at M = 2048, against 1.4-1.6x).
+_BF16_BUCKETS = ((64, (64, 64, 64, 8, 4, 6)), (None, (128, 256, 64, 8, 8, 3)))
+MATMUL_BUCKETS = {
+    torch.bfloat16: _BF16_BUCKETS,
+    torch.float16: _BF16_BUCKETS,
+    torch.float32: ((None, (64, 64, 32, 8, 4, 3)),),
 }
+MIN_BLOCK_M = 64  # below it Triton picks another MMA instruction: never measured to sum alike
 # The interpreter pays per operation, not per element: a small fixed shape keeps tests quick.
 _INTERPRETER_CONFIG = (16, 32, 32, 4, 1, 1)
 
 
-def matmul_config(dtype: torch.dtype) -> tuple[int, int, int, int, int, int]:
+def check_buckets(buckets) -> None:
+    """One BLOCK_K per dtype, BLOCK_M >= MIN_BLOCK_M, the last bucket open-ended."""
+    for dtype, table in buckets.items():
+        if {cfg[2] for _, cfg in table} != {table[0][1][2]} or table[-1][0] is not None:
+            raise ValueError(f"{dtype}: buckets must share BLOCK_K and end with (None, config): {table}")
+        if any(cfg[0] < MIN_BLOCK_M for _, cfg in table):
+            raise ValueError(f"{dtype}: BLOCK_M below {MIN_BLOCK_M} in {table}")
+
+
+check_buckets(MATMUL_BUCKETS)
+
+
+def matmul_config(dtype: torch.dtype, m: int = 1) -> tuple[int, int, int, int, int, int]:
     if is_interpreter():
         return _INTERPRETER_CONFIG
-    return MATMUL_CONFIGS[dtype]
+    for max_m, config in MATMUL_BUCKETS[dtype]:
+        if max_m is None or m <= max_m:
+            return config
+    raise AssertionError("unreachable: the last bucket is open-ended")
 
 
 def matmul_persistent(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -131,15 +160,15 @@ def matmul_persistent(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     """y = x @ weight^T + bias with a summation order independent of x's row count.
 
     x [..., K]; weight [N, K]; bias [N]. Leading dims of x are flattened into M. config overrides
-    the table (benchmarks/deterministic_kernels.py compares tile shapes); a caller that wants
-    batch invariance must never choose it from M.
+    the buckets (benchmarks/deterministic_tiles.py compares tile shapes); a caller that wants
+    batch invariance must keep BLOCK_K and BLOCK_M >= MIN_BLOCK_M (check_buckets).
     """
     if weight.dim() != 2:
         raise ValueError(f"weight must be [N, K], got {tuple(weight.shape)}")
     n, k = weight.shape
     if x.shape[-1] != k:
         raise ValueError(f"x's last dim {x.shape[-1]} does not match weight's K {k}")
-    if x.dtype != weight.dtype or x.dtype not in MATMUL_CONFIGS:
+    if x.dtype != weight.dtype or x.dtype not in MATMUL_BUCKETS:
         raise TypeError(f"x and weight must share one of fp16, bf16, fp32; got {x.dtype}, {weight.dtype}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
@@ -151,7 +180,7 @@ def matmul_persistent(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m > 0 and n > 0:
-        block_m, block_n, block_k, group_m, num_warps, num_stages = config or matmul_config(x.dtype)
+        block_m, block_n, block_k, group_m, num_warps, num_stages = config or matmul_config(x.dtype, m)
         num_tiles = cdiv(m, block_m) * cdiv(n, block_n)
         sms = num_sms(x.device.index or 0) if x.device.type == "cuda" else num_sms()
         programs = min(sms, num_tiles)
