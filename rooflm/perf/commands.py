@@ -345,11 +345,15 @@ def _format_training(args: argparse.Namespace, config: ModelConfig) -> str:
     lines.append(f"{'activations, no checkpointing':<36} {'':>8} {mem.activations / GB:>12.2f}")
     lines.append(f"{'activations, full checkpointing':<36} {'':>8} "
                  f"{mem.activations_checkpointed / GB:>12.2f}")
+    lines.append(f"{'activations, selective checkpointing':<36} {'':>8} "
+                 f"{mem.activations_selective / GB:>12.2f}")
     lines.append("")
     lines.append(f"{'total per GPU, no checkpointing':<36} {'':>8} {'':>12} "
                  f"{mem.ddp_per_gpu(False) / GB:>12.2f} {mem.fsdp_per_gpu(False) / GB:>12.2f}")
     lines.append(f"{'total per GPU, full checkpointing':<36} {'':>8} {'':>12} "
                  f"{mem.ddp_per_gpu(True) / GB:>12.2f} {mem.fsdp_per_gpu(True) / GB:>12.2f}")
+    lines.append(f"{'total per GPU, selective':<36} {'':>8} {'':>12} "
+                 f"{mem.ddp_per_gpu('selective') / GB:>12.2f} {mem.fsdp_per_gpu('selective') / GB:>12.2f}")
     lines.append("")
     lines.append(
         f"{mem.state_bytes_per_param:g} bytes per parameter before activations "

@@ -35,13 +35,18 @@ num_heads x seq_len elements per token. Once per model: the final norm input,
 the LM head input and the logits, kept in bf16 and again in fp32 for the
 cross-entropy. Full activation checkpointing keeps only each layer's input
 (h per token per layer) and recomputes one layer at a time during backward.
+Selective checkpointing (torchtitan's op-level policy, rooflm train's
+`selective`) keeps each layer's input and the outputs of its matmuls and
+attention (q, k, v; the attention output and its log-sum-exp; o_proj's; gate and
+up; down's) = 3h + 2q + 2kv + 2I elements, recomputing the element-wise ops
+(norms, rotary, SiLU*up) one layer at a time during backward.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from rooflm.config import ModelConfig
 from rooflm.perf.roofline import KV_CACHE_BYTES, WEIGHT_FORMATS, kv_bytes_per_token_per_gpu
@@ -180,6 +185,7 @@ class TrainingMemory:
     adam_moments: float
     activations: float  # no checkpointing, one micro-batch
     activations_checkpointed: float  # full activation checkpointing, one micro-batch
+    activations_selective: float  # selective checkpointing (matmul and attention outputs kept)
     fsdp_gathered: float  # transient, FSDP only: the largest unit gathered, weights and grads
 
     @property
@@ -190,14 +196,21 @@ class TrainingMemory:
     def state_bytes_per_param(self) -> float:
         return self.states / self.num_params
 
-    def ddp_per_gpu(self, checkpointing: bool = False) -> float:
-        """DDP: every GPU holds all states plus the activations of its own micro-batch."""
-        return self.states + (self.activations_checkpointed if checkpointing else self.activations)
+    def activations_for(self, checkpointing: Union[bool, str] = False) -> float:
+        """One micro-batch's activations: checkpointing False/"none", True/"full" or "selective"."""
+        mode = {False: "none", True: "full"}.get(checkpointing, checkpointing)
+        if mode not in ("none", "full", "selective"):
+            raise ValueError(f"checkpointing must be none, full or selective, got {checkpointing!r}")
+        return {"none": self.activations, "full": self.activations_checkpointed,
+                "selective": self.activations_selective}[mode]
 
-    def fsdp_per_gpu(self, checkpointing: bool = False) -> float:
+    def ddp_per_gpu(self, checkpointing: Union[bool, str] = False) -> float:
+        """DDP: every GPU holds all states plus the activations of its own micro-batch."""
+        return self.states + self.activations_for(checkpointing)
+
+    def fsdp_per_gpu(self, checkpointing: Union[bool, str] = False) -> float:
         """FSDP full sharding: states / N, the gathered unit, and this GPU's activations."""
-        acts = self.activations_checkpointed if checkpointing else self.activations
-        return self.states / self.num_gpus + self.fsdp_gathered + acts
+        return self.states / self.num_gpus + self.fsdp_gathered + self.activations_for(checkpointing)
 
 
 def activation_bytes_per_token_per_layer(config: ModelConfig, seq_len: int, act_bytes: float = 2.0,
@@ -233,6 +246,10 @@ def training_memory(config: ModelConfig, num_gpus: int = 1, micro_batch: int = 1
     activations = tokens * (layers * per_layer_token + head_token)
     # Checkpointing keeps each layer's input and recomputes one whole layer during backward.
     checkpointed = tokens * (layers * config.hidden_size * act_bytes + per_layer_token + head_token)
+    h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    kept = (3 * h + 2 * q + 2 * kv + 2 * inter) * act_bytes + 4 * config.num_attention_heads
+    # The recomputed layer is transient; with few layers it could exceed keeping everything.
+    selective = min(tokens * (layers * kept + per_layer_token + head_token), activations)
 
     # FSDP gathers one unit (a decoder layer, or the embedding / LM head, whichever is larger)
     # in the working precision, and holds its unsharded gradient until the reduce-scatter.
@@ -244,7 +261,7 @@ def training_memory(config: ModelConfig, num_gpus: int = 1, micro_batch: int = 1
         flash_attention=flash_attention,
         weights=n * per_param["weights"], gradients=n * per_param["gradients"],
         master_weights=n * per_param["master"], adam_moments=n * per_param["adam"],
-        activations=activations, activations_checkpointed=checkpointed,
+        activations=activations, activations_checkpointed=checkpointed, activations_selective=selective,
         fsdp_gathered=gathered)
 
 

@@ -74,12 +74,10 @@ def device_roof(device: torch.device, peak_format: str, gpu: Optional[str]) -> R
 
 def predicted_memory(cfg: ModelConfig, seq_len: int, micro_batch: int, memory_dtype: str,
                      parallel: str, world_size: int, checkpointing: str) -> float:
-    """rooflm memory --train's bytes per GPU for this run (selective checkpointing is bounded
-    above by no checkpointing, which is what is predicted for it)."""
+    """rooflm memory --train's bytes per GPU for this run."""
     mem = training_memory(cfg, num_gpus=world_size, micro_batch=micro_batch, seq_len=seq_len,
                           dtype=memory_dtype, flash_attention=True)
-    full = checkpointing == "full"
-    return mem.fsdp_per_gpu(full) if parallel == "fsdp" else mem.ddp_per_gpu(full)
+    return mem.fsdp_per_gpu(checkpointing) if parallel == "fsdp" else mem.ddp_per_gpu(checkpointing)
 
 
 def recipe_extra_bytes(cfg: ModelConfig, precision: str, parallel: str) -> float:

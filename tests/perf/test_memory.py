@@ -1,6 +1,7 @@
 """The memory planner against the field's worked examples and hand-computed cases."""
 
 import argparse
+import dataclasses
 import io
 import math
 
@@ -85,6 +86,16 @@ def test_activations_by_hand():
     assert mem.activations == 2 * seq * (2 * per_layer + head)
     assert mem.activations_checkpointed == 2 * seq * (2 * 64 * 2 + per_layer + head)
     assert mem.activations_checkpointed < mem.activations
+    kept = (3 * 64 + 2 * 64 + 2 * 32 + 2 * 128) * 2 + 4 * 4  # matmul and attention outputs
+    # Two layers: keeping matmul outputs plus one recomputed layer would exceed keeping all.
+    assert mem.activations_selective == min(2 * seq * (2 * kept + per_layer + head), mem.activations)
+    deep = training_memory(dataclasses.replace(TINY, num_hidden_layers=16), micro_batch=2, seq_len=seq)
+    assert deep.activations_selective == 2 * seq * (16 * kept + per_layer + head)
+    assert deep.activations_checkpointed < deep.activations_selective < deep.activations
+    assert mem.ddp_per_gpu("selective") == mem.states + mem.activations_selective
+    assert mem.ddp_per_gpu(True) == mem.ddp_per_gpu("full")
+    with pytest.raises(ValueError, match="selective"):
+        mem.ddp_per_gpu("some")
 
 
 def _run(argv):
