@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
 from rooflm.config import EngineConfig
-from rooflm.engine.core_process import EngineCoreProcess, EngineStartError, _load_tokenizer
+from rooflm.engine.core_process import EngineCoreProcess, EngineStartError, load_tokenizer
 from rooflm.engine.report import EngineInfo, StepReport
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class ReplicaSet:
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
         gpus = replica_gpus(config, data_parallel_size)
-        tokenizer = _load_tokenizer(config)
+        tokenizer = load_tokenizer(config)
 
         def start(r: int) -> EngineCoreProcess:
             env = {} if gpus is None else {"CUDA_VISIBLE_DEVICES": gpus[r]}

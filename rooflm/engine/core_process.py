@@ -93,7 +93,7 @@ class EngineCoreProcess:
         process.start()
         atexit.register(core.close)
         try:
-            core.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config)
+            core.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
             ready = core._wait_ready()
         except BaseException:
             core.close(timeout=0)
@@ -177,7 +177,7 @@ def _run_engine_core_in(env: dict[str, str], *args) -> None:
     run_engine_core(*args)
 
 
-def _load_tokenizer(config: EngineConfig):
+def load_tokenizer(config: EngineConfig):
     from rooflm.model.loader import resolve_model
     from rooflm.tokenizer.tokenizer import load_model_tokenizer
 
