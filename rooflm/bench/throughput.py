@@ -299,20 +299,11 @@ def _want_bound(device, gpu_name: Optional[str]) -> bool:
     return device.type == "cuda" or gpu_name is not None
 
 
-def run_throughput(args: argparse.Namespace, out: TextIO = None) -> int:
-    from rooflm.bench.breakdown import StepBreakdown
-    from rooflm.bench.results import resolve_gpu, stamp, write_json, write_markdown
-    from rooflm.perf.live import StepMeter
-    from rooflm.cli import engine_kwargs
-    from rooflm.engine.llm_engine import LLMEngine
+def prepare_run(args: argparse.Namespace, engine) -> tuple:
+    """What a run needs once its engine is built: the device, the GPU peaks for the bound (None:
+    no bound), the stamp and the requests."""
+    from rooflm.bench.results import resolve_gpu, stamp
 
-    out = out or sys.stdout
-    _check_args(args)
-    if args.data_parallel_size > 1:
-        from rooflm.dp.offline import run_data_parallel
-        return run_data_parallel(args, out)
-    engine_options = engine_kwargs(args)
-    engine = LLMEngine.from_kwargs(**engine_options)
     device = torch.device(engine.info.device)
     gpu = None
     if _want_bound(device, args.gpu):
@@ -326,7 +317,24 @@ def run_throughput(args: argparse.Namespace, out: TextIO = None) -> int:
         requests = sharegpt_requests(args, engine)
     else:
         requests = random_requests(args, engine.info.model_config.vocab_size)
+    return device, gpu, stamp_fields, requests
 
+
+def run_throughput(args: argparse.Namespace, out: TextIO = None) -> int:
+    from rooflm.bench.breakdown import StepBreakdown
+    from rooflm.bench.results import write_json, write_markdown
+    from rooflm.perf.live import StepMeter
+    from rooflm.cli import engine_kwargs
+    from rooflm.engine.llm_engine import LLMEngine
+
+    out = out or sys.stdout
+    _check_args(args)
+    if args.data_parallel_size > 1:
+        from rooflm.dp.offline import run_data_parallel
+        return run_data_parallel(args, out)
+    engine_options = engine_kwargs(args)
+    engine = LLMEngine.from_kwargs(**engine_options)
+    device, gpu, stamp_fields, requests = prepare_run(args, engine)
     if args.num_warmup_requests:
         run_requests(engine, warmup_requests(requests, args.num_warmup_requests), "warm-up",
                      disable_tqdm=True)

@@ -116,10 +116,8 @@ def _run_share(rank: int, size: int, args: argparse.Namespace, barrier) -> dict:
 
     import torch
 
-    from rooflm.bench.results import resolve_gpu, stamp
-    from rooflm.bench.throughput import (_check_args, _want_bound, random_requests,
-                                         run_requests, sharegpt_requests, throughput_bound,
-                                         warmup_requests)
+    from rooflm.bench.throughput import (_check_args, prepare_run, run_requests,
+                                         throughput_bound, warmup_requests)
     from rooflm.cli import engine_kwargs
     from rooflm.engine.llm_engine import LLMEngine
 
@@ -129,16 +127,7 @@ def _run_share(rank: int, size: int, args: argparse.Namespace, barrier) -> dict:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     engine = LLMEngine.from_kwargs(**engine_kwargs(args))
     try:
-        device = torch.device(engine.info.device)
-        gpu = None
-        if _want_bound(device, args.gpu):
-            gpu = resolve_gpu(device, args.gpu or ("measure" if device.type == "cuda" else None),
-                              allow_other_gpu=True)
-        stamp_fields = stamp(device)
-        if args.dataset:
-            everything = sharegpt_requests(args, engine)
-        else:
-            everything = random_requests(args, engine.info.model_config.vocab_size)
+        device, gpu, stamp_fields, everything = prepare_run(args, engine)
         share = everything[rank::size]
         if args.num_warmup_requests:
             run_requests(engine, warmup_requests(share, args.num_warmup_requests), "warm-up",

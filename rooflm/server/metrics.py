@@ -1,9 +1,11 @@
 """Prometheus metrics, under vLLM's names, so dashboards built for vLLM work unchanged.
 
 Names, types, label names (model_name, engine) and histogram buckets follow
-vLLM v1's PrometheusStatLogger. prometheus_client appends `_total` to counter
-names on exposition, so the counter "vllm:prompt_tokens" is scraped as
-vllm:prompt_tokens_total, exactly as from vLLM.
+vLLM v1's PrometheusStatLogger; with data-parallel replicas (rooflm/dp/) each
+replica writes its own `engine` series, as each of vLLM's DP engines does.
+prometheus_client appends `_total` to counter names on exposition, so the
+counter "vllm:prompt_tokens" is scraped as vllm:prompt_tokens_total, exactly
+as from vLLM.
 
 rooflm adds its own under the `rooflm:` prefix: the step time, the achieved
 fractions of the memory-bandwidth and compute rooflines per step (MBU, MFU, from
