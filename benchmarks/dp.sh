@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Data parallelism (issue 22), DP=1 against DP=2 on 2 GPUs of one host (the nvidia-h200-x2 kind),
 # Llama-3-8B shape, bf16, dummy weights, one call (~8 min):
+#   0. the GPU test (tests/distributed/test_dp_gpu.py): each replica on its own GPU, greedy parity;
 #   1. offline, the ShareGPT-like workload (1000 x ~230 in / ~200 out, +-90%): DP=1 and DP=2
 #      (`rooflm bench throughput --data-parallel-size 2`: two engines, every other request);
 #   2. `rooflm serve --data-parallel-size 2 --dp-routing cache_aware`: the same 1000 requests all
@@ -78,6 +79,9 @@ serve() {  # tag, bench flags...  (result JSON and the per-replica /metrics afte
 }
 
 if [ "$PART" = all ] || [ "$PART" = offline ]; then
+  timeout 180 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/distributed/test_dp_gpu.py \
+    > "$OUT/gpu-tests.txt" 2>&1
+  echo "GPU test (2 replicas on 2 GPUs, greedy tokens == one engine's): $(tail -1 "$OUT/gpu-tests.txt")"
   offline 1
   offline 2
 fi
