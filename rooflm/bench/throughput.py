@@ -92,6 +92,9 @@ def register(subparsers) -> None:
                    help="peak rates for the bound: 'measure' (the default on CUDA: this card's "
                         "copy bandwidth and bf16 matmul rate, measured before the run) or a GPU "
                         "table key (its datasheet; on the CPU a what-if bound)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engines side by side, each on its own GPU or TP group, each running "
+                        "every N-th request; tokens summed over the run's wall time (rooflm/dp/)")
     g.add_argument("--output-json", default=None, help="write the result to this JSON file")
     g.add_argument("--output-md", default=None, help="write a markdown summary to this file")
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
@@ -283,6 +286,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--output-len must be >= 1, got {args.output_len}")
     if not 0.0 <= args.range_ratio < 1.0:
         raise ValueError(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.data_parallel_size > 1 and args.breakdown:
+        raise ValueError("--breakdown reads one engine's steps; run it without --data-parallel-size")
     if args.num_warmup_requests < 0:
         raise ValueError(f"--num-warmup-requests must be >= 0, got {args.num_warmup_requests}")
 
@@ -292,17 +299,11 @@ def _want_bound(device, gpu_name: Optional[str]) -> bool:
     return device.type == "cuda" or gpu_name is not None
 
 
-def run_throughput(args: argparse.Namespace, out: TextIO = None) -> int:
-    from rooflm.bench.breakdown import StepBreakdown
-    from rooflm.bench.results import resolve_gpu, stamp, write_json, write_markdown
-    from rooflm.perf.live import StepMeter
-    from rooflm.cli import engine_kwargs
-    from rooflm.engine.llm_engine import LLMEngine
+def prepare_run(args: argparse.Namespace, engine) -> tuple:
+    """What a run needs once its engine is built: the device, the GPU peaks for the bound (None:
+    no bound), the stamp and the requests."""
+    from rooflm.bench.results import resolve_gpu, stamp
 
-    out = out or sys.stdout
-    _check_args(args)
-    engine_options = engine_kwargs(args)
-    engine = LLMEngine.from_kwargs(**engine_options)
     device = torch.device(engine.info.device)
     gpu = None
     if _want_bound(device, args.gpu):
@@ -316,7 +317,24 @@ def run_throughput(args: argparse.Namespace, out: TextIO = None) -> int:
         requests = sharegpt_requests(args, engine)
     else:
         requests = random_requests(args, engine.info.model_config.vocab_size)
+    return device, gpu, stamp_fields, requests
 
+
+def run_throughput(args: argparse.Namespace, out: TextIO = None) -> int:
+    from rooflm.bench.breakdown import StepBreakdown
+    from rooflm.bench.results import write_json, write_markdown
+    from rooflm.perf.live import StepMeter
+    from rooflm.cli import engine_kwargs
+    from rooflm.engine.llm_engine import LLMEngine
+
+    out = out or sys.stdout
+    _check_args(args)
+    if args.data_parallel_size > 1:
+        from rooflm.dp.offline import run_data_parallel
+        return run_data_parallel(args, out)
+    engine_options = engine_kwargs(args)
+    engine = LLMEngine.from_kwargs(**engine_options)
+    device, gpu, stamp_fields, requests = prepare_run(args, engine)
     if args.num_warmup_requests:
         run_requests(engine, warmup_requests(requests, args.num_warmup_requests), "warm-up",
                      disable_tqdm=True)
@@ -393,6 +411,9 @@ def format_summary(result: dict, device_type: str) -> str:
              row("Total token throughput (tok/s):", f"{result['total_tokens_per_s']:,.1f}"),
              row("Engine steps:", str(result["num_steps"])),
              row("Preemptions:", str(result["num_preemptions"]))]
+    if result.get("data_parallel_size", 1) > 1:
+        lines.insert(4, row("Data-parallel replicas (tokens summed):",
+                            str(result["data_parallel_size"])))
     spec = result.get("spec_decode")
     if spec is not None:
         lines += [" Speculative decoding ".center(width, "-"),

@@ -146,6 +146,8 @@ class EngineCoreClient:
         self._dead: Optional[str] = None  # the core's error, once it failed
         self._last_progress = time.monotonic()
         self._snapshot_metrics = SnapshotMetrics(self.metrics)
+        # Called with each admitted request as it finishes or is aborted (a router's load).
+        self.on_request_done: Optional[Callable[[GenerateRequest], None]] = None
 
     # ---- lifecycle -----------------------------------------------------------------------------------
 
@@ -352,6 +354,8 @@ class EngineCoreClient:
     def _finish(self, tracked: _Tracked, reason: str, now: float, queued_s: Optional[float],
                 out: Optional[RequestOutput] = None) -> None:
         self._tracked.pop(tracked.request.request_id, None)
+        if self.on_request_done is not None:
+            self.on_request_done(tracked.request)
         if not tracked.request.record_metrics:
             return
         e2e = None

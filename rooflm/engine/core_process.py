@@ -66,8 +66,12 @@ class EngineCoreProcess:
         self._closed = False
 
     @classmethod
-    def launch(cls, config: EngineConfig) -> "EngineCoreProcess":
-        """Start the core and wait until its engine is built. Raises EngineStartError."""
+    def launch(cls, config: EngineConfig, env: Optional[dict[str, str]] = None,
+               tokenizer=None) -> "EngineCoreProcess":
+        """Start the core and wait until its engine is built. Raises EngineStartError.
+
+        env: variables the core sets before it builds the engine (a data-parallel replica's
+        CUDA_VISIBLE_DEVICES); tokenizer: one already loaded (the replicas share one)."""
         socket_dir = tempfile.mkdtemp(prefix="rooflm-core-")
         input_address = f"ipc://{socket_dir}/input"
         output_address = f"ipc://{socket_dir}/output"
@@ -81,15 +85,15 @@ class EngineCoreProcess:
         input_socket.connect(input_address)
         spawn = multiprocessing.get_context("spawn")
         process = spawn.Process(
-            target=run_engine_core, name="rooflm-engine-core",
-            args=(msgspec.msgpack.encode(config), input_address, output_address,
+            target=_run_engine_core_in, name="rooflm-engine-core",
+            args=(env or {}, msgspec.msgpack.encode(config), input_address, output_address,
                   multiprocessing.current_process().pid, logging.getLogger().getEffectiveLevel(),
                   logging.getLogger("rooflm").getEffectiveLevel()))
         core = cls(process, context, input_socket, output_socket, socket_dir)
         process.start()
         atexit.register(core.close)
         try:
-            core.tokenizer = _load_tokenizer(config)
+            core.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
             ready = core._wait_ready()
         except BaseException:
             core.close(timeout=0)
@@ -165,7 +169,15 @@ class EngineCoreProcess:
         shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
-def _load_tokenizer(config: EngineConfig):
+def _run_engine_core_in(env: dict[str, str], *args) -> None:
+    """The core's entry point: set its environment first (CUDA reads CUDA_VISIBLE_DEVICES
+    when it starts, which is later, when the engine is built)."""
+    import os
+    os.environ.update(env)
+    run_engine_core(*args)
+
+
+def load_tokenizer(config: EngineConfig):
     from rooflm.model.loader import resolve_model
     from rooflm.tokenizer.tokenizer import load_model_tokenizer
 

@@ -74,7 +74,18 @@ def create_app(engine_kwargs: Optional[dict] = None, config: Optional[ServerConf
     """
     config = config or ServerConfig()
     front = AsyncLLMEngine
-    if engine is None and engine_process:
+    if config.data_parallel_size > 1:
+        if engine is not None or not engine_process:
+            raise ValueError("data_parallel_size > 1 runs each replica in an engine process "
+                             "of its own: it needs engine_process (drop --no-engine-process)")
+        from functools import partial
+        from rooflm.config import engine_config_from_kwargs
+        from rooflm.dp.client import DPClient
+        from rooflm.dp.replicas import ReplicaSet
+        engine = ReplicaSet.launch(engine_config_from_kwargs(**(engine_kwargs or {})),
+                                   config.data_parallel_size)
+        front = partial(DPClient, policy=config.dp_routing)
+    elif engine is None and engine_process:
         from rooflm.config import engine_config_from_kwargs
         from rooflm.engine.core_client import EngineCoreClient
         from rooflm.engine.core_process import EngineCoreProcess

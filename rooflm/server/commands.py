@@ -70,6 +70,12 @@ def register(subparsers) -> None:
                        help="run the engine loop in a process of its own, so HTTP, tokenization "
                             "and SSE never hold up a step (default: on); --no-engine-process "
                             "runs it on a thread of the server's process")
+    group.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                       help="engine cores behind this server, each on its own GPU or tensor-"
+                            "parallel group (rooflm/dp/); needs the engine process")
+    group.add_argument("--dp-routing", default="cache_aware",
+                       choices=("cache_aware", "round_robin", "least_loaded"),
+                       help="how a request picks its data-parallel replica")
     group.add_argument("--chat-template", default=None,
                        help="a Jinja chat template replacing the model's: a file path, or the "
                             "template itself (checked at start-up)")
@@ -107,6 +113,8 @@ def server_config(args: argparse.Namespace):
         chat_template=None if args.chat_template is None else load_chat_template(args.chat_template),
         split_special_tokens=args.split_special_tokens,
         log_requests=not args.disable_log_requests,
+        data_parallel_size=args.data_parallel_size,
+        dp_routing=args.dp_routing,
     )
 
 
@@ -181,6 +189,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except EngineStartError as exc:
         print(f"rooflm: error: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # a layout the host cannot take (data parallel x GPUs)
+        print(f"rooflm: error: {exc}", file=sys.stderr)
+        return 2
     state = app.state.rooflm
     uvicorn_config = uvicorn.Config(
         app, host=args.host, port=args.port, http="h11", lifespan="on",

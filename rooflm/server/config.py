@@ -37,6 +37,10 @@ class ServerConfig:
     split_special_tokens: bool = False
     # One access log line per request (server/access_log.py); --disable-log-requests: off.
     log_requests: bool = True
+    # Data parallelism (rooflm/dp/): this many engine cores, each on its own GPU or TP group,
+    # and how a request picks one (cache_aware | round_robin | least_loaded).
+    data_parallel_size: int = 1
+    dp_routing: str = "cache_aware"
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_n", "max_body_bytes", "max_header_bytes"):
@@ -46,6 +50,10 @@ class ServerConfig:
                      "log_interval", "peak_bandwidth_gbs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        from rooflm.dp.router import canonical_policy
+        canonical_policy(self.dp_routing)  # raises, naming the policies
         if self.max_tokens_in_flight is not None and self.max_tokens_in_flight < 0:
             raise ValueError(f"max_tokens_in_flight must be >= 0, got {self.max_tokens_in_flight}")
 

@@ -1,9 +1,11 @@
 """Prometheus metrics, under vLLM's names, so dashboards built for vLLM work unchanged.
 
 Names, types, label names (model_name, engine) and histogram buckets follow
-vLLM v1's PrometheusStatLogger. prometheus_client appends `_total` to counter
-names on exposition, so the counter "vllm:prompt_tokens" is scraped as
-vllm:prompt_tokens_total, exactly as from vLLM.
+vLLM v1's PrometheusStatLogger; with data-parallel replicas (rooflm/dp/) each
+replica writes its own `engine` series, as each of vLLM's DP engines does.
+prometheus_client appends `_total` to counter names on exposition, so the
+counter "vllm:prompt_tokens" is scraped as vllm:prompt_tokens_total, exactly
+as from vLLM.
 
 rooflm adds its own under the `rooflm:` prefix: the step time, the achieved
 fractions of the memory-bandwidth and compute rooflines per step (MBU, MFU, from
@@ -63,22 +65,34 @@ LABEL_NAMES = ["model_name", "engine"]
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, engine_index: str = "0", max_model_len: int = 2048):
+    """One engine's series (engine="0"); for_engine(i) gives another engine's, in the same
+    registry, as vLLM labels its data-parallel engine cores."""
+
+    def __init__(self, model_name: str, engine_index: str = "0", max_model_len: int = 2048,
+                 _shared: Optional["ServerMetrics"] = None):
         # vLLM disables the *_created series; dashboards never use them. This is
         # a process-wide switch of prometheus_client.
         prometheus_client.disable_created_metrics()
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name, self.max_model_len = model_name, max_model_len
+        self.registry = _shared.registry if _shared else CollectorRegistry(auto_describe=True)
+        # name -> metric family, shared by every engine's view of this registry
+        self._families: dict = _shared._families if _shared else {}
         labels = (model_name, engine_index)
 
+        def family(cls, name: str, doc: str, extra_labels: tuple = (), **kwargs):
+            if name not in self._families:
+                self._families[name] = cls(name, doc, LABEL_NAMES + list(extra_labels),
+                                           registry=self.registry, **kwargs)
+            return self._families[name]
+
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, LABEL_NAMES, registry=self.registry).labels(*labels)
+            return family(Gauge, name, doc).labels(*labels)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, LABEL_NAMES, registry=self.registry).labels(*labels)
+            return family(Counter, name, doc).labels(*labels)
 
         def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
-            return Histogram(name, doc, LABEL_NAMES, buckets=buckets,
-                             registry=self.registry).labels(*labels)
+            return family(Histogram, name, doc, buckets=buckets).labels(*labels)
 
         # Scheduler state.
         self.num_requests_running = gauge("vllm:num_requests_running",
@@ -98,8 +112,8 @@ class ServerMetrics:
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens",
                                          "Number of generation tokens processed.")
-        success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                          LABEL_NAMES + ["finished_reason"], registry=self.registry)
+        success = family(Counter, "vllm:request_success",
+                         "Count of successfully processed requests.", ("finished_reason",))
         self.request_success = {reason: success.labels(*labels, reason)
                                 for reason in FINISHED_REASONS}
 
@@ -142,12 +156,12 @@ class ServerMetrics:
                                    "Wall time of one engine step in seconds.", STEP_TIME_BUCKETS)
         # Labelled only on first use: with unknown peaks the series are absent, not a
         # misleading 0.
-        self._mbu_family = Gauge("rooflm:mbu", "Achieved fraction of the memory-bandwidth "
-                                 "roofline in the last step (bytes moved / step time / peak "
-                                 "bandwidth).", LABEL_NAMES, registry=self.registry)
-        self._mfu_family = Gauge("rooflm:mfu", "Achieved fraction of the compute roofline in "
-                                 "the last step (FLOPs / step time / peak FLOP/s of the linear "
-                                 "layers' format).", LABEL_NAMES, registry=self.registry)
+        self._mbu_family = family(Gauge, "rooflm:mbu", "Achieved fraction of the memory-"
+                                  "bandwidth roofline in the last step (bytes moved / step time "
+                                  "/ peak bandwidth).")
+        self._mfu_family = family(Gauge, "rooflm:mfu", "Achieved fraction of the compute "
+                                  "roofline in the last step (FLOPs / step time / peak FLOP/s "
+                                  "of the linear layers' format).")
         self._labels = labels
         self.kv_free_blocks = gauge("rooflm:kv_free_blocks",
                                     "KV-cache blocks free (cached prefixes count as free).")
@@ -163,13 +177,17 @@ class ServerMetrics:
                                                     "Number of draft tokens.")
         self.spec_decode_num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
                                                        "Number of accepted tokens.")
-        self._spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                     "Accepted tokens per draft's position in speculative sequence.",
-                                     LABEL_NAMES + ["position"], registry=self.registry)
+        self._spec_per_pos = family(Counter, "vllm:spec_decode_num_accepted_tokens_per_pos",
+                                    "Accepted tokens per draft's position in speculative sequence.",
+                                    ("position",))
         self.spec_decode_draft_time = counter("rooflm:spec_decode_draft_seconds",
                                               "Host seconds spent proposing draft tokens.")
         self.spec_decode_verify_time = counter("rooflm:spec_decode_verify_seconds",
                                                "Seconds of steps that verified draft tokens.")
+
+    def for_engine(self, engine_index: str) -> "ServerMetrics":
+        """The series of another engine core (a data-parallel replica) in this registry."""
+        return ServerMetrics(self.model_name, engine_index, self.max_model_len, _shared=self)
 
     # ---- written by the engine's async front ------------------------------------------------------
 

@@ -93,15 +93,11 @@ class ServerState:
         task.add_done_callback(self._background.discard)
 
     async def warm_up(self) -> None:
-        """One tiny generation: the first step pays one-time costs, not a client."""
-        token_id = self.info.model_config.bos_token_id or 0
-        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        request = GenerateRequest(f"warmup-{uuid.uuid4().hex}", [token_id], params,
-                                  record_metrics=False)
+        """One tiny generation per engine core (data-parallel replicas: the router spreads
+        them by load): the first step pays one-time costs, not a client."""
         try:
-            streams = await self.async_engine.generate([request], bypass_limits=True)
-            while not streams[0].finished:
-                await streams[0].next()
+            await asyncio.gather(*(self._warm_up_one() for _ in
+                                   range(len(getattr(self.engine, "replicas", [self.engine])))))
         except Exception:  # noqa: BLE001 - the server stays not-ready; the reason is logged
             logger.exception("warm-up generation failed; the server is not ready")
             return
@@ -110,6 +106,15 @@ class ServerState:
         logger.info("ready: serving %s (context length %d, %d KV blocks of %d tokens)",
                     self.model_name, self.info.max_model_len, self.info.num_blocks,
                     self.info.block_size)
+
+    async def _warm_up_one(self) -> None:
+        token_id = self.info.model_config.bos_token_id or 0
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        request = GenerateRequest(f"warmup-{uuid.uuid4().hex}", [token_id], params,
+                                  record_metrics=False)
+        streams = await self.async_engine.generate([request], bypass_limits=True)
+        while not streams[0].finished:
+            await streams[0].next()
 
     def on_engine_dead(self, exc: BaseException) -> None:
         """Called on the event loop once the engine's front has failed every request."""

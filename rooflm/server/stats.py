@@ -45,8 +45,11 @@ def attach_step_meter(engine, metrics: ServerMetrics, peak_bandwidth_gbs: float)
     """A StepMeter fed every step the engine runs; each step's stats go to the metrics."""
     meter = StepMeter.for_engine(engine.info, step_gpu(engine.info, peak_bandwidth_gbs))
     # After each step (on the engine thread, or on the event loop as the engine core's
-    # reports arrive): one affine evaluation and a few gauge sets.
-    engine.add_observer(lambda report: metrics.record_step(meter.observe(report)))
+    # reports arrive): one affine evaluation and a few gauge sets. Data-parallel replicas
+    # (dp/replicas.py) share the meter (the log line sums them) and keep their own series.
+    for index, core in enumerate(getattr(engine, "replicas", [engine])):
+        target = metrics.for_engine(str(index)) if index else metrics
+        core.add_observer(lambda report, target=target: target.record_step(meter.observe(report)))
     return meter
 
 

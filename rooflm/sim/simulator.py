@@ -87,7 +87,7 @@ def simulate(cfg: SimConfig, cost_model: StepCostModel, requests: list[SimReques
     replicas = [SimReplica(cfg.replica, cost_model, i, cfg.record_steps,
                            ApiProcess(cfg.api) if cfg.api.active else None)
                 for i in range(cfg.num_replicas)]
-    router = Router(cfg.router)
+    router = Router(cfg.router, cfg.num_replicas)
     rng = random.Random(cfg.seed + 1)
     vocab = range(min(100, cfg.vocab_size - 1), cfg.vocab_size)
     prefixes: dict = {}
@@ -103,7 +103,7 @@ def simulate(cfg: SimConfig, cost_model: StepCostModel, requests: list[SimReques
             req = requests[i]
             ids = _prompt_ids(req, rng, prefixes, vocab)
             key = req.prefix_group if req.prefix_group is not None else tuple(ids[:cfg.replica.block_size])
-            r = router.pick(replicas, key)
+            r = router.pick(replicas, [key])
             api = replicas[r].api
             admitted = api.admit(req.arrival_s) if api is not None else req.arrival_s
             heapq.heappush(events, (admitted + cfg.ingress_s, _DELIVER, counter, r, (i, ids)))

@@ -208,7 +208,7 @@ def test_routers_balance_and_keep_prefixes_together():
         owners.setdefault(req.prefix_group, []).append(r.replica)
     assert all(max(v.count(x) for x in set(v)) >= 0.6 * len(v) for v in owners.values())
     with pytest.raises(ValueError, match="router policy"):
-        Router("random")
+        Router("random", 3)
 
 
 def test_overload_queues_and_preempts_in_the_simulated_engine():
