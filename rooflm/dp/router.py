@@ -18,7 +18,9 @@ its leading block hashes that replica's index holds.
 "Overloaded" is SGLang's pair of balance thresholds applied to the candidate:
 it has more than `balance_abs` requests beyond the least-loaded replica *and*
 more than `balance_rel` times its requests. Below both, the cache hit is worth
-the wait; above, the queue costs more than the prefill the hit saves.
+the wait; above, the queue costs more than the prefill the hit saves. SGLang's
+router ships balance_abs_threshold 32 or 64 (by version) and balance_rel_threshold
+1.5; rooflm takes 32 and 1.5 (engines here are one GPU each, queues short).
 """
 
 from __future__ import annotations
