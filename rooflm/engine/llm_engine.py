@@ -67,6 +67,8 @@ class LLMEngine:
             tp = self.executor.tp
         self.tokenizer = self._load_tokenizer()
         self.runner = ModelRunner(config, self.model_config, self.max_model_len, tp or SINGLE)
+        if self.executor is not None:  # NCCL waits on graphs that captured it: they go first
+            self.executor.release_before_shutdown(self.runner.release_graphs)
         self.spec = None  # spec.decoder.SpecDecoder with --speculative-method
         if config.speculative.speculative_method:
             from rooflm.spec.decoder import SpecDecoder
