@@ -154,6 +154,8 @@ class TPExecutor:
             if failed is not None:
                 self._fail(failed)
         if self.error is not None:
+            with self._lock:  # the failing thread may still be stopping the other ranks: let it finish
+                pass
             raise WorkerDied(self.error, self.error_rank, self.error_traceback)
 
     def _waitables(self) -> dict:
