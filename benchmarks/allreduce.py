@@ -83,8 +83,13 @@ def _check(symm, group, rank: int, size: int, nbytes: int, dtype: torch.dtype) -
     b = a.clone()
     symm.all_reduce(a)
     dist.all_reduce(b, group=group)
+    # A view at an offset takes the other branch (copy, then reduce): checked too.
+    c = torch.empty(n + 8, dtype=dtype, device="cuda")[8:]
+    c.copy_(parts[rank].cuda())
+    symm.all_reduce(c)
     torch.cuda.synchronize()
     torch.testing.assert_close(a, expected, atol=0.05, rtol=0.02)
+    torch.testing.assert_close(c, a, atol=0, rtol=0)
     return (a.float() - b.float()).abs().max().item()
 
 

@@ -80,7 +80,10 @@ class LLMEngine:
             num_blocks, num_host = self.runner.initialize(self.model_path, self.load_format)
         except BaseException:
             if self.executor is not None:  # workers waiting in a start-up collective
-                self.executor.shutdown(clean=False)
+                try:  # a worker that raised first is the cause: WorkerDied with its traceback
+                    self.executor.check_alive(grace_s=3.0)
+                finally:
+                    self.executor.shutdown(clean=False)
             raise
         if self.spec is not None:
             self.spec.proposer.allocate(num_blocks)
