@@ -20,9 +20,10 @@ torch.cuda.can_device_access_peer. NVLink multicast stays off (TORCH_SYMM_MEM_DI
 the GPU hosts here forbid it, like NCCL_NVLS_ENABLE=0); the one-shot kernel does not use it.
 
 Every rank must take the same path for each message (they would otherwise wait in different
-collectives), so the choice is agreed over the host group at start, and the size test depends
-only on the message's shape and dtype, the same on every rank. `reference_all_reduce` is what
-both paths compute, for the GPU test.
+collectives), so the choice is agreed over the host group at start (peer access, the op, the
+buffer, the rendezvous, then a probe sum that must equal NCCL's: "auto" falls back to NCCL if
+any fails on any rank), and the size test depends only on the message's shape and dtype, the
+same on every rank. `reference_all_reduce` is what both paths compute, for the checks.
 """
 
 from __future__ import annotations
@@ -125,23 +126,47 @@ def make_symm_all_reduce(mode: str, size: int, device: torch.device, device_grou
             buffer = SymmAllReduce.allocate(max_bytes, device)
         except RuntimeError as exc:
             ok, why = False, f"symmetric memory allocation failed: {exc}"
-    # One vote over the host group: every rank takes symm or none does.
-    vote = torch.tensor([1 if ok else 0], dtype=torch.int64)
-    dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=host_group)
-    if not vote.item():
-        why = why or "another rank cannot use it"
+    # Votes over the host group: every rank takes symm or none does.
+    ok, why = _agree(ok, why, host_group)
+    symm = None
+    if ok:
+        try:  # collective; a failure on every rank (a driver without the mapping) is voted on below
+            symm = SymmAllReduce(buffer, device_group)
+        except RuntimeError as exc:
+            ok, why = False, f"symmetric-memory rendezvous failed: {exc}"
+        ok, why = _agree(ok, why, host_group)
+    if ok:
+        ok, why = _agree(*_probe(symm, device_group, device), host_group)
+    if not ok:
         if mode == "symm":
             raise ValueError(f"--tp-allreduce symm cannot run here: {why}; use --tp-allreduce nccl "
                              f"(or auto, which falls back)")
         logger.info("tp all-reduce: NCCL (symmetric memory unavailable: %s)", why)
         return None
-    try:
-        symm = SymmAllReduce(buffer, device_group)
-    except RuntimeError as exc:
-        raise RuntimeError(f"symmetric-memory rendezvous failed ({exc}); --tp-allreduce nccl avoids "
-                           f"symmetric memory") from exc
     logger.info("tp all-reduce: one-shot over symmetric memory up to %d KiB, NCCL above", max_bytes >> 10)
     return symm
+
+
+def _agree(ok: bool, why: str, host_group) -> tuple[bool, str]:
+    vote = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=host_group)
+    if vote.item():
+        return True, ""
+    return False, why or "another rank cannot use it"
+
+
+def _probe(symm: SymmAllReduce, device_group, device: torch.device) -> tuple[bool, str]:
+    """One small all-reduce both ways: the kernel must give NCCL's sum (exact: small integers
+    in fp32) before the engine trusts it with every layer."""
+    rank = dist.get_rank(device_group)
+    probe = torch.arange(1, 257, dtype=torch.float32, device=device) * (rank + 1)
+    expected = probe.clone()
+    dist.all_reduce(expected, group=device_group)
+    symm.all_reduce(probe)
+    torch.cuda.synchronize(device)
+    if not torch.equal(probe, expected):
+        return False, "the one-shot kernel's probe sum differs from NCCL's"
+    return True, ""
 
 
 def reference_all_reduce(parts: list[torch.Tensor]) -> torch.Tensor:
