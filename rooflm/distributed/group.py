@@ -193,15 +193,26 @@ def destroy_group(group: TPGroup, clean: bool = True, timeout_s: Optional[float]
     return True
 
 
-def abort_group() -> None:
+def abort_group(timeout_s: Optional[float] = None) -> None:
     """Make collectives blocked on a dead peer return with an error (NCCL would wait for the
-    timeout); best effort, as the call is private to torch."""
+    timeout); best effort, as the call is private to torch, and bounded like destroy_group:
+    an abort that itself waits on NCCL is abandoned on its daemon thread."""
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-    if abort is not None and dist.is_initialized():
+    if abort is None or not dist.is_initialized():
+        return
+
+    def run() -> None:
         try:
             abort()
         except Exception:  # noqa: BLE001 - the group is broken either way
             pass
+
+    thread = threading.Thread(target=run, name="rooflm-tp-abort", daemon=True)
+    thread.start()
+    thread.join(DESTROY_TIMEOUT_S if timeout_s is None else timeout_s)
+    if thread.is_alive():
+        logger.warning("aborting the tensor-parallel group did not finish in %.0f s; abandoned",
+                       DESTROY_TIMEOUT_S if timeout_s is None else timeout_s)
 
 
 def visible_devices(device: torch.device) -> Optional[int]:
