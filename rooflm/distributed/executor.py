@@ -178,7 +178,10 @@ class TPExecutor:
     def _watch(self) -> None:
         while True:
             waitables = self._waitables()
-            ready = multiprocessing.connection.wait(list(waitables))
+            try:
+                ready = multiprocessing.connection.wait(list(waitables))
+            except (OSError, ValueError):  # a handle closed under us: the executor is going away
+                return
             failed = next((waitables[obj] for obj in ready if self._failed(obj, waitables[obj])), None)
             if failed is not None:
                 self._fail(failed)
@@ -230,6 +233,7 @@ class TPExecutor:
         # which ends the barrier below with an error rather than a hang.
         watchdog = threading.Timer(JOIN_TIMEOUT_S, _terminate, args=(self.processes,))
         self.watch.arm()  # a teardown that hangs prints its stacks too
+        abandoned = False  # leaving the group timed out: a second try would wait the same
         try:
             if clean and self._release is not None:  # rank 0's graphs, before NCCL is asked to leave
                 # (not after a failure: a collective stuck on a dead peer would hang the sync)
@@ -238,7 +242,7 @@ class TPExecutor:
                 watchdog.start()
                 StepChannel(self.tp).send_stop()
                 if not destroy_group(self.tp, clean=True):
-                    clean = False
+                    clean, abandoned = False, True
                 for process in self.processes:
                     process.join(JOIN_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - a broken group: terminate below
@@ -247,13 +251,11 @@ class TPExecutor:
         finally:
             watchdog.cancel()
             _terminate(self.processes)
-            if not clean:  # a group left behind would stop this process joining another one
+            if not clean and not abandoned:  # a group left behind would stop this process joining another
                 try:
                     destroy_group(self.tp, clean=False)
                 except Exception:  # noqa: BLE001
                     pass
-            for pipe in self.error_pipes.values():
-                pipe.close()
             self.watch.stop()
             atexit.unregister(self.shutdown)
 
