@@ -7,7 +7,7 @@
 #      all-reduce, and the teardown that hung on 2026-11-23 now bounded);
 #   4. batch-1 decode, Llama-3-8B shape (dummy bf16), 128 in / 256 out: TP=1, TP=2 --tp-allreduce nccl, symm;
 #   5. offline N x 1024/1024 (N=${LONG_PROMPTS:-400}; the 1000 needs a call of its own): the same three.
-# Every step runs under `timeout`, within a total budget (BUDGET_S, 530 s): a step that would not
+# Every step runs under `timeout`, within a total budget (BUDGET_S, 510 s): a step that would not
 # fit is skipped and says so. NCCL_DEBUG=WARN; ROOFLM_HANG_DUMP_S=120 makes a rank that stalls for
 # 2 minutes print its stacks into its log. $OUT ends with at most 4 files: summary.md (the
 # tables), allreduce.json, results.json and logs.tar.gz (every log).
@@ -18,7 +18,7 @@ export NCCL_DEBUG=WARN ROOFLM_HANG_DUMP_S=120
 OUT=${OUT:-benchmarks/results/tp}
 LOGS="$OUT/logs"
 mkdir -p "$LOGS"
-BUDGET_S=${BUDGET_S:-530}
+BUDGET_S=${BUDGET_S:-510}
 MODEL="--model llama-3-8b --load-format dummy --max-model-len 2048"
 N=${LONG_PROMPTS:-400}
 SUMMARY="$OUT/summary.md"

@@ -148,3 +148,12 @@ def test_leaving_a_group_whose_peer_never_comes_is_bounded():
     # start a group in this process.
     assert destroy_group(group, clean=False, timeout_s=30.0) is True
     assert not torch.distributed.is_initialized()
+
+
+def test_auto_needs_peer_access_on_one_host(monkeypatch):
+    from rooflm.distributed.allreduce import peer_access
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # torchrun: 2 ranks, 1 on this host
+    assert peer_access(2) == (False, "the 2 ranks span several hosts (1 on this one)")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    if torch.cuda.device_count() < 2:
+        assert peer_access(2) == (False, "fewer than 2 visible GPUs")
