@@ -6,9 +6,9 @@ a 1024-token prefill chunk sends 8 MiB, where it is bandwidth. Both paths are th
 (rooflm/distributed/allreduce.py, group.py), timed the ways the engine launches them: eagerly
 (calls back to back) and inside a CUDA graph (PER_GRAPH calls captured, replayed; time per
 call). Bus bandwidth is nccl-tests' busbw: bytes / time x 2 (N - 1) / N, comparable to the
-link's bandwidth (NVLink 4 on H100/H200: ~370 GB/s reachable per direction at TP=2; PCIe
-without P2P, through host memory: ~20-25 GB/s). Before timing, each symm size is checked
-against NCCL's result and the fp32 reference sum.
+link's bandwidth: hundreds of GB/s over NVLink, tens through PCIe or host memory (the 2026-11-23
+H200x2 run's ~26 GB/s suggested the latter). Before timing, each symm size is checked against
+NCCL's result and the fp32 reference sum.
 
 Prints the GPU pair's peer access (symm needs it), one table, the size where symm stops
 winning, and the batch-1 roofline bound for the 8B shape with the faster path's graph latency.

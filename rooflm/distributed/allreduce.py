@@ -38,7 +38,9 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 MODES = ("auto", "nccl", "symm")
-SYMM_MAX_BYTES = 4 << 20  # above this NCCL's ring wins on NVLink (vLLM's table: 8 MiB at TP=2 on H100)
+# Above this NCCL's ring is expected to win (vLLM's SymmMemCommunicator allows 8 MiB at TP=2);
+# benchmarks/allreduce.py measures where the crossover really is.
+SYMM_MAX_BYTES = 4 << 20
 SYMM_DTYPES = (torch.bfloat16, torch.float32)  # the kernel's dispatch
 
 
