@@ -255,10 +255,17 @@ class ParallelConfig:
     # One worker process per rank (rank 0 is the engine's own process); each holds 1/N of
     # the heads, the MLP columns and the vocabulary, and its own KV pool.
     tensor_parallel_size: int = 1
+    # How the row-parallel layers' all-reduces run on CUDA (rooflm/distributed/allreduce.py):
+    # "symm" a one-shot kernel over symmetric (CUDA IPC) memory for messages up to 4 MiB, NCCL
+    # above; "nccl" always NCCL; "auto" symm where every GPU pair has peer access, else NCCL.
+    # The CPU (gloo) ignores it.
+    tp_allreduce: str = "auto"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tp_allreduce not in ("auto", "nccl", "symm"):
+            raise ValueError(f"tp_allreduce must be one of auto, nccl, symm; got {self.tp_allreduce!r}")
 
 
 @dataclass(frozen=True)

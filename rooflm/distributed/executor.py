@@ -7,10 +7,16 @@ it schedules, runs its shard of the model and samples. Ranks 1..N-1 are worker p
 processes instead: rank 0 goes on as the engine, the others turn into workers when they build
 the engine and exit when rank 0 stops them. torchrun's env:// rendezvous reaches other hosts.
 
-A worker that dies is seen at once: a watcher thread waits on the processes' sentinels,
-terminates the other workers and aborts the group, so that rank 0's collectives raise instead
-of waiting; the engine then raises WorkerDied at its next step (and check_alive()), which the
-engine-core process reports as EngineDead: the server answers 503, nothing is left running.
+A worker that dies is seen at once: a watcher thread waits on the processes' sentinels and on
+one pipe per worker, terminates the other workers and aborts the group, so that rank 0's
+collectives raise instead of waiting; the engine then raises WorkerDied at its next step (and
+check_alive()), which the engine-core process reports as EngineDead: the server answers 503,
+nothing is left running. A worker that raises (rather than being killed) sends its traceback
+through its pipe before it exits, and WorkerDied carries that rank and traceback.
+
+Teardown: rank 0 releases its CUDA graphs (the callable given to release_before_shutdown),
+sends stop, and every rank meets at a barrier and leaves the group on a thread bounded to
+DESTROY_TIMEOUT_S (group.destroy_group): a stuck NCCL cannot hang the exit.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch
 
 from rooflm.config import EngineConfig, ModelConfig
 from rooflm.distributed.group import TPGroup, abort_group, check_divisible, destroy_group, init_group, visible_devices
+from rooflm.distributed.hang_dump import HangWatch
 from rooflm.distributed.step_broadcast import StepChannel
 
 logger = logging.getLogger(__name__)
@@ -37,7 +44,13 @@ JOIN_TIMEOUT_S = 10.0
 
 
 class WorkerDied(RuntimeError):
-    pass
+    """A tensor-parallel worker is gone. rank: which (None if unknown); traceback: its own,
+    when it raised (None when it was killed or crashed)."""
+
+    def __init__(self, message: str, rank: Optional[int] = None, traceback: Optional[str] = None):
+        super().__init__(message)
+        self.rank = rank
+        self.traceback = traceback
 
 
 def check_tensor_parallel(size: int, model_config: ModelConfig, device: torch.device) -> None:
@@ -57,10 +70,18 @@ def launched_by_torchrun() -> bool:
 
 
 class TPExecutor:
-    def __init__(self, tp: TPGroup, processes: list[multiprocessing.process.BaseProcess]):
+    def __init__(self, tp: TPGroup, processes: list[multiprocessing.process.BaseProcess],
+                 error_pipes: Optional[list] = None, watch: Optional[HangWatch] = None):
         self.tp = tp
         self.processes = processes
+        # The receiving end of each worker's error pipe (worker.WorkerError), by process.
+        self.error_pipes = dict(zip(processes, error_pipes or []))
+        self.watch = watch or HangWatch(0, seconds=0)
         self.error: Optional[str] = None  # set when a worker died
+        self.error_rank: Optional[int] = None
+        self.error_traceback: Optional[str] = None
+        self._release = None  # rank 0's ModelRunner.release_graphs
+        self._eof: set = set()  # error pipes whose worker exited without a report
         self._stopping = False
         self._lock = threading.Lock()
         if processes:
@@ -80,7 +101,8 @@ class TPExecutor:
         base = resolve_device(config.device.device)
         check_tensor_parallel(size, model_config, base)
         args = (config, model_config, max_model_len, model_path, load_format)
-        processes = []
+        processes, pipes = [], []
+        watch = HangWatch(0)
         if launched_by_torchrun():
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             if world != size:
@@ -93,49 +115,108 @@ class TPExecutor:
             init_method = f"tcp://127.0.0.1:{_free_port()}"
             spawn = torch.multiprocessing.get_context("spawn")
             for rank in range(1, size):
+                receive, send = spawn.Pipe(duplex=False)
                 process = spawn.Process(
                     target=run_worker, name=f"rooflm-tp-rank-{rank}",
                     args=(rank, size, init_method, *args, os.getpid(),
-                          logging.getLogger().getEffectiveLevel()))
+                          logging.getLogger().getEffectiveLevel(), send))
                 process.start()
+                send.close()  # the worker holds the only sending end: its exit reads as EOF
                 processes.append(process)
+                pipes.append(receive)
         device = rank_device(base, int(os.environ.get("LOCAL_RANK", 0)))
         if device.type == "cuda":
             torch.cuda.set_device(device)
         logger.info("tensor parallelism: %d ranks (%s)", size, "nccl" if device.type == "cuda" else "gloo")
         try:
-            tp = init_group(0, size, init_method, device)
+            tp = init_group(0, size, init_method, device, config.parallel.tp_allreduce)
         except BaseException:
             _terminate(processes)
+            watch.stop()
             raise
-        return cls(tp, processes)
+        return cls(tp, processes, pipes, watch)
+
+    def release_before_shutdown(self, release) -> None:
+        """Have shutdown call release() (rank 0's ModelRunner.release_graphs) before the group
+        is destroyed."""
+        self._release = release
 
     def check_alive(self, grace_s: float = 0.0) -> None:
         """Raise WorkerDied if a worker is gone. grace_s: how long to wait for a death to show,
         after a collective failed: a killed process closes its sockets (the peer's collective
         fails at once) before its parent can reap it, and the watcher thread may not have woken
         (both seen on a loaded 2-core CI machine)."""
+        self.watch.progress()  # called at every engine step: the hang dump's heartbeat
         if self.error is None:
-            ready = multiprocessing.connection.wait([p.sentinel for p in self.processes], grace_s)
-            dead = next((p for p in self.processes if p.sentinel in ready), None)
-            if dead is not None:
-                self._fail(dead)
+            waitables = self._waitables()
+            ready = multiprocessing.connection.wait(list(waitables), grace_s)
+            failed = next((waitables[obj] for obj in ready if self._failed(obj, waitables[obj])), None)
+            if failed is not None:
+                self._fail(failed)
         if self.error is not None:
-            raise WorkerDied(self.error)
+            with self._lock:  # the failing thread may still be stopping the other ranks: let it finish
+                pass
+            raise WorkerDied(self.error, self.error_rank, self.error_traceback)
+
+    def _waitables(self) -> dict:
+        """Each worker's sentinel (it exited) and open error pipe (it raised), to its process."""
+        waitables = {p.sentinel: p for p in self.processes}
+        waitables.update({pipe: p for p, pipe in self.error_pipes.items()
+                          if pipe not in self._eof and not pipe.closed})
+        return waitables
+
+    def _failed(self, obj, process) -> bool:
+        """A ready sentinel is a death; a ready pipe is a report, or EOF from a clean exit."""
+        if obj is process.sentinel:
+            return True
+        pipe = self.error_pipes[process]
+        try:
+            return pipe.poll()  # data: a report waits to be read by _fail
+        except (EOFError, OSError):
+            return False
 
     def _watch(self) -> None:
-        sentinels = {p.sentinel: p for p in self.processes}
-        ready = multiprocessing.connection.wait(list(sentinels))
-        self._fail(sentinels[ready[0]])
+        while True:
+            waitables = self._waitables()
+            try:
+                ready = multiprocessing.connection.wait(list(waitables))
+            except (OSError, ValueError):  # a handle closed under us: the executor is going away
+                return
+            failed = next((waitables[obj] for obj in ready if self._failed(obj, waitables[obj])), None)
+            if failed is not None:
+                self._fail(failed)
+                return
+            for obj in ready:  # pipes at EOF: the worker left without a report; its sentinel tells
+                if obj is not waitables[obj].sentinel:
+                    self._eof.add(obj)
+
+    def _report(self, process):
+        """The worker's WorkerError, if it sent one (the pipe keeps it after the process ends)."""
+        pipe = self.error_pipes.get(process)
+        if pipe is None or pipe.closed:
+            return None
+        try:
+            return pipe.recv() if pipe.poll() else None
+        except (EOFError, OSError):
+            return None
 
     def _fail(self, dead) -> None:
-        """Record the first worker death, stop the other ranks and abort the device group."""
+        """Record the first worker failure, stop the other ranks and abort the device group."""
         with self._lock:
             if self._stopping or self.error is not None:
                 return
-            dead.join(JOIN_TIMEOUT_S)  # its exit code
-            self.error = (f"tensor-parallel worker {dead.name} (pid {dead.pid}) exited with code "
-                          f"{dead.exitcode}")
+            report = self._report(dead)
+            if report is None:  # killed or crashed: wait for its exit code
+                dead.join(JOIN_TIMEOUT_S)
+                report = self._report(dead)  # it may have raised while we waited
+            if report is not None:
+                self.error = (f"tensor-parallel worker rank {report.rank} ({dead.name}, pid {dead.pid}) "
+                              f"raised {report.summary}\n{report.traceback}")
+                self.error_rank, self.error_traceback = report.rank, report.traceback
+            else:
+                self.error = (f"tensor-parallel worker {dead.name} (pid {dead.pid}) exited with code "
+                              f"{dead.exitcode}")
+                self.error_rank = self.processes.index(dead) + 1
             logger.error("%s; stopping the other ranks", self.error)
             _terminate(self.processes)
         if self.tp.device_group is not self.tp.host_group:
@@ -151,11 +232,17 @@ class TPExecutor:
         # A worker that never answers the stop (stuck in a step rank 0 abandoned) is terminated,
         # which ends the barrier below with an error rather than a hang.
         watchdog = threading.Timer(JOIN_TIMEOUT_S, _terminate, args=(self.processes,))
+        self.watch.arm()  # a teardown that hangs prints its stacks too
+        abandoned = False  # leaving the group timed out: a second try would wait the same
         try:
+            if clean and self._release is not None:  # rank 0's graphs, before NCCL is asked to leave
+                # (not after a failure: a collective stuck on a dead peer would hang the sync)
+                self._release()
             if clean:
                 watchdog.start()
                 StepChannel(self.tp).send_stop()
-                destroy_group(self.tp, clean=True)
+                if not destroy_group(self.tp, clean=True):
+                    clean, abandoned = False, True
                 for process in self.processes:
                     process.join(JOIN_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - a broken group: terminate below
@@ -164,11 +251,12 @@ class TPExecutor:
         finally:
             watchdog.cancel()
             _terminate(self.processes)
-            if not clean:  # a group left behind would stop this process joining another one
+            if not clean and not abandoned:  # a group left behind would stop this process joining another
                 try:
                     destroy_group(self.tp, clean=False)
                 except Exception:  # noqa: BLE001
                     pass
+            self.watch.stop()
             atexit.unregister(self.shutdown)
 
 

@@ -12,12 +12,16 @@ the GPU hosts here forbid it (and NCCL would otherwise try it on NVSwitch system
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 # A step's device collectives wait on their peers for at most this long before they raise,
 # so that a rank that hangs (rather than dies: the executor sees deaths at once) cannot hang
@@ -27,6 +31,8 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
 IDLE_TIMEOUT = datetime.timedelta(days=30)
 # Every rank must have joined by then: a worker that fails before joining fails the start.
 STARTUP_TIMEOUT = datetime.timedelta(minutes=3)
+# Leaving the group (barrier + destroy) is abandoned after this long: see destroy_group.
+DESTROY_TIMEOUT_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -44,11 +50,12 @@ class HeadShard:
 class TPGroup:
     """Rank and size, plus the collectives; size 1 makes every collective a no-op."""
 
-    def __init__(self, rank: int = 0, size: int = 1, device_group=None, host_group=None):
+    def __init__(self, rank: int = 0, size: int = 1, device_group=None, host_group=None, symm=None):
         self.rank = rank
         self.size = size
         self.device_group = device_group
         self.host_group = host_group
+        self.symm = symm  # allreduce.SymmAllReduce: small all-reduces over symmetric memory, or None
 
     @property
     def is_driver(self) -> bool:
@@ -77,7 +84,11 @@ class TPGroup:
     # ---- collectives ------------------------------------------------------------------------
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x over the ranks, in place. The path depends only on x's shape and dtype, which
+        every rank shares, so all ranks always meet in the same collective."""
         if self.size > 1:
+            if self.symm is not None and self.symm.fits(x):
+                return self.symm.all_reduce(x)
             dist.all_reduce(x, group=self.device_group)
         return x
 
@@ -128,8 +139,10 @@ def check_divisible(num_heads: int, num_kv_heads: int, size: int) -> None:
                          f"{num_kv_heads} KV heads (each rank must hold whole KV heads)")
 
 
-def init_group(rank: int, size: int, init_method: str, device: torch.device) -> TPGroup:
-    """Join the group (blocks until every rank has)."""
+def init_group(rank: int, size: int, init_method: str, device: torch.device,
+               allreduce: str = "auto") -> TPGroup:
+    """Join the group (blocks until every rank has). allreduce: ParallelConfig.tp_allreduce."""
+    from rooflm.distributed.allreduce import make_symm_all_reduce
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
@@ -142,28 +155,64 @@ def init_group(rank: int, size: int, init_method: str, device: torch.device) -> 
                             timeout=COLLECTIVE_TIMEOUT if backend == "nccl" else IDLE_TIMEOUT, **kwargs)
     device_group = dist.group.WORLD
     host_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT) if backend == "nccl" else device_group
-    return TPGroup(rank, size, device_group, host_group)
+    symm = make_symm_all_reduce(allreduce, size, device, device_group, host_group)
+    return TPGroup(rank, size, device_group, host_group, symm)
 
 
-def destroy_group(group: TPGroup, clean: bool = True) -> None:
-    """Leave the group. After a clean run every rank first meets at a barrier (a rank that tears
-    gloo down while a peer still talks to it can abort: rooflm/train/parallel.py::shutdown)."""
+def destroy_group(group: TPGroup, clean: bool = True, timeout_s: Optional[float] = None) -> bool:
+    """Leave the group; False when it did not finish in timeout_s (DESTROY_TIMEOUT_S).
+
+    After a clean run every rank first meets at a barrier (a rank that tears gloo down while a
+    peer still talks to it can abort: rooflm/train/parallel.py::shutdown). Callers release their
+    CUDA graphs first (ModelRunner.release_graphs): NCCL waits for graphs that captured its
+    collectives. Should NCCL wait anyway, the work runs on a daemon thread and is abandoned
+    after the timeout, so that a stuck teardown cannot hang the process's exit."""
     if group.size == 1 or not dist.is_initialized():
-        return
-    if clean:
-        dist.barrier(group=group.host_group)
-    dist.destroy_process_group()
+        return True
+    group.symm = None  # the symmetric buffer's mapping goes before the group it was made over
+    failure: list[BaseException] = []
+
+    def leave() -> None:
+        try:
+            if clean:
+                dist.barrier(group=group.host_group)
+            dist.destroy_process_group()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the caller's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=leave, name="rooflm-tp-destroy", daemon=True)
+    thread.start()
+    thread.join(DESTROY_TIMEOUT_S if timeout_s is None else timeout_s)
+    if thread.is_alive():
+        logger.warning("tensor-parallel rank %d: leaving the process group did not finish in %.0f s; "
+                       "abandoned (set ROOFLM_HANG_DUMP_S to see where it waits)", group.rank,
+                       DESTROY_TIMEOUT_S if timeout_s is None else timeout_s)
+        return False
+    if failure:
+        raise failure[0]
+    return True
 
 
-def abort_group() -> None:
+def abort_group(timeout_s: Optional[float] = None) -> None:
     """Make collectives blocked on a dead peer return with an error (NCCL would wait for the
-    timeout); best effort, as the call is private to torch."""
+    timeout); best effort, as the call is private to torch, and bounded like destroy_group:
+    an abort that itself waits on NCCL is abandoned on its daemon thread."""
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-    if abort is not None and dist.is_initialized():
+    if abort is None or not dist.is_initialized():
+        return
+
+    def run() -> None:
         try:
             abort()
         except Exception:  # noqa: BLE001 - the group is broken either way
             pass
+
+    thread = threading.Thread(target=run, name="rooflm-tp-abort", daemon=True)
+    thread.start()
+    thread.join(DESTROY_TIMEOUT_S if timeout_s is None else timeout_s)
+    if thread.is_alive():
+        logger.warning("aborting the tensor-parallel group did not finish in %.0f s; abandoned",
+                       DESTROY_TIMEOUT_S if timeout_s is None else timeout_s)
 
 
 def visible_devices(device: torch.device) -> Optional[int]:

@@ -7,29 +7,36 @@ broadcasts: block operations, inputs to its device, the forward (same graph / pi
 eager choice, from the same counts), the LM head's all-gather, and the sampled ids, which it
 keeps for the next step's pending inputs. It never schedules and never samples.
 
-It ends when rank 0 sends stop, and on its own when its parent process is gone (a watcher
-thread polls the parent's pid), so a killed engine leaves no workers behind.
+It ends when rank 0 sends stop (releasing its CUDA graphs before it leaves the group: NCCL
+waits on graphs that captured its collectives), and on its own when its parent process is gone
+(a watcher thread polls the parent's pid), so a killed engine leaves no workers behind. A
+worker that raises sends its traceback to rank 0 through a pipe and exits (executor.py).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
-from dataclasses import replace
+import traceback
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
 from rooflm.config import EngineConfig, ModelConfig
 from rooflm.distributed.group import TPGroup, destroy_group, init_group
+from rooflm.distributed.hang_dump import HangWatch
 from rooflm.distributed.step_broadcast import StepChannel, StepPacket
 from rooflm.engine.model_runner import HostInputs, ModelRunner, StepInputs, StepResult
 
 logger = logging.getLogger(__name__)
 
 PARENT_POLL_S = 0.5
+FAULT_INJECT_ENV = "ROOFLM_TP_FAULT_INJECT"
+MAX_TRACEBACK_CHARS = 20_000  # the tail: where it failed
 
 
 class WorkerRunner(ModelRunner):
@@ -76,24 +83,83 @@ def rank_device(base: torch.device, rank: int) -> torch.device:
 
 def run_worker(rank: int, size: int, init_method: str, config: EngineConfig, model_config: ModelConfig,
                max_model_len: int, model_path: str, load_format: str, parent_pid: int,
-               log_level: int = logging.WARNING) -> None:
-    """A worker process's entry point (multiprocessing spawn, or a torchrun rank > 0)."""
+               log_level: int = logging.WARNING, error_pipe=None) -> None:
+    """A worker process's entry point (multiprocessing spawn, or a torchrun rank > 0).
+
+    error_pipe: the sending end of a pipe to rank 0 (spawned workers). A worker that raises
+    sends its traceback there and exits at once: rank 0's watcher reads it and raises
+    WorkerDied naming this rank, rather than waiting in a collective this rank left."""
     logging.basicConfig(level=log_level, format=f"%(levelname)s %(name)s (tp rank {rank}): %(message)s")
+    watch = HangWatch(rank)
     if parent_pid:
         _exit_with_parent(parent_pid)
+    try:
+        _serve(rank, size, init_method, config, model_config, max_model_len, model_path, load_format, watch)
+    except BaseException as exc:  # noqa: BLE001 - reported to rank 0, then the process ends
+        text = traceback.format_exc()
+        logger.error("tensor-parallel worker rank %d failed:\n%s", rank, text)
+        if error_pipe is not None:
+            try:
+                error_pipe.send(WorkerError(rank, f"{type(exc).__name__}: {exc}", text[-MAX_TRACEBACK_CHARS:]))
+                error_pipe.close()
+            except (OSError, ValueError):  # rank 0 is gone: nobody to tell
+                pass
+        # Not a normal exit: tearing down NCCL under peers mid-collective can hang, and rank 0
+        # stops the group anyway. Flush what was logged and leave.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    watch.stop()
+
+
+def _serve(rank: int, size: int, init_method: str, config: EngineConfig, model_config: ModelConfig,
+           max_model_len: int, model_path: str, load_format: str, watch: HangWatch) -> None:
     from rooflm.engine.model_runner import resolve_device
     # Under torchrun on several hosts a rank's GPU is its index on its own host.
     device = rank_device(resolve_device(config.device.device), int(os.environ.get("LOCAL_RANK", rank)))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     config = replace(config, device=replace(config.device, device=str(device)))
-    tp = init_group(rank, size, init_method, device)
+    tp = init_group(rank, size, init_method, device, config.parallel.tp_allreduce)
     runner = WorkerRunner(config, model_config, max_model_len, tp)
     runner.initialize(model_path, load_format)
     channel = StepChannel(tp)
+    fault_step = fault_step_from_env(rank)
+    steps = 0
     while (packet := channel.receive()) is not None:
+        watch.progress()
+        steps += 1
+        if steps == fault_step:
+            raise RuntimeError(f"fault injected at tp rank {rank} step {steps} ({FAULT_INJECT_ENV})")
         runner.replay(packet)
-    destroy_group(tp)
+    watch.arm()  # the teardown gets its own N seconds
+    runner.release_graphs()  # before the group goes: NCCL waits on graphs that captured it
+    if not destroy_group(tp):
+        os._exit(0)  # a stuck NCCL teardown: rank 0 asked to stop, so leave without it
+
+
+@dataclass(frozen=True)
+class WorkerError:
+    """What a failing worker sends rank 0."""
+
+    rank: int
+    summary: str  # "ExceptionType: message"
+    traceback: str
+
+
+def fault_step_from_env(rank: int) -> Optional[int]:
+    """Test hook: ROOFLM_TP_FAULT_INJECT=RANK:STEP makes worker RANK raise at its STEP-th step."""
+    value = os.environ.get(FAULT_INJECT_ENV)
+    if not value:
+        return None
+    try:
+        target, step = (int(v) for v in value.split(":"))
+    except ValueError:
+        raise ValueError(f"{FAULT_INJECT_ENV} must be RANK:STEP (two integers), got {value!r}") from None
+    if target != rank:
+        return None
+    logger.warning("%s=%s: tp rank %d will raise at step %d (test hook)", FAULT_INJECT_ENV, value, rank, step)
+    return step
 
 
 def _exit_with_parent(parent_pid: int) -> None:

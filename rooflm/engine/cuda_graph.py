@@ -119,6 +119,14 @@ class CUDAGraphRunner:
                     self.sizes[-1], elapsed)
         return elapsed
 
+    def release(self) -> None:
+        """Destroy the graphs (reset frees each executable graph and its hold on the pool)."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.logits.clear()
+        self.pool = None
+
     def graph_size(self, batch: int) -> int | None:
         for size in self.sizes:
             if size >= batch:

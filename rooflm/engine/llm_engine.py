@@ -67,6 +67,8 @@ class LLMEngine:
             tp = self.executor.tp
         self.tokenizer = self._load_tokenizer()
         self.runner = ModelRunner(config, self.model_config, self.max_model_len, tp or SINGLE)
+        if self.executor is not None:  # NCCL waits on graphs that captured it: they go first
+            self.executor.release_before_shutdown(self.runner.release_graphs)
         self.spec = None  # spec.decoder.SpecDecoder with --speculative-method
         if config.speculative.speculative_method:
             from rooflm.spec.decoder import SpecDecoder
@@ -78,7 +80,10 @@ class LLMEngine:
             num_blocks, num_host = self.runner.initialize(self.model_path, self.load_format)
         except BaseException:
             if self.executor is not None:  # workers waiting in a start-up collective
-                self.executor.shutdown(clean=False)
+                try:  # a worker that raised first is the cause: WorkerDied with its traceback
+                    self.executor.check_alive(grace_s=3.0)
+                finally:
+                    self.executor.shutdown(clean=False)
             raise
         if self.spec is not None:
             self.spec.proposer.allocate(num_blocks)

@@ -756,6 +756,24 @@ class ModelRunner:
                                                   self.config.scheduler.max_num_batched_tokens, self.device)
             self.timings["piecewise_capture_s"] = self.piecewise.capture()
 
+    def release_graphs(self) -> None:
+        """Drop the captured CUDA graphs and their memory pool, once the device has run them.
+        Tensor parallelism calls it on every rank before the process group is destroyed: NCCL's
+        destroy_process_group waits for graphs that captured its collectives to go first, and
+        hung on the H200x2 run when they were still alive. Later steps run eagerly."""
+        if self.graphs is None and self.piecewise is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no replay may still be running
+        for runner in (self.graphs, self.piecewise):
+            if runner is not None:
+                runner.release()
+        self.graphs = None
+        self.piecewise = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs, result: StepResult) -> None:
         for sch, base, first, count in inputs.prompt_logprob_spans:
             seq = sch.seq

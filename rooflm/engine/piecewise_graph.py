@@ -135,6 +135,14 @@ class PiecewiseGraphRunner:
         self.buckets: dict[int, _Bucket] = {}
         self.pool = None
 
+    def release(self) -> None:
+        """Destroy every bucket's pieces (reset frees each graph and its hold on the pool)."""
+        for bucket in self.buckets.values():
+            for piece in bucket.pieces:
+                piece.reset()
+        self.buckets.clear()
+        self.pool = None
+
     def bucket_size(self, num_tokens: int) -> Optional[int]:
         for size in self.sizes:
             if size >= num_tokens:

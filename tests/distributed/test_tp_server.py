@@ -47,3 +47,25 @@ def test_a_tp_server_serves_and_a_dead_worker_makes_it_unhealthy(tp_server):
     assert pid_gone(core, timeout=15)
     refused = httpx.post(url + "/v1/completions", json=body, timeout=10)
     assert assert_openai_error(refused, 503)["code"] == "engine_error"
+
+
+def test_a_worker_that_raises_makes_the_server_report_its_rank_and_error(tmp_path):
+    """The worker's own exception, not a collective's timeout, is what /health reports."""
+    path, _ = make_tiny_model(tmp_path, "llama", attention="gqa")
+    server = start_server(tmp_path, "tp2-fault", [
+        "--model", str(path), "--tensor-parallel-size", "2", "--device", "cpu", "--dtype", "float32",
+        "--max-model-len", "256", "--num-blocks", "64", "--log-interval", "0", "--keep-running-on-error"],
+        env={"ROOFLM_TP_FAULT_INJECT": "1:2"})
+    try:
+        server.wait_ready()
+        body = {"model": "llama-gqa-untied-seed0", "prompt": [5, 9, 33, 7], "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True}
+        started = time.monotonic()
+        failed = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert failed.status_code >= 500, failed.text
+        assert time.monotonic() - started < 20
+        health = httpx.get(server.url + "/health", timeout=5)
+        message = assert_openai_error(health, 503)["message"]
+        assert "rank 1" in message and "fault injected at tp rank 1 step 2" in message
+    finally:
+        server.stop()
