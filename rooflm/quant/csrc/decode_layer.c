@@ -1,0 +1,190 @@
+/* The Llama-family decoder on the CPU for one sequence, every layer in one C call: batch-1
+ * decode steps and single prefill chunks, with no per-op Python or torch dispatch.
+ *
+ * Why: SmolLM2-135M's decode step on 2 cores spent ~14-18 ms of ~24 ms outside the matmuls,
+ * in ~20 torch ops a layer over 30 layers (norms, rotary, casts, the cache write, SDPA) each
+ * costing microseconds of dispatch for nanoseconds of arithmetic. Here a step is one call.
+ *
+ * Per layer, for the T tokens of the step (rooflm/model/llama.py's math, in fp32):
+ *   xn   = RMSNorm(h) * ln1                                    (fp32, HF's order: norm, then weight)
+ *   qkv  = xn @ Wqkv.T                                         (block matmul, block_matmul.c)
+ *   q, k = neox rotary at each token's position; k, v -> the paged cache at each token's slot
+ *   a    = softmax(q k^T * scale) v over the sequence's cached positions 0..pos (causal; GQA:
+ *          query head h reads KV head h / (H / H_kv)), K/V found through the block table
+ *   h   += a @ Wo.T
+ *   xn   = RMSNorm(h) * ln2;  g, u = xn @ Wgate_up.T;  h += (silu(g) * u) @ Wdown.T
+ * and after the last layer, x = RMSNorm(h) * final_norm.
+ *
+ * Activations are quantized once per matmul input (four per layer: the fused q/k/v and
+ * gate/up share theirs), into buffers allocated once per call. The cache is the engine's own
+ * paged pool (layers/attention.py's layout: [num_blocks, block_size, H_kv, D] fp32 per layer),
+ * so prefix caching, copy-on-write and preemption see exactly what the torch path would write.
+ *
+ * Attention work: 4 T L D flops for a context of L; bytes: 2 L H_kv D 4 (the K/V read once
+ * per query head group). Threads: OpenMP, over output rows in the matmuls and over (token,
+ * head) pairs in attention.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "block_matmul.h"
+
+/* One decoder layer's weights and cache (rooflm/quant/native_decode.py fills these). */
+typedef struct {
+    const float *ln1, *ln2;  /* [hidden] */
+    BlockWeight qkv, o, gate_up, down;
+    float *k_cache, *v_cache;  /* [num_blocks * block_size, kv_heads, head_dim] */
+} DecoderLayer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size, num_layers;
+    float eps, scale;
+    const float *cos_sin;  /* [max_positions, head_dim]: cos of the half, then sin */
+    const float *final_norm;
+} DecoderShape;
+
+static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
+    /* Sum in double: the mean is then the correctly rounded one, as close as torch's as any. */
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    float r = 1.0f / sqrtf((float)(ss / (double)n) + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    float r = _mm_cvtss_f32(s);
+    for (; i < n; i++) r += a[i] * b[i];
+    return r;
+}
+
+/* Neox rotary of one head vector in place: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). */
+static inline void rotate(float *x, const float *cs, int64_t d) {
+    int64_t half = d / 2;
+    const float *c = cs, *s = cs + half;
+    for (int64_t i = 0; i < half; i++) {
+        float x1 = x[i], x2 = x[i + half];
+        x[i] = x1 * c[i] - x2 * s[i];
+        x[i + half] = x2 * c[i] + x1 * s[i];
+    }
+}
+
+static inline int64_t slot_of(const int32_t *block_table, int64_t pos, int64_t block_size) {
+    return (int64_t)block_table[pos / block_size] * block_size + pos % block_size;
+}
+
+/* One query head of one token against positions 0..pos of the sequence. scores: pos + 1 floats. */
+static void attend_one(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_table,
+                       int64_t pos, int64_t kv_head, const DecoderShape *s, float *scores, float *out) {
+    const int64_t d = s->head_dim, row = s->kv_heads * d;
+    float m = -INFINITY;
+    for (int64_t j = 0; j <= pos; j++) {
+        int64_t slot = slot_of(block_table, j, s->block_size);
+        float v = dot(q, k_cache + slot * row + kv_head * d, d) * s->scale;
+        scores[j] = v;
+        m = v > m ? v : m;
+    }
+    float sum = 0.0f;
+    for (int64_t j = 0; j <= pos; j++) {
+        scores[j] = expf(scores[j] - m);
+        sum += scores[j];
+    }
+    float inv = 1.0f / sum;
+    for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
+    for (int64_t j = 0; j <= pos; j++) {
+        int64_t slot = slot_of(block_table, j, s->block_size);
+        const float *v = v_cache + slot * row + kv_head * d;
+        float p = scores[j] * inv;
+        int64_t i = 0;
+        __m256 pv = _mm256_set1_ps(p);
+        for (; i + 8 <= d; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
+        for (; i < d; i++) out[i] += p * v[i];
+    }
+}
+
+static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* x [T, hidden]: the step's embeddings in, the final normed hidden states out.
+ * positions, slots [T] int64 (slots >= 0); block_table: the sequence's, int32.
+ * Returns 0, or -1 when a buffer could not be allocated (x is then undefined). */
+int rl_decoder_forward(const DecoderShape *s, const DecoderLayer *layers, float *x, int64_t T,
+                       const int64_t *positions, const int64_t *slots, const int32_t *block_table,
+                       int threads) {
+    const int64_t H = s->hidden, D = s->head_dim, q_size = s->heads * D, kv_size = s->kv_heads * D;
+    const int64_t qkv_n = q_size + 2 * kv_size, I = s->intermediate;
+    const int64_t group = s->heads / s->kv_heads;
+    int64_t max_k = H > q_size ? H : q_size;
+    max_k = max_k > I ? max_k : I;
+    int64_t max_pos = 0;
+    for (int64_t t = 0; t < T; t++) max_pos = positions[t] > max_pos ? positions[t] : max_pos;
+
+    Activations acts;
+    float *xn = (float *)malloc(sizeof(float) * (size_t)(T * H));
+    float *qkv = (float *)malloc(sizeof(float) * (size_t)(T * qkv_n));
+    float *attn = (float *)malloc(sizeof(float) * (size_t)(T * q_size));
+    float *gu = (float *)malloc(sizeof(float) * (size_t)(T * 2 * I));
+    float *act = (float *)malloc(sizeof(float) * (size_t)(T * I));
+    float *proj = (float *)malloc(sizeof(float) * (size_t)(T * H));
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(threads * (max_pos + 1)));
+    int status = rl_alloc_activations(&acts, T, max_k);
+    if (!xn || !qkv || !attn || !gu || !act || !proj || !scores || status) {
+        status = -1;
+        goto done;
+    }
+
+    for (int64_t l = 0; l < s->num_layers; l++) {
+        const DecoderLayer *L = &layers[l];
+        for (int64_t t = 0; t < T; t++) rms_norm(x + t * H, L->ln1, H, s->eps, xn + t * H);
+        rl_quantize_activations(xn, T, H, &acts, threads);
+        rl_block_matmul(&acts, T, &L->qkv, qkv, threads);
+
+        /* Rotary and the cache write for every token first: a prefill chunk's queries read
+         * the keys of the chunk's earlier tokens. */
+        for (int64_t t = 0; t < T; t++) {
+            float *row = qkv + t * qkv_n;
+            const float *cs = s->cos_sin + positions[t] * D;
+            for (int64_t h = 0; h < s->heads + s->kv_heads; h++) rotate(row + h * D, cs, D);
+            memcpy(L->k_cache + slots[t] * kv_size, row + q_size, sizeof(float) * (size_t)kv_size);
+            memcpy(L->v_cache + slots[t] * kv_size, row + q_size + kv_size, sizeof(float) * (size_t)kv_size);
+        }
+        #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) collapse(2)
+        for (int64_t t = 0; t < T; t++) {
+            for (int64_t h = 0; h < s->heads; h++) {
+                int tid = omp_get_thread_num();
+                attend_one(qkv + t * qkv_n + h * D, L->k_cache, L->v_cache, block_table, positions[t],
+                           h / group, s, scores + tid * (max_pos + 1), attn + t * q_size + h * D);
+            }
+        }
+        rl_quantize_activations(attn, T, q_size, &acts, threads);
+        rl_block_matmul(&acts, T, &L->o, proj, threads);
+        for (int64_t i = 0; i < T * H; i++) x[i] += proj[i];
+
+        for (int64_t t = 0; t < T; t++) rms_norm(x + t * H, L->ln2, H, s->eps, xn + t * H);
+        rl_quantize_activations(xn, T, H, &acts, threads);
+        rl_block_matmul(&acts, T, &L->gate_up, gu, threads);
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t i = 0; i < I; i++) act[t * I + i] = silu(gu[t * 2 * I + i]) * gu[t * 2 * I + I + i];
+        rl_quantize_activations(act, T, I, &acts, threads);
+        rl_block_matmul(&acts, T, &L->down, proj, threads);
+        for (int64_t i = 0; i < T * H; i++) x[i] += proj[i];
+    }
+    for (int64_t t = 0; t < T; t++) {
+        rms_norm(x + t * H, s->final_norm, H, s->eps, xn + t * H);
+        memcpy(x + t * H, xn + t * H, sizeof(float) * (size_t)H);
+    }
+    status = 0;
+done:
+    free(xn); free(qkv); free(attn); free(gu); free(act); free(proj); free(scores);
+    rl_free_activations(&acts);
+    return status;
+}
