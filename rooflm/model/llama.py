@@ -129,10 +129,15 @@ class LlamaModel(torch.nn.Module):
         self.native_decoder = None
         self._native_decoder_checked = False
 
+    def choose_decoder_path(self) -> None:
+        """Decide (again) whether single-sequence CPU steps run natively, from the weights as
+        loaded now and ROOFLM_NATIVE_DECODE; the first forward does it when nobody did."""
+        self.native_decoder = NativeDecoder.build(self)
+        self._native_decoder_checked = True
+
     def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata):
         if not self._native_decoder_checked:
-            self.native_decoder = NativeDecoder.build(self)
-            self._native_decoder_checked = True
+            self.choose_decoder_path()
         if self.native_decoder is not None:
             hidden = self.native_decoder.forward(input_ids, positions, kv_caches, meta)
             if hidden is not None:
