@@ -79,11 +79,11 @@ def unsupported_reason(model) -> Optional[str]:
     """Why `model` (a LlamaModel) can't run natively, or None when it can."""
     if not enabled():
         return f"{ENV_SWITCH}=0"
-    if native.library() is None:
-        return "native CPU kernels not built"
     embed = model.embed_tokens.weight
     if embed.device.type != "cpu" or embed.dtype != torch.float32:
         return f"model on {embed.device.type} in {embed.dtype}, not the CPU in float32"
+    if native.library() is None:  # after the device check: a GPU host never builds it
+        return "native CPU kernels not built"
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
         if attn.cfg.qk_norm:
