@@ -79,7 +79,7 @@ int rl_alloc_activations(Activations *a, int64_t M, int64_t K) {
 void rl_quantize_activations(const float *x, int64_t M, int64_t K, Activations *a, int threads) {
     int64_t blocks = M * (K / QK);
     /* One token's blocks are too few to be worth waking a second thread. */
-    #pragma omp parallel for num_threads(threads) schedule(static) if (M > 1)
+    #pragma omp parallel for num_threads(threads) schedule(static) if (M > 1 && threads > 1)
     for (int64_t i = 0; i < blocks; i++) {
         float rest[QK];
         int s1, s2;
@@ -153,24 +153,31 @@ static inline __attribute__((always_inline)) void q8_row(const Activations *a, i
     for (int i = 0; i < count; i++) y[(t0 + i) * N + n] = hsum(_mm256_add_ps(acc1[i], acc2[i]));
 }
 
-void rl_block_matmul(const Activations *a, int64_t M, const BlockWeight *w, float *y, int threads) {
+/* Row n of W against all M tokens. The tile width is a constant in each call, so the
+ * accumulators stay in registers. */
+static inline void matmul_row(const Activations *a, int64_t M, const BlockWeight *w, int64_t n, float *y) {
     const int64_t N = w->n, K = w->k, nb = K / QK;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint16_t *dn = w->scale + n * nb;
-        /* The tile width is a constant in each call, so the accumulators stay in registers. */
-        int64_t t = 0;
-        if (w->offset != NULL) {
-            const uint8_t *wn = (const uint8_t *)w->codes + n * nb * 16;
-            const uint16_t *mn = w->offset + n * nb;
-            for (; t + TILE <= M; t += TILE) q4_row(a, K, wn, dn, mn, t, TILE, N, n, y);
-            for (; t < M; t++) q4_row(a, K, wn, dn, mn, t, 1, N, n, y);
-        } else {
-            const int8_t *wn = (const int8_t *)w->codes + n * K;
-            for (; t + TILE <= M; t += TILE) q8_row(a, K, wn, dn, t, TILE, N, n, y);
-            for (; t < M; t++) q8_row(a, K, wn, dn, t, 1, N, n, y);
-        }
+    const uint16_t *dn = w->scale + n * nb;
+    int64_t t = 0;
+    if (w->offset != NULL) {
+        const uint8_t *wn = (const uint8_t *)w->codes + n * nb * 16;
+        const uint16_t *mn = w->offset + n * nb;
+        for (; t + TILE <= M; t += TILE) q4_row(a, K, wn, dn, mn, t, TILE, N, n, y);
+        for (; t < M; t++) q4_row(a, K, wn, dn, mn, t, 1, N, n, y);
+    } else {
+        const int8_t *wn = (const int8_t *)w->codes + n * K;
+        for (; t + TILE <= M; t += TILE) q8_row(a, K, wn, dn, t, TILE, N, n, y);
+        for (; t < M; t++) q8_row(a, K, wn, dn, t, 1, N, n, y);
     }
+}
+
+void rl_block_matmul(const Activations *a, int64_t M, const BlockWeight *w, float *y, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < w->n; n++) matmul_row(a, M, w, n, y);
+}
+
+void rl_block_matmul_rows(const Activations *a, int64_t M, const BlockWeight *w, int64_t n0, int64_t n1, float *y) {
+    for (int64_t n = n0; n < n1; n++) matmul_row(a, M, w, n, y);
 }
 
 /* The single-matmul entry points (rooflm/quant/linear_method.py's NativeBlockLinear). */

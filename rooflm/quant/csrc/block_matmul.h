@@ -33,5 +33,7 @@ void rl_free_activations(Activations *a);
 void rl_quantize_activations(const float *x, int64_t M, int64_t K, Activations *a, int threads);
 /* y [M, N] = x @ W.T from quantized activations; rows of W split over `threads` OpenMP threads. */
 void rl_block_matmul(const Activations *a, int64_t M, const BlockWeight *w, float *y, int threads);
+/* The same for rows [n0, n1) of W only, on the calling thread (inside a caller's parallel region). */
+void rl_block_matmul_rows(const Activations *a, int64_t M, const BlockWeight *w, int64_t n0, int64_t n1, float *y);
 
 #endif

@@ -114,12 +114,10 @@ static void attend_one(const float *q, const float *k_cache, const float *v_cach
 
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 
-/* x [T, hidden]: the step's embeddings in, the final normed hidden states out.
- * positions, slots [T] int64 (slots >= 0); block_table: the sequence's, int32.
- * Returns 0, or -1 when a buffer could not be allocated (x is then undefined). */
-int rl_decoder_forward(const DecoderShape *s, const DecoderLayer *layers, float *x, int64_t T,
-                       const int64_t *positions, const int64_t *slots, const int32_t *block_table,
-                       int threads) {
+/* A prefill chunk: each step of a layer is its own parallel loop over all T tokens. */
+static int forward_chunk(const DecoderShape *s, const DecoderLayer *layers, float *x, int64_t T,
+                         const int64_t *positions, const int64_t *slots, const int32_t *block_table,
+                         int threads) {
     const int64_t H = s->hidden, D = s->head_dim, q_size = s->heads * D, kv_size = s->kv_heads * D;
     const int64_t qkv_n = q_size + 2 * kv_size, I = s->intermediate;
     const int64_t group = s->heads / s->kv_heads;
@@ -187,4 +185,119 @@ done:
     free(xn); free(qkv); free(attn); free(gu); free(act); free(proj); free(scores);
     rl_free_activations(&acts);
     return status;
+}
+
+static inline int64_t split(int64_t n, int part, int parts) { return n * part / parts; }
+
+/* A decode step (T <= SMALL_T tokens): one parallel region for all layers, four barriers a
+ * layer. Each thread normalizes and quantizes the (small) matmul input itself, into its own
+ * buffers, instead of one thread doing it while the others wait at a barrier; each takes a
+ * contiguous slice of every weight's rows (the residual add on its own slice of the output),
+ * and whole KV-head groups in attention (it rotates, caches and attends them alone, so the
+ * cache write needs no barrier before the attention that reads it). Why: each fork/join or
+ * barrier is a point where a thread descheduled by another job holds up the rest; the
+ * loop-per-step form has ten such points a layer, this one four. */
+#define SMALL_T 4
+
+static int forward_small(const DecoderShape *s, const DecoderLayer *layers, float *x, int64_t T,
+                         const int64_t *positions, const int64_t *slots, const int32_t *block_table,
+                         int threads) {
+    const int64_t H = s->hidden, D = s->head_dim, q_size = s->heads * D, kv_size = s->kv_heads * D;
+    const int64_t qkv_n = q_size + 2 * kv_size, I = s->intermediate;
+    const int64_t group = s->heads / s->kv_heads;
+    int64_t max_k = H > q_size ? H : q_size;
+    max_k = max_k > I ? max_k : I;
+    int64_t max_pos = 0;
+    for (int64_t t = 0; t < T; t++) max_pos = positions[t] > max_pos ? positions[t] : max_pos;
+
+    float *mid = (float *)malloc(sizeof(float) * (size_t)(T * H));  /* h after attention */
+    float *qkv = (float *)malloc(sizeof(float) * (size_t)(T * qkv_n));
+    float *attn = (float *)malloc(sizeof(float) * (size_t)(T * q_size));
+    float *gu = (float *)malloc(sizeof(float) * (size_t)(T * 2 * I));
+    float *act = (float *)malloc(sizeof(float) * (size_t)(T * I));
+    int failed = !mid || !qkv || !attn || !gu || !act;
+
+    #pragma omp parallel num_threads(threads)
+    {
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        float *xn = (float *)malloc(sizeof(float) * (size_t)(T * H));
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(max_pos + 1));
+        Activations acts;
+        int mine = rl_alloc_activations(&acts, T, max_k) || !xn || !scores;
+        if (mine) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp barrier
+        #pragma omp flush
+        if (!failed) {
+            for (int64_t l = 0; l < s->num_layers; l++) {
+                const DecoderLayer *L = &layers[l];
+                /* q, k, v: this thread's rows of the fused weight. */
+                for (int64_t t = 0; t < T; t++) rms_norm(x + t * H, L->ln1, H, s->eps, xn + t * H);
+                rl_quantize_activations(xn, T, H, &acts, 1);
+                rl_block_matmul_rows(&acts, T, &L->qkv, split(qkv_n, tid, nt), split(qkv_n, tid + 1, nt), qkv);
+                #pragma omp barrier
+                /* Attention: this thread's KV-head groups, written to the cache, then read. */
+                for (int64_t g = tid; g < s->kv_heads; g += nt) {
+                    for (int64_t t = 0; t < T; t++) {
+                        float *row = qkv + t * qkv_n;
+                        const float *cs = s->cos_sin + positions[t] * D;
+                        float *k = row + q_size + g * D, *v = row + q_size + kv_size + g * D;
+                        rotate(k, cs, D);
+                        for (int64_t h = g * group; h < (g + 1) * group; h++) rotate(row + h * D, cs, D);
+                        memcpy(L->k_cache + slots[t] * kv_size + g * D, k, sizeof(float) * (size_t)D);
+                        memcpy(L->v_cache + slots[t] * kv_size + g * D, v, sizeof(float) * (size_t)D);
+                    }
+                    for (int64_t t = 0; t < T; t++)
+                        for (int64_t h = g * group; h < (g + 1) * group; h++)
+                            attend_one(qkv + t * qkv_n + h * D, L->k_cache, L->v_cache, block_table, positions[t],
+                                       g, s, scores, attn + t * q_size + h * D);
+                }
+                #pragma omp barrier
+                /* mid = x + attn @ Wo.T, this thread's columns of it. */
+                rl_quantize_activations(attn, T, q_size, &acts, 1);
+                int64_t n0 = split(H, tid, nt), n1 = split(H, tid + 1, nt);
+                rl_block_matmul_rows(&acts, T, &L->o, n0, n1, mid);
+                for (int64_t t = 0; t < T; t++)
+                    for (int64_t n = n0; n < n1; n++) mid[t * H + n] += x[t * H + n];
+                #pragma omp barrier
+                /* silu(gate) * up for this thread's slice of the intermediate features. */
+                for (int64_t t = 0; t < T; t++) rms_norm(mid + t * H, L->ln2, H, s->eps, xn + t * H);
+                rl_quantize_activations(xn, T, H, &acts, 1);
+                int64_t i0 = split(I, tid, nt), i1 = split(I, tid + 1, nt);
+                rl_block_matmul_rows(&acts, T, &L->gate_up, i0, i1, gu);
+                rl_block_matmul_rows(&acts, T, &L->gate_up, I + i0, I + i1, gu);
+                for (int64_t t = 0; t < T; t++)
+                    for (int64_t i = i0; i < i1; i++) act[t * I + i] = silu(gu[t * 2 * I + i]) * gu[t * 2 * I + I + i];
+                #pragma omp barrier
+                /* x = mid + act @ Wdown.T (nobody reads x's old value after the last barrier). */
+                rl_quantize_activations(act, T, I, &acts, 1);
+                rl_block_matmul_rows(&acts, T, &L->down, n0, n1, x);
+                for (int64_t t = 0; t < T; t++)
+                    for (int64_t n = n0; n < n1; n++) x[t * H + n] += mid[t * H + n];
+                #pragma omp barrier
+            }
+            for (int64_t t = tid; t < T; t += nt) {
+                rms_norm(x + t * H, s->final_norm, H, s->eps, xn + t * H);
+                memcpy(x + t * H, xn + t * H, sizeof(float) * (size_t)H);
+            }
+        }
+        free(xn);
+        free(scores);
+        rl_free_activations(&acts);
+    }
+    free(mid); free(qkv); free(attn); free(gu); free(act);
+    return failed ? -1 : 0;
+}
+
+/* x [T, hidden]: the step's embeddings in, the final normed hidden states out.
+ * positions, slots [T] int64 (slots >= 0); block_table: the sequence's, int32.
+ * Returns 0, or -1 when a buffer could not be allocated (x is then undefined). */
+int rl_decoder_forward(const DecoderShape *s, const DecoderLayer *layers, float *x, int64_t T,
+                       const int64_t *positions, const int64_t *slots, const int32_t *block_table,
+                       int threads) {
+    if (T <= SMALL_T)
+        return forward_small(s, layers, x, T, positions, slots, block_table, threads);
+    return forward_chunk(s, layers, x, T, positions, slots, block_table, threads);
 }
