@@ -20,13 +20,14 @@
  * paged pool (layers/attention.py's layout: [num_blocks, block_size, H_kv, D] fp32 per layer),
  * so prefix caching, copy-on-write and preemption see exactly what the torch path would write.
  *
- * Attention work: 4 T L D flops for a context of L; bytes: 2 L H_kv D 4 (the K/V read once
- * per query head group). Threads: OpenMP, over output rows in the matmuls and over (token,
- * head) pairs in attention.
+ * Attention work: 4 T L D flops per query head for a context of L; bytes: 2 L H_kv D 4 (the
+ * K/V read once per query head group). Threads: one OpenMP parallel region for the whole call
+ * (see forward below): rows of every weight split between threads, KV-head groups in attention.
  */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -114,94 +115,53 @@ static void attend_one(const float *q, const float *k_cache, const float *v_cach
 
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 
-/* A prefill chunk: each step of a layer is its own parallel loop over all T tokens. */
-static int forward_chunk(const DecoderShape *s, const DecoderLayer *layers, float *x, int64_t T,
-                         const int64_t *positions, const int64_t *slots, const int32_t *block_table,
-                         int threads) {
-    const int64_t H = s->hidden, D = s->head_dim, q_size = s->heads * D, kv_size = s->kv_heads * D;
-    const int64_t qkv_n = q_size + 2 * kv_size, I = s->intermediate;
-    const int64_t group = s->heads / s->kv_heads;
-    int64_t max_k = H > q_size ? H : q_size;
-    max_k = max_k > I ? max_k : I;
-    int64_t max_pos = 0;
-    for (int64_t t = 0; t < T; t++) max_pos = positions[t] > max_pos ? positions[t] : max_pos;
-
-    Activations acts;
-    float *xn = (float *)malloc(sizeof(float) * (size_t)(T * H));
-    float *qkv = (float *)malloc(sizeof(float) * (size_t)(T * qkv_n));
-    float *attn = (float *)malloc(sizeof(float) * (size_t)(T * q_size));
-    float *gu = (float *)malloc(sizeof(float) * (size_t)(T * 2 * I));
-    float *act = (float *)malloc(sizeof(float) * (size_t)(T * I));
-    float *proj = (float *)malloc(sizeof(float) * (size_t)(T * H));
-    float *scores = (float *)malloc(sizeof(float) * (size_t)(threads * (max_pos + 1)));
-    int status = rl_alloc_activations(&acts, T, max_k);
-    if (!xn || !qkv || !attn || !gu || !act || !proj || !scores || status) {
-        status = -1;
-        goto done;
-    }
-
-    for (int64_t l = 0; l < s->num_layers; l++) {
-        const DecoderLayer *L = &layers[l];
-        for (int64_t t = 0; t < T; t++) rms_norm(x + t * H, L->ln1, H, s->eps, xn + t * H);
-        rl_quantize_activations(xn, T, H, &acts, threads);
-        rl_block_matmul(&acts, T, &L->qkv, qkv, threads);
-
-        /* Rotary and the cache write for every token first: a prefill chunk's queries read
-         * the keys of the chunk's earlier tokens. */
-        for (int64_t t = 0; t < T; t++) {
-            float *row = qkv + t * qkv_n;
-            const float *cs = s->cos_sin + positions[t] * D;
-            for (int64_t h = 0; h < s->heads + s->kv_heads; h++) rotate(row + h * D, cs, D);
-            memcpy(L->k_cache + slots[t] * kv_size, row + q_size, sizeof(float) * (size_t)kv_size);
-            memcpy(L->v_cache + slots[t] * kv_size, row + q_size + kv_size, sizeof(float) * (size_t)kv_size);
-        }
-        #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) collapse(2)
-        for (int64_t t = 0; t < T; t++) {
-            for (int64_t h = 0; h < s->heads; h++) {
-                int tid = omp_get_thread_num();
-                attend_one(qkv + t * qkv_n + h * D, L->k_cache, L->v_cache, block_table, positions[t],
-                           h / group, s, scores + tid * (max_pos + 1), attn + t * q_size + h * D);
-            }
-        }
-        rl_quantize_activations(attn, T, q_size, &acts, threads);
-        rl_block_matmul(&acts, T, &L->o, proj, threads);
-        for (int64_t i = 0; i < T * H; i++) x[i] += proj[i];
-
-        for (int64_t t = 0; t < T; t++) rms_norm(x + t * H, L->ln2, H, s->eps, xn + t * H);
-        rl_quantize_activations(xn, T, H, &acts, threads);
-        rl_block_matmul(&acts, T, &L->gate_up, gu, threads);
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t i = 0; i < I; i++) act[t * I + i] = silu(gu[t * 2 * I + i]) * gu[t * 2 * I + I + i];
-        rl_quantize_activations(act, T, I, &acts, threads);
-        rl_block_matmul(&acts, T, &L->down, proj, threads);
-        for (int64_t i = 0; i < T * H; i++) x[i] += proj[i];
-    }
-    for (int64_t t = 0; t < T; t++) {
-        rms_norm(x + t * H, s->final_norm, H, s->eps, xn + t * H);
-        memcpy(x + t * H, xn + t * H, sizeof(float) * (size_t)H);
-    }
-    status = 0;
-done:
-    free(xn); free(qkv); free(attn); free(gu); free(act); free(proj); free(scores);
-    rl_free_activations(&acts);
-    return status;
-}
-
 static inline int64_t split(int64_t n, int part, int parts) { return n * part / parts; }
 
-/* A decode step (T <= SMALL_T tokens): one parallel region for all layers, four barriers a
- * layer. Each thread normalizes and quantizes the (small) matmul input itself, into its own
- * buffers, instead of one thread doing it while the others wait at a barrier; each takes a
- * contiguous slice of every weight's rows (the residual add on its own slice of the output),
- * and whole KV-head groups in attention (it rotates, caches and attends them alone, so the
- * cache write needs no barrier before the attention that reads it). Why: each fork/join or
- * barrier is a point where a thread descheduled by another job holds up the rest; the
- * loop-per-step form has ten such points a layer, this one four. */
-#define SMALL_T 4
+/* A barrier that spins briefly and then yields the core. Why not `omp barrier`: libgomp's
+ * waiter spins for a long time (GOMP_SPINCOUNT, read once when torch loads the library), and
+ * when other jobs share the cores, the thread it waits for may be queued behind it on the same
+ * core: the spin then lasts the scheduler's whole time slice (~4 ms measured per barrier at a
+ * load average of ~5 on 2 cores). After SPIN_PAUSES pauses (tens of microseconds: longer than
+ * a barrier's wait on a quiet machine) the waiter calls sched_yield, which lets that thread run.
+ * Sense-reversing: the last thread to arrive resets the count and flips the sense. */
+#define SPIN_PAUSES 2000
 
-static int forward_small(const DecoderShape *s, const DecoderLayer *layers, float *x, int64_t T,
-                         const int64_t *positions, const int64_t *slots, const int32_t *block_table,
-                         int threads) {
+typedef struct {
+    int count;
+    int sense;
+} Barrier;
+
+static void barrier_wait(Barrier *b, int threads, int *local_sense) {
+    if (threads == 1) return;
+    *local_sense = !*local_sense;
+    if (__atomic_add_fetch(&b->count, 1, __ATOMIC_ACQ_REL) == threads) {
+        __atomic_store_n(&b->count, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&b->sense, *local_sense, __ATOMIC_RELEASE);
+        return;
+    }
+    int spins = 0;
+    while (__atomic_load_n(&b->sense, __ATOMIC_ACQUIRE) != *local_sense) {
+        if (spins < SPIN_PAUSES) {
+            _mm_pause();
+            spins++;
+        } else {
+            sched_yield();
+        }
+    }
+}
+
+/* All layers in one parallel region, four barriers (barrier_wait) a layer. Each thread
+ * normalizes and quantizes a matmul's input itself, into its own buffers, instead of one thread
+ * doing it while the others wait at a barrier (for a 512-token chunk that repeats ~4% of the
+ * matmul's work); each takes a contiguous slice of every weight's rows (and the residual add on
+ * its own slice of the output), and whole KV-head groups in attention (it rotates, caches and
+ * attends them alone, so the cache write needs no barrier before the attention that reads it;
+ * with fewer groups than threads, some threads idle there). Why: every fork/join or barrier is
+ * a point where a thread descheduled by another job holds up the rest; a parallel loop per
+ * step had ten such points a layer, this has four. */
+static int forward(const DecoderShape *s, const DecoderLayer *layers, float *x, int64_t T,
+                   const int64_t *positions, const int64_t *slots, const int32_t *block_table,
+                   int threads) {
     const int64_t H = s->hidden, D = s->head_dim, q_size = s->heads * D, kv_size = s->kv_heads * D;
     const int64_t qkv_n = q_size + 2 * kv_size, I = s->intermediate;
     const int64_t group = s->heads / s->kv_heads;
@@ -217,9 +177,11 @@ static int forward_small(const DecoderShape *s, const DecoderLayer *layers, floa
     float *act = (float *)malloc(sizeof(float) * (size_t)(T * I));
     int failed = !mid || !qkv || !attn || !gu || !act;
 
+    Barrier bar = {0, 0};
     #pragma omp parallel num_threads(threads)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        int sense = 0;
         float *xn = (float *)malloc(sizeof(float) * (size_t)(T * H));
         float *scores = (float *)malloc(sizeof(float) * (size_t)(max_pos + 1));
         Activations acts;
@@ -228,16 +190,15 @@ static int forward_small(const DecoderShape *s, const DecoderLayer *layers, floa
             #pragma omp atomic write
             failed = 1;
         }
-        #pragma omp barrier
-        #pragma omp flush
-        if (!failed) {
+        barrier_wait(&bar, nt, &sense);
+        if (!__atomic_load_n(&failed, __ATOMIC_ACQUIRE)) {
             for (int64_t l = 0; l < s->num_layers; l++) {
                 const DecoderLayer *L = &layers[l];
                 /* q, k, v: this thread's rows of the fused weight. */
                 for (int64_t t = 0; t < T; t++) rms_norm(x + t * H, L->ln1, H, s->eps, xn + t * H);
                 rl_quantize_activations(xn, T, H, &acts, 1);
                 rl_block_matmul_rows(&acts, T, &L->qkv, split(qkv_n, tid, nt), split(qkv_n, tid + 1, nt), qkv);
-                #pragma omp barrier
+                barrier_wait(&bar, nt, &sense);
                 /* Attention: this thread's KV-head groups, written to the cache, then read. */
                 for (int64_t g = tid; g < s->kv_heads; g += nt) {
                     for (int64_t t = 0; t < T; t++) {
@@ -254,14 +215,14 @@ static int forward_small(const DecoderShape *s, const DecoderLayer *layers, floa
                             attend_one(qkv + t * qkv_n + h * D, L->k_cache, L->v_cache, block_table, positions[t],
                                        g, s, scores, attn + t * q_size + h * D);
                 }
-                #pragma omp barrier
+                barrier_wait(&bar, nt, &sense);
                 /* mid = x + attn @ Wo.T, this thread's columns of it. */
                 rl_quantize_activations(attn, T, q_size, &acts, 1);
                 int64_t n0 = split(H, tid, nt), n1 = split(H, tid + 1, nt);
                 rl_block_matmul_rows(&acts, T, &L->o, n0, n1, mid);
                 for (int64_t t = 0; t < T; t++)
                     for (int64_t n = n0; n < n1; n++) mid[t * H + n] += x[t * H + n];
-                #pragma omp barrier
+                barrier_wait(&bar, nt, &sense);
                 /* silu(gate) * up for this thread's slice of the intermediate features. */
                 for (int64_t t = 0; t < T; t++) rms_norm(mid + t * H, L->ln2, H, s->eps, xn + t * H);
                 rl_quantize_activations(xn, T, H, &acts, 1);
@@ -270,13 +231,13 @@ static int forward_small(const DecoderShape *s, const DecoderLayer *layers, floa
                 rl_block_matmul_rows(&acts, T, &L->gate_up, I + i0, I + i1, gu);
                 for (int64_t t = 0; t < T; t++)
                     for (int64_t i = i0; i < i1; i++) act[t * I + i] = silu(gu[t * 2 * I + i]) * gu[t * 2 * I + I + i];
-                #pragma omp barrier
+                barrier_wait(&bar, nt, &sense);
                 /* x = mid + act @ Wdown.T (nobody reads x's old value after the last barrier). */
                 rl_quantize_activations(act, T, I, &acts, 1);
                 rl_block_matmul_rows(&acts, T, &L->down, n0, n1, x);
                 for (int64_t t = 0; t < T; t++)
                     for (int64_t n = n0; n < n1; n++) x[t * H + n] += mid[t * H + n];
-                #pragma omp barrier
+                barrier_wait(&bar, nt, &sense);
             }
             for (int64_t t = tid; t < T; t += nt) {
                 rms_norm(x + t * H, s->final_norm, H, s->eps, xn + t * H);
@@ -297,7 +258,5 @@ static int forward_small(const DecoderShape *s, const DecoderLayer *layers, floa
 int rl_decoder_forward(const DecoderShape *s, const DecoderLayer *layers, float *x, int64_t T,
                        const int64_t *positions, const int64_t *slots, const int32_t *block_table,
                        int threads) {
-    if (T <= SMALL_T)
-        return forward_small(s, layers, x, T, positions, slots, block_table, threads);
-    return forward_chunk(s, layers, x, T, positions, slots, block_table, threads);
+    return forward(s, layers, x, T, positions, slots, block_table, threads);
 }
