@@ -1,5 +1,5 @@
 """The whole Llama-family decoder in one C call (csrc/decode_layer.c) for one sequence on the
-CPU: a batch-1 decode step or one prefill chunk of up to MAX_CHUNK tokens.
+CPU: a batch-1 decode step or one prefill chunk.
 
 Why: with the matmuls already in C (block_matmul.c), SmolLM2-135M's decode step on 2 cores
 still spent ~14-18 ms of ~24 in the ~20 torch ops a layer around them (norms, rotary, casts,
@@ -13,7 +13,7 @@ returns None to send the step down the torch path):
     Q4_0/Q4_1/Q8_0 blocks kept quantized, native kernels built) without bias, no per-head q/k
     norm, neox rotary, one device (no tensor parallelism), no fused-GEMV or deterministic linear
     kernels; ROOFLM_NATIVE_DECODE=0 turns it off;
-  - the step: one sequence (a decode, or a prefill chunk of <= MAX_CHUNK tokens), a float32
+  - the step: one sequence (a decode, or a prefill chunk: C calls of <= MAX_CHUNK tokens), a float32
     (not FP8) KV cache, every slot valid, no sliding window shorter than the context.
 Everything else takes the torch path. The K/V go into the engine's own paged pool, through the
 step's slot mapping and block table, so prefix caching, copy-on-write and preemption are
@@ -41,8 +41,9 @@ from rooflm.quant.linear_method import NativeBlockLinear
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "ROOFLM_NATIVE_DECODE"
-# A prefill chunk's activations ([T, 2 x intermediate] floats and the like) are allocated per
-# call; beyond this many tokens the torch path's own chunking is as good.
+# Tokens per C call: a call allocates its activations ([T, 2 x intermediate] floats and the
+# like) and per-thread quantized copies of them; a longer step is cut into calls of this many
+# consecutive tokens (each later one reads the earlier ones' K/V from the cache).
 MAX_CHUNK = 512
 
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -166,7 +167,7 @@ class NativeDecoder:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> Optional[torch.Tensor]:
         """The final normed hidden states [T, hidden], or None: the step takes the torch path."""
         tokens = input_ids.shape[0]
-        if meta.num_seqs != 1 or tokens == 0 or tokens > MAX_CHUNK or input_ids.dim() != 1:
+        if meta.num_seqs != 1 or tokens == 0 or input_ids.dim() != 1:
             return None
         seq_len = meta.seq_lens_cpu[0]
         if self.sliding_window is not None and seq_len > self.sliding_window:
@@ -185,9 +186,13 @@ class NativeDecoder:
         x = self.model.embed_tokens(input_ids)
         if not x.is_contiguous() or x.dtype != torch.float32:
             x = x.float().contiguous()
-        status = self.lib.rl_decoder_forward(self._shape_ptr, self.layers, x.data_ptr(), tokens,
-                                             positions.data_ptr(), slots.data_ptr(),
-                                             block_table.data_ptr(), torch.get_num_threads())
-        if status != 0:
-            raise MemoryError(f"native decoder could not allocate its buffers for {tokens} tokens")
+        threads = torch.get_num_threads()
+        for start in range(0, tokens, MAX_CHUNK):
+            count = min(MAX_CHUNK, tokens - start)
+            # Row offsets into x, positions and slots: 4 or 8 bytes an element.
+            status = self.lib.rl_decoder_forward(
+                self._shape_ptr, self.layers, x[start].data_ptr(), count, positions[start].data_ptr(),
+                slots[start].data_ptr(), block_table.data_ptr(), threads)
+            if status != 0:
+                raise MemoryError(f"native decoder could not allocate its buffers for {count} tokens")
         return x

@@ -151,8 +151,6 @@ def test_several_sequences_and_fp8_caches_take_the_torch_path(weights, monkeypat
     fp8 = [KVCache(c.k.to(torch.float8_e4m3fn), c.v.to(torch.float8_e4m3fn), torch.ones(c.k.shape[:3]),
                    torch.ones(c.k.shape[:3])) for c in make_cache()]
     assert decoder.forward(torch.tensor([5]), torch.tensor([0]), fp8, step_meta(0, 1)) is None
-    too_long = torch.zeros(native_decode.MAX_CHUNK + 1, dtype=torch.int64)
-    assert decoder.forward(too_long, torch.arange(too_long.numel()), cache, step_meta(0, 1)) is None
 
 
 def test_biased_or_float_linears_are_refused(monkeypatch):
@@ -193,3 +191,25 @@ def test_default_model_greedy_tokens_and_logprobs_match(default_model_runs):
         lp_a = [next(iter(d.values())).logprob for d in a.outputs[0].logprobs]
         lp_b = [next(iter(d.values())).logprob for d in b.outputs[0].logprobs]
         assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) < 1e-3
+
+
+def test_long_chunks_are_cut_into_calls_and_thread_count_changes_nothing(weights, monkeypatch):
+    """A step longer than MAX_CHUNK runs as consecutive C calls (the later ones reading the earlier
+    ones' K/V from the cache): the same result as one call; and 1 or 2 threads give the same bits
+    (each output row and head is computed whole by one thread)."""
+    model = make_model(weights, monkeypatch, True)
+    ids = torch.randint(0, TINY.vocab_size, (21,), generator=torch.Generator().manual_seed(5))
+    decoder = model.model.native_decoder
+    whole = decoder.forward(ids, torch.arange(21), make_cache(), step_meta(0, 21))
+    monkeypatch.setattr(native_decode, "MAX_CHUNK", 8)
+    cut = decoder.forward(ids, torch.arange(21), make_cache(), step_meta(0, 21))
+    assert rel_err(cut, whole) < 1e-5
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(decoder.forward(ids, torch.arange(21), make_cache(), step_meta(0, 21)))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
