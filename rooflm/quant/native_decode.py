@@ -132,7 +132,7 @@ class NativeDecoder:
                 ln1=layer.input_layernorm.weight.data_ptr(), ln2=layer.post_attention_layernorm.weight.data_ptr(),
                 qkv=_block_weight(attn.qkv_proj), o=_block_weight(attn.o_proj),
                 gate_up=_block_weight(mlp.gate_up_proj), down=_block_weight(mlp.down_proj))
-        self._cache_ptr: Optional[int] = None  # the pool the layer table points at
+        self._bound: Optional[list] = None  # the (K, V) pools the layer table points at
         self._shape_ptr = ctypes.byref(self.shape)
 
     @classmethod
@@ -145,23 +145,27 @@ class NativeDecoder:
         return cls(model)
 
     def _bind_cache(self, kv_caches) -> bool:
-        """Point the layer table at this step's K/V pools (the same tensors every step, so this
-        runs once); False when the cache is one the C code does not read (FP8, not fp32)."""
-        first = kv_caches[0]
-        if first.k.data_ptr() == self._cache_ptr:
+        """Point the layer table at this step's K/V pools (the engine's are the same tensors
+        every step, so the table is filled once); False when the cache is one the C code does not
+        read (FP8, not fp32). The bound tensors are held: a freed pool's address could otherwise
+        come back as another tensor's, and the C side would write through a stale pointer."""
+        bound = self._bound
+        if bound is not None and len(bound) == len(kv_caches) and all(
+                c.k is k and c.v is v for c, (k, v) in zip(kv_caches, bound)):
             return True
         for cache in kv_caches:
             if cache.k_scale is not None or cache.k.dtype != torch.float32 or not (
                     cache.k.is_contiguous() and cache.v.is_contiguous()):
                 return False
+        first = kv_caches[0]
         heads, dim = first.k.shape[2:]
-        if (heads, dim) != (self.cfg.num_key_value_heads, self.cfg.head_dim):
+        if (heads, dim) != (self.cfg.num_key_value_heads, self.cfg.head_dim) or len(kv_caches) != len(self.layers):
             return False
         self.shape.block_size = first.k.shape[1]
         for i, cache in enumerate(kv_caches):
             self.layers[i].k_cache = cache.k.data_ptr()
             self.layers[i].v_cache = cache.v.data_ptr()
-        self._cache_ptr = first.k.data_ptr()
+        self._bound = [(c.k, c.v) for c in kv_caches]
         return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> Optional[torch.Tensor]:
