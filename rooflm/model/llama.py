@@ -24,6 +24,7 @@ from rooflm.layers.norm import RMSNorm
 from rooflm.layers.rotary import RotaryEmbedding
 from rooflm.quant.formats import is_quantized_tensor
 from rooflm.quant.linear_method import make_linear_method
+from rooflm.quant.native_decode import NativeDecoder
 
 
 class LlamaAttention(torch.nn.Module):
@@ -123,8 +124,24 @@ class LlamaModel(torch.nn.Module):
         self.layers = torch.nn.ModuleList(
             LlamaDecoderLayer(cfg, rotary, backend, kernels, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.rmsnorm)
+        # rooflm/quant/native_decode.py: single-sequence CPU steps as one C call over all layers,
+        # where the weights allow it; decided at the first forward (the weights are loaded then).
+        self.native_decoder = None
+        self._native_decoder_checked = False
+
+    def choose_decoder_path(self) -> None:
+        """Decide (again) whether single-sequence CPU steps run natively, from the weights as
+        loaded now and ROOFLM_NATIVE_DECODE; the first forward does it when nobody did."""
+        self.native_decoder = NativeDecoder.build(self)
+        self._native_decoder_checked = True
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata):
+        if not self._native_decoder_checked:
+            self.choose_decoder_path()
+        if self.native_decoder is not None:
+            hidden = self.native_decoder.forward(input_ids, positions, kv_caches, meta)
+            if hidden is not None:
+                return hidden
         x = self.embed_tokens(input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):

@@ -33,7 +33,11 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "block_matmul.c"
+CSRC = Path(__file__).with_name("csrc")
+# One library: the block matmuls and the whole-layer decoder (rooflm/quant/native_decode.py)
+# that calls them through block_matmul.h.
+SOURCES = (CSRC / "block_matmul.c", CSRC / "decode_layer.c")
+HEADERS = (CSRC / "block_matmul.h",)
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 
@@ -55,7 +59,7 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("ROOFLM_CACHE_DIR") or Path.home() / ".cache" / "rooflm")
 
 
-def _build(source: Path, target: Path) -> None:
+def _build(sources: tuple[Path, ...], target: Path) -> None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc, gcc) on PATH")
@@ -65,7 +69,7 @@ def _build(source: Path, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, "-o", tmp, str(source)], check=True, capture_output=True, text=True)
+        subprocess.run([compiler, *FLAGS, f"-I{CSRC}", "-o", tmp, *map(str, sources)], check=True, capture_output=True, text=True)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -81,11 +85,12 @@ def library() -> Optional[ctypes.CDLL]:
     if missing:
         log.info("native CPU kernels off: the CPU lacks %s", ", ".join(missing))
         return None
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    text = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
+    digest = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:16]
     target = _cache_dir() / f"block_matmul-{digest}.so"
     try:
         if not target.exists():
-            _build(SOURCE, target)
+            _build(SOURCES, target)
         lib = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
@@ -94,6 +99,9 @@ def library() -> Optional[ctypes.CDLL]:
     lib.rl_q4_linear.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _P, _INT]
     lib.rl_q8_linear.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _INT]
     lib.rl_q4_linear.restype = lib.rl_q8_linear.restype = _INT
+    # (shape, layers, x, T, positions, slots, block_table, threads): rooflm/quant/native_decode.py
+    lib.rl_decoder_forward.argtypes = [_P, _P, _P, _I64, _P, _P, _P, _INT]
+    lib.rl_decoder_forward.restype = _INT
     return lib
 
 

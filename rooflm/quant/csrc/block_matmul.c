@@ -1,6 +1,8 @@
 /* y = x @ W.T for GGUF block-quantized W, with x quantized to int8 per block of 32 (as
  * llama.cpp's Q8 activations, plus a second int8 level for the remainder): integer dot
- * products of 32 codes at a time (AVX2 maddubs), one float scale per block pair. Built at first use by rooflm/quant/native.py.
+ * products of 32 codes at a time (AVX2 maddubs), one float scale per block pair. Built at
+ * first use by rooflm/quant/native.py, together with decode_layer.c (the whole-layer decoder),
+ * which calls the same functions through block_matmul.h.
  *
  * Layouts (rooflm/quant/native.py packs them):
  *   4-bit W: codes [N, K/32, 16] bytes, byte j = element j (low nibble) | element j+16 (high);
@@ -9,16 +11,21 @@
  *   8-bit W: codes [N, K] int8, scale [N, K/32] fp16 (Q8_0)
  * The bytes per weight are the file's: 20/32 for Q4_0/Q4_1, 34/32 for Q8_0.
  *   x: [M, K] float32, contiguous; y: [M, N] float32.
- * Activations: two int8 levels a block (quantize_x below).
- * Each output is one row's dot product with one token, in the same order for any M: the
- * result of a token does not depend on the batch it is in.
+ * Activations: two int8 levels a block (quantize_level below).
+ *
+ * Work: 2 M N K integer multiply-adds (two levels); bytes: the weight once, whatever M. Each
+ * thread takes whole rows of W; a row (K = 576: 18 blocks, 288 + 72 bytes) stays in L1 while
+ * it meets every token. For M >= 4 tokens go 4 at a time (a prefill chunk): each weight block
+ * is loaded and unpacked once for 4 tokens. Each output is still one row's dot product with
+ * one token in the same order of operations as for M = 1, so the result of a token does not
+ * depend on the batch it is in.
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-#define QK 32
+#include "block_matmul.h"
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -49,16 +56,13 @@ static void quantize_level(const float *x, int8_t *q, float *d, int *sum) {
     }
 }
 
-typedef struct {
-    int8_t *q1, *q2;  /* [M, K] */
-    float *d1, *d2, *sum_q_d;  /* [M, K / 32] */
-} Activations;
-
-static void free_activations(Activations *a) {
+void rl_free_activations(Activations *a) {
     free(a->q1); free(a->q2); free(a->d1); free(a->d2); free(a->sum_q_d);
+    a->q1 = a->q2 = NULL;
+    a->d1 = a->d2 = a->sum_q_d = NULL;
 }
 
-static int quantize_x(const float *x, int64_t M, int64_t K, Activations *a) {
+int rl_alloc_activations(Activations *a, int64_t M, int64_t K) {
     int64_t blocks = M * (K / QK);
     a->q1 = (int8_t *)malloc((size_t)(M * K));
     a->q2 = (int8_t *)malloc((size_t)(M * K));
@@ -66,9 +70,16 @@ static int quantize_x(const float *x, int64_t M, int64_t K, Activations *a) {
     a->d2 = (float *)malloc(sizeof(float) * (size_t)blocks);
     a->sum_q_d = (float *)malloc(sizeof(float) * (size_t)blocks);
     if (!a->q1 || !a->q2 || !a->d1 || !a->d2 || !a->sum_q_d) {
-        free_activations(a);
+        rl_free_activations(a);
         return -1;
     }
+    return 0;
+}
+
+void rl_quantize_activations(const float *x, int64_t M, int64_t K, Activations *a, int threads) {
+    int64_t blocks = M * (K / QK);
+    /* One token's blocks are too few to be worth waking a second thread. */
+    #pragma omp parallel for num_threads(threads) schedule(static) if (M > 1 && threads > 1)
     for (int64_t i = 0; i < blocks; i++) {
         float rest[QK];
         int s1, s2;
@@ -77,7 +88,6 @@ static int quantize_x(const float *x, int64_t M, int64_t K, Activations *a) {
         quantize_level(rest, a->q2 + i * QK, &a->d2[i], &s2);
         a->sum_q_d[i] = a->d1[i] * (float)s1 + a->d2[i] * (float)s2;
     }
-    return 0;
 }
 
 /* Integer dot of 32 unsigned 4-bit codes (or |w| of signed codes) with 32 int8 values, as 8 floats. */
@@ -85,66 +95,110 @@ static inline __m256 dot_u8(__m256i w, __m256i x, __m256i ones) {
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
 }
 
-int rl_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *scale,
-                 const uint16_t *offset, int64_t N, float *y, int threads) {
-    Activations a;
-    if (quantize_x(x, M, K, &a)) return -1;
+#define TILE 4
+
+/* One row of a 4-bit W against tokens [t0, t0 + count), count <= TILE, weight blocks unpacked once. */
+static inline __attribute__((always_inline)) void q4_row(const Activations *a, int64_t K, const uint8_t *wn, const uint16_t *dn,
+                          const uint16_t *mn, int64_t t0, int count, int64_t N, int64_t n, float *y) {
     const int64_t nb = K / QK;
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i ones = _mm256_set1_epi16(1);
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *wn = codes + n * nb * 16;
-        const uint16_t *dn = scale + n * nb, *mn = offset + n * nb;
-        for (int64_t t = 0; t < M; t++) {
-            const int8_t *q1 = a.q1 + t * K, *q2 = a.q2 + t * K;
-            const float *d1 = a.d1 + t * nb, *d2 = a.d2 + t * nb, *sq = a.sum_q_d + t * nb;
-            __m256 acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
-            float offsets = 0.0f;
-            for (int64_t b = 0; b < nb; b++) {
-                __m128i packed = _mm_loadu_si128((const __m128i *)(wn + b * 16));
-                __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
-                __m256 p1 = dot_u8(w, _mm256_loadu_si256((const __m256i *)(q1 + b * QK)), ones);
-                __m256 p2 = dot_u8(w, _mm256_loadu_si256((const __m256i *)(q2 + b * QK)), ones);
-                float db = _cvtsh_ss(dn[b]);
-                acc1 = _mm256_fmadd_ps(_mm256_set1_ps(db * d1[b]), p1, acc1);
-                acc2 = _mm256_fmadd_ps(_mm256_set1_ps(db * d2[b]), p2, acc2);
-                offsets += _cvtsh_ss(mn[b]) * sq[b];
-            }
-            y[t * N + n] = hsum(_mm256_add_ps(acc1, acc2)) + offsets;
+    __m256 acc1[TILE], acc2[TILE];
+    float offsets[TILE];
+    for (int i = 0; i < count; i++) {
+        acc1[i] = _mm256_setzero_ps();
+        acc2[i] = _mm256_setzero_ps();
+        offsets[i] = 0.0f;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        __m128i packed = _mm_loadu_si128((const __m128i *)(wn + b * 16));
+        __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
+        float db = _cvtsh_ss(dn[b]), mb = _cvtsh_ss(mn[b]);
+        for (int i = 0; i < count; i++) {
+            int64_t t = t0 + i;
+            const int8_t *q1 = a->q1 + t * K + b * QK, *q2 = a->q2 + t * K + b * QK;
+            __m256 p1 = dot_u8(w, _mm256_loadu_si256((const __m256i *)q1), ones);
+            __m256 p2 = dot_u8(w, _mm256_loadu_si256((const __m256i *)q2), ones);
+            acc1[i] = _mm256_fmadd_ps(_mm256_set1_ps(db * a->d1[t * nb + b]), p1, acc1[i]);
+            acc2[i] = _mm256_fmadd_ps(_mm256_set1_ps(db * a->d2[t * nb + b]), p2, acc2[i]);
+            offsets[i] += mb * a->sum_q_d[t * nb + b];
         }
     }
-    free_activations(&a);
+    for (int i = 0; i < count; i++) y[(t0 + i) * N + n] = hsum(_mm256_add_ps(acc1[i], acc2[i])) + offsets[i];
+}
+
+static inline __attribute__((always_inline)) void q8_row(const Activations *a, int64_t K, const int8_t *wn, const uint16_t *dn,
+                          int64_t t0, int count, int64_t N, int64_t n, float *y) {
+    const int64_t nb = K / QK;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc1[TILE], acc2[TILE];
+    for (int i = 0; i < count; i++) {
+        acc1[i] = _mm256_setzero_ps();
+        acc2[i] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i w = _mm256_loadu_si256((const __m256i *)(wn + b * QK));
+        /* maddubs takes unsigned x signed: |w| times x with w's sign moved onto x. */
+        __m256i aw = _mm256_sign_epi8(w, w);
+        float db = _cvtsh_ss(dn[b]);
+        for (int i = 0; i < count; i++) {
+            int64_t t = t0 + i;
+            const int8_t *q1 = a->q1 + t * K + b * QK, *q2 = a->q2 + t * K + b * QK;
+            __m256 p1 = dot_u8(aw, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)q1), w), ones);
+            __m256 p2 = dot_u8(aw, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)q2), w), ones);
+            acc1[i] = _mm256_fmadd_ps(_mm256_set1_ps(db * a->d1[t * nb + b]), p1, acc1[i]);
+            acc2[i] = _mm256_fmadd_ps(_mm256_set1_ps(db * a->d2[t * nb + b]), p2, acc2[i]);
+        }
+    }
+    for (int i = 0; i < count; i++) y[(t0 + i) * N + n] = hsum(_mm256_add_ps(acc1[i], acc2[i]));
+}
+
+/* Row n of W against all M tokens. The tile width is a constant in each call, so the
+ * accumulators stay in registers. */
+static inline void matmul_row(const Activations *a, int64_t M, const BlockWeight *w, int64_t n, float *y) {
+    const int64_t N = w->n, K = w->k, nb = K / QK;
+    const uint16_t *dn = w->scale + n * nb;
+    int64_t t = 0;
+    if (w->offset != NULL) {
+        const uint8_t *wn = (const uint8_t *)w->codes + n * nb * 16;
+        const uint16_t *mn = w->offset + n * nb;
+        for (; t + TILE <= M; t += TILE) q4_row(a, K, wn, dn, mn, t, TILE, N, n, y);
+        for (; t < M; t++) q4_row(a, K, wn, dn, mn, t, 1, N, n, y);
+    } else {
+        const int8_t *wn = (const int8_t *)w->codes + n * K;
+        for (; t + TILE <= M; t += TILE) q8_row(a, K, wn, dn, t, TILE, N, n, y);
+        for (; t < M; t++) q8_row(a, K, wn, dn, t, 1, N, n, y);
+    }
+}
+
+void rl_block_matmul(const Activations *a, int64_t M, const BlockWeight *w, float *y, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < w->n; n++) matmul_row(a, M, w, n, y);
+}
+
+void rl_block_matmul_rows(const Activations *a, int64_t M, const BlockWeight *w, int64_t n0, int64_t n1, float *y) {
+    for (int64_t n = n0; n < n1; n++) matmul_row(a, M, w, n, y);
+}
+
+/* The single-matmul entry points (rooflm/quant/linear_method.py's NativeBlockLinear). */
+int rl_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *scale,
+                 const uint16_t *offset, int64_t N, float *y, int threads) {
+    Activations a;
+    if (rl_alloc_activations(&a, M, K)) return -1;
+    rl_quantize_activations(x, M, K, &a, threads);
+    BlockWeight w = {codes, scale, offset, N, K};
+    rl_block_matmul(&a, M, &w, y, threads);
+    rl_free_activations(&a);
     return 0;
 }
 
 int rl_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *codes, const uint16_t *scale,
                  int64_t N, float *y, int threads) {
     Activations a;
-    if (quantize_x(x, M, K, &a)) return -1;
-    const int64_t nb = K / QK;
-    const __m256i ones = _mm256_set1_epi16(1);
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const int8_t *wn = codes + n * K;
-        const uint16_t *dn = scale + n * nb;
-        for (int64_t t = 0; t < M; t++) {
-            const int8_t *q1 = a.q1 + t * K, *q2 = a.q2 + t * K;
-            const float *d1 = a.d1 + t * nb, *d2 = a.d2 + t * nb;
-            __m256 acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
-            for (int64_t b = 0; b < nb; b++) {
-                __m256i w = _mm256_loadu_si256((const __m256i *)(wn + b * QK));
-                /* maddubs takes unsigned x signed: |w| times x with w's sign moved onto x. */
-                __m256i aw = _mm256_sign_epi8(w, w);
-                __m256 p1 = dot_u8(aw, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(q1 + b * QK)), w), ones);
-                __m256 p2 = dot_u8(aw, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(q2 + b * QK)), w), ones);
-                float db = _cvtsh_ss(dn[b]);
-                acc1 = _mm256_fmadd_ps(_mm256_set1_ps(db * d1[b]), p1, acc1);
-                acc2 = _mm256_fmadd_ps(_mm256_set1_ps(db * d2[b]), p2, acc2);
-            }
-            y[t * N + n] = hsum(_mm256_add_ps(acc1, acc2));
-        }
-    }
-    free_activations(&a);
+    if (rl_alloc_activations(&a, M, K)) return -1;
+    rl_quantize_activations(x, M, K, &a, threads);
+    BlockWeight w = {codes, scale, NULL, N, K};
+    rl_block_matmul(&a, M, &w, y, threads);
+    rl_free_activations(&a);
     return 0;
 }

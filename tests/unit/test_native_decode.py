@@ -1,0 +1,215 @@
+"""The native CPU decoder (rooflm/quant/native_decode.py, csrc/decode_layer.c) against the torch
+path it replaces: the same hidden states and logits to fp32-rounding level, the same K/V written
+into the same paged slots, the same greedy tokens; and the steps it must leave alone."""
+
+import numpy as np
+import pytest
+import torch
+
+from rooflm.config import ModelConfig
+from rooflm.layers.attention import AttentionMetadata
+from rooflm.layers.kv_cache import KVCache
+from rooflm.model.llama import LlamaForCausalLM
+from rooflm.quant import native, native_decode
+from rooflm.quant.gguf_blocks import decode
+
+gguf_quants = pytest.importorskip("gguf.quants")
+from gguf import GGMLQuantizationType  # noqa: E402
+
+pytestmark = pytest.mark.skipif(native.library() is None,
+                                reason="no C compiler or no AVX2/FMA: native kernels not built")
+
+# GQA (4 query heads on 2 KV heads), every K a multiple of 32 (GGUF blocks).
+TINY = ModelConfig(architecture="LlamaForCausalLM", vocab_size=120, hidden_size=64, intermediate_size=128,
+                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   max_position_embeddings=256)
+# Each layer's linears in a different GGUF format, so both kernels and both 4-bit variants run.
+LAYER_FORMATS = ["Q4_1", "Q8_0", "Q4_0"]
+BLOCK_SIZE, NUM_BLOCKS = 4, 24
+# A sequence's blocks scattered over the pool: the C side must follow the block table.
+BLOCK_TABLE = [7, 2, 19, 0, 11, 5, 23, 3, 14, 9, 1, 17]
+
+
+def rel_err(out, ref):
+    assert not torch.isnan(out).any()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def quantized_weights(seed=0):
+    """The tiny model's weights with every decoder linear as GGUF blocks (gguf's own quantizer)."""
+    shell_weights = dict(LlamaForCausalLM(TINY, max_positions=1).dummy_weights(seed))
+    out = []
+    for name, tensor in shell_weights.items():
+        if name.endswith("_proj.weight"):
+            fmt = LAYER_FORMATS[int(name.split(".")[2])]
+            raw = gguf_quants.quantize((tensor.numpy() * 2.0).astype(np.float32), GGMLQuantizationType[fmt])
+            out.append((name, decode(fmt, raw, tuple(tensor.shape))))
+        else:
+            out.append((name, tensor))
+    return out
+
+
+def make_model(weights, monkeypatch, native_on=True):
+    monkeypatch.setenv(native_decode.ENV_SWITCH, "1" if native_on else "0")
+    model = LlamaForCausalLM(TINY, max_positions=256).eval()
+    model.load_weights(iter(weights))
+    model.model.choose_decoder_path()  # under this test's ROOFLM_NATIVE_DECODE
+    return model
+
+
+def make_cache():
+    # Poisoned: a slot read before it is written shows up as NaN.
+    shape = (NUM_BLOCKS, BLOCK_SIZE, TINY.num_key_value_heads, TINY.head_dim)
+    return [KVCache(torch.full(shape, float("nan")), torch.full(shape, float("nan")))
+            for _ in range(TINY.num_hidden_layers)]
+
+
+def step_meta(start, count, tables=(BLOCK_TABLE,), starts=None):
+    """One sequence's tokens [start, start + count) (or several sequences' when tables/starts say)."""
+    if starts is None:
+        starts = [start]
+    counts = [count] * len(starts)
+    slots, lens = [], []
+    for table, s, c in zip(tables, starts, counts):
+        slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(s, s + c)]
+        lens.append(s + c)
+    loc = [0]
+    for c in counts:
+        loc.append(loc[-1] + c)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(loc, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=torch.tensor(list(tables), dtype=torch.int32),
+        max_query_len=count, max_seq_len=max(lens), num_decodes=len(starts) if count == 1 else 0,
+        query_start_loc_cpu=loc, seq_lens_cpu=lens)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return quantized_weights()
+
+
+def test_native_steps_match_torch_path_and_write_the_same_cache(weights, monkeypatch):
+    fast, ref = make_model(weights, monkeypatch, True), make_model(weights, monkeypatch, False)
+    fast_cache, ref_cache = make_cache(), make_cache()
+    ids = torch.randint(0, TINY.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
+    # two prefill chunks (the second with a cached prefix), then decodes
+    steps = [(0, 7), (7, 6)] + [(p, 1) for p in range(13, 40)]
+    for start, count in steps:
+        positions = torch.arange(start, start + count)
+        meta_f, meta_r = step_meta(start, count), step_meta(start, count)
+        out = fast.model(ids[start:start + count], positions, fast_cache, meta_f)
+        expected = ref.model(ids[start:start + count], positions, ref_cache, meta_r)
+        assert fast.model.native_decoder is not None and ref.model.native_decoder is None
+        assert rel_err(out, expected) < 1e-4, (start, count)
+        assert rel_err(fast.compute_logits(out), ref.compute_logits(expected)) < 1e-4
+    slots = step_meta(0, 40).slot_mapping
+    for f, r in zip(fast_cache, ref_cache):
+        for a, b in ((f.k, r.k), (f.v, r.v)):
+            a, b = a.view(-1, *a.shape[2:])[slots], b.view(-1, *b.shape[2:])[slots]
+            assert rel_err(a, b) < 1e-4
+
+
+def test_native_step_is_the_native_decoders_result(weights, monkeypatch):
+    model = make_model(weights, monkeypatch, True)
+    cache_a, cache_b = make_cache(), make_cache()
+    ids = torch.tensor([5, 17, 99])
+    via_model = model.model(ids, torch.arange(3), cache_a, step_meta(0, 3))
+    direct = model.model.native_decoder.forward(ids, torch.arange(3), cache_b, step_meta(0, 3))
+    assert direct is not None and torch.equal(via_model, direct)
+
+
+def test_greedy_tokens_equal_over_32_steps(weights, monkeypatch):
+    tokens = {}
+    for native_on in (True, False):
+        model, cache = make_model(weights, monkeypatch, native_on), make_cache()
+        seq = [3, 41, 7, 88, 15]
+        hidden = model.model(torch.tensor(seq), torch.arange(len(seq)), cache, step_meta(0, len(seq)))
+        for _ in range(32):
+            seq.append(int(model.compute_logits(hidden[-1:]).argmax()))
+            p = len(seq) - 1
+            hidden = model.model(torch.tensor(seq[-1:]), torch.tensor([p]), cache, step_meta(p, 1))
+        tokens[native_on] = seq
+    assert tokens[True] == tokens[False]
+
+
+def test_env_switch_turns_it_off(weights, monkeypatch):
+    model = make_model(weights, monkeypatch, False)
+    assert native_decode.unsupported_reason(model.model) == "ROOFLM_NATIVE_DECODE=0"
+    model.model(torch.tensor([1, 2]), torch.arange(2), make_cache(), step_meta(0, 2))
+    assert model.model.native_decoder is None
+
+
+def test_several_sequences_and_fp8_caches_take_the_torch_path(weights, monkeypatch):
+    model = make_model(weights, monkeypatch, True)
+    cache = make_cache()
+    model.model(torch.tensor([1, 2, 3]), torch.arange(3), cache, step_meta(0, 3))
+    decoder = model.model.native_decoder
+    assert decoder is not None
+    other = [4, 6, 8, 10] + [0] * (len(BLOCK_TABLE) - 4)
+    two = step_meta(0, 1, tables=(BLOCK_TABLE, other), starts=[3, 0])
+    assert decoder.forward(torch.tensor([5, 6]), torch.tensor([3, 0]), cache, two) is None
+    fp8 = [KVCache(c.k.to(torch.float8_e4m3fn), c.v.to(torch.float8_e4m3fn), torch.ones(c.k.shape[:3]),
+                   torch.ones(c.k.shape[:3])) for c in make_cache()]
+    assert decoder.forward(torch.tensor([5]), torch.tensor([0]), fp8, step_meta(0, 1)) is None
+
+
+def test_biased_or_float_linears_are_refused(monkeypatch):
+    monkeypatch.setenv(native_decode.ENV_SWITCH, "1")
+    model = LlamaForCausalLM(TINY, max_positions=64)
+    model.init_dummy_weights(0)  # float weights: no blocks for the C side to read
+    reason = native_decode.unsupported_reason(model.model)
+    assert reason is not None and "qkv_proj" in reason
+
+
+@pytest.fixture(scope="module")
+def default_model_runs():
+    """The embedded SmolLM2-135M, greedy, through the native decoder and through torch."""
+    from rooflm import LLM, SamplingParams
+    prompts = ["What is the capital of France?", "Write a haiku about the sea."]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
+    mp = pytest.MonkeyPatch()
+    runs = {}
+    try:
+        mp.setenv(native_decode.ENV_SWITCH, "1")
+        llm = LLM(device="cpu")  # loaded once (the tokenizer conversion alone takes seconds)
+        model = llm.engine.runner.model.model
+        for native_on in ("1", "0"):
+            mp.setenv(native_decode.ENV_SWITCH, native_on)
+            model.choose_decoder_path()
+            runs[native_on] = (llm.generate(prompts, params), model.native_decoder is not None)
+        llm.shutdown()
+    finally:
+        mp.undo()
+    return runs
+
+
+def test_default_model_greedy_tokens_and_logprobs_match(default_model_runs):
+    (fast, fast_native), (ref, ref_native) = default_model_runs["1"], default_model_runs["0"]
+    assert fast_native and not ref_native
+    for a, b in zip(fast, ref):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+        lp_a = [next(iter(d.values())).logprob for d in a.outputs[0].logprobs]
+        lp_b = [next(iter(d.values())).logprob for d in b.outputs[0].logprobs]
+        assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) < 1e-3
+
+
+def test_long_chunks_are_cut_into_calls_and_thread_count_changes_nothing(weights, monkeypatch):
+    """A step longer than MAX_CHUNK runs as consecutive C calls (the later ones reading the earlier
+    ones' K/V from the cache): the same result as one call; and 1 or 2 threads give the same bits
+    (each output row and head is computed whole by one thread)."""
+    model = make_model(weights, monkeypatch, True)
+    ids = torch.randint(0, TINY.vocab_size, (21,), generator=torch.Generator().manual_seed(5))
+    decoder = model.model.native_decoder
+    whole = decoder.forward(ids, torch.arange(21), make_cache(), step_meta(0, 21))
+    monkeypatch.setattr(native_decode, "MAX_CHUNK", 8)
+    cut = decoder.forward(ids, torch.arange(21), make_cache(), step_meta(0, 21))
+    assert rel_err(cut, whole) < 1e-5
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(decoder.forward(ids, torch.arange(21), make_cache(), step_meta(0, 21)))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
