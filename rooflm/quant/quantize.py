@@ -3,11 +3,13 @@ HF directory that rooflm, transformers (with a GPTQ backend) and vLLM recognise.
 
 Steps:
 1. load the model through rooflm itself, every weight in fp32 (`--quantization none`);
-2. for GPTQ, run calibration windows through the engine with a pre-hook on every decoder linear
+2. for GPTQ and AWQ, run calibration windows through the engine with a pre-hook on every decoder linear
    that sums x x^T of its inputs (the Hessian of the layer's squared output error);
-3. quantize each decoder linear: RTN (rtn.py) or GPTQ (gptq.py); fused q/k/v and gate/up share
+3. for AWQ (awq.py), search per-input-channel scales and fold them into the float model (norm
+   weights, v and up rows), then quantize the scaled weights;
+4. quantize each decoder linear: RTN (rtn.py), GPTQ (gptq.py), AWQ-clipped RTN or GPTQ after AWQ; fused q/k/v and gate/up share
    their input, so they are quantized fused (rows are independent) and split back to HF names;
-4. write model.safetensors (GPTQ v1 tensors per linear; norms, embeddings and the LM head in
+5. write model.safetensors (GPTQ v1 tensors per linear; norms, embeddings and the LM head in
    --float-dtype: the LM head and embeddings are never quantized), config.json with its
    quantization_config, and the tokenizer.
 
@@ -40,34 +42,49 @@ def decoder_linears(model) -> dict[str, torch.nn.Module]:
             for name, m in layer.named_modules() if isinstance(m, Linear)}
 
 
-def collect_hessians(llm, windows: list[list[int]]) -> dict[str, torch.Tensor]:
-    """Sum of x x^T of each decoder linear's inputs over the calibration windows (prefill)."""
+def collect_hessians(llm, windows: list[list[int]],
+                     abs_means: Optional[dict[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
+    """Sum of x x^T of each decoder linear's inputs over the calibration windows (prefill).
+    With `abs_means`, also fills it with each linear's mean |x| per input channel (AWQ)."""
     from rooflm.sampling_params import SamplingParams
     model = llm.engine.runner.model
     hessians: dict[str, torch.Tensor] = {}
+    abs_sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
     handles = []
     for name, module in decoder_linears(model).items():
         # fp32 sums: tens of thousands of outer products lose ~1e-5 relative, far below the
         # 1% damping GPTQ adds to the diagonal (fp64 took 2-3x longer on the CPU).
         hessians[name] = torch.zeros(module.in_features, module.in_features)
+        abs_sums[name] = torch.zeros(module.in_features)
 
         def hook(mod, args, name=name):
             x = args[0].reshape(-1, mod.in_features).float()
             hessians[name].addmm_(x.T, x)
+            abs_sums[name] += x.abs().sum(dim=0)
+            counts[name] = counts.get(name, 0) + x.shape[0]
         handles.append(module.register_forward_pre_hook(hook))
     try:
         llm.generate(windows, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
     finally:
         for h in handles:
             h.remove()
+    if abs_means is not None:
+        for name, total in abs_sums.items():
+            abs_means[name] = total / max(counts.get(name, 0), 1)
     return hessians
 
 
 def quantize_linear(w: torch.Tensor, scheme: WeightScheme, method: str, hessian: Optional[torch.Tensor],
                     act_order: bool = False, mse: bool = False):
-    if method == "gptq":
+    """method: rtn | gptq | awq (weights already AWQ-scaled: RTN with the clip search when a Hessian
+    is given) | awq+gptq (weights already AWQ-scaled, the Hessian rescaled to match: GPTQ)."""
+    if method in ("gptq", "awq+gptq"):
         from rooflm.quant.gptq import gptq_quantize
         return gptq_quantize(w, hessian, scheme.bits, scheme.group_size, act_order=act_order, mse=mse)
+    if method == "awq" and hessian is not None and scheme.bits == 4:
+        from rooflm.quant.awq import AwqConfig, clipped_rtn_int4
+        return clipped_rtn_int4(w, hessian, scheme.group_size, AwqConfig(scheme).shrinks)
     return quantize_weight(w, scheme)
 
 
