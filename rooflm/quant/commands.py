@@ -12,11 +12,13 @@ def register(sub) -> None:
     p = sub.add_parser("quantize", help="quantize a model's linear weights (RTN, GPTQ, AWQ) into a GPTQ-layout HF directory")
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2)")
     p.add_argument("--output", required=True, help="directory to write")
-    p.add_argument("--scheme", default="int4-g128", help="int8 (per channel) | int4-g32 | int4-g64 | int4-g128")
-    p.add_argument("--method", default="gptq", choices=("rtn", "gptq", "awq", "awq+gptq"),
+    p.add_argument("--scheme", default="int4-g128",
+                   help="int8 (per channel) | int4-g32 | int4-g64 | int4-g128 (GPTQ layout) | fp8 (compressed-tensors "
+                        "W8A8: per-channel e4m3 weights, dynamic per-token activations)")
+    p.add_argument("--method", default=None, choices=("rtn", "gptq", "awq", "awq+gptq"),
                    help="rtn: round to nearest; gptq: error compensation from calibration inputs; "
                         "awq: activation-aware per-channel scales (folded into the norms) then RTN with a "
-                        "clipped range; awq+gptq: AWQ scales then GPTQ")
+                        "clipped range; awq+gptq: AWQ scales then GPTQ (default gptq; fp8: rtn, the only one)")
     p.add_argument("--calib-text", default=None, help="calibration text (default: pydoc_data/topics.py)")
     p.add_argument("--calib-windows", type=int, default=8, help="calibration windows (GPTQ, AWQ)")
     p.add_argument("--no-clip", action="store_true", help="AWQ: skip the weight-range (clip) search")
@@ -42,8 +44,11 @@ def run_quantize(args: argparse.Namespace) -> int:
     from rooflm.quant.quantize import collect_hessians, quantized_state_dict, write_checkpoint
     from rooflm.quant.rtn import WeightScheme
 
-    scheme = WeightScheme.parse(args.scheme)
     float_dtype = getattr(torch, args.float_dtype)
+    if args.scheme == "fp8":
+        return _quantize_fp8(args, float_dtype)
+    scheme = WeightScheme.parse(args.scheme)
+    args.method = args.method or "gptq"
     t0 = time.perf_counter()
     llm = LLM(model=args.model, device="cpu", dtype="float32", quantization="none", enable_prefix_caching=False)
     model = llm.engine.runner.model
@@ -88,4 +93,28 @@ def run_quantize(args: argparse.Namespace) -> int:
     write_checkpoint(args.output, config, tensors, scheme, float_dtype, llm.tokenizer, note,
                      args.act_order and "gptq" in args.method)
     print(f"wrote {args.output} ({args.scheme} {args.method}) in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _quantize_fp8(args: argparse.Namespace, float_dtype) -> int:
+    """--scheme fp8: round each decoder linear to per-channel e4m3 (no calibration: activations
+    are quantized per token at run time) and write compressed-tensors."""
+    from rooflm.llm import LLM
+    from rooflm.model.dummy_dir import hf_config_dict
+    from rooflm.quant.fp8 import compressed_tensors_config
+    from rooflm.quant.quantize import fp8_state_dict, write_checkpoint
+
+    if args.method not in (None, "rtn"):
+        raise ValueError(f"--scheme fp8 rounds to nearest per channel; --method {args.method} applies to the "
+                         f"int8/int4 schemes")
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, device="cpu", dtype="float32", quantization="none", enable_prefix_caching=False)
+    tensors = fp8_state_dict(llm.engine.runner.model, float_dtype)
+    note = (f"# fp8 W8A8 of {args.model or 'the embedded SmolLM2-135M-Instruct'}\n\n"
+            f"Written by `rooflm quantize --scheme fp8` in compressed-tensors float-quantized (rooflm/quant/fp8.py): "
+            f"per-channel e4m3 weights, dynamic per-token e4m3 activations. Embeddings, LM head and norms in "
+            f"{args.float_dtype}.")
+    write_checkpoint(args.output, hf_config_dict(llm.engine.model_config), tensors, None, float_dtype,
+                     llm.tokenizer, note, quant_config=compressed_tensors_config())
+    print(f"wrote {args.output} (fp8) in {time.perf_counter() - t0:.1f} s")
     return 0

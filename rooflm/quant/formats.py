@@ -101,8 +101,9 @@ def _same_perm(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
 
 
 def is_quantized_tensor(tensor) -> bool:
+    from rooflm.quant.fp8 import Fp8Weight
     from rooflm.quant.gguf_blocks import BlockTensor
-    return isinstance(tensor, (BlockTensor, GroupWeight, ChannelWeight))
+    return isinstance(tensor, (BlockTensor, GroupWeight, ChannelWeight, Fp8Weight))
 
 
 # ---------------------------------------------------------------------------

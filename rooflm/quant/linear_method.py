@@ -217,11 +217,14 @@ class W8A16Linear(QuantizedLinearMethod):
 
 
 def make_linear_method(weight, device: torch.device, act_dtype: torch.dtype) -> Optional[QuantizedLinearMethod]:
-    """The module for any quantized weight (GGUF blocks, GroupWeight, ChannelWeight) on `device`,
+    """The module for any quantized weight (GGUF blocks, GroupWeight, ChannelWeight, Fp8Weight) on `device`,
     or None where no kernel here takes it (the caller then dequantizes)."""
     from rooflm.quant.formats import ChannelWeight, GroupWeight
+    from rooflm.quant.fp8 import Fp8Linear, Fp8Weight
     if isinstance(weight, BlockTensor):
         return make_quantized_linear(weight, device)
+    if isinstance(weight, Fp8Weight):  # every device: fp32 emulation where there is no _scaled_mm
+        return Fp8Linear(weight, device)
     if device.type != "cuda":
         return None  # CPU: dequantized at load (no CPU kernel for these layouts yet)
     if isinstance(weight, GroupWeight):

@@ -128,18 +128,45 @@ def quantized_state_dict(model, scheme: WeightScheme, method: str, hessians: Opt
     return out
 
 
+def fp8_state_dict(model, float_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """HF-named tensors for `--scheme fp8`: compressed-tensors fp8 (e4m3 weight, per-channel
+    weight_scale) for decoder linears, float for everything else (fp8.py)."""
+    from rooflm.quant.fp8 import Fp8Weight, quantize_fp8_weight, to_compressed_tensors
+    out: dict[str, torch.Tensor] = {}
+    linears = decoder_linears(model)
+    linear_params = {f"{name}.{kind}" for name in linears for kind in ("weight", "bias")}
+    for name, param in model.named_parameters():
+        if name not in linear_params and param.numel():
+            out[name] = param.detach().to(float_dtype).contiguous()
+    for name, module in linears.items():
+        prefix, _, leaf = name.rpartition(".")
+        q = quantize_fp8_weight(module.weight)
+        shards = ([(f"{prefix}.{_SPLITS[leaf][1][shard]}", offset, size)
+                   for shard, (offset, size) in module.shard_offsets.items()]
+                  if leaf in _SPLITS else [(name, 0, module.out_features)])
+        for target, offset, size in shards:
+            part = Fp8Weight(q.codes[offset:offset + size], q.scales[offset:offset + size])
+            for kind, t in to_compressed_tensors(part).items():
+                out[f"{target}.{kind}"] = t
+            if module.bias is not None:
+                out[f"{target}.bias"] = module.bias.detach()[offset:offset + size].to(float_dtype)
+    return out
+
+
 def gptq_config(scheme: WeightScheme, act_order: bool = False) -> dict:
     return {"quant_method": "gptq", "bits": scheme.bits, "group_size": scheme.group_size,
             "desc_act": act_order and scheme.bits == 4, "sym": scheme.bits == 8, "checkpoint_format": "gptq", "lm_head": False,
             "true_sequential": False, "damp_percent": 0.01}
 
 
-def write_checkpoint(out_dir: str, config_dict: dict, tensors: dict[str, torch.Tensor], scheme: WeightScheme,
-                     float_dtype: torch.dtype, tokenizer=None, note: str = "", act_order: bool = False) -> None:
+def write_checkpoint(out_dir: str, config_dict: dict, tensors: dict[str, torch.Tensor], scheme: Optional[WeightScheme],
+                     float_dtype: torch.dtype, tokenizer=None, note: str = "", act_order: bool = False,
+                     quant_config: Optional[dict] = None) -> None:
+    """quant_config: config.json's quantization_config; default the GPTQ one of `scheme`."""
     from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
     cfg = dict(config_dict)
-    cfg["quantization_config"] = gptq_config(scheme, act_order)
+    cfg["quantization_config"] = quant_config if quant_config is not None else gptq_config(scheme, act_order)
     cfg["torch_dtype"] = str(float_dtype).replace("torch.", "")
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2)
