@@ -24,60 +24,20 @@ Checkpoint layouts read (checkpoint.py detects them from config.json):
                       [1] (tensor); input activations "token" + dynamic, "tensor" + static, or none.
 `rooflm quantize --scheme fp8` writes compressed-tensors, channel weights, dynamic token activations.
 
+The runtime form is formats.Fp8Weight; the module that multiplies it is linear_method.Fp8Linear.
 `--quantization fp8` quantizes a float model's decoder linears at load (the LM head and
 embeddings stay in float, as vLLM's fp8 does by default).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from rooflm.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, per_token_fp8, static_fp8
-from rooflm.quant.linear_method import QuantizedLinearMethod
-
-ACTIVATIONS = ("dynamic", "static", "none")
-
-
-@dataclass(frozen=True)
-class Fp8Weight:
-    """The runtime form of an FP8 linear weight: codes float8_e4m3fn [N, K], scales fp32 [N]
-    (a per-tensor scale is broadcast to the rows), input_scale fp32 scalar for static activations."""
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    activations: str = "dynamic"
-    input_scale: Optional[torch.Tensor] = None
-    format: str = "fp8"
-    bits: int = 8
-
-    def __post_init__(self):
-        if self.activations not in ACTIVATIONS:
-            raise ValueError(f"fp8 activations must be one of {ACTIVATIONS}; got {self.activations!r}")
-        if self.activations == "static" and self.input_scale is None:
-            raise ValueError("static fp8 activations need an input_scale")
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.codes.shape)
-
-    def dequantize(self) -> torch.Tensor:
-        return self.codes.float() * self.scales.float()[:, None]
-
-    @staticmethod
-    def cat(parts: list["Fp8Weight"]) -> "Fp8Weight":
-        modes = {p.activations for p in parts}
-        if len(modes) != 1:
-            raise ValueError(f"cannot fuse fp8 shards with different activation schemes {sorted(modes)}")
-        input_scale = None
-        if parts[0].activations == "static":
-            # One activation tensor feeds all the shards: the largest calibrated scale covers each
-            # shard's range (vLLM does the same for fused q/k/v and gate/up).
-            input_scale = torch.stack([p.input_scale.float().reshape(()) for p in parts]).max()
-        return Fp8Weight(torch.cat([p.codes for p in parts]), torch.cat([p.scales.float() for p in parts]),
-                         parts[0].activations, input_scale)
+from rooflm.kernels.fp8_quant import FP8_DTYPE, FP8_MAX
+from rooflm.quant.formats import Fp8Weight
+from rooflm.quant.linear_method import Fp8Linear
 
 
 def quantize_fp8_weight(w: torch.Tensor, activations: str = "dynamic") -> Fp8Weight:
@@ -124,65 +84,6 @@ def compressed_tensors_config() -> dict:
             "output_activations": None}},
         "ignore": ["lm_head"], "kv_cache_scheme": None,
     }
-
-
-# ---------------------------------------------------------------------------
-# The linear method
-# ---------------------------------------------------------------------------
-
-def scaled_mm_supported(device: torch.device) -> bool:
-    """torch._scaled_mm with row-wise scales: CUDA compute capability 8.9 (Ada) or 9.x (Hopper)."""
-    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-class Fp8Linear(QuantizedLinearMethod):
-    """y = x @ W.T for an Fp8Weight: torch._scaled_mm where the device has fp8 tensor cores,
-    else the same products in fp32 (module header)."""
-
-    def __init__(self, weight: Fp8Weight, device: torch.device):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.format = "fp8"
-        self.activations = weight.activations
-        self.register_buffer("qweight", weight.codes.to(device).contiguous())
-        self.register_buffer("weight_scale", weight.scales.to(device=device, dtype=torch.float32).contiguous())
-        self.register_buffer("input_scale", None if weight.input_scale is None
-                             else weight.input_scale.to(device=device, dtype=torch.float32).reshape(1, 1))
-        # _scaled_mm's fp8 GEMMs need K and N multiples of 16.
-        self.use_scaled_mm = (scaled_mm_supported(device) and self.activations != "none"
-                              and self.in_features % 16 == 0 and self.out_features % 16 == 0)
-
-    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(codes [M, K] e4m3, scale [M, 1] fp32) of the activations."""
-        if self.activations == "static":
-            return static_fp8(x, self.input_scale), self.input_scale.expand(x.shape[0], 1)
-        return per_token_fp8(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if self.activations == "none":  # weight-only fp8: weights dequantized into x's dtype
-            w = (self.qweight.to(torch.float32) * self.weight_scale[:, None]).to(x.dtype)
-            y = flat @ w.T
-        elif self.use_scaled_mm:
-            qx, sx = self.quantize_input(flat)
-            # Row-wise scaling takes a row-major A, a column-major B (W.T of the row-major
-            # [N, K] weight is one) and returns bf16.
-            y = torch._scaled_mm(qx, self.qweight.t(), scale_a=sx.contiguous(),
-                                 scale_b=self.weight_scale.reshape(1, -1), out_dtype=torch.bfloat16)
-            y = y.to(x.dtype)
-        else:
-            qx, sx = self.quantize_input(flat)
-            y = fp8_matmul_emulated(qx, sx, self.qweight, self.weight_scale).to(x.dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
-
-
-def fp8_matmul_emulated(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
-    """The reference of the W8A8 product, fp32: (qx * sx) @ (qw * sw).T. Every fp8 value is exact in
-    fp32 and each product of two is too (4 + 4 mantissa bits), so only the sum's order differs
-    from the tensor cores'."""
-    return (qx.float() @ qw.float().T) * sx.float() * sw.float()[None, :]
 
 
 @torch.no_grad()

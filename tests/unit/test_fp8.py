@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from rooflm.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, per_token_fp8, per_token_fp8_ref
-from rooflm.quant.fp8 import Fp8Linear, Fp8Weight, quantize_fp8_weight
+from rooflm.quant.formats import Fp8Weight
+from rooflm.quant.fp8 import quantize_fp8_weight
+from rooflm.quant.linear_method import Fp8Linear
 
 PROMPTS = [[5, 9, 17, 33, 2, 71, 14, 88], [7, 3, 120, 44]]
 
