@@ -330,8 +330,8 @@ def run_throughput(args: argparse.Namespace, out: TextIO = None) -> int:
     out = out or sys.stdout
     _check_args(args)
     if args.data_parallel_size > 1:
-        from rooflm.dp.offline import run_data_parallel
-        return run_data_parallel(args, out)
+        raise ValueError("run_throughput runs one engine: --data-parallel-size > 1 goes through "
+                         "rooflm.bench.commands.run_throughput_command")
     engine_options = engine_kwargs(args)
     engine = LLMEngine.from_kwargs(**engine_options)
     device, gpu, stamp_fields, requests = prepare_run(args, engine)
