@@ -28,12 +28,15 @@ exact dequantized float path.
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 
 from rooflm.quant import native
 from rooflm.quant.gguf_blocks import BLOCK, BlockTensor
+
+logger = logging.getLogger(__name__)
 
 ACT_DTYPE = torch.bfloat16
 
@@ -258,10 +261,18 @@ class Fp8Linear(QuantizedLinearMethod):
             y = flat @ w.T
         elif self.use_scaled_mm:
             qx, sx = self.quantize_input(flat)
-            # Row-wise scaling takes a row-major A, a column-major B (W.T of the row-major
-            # [N, K] weight is one) and returns bf16.
-            y = torch._scaled_mm(qx, self.qweight.t(), scale_a=sx.contiguous(),
-                                 scale_b=self.weight_scale.reshape(1, -1), out_dtype=torch.bfloat16)
+            try:
+                # Row-wise scaling takes a row-major A, a column-major B (W.T of the row-major
+                # [N, K] weight is one) and returns bf16.
+                y = torch._scaled_mm(qx, self.qweight.t(), scale_a=sx.contiguous(),
+                                     scale_b=self.weight_scale.reshape(1, -1), out_dtype=torch.bfloat16)
+            except RuntimeError as exc:
+                # A torch build or shape without row-wise fp8 GEMMs: found at the first (eager,
+                # warm-up) call, before any CUDA graph is captured; the emulation is slower, not wrong.
+                logger.warning("torch._scaled_mm failed for fp8 linear %dx%d (%s); using the fp32 emulation",
+                               self.out_features, self.in_features, exc)
+                self.use_scaled_mm = False
+                y = fp8_matmul_emulated(qx, sx, self.qweight, self.weight_scale)
             y = y.to(x.dtype)
         else:
             qx, sx = self.quantize_input(flat)
