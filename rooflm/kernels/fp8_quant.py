@@ -52,12 +52,14 @@ def _per_token_fp8_kernel(q_ptr, s_ptr, x_ptr, K, stride_xm, stride_qm,
         mask = (k0 + cols) < K
         x = tl.load(x_ptr + row * stride_xm + k0 + cols, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX_C, MIN_SCALE_C)
+    # div_rn: Triton's fp32 `/` is div.full.f32 (up to 2 ulp off) on NVIDIA; the reference's
+    # torch divide is IEEE round-to-nearest, and one ulp can flip a code's rounding.
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX_C), MIN_SCALE_C)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK):
         mask = (k0 + cols) < K
         x = tl.load(x_ptr + row * stride_xm + k0 + cols, mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(x / scale, -FP8_MAX_C, FP8_MAX_C)
+        q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_C, FP8_MAX_C)
         tl.store(q_ptr + row * stride_qm + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
