@@ -5,7 +5,8 @@ A linear y = W x is unchanged by y = (W diag(s)) (diag(1/s) x) for any positive 
 s. Multiplying the input channels that carry large activations by s > 1 before rounding W shrinks
 their relative rounding error, at the price of the other channels of the same group. AWQ takes
 s = mean|x|^alpha (normalised so that max(s) * min(s) = 1) and picks alpha per linear group on a
-grid, minimising the layer's output error on calibration inputs.
+grid, minimising the layer's output error on calibration inputs (AutoAWQ's duo scaling,
+s = mean|x|^alpha / mean|w|^(1-alpha), is searched too).
 
 The output error of a weight change dW on inputs X is ||dW X^T||^2 = tr(dW H dW^T), H = X^T X: the
 same Hessian GPTQ collects (quantize.collect_hessians). So the search needs no stored activations,
@@ -48,6 +49,9 @@ class AwqConfig:
     scheme: WeightScheme
     # llm-awq's n_grid = 20: alpha in 0, 0.05, ..., 0.95.
     alphas: tuple[float, ...] = tuple(i / 20 for i in range(20))
+    # Also search AutoAWQ's "duo" scales s = mean|x|^alpha / mean|w|^(1 - alpha) (its default),
+    # which damp channels whose weights are already large; the better of the two forms is kept.
+    duo_scaling: bool = True
     # Range shrink factors of the clip search (llm-awq: max_shrink 0.5 in 20 steps; here fewer,
     # the same spacing near 1 where the choices fall).
     shrinks: tuple[float, ...] = (1.0, 0.975, 0.95, 0.925, 0.9, 0.875, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)
@@ -96,22 +100,39 @@ def search_scale(w: torch.Tensor, hessian: torch.Tensor, act_mean: torch.Tensor,
     w = w.float()
     h = hessian.float()
     mean = act_mean.float().clamp_min(1e-8)
+    w_mean = weight_magnitude(w, config.scheme)
     if tie is not None:
         kv_heads, group, head_dim = tie
-        mean = mean.reshape(kv_heads, group, head_dim).mean(dim=1, keepdim=True).expand(-1, group, -1).reshape(-1)
+
+        def tied(v):
+            return v.reshape(kv_heads, group, head_dim).mean(dim=1, keepdim=True).expand(-1, group, -1).reshape(-1)
+        mean, w_mean = tied(mean), tied(w_mean)
     best = (torch.ones_like(mean), 0.0, None)
     base = None
-    for alpha in config.alphas:
-        s = mean.pow(alpha)
-        s = s / (s.max() * s.min()).sqrt()  # llm-awq's normalisation: the scales centre on 1
-        dw = fake_quantize(w * s[None, :], config.scheme) / s[None, :] - w
-        err = output_error(dw, h)
-        if base is None:
-            base = err  # alpha 0: RTN
-        if best[2] is None or err < best[2]:
-            best = (s, alpha, err)
+    for duo in ((False, True) if config.duo_scaling else (False,)):
+        for alpha in config.alphas:
+            s = mean.pow(alpha)
+            if duo:
+                s = (s / (w_mean.pow(1 - alpha) + 1e-4)).clamp_min(1e-4)
+            s = s / (s.max() * s.min()).sqrt()  # llm-awq's normalisation: the scales centre on 1
+            dw = fake_quantize(w * s[None, :], config.scheme) / s[None, :] - w
+            err = output_error(dw, h)
+            if base is None:
+                base = err  # alpha 0 without duo: s = 1, RTN
+            if best[2] is None or err < best[2]:
+                best = (s, alpha, err)
     ratio = best[2] / base if base else 1.0
     return best[0], best[1], ratio
+
+
+def weight_magnitude(w: torch.Tensor, scheme: WeightScheme) -> torch.Tensor:
+    """AutoAWQ's per-input-channel weight scale: |w| relative to its (row, group)'s largest,
+    averaged over the rows [K]."""
+    n, k = w.shape
+    g = k if scheme.group_size <= 0 else scheme.group_size
+    padded = torch.nn.functional.pad(w.abs(), (0, -k % g)).reshape(n, -1, g)
+    rel = padded / padded.amax(dim=2, keepdim=True).clamp_min(1e-8)
+    return rel.reshape(n, -1)[:, :k].mean(dim=0).clamp_min(1e-8)
 
 
 def clipped_rtn_int4(w: torch.Tensor, hessian: torch.Tensor, group_size: int, shrinks: tuple[float, ...],
