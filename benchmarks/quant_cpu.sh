@@ -36,11 +36,10 @@ one() {
     # FP8 W8A8 at load: per-output-channel e4m3 weights, dynamic per-token e4m3 activations
     # (real fp8 rounding on the CPU through torch.float8_e4m3fn casts).
     fp8) score fp8 --quantization fp8 ;;
-    # The first three were measured before AWQ searched AutoAWQ's duo scales too (--no-duo keeps that).
-    int4-g128-awq) run int4-g128-awq --scheme int4-g128 --method awq --calib-windows 32 --no-duo ;;
-    int4-g128-awq-gptq) run int4-g128-awq-gptq --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 --no-duo ;;
-    int4-g32-awq-gptq) run int4-g32-awq-gptq --scheme int4-g32 --method awq+gptq --act-order --mse --calib-windows 32 --no-duo ;;
-    int4-g128-awq-gptq-duo) run int4-g128-awq-gptq-duo --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 ;;
+    int4-g128-awq) run int4-g128-awq --scheme int4-g128 --method awq --calib-windows 32 ;;
+    int4-g128-awq-gptq) run int4-g128-awq-gptq --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 ;;
+    int4-g32-awq-gptq) run int4-g32-awq-gptq --scheme int4-g32 --method awq+gptq --act-order --mse --calib-windows 32 ;;
+    int4-g128-awq-gptq-duo) run int4-g128-awq-gptq-duo --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 --duo ;;
     *) echo "unknown run $1" >&2; return 2 ;;
   esac
 }

@@ -22,8 +22,8 @@ def register(sub) -> None:
     p.add_argument("--calib-text", default=None, help="calibration text (default: pydoc_data/topics.py)")
     p.add_argument("--calib-windows", type=int, default=8, help="calibration windows (GPTQ, AWQ)")
     p.add_argument("--no-clip", action="store_true", help="AWQ: skip the weight-range (clip) search")
-    p.add_argument("--no-duo", action="store_true",
-                   help="AWQ: search only s = mean|x|^alpha, not also AutoAWQ's mean|x|^alpha / mean|w|^(1-alpha)")
+    p.add_argument("--duo", action="store_true",
+                   help="AWQ: also search AutoAWQ's scales mean|x|^alpha / mean|w|^(1-alpha) beside mean|x|^alpha")
     p.add_argument("--calib-window", type=int, default=512, help="tokens per calibration window")
     p.add_argument("--calib-skip-windows", type=int, default=32,
                    help="windows skipped at the start of the text (`eval ppl` scores the first 16 by default: "
@@ -73,7 +73,7 @@ def run_quantize(args: argparse.Namespace) -> int:
     if args.method.startswith("awq"):
         from rooflm.quant.awq import AwqConfig, apply_awq
         t1 = time.perf_counter()
-        report = apply_awq(model, hessians, act_means, AwqConfig(scheme, duo_scaling=not args.no_duo))
+        report = apply_awq(model, hessians, act_means, AwqConfig(scheme, duo_scaling=args.duo))
         awq_note = " " + report.summary() + "."
         print(f"{report.summary()} ({time.perf_counter() - t1:.1f} s)")
     # AWQ without the clip search writes the scaled weights rounded to nearest.
@@ -88,7 +88,7 @@ def run_quantize(args: argparse.Namespace) -> int:
     finally:
         torch.set_num_threads(threads)
     config = hf_config_dict(llm.engine.model_config)
-    options = "".join(f" --{o.replace('_', '-')}" for o in ("act_order", "mse", "no_clip", "no_duo") if getattr(args, o))
+    options = "".join(f" --{o.replace('_', '-')}" for o in ("act_order", "mse", "no_clip", "duo") if getattr(args, o))
     note = (f"# {args.scheme} {args.method}{options} of {args.model or 'the embedded SmolLM2-135M-Instruct'}\n\n"
             f"Written by `rooflm quantize` in the GPTQ v1 layout (rooflm/quant/formats.py).{calib}{awq_note} "
             f"Embeddings, LM head and norms in {args.float_dtype}.")
