@@ -69,12 +69,13 @@ def _per_token_fp8_kernel(q_ptr, s_ptr, x_ptr, K, stride_xm, stride_qm,
 
 def per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (fp32/bf16/fp16) -> (q [M, K] float8_e4m3fn, scale [M, 1] fp32), x ~= q * scale.
-    Triton on CUDA, the torch reference elsewhere (see the header on the interpreter)."""
+    Triton on CUDA sm89+, the torch reference elsewhere (see the header on the interpreter)."""
     if x.dim() != 2:
         raise ValueError(f"per_token_fp8 takes a 2-D [tokens, features] tensor; got shape {tuple(x.shape)}")
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"per_token_fp8 takes fp32/bf16/fp16 activations; got {x.dtype}")
-    if x.device.type != "cuda":
+    if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) < (8, 9):
+        # Triton converts to e4m3 (fp8e4nv) only on sm89+; an A100 takes the torch casts.
         return per_token_fp8_ref(x)
     if x.stride(1) != 1:
         x = x.contiguous()
