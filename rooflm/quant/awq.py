@@ -54,6 +54,22 @@ class AwqConfig:
     # Off by default: on SmolLM2 g128 AWQ+GPTQ it lowered the summed per-linear error (0.701x RTN
     # vs 0.713x) but gave +8.00% perplexity against +7.67% (benchmarks/results/quant-cpu-20261125/).
     duo_scaling: bool = False
+    # How each alpha's quantized weight is made while scoring it: "rtn" (llm-awq) or "gptq" (the
+    # quantizer `awq+gptq` will use, with gptq_act_order / gptq_mse: the search then scores the
+    # combination that is written; ~20x the time).
+    score_with: str = "rtn"
+    gptq_act_order: bool = False
+    gptq_mse: bool = False
+
+    def quantizer(self):
+        """(scaled w [N, K], Hessian of the scaled inputs) -> dequantized weight, for scoring."""
+        if self.score_with == "rtn":
+            return lambda w, h: fake_quantize(w, self.scheme)
+        if self.score_with == "gptq":
+            from rooflm.quant.gptq import gptq_quantize
+            return lambda w, h: gptq_quantize(w, h, self.scheme.bits, self.scheme.group_size, scale_dtype=torch.float32,
+                                              act_order=self.gptq_act_order, mse=self.gptq_mse).dequantize()
+        raise ValueError(f"AWQ score_with must be 'rtn' or 'gptq'; got {self.score_with!r}")
     # Range shrink factors of the clip search (llm-awq: max_shrink 0.5 in 20 steps; here fewer,
     # the same spacing near 1 where the choices fall).
     shrinks: tuple[float, ...] = (1.0, 0.975, 0.95, 0.925, 0.9, 0.875, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)
@@ -111,13 +127,14 @@ def search_scale(w: torch.Tensor, hessian: torch.Tensor, act_mean: torch.Tensor,
         mean, w_mean = tied(mean), tied(w_mean)
     best = (torch.ones_like(mean), 0.0, None)
     base = None
+    quantize = config.quantizer()
     for duo in ((False, True) if config.duo_scaling else (False,)):
         for alpha in config.alphas:
             s = mean.pow(alpha)
             if duo:
                 s = (s / (w_mean.pow(1 - alpha) + 1e-4)).clamp_min(1e-4)
             s = s / (s.max() * s.min()).sqrt()  # llm-awq's normalisation: the scales centre on 1
-            dw = fake_quantize(w * s[None, :], config.scheme) / s[None, :] - w
+            dw = quantize(w * s[None, :], h / (s[:, None] * s[None, :])) / s[None, :] - w
             err = output_error(dw, h)
             if base is None:
                 base = err  # alpha 0 without duo: s = 1, RTN

@@ -22,6 +22,9 @@ def register(sub) -> None:
     p.add_argument("--calib-text", default=None, help="calibration text (default: pydoc_data/topics.py)")
     p.add_argument("--calib-windows", type=int, default=8, help="calibration windows (GPTQ, AWQ)")
     p.add_argument("--no-clip", action="store_true", help="AWQ: skip the weight-range (clip) search")
+    p.add_argument("--awq-score", default="rtn", choices=("rtn", "gptq"),
+                   help="AWQ: quantizer used to score each alpha (gptq: the one awq+gptq writes, with its "
+                        "--act-order/--mse; much slower)")
     p.add_argument("--duo", action="store_true",
                    help="AWQ: also search AutoAWQ's scales mean|x|^alpha / mean|w|^(1-alpha) beside mean|x|^alpha")
     p.add_argument("--calib-window", type=int, default=512, help="tokens per calibration window")
@@ -73,7 +76,16 @@ def run_quantize(args: argparse.Namespace) -> int:
     if args.method.startswith("awq"):
         from rooflm.quant.awq import AwqConfig, apply_awq
         t1 = time.perf_counter()
-        report = apply_awq(model, hessians, act_means, AwqConfig(scheme, duo_scaling=args.duo))
+        config = AwqConfig(scheme, duo_scaling=args.duo, score_with=args.awq_score,
+                           gptq_act_order=args.act_order, gptq_mse=args.mse)
+        # GPTQ scoring is GPTQ's column loop many times over: one thread (see below).
+        threads = torch.get_num_threads()
+        if args.awq_score == "gptq":
+            torch.set_num_threads(1)
+        try:
+            report = apply_awq(model, hessians, act_means, config)
+        finally:
+            torch.set_num_threads(threads)
         awq_note = " " + report.summary() + "."
         print(f"{report.summary()} ({time.perf_counter() - t1:.1f} s)")
     # AWQ without the clip search writes the scaled weights rounded to nearest.
@@ -89,6 +101,8 @@ def run_quantize(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
     config = hf_config_dict(llm.engine.model_config)
     options = "".join(f" --{o.replace('_', '-')}" for o in ("act_order", "mse", "no_clip", "duo") if getattr(args, o))
+    if args.method.startswith("awq") and args.awq_score != "rtn":
+        options += f" --awq-score {args.awq_score}"
     note = (f"# {args.scheme} {args.method}{options} of {args.model or 'the embedded SmolLM2-135M-Instruct'}\n\n"
             f"Written by `rooflm quantize` in the GPTQ v1 layout (rooflm/quant/formats.py).{calib}{awq_note} "
             f"Embeddings, LM head and norms in {args.float_dtype}.")
