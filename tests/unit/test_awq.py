@@ -154,3 +154,26 @@ def test_awq_checkpoint_loads_with_the_folded_norms(tmp_path, method):
         reference = _logits(_llm(src))
         err = {m: (_logits(_llm(str(d))) - reference).norm() for m, d in written.items()}
         assert err["awq"] < err["rtn"], err
+
+
+def test_gptq_scored_search_is_best_for_gptq_on_its_grid():
+    """score_with="gptq" picks, on the same alpha grid, a scale whose GPTQ output error is no
+    larger than that of the scale the RTN-scored search picks, once both are quantized by GPTQ."""
+    from rooflm.quant.awq import output_error
+    from rooflm.quant.gptq import gptq_quantize
+    g = torch.Generator().manual_seed(7)
+    k, n, group = 128, 32, 32
+    channel = torch.ones(k)
+    channel[torch.randperm(k, generator=g)[:5]] = 15.0
+    x = torch.randn(384, k, generator=g) * channel
+    w = torch.randn(n, k, generator=g) * 0.05
+    h = x.T @ x
+    scheme = WeightScheme(4, group)
+
+    def gptq_error(s):
+        q = gptq_quantize(w * s[None, :], h / (s[:, None] * s[None, :]), 4, group, scale_dtype=torch.float32)
+        return output_error(q.dequantize() / s[None, :] - w, h)
+    s_rtn, _, _ = search_scale(w, h, x.abs().mean(dim=0), AwqConfig(scheme))
+    s_gptq, _, ratio = search_scale(w, h, x.abs().mean(dim=0), AwqConfig(scheme, score_with="gptq"))
+    assert gptq_error(s_gptq) <= gptq_error(s_rtn) * (1 + 1e-6)
+    assert ratio <= 1.0
