@@ -173,7 +173,8 @@ def test_gptq_scored_search_is_best_for_gptq_on_its_grid():
     def gptq_error(s):
         q = gptq_quantize(w * s[None, :], h / (s[:, None] * s[None, :]), 4, group, scale_dtype=torch.float32)
         return output_error(q.dequantize() / s[None, :] - w, h)
-    s_rtn, _, _ = search_scale(w, h, x.abs().mean(dim=0), AwqConfig(scheme))
-    s_gptq, _, ratio = search_scale(w, h, x.abs().mean(dim=0), AwqConfig(scheme, score_with="gptq"))
+    grid = tuple(i / 8 for i in range(8))  # a coarser grid than the default 20: seconds, not tens
+    s_rtn, _, _ = search_scale(w, h, x.abs().mean(dim=0), AwqConfig(scheme, alphas=grid))
+    s_gptq, _, ratio = search_scale(w, h, x.abs().mean(dim=0), AwqConfig(scheme, alphas=grid, score_with="gptq"))
     assert gptq_error(s_gptq) <= gptq_error(s_rtn) * (1 + 1e-6)
     assert ratio <= 1.0
