@@ -5,7 +5,9 @@
 # Writes OUT/{ppl-*.json,*.txt,drift-*.txt}.
 # Usage: OUT=dir bash benchmarks/quant_cpu.sh [RUN...]   (~1 h on a loaded 2-core machine for all)
 #   RUN: int8-rtn int4-g128-rtn int4-g128-gptq int4-g128-gptq-ao-mse (the default set, 2026-11-23)
-#        fp8 int4-g128-awq int4-g128-awq-gptq int4-g32-awq-gptq int4-g128-awq-gptq-duo (2026-11-25)
+#        fp8 int4-g128-awq int4-g128-awq-gptq int4-g32-awq-gptq int4-g128-awq-gptq-duo
+#        int4-g128-awq-gptq-score int4-g32-awq-gptq-score (2026-11-25; -score: AWQ scored with GPTQ,
+#        today's awq+gptq default)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/quant-cpu-$(date -u +%Y%m%d)}
@@ -37,10 +39,11 @@ one() {
     # (real fp8 rounding on the CPU through torch.float8_e4m3fn casts).
     fp8) score fp8 --quantization fp8 ;;
     int4-g128-awq) run int4-g128-awq --scheme int4-g128 --method awq --calib-windows 32 ;;
-    int4-g128-awq-gptq) run int4-g128-awq-gptq --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 ;;
-    int4-g32-awq-gptq) run int4-g32-awq-gptq --scheme int4-g32 --method awq+gptq --act-order --mse --calib-windows 32 ;;
+    int4-g128-awq-gptq) run int4-g128-awq-gptq --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score rtn ;;
+    int4-g32-awq-gptq) run int4-g32-awq-gptq --scheme int4-g32 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score rtn ;;
     int4-g128-awq-gptq-score) run int4-g128-awq-gptq-score --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score gptq ;;
-    int4-g128-awq-gptq-duo) run int4-g128-awq-gptq-duo --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 --duo ;;
+    int4-g32-awq-gptq-score) run int4-g32-awq-gptq-score --scheme int4-g32 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score gptq ;;
+    int4-g128-awq-gptq-duo) run int4-g128-awq-gptq-duo --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 --duo --awq-score rtn ;;
     *) echo "unknown run $1" >&2; return 2 ;;
   esac
 }
