@@ -58,7 +58,8 @@ class AwqConfig:
     # How each alpha's quantized weight is made while scoring it: "rtn" (llm-awq) or "gptq" (the
     # quantizer `awq+gptq` will use, with gptq_act_order / gptq_mse: the search then scores the
     # combination that is written). On SmolLM2 g128 AWQ+GPTQ, RTN scoring gave +7.67% perplexity
-    # and GPTQ scoring +5.37%, in about the same time on one thread (the CLI's awq+gptq default).
+    # and GPTQ scoring +5.37%, in about the same time on one thread (the CLI's awq+gptq default);
+    # at g32 it went the other way, +3.13% vs +3.85% (benchmarks/results/quant-cpu-20261125/).
     score_with: str = "rtn"
     gptq_act_order: bool = False
     gptq_mse: bool = False
