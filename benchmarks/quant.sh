@@ -7,11 +7,23 @@
 #      batch 1 (128 in / 256 out), and bf16 vs int4-g128 at batch 16 and 64 (128 in / 128 out),
 #      each beside the bytes a decode step reads and the bound they give at 3.0 TB/s.
 # Usage (GPU machine, repo root): OUT=dir bash benchmarks/quant.sh
+#        OUT=dir bash benchmarks/quant.sh fp8   FP8 W8A8 instead (< 6 min): its GPU tests, the fp8
+#        linear against bf16 on the 8B shapes (benchmarks/fp8_linear.py), and decode tok/s of the
+#        8B shape in bf16 and fp8 at batch 1 (128 in / 256 out) and 64 (128 in / 128 out).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results/quant-gpu}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
+if [ "${1:-}" = fp8 ]; then
+  timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8_w8a8.py > "$OUT/gpu-tests-fp8.txt" 2>&1
+  tail -3 "$OUT/gpu-tests-fp8.txt"
+  timeout 120 python benchmarks/fp8_linear.py --out "$OUT" 2>&1 | tee "$OUT/fp8-linear.txt"
+  timeout 200 python benchmarks/quant_decode.py --formats bf16,fp8 --batches 1,64 --out "$OUT/fp8" \
+    > "$OUT/decode-fp8.txt" 2>&1 || tail -5 "$OUT/decode-fp8.txt"
+  grep -h '^|' "$OUT/decode-fp8.txt"
+  exit 0
+fi
 timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_weight_only.py tests/models/test_gpu_quant.py \
   > "$OUT/gpu-tests.txt" 2>&1; tail -3 "$OUT/gpu-tests.txt"
 timeout 120 python benchmarks/quant_kernels.py --out "$OUT" 2>&1 | tee "$OUT/kernels.txt"

@@ -1,27 +1,53 @@
 #!/usr/bin/env bash
-# Accuracy of weight-only quantization on the CPU: SmolLM2-135M-Instruct (the embedded default) in
-# fp32 against int8 per-channel RTN, int4 g128 RTN and int4 g128 GPTQ, perplexity and drift on
-# pydoc_data/topics.py (16 windows of 512 tokens; GPTQ calibrates on windows 32.. of the same
-# file, never on the scored ones). Writes OUT/{ppl-*.json,*.txt,drift-*.txt,README.md}.
-# Usage: OUT=dir bash benchmarks/quant_cpu.sh     (~1 h on a loaded 2-core machine)
+# Accuracy of quantization on the CPU: SmolLM2-135M-Instruct (the embedded default) in fp32
+# against quantized variants, perplexity and drift on pydoc_data/topics.py (16 windows of 512
+# tokens; GPTQ and AWQ calibrate on windows 32.. of the same file, never on the scored ones).
+# Writes OUT/{ppl-*.json,*.txt,drift-*.txt}.
+# Usage: OUT=dir bash benchmarks/quant_cpu.sh [RUN...]   (~1 h on a loaded 2-core machine for all)
+#   RUN: int8-rtn int4-g128-rtn int4-g128-gptq int4-g128-gptq-ao-mse (the default set, 2026-11-23)
+#        fp8 int4-g128-awq int4-g128-awq-gptq int4-g32-awq-gptq int4-g128-awq-gptq-duo
+#        int4-g128-awq-gptq-score int4-g32-awq-gptq-score (2026-11-25; -score: AWQ scored with GPTQ,
+#        today's awq+gptq default)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/quant-cpu-$(date -u +%Y%m%d)}
 PY=${PY:-.venv/bin/python}
 mkdir -p "$OUT"
-uptime | tee "$OUT/load-start.txt"
-$PY -m rooflm eval ppl --quantization none --dtype float32 --device cpu --output-json "$OUT/ppl-fp32.json" > "$OUT/ppl-fp32.txt" 2>&1
+uptime | tee -a "$OUT/load-start.txt"
+if [ ! -f "$OUT/ppl-fp32.json" ]; then
+  $PY -m rooflm eval ppl --quantization none --dtype float32 --device cpu --output-json "$OUT/ppl-fp32.json" > "$OUT/ppl-fp32.txt" 2>&1
+fi
+score() {  # name, eval ppl flags...
+  local name=$1; shift
+  $PY -m rooflm eval ppl "$@" --dtype float32 --device cpu --output-json "$OUT/ppl-$name.json" > "$OUT/ppl-$name.txt" 2>&1
+  $PY -m rooflm eval drift "$OUT/ppl-fp32.json" "$OUT/ppl-$name.json" > "$OUT/drift-$name.txt"
+  echo "$name: $(grep perplexity "$OUT/drift-$name.txt")"
+}
 run() {  # name, quantize flags...
   local name=$1; shift
   $PY -m rooflm quantize --output "$OUT/$name" "$@" > "$OUT/quantize-$name.txt" 2>&1
-  $PY -m rooflm eval ppl --model "$OUT/$name" --dtype float32 --device cpu --output-json "$OUT/ppl-$name.json" \
-    > "$OUT/ppl-$name.txt" 2>&1
-  $PY -m rooflm eval drift "$OUT/ppl-fp32.json" "$OUT/ppl-$name.json" > "$OUT/drift-$name.txt"
+  score "$name" --model "$OUT/$name"
   rm -rf "${OUT:?}/$name"  # the checkpoint itself (~100 MB) is not kept
-  echo "$name: $(grep perplexity "$OUT/drift-$name.txt")"
 }
-run int8-rtn --scheme int8 --method rtn
-run int4-g128-rtn --scheme int4-g128 --method rtn
-run int4-g128-gptq --scheme int4-g128 --method gptq
-run int4-g128-gptq-ao-mse --scheme int4-g128 --method gptq --act-order --mse --calib-windows 32
-uptime | tee "$OUT/load-end.txt"
+one() {
+  case $1 in
+    int8-rtn) run int8-rtn --scheme int8 --method rtn ;;
+    int4-g128-rtn) run int4-g128-rtn --scheme int4-g128 --method rtn ;;
+    int4-g128-gptq) run int4-g128-gptq --scheme int4-g128 --method gptq ;;
+    int4-g128-gptq-ao-mse) run int4-g128-gptq-ao-mse --scheme int4-g128 --method gptq --act-order --mse --calib-windows 32 ;;
+    # FP8 W8A8 at load: per-output-channel e4m3 weights, dynamic per-token e4m3 activations
+    # (real fp8 rounding on the CPU through torch.float8_e4m3fn casts).
+    fp8) score fp8 --quantization fp8 ;;
+    int4-g128-awq) run int4-g128-awq --scheme int4-g128 --method awq --calib-windows 32 ;;
+    int4-g128-awq-gptq) run int4-g128-awq-gptq --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score rtn ;;
+    int4-g32-awq-gptq) run int4-g32-awq-gptq --scheme int4-g32 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score rtn ;;
+    int4-g128-awq-gptq-score) run int4-g128-awq-gptq-score --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score gptq ;;
+    int4-g32-awq-gptq-score) run int4-g32-awq-gptq-score --scheme int4-g32 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score gptq ;;
+    int4-g128-awq-gptq-duo) run int4-g128-awq-gptq-duo --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 --duo --awq-score rtn ;;
+    *) echo "unknown run $1" >&2; return 2 ;;
+  esac
+}
+RUNS=("$@")
+[ ${#RUNS[@]} -eq 0 ] && RUNS=(int8-rtn int4-g128-rtn int4-g128-gptq int4-g128-gptq-ao-mse)
+for r in "${RUNS[@]}"; do one "$r"; done
+uptime | tee -a "$OUT/load-end.txt"

@@ -107,14 +107,16 @@ class LoadConfig:
     # int8 | int4-g32 | int4-g64 | int4-g128: round-to-nearest weight-only quantization of the
     # decoder's linear layers and an untied LM head at load (rooflm/quant/rtn.py), e.g. for
     # dummy-weight speed runs.
+    # fp8: FP8 W8A8 at load, per-channel E4M3 weights and dynamic per-token activations
+    # (rooflm/quant/fp8.py; torch._scaled_mm on sm89+, the same numerics in fp32 elsewhere).
     quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(
                 f"load_format must be one of auto, safetensors, gguf, dummy; got {self.load_format!r}")
-        if self.quantization not in ("auto", "none", "int8", "int4-g32", "int4-g64", "int4-g128"):
-            raise ValueError(f"quantization must be auto, none, int8, int4-g32, int4-g64 or int4-g128; "
+        if self.quantization not in ("auto", "none", "int8", "int4-g32", "int4-g64", "int4-g128", "fp8"):
+            raise ValueError(f"quantization must be auto, none, int8, int4-g32, int4-g64, int4-g128 or fp8; "
                              f"got {self.quantization!r}")
 
 

@@ -151,7 +151,8 @@ class LLMEngine:
             startup_s=self.startup_s, act_dtype_bytes=self.runner.dtype.itemsize,
             head_dtype_bytes=self.runner.head_bytes_per_weight(),
             kv_cache_dtype=kv_format.parse_kv_cache_dtype(cfg.cache.kv_cache_dtype),
-            tensor_parallel_size=cfg.parallel.tensor_parallel_size)
+            tensor_parallel_size=cfg.parallel.tensor_parallel_size,
+            matmul_dtype=self.runner.matmul_dtype())
 
     # ---- the read-only face ------------------------------------------------------------------
 

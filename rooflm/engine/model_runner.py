@@ -265,6 +265,9 @@ class ModelRunner:
         if self.config.load.quantization.startswith("int"):
             from rooflm.quant.rtn import quantize_model
             quantize_model(model, self.config.load.quantization)
+        elif self.config.load.quantization == "fp8":
+            from rooflm.quant import fp8
+            fp8.quantize_model(model)
         self.model = model.eval()
         self.timings["load_s"] = time.perf_counter() - t0
 
@@ -285,6 +288,13 @@ class ModelRunner:
                 stored += module.stored_weight_bytes()
                 weights += module.in_features * module.out_features
         return stored / weights if weights else float(self.dtype.itemsize)
+
+    def matmul_dtype(self) -> str:
+        """"fp8" when the decoder's linears run W8A8 (EngineInfo.matmul_dtype), else ""."""
+        from rooflm.layers.linear import Linear
+        formats = {getattr(m.quant, "format", "") for m in self.model.model.layers.modules()
+                   if isinstance(m, Linear) and m.quant is not None}
+        return "fp8" if "fp8" in formats else ""
 
     def head_bytes_per_weight(self) -> float:
         """Bytes per LM head weight as stored: its own Linear, or for a tied head the

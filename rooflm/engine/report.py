@@ -50,6 +50,9 @@ class EngineInfo:
     head_dtype_bytes: float = 0.0  # bytes per LM head weight as stored; 0: step_cost's default
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8" (E4M3 + per-head scales)
     tensor_parallel_size: int = 1  # ranks the model is split over (each holds 1/N, its own KV pool)
+    # Tensor-core format the linear layers multiply in, where it is not the activations' dtype:
+    # "fp8" for W8A8 (its roof is the fp8 rate, 2x bf16 on an H100); "" otherwise.
+    matmul_dtype: str = ""
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -179,7 +179,8 @@ class StepMeter:
             gpu = default_gpu_for(info.device)
         act = info.act_dtype_bytes or info.weight_dtype_bytes
         kwargs.setdefault("act_bytes", act)
-        kwargs.setdefault("compute_dtype", _compute_dtype_for(act))
+        # W8A8 (fp8) linears run on the fp8 tensor cores whatever the activations' dtype.
+        kwargs.setdefault("compute_dtype", info.matmul_dtype or _compute_dtype_for(act))
         kwargs.setdefault("head_bytes", info.head_dtype_bytes or None)
         return cls(info.model_config, info.weight_dtype_bytes, info.kv_dtype_bytes, gpu, **kwargs)
 

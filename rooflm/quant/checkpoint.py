@@ -5,6 +5,11 @@ config.json's `quantization_config` names the scheme (quant_method). rooflm read
   gptq  bits 4 (any group size, desc_act/g_idx, sym or asym) and bits 8 with group_size -1,
         checkpoint_format "gptq" (the v1 layout: zeros stored minus one; see formats.py)
   awq   bits 4, version "gemm", zero_point true (AutoAWQ's packing order)
+  fp8   (vLLM/HF) per-tensor or per-channel weight_scale, activation_scheme dynamic or static
+        (input_scale); weight_block_size is not supported
+  compressed-tensors  format "float-quantized" with 8-bit float weights (channel or tensor
+        strategy) and 8-bit float input activations (token/dynamic, tensor/static) or none;
+        other compressed-tensors formats (pack-quantized int4, int8 W8A8) fail naming the format
 
 Anything else fails at load with the scheme named. A quantized linear's tensors
 (`<prefix>.qweight`, `.qzeros`, `.scales`, `.g_idx`) are collected and yielded as one
@@ -33,8 +38,11 @@ class QuantScheme:
     group_size: int  # -1: one group per output channel
     desc_act: bool = False
     sym: bool = True
+    activations: str = ""  # fp8: dynamic | static | none (how the activations are quantized)
 
     def describe(self) -> str:
+        if self.method == "fp8":
+            return f"fp8 W8A8 ({self.activations} activations)" if self.activations != "none" else "fp8 weight-only"
         g = "per-channel" if self.group_size == -1 else f"g{self.group_size}"
         return f"{self.method} int{self.bits} {g}" + (" act-order" if self.desc_act else "")
 
@@ -61,13 +69,55 @@ def parse_quant_config(cfg: dict[str, Any], config_path: str) -> Optional[QuantS
             raise load_error(config_path, f"AWQ bits={bits} version={version!r} zero_point="
                                           f"{qc.get('zero_point')} is not supported (4-bit GEMM with zero points)")
         return QuantScheme("awq", 4, group)
+    if method == "fp8":
+        if qc.get("weight_block_size"):
+            raise load_error(config_path, f"fp8 weight_block_size {qc['weight_block_size']} (block-wise scales) "
+                                          f"is not supported; rooflm reads per-tensor and per-channel fp8")
+        act = str(qc.get("activation_scheme", "dynamic")).lower()
+        if act not in ("dynamic", "static"):
+            raise load_error(config_path, f"fp8 activation_scheme {act!r} is not supported (dynamic or static)")
+        return QuantScheme("fp8", 8, -1, activations=act)
+    if method == "compressed-tensors":
+        return _compressed_tensors_scheme(qc, config_path)
     raise load_error(config_path, f"quantization scheme {method!r} is not supported; rooflm loads "
-                                  f"'gptq' and 'awq' checkpoints (and GGUF Q4_0/Q4_1/Q8_0)")
+                                  f"'gptq', 'awq', 'fp8' and compressed-tensors fp8 checkpoints "
+                                  f"(and GGUF Q4_0/Q4_1/Q8_0)")
+
+
+def _compressed_tensors_scheme(qc: dict[str, Any], config_path: str) -> QuantScheme:
+    """llm-compressor's FP8 / FP8_DYNAMIC (format float-quantized): one config group of 8-bit float
+    weights, with 8-bit float activations per token (dynamic) or per tensor (static), or none."""
+    fmt = str(qc.get("format", "?"))
+    groups = list((qc.get("config_groups") or {}).values())
+    if fmt not in ("float-quantized", "naive-quantized") or not groups:
+        raise load_error(config_path, f"compressed-tensors format {fmt!r} is not supported; rooflm reads "
+                                      f"'float-quantized' fp8 (W8A8 or weight-only)")
+    acts = set()
+    for group in groups:
+        w = group.get("weights") or {}
+        if w.get("type") != "float" or int(w.get("num_bits", 0)) != 8 or w.get("strategy") not in ("channel", "tensor"):
+            raise load_error(config_path, f"compressed-tensors weights {w.get('type')} {w.get('num_bits')}-bit "
+                                          f"strategy {w.get('strategy')!r} are not supported (8-bit float, "
+                                          f"channel or tensor)")
+        a = group.get("input_activations")
+        if a is None:
+            acts.add("none")
+        elif a.get("type") == "float" and int(a.get("num_bits", 0)) == 8 and a.get("strategy") in ("token", "tensor"):
+            acts.add("dynamic" if a.get("dynamic") else "static")
+        else:
+            raise load_error(config_path, f"compressed-tensors input activations {a} are not supported "
+                                          f"(8-bit float per token or per tensor, or none)")
+    if len(acts) != 1:
+        raise load_error(config_path, f"compressed-tensors groups mix activation schemes {sorted(acts)}")
+    return QuantScheme("fp8", 8, -1, activations=acts.pop())
 
 
 def group_quantized(stream: Iterator[tuple[str, torch.Tensor, str]], scheme: QuantScheme,
                     act_dtype: torch.dtype = torch.float16) -> Iterator[tuple[str, Any, str]]:
     """Pass float tensors through; collect each quantized linear's parts into `<prefix>.weight`."""
+    if scheme.method == "fp8":
+        yield from _group_fp8(stream, scheme)
+        return
     parts = _PARTS[scheme.method]
     pending: dict[str, dict[str, torch.Tensor]] = {}
     sources: dict[str, str] = {}
@@ -97,4 +147,44 @@ def _decode(scheme: QuantScheme, t: dict[str, torch.Tensor], act_dtype, source: 
                                      scheme.group_size, act_dtype)
         return formats.from_awq(t["qweight"], t["qzeros"], t["scales"], scheme.group_size, act_dtype)
     except (ValueError, RuntimeError) as exc:
+        raise load_error(source, f"cannot decode {scheme.describe()} linear {prefix!r}: {exc}") from exc
+
+
+def _group_fp8(stream: Iterator[tuple[str, torch.Tensor, str]], scheme: QuantScheme) -> Iterator[tuple[str, Any, str]]:
+    """fp8 linears keep the float name `<prefix>.weight` (an e4m3 tensor) beside `.weight_scale`
+    and `.input_scale`: an e4m3 weight waits for its scales; float tensors pass through."""
+    from rooflm.quant import fp8
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    sources: dict[str, str] = {}
+    needs_input = scheme.activations == "static"
+
+    def ready(got: dict) -> bool:
+        return "weight" in got and "weight_scale" in got and (not needs_input or "input_scale" in got)
+
+    for name, tensor, source in stream:
+        prefix, _, leaf = name.rpartition(".")
+        is_fp8_weight = leaf == "weight" and tensor.dtype == fp8.FP8_DTYPE
+        if not (is_fp8_weight or leaf in ("weight_scale", "input_scale", "weight_zero_point", "input_zero_point")):
+            yield name, tensor, source
+            continue
+        if leaf.endswith("zero_point"):
+            if torch.count_nonzero(tensor):
+                raise load_error(source, f"{name}: asymmetric fp8 (non-zero zero points) is not supported")
+            continue
+        got = pending.setdefault(prefix, {})
+        got[leaf] = tensor
+        sources[prefix] = source
+        if ready(got):
+            yield prefix + ".weight", _decode_fp8(scheme, pending.pop(prefix), source, prefix), source
+    for prefix, got in pending.items():
+        if not ready(got):
+            missing = [p for p in ("weight", "weight_scale") + (("input_scale",) if needs_input else ()) if p not in got]
+            raise load_error(sources[prefix], f"fp8 linear {prefix!r} lacks {', '.join(missing)}")
+
+
+def _decode_fp8(scheme: QuantScheme, t: dict[str, torch.Tensor], source: str, prefix: str):
+    from rooflm.quant import fp8
+    try:
+        return fp8.from_checkpoint(t["weight"], t["weight_scale"], t.get("input_scale"), scheme.activations)
+    except ValueError as exc:
         raise load_error(source, f"cannot decode {scheme.describe()} linear {prefix!r}: {exc}") from exc

@@ -25,6 +25,9 @@ Checkpoint layouts (W is nn.Linear's [N = out, K = in]; all packed tensors are i
     value = scales[k // g, n] * (q[k, n] - z[k // g, n])
 
 `rooflm quantize` writes GPTQ (it also holds 8-bit per-channel, group_size -1).
+
+  Fp8Weight    W8A8 (quant/fp8.py): codes float8_e4m3fn [N, K], scales fp32 [N], the activation
+               scheme and a static input_scale; value = code * scale
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ from typing import Optional
 import torch
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+# How an FP8 linear's activations are quantized (quant/fp8.py): per token at run time, with a
+# checkpoint's static per-tensor scale, or not at all (weight-only fp8).
+FP8_ACTIVATIONS = ("dynamic", "static", "none")
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,45 @@ class ChannelWeight:
                              torch.cat([p.zeros for p in parts]), parts[0].format)
 
 
+@dataclass(frozen=True)
+class Fp8Weight:
+    """The runtime form of an FP8 linear weight: codes float8_e4m3fn [N, K], scales fp32 [N]
+    (a per-tensor scale is broadcast to the rows), input_scale fp32 scalar for static activations."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    activations: str = "dynamic"
+    input_scale: Optional[torch.Tensor] = None
+    format: str = "fp8"
+    bits: int = 8
+
+    def __post_init__(self):
+        if self.activations not in FP8_ACTIVATIONS:
+            raise ValueError(f"fp8 activations must be one of {FP8_ACTIVATIONS}; got {self.activations!r}")
+        if self.activations == "static" and self.input_scale is None:
+            raise ValueError("static fp8 activations need an input_scale")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.codes.float() * self.scales.float()[:, None]
+
+    @staticmethod
+    def cat(parts: list["Fp8Weight"]) -> "Fp8Weight":
+        modes = {p.activations for p in parts}
+        if len(modes) != 1:
+            raise ValueError(f"cannot fuse fp8 shards with different activation schemes {sorted(modes)}")
+        input_scale = None
+        if parts[0].activations == "static":
+            # One activation tensor feeds all the shards: the largest calibrated scale covers each
+            # shard's range (vLLM does the same for fused q/k/v and gate/up).
+            input_scale = torch.stack([p.input_scale.float().reshape(()) for p in parts]).max()
+        return Fp8Weight(torch.cat([p.codes for p in parts]), torch.cat([p.scales.float() for p in parts]),
+                         parts[0].activations, input_scale)
+
+
 def _same_perm(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
     if a is None or b is None:
         return a is None and b is None
@@ -102,7 +147,7 @@ def _same_perm(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
 
 def is_quantized_tensor(tensor) -> bool:
     from rooflm.quant.gguf_blocks import BlockTensor
-    return isinstance(tensor, (BlockTensor, GroupWeight, ChannelWeight))
+    return isinstance(tensor, (BlockTensor, GroupWeight, ChannelWeight, Fp8Weight))
 
 
 # ---------------------------------------------------------------------------

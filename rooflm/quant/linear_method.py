@@ -28,12 +28,15 @@ exact dequantized float path.
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 
 from rooflm.quant import native
 from rooflm.quant.gguf_blocks import BLOCK, BlockTensor
+
+logger = logging.getLogger(__name__)
 
 ACT_DTYPE = torch.bfloat16
 
@@ -216,12 +219,82 @@ class W8A16Linear(QuantizedLinearMethod):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
+# ---------------------------------------------------------------------------
+# FP8 W8A8 (quant/fp8.py): torch._scaled_mm on sm89+, the same products in fp32 elsewhere
+# ---------------------------------------------------------------------------
+
+def scaled_mm_supported(device: torch.device) -> bool:
+    """torch._scaled_mm with row-wise scales: CUDA compute capability 8.9 (Ada) or 9.x (Hopper)."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+class Fp8Linear(QuantizedLinearMethod):
+    """y = x @ W.T for an Fp8Weight: torch._scaled_mm where the device has fp8 tensor cores,
+    else the same products in fp32 (module header)."""
+
+    def __init__(self, weight, device: torch.device):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.format = "fp8"
+        self.activations = weight.activations
+        self.register_buffer("qweight", weight.codes.to(device).contiguous())
+        self.register_buffer("weight_scale", weight.scales.to(device=device, dtype=torch.float32).contiguous())
+        self.register_buffer("input_scale", None if weight.input_scale is None
+                             else weight.input_scale.to(device=device, dtype=torch.float32).reshape(1, 1))
+        # _scaled_mm's fp8 GEMMs need K and N multiples of 16.
+        self.use_scaled_mm = (scaled_mm_supported(device) and self.activations != "none"
+                              and self.in_features % 16 == 0 and self.out_features % 16 == 0)
+
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes [M, K] e4m3, scale [M, 1] fp32) of the activations."""
+        from rooflm.kernels.fp8_quant import per_token_fp8, static_fp8
+        if self.activations == "static":
+            return static_fp8(x, self.input_scale), self.input_scale.expand(x.shape[0], 1)
+        return per_token_fp8(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.activations == "none":  # weight-only fp8: weights dequantized into x's dtype
+            w = (self.qweight.to(torch.float32) * self.weight_scale[:, None]).to(x.dtype)
+            y = flat @ w.T
+        elif self.use_scaled_mm:
+            qx, sx = self.quantize_input(flat)
+            try:
+                # Row-wise scaling takes a row-major A, a column-major B (W.T of the row-major
+                # [N, K] weight is one) and returns bf16.
+                y = torch._scaled_mm(qx, self.qweight.t(), scale_a=sx.contiguous(),
+                                     scale_b=self.weight_scale.reshape(1, -1), out_dtype=torch.bfloat16)
+            except RuntimeError as exc:
+                # A torch build or shape without row-wise fp8 GEMMs: found at the first (eager,
+                # warm-up) call, before any CUDA graph is captured; the emulation is slower, not wrong.
+                logger.warning("torch._scaled_mm failed for fp8 linear %dx%d (%s); using the fp32 emulation",
+                               self.out_features, self.in_features, exc)
+                self.use_scaled_mm = False
+                y = fp8_matmul_emulated(qx, sx, self.qweight, self.weight_scale)
+            y = y.to(x.dtype)
+        else:
+            qx, sx = self.quantize_input(flat)
+            y = fp8_matmul_emulated(qx, sx, self.qweight, self.weight_scale).to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def fp8_matmul_emulated(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
+    """The reference of the W8A8 product, fp32: (qx * sx) @ (qw * sw).T. Every fp8 value is exact in
+    fp32 and each product of two is too (4 + 4 mantissa bits), so only the sum's order differs
+    from the tensor cores'."""
+    return (qx.float() @ qw.float().T) * sx.float() * sw.float()[None, :]
+
+
 def make_linear_method(weight, device: torch.device, act_dtype: torch.dtype) -> Optional[QuantizedLinearMethod]:
-    """The module for any quantized weight (GGUF blocks, GroupWeight, ChannelWeight) on `device`,
+    """The module for any quantized weight (GGUF blocks, GroupWeight, ChannelWeight, Fp8Weight) on `device`,
     or None where no kernel here takes it (the caller then dequantizes)."""
-    from rooflm.quant.formats import ChannelWeight, GroupWeight
+    from rooflm.quant.formats import ChannelWeight, Fp8Weight, GroupWeight
     if isinstance(weight, BlockTensor):
         return make_quantized_linear(weight, device)
+    if isinstance(weight, Fp8Weight):  # every device: fp32 emulation where there is no _scaled_mm
+        return Fp8Linear(weight, device)
     if device.type != "cuda":
         return None  # CPU: dequantized at load (no CPU kernel for these layouts yet)
     if isinstance(weight, GroupWeight):

@@ -3,11 +3,13 @@ HF directory that rooflm, transformers (with a GPTQ backend) and vLLM recognise.
 
 Steps:
 1. load the model through rooflm itself, every weight in fp32 (`--quantization none`);
-2. for GPTQ, run calibration windows through the engine with a pre-hook on every decoder linear
+2. for GPTQ and AWQ, run calibration windows through the engine with a pre-hook on every decoder linear
    that sums x x^T of its inputs (the Hessian of the layer's squared output error);
-3. quantize each decoder linear: RTN (rtn.py) or GPTQ (gptq.py); fused q/k/v and gate/up share
+3. for AWQ (awq.py), search per-input-channel scales and fold them into the float model (norm
+   weights, v and up rows), then quantize the scaled weights;
+4. quantize each decoder linear: RTN (rtn.py), GPTQ (gptq.py), AWQ-clipped RTN or GPTQ after AWQ; fused q/k/v and gate/up share
    their input, so they are quantized fused (rows are independent) and split back to HF names;
-4. write model.safetensors (GPTQ v1 tensors per linear; norms, embeddings and the LM head in
+5. write model.safetensors (GPTQ v1 tensors per linear; norms, embeddings and the LM head in
    --float-dtype: the LM head and embeddings are never quantized), config.json with its
    quantization_config, and the tokenizer.
 
@@ -40,34 +42,49 @@ def decoder_linears(model) -> dict[str, torch.nn.Module]:
             for name, m in layer.named_modules() if isinstance(m, Linear)}
 
 
-def collect_hessians(llm, windows: list[list[int]]) -> dict[str, torch.Tensor]:
-    """Sum of x x^T of each decoder linear's inputs over the calibration windows (prefill)."""
+def collect_hessians(llm, windows: list[list[int]],
+                     abs_means: Optional[dict[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
+    """Sum of x x^T of each decoder linear's inputs over the calibration windows (prefill).
+    With `abs_means`, also fills it with each linear's mean |x| per input channel (AWQ)."""
     from rooflm.sampling_params import SamplingParams
     model = llm.engine.runner.model
     hessians: dict[str, torch.Tensor] = {}
+    abs_sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
     handles = []
     for name, module in decoder_linears(model).items():
         # fp32 sums: tens of thousands of outer products lose ~1e-5 relative, far below the
         # 1% damping GPTQ adds to the diagonal (fp64 took 2-3x longer on the CPU).
         hessians[name] = torch.zeros(module.in_features, module.in_features)
+        abs_sums[name] = torch.zeros(module.in_features)
 
         def hook(mod, args, name=name):
             x = args[0].reshape(-1, mod.in_features).float()
             hessians[name].addmm_(x.T, x)
+            abs_sums[name] += x.abs().sum(dim=0)
+            counts[name] = counts.get(name, 0) + x.shape[0]
         handles.append(module.register_forward_pre_hook(hook))
     try:
         llm.generate(windows, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
     finally:
         for h in handles:
             h.remove()
+    if abs_means is not None:
+        for name, total in abs_sums.items():
+            abs_means[name] = total / max(counts.get(name, 0), 1)
     return hessians
 
 
 def quantize_linear(w: torch.Tensor, scheme: WeightScheme, method: str, hessian: Optional[torch.Tensor],
                     act_order: bool = False, mse: bool = False):
-    if method == "gptq":
+    """method: rtn | gptq | awq (weights already AWQ-scaled: RTN with the clip search when a Hessian
+    is given) | awq+gptq (weights already AWQ-scaled, the Hessian rescaled to match: GPTQ)."""
+    if method in ("gptq", "awq+gptq"):
         from rooflm.quant.gptq import gptq_quantize
         return gptq_quantize(w, hessian, scheme.bits, scheme.group_size, act_order=act_order, mse=mse)
+    if method == "awq" and hessian is not None and scheme.bits == 4:
+        from rooflm.quant.awq import AwqConfig, clipped_rtn_int4
+        return clipped_rtn_int4(w, hessian, scheme.group_size, AwqConfig(scheme).shrinks)
     return quantize_weight(w, scheme)
 
 
@@ -111,18 +128,45 @@ def quantized_state_dict(model, scheme: WeightScheme, method: str, hessians: Opt
     return out
 
 
+def fp8_state_dict(model, float_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """HF-named tensors for `--scheme fp8`: compressed-tensors fp8 (e4m3 weight, per-channel
+    weight_scale) for decoder linears, float for everything else (fp8.py)."""
+    from rooflm.quant.fp8 import Fp8Weight, quantize_fp8_weight, to_compressed_tensors
+    out: dict[str, torch.Tensor] = {}
+    linears = decoder_linears(model)
+    linear_params = {f"{name}.{kind}" for name in linears for kind in ("weight", "bias")}
+    for name, param in model.named_parameters():
+        if name not in linear_params and param.numel():
+            out[name] = param.detach().to(float_dtype).contiguous()
+    for name, module in linears.items():
+        prefix, _, leaf = name.rpartition(".")
+        q = quantize_fp8_weight(module.weight)
+        shards = ([(f"{prefix}.{_SPLITS[leaf][1][shard]}", offset, size)
+                   for shard, (offset, size) in module.shard_offsets.items()]
+                  if leaf in _SPLITS else [(name, 0, module.out_features)])
+        for target, offset, size in shards:
+            part = Fp8Weight(q.codes[offset:offset + size], q.scales[offset:offset + size])
+            for kind, t in to_compressed_tensors(part).items():
+                out[f"{target}.{kind}"] = t
+            if module.bias is not None:
+                out[f"{target}.bias"] = module.bias.detach()[offset:offset + size].to(float_dtype)
+    return out
+
+
 def gptq_config(scheme: WeightScheme, act_order: bool = False) -> dict:
     return {"quant_method": "gptq", "bits": scheme.bits, "group_size": scheme.group_size,
             "desc_act": act_order and scheme.bits == 4, "sym": scheme.bits == 8, "checkpoint_format": "gptq", "lm_head": False,
             "true_sequential": False, "damp_percent": 0.01}
 
 
-def write_checkpoint(out_dir: str, config_dict: dict, tensors: dict[str, torch.Tensor], scheme: WeightScheme,
-                     float_dtype: torch.dtype, tokenizer=None, note: str = "", act_order: bool = False) -> None:
+def write_checkpoint(out_dir: str, config_dict: dict, tensors: dict[str, torch.Tensor], scheme: Optional[WeightScheme],
+                     float_dtype: torch.dtype, tokenizer=None, note: str = "", act_order: bool = False,
+                     quant_config: Optional[dict] = None) -> None:
+    """quant_config: config.json's quantization_config; default the GPTQ one of `scheme`."""
     from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
     cfg = dict(config_dict)
-    cfg["quantization_config"] = gptq_config(scheme, act_order)
+    cfg["quantization_config"] = quant_config if quant_config is not None else gptq_config(scheme, act_order)
     cfg["torch_dtype"] = str(float_dtype).replace("torch.", "")
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2)

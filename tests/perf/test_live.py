@@ -1,5 +1,6 @@
 """StepMeter on hand-built SchedulerOutputs: the same bytes and FLOPs as step_cost, MBU/MFU from them."""
 
+import dataclasses
 import itertools
 import time
 
@@ -182,6 +183,9 @@ def test_for_engine_reads_the_engine_info():
     assert meter.gpu is None and meter.compute_dtype == "bf16"
     meter = StepMeter.for_engine(info, gpu=GPUS["h200"])
     assert meter.gpu.key == "h200"
+    # W8A8 linears (--quantization fp8) are priced at the fp8 tensor-core rate, bf16 activations or not.
+    fp8 = dataclasses.replace(info, weight_dtype_bytes=1.0, matmul_dtype="fp8")
+    assert StepMeter.for_engine(fp8, gpu=GPUS["h200"]).compute_dtype == "fp8"
     assert live.StepStats.__dataclass_fields__.keys() >= {
         "elapsed_s", "bytes", "flops", "achieved_gbps", "achieved_tflops", "mbu", "mfu"}
 

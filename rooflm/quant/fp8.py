@@ -1,0 +1,104 @@
+"""FP8 W8A8: E4M3 weights with one scale per output channel, activations quantized to E4M3 per token.
+
+    y[m, n] = sx[m] * sw[n] * sum_k qx[m, k] qw[n, k]
+
+Both scales factor out of the sum, so the fp8 tensor cores multiply the codes and the epilogue
+applies the outer product of the scales: torch._scaled_mm with row-wise scales (sm89+: Ada,
+Hopper), at twice bf16's FLOP rate and half its weight bytes. Elsewhere (the CPU, older GPUs)
+the same sum runs in fp32 on the codes upcast, which is what the tensor cores compute up to the
+order of the fp32 additions: the CPU drift figures are the format's real numerics, not a
+simulation of them (the codes and scales are the same fp8 and fp32 values).
+
+Weights: sw[n] = max|W[n, :]| / 448, qw = E4M3(W / sw) (round to nearest even, saturating).
+Activations: dynamic per-token (kernels/fp8_quant.py), or a checkpoint's static per-tensor
+input_scale (vLLM/llm-compressor `activation_scheme: static`), or none (weight-only FP8
+checkpoints: the weights are dequantized into the activations' dtype).
+
+Checkpoint layouts read (checkpoint.py detects them from config.json):
+  vLLM/HF "fp8"       quant_method "fp8"; `<linear>.weight` float8_e4m3fn [N, K],
+                      `.weight_scale` fp32 scalar (per tensor) or [N] / [N, 1] (per channel),
+                      `.input_scale` fp32 scalar when activation_scheme is "static".
+                      weight_block_size (DeepSeek-style 128x128 blocks) is not supported.
+  compressed-tensors  quant_method "compressed-tensors", format "float-quantized" (llm-compressor's
+                      FP8 / FP8_DYNAMIC): the same tensor names, weight_scale [N, 1] (channel) or
+                      [1] (tensor); input activations "token" + dynamic, "tensor" + static, or none.
+`rooflm quantize --scheme fp8` writes compressed-tensors, channel weights, dynamic token activations.
+
+The runtime form is formats.Fp8Weight; the module that multiplies it is linear_method.Fp8Linear.
+`--quantization fp8` quantizes a float model's decoder linears at load (the LM head and
+embeddings stay in float, as vLLM's fp8 does by default).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from rooflm.kernels.fp8_quant import FP8_DTYPE, FP8_MAX
+from rooflm.quant.formats import Fp8Weight
+from rooflm.quant.linear_method import Fp8Linear
+
+
+def quantize_fp8_weight(w: torch.Tensor, activations: str = "dynamic") -> Fp8Weight:
+    """Per-output-channel E4M3: sw = max|row| / 448 (fp32), codes = E4M3(w / sw)."""
+    wf = w.detach().float()
+    scales = (wf.abs().amax(dim=1) / FP8_MAX).clamp_min(1e-12)
+    codes = (wf / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return Fp8Weight(codes, scales, activations)
+
+
+def from_checkpoint(weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: Optional[torch.Tensor],
+                    activations: str) -> Fp8Weight:
+    """An fp8 checkpoint's tensors -> Fp8Weight; per-tensor scales broadcast to the rows."""
+    if weight.dtype != FP8_DTYPE:
+        raise ValueError(f"fp8 weight has dtype {weight.dtype}, expected float8_e4m3fn")
+    n = weight.shape[0]
+    scale = weight_scale.float().reshape(-1)
+    if scale.numel() == 1:
+        scale = scale.expand(n).clone()
+    elif scale.numel() != n:
+        raise ValueError(f"weight_scale has {scale.numel()} values for {n} output channels "
+                         f"(per-tensor or per-channel expected; block scales are not supported)")
+    if activations == "static" and input_scale is None:
+        raise ValueError("activation scheme is static but the checkpoint has no input_scale")
+    return Fp8Weight(weight, scale, activations,
+                     None if input_scale is None else input_scale.float().reshape(-1).max())
+
+
+def to_compressed_tensors(weight: Fp8Weight) -> dict[str, torch.Tensor]:
+    """compressed-tensors float-quantized, channel strategy: weight fp8 [N, K], weight_scale [N, 1]."""
+    return {"weight": weight.codes.contiguous(), "weight_scale": weight.scales.float().reshape(-1, 1).contiguous()}
+
+
+def compressed_tensors_config() -> dict:
+    """quantization_config of llm-compressor's FP8_DYNAMIC scheme (what `rooflm quantize --scheme fp8` writes)."""
+    return {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True,
+                        "dynamic": False, "group_size": None, "observer": "minmax"},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
+                                  "dynamic": True, "observer": None},
+            "output_activations": None}},
+        "ignore": ["lm_head"], "kv_cache_scheme": None,
+    }
+
+
+@torch.no_grad()
+def quantize_model(model: torch.nn.Module) -> None:
+    """`--quantization fp8`: every decoder-layer linear of a loaded float model becomes an
+    Fp8Linear (per-channel weights, dynamic per-token activations), on the weights' own device.
+    The LM head and embeddings stay in float."""
+    from rooflm.layers.linear import Linear
+
+    for module in model.model.layers.modules():
+        if not isinstance(module, Linear) or module.quant is not None:
+            continue
+        weight = module.weight
+        module.quant = Fp8Linear(quantize_fp8_weight(weight), weight.device)
+        module.weight = torch.nn.Parameter(weight.new_empty(0), requires_grad=False)
+    model.disable_gemv_where_quantized()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the freed float weights, before the KV pool is sized
