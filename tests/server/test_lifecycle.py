@@ -21,6 +21,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 FAULT_STEP = 10  # the warm-up, then several steps of the test's own requests
 LONG = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 60, "ignore_eos": True}
+# The drain and timeout tests need a stream still running when the clock runs out. A single
+# sequence decodes at ~200 tokens/s on a 2-core CPU with the native decoder, so "long" is thousands
+# of tokens on a cache that holds them (~46 KB a token for SmolLM2: 300 blocks are ~220 MB).
+LONG_ENGINE_ARGS = ["--max-model-len", "4096", "--num-blocks", "300", "--log-interval", "0"]
+TOO_LONG_TOKENS = 2000  # two of these fit the 300 blocks; the 2 s timeout hits long before
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +36,9 @@ def servers(tmp_path_factory):
         "keep": start_server(tmp, "fault-keep", SMALL_ENGINE_ARGS + ["--keep-running-on-error"],
                              env=fault),
         "exit": start_server(tmp, "fault-exit", SMALL_ENGINE_ARGS, env=fault),
-        "drain": start_server(tmp, "drain", SMALL_ENGINE_ARGS + [
+        "drain": start_server(tmp, "drain", LONG_ENGINE_ARGS + [
             "--shutdown-timeout", "8", "--peak-bandwidth-gbs", "50"]),
-        "timeout": start_server(tmp, "timeout", SMALL_ENGINE_ARGS + ["--request-timeout", "2"]),
+        "timeout": start_server(tmp, "timeout", LONG_ENGINE_ARGS + ["--request-timeout", "2"]),
     }
     try:
         for process in started.values():
@@ -112,7 +117,7 @@ async def _drain(server) -> dict:
     """Two streams in flight, then SIGTERM: new work is refused, the short stream
     finishes, the long one is aborted at --shutdown-timeout."""
     short = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": True}
-    long = {**short, "max_tokens": 450}
+    long = {**short, "max_tokens": 4000}  # 20 s at the native decoder's speed: past the 8 s drain
     seen = {}
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
         short_task = asyncio.ensure_future(_stream(client, "/v1/completions", short))
@@ -149,7 +154,8 @@ def test_sigterm_drains_then_exits_zero(servers):
 
 
 async def _past_the_timeout(url: str):
-    too_long = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 450, "ignore_eos": True}
+    too_long = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": TOO_LONG_TOKENS,
+                "ignore_eos": True}
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
         jobs = [_stream(client, "/v1/completions", too_long),
                 client.post("/v1/completions", json=too_long)]
