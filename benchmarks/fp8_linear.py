@@ -13,21 +13,13 @@ import os
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from rooflm.kernels.fp8_quant import per_token_fp8
 from rooflm.quant.fp8 import quantize_fp8_weight
 from rooflm.quant.linear_method import Fp8Linear, fp8_matmul_emulated
+from quant_kernels import SHAPES, bench  # benchmarks/ is the script's directory: the same shapes and timer
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 BATCHES = (1, 16, 64, 256)
-
-
-def bench(op, copies):
-    def run():
-        for c in copies:
-            op(*c)
-    return triton.testing.do_bench_cudagraph(run, rep=50) * 1e3 / len(copies)  # us per call
 
 
 def main():
