@@ -36,6 +36,9 @@ def register(sub) -> None:
                    help="GPTQ: quantize inputs by decreasing Hessian diagonal (desc_act, g_idx in the checkpoint)")
     p.add_argument("--mse", action="store_true",
                    help="GPTQ: search each group's range for the least Hessian-weighted rounding error")
+    p.add_argument("--sequential", action=argparse.BooleanOptionalAction, default=True,
+                   help="GPTQ / AWQ+GPTQ: calibrate each linear on the outputs of the already quantized linears "
+                        "before it (true-sequential, sequential.py; the default) instead of the float model's")
     p.add_argument("--float-dtype", default="bfloat16", choices=tuple(_FLOAT_DTYPES),
                    help="dtype of the tensors kept in float: embeddings, LM head, norms")
     p.set_defaults(func=run_quantize)
@@ -56,7 +59,12 @@ def run_quantize(args: argparse.Namespace) -> int:
     scheme = WeightScheme.parse(args.scheme)
     args.method = args.method or "gptq"
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, device="cpu", dtype="float32", quantization="none", enable_prefix_caching=False)
+    sequential = args.sequential and args.method in ("gptq", "awq+gptq")
+    extra = {}
+    if sequential:  # the sequential pass needs every calibration token in one prefill step
+        extra["max_num_batched_tokens"] = max(2048, args.calib_windows * args.calib_window)
+    llm = LLM(model=args.model, device="cpu", dtype="float32", quantization="none", enable_prefix_caching=False,
+              **extra)
     model = llm.engine.runner.model
     hessians = None
     calib = ""
@@ -71,7 +79,9 @@ def run_quantize(args: argparse.Namespace) -> int:
         if not windows:
             raise ValueError(f"the calibration text has no windows left after skipping {args.calib_skip_windows}")
         act_means: dict = {}
-        hessians = collect_hessians(llm, windows, act_means)
+        # Sequential GPTQ collects its own Hessians; only AWQ's scale search needs the float pass.
+        if not (sequential and args.method == "gptq"):
+            hessians = collect_hessians(llm, windows, act_means)
         calib = f" Calibration: {len(windows)} windows of {args.calib_window} tokens of {path}, after skipping {args.calib_skip_windows}."
         print(f"calibration: {len(windows) * args.calib_window} tokens in {time.perf_counter() - t0:.1f} s")
     if args.method.startswith("awq"):
@@ -97,19 +107,28 @@ def run_quantize(args: argparse.Namespace) -> int:
     # of all 120 SmolLM2 linears took ~20 min there).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    prequantized = None
     try:
-        tensors = quantized_state_dict(model, scheme, method, hessians, float_dtype, args.act_order, args.mse)
+        if sequential:
+            from rooflm.quant.sequential import sequential_gptq
+            t2 = time.perf_counter()
+            prequantized = sequential_gptq(llm, windows, scheme, args.act_order, args.mse)
+            print(f"sequential GPTQ: {len(prequantized)} linears in {time.perf_counter() - t2:.1f} s")
+        tensors = quantized_state_dict(model, scheme, method, hessians, float_dtype, args.act_order, args.mse,
+                                       prequantized)
     finally:
         torch.set_num_threads(threads)
     config = hf_config_dict(llm.engine.model_config)
     options = "".join(f" --{o.replace('_', '-')}" for o in ("act_order", "mse", "no_clip", "duo") if getattr(args, o))
+    if args.method in ("gptq", "awq+gptq"):
+        options += " --sequential" if sequential else " --no-sequential"
     if args.method.startswith("awq"):
         options += f" --awq-score {args.awq_score}"
     note = (f"# {args.scheme} {args.method}{options} of {args.model or 'the embedded SmolLM2-135M-Instruct'}\n\n"
             f"Written by `rooflm quantize` in the GPTQ v1 layout (rooflm/quant/formats.py).{calib}{awq_note} "
             f"Embeddings, LM head and norms in {args.float_dtype}.")
     write_checkpoint(args.output, config, tensors, scheme, float_dtype, llm.tokenizer, note,
-                     args.act_order and "gptq" in args.method)
+                     args.act_order and "gptq" in args.method, sequential=sequential)
     print(f"wrote {args.output} ({args.scheme} {args.method}) in {time.perf_counter() - t0:.1f} s")
     return 0
 
@@ -126,7 +145,12 @@ def _quantize_fp8(args: argparse.Namespace, float_dtype) -> int:
         raise ValueError(f"--scheme fp8 rounds to nearest per channel; --method {args.method} applies to the "
                          f"int8/int4 schemes")
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, device="cpu", dtype="float32", quantization="none", enable_prefix_caching=False)
+    sequential = args.sequential and args.method in ("gptq", "awq+gptq")
+    extra = {}
+    if sequential:  # the sequential pass needs every calibration token in one prefill step
+        extra["max_num_batched_tokens"] = max(2048, args.calib_windows * args.calib_window)
+    llm = LLM(model=args.model, device="cpu", dtype="float32", quantization="none", enable_prefix_caching=False,
+              **extra)
     tensors = fp8_state_dict(llm.engine.runner.model, float_dtype)
     note = (f"# fp8 W8A8 of {args.model or 'the embedded SmolLM2-135M-Instruct'}\n\n"
             f"Written by `rooflm quantize --scheme fp8` in compressed-tensors float-quantized (rooflm/quant/fp8.py): "
