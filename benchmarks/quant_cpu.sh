@@ -45,7 +45,7 @@ one() {
     int4-g128-awq-gptq-score) run int4-g128-awq-gptq-score --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score gptq --no-sequential ;;
     int4-g32-awq-gptq-score) run int4-g32-awq-gptq-score --scheme int4-g32 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score gptq --no-sequential ;;
     int4-g128-awq-gptq-duo) run int4-g128-awq-gptq-duo --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 --duo --awq-score rtn --no-sequential ;;
-    # Sequential GPTQ (2026-11-25, the default since): each linear calibrated on the quantized
+    # Sequential GPTQ (2026-11-25, --method gptq's default since): each linear calibrated on the quantized
     # predecessors' outputs (rooflm/quant/sequential.py).
     int4-g128-gptq-ao-mse-seq) run int4-g128-gptq-ao-mse-seq --scheme int4-g128 --method gptq --act-order --mse --calib-windows 32 --sequential ;;
     int4-g128-awq-gptq-score-seq) run int4-g128-awq-gptq-score-seq --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score gptq --sequential ;;

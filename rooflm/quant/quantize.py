@@ -7,7 +7,7 @@ Steps:
    that sums x x^T of its inputs (the Hessian of the layer's squared output error);
 3. for AWQ (awq.py), search per-input-channel scales and fold them into the float model (norm
    weights, v and up rows), then quantize the scaled weights;
-4. quantize each decoder linear (GPTQ by default sequentially, sequential.py: each linear's Hessian
+4. quantize each decoder linear (--method gptq by default sequentially, sequential.py: each linear's Hessian
    from the quantized predecessors' outputs, in one more calibration prefill): RTN (rtn.py), GPTQ (gptq.py), AWQ-clipped RTN or GPTQ after AWQ; fused q/k/v and gate/up share
    their input, so they are quantized fused (rows are independent) and split back to HF names;
 5. write model.safetensors (GPTQ v1 tensors per linear; norms, embeddings and the LM head in
