@@ -149,15 +149,7 @@ def _quantize_fp8(args: argparse.Namespace, float_dtype) -> int:
         raise ValueError(f"--scheme fp8 rounds to nearest per channel; --method {args.method} applies to the "
                          f"int8/int4 schemes")
     t0 = time.perf_counter()
-    # Sequential by default only where it measured better (benchmarks/results/quant-cpu-20261125/):
-    # GPTQ alone; after AWQ (whose scales come from the float model) it was a wash at g128.
-    sequential = args.method in ("gptq", "awq+gptq") and (
-        args.sequential if args.sequential is not None else args.method == "gptq")
-    extra = {}
-    if sequential:  # the sequential pass needs every calibration token in one prefill step
-        extra["max_num_batched_tokens"] = max(2048, args.calib_windows * args.calib_window)
-    llm = LLM(model=args.model, device="cpu", dtype="float32", quantization="none", enable_prefix_caching=False,
-              **extra)
+    llm = LLM(model=args.model, device="cpu", dtype="float32", quantization="none", enable_prefix_caching=False)
     tensors = fp8_state_dict(llm.engine.runner.model, float_dtype)
     note = (f"# fp8 W8A8 of {args.model or 'the embedded SmolLM2-135M-Instruct'}\n\n"
             f"Written by `rooflm quantize --scheme fp8` in compressed-tensors float-quantized (rooflm/quant/fp8.py): "
