@@ -45,6 +45,18 @@ def register(sub) -> None:
     p.set_defaults(func=run_quantize)
 
 
+def use_sequential(method: str, flag) -> bool:
+    """Whether GPTQ calibrates on the quantized predecessors' outputs (sequential.py); flag is
+    --sequential / --no-sequential / None (not given)."""
+    if method not in ("gptq", "awq+gptq"):
+        if flag:
+            raise ValueError(f"--sequential applies to --method gptq and awq+gptq (the GPTQ pass); got {method}")
+        return False
+    # Sequential by default only where it measured better (benchmarks/results/quant-cpu-20261125/):
+    # GPTQ alone; after AWQ (whose scales come from the float model) it was a wash at g128.
+    return flag if flag is not None else method == "gptq"
+
+
 def run_quantize(args: argparse.Namespace) -> int:
     import torch
 
@@ -60,10 +72,7 @@ def run_quantize(args: argparse.Namespace) -> int:
     scheme = WeightScheme.parse(args.scheme)
     args.method = args.method or "gptq"
     t0 = time.perf_counter()
-    # Sequential by default only where it measured better (benchmarks/results/quant-cpu-20261125/):
-    # GPTQ alone; after AWQ (whose scales come from the float model) it was a wash at g128.
-    sequential = args.method in ("gptq", "awq+gptq") and (
-        args.sequential if args.sequential is not None else args.method == "gptq")
+    sequential = use_sequential(args.method, args.sequential)
     extra = {}
     if sequential:  # the sequential pass needs every calibration token in one prefill step
         extra["max_num_batched_tokens"] = max(2048, args.calib_windows * args.calib_window)

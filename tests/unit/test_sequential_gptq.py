@@ -58,3 +58,12 @@ def test_sequential_needs_one_prefill_step(tmp_path):
     src, _ = make_tiny_model(tmp_path, "llama", attention="gqa")
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         sequential_gptq(_llm(src, max_num_batched_tokens=128), WINDOWS, SCHEME)
+
+
+def test_sequential_defaults():
+    from rooflm.quant.commands import use_sequential
+    assert use_sequential("gptq", None) and not use_sequential("gptq", False)
+    assert not use_sequential("awq+gptq", None) and use_sequential("awq+gptq", True)
+    assert not use_sequential("rtn", None)
+    with pytest.raises(ValueError, match="--sequential applies"):
+        use_sequential("awq", True)
