@@ -39,7 +39,7 @@ def register(sub) -> None:
     p.add_argument("--sequential", action=argparse.BooleanOptionalAction, default=None,
                    help="GPTQ / AWQ+GPTQ: calibrate each linear on the outputs of the already quantized linears "
                         "before it (true-sequential, sequential.py) instead of the float model's; default on for "
-                        "gptq (+7.2%% vs +8.4%% perplexity on SmolLM2 g128), off for awq+gptq (+5.46%% vs +5.37%%)")
+                        "gptq (+7.2%% vs +8.4%% perplexity on SmolLM2 g128), off for awq+gptq (g128 +5.46%% vs +5.37%%, g32 +4.87%% vs +3.85%%)")
     p.add_argument("--float-dtype", default="bfloat16", choices=tuple(_FLOAT_DTYPES),
                    help="dtype of the tensors kept in float: embeddings, LM head, norms")
     p.set_defaults(func=run_quantize)
@@ -53,7 +53,8 @@ def use_sequential(method: str, flag) -> bool:
             raise ValueError(f"--sequential applies to --method gptq and awq+gptq (the GPTQ pass); got {method}")
         return False
     # Sequential by default only where it measured better (benchmarks/results/quant-cpu-20261125/):
-    # GPTQ alone; after AWQ (whose scales come from the float model) it was a wash at g128.
+    # GPTQ alone; after AWQ (whose scales come from the float model) it was no better at g128 and
+    # a point worse at g32.
     return flag if flag is not None else method == "gptq"
 
 
