@@ -7,7 +7,8 @@
 #   RUN: int8-rtn int4-g128-rtn int4-g128-gptq int4-g128-gptq-ao-mse (the default set, 2026-11-23)
 #        fp8 int4-g128-awq int4-g128-awq-gptq int4-g32-awq-gptq int4-g128-awq-gptq-duo
 #        int4-g128-awq-gptq-score int4-g32-awq-gptq-score (2026-11-25; -score: AWQ scored with GPTQ,
-#        today's awq+gptq default)
+#        today's awq+gptq default); int4-g128-gptq-ao-mse-seq int4-g128-awq-gptq-score-seq
+#        int4-g32-awq-gptq-score-seq (sequential GPTQ; the rows before pass --no-sequential)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/quant-cpu-$(date -u +%Y%m%d)}
@@ -33,17 +34,22 @@ one() {
   case $1 in
     int8-rtn) run int8-rtn --scheme int8 --method rtn ;;
     int4-g128-rtn) run int4-g128-rtn --scheme int4-g128 --method rtn ;;
-    int4-g128-gptq) run int4-g128-gptq --scheme int4-g128 --method gptq ;;
-    int4-g128-gptq-ao-mse) run int4-g128-gptq-ao-mse --scheme int4-g128 --method gptq --act-order --mse --calib-windows 32 ;;
+    int4-g128-gptq) run int4-g128-gptq --scheme int4-g128 --method gptq --no-sequential ;;
+    int4-g128-gptq-ao-mse) run int4-g128-gptq-ao-mse --scheme int4-g128 --method gptq --act-order --mse --calib-windows 32 --no-sequential ;;
     # FP8 W8A8 at load: per-output-channel e4m3 weights, dynamic per-token e4m3 activations
     # (real fp8 rounding on the CPU through torch.float8_e4m3fn casts).
     fp8) score fp8 --quantization fp8 ;;
     int4-g128-awq) run int4-g128-awq --scheme int4-g128 --method awq --calib-windows 32 ;;
-    int4-g128-awq-gptq) run int4-g128-awq-gptq --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score rtn ;;
-    int4-g32-awq-gptq) run int4-g32-awq-gptq --scheme int4-g32 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score rtn ;;
-    int4-g128-awq-gptq-score) run int4-g128-awq-gptq-score --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score gptq ;;
-    int4-g32-awq-gptq-score) run int4-g32-awq-gptq-score --scheme int4-g32 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score gptq ;;
-    int4-g128-awq-gptq-duo) run int4-g128-awq-gptq-duo --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 --duo --awq-score rtn ;;
+    int4-g128-awq-gptq) run int4-g128-awq-gptq --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score rtn --no-sequential ;;
+    int4-g32-awq-gptq) run int4-g32-awq-gptq --scheme int4-g32 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score rtn --no-sequential ;;
+    int4-g128-awq-gptq-score) run int4-g128-awq-gptq-score --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score gptq --no-sequential ;;
+    int4-g32-awq-gptq-score) run int4-g32-awq-gptq-score --scheme int4-g32 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score gptq --no-sequential ;;
+    int4-g128-awq-gptq-duo) run int4-g128-awq-gptq-duo --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 --duo --awq-score rtn --no-sequential ;;
+    # Sequential GPTQ (2026-11-25, --method gptq's default since): each linear calibrated on the quantized
+    # predecessors' outputs (rooflm/quant/sequential.py).
+    int4-g128-gptq-ao-mse-seq) run int4-g128-gptq-ao-mse-seq --scheme int4-g128 --method gptq --act-order --mse --calib-windows 32 --sequential ;;
+    int4-g128-awq-gptq-score-seq) run int4-g128-awq-gptq-score-seq --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score gptq --sequential ;;
+    int4-g32-awq-gptq-score-seq) run int4-g32-awq-gptq-score-seq --scheme int4-g32 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score gptq --sequential ;;
     *) echo "unknown run $1" >&2; return 2 ;;
   esac
 }

@@ -11,7 +11,8 @@ trailing update is one matmul per block (the "lazy batch" of the paper).
 
 Group parameters (scale, zero) are chosen from the already-updated weights when each group starts,
 as RTN would choose them (rtn.int4_params), so the format is the same as RTN's; only the codes
-differ. Inputs are the float model's (no sequential re-run through the quantized layers).
+differ. The Hessian is whatever the caller collected: the float model's inputs, or with
+sequential.py (`rooflm quantize --method gptq`'s default) those of the already quantized linears before it.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ Steps:
    that sums x x^T of its inputs (the Hessian of the layer's squared output error);
 3. for AWQ (awq.py), search per-input-channel scales and fold them into the float model (norm
    weights, v and up rows), then quantize the scaled weights;
-4. quantize each decoder linear: RTN (rtn.py), GPTQ (gptq.py), AWQ-clipped RTN or GPTQ after AWQ; fused q/k/v and gate/up share
+4. quantize each decoder linear (--method gptq by default sequentially, sequential.py: each linear's Hessian
+   from the quantized predecessors' outputs, in one more calibration prefill): RTN (rtn.py), GPTQ (gptq.py), AWQ-clipped RTN or GPTQ after AWQ; fused q/k/v and gate/up share
    their input, so they are quantized fused (rows are independent) and split back to HF names;
 5. write model.safetensors (GPTQ v1 tensors per linear; norms, embeddings and the LM head in
    --float-dtype: the LM head and embeddings are never quantized), config.json with its
@@ -99,8 +100,10 @@ def _rows(weight, start: int, size: int):
 
 
 def quantized_state_dict(model, scheme: WeightScheme, method: str, hessians: Optional[dict],
-                         float_dtype: torch.dtype, act_order: bool = False, mse: bool = False) -> dict[str, torch.Tensor]:
-    """HF-named tensors: GPTQ parts for decoder linears, float for everything else."""
+                         float_dtype: torch.dtype, act_order: bool = False, mse: bool = False,
+                         prequantized: Optional[dict] = None) -> dict[str, torch.Tensor]:
+    """HF-named tensors: GPTQ parts for decoder linears, float for everything else.
+    prequantized: linear name -> its already quantized weight (sequential.py), written as is."""
     out: dict[str, torch.Tensor] = {}
     linears = decoder_linears(model)
     linear_params = {f"{name}.{kind}" for name in linears for kind in ("weight", "bias")}
@@ -110,8 +113,11 @@ def quantized_state_dict(model, scheme: WeightScheme, method: str, hessians: Opt
                 out[name] = param.detach().to(float_dtype).contiguous()
     for name, module in linears.items():
         prefix, _, leaf = name.rpartition(".")
-        q = quantize_linear(module.weight.detach().float(), scheme, method,
-                            None if hessians is None else hessians[name], act_order, mse)
+        if prequantized is not None:
+            q = prequantized[name]
+        else:
+            q = quantize_linear(module.weight.detach().float(), scheme, method,
+                                None if hessians is None else hessians[name], act_order, mse)
         if leaf in _SPLITS:
             _, names = _SPLITS[leaf]
             for shard, (offset, size) in module.shard_offsets.items():
@@ -153,20 +159,20 @@ def fp8_state_dict(model, float_dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return out
 
 
-def gptq_config(scheme: WeightScheme, act_order: bool = False) -> dict:
+def gptq_config(scheme: WeightScheme, act_order: bool = False, sequential: bool = False) -> dict:
     return {"quant_method": "gptq", "bits": scheme.bits, "group_size": scheme.group_size,
             "desc_act": act_order and scheme.bits == 4, "sym": scheme.bits == 8, "checkpoint_format": "gptq", "lm_head": False,
-            "true_sequential": False, "damp_percent": 0.01}
+            "true_sequential": sequential, "damp_percent": 0.01}
 
 
 def write_checkpoint(out_dir: str, config_dict: dict, tensors: dict[str, torch.Tensor], scheme: Optional[WeightScheme],
                      float_dtype: torch.dtype, tokenizer=None, note: str = "", act_order: bool = False,
-                     quant_config: Optional[dict] = None) -> None:
+                     quant_config: Optional[dict] = None, sequential: bool = False) -> None:
     """quant_config: config.json's quantization_config; default the GPTQ one of `scheme`."""
     from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
     cfg = dict(config_dict)
-    cfg["quantization_config"] = quant_config if quant_config is not None else gptq_config(scheme, act_order)
+    cfg["quantization_config"] = quant_config if quant_config is not None else gptq_config(scheme, act_order, sequential)
     cfg["torch_dtype"] = str(float_dtype).replace("torch.", "")
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2)

@@ -1,0 +1,84 @@
+"""Sequential GPTQ: each decoder linear's Hessian comes from the inputs the already QUANTIZED
+linears before it produce (GPTQ paper Sec. 4 / AutoGPTQ's true_sequential), not from the float
+model's activations.
+
+Why: the float model's Hessians tell GPTQ how to compensate its rounding for inputs the quantized
+model never sees; layer i's weights are then tuned to the float layer i-1's outputs while the
+checkpoint feeds them the quantized layer i-1's. Calibrating on the quantized model's own inputs
+lets each layer also absorb part of the error of everything before it.
+
+How, in one calibration forward: a pre-hook on every decoder linear, which fire in execution order
+(qkv_proj, o_proj, gate_up_proj, down_proj of layer 0, then layer 1, ...). Each hook builds the
+Hessian from the input it is handed, quantizes its own linear with GPTQ and writes the dequantized
+weight back before the linear runs. So o_proj sees the attention of the quantized q/k/v, down_proj
+the activation of the quantized gate/up, and layer i+1 the output of the quantized layer i: both
+AutoGPTQ's layer-by-layer order and its within-layer true_sequential, at the cost of one prefill.
+This needs the whole calibration set in ONE forward step (every hook must see every token before
+it quantizes), so the engine runs with max_num_batched_tokens >= the calibration tokens; the hook
+checks it and names the fix otherwise.
+
+AWQ's scales are folded before this pass (from the float model's statistics, as awq.py does):
+o_proj's and down_proj's scales divide rows of qkv_proj and gate_up_proj, which must not change
+after those are quantized, so the scales of a layer cannot wait for its quantized inputs here.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from rooflm.quant.rtn import WeightScheme
+
+
+def sequential_gptq(llm, windows: list[list[int]], scheme: WeightScheme, act_order: bool = False,
+                    mse: bool = False, hessians: Optional[dict[str, torch.Tensor]] = None) -> dict:
+    """Quantize every decoder linear of `llm`'s (float) model in place, layer by layer on the
+    quantized predecessors' outputs; returns {rooflm linear name: GroupWeight/ChannelWeight}.
+    The model's linear weights are left as the dequantized values (what the checkpoint loads to).
+    `hessians`, if given, is filled with the Hessian each linear was quantized with."""
+    from rooflm.quant.gptq import gptq_quantize
+    from rooflm.quant.quantize import decoder_linears
+    from rooflm.sampling_params import SamplingParams
+    model = llm.engine.runner.model
+    total = sum(len(w) for w in windows)
+    budget = llm.engine.config.scheduler.max_num_batched_tokens
+    if budget < total:
+        raise ValueError(f"sequential GPTQ needs all {total} calibration tokens in one forward step, but "
+                         f"max_num_batched_tokens is {budget}: build the LLM with max_num_batched_tokens>={total}")
+    quantized: dict = {}
+
+    @torch.no_grad()
+    def hook(mod, args, name):
+        x = args[0].reshape(-1, mod.in_features).float()
+        if name in quantized:
+            raise RuntimeError(f"sequential GPTQ: {name} ran twice; the calibration must be one prefill step")
+        if x.shape[0] != total:
+            raise RuntimeError(f"sequential GPTQ: {name} saw {x.shape[0]} tokens in one step, expected all {total} "
+                               f"calibration tokens (the scheduler split the prefill)")
+        h = x.T @ x
+        if hessians is not None:
+            hessians[name] = h
+        # GPTQ's column loop is thousands of tiny ops: one thread (see commands.py).
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            q = gptq_quantize(mod.weight.detach().float(), h, scheme.bits, scheme.group_size,
+                              act_order=act_order, mse=mse)
+        finally:
+            torch.set_num_threads(threads)
+        mod.weight.copy_(q.dequantize().to(mod.weight.dtype))
+        quantized[name] = q
+
+    linears = decoder_linears(model)
+    handles = [m.register_forward_pre_hook(lambda mod, args, name=name: hook(mod, args, name))
+               for name, m in linears.items()]
+    try:
+        llm.generate(windows, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    finally:
+        for h in handles:
+            h.remove()
+    missing = sorted(set(linears) - set(quantized))
+    if missing:
+        raise RuntimeError(f"sequential GPTQ: the calibration forward never reached {missing[:3]}")
+    return quantized
