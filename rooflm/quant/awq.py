@@ -210,6 +210,12 @@ def _head_dim(attn) -> int:
     return int(attn.cfg.head_dim)
 
 
+def _fold_into_norm(norm, linear, s: torch.Tensor) -> None:
+    """The RMSNorm before a linear takes 1/s, the linear's input columns take s."""
+    norm.weight.div_(s.to(norm.weight.dtype))
+    linear.weight.mul_(s[None, :].to(linear.weight.dtype))
+
+
 @torch.no_grad()
 def fold_scales(model, index: int, scales: dict[str, torch.Tensor]) -> None:
     """Multiply each linear's input columns by its s and divide the seam before it by s
@@ -219,8 +225,7 @@ def fold_scales(model, index: int, scales: dict[str, torch.Tensor]) -> None:
     prefix = f"model.layers.{index}"
     s = scales.get(f"{prefix}.self_attn.qkv_proj")
     if s is not None:
-        layer.input_layernorm.weight.div_(s.to(layer.input_layernorm.weight.dtype))
-        attn.qkv_proj.weight.mul_(s[None, :].to(attn.qkv_proj.weight.dtype))
+        _fold_into_norm(layer.input_layernorm, attn.qkv_proj, s)
     s = scales.get(f"{prefix}.self_attn.o_proj")
     if s is not None:
         offset, size = attn.qkv_proj.shard_offsets["v"]
@@ -235,8 +240,7 @@ def fold_scales(model, index: int, scales: dict[str, torch.Tensor]) -> None:
         attn.o_proj.weight.mul_(s[None, :].to(attn.o_proj.weight.dtype))
     s = scales.get(f"{prefix}.mlp.gate_up_proj")
     if s is not None:
-        layer.post_attention_layernorm.weight.div_(s.to(layer.post_attention_layernorm.weight.dtype))
-        mlp.gate_up_proj.weight.mul_(s[None, :].to(mlp.gate_up_proj.weight.dtype))
+        _fold_into_norm(layer.post_attention_layernorm, mlp.gate_up_proj, s)
     s = scales.get(f"{prefix}.mlp.down_proj")
     if s is not None:
         offset, size = mlp.gate_up_proj.shard_offsets["up"]
