@@ -65,7 +65,7 @@ class WorkerRunner(ModelRunner):
             dst = self._host(packet.pending_positions, torch.int64).to(self.device, non_blocking=True)
             src = self._host(packet.pending_rows, torch.int64).to(self.device, non_blocking=True)
             fixup = (dst, self.prev_sampled.index_select(0, src))
-        self._forward(inputs, StepResult({}, {}, {}), fixup, self._graph_runs(inputs))
+        self._forward(inputs, StepResult({}, {}, {}), fixup, self._pick_graph(inputs, fixup))
         if packet.logits_indices:  # rank 0 sampled these rows: receive their ids
             sampled = torch.empty(len(packet.logits_indices), dtype=torch.int64, device=self.device)
             self.prev_sampled = self.tp.broadcast_device(sampled)

@@ -19,7 +19,9 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Optional
 
+import numpy as np
 import torch
 
 from rooflm.layers.attention import AttentionMetadata
@@ -152,3 +154,143 @@ class CUDAGraphRunner:
             b.input_ids[fixup[0]] = fixup[1]
         self.graphs[size].replay()
         return self.logits[size][:batch]
+
+
+# --------------------------------------------------------------------------
+# Uniform multi-token steps (speculative decoding's verify forward)
+# --------------------------------------------------------------------------
+
+def uniform_rows(query_start: list[int], width: int) -> np.ndarray:
+    """Row of each packed token in the padded layout of a uniform graph: sequence s owns rows
+    [s * width, (s + 1) * width) and its r_s tokens take the LAST r_s of them. The attention
+    kernel places a sequence's first query at position seq_len - (its row count), so the real
+    tokens keep their positions; the leading padding rows sit at earlier positions, write no
+    K/V (slot -1) and their outputs are never read."""
+    starts = np.asarray(query_start, dtype=np.int64)
+    lens = np.diff(starts)
+    shift = (np.arange(1, len(lens) + 1) * width - lens) - starts[:-1]  # row - packed index, per seq
+    return np.repeat(shift, lens) + np.arange(starts[-1], dtype=np.int64)
+
+
+def uniform_widths(max_width: int) -> list[int]:
+    return list(range(2, max_width + 1))
+
+
+class UniformGraphRunner:
+    """CUDA graphs for steps whose sequences each compute at most `width` tokens (a verify
+    forward: the last token and its drafts), for widths 2..max_width and batch sizes with
+    batch x width <= max_tokens (the speculation policy's budget). Without them a verify step
+    runs through the piecewise graphs: one launch per layer plus an eager attention each,
+    ~2 ms of host work at batch 1 on the H100 against a ~5.5 ms forward.
+
+    Every sequence is padded at the front to `width` rows (uniform_rows), so query_start_loc
+    is the fixed arange(0, (B + 1) width, width) of the graph and the prefill kernel's launch
+    grid is fixed with it. Steps where a sequence's context is shorter than the width (its
+    padding rows would sit before position 0) run the other paths. Logits of every row land in
+    one shared buffer: a [rows, vocab] output per graph would cost ~0.5 MB a row for 128k
+    vocabularies, ~6 GB for all the graphs of an 8B model."""
+
+    def __init__(self, model, kv_caches, max_width: int, max_tokens: int, max_batch: int,
+                 max_model_len: int, block_size: int, device: torch.device, pool=None):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.max_model_len = max_model_len
+        self.widths = uniform_widths(max_width)
+        self.sizes = {w: [s for s in capture_sizes(max_batch) if s * w <= max_tokens] for w in self.widths}
+        self.widths = [w for w in self.widths if self.sizes[w]]
+        max_seqs = max((s[-1] for s in self.sizes.values() if s), default=1)
+        self.max_rows = max((w * self.sizes[w][-1] for w in self.widths), default=1)
+        max_blocks = -(-(-(-max_model_len // block_size)) // 16) * 16
+        self.buffers = GraphBuffers.allocate(self.max_rows, max_blocks, device)
+        self.buffers.seq_lens = torch.ones(max_seqs, dtype=torch.int32, device=device)
+        self.buffers.block_tables = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device)
+        self.query_start = {w: torch.arange(0, (max_seqs + 1) * w, w, dtype=torch.int32, device=device)
+                            for w in self.widths}
+        self.logits: Optional[torch.Tensor] = None  # [max_rows, vocab], allocated at capture
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.pool = pool
+
+    def _meta(self, width: int, batch: int) -> AttentionMetadata:
+        b = self.buffers
+        return AttentionMetadata(
+            slot_mapping=b.slot_mapping[:batch * width], query_start_loc=self.query_start[width][:batch + 1],
+            seq_lens=b.seq_lens[:batch], block_tables=b.block_tables[:batch],
+            max_query_len=width, max_seq_len=self.max_model_len, num_decodes=0,
+            query_start_loc_cpu=list(range(0, (batch + 1) * width, width)),
+            seq_lens_cpu=[self.max_model_len] * batch)
+
+    def _forward(self, width: int, batch: int) -> torch.Tensor:
+        rows = batch * width
+        b = self.buffers
+        hidden = self.model(b.input_ids[:rows], b.positions[:rows], self.kv_caches, self._meta(width, batch))
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        t0 = time.perf_counter()
+        b = self.buffers
+        b.seq_lens.fill_(max(self.widths, default=1))  # every capture-time context covers its rows
+        for width in reversed(self.widths):
+            for batch in reversed(self.sizes[width]):
+                for _ in range(2):  # warm-up: compile the kernels outside the capture
+                    logits = self._forward(width, batch)
+                if self.logits is None:
+                    self.logits = torch.empty(self.max_rows, logits.shape[1], dtype=logits.dtype,
+                                              device=logits.device)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    logits = self._forward(width, batch)
+                    self.logits[:batch * width].copy_(logits)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[(width, batch)] = graph
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        logger.info("captured %d verify CUDA graphs (widths %s) in %.1f s", len(self.graphs),
+                    self.widths, elapsed)
+        return elapsed
+
+    def release(self) -> None:
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.logits = None
+        self.pool = None
+
+    def pick(self, max_query_len: int, seq_lens: list[int]) -> Optional[tuple[int, int]]:
+        """(width, graph batch) for a step, or None: the narrowest width that holds every
+        sequence's tokens and has a graph for the batch, if no context is shorter than it."""
+        batch = len(seq_lens)
+        for width in self.widths:
+            if width < max_query_len:
+                continue
+            size = next((s for s in self.sizes[width] if s >= batch), None)
+            if size is not None:
+                return (width, size) if min(seq_lens) >= width else None
+        return None
+
+    def run(self, choice: tuple[int, int], input_ids, positions, slots, seq_lens, block_tables,
+            query_start: list[int]) -> tuple[torch.Tensor, np.ndarray]:
+        """Host tensors of a packed step -> (logits of the padded rows, row of each packed token)."""
+        width, size = choice
+        batch = len(query_start) - 1
+        rows = uniform_rows(query_start, width)
+        n = size * width
+        padded_ids = torch.zeros(n, dtype=torch.int64)
+        padded_pos = torch.zeros(n, dtype=torch.int64)
+        padded_slots = torch.full((n,), -1, dtype=torch.int64)
+        index = torch.from_numpy(rows)
+        padded_ids[index] = input_ids
+        padded_pos[index] = positions
+        padded_slots[index] = slots
+        lens = torch.full((size,), width, dtype=torch.int32)
+        lens[:batch] = seq_lens
+        b = self.buffers
+        b.input_ids[:n].copy_(padded_ids.pin_memory(), non_blocking=True)
+        b.positions[:n].copy_(padded_pos.pin_memory(), non_blocking=True)
+        b.slot_mapping[:n].copy_(padded_slots.pin_memory(), non_blocking=True)
+        b.seq_lens[:size].copy_(lens.pin_memory(), non_blocking=True)
+        b.block_tables[:batch, :block_tables.shape[1]].copy_(block_tables, non_blocking=True)
+        self.graphs[choice].replay()
+        return self.logits[:n], rows

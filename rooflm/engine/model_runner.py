@@ -163,6 +163,7 @@ class ModelRunner:
         self.kv_dtype = kv_format.storage_dtype(self.kv_cache_dtype, self.dtype)
         self.sampler = Sampler()
         self.graphs = None
+        self.uniform_graphs = None  # UniformGraphRunner: verify steps of speculative decoding
         # Bytes per KV block of a second pool sized with this one (a draft model's), so that
         # the device's KV budget covers both.
         self.extra_kv_bytes_per_block = 0
@@ -564,9 +565,9 @@ class ModelRunner:
                 self._send_step(out, inputs, prev)
         fixup = self._pending_fixup(inputs, prev)
         handle = StepHandle(inputs, StepResult({}, {}, {}), spec=out.spec)
-        full_graph = self._graph_runs(inputs)
-        handle.graph = "full" if full_graph else ("piecewise" if self._piecewise_runs(inputs) else "eager")
-        logits = self._forward(inputs, handle.result, fixup, full_graph)
+        graph = self._pick_graph(inputs, fixup)
+        handle.graph = "full" if graph else ("piecewise" if self._piecewise_runs(inputs) else "eager")
+        logits = self._forward(inputs, handle.result, fixup, graph)
         if inputs.rows:
             meta = SamplingMetadata.build(inputs.rows, self.model_config.vocab_size, self.device)
             handle.row_of = {sch.seq.seq_id: r for r, sch in enumerate(inputs.row_owner)}
@@ -704,30 +705,46 @@ class ModelRunner:
                             max_query_len=max(query_lens), num_decodes=sum(1 for n in query_lens if n == 1),
                             order=[], logits_indices=logits_indices, rows=[], row_owner=[],
                             prompt_logprob_spans=[], pending_positions=[])
-        return self._forward(inputs, StepResult({}, {}, {}), fixup, self._graph_runs(inputs))
+        return self._forward(inputs, StepResult({}, {}, {}), fixup, self._pick_graph(inputs, fixup))
 
-    def _graph_runs(self, inputs: StepInputs) -> bool:
-        """A captured graph runs plain decode steps of a captured batch size or less."""
+    def _pick_graph(self, inputs: StepInputs, fixup=None) -> Optional[tuple[int, int]]:
+        """The whole-step CUDA graph that runs this step, as (tokens per sequence, graph batch),
+        or None. Width 1: plain decode steps of a captured batch size or less. Wider: steps of
+        few tokens per sequence (speculative verify forwards, short catch-ups) through the
+        uniform graphs, padded to the narrowest width that holds them."""
         num_seqs = len(inputs.seq_lens_cpu)
-        return (self.graphs is not None and inputs.num_decodes == num_seqs
-                and not inputs.prompt_logprob_spans and self.graphs.graph_size(num_seqs) is not None)
+        if inputs.prompt_logprob_spans:
+            return None
+        if self.graphs is not None and inputs.num_decodes == num_seqs:
+            size = self.graphs.graph_size(num_seqs)
+            return None if size is None else (1, size)
+        if self.uniform_graphs is not None and fixup is None:
+            return self.uniform_graphs.pick(inputs.max_query_len, inputs.seq_lens_cpu)
+        return None
 
     def _piecewise_runs(self, inputs: StepInputs) -> bool:
         return (self.piecewise is not None and not inputs.prompt_logprob_spans
                 and inputs.host.input_ids.shape[0] <= self.piecewise.max_tokens)
 
     def _forward(self, inputs: StepInputs, result: StepResult, fixup=None,
-                 use_graph: bool = False) -> Optional[torch.Tensor]:
-        """Logits of the sampling rows: from a CUDA graph for plain decode steps, else eagerly.
+                 graph: Optional[tuple[int, int]] = None) -> Optional[torch.Tensor]:
+        """Logits of the sampling rows: from a whole-step CUDA graph where _pick_graph found one
+        (graph), else through the piecewise graphs or eagerly.
         fixup = (token indices, token ids) on the device overwrites pending input ids."""
         h = inputs.host
-        if use_graph:
+        if graph is not None:
             with self.tracer.phase("graph"):
-                logits = self.graphs.run(h.input_ids, h.positions, h.slot_mapping, h.seq_lens,
-                                         h.block_tables, fixup)
-            if not inputs.logits_indices:
+                if graph[0] == 1:
+                    logits = self.graphs.run(h.input_ids, h.positions, h.slot_mapping, h.seq_lens,
+                                             h.block_tables, fixup)
+                    indices = inputs.logits_indices
+                else:
+                    logits, rows = self.uniform_graphs.run(graph, h.input_ids, h.positions, h.slot_mapping,
+                                                           h.seq_lens, h.block_tables, inputs.query_start_loc_cpu)
+                    indices = rows[inputs.logits_indices].tolist()
+            if not indices:
                 return None
-            idx = self._host(inputs.logits_indices, torch.int64).to(self.device, non_blocking=True)
+            idx = self._host(indices, torch.int64).to(self.device, non_blocking=True)
             return logits.index_select(0, idx)
         with self.tracer.phase("to_device"):
             input_ids, positions, meta = self.to_device(inputs)
@@ -760,6 +777,14 @@ class ModelRunner:
         self.graphs = CUDAGraphRunner(self.model, self.kv_caches, self.backend, max_batch,
                                       self.max_model_len, self.block_size, self.device)
         self.timings["capture_s"] = self.graphs.capture()
+        spec = self.config.speculative
+        if spec.speculative_method and self.backend.name == "triton" and self.tp.size == 1:
+            from rooflm.engine.cuda_graph import UniformGraphRunner
+            self.uniform_graphs = UniformGraphRunner(
+                self.model, self.kv_caches, spec.num_speculative_tokens + 1,
+                spec.speculative_max_batch_tokens or 256, max_batch, self.max_model_len, self.block_size,
+                self.device, pool=self.graphs.pool)
+            self.timings["uniform_capture_s"] = self.uniform_graphs.capture()
         if self.config.runtime.piecewise_cuda_graphs and self.backend.name == "triton":
             from rooflm.engine.piecewise_graph import PiecewiseGraphRunner
             self.piecewise = PiecewiseGraphRunner(self.model, self.kv_caches, self.backend,
@@ -771,15 +796,16 @@ class ModelRunner:
         Tensor parallelism calls it on every rank before the process group is destroyed: NCCL's
         destroy_process_group waits for graphs that captured its collectives to go first, and
         hung on the H200x2 run when they were still alive. Later steps run eagerly."""
-        if self.graphs is None and self.piecewise is None:
+        if self.graphs is None and self.piecewise is None and self.uniform_graphs is None:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # no replay may still be running
-        for runner in (self.graphs, self.piecewise):
+        for runner in (self.graphs, self.piecewise, self.uniform_graphs):
             if runner is not None:
                 runner.release()
         self.graphs = None
         self.piecewise = None
+        self.uniform_graphs = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()

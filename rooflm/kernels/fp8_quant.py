@@ -98,7 +98,11 @@ def per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def per_token_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The definition: fp32 scale = max(max|x_row| / 448, MIN_SCALE); q = cast(clamp(x / scale))."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
+    amax = xf.abs().amax(dim=1, keepdim=True)
+    # A tensor divisor, not the Python float: CUDA torch turns `t / scalar` into t * (1 / scalar),
+    # which is one ulp off an IEEE divide for some amax (the H100 run of 2026-11-25 caught it);
+    # the kernel's div_rn and this divide are both round-to-nearest.
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_min(MIN_SCALE)
     q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 

@@ -1,9 +1,9 @@
 """Speculative decoding on the GPU (Triton kernels, graphs): greedy outputs match plain decoding.
 
-The verify forward runs the prefill kernel (and piecewise graphs) over 1 + k tokens where plain
+The verify forward runs the prefill kernel (in the uniform CUDA graphs) over 1 + k tokens where plain
 decoding runs the decode kernel over one, so float results differ in the last bits: tokens are
-identical, or at the first divergence each side's token is in the other's top-5 (there is no
-deterministic mode yet). Run with `pytest -m gpu`."""
+identical, or at the first divergence each side's token is in the other's top-5; with
+--deterministic they are identical, logprobs too. Run with `pytest -m gpu`."""
 
 import pytest
 import torch
@@ -55,3 +55,45 @@ def test_seeded_sampling_reproducible_on_gpu(tmp_path):
         del llm
         torch.cuda.empty_cache()
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_spec_decode_is_exact_in_deterministic_mode(tmp_path, method):
+    """--deterministic makes every row's sums independent of the rows beside it, so a verify
+    forward scores each token exactly as a plain decode step would: tokens and logprobs equal."""
+    path, _ = make_tiny_model(tmp_path, "llama", initializer_range=0.3)
+    ref, _, _ = run(path, "bfloat16", deterministic=True)
+    kw = dict(speculative_method=method)
+    if method == "draft":
+        kw["draft_model"] = path
+    out, stats, free = run(path, "bfloat16", deterministic=True, **kw)
+    assert stats.num_drafts > 0 and free == 256
+    for a, b in zip(out, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_verify_steps_replay_the_uniform_graphs(tmp_path):
+    """Verify forwards (1 + k tokens a sequence) run as one CUDA graph, and give what the eager
+    path gives."""
+    path, _ = make_tiny_model(tmp_path, "llama", initializer_range=0.3)
+    kw = dict(device="cuda", dtype="bfloat16", block_size=16, num_blocks=256, speculative_method="draft",
+              draft_model=path)
+    llm = LLM(model=path, **kw)
+    graphs = llm.engine.runner.uniform_graphs
+    assert graphs is not None and graphs.graphs
+    replays = []
+    original = graphs.run
+
+    def counting_run(choice, *args):
+        replays.append(choice)
+        return original(choice, *args)
+
+    graphs.run = counting_run
+    outs = llm.generate(PROMPTS, PARAMS)
+    stats = llm.engine.snapshot().spec
+    del llm
+    torch.cuda.empty_cache()
+    assert len(replays) > stats.num_drafts // (2 * len(PROMPTS))  # most verify steps replayed a graph
+    eager, _, _ = run(path, "bfloat16", enforce_eager=True, speculative_method="draft", draft_model=path)
+    check_greedy_close(outs, eager)
