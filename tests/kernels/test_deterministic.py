@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
-from rooflm.kernels.matmul_persistent import matmul_persistent, matmul_ref
+from rooflm.kernels.matmul_fixed_split import (matmul_fixed_split, matmul_fixed_split_ref, split_plan,
+                                               split_size)
+from rooflm.kernels.matmul_persistent import matmul_config, matmul_persistent, matmul_ref
 from rooflm.kernels.prefill_attention import prefill_attention, prefill_attention_ref
 from rooflm.kernels.rmsnorm import rmsnorm
 from rooflm.kernels.utils import random_paged_batch
@@ -77,6 +79,104 @@ def test_matmul_gpu_bf16_rows_invariant(n, k):
     """The Llama-3-8B projections in bf16: one token alone, in a decode batch, in a prefill chunk."""
     check_matmul_rows(2048, n, k, torch.bfloat16, [(0, 1), (5, 6), (0, 64), (100, 356), (1000, 2048)],
                       bias=False)
+
+
+# ---- fixed-split matmul: split count from the weight, order fixed by it -----------------------
+
+def graded_values(m, n, k, block_k, seed=0):
+    """fp32 x in {-1, 0, 1} and W = {-1, 0, 1} * 2^e, one e in [-20, 20] per BLOCK_K step of K.
+
+    Every step's dot is exact (at most BLOCK_K terms of one power of two), so BLAS and the
+    interpreter agree on it; the adds across steps and splits are not (exponents 40 apart), so
+    the result depends on the order of the sums, which is what these tests compare."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-1, 2, (m, k), generator=g).float()
+    exps = torch.randint(-20, 21, (cdiv_(k, block_k),), generator=g).repeat_interleave(block_k)[:k]
+    w = torch.randint(-1, 2, (n, k), generator=g).float() * torch.pow(2.0, exps.float())
+    return x.to(DEVICE), w.to(DEVICE)
+
+
+def cdiv_(a, b):
+    return (a + b - 1) // b
+
+
+# K = 200: seven BLOCK_K = 32 steps under the interpreter, three splits of 3, 3 and 1 steps (the
+# last step partial); N = 72: tiles partly past N.
+@pytest.mark.parametrize("schedule", ["programs", "loop"])
+def test_fixed_split_matches_its_order_bitwise_at_every_m(schedule):
+    block_k = matmul_config(torch.float32, 1)[2]
+    x, w = graded_values(200, 72, 200, block_k)
+    b = torch.randn(72, device=DEVICE)
+    ref = matmul_fixed_split_ref(x, w, b, splits=3, block_k=block_k)
+    # The test can fail: on these inputs the split order gives other bits than one K loop.
+    assert not torch.equal(ref, matmul_fixed_split_ref(x, w, b, splits=1, block_k=block_k))
+    assert not torch.equal(ref, matmul_persistent(x, w, b))
+    for m in (1, 3, 64, 200):
+        out = matmul_fixed_split(x[:m].clone(), w, b, splits=3, schedule=schedule)
+        assert rows_equal(out, ref[:m]), f"{schedule} M={m}"
+    # A row alone, or at another place in another tile, sums the same.
+    assert rows_equal(matmul_fixed_split(x[37:38].clone(), w, b, splits=3, schedule=schedule), ref[37:38])
+
+
+def test_fixed_split_schedules_agree_and_counters_reset():
+    """Both schedules on fp16 (exact) inputs without bias, several calls in a row: the tile
+    counters the "programs" schedule leaves behind must be zero, or the next call's sums would
+    be done early, by the wrong program, from partials not yet written."""
+    x, w = exact_values(70, 96), exact_values(40, 96)
+    first = matmul_fixed_split(x, w, splits=2, schedule="programs")
+    assert torch.equal(first, matmul_ref(x, w))
+    for m in (1, 70, 5):
+        assert rows_equal(matmul_fixed_split(x[:m].clone(), w, splits=2, schedule="programs"), first[:m])
+        assert rows_equal(matmul_fixed_split(x[:m].clone(), w, splits=2, schedule="loop"), first[:m])
+    from rooflm.kernels.matmul_fixed_split import _COUNTERS
+    assert int(_COUNTERS[torch.device(DEVICE)].abs().sum()) == 0
+
+
+def test_split_plan_depends_on_the_weight_only():
+    # H100 (132 SMs), Llama-3-8B, bf16 (BLOCK_N 64, BLOCK_K 64 compiled; the interpreter's tile
+    # is 32 x 32, so these numbers are the compiled ones only on a GPU).
+    block_n, block_k = matmul_config(torch.bfloat16, 1)[1:3]
+    for n, k in [(4096, 4096), (4096, 14336), (6144, 4096), (28672, 4096), (72, 200), (8, 64)]:
+        splits, split_k = split_plan(n, k, torch.bfloat16, 132)
+        assert split_k % block_k == 0 and cdiv_(k, split_k) == splits
+        assert 1 <= splits <= 8 and (splits == 1 or cdiv_(n, block_n) * (splits - 1) < 132)
+    assert split_plan(200_000, 4096, torch.bfloat16, 132) == (1, 4096)
+    assert split_size(200, 3, 32) == 96  # 7 steps -> 3 + 3 + 1
+
+
+def test_fixed_split_default_plan_and_checks():
+    """Without an explicit S the plan splits these small weights on the interpreter's 4 'SMs'."""
+    x, w, b = exact_values(9, 80), exact_values(72, 80), exact_values(72)
+    assert split_plan(72, 80, torch.float16, 4)[0] > 1
+    out = matmul_fixed_split(x, w, b)
+    assert torch.equal(out, matmul_ref(x, w, b))
+    assert rows_equal(matmul_fixed_split(x[4:5].clone(), w, b), out[4:5])
+    with pytest.raises(ValueError, match="schedule"):
+        matmul_fixed_split(x, w, schedule="stream-k")
+    with pytest.raises(ValueError, match="BLOCK_K"):
+        cfg = matmul_config(torch.float16, 1)
+        matmul_fixed_split(x, w, splits=2, config=cfg[:2] + (cfg[2] * 2,) + cfg[3:])
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 14336), (6144, 4096)])
+def test_fixed_split_gpu_bf16_rows_invariant(n, k):
+    """The Llama-3-8B projections that split on the H100 (o, down, qkv), bf16: both schedules,
+    rows alone and inside M = 3, 64, 200, 2048 give the same bits, near the fp32 product."""
+    torch.manual_seed(0)
+    x = torch.randn(2048, k, device=DEVICE).to(torch.bfloat16)
+    w = (torch.randn(n, k, device=DEVICE) / k ** 0.5).to(torch.bfloat16)
+    splits, _ = split_plan(n, k, torch.bfloat16, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert splits > 1, "this GPU does not split the shape: the test would check nothing"
+    full = matmul_fixed_split(x, w, schedule="loop")
+    assert_close(full, matmul_ref(x, w), torch.bfloat16, "fixed split")
+    programs = matmul_fixed_split(x, w, schedule="programs")
+    assert rows_equal(programs, full), "schedules differ at M = 2048"
+    for m in (1, 3, 64, 200):
+        for schedule in ("programs", "loop"):
+            assert rows_equal(matmul_fixed_split(x[:m].clone(), w, schedule=schedule), full[:m]), (m, schedule)
+    assert rows_equal(matmul_fixed_split(x[1000:1001].clone(), w), full[1000:1001])
 
 
 # ---- RMSNorm ------------------------------------------------------------------------------
