@@ -188,6 +188,7 @@ SPLIT_PROGRAMS_MAX_M = 64
 SCHEDULES = ("programs", "loop")
 
 
+@functools.lru_cache(maxsize=256)  # called per linear per step: a dict lookup, not arithmetic
 def split_plan(n: int, k: int, dtype: torch.dtype, sms: int) -> tuple[int, int]:
     """(S, SPLIT_K) for a weight [n, k]: from the weight's shape, its dtype's BLOCK_K and the SM
     count only, never from M (that is the whole point). SPLIT_K is a multiple of BLOCK_K; the

@@ -11,7 +11,7 @@ from rooflm.kernels.matmul_fixed_split import (matmul_fixed_split, matmul_fixed_
 from rooflm.kernels.matmul_persistent import matmul_config, matmul_persistent, matmul_ref
 from rooflm.kernels.prefill_attention import prefill_attention, prefill_attention_ref
 from rooflm.kernels.rmsnorm import rmsnorm
-from rooflm.kernels.utils import random_paged_batch
+from rooflm.kernels.utils import num_sms, random_paged_batch
 from rooflm.layers.attention import AttentionMetadata
 
 
@@ -278,5 +278,8 @@ def test_engine_deterministic_triton_path_matches_reference(tmp_path):
     assert llm.engine.runner.backend.deterministic and model.model.layers[0].gemv is None
     assert model.model.layers[0].mlp.down_proj.kernel is not None and model.linear is not None
     assert model.model.layers[0].self_attn.q_norm.kernel is not None  # head norms through Triton
+    # The linears take the fixed-split order, and the tiny o_proj (one column tile) does split K.
+    o_proj = model.model.layers[0].self_attn.o_proj.weight
+    assert split_plan(*o_proj.shape, o_proj.dtype, num_sms())[0] > 1, tuple(o_proj.shape)
     out = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
