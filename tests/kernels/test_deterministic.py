@@ -179,6 +179,64 @@ def test_fixed_split_gpu_bf16_rows_invariant(n, k):
     assert rows_equal(matmul_fixed_split(x[1000:1001].clone(), w), full[1000:1001])
 
 
+# Compiled for the H100 (sm_90) on a machine without one: Triton's NVIDIA backend and ptxas run
+# offline, so the CPU suite sees whether the kernels build, keep the persistent matmul's software
+# pipeline (shared memory = stages x tile bytes: the nested split loop must not lose it), and
+# order the "programs" schedule's partials before its counter (barrier, acq_rel atomic, .cg
+# reads). A subprocess: this process's kernels are the interpreter's, not compilable ones.
+_SM90_COMPILE = """
+import re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from rooflm.kernels.matmul_fixed_split import _split_loop_kernel, _split_programs_kernel
+from rooflm.kernels.matmul_persistent import MATMUL_BUCKETS, _matmul_persistent_kernel
+import torch
+
+def build(fn, args, config):
+    block_m, block_n, block_k, group_m, warps, stages = config
+    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, HAS_BIAS=True,
+                  DOT_PRECISION="tf32", UPCAST=False)
+    consts = {k: v for k, v in consts.items() if k in fn.arg_names}
+    sig = dict(args, **{k: "constexpr" for k in consts})
+    names = list(sig)
+    # What a launch specialises on: 16-byte aligned pointers, sizes and strides divisible by 16 (not M).
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in args.items() if n != "M" and t != "constexpr"}
+    kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=warps, num_stages=stages))
+    return kernel.metadata.shared, kernel.asm["ptx"]
+
+io = {"y_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32"}
+strides = {"stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}
+for _, config in MATMUL_BUCKETS[torch.bfloat16]:
+    base, _ = build(_matmul_persistent_kernel, dict(io, num_programs="i32", **strides), config)
+    loop, _ = build(_split_loop_kernel, dict(io, SPLIT_K="i32", num_programs="i32", **strides), config)
+    print("loop", config, base, loop)
+    assert loop == base, f"split loop shared memory {loop} != persistent {base} at {config}"
+config = MATMUL_BUCKETS[torch.bfloat16][0][1]
+base, _ = build(_matmul_persistent_kernel, dict(io, num_programs="i32", **strides), config)
+programs_args = {"y_ptr": "*bf16", "ws_ptr": "*fp32", "count_ptr": "*i32", "x_ptr": "*bf16", "w_ptr": "*bf16",
+                 "bias_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "SPLIT_K": "i32", "num_splits": "i32"}
+shared, ptx = build(_split_programs_kernel, dict(programs_args, **strides), config)
+print("programs", config, base, shared)
+assert shared == base, f"programs shared memory {shared} != persistent {base}"
+atomic = ptx.index("atom.global.gpu.acq_rel.add")
+assert "bar.sync" in ptx[ptx.rindex("st.global", 0, atomic):atomic], "no barrier between the partials and the counter"
+assert "ld.global.cg" in ptx[atomic:], "partials not read through L2"
+print("ok")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU stand-in: on a GPU the kernels run")
+def test_fixed_split_kernels_compile_for_sm90_with_the_persistent_pipeline():
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr[-3000:]
+
+
 # ---- RMSNorm ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("with_residual", [False, True])
