@@ -28,7 +28,8 @@ persistent kernel: benchmarks/deterministic_tiles.py). Two schedules execute tha
       adds the bias and writes y. One launch, no second kernel.
   "loop" (large M): a persistent program per tile loops over the S splits itself, resetting
       acc at each split and adding it to total in order of s. There are enough tiles to fill
-      the SMs already; the split costs one fp32 tile add per split.
+      the SMs already; the split costs one fp32 tile add per split, and a tile of at most
+      128 x 128 (MAX_LOOP_TILE: acc and total must both stay in registers).
 
 Only the schedule follows M (SPLIT_PROGRAMS_MAX_M); the sums do not. tests/kernels/
 test_deterministic.py checks both schedules against each other and across M, bitwise.
@@ -186,6 +187,20 @@ MAX_SPLITS = 8
 # 64 x 64 tiles, a workspace that stays in L2. Above it, the "loop" schedule.
 SPLIT_PROGRAMS_MAX_M = 64
 SCHEDULES = ("programs", "loop")
+# The "loop" schedule holds two fp32 tiles, the split's acc and the running total: 2 x 128 x 128
+# x 4 bytes is half the H100 SM's 256 KB register file, while the persistent matmul's 128 x 256
+# prefill tile would need all of it (compiled for sm_90: 255 registers and 668 bytes of spills
+# per thread, against none at 128 x 128 with 8 warps). So its tile is capped at this many elements.
+MAX_LOOP_TILE = 128 * 128
+_LOOP_CAPPED = {torch.bfloat16: (128, 128, 64, 8, 8, 3), torch.float16: (128, 128, 64, 8, 8, 3)}
+
+
+def loop_config(dtype: torch.dtype, m: int) -> tuple[int, int, int, int, int, int]:
+    """The "loop" schedule's tile: the persistent matmul's bucket for m, unless too wide for two tiles."""
+    config = matmul_config(dtype, m)
+    if config[0] * config[1] > MAX_LOOP_TILE:
+        config = _LOOP_CAPPED[dtype]
+    return config
 
 
 @functools.lru_cache(maxsize=256)  # called per linear per step: a dict lookup, not arithmetic
@@ -276,8 +291,8 @@ def matmul_fixed_split(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
         return y.reshape(*lead, n)
     if schedule is None:
         schedule = "programs" if m <= SPLIT_PROGRAMS_MAX_M else "loop"
-    block_m, block_n, cfg_block_k, group_m, num_warps, num_stages = config or matmul_config(
-        x.dtype, 1 if schedule == "programs" else m)
+    block_m, block_n, cfg_block_k, group_m, num_warps, num_stages = config or (
+        matmul_config(x.dtype, 1) if schedule == "programs" else loop_config(x.dtype, m))
     if cfg_block_k != block_k:
         raise ValueError(f"config's BLOCK_K {cfg_block_k} is not {x.dtype}'s {block_k}: the sums would change")
     common = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,

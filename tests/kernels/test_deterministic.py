@@ -188,9 +188,19 @@ _SM90_COMPILE = """
 import re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from rooflm.kernels.matmul_fixed_split import _split_loop_kernel, _split_programs_kernel
+import subprocess, tempfile
+from triton.backends.nvidia.compiler import get_ptxas
+from rooflm.kernels.matmul_fixed_split import _split_loop_kernel, _split_programs_kernel, loop_config
 from rooflm.kernels.matmul_persistent import MATMUL_BUCKETS, _matmul_persistent_kernel
 import torch
+
+def spills(ptx):
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        out = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
+                             capture_output=True, text=True, check=True).stderr
+    return sum(int(n) for n in re.findall(r"(\\d+) bytes spill stores", out))
 
 def build(fn, args, config):
     block_m, block_n, block_k, group_m, warps, stages = config
@@ -207,11 +217,13 @@ def build(fn, args, config):
 
 io = {"y_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32"}
 strides = {"stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}
-for _, config in MATMUL_BUCKETS[torch.bfloat16]:
+for m in (64, 2048):
+    config = loop_config(torch.bfloat16, m)
     base, _ = build(_matmul_persistent_kernel, dict(io, num_programs="i32", **strides), config)
-    loop, _ = build(_split_loop_kernel, dict(io, SPLIT_K="i32", num_programs="i32", **strides), config)
+    loop, ptx = build(_split_loop_kernel, dict(io, SPLIT_K="i32", num_programs="i32", **strides), config)
     print("loop", config, base, loop)
     assert loop == base, f"split loop shared memory {loop} != persistent {base} at {config}"
+    assert spills(ptx) == 0, f"split loop spills registers at {config}"
 config = MATMUL_BUCKETS[torch.bfloat16][0][1]
 base, _ = build(_matmul_persistent_kernel, dict(io, num_programs="i32", **strides), config)
 programs_args = {"y_ptr": "*bf16", "ws_ptr": "*fp32", "count_ptr": "*i32", "x_ptr": "*bf16", "w_ptr": "*bf16",
@@ -219,6 +231,7 @@ programs_args = {"y_ptr": "*bf16", "ws_ptr": "*fp32", "count_ptr": "*i32", "x_pt
 shared, ptx = build(_split_programs_kernel, dict(programs_args, **strides), config)
 print("programs", config, base, shared)
 assert shared == base, f"programs shared memory {shared} != persistent {base}"
+assert spills(ptx) == 0, "programs kernel spills registers"
 atomic = ptx.index("atom.global.gpu.acq_rel.add")
 assert "bar.sync" in ptx[ptx.rindex("st.global", 0, atomic):atomic], "no barrier between the partials and the counter"
 assert "ld.global.cg" in ptx[atomic:], "partials not read through L2"
