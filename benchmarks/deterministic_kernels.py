@@ -5,8 +5,8 @@
   split:  the fixed-split matmul (split count by weight shape; what --deterministic runs) vs the
           persistent matmul's M buckets vs cuBLAS, per projection at M = 1, 16, 64, 256, 2048, with
           "same sums across M" (each M's rows bitwise equal to those rows of the M = 2048 run),
-          both schedules at each M (to place SPLIT_PROGRAMS_MAX_M), and S = 1..8 at M = 1 and 64
-          (to check split_plan's choice);
+          both schedules at each M (to place SPLIT_PROGRAMS_MAX_M), the "loop" schedule's tile
+          against others at M = 256 and 2048, and S = 1..8 at M = 1 and 64 (split_plan's choice);
   attention: the uniform prefill path (decodes included, no split-KV, every key tile masked) vs
           the default launches (split-KV decode kernel; prefill with TMA and unmasked tiles).
 
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from rooflm.kernels.backend import TritonBackend
-from rooflm.kernels.matmul_fixed_split import SCHEDULES, matmul_fixed_split, split_plan
+from rooflm.kernels.matmul_fixed_split import SCHEDULES, loop_config, matmul_fixed_split, split_plan
 from rooflm.kernels.matmul_persistent import matmul_bytes, matmul_flops, matmul_persistent
 from rooflm.kernels.prefill_attention import plan_prefill_attention, prefill_attention
 from rooflm.kernels.utils import random_paged_batch
@@ -81,6 +81,8 @@ def bench_matmul() -> list[dict]:
 
 
 SPLIT_M_VALUES = (1, 16, 64, 256, 2048)
+LOOP_CANDIDATES = [(128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (64, 256, 64, 8, 8, 3), (64, 128, 64, 8, 4, 4),
+                   (64, 64, 64, 8, 4, 6)]
 
 
 def bench_fixed_split() -> list[dict]:
@@ -116,6 +118,20 @@ def bench_fixed_split() -> list[dict]:
                   f"(x{t_bucket / t_cublas:.2f})  split {t_split:7.3f} (x{t_split / t_cublas:.2f}, "
                   f"{row['split_gbs']:.0f} GB/s)  same sums across M: {same}  {sched}", flush=True)
         del w, x_all, full
+    # The "loop" schedule's tile (capped at 128 x 128: acc + total in registers), against others
+    # that fit, at prefill sizes; each must sum like the default (else it could not be used).
+    for name in ("o", "down", "qkv"):
+        n, k = PROJECTIONS[name]
+        w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k ** 0.5
+        for m in (256, 2048):
+            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+            ref = matmul_fixed_split(x, w, schedule="loop")
+            for cand in LOOP_CANDIDATES:
+                t = do_bench(lambda: matmul_fixed_split(x, w, schedule="loop", config=cand), return_mode="median")
+                same = bool(torch.equal(matmul_fixed_split(x, w, schedule="loop", config=cand), ref))
+                rows.append(dict(kernel="matmul-split-loop-tiles", shape=name, m=m, config=list(cand), ms=t,
+                                 default_config=list(loop_config(torch.bfloat16, m)), same_sums=same))
+                print(f"loop tiles {name:6s} M={m:5d} {cand}: {t:7.3f} ms  same sums: {same}", flush=True)
     # Is split_plan's S the right one? Every S at decode sizes, "programs" schedule.
     for name in ("o", "down", "qkv"):
         n, k = PROJECTIONS[name]
