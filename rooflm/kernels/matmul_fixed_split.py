@@ -25,7 +25,8 @@ persistent kernel: benchmarks/deterministic_tiles.py). Two schedules execute tha
   "programs" (small M): S programs per output tile, each computes one split's acc_s and
       stores it, fp32, in a workspace [S, M, N]; the last of the tile's S programs to finish
       (an atomic counter per tile) reads acc_0 .. acc_{S-1} back, adds them in order of s,
-      adds the bias and writes y. One launch, no second kernel.
+      adds the bias and writes y. One launch: a second reduce kernel would add a launch per
+      linear layer, 224 per decode step of Llama-3-8B, each a few microseconds.
   "loop" (large M): a persistent program per tile loops over the S splits itself, resetting
       acc at each split and adding it to total in order of s. There are enough tiles to fill
       the SMs already; the split costs one fp32 tile add per split, and a tile of at most
@@ -39,7 +40,9 @@ Choosing S
 split_plan(): S = ceil(#SMs / number of 64-wide column tiles), capped at MAX_SPLITS and at the
 number of K steps, so that a decode step's grid fills the SMs: on the H100 and Llama-3-8B,
 o (4096 x 4096) and down (4096 x 14336) get S = 3, qkv (6144 x 4096) S = 2, gate_up and the LM
-head S = 1 (they have 448 and 2004 tiles already).
+head S = 1 (they have 448 and 2004 tiles already). The SM count makes S, and so the bits, a
+property of the GPU model as well, as the choice of kernels already is (README: "other GPUs
+... not covered").
 
 Work
 ----

@@ -132,7 +132,7 @@ def test_fixed_split_schedules_agree_and_counters_reset():
     assert int(_COUNTERS[torch.device(DEVICE)].abs().sum()) == 0
 
 
-def test_split_plan_depends_on_the_weight_only():
+def test_split_plan_whole_k_steps_and_no_more_programs_than_needed():
     # H100 (132 SMs), Llama-3-8B, bf16 (BLOCK_N 64, BLOCK_K 64 compiled; the interpreter's tile
     # is 32 x 32, so these numbers are the compiled ones only on a GPU).
     block_n, block_k = matmul_config(torch.bfloat16, 1)[1:3]
