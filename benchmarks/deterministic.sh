@@ -5,7 +5,7 @@
 #      cache, async scheduling off) -> compare-*.json
 #   2. what --deterministic costs: batch-1 decode (128 in / 256 out), 64 x 1024/256 decode, the
 #      1000-request ShareGPT-like offline workload, default and deterministic side by side
-#   3. why: the persistent matmul against cuBLAS, uniform attention against the decode kernel
+#   3. why: the persistent and fixed-split matmuls against cuBLAS, uniform attention against the decode kernel
 # then a short table. Usage (GPU machine, repo root): OUT=dir bash benchmarks/deterministic.sh [compare|cost]
 # (all: ~8 min on an H100, by estimate; compare and cost each fit a call on their own, same OUT.)
 set -uo pipefail
@@ -22,7 +22,7 @@ if [ "$PART" != cost ]; then
     | tee "$OUT/compare.txt" | tail -16
 fi
 if [ "$PART" != compare ]; then
-  python benchmarks/deterministic_kernels.py --out "$OUT" 2>&1 | grep -v Warn | tee "$OUT/kernels.txt" | tail -45
+  python benchmarks/deterministic_kernels.py --out "$OUT" 2>&1 | grep -v Warn | tee "$OUT/kernels.txt" | grep -v "^splits\|^loop tiles" | tail -60
   latency() {  # name, flags...
     local name=$1; shift
     python -m rooflm bench latency $MODEL "$@" --num-iters-warmup 1 --max-model-len 2048 --disable-tqdm \

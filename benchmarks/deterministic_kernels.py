@@ -2,10 +2,16 @@
 
   matmul: the persistent batch-invariant matmul (one tile shape for every M) vs cuBLAS (F.linear)
           for each projection at M = 1, 64, 512, 2048 tokens;
+  split:  the fixed-split matmul (split count by weight shape; what --deterministic runs) vs the
+          persistent matmul's M buckets vs cuBLAS, per projection at M = 1, 16, 64, 256, 2048, with
+          "same sums across M" (each M's rows bitwise equal to those rows of the M = 2048 run),
+          both schedules at each M (to place SPLIT_PROGRAMS_MAX_M), the "loop" schedule's tile
+          against others at M = 256 and 2048, and S = 1..8 at M = 1 and 64 (split_plan's choice);
   attention: the uniform prefill path (decodes included, no split-KV, every key tile masked) vs
           the default launches (split-KV decode kernel; prefill with TMA and unmasked tiles).
 
 Times are triton.testing.do_bench medians (ms). Writes kernels.json under --out.
+`--part split` runs the split part alone (about a minute on an H100, by estimate).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from rooflm.kernels.backend import TritonBackend
+from rooflm.kernels.matmul_fixed_split import SCHEDULES, loop_config, matmul_fixed_split, split_plan
 from rooflm.kernels.matmul_persistent import matmul_bytes, matmul_flops, matmul_persistent
 from rooflm.kernels.prefill_attention import plan_prefill_attention, prefill_attention
 from rooflm.kernels.utils import random_paged_batch
@@ -73,6 +80,73 @@ def bench_matmul() -> list[dict]:
     return rows
 
 
+SPLIT_M_VALUES = (1, 16, 64, 256, 2048)
+LOOP_CANDIDATES = [(128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (64, 256, 64, 8, 8, 3), (64, 128, 64, 8, 4, 4),
+                   (64, 64, 64, 8, 4, 6)]
+
+
+def bench_fixed_split() -> list[dict]:
+    """Per projection and M: cuBLAS, the persistent matmul (current buckets), the fixed-split
+    matmul (split_plan's S, schedule by M), and whether the split version's rows are bitwise
+    those of the M = 2048 run (its batch invariance on this GPU)."""
+    rows = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for name, (n, k) in PROJECTIONS.items():
+        splits, split_k = split_plan(n, k, torch.bfloat16, sms)
+        w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k ** 0.5
+        x_all = torch.randn(max(SPLIT_M_VALUES), k, device=DEVICE, dtype=torch.bfloat16)
+        full = matmul_fixed_split(x_all, w)
+        for m in SPLIT_M_VALUES:
+            x = x_all[:m].clone()
+            t_cublas = do_bench(lambda: F.linear(x, w), return_mode="median")
+            t_bucket = do_bench(lambda: matmul_persistent(x, w), return_mode="median")
+            t_split = do_bench(lambda: matmul_fixed_split(x, w), return_mode="median")
+            same = bool(torch.equal(matmul_fixed_split(x, w), full[:m]))
+            by_schedule = {}
+            if splits > 1:  # both schedules, each checked against the M = 2048 rows too
+                for schedule in SCHEDULES:
+                    t = do_bench(lambda: matmul_fixed_split(x, w, schedule=schedule), return_mode="median")
+                    by_schedule[schedule] = dict(
+                        ms=t, same_sums=bool(torch.equal(matmul_fixed_split(x, w, schedule=schedule), full[:m])))
+            row = dict(kernel="matmul-split", shape=name, m=m, n=n, k=k, splits=splits, split_k=split_k,
+                       cublas_ms=t_cublas, bucket_ms=t_bucket, split_ms=t_split, same_sums_across_m=same,
+                       schedules=by_schedule, split_gbs=matmul_bytes(m, n, k, 2) / t_split / 1e6)
+            rows.append(row)
+            sched = "  ".join(f"{s} {v['ms']:.3f}{'' if v['same_sums'] else ' (DIFFERENT SUMS)'}"
+                              for s, v in by_schedule.items())
+            print(f"split  {name:8s} M={m:5d} S={splits}  cuBLAS {t_cublas:7.3f}  bucket {t_bucket:7.3f} "
+                  f"(x{t_bucket / t_cublas:.2f})  split {t_split:7.3f} (x{t_split / t_cublas:.2f}, "
+                  f"{row['split_gbs']:.0f} GB/s)  same sums across M: {same}  {sched}", flush=True)
+        del w, x_all, full
+    # The "loop" schedule's tile (capped at 128 x 128: acc + total in registers), against others
+    # that fit, at prefill sizes; each must sum like the default (else it could not be used).
+    for name in ("o", "down", "qkv"):
+        n, k = PROJECTIONS[name]
+        w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k ** 0.5
+        for m in (256, 2048):
+            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+            ref = matmul_fixed_split(x, w, schedule="loop")
+            for cand in LOOP_CANDIDATES:
+                t = do_bench(lambda: matmul_fixed_split(x, w, schedule="loop", config=cand), return_mode="median")
+                same = bool(torch.equal(matmul_fixed_split(x, w, schedule="loop", config=cand), ref))
+                rows.append(dict(kernel="matmul-split-loop-tiles", shape=name, m=m, config=list(cand), ms=t,
+                                 default_config=list(loop_config(torch.bfloat16, m)), same_sums=same))
+                print(f"loop tiles {name:6s} M={m:5d} {cand}: {t:7.3f} ms  same sums: {same}", flush=True)
+    # Is split_plan's S the right one? Every S at decode sizes, "programs" schedule.
+    for name in ("o", "down", "qkv"):
+        n, k = PROJECTIONS[name]
+        w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k ** 0.5
+        for m in (1, 64):
+            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+            times = {s: do_bench(lambda: matmul_fixed_split(x, w, splits=s, schedule="programs"),
+                                 return_mode="median") for s in range(1, 9)}
+            rows.append(dict(kernel="matmul-split-count", shape=name, m=m, ms_by_splits=times,
+                             planned=split_plan(n, k, torch.bfloat16, sms)[0]))
+            print(f"splits {name:8s} M={m:3d} planned S={rows[-1]['planned']}: "
+                  + "  ".join(f"S={s} {t:.4f}" for s, t in times.items()), flush=True)
+    return rows
+
+
 ATTENTION_CASES = {"decode 1 x 1152": ([1152], [1]), "decode 64 x 1280": ([1280] * 64, [1] * 64),
                    "prefill 1 x 2048": ([2048], [2048]), "prefill 8 x 1024": ([1024] * 8, [1024] * 8)}
 M_VALUES = (1, 64, 512, 2048)
@@ -122,9 +196,13 @@ def bench_attention() -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--part", choices=("all", "split"), default="all")
     args = ap.parse_args()
-    rows = bench_matmul() + bench_attention() + bench_tile_shapes()
-    with open(os.path.join(args.out, "kernels.json"), "w") as f:
+    if args.part == "split":
+        rows = bench_fixed_split()
+    else:
+        rows = bench_matmul() + bench_fixed_split() + bench_attention() + bench_tile_shapes()
+    with open(os.path.join(args.out, "kernels.json" if args.part == "all" else "kernels-split.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "rows": rows}, f, indent=1)
 
 

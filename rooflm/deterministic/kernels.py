@@ -12,12 +12,14 @@ from rooflm.layers.kernels import TORCH_KERNELS, Kernels
 
 def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                   quant=None) -> torch.Tensor:
-    """x @ weight^T + bias through the persistent matmul: one summation order for every M."""
-    from rooflm.kernels.matmul_persistent import matmul_persistent
+    """x @ weight^T + bias with one summation order for every M: the fixed-split matmul, whose
+    split count follows the weight's shape (narrow projections split K to fill the SMs at decode
+    sizes; the others are the persistent matmul's single K loop)."""
+    from rooflm.kernels.matmul_fixed_split import matmul_fixed_split
 
     if quant is not None:
         raise ValueError("--deterministic on the GPU needs float weights (quantized layers run on the CPU only)")
-    return matmul_persistent(x, weight, bias)
+    return matmul_fixed_split(x, weight, bias)
 
 
 def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
