@@ -22,7 +22,7 @@ if [ "$PART" != cost ]; then
     | tee "$OUT/compare.txt" | tail -16
 fi
 if [ "$PART" != compare ]; then
-  python benchmarks/deterministic_kernels.py --out "$OUT" 2>&1 | grep -v Warn | tee "$OUT/kernels.txt" | grep -v "^splits\|^loop tiles" | tail -60
+  [ -n "${SKIP_KERNELS:-}" ] || python benchmarks/deterministic_kernels.py --out "$OUT" 2>&1 | grep -v Warn | tee "$OUT/kernels.txt" | grep -v "^splits\|^loop tiles" | tail -60
   latency() {  # name, flags...
     local name=$1; shift
     python -m rooflm bench latency $MODEL "$@" --num-iters-warmup 1 --max-model-len 2048 --disable-tqdm \
@@ -34,13 +34,18 @@ if [ "$PART" != compare ]; then
       --range-ratio 0.9 --max-model-len 4096 --disable-tqdm "$@" --output-json "$OUT/$name.json" 2>&1 \
       | grep -v "^result written" | tail -12 > "$OUT/$name.txt"
   }
-  for mode in default deterministic; do
-    flag=""; [ $mode = deterministic ] && flag="--deterministic"
+  # deterministic-nosplit: the same mode with the fixed split off (ROOFLM_DETERMINISTIC_MAX_SPLITS=1),
+  # every weight summed in the persistent matmul's single K loop.
+  for mode in default deterministic deterministic-nosplit; do
+    flag=""; [ $mode != default ] && flag="--deterministic"
+    splits=8; [ $mode = deterministic-nosplit ] && splits=1
+    export ROOFLM_DETERMINISTIC_MAX_SPLITS=$splits
     latency b1-$mode --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 $flag
     latency b64-$mode --batch-size 64 --input-len 1024 --output-len 256 --num-iters 2 $flag
     throughput sharegpt-$mode $flag
     echo "cost runs, $mode: done"
   done
+  unset ROOFLM_DETERMINISTIC_MAX_SPLITS
 fi
 
 python - "$OUT" <<'PY'
@@ -62,12 +67,19 @@ rows = [("batch-1 decode 128/256, TPOT ms", "b1", lambda d: d["tpot_ms"]["median
         ("64 x 1024/256, TTFT ms (64 prefills)", "b64", lambda d: d["ttft_ms"]["median"], False),
         ("ShareGPT-like 1000, output tok/s", "sharegpt", lambda d: d["output_tokens_per_s"], True)]
 print("\n== cost of --deterministic (same call) ==")
-print(f"{'what':40s} {'default':>10s} {'determ.':>10s} {'cost':>7s}")
+print(f"{'what':40s} {'default':>10s} {'determ.':>10s} {'cost':>7s} {'no split':>10s} {'cost':>7s}")
 for label, name, get, higher_better in rows:
-    a, b = load(name + "-default"), load(name + "-deterministic")
-    if a is None or b is None:
+    a = load(name + "-default")
+    if a is None:
         print(f"{label:40s} missing"); continue
-    x, y = get(a), get(b)
-    cost = (x / y - 1) if higher_better else (y / x - 1)
-    print(f"{label:40s} {x:10.2f} {y:10.2f} {cost:+7.1%}")
+    x = get(a)
+    line = f"{label:40s} {x:10.2f}"
+    for mode in ("deterministic", "deterministic-nosplit"):
+        b = load(f"{name}-{mode}")
+        if b is None:
+            line += f" {'-':>10s} {'-':>7s}"; continue
+        y = get(b)
+        cost = (x / y - 1) if higher_better else (y / x - 1)
+        line += f" {y:10.2f} {cost:+7.1%}"
+    print(line)
 PY

@@ -61,6 +61,7 @@ x [M, K] (unit last stride), W [N, K] (torch.nn.Linear layout), bias [N] or None
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import torch
@@ -185,7 +186,10 @@ def _split_loop_kernel(y_ptr, x_ptr, w_ptr, bias_ptr, M, N, K, SPLIT_K, num_prog
 # --------------------------------------------------------------------------
 
 # Beyond a few splits the grid is full and the partials only cost workspace traffic.
-MAX_SPLITS = 8
+# ROOFLM_DETERMINISTIC_MAX_SPLITS=1 turns the split off (the persistent matmul's order for every
+# weight): benchmarks/deterministic.sh measures the engine both ways, since on the H100 (2026-11-25,
+# kernels-split.json) splitting won only on down at M <= 64 and lost at prefill sizes.
+MAX_SPLITS = int(os.environ.get("ROOFLM_DETERMINISTIC_MAX_SPLITS", "8"))
 # The "programs" schedule up to this M (the persistent matmul's narrow-tile bucket): one row of
 # 64 x 64 tiles, a workspace that stays in L2. Above it, the "loop" schedule.
 SPLIT_PROGRAMS_MAX_M = 64

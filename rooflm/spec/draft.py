@@ -31,7 +31,7 @@ import torch
 from rooflm.config import EngineConfig, ModelConfig
 from rooflm.engine.model_runner import ModelRunner
 from rooflm.engine.request import Sequence
-from rooflm.layers.sampler import MIN_TEMPERATURE, sample_from_probs
+from rooflm.layers.sampler import MIN_TEMPERATURE, _to_device, sample_from_probs
 from rooflm.spec.proposer import DraftRequest, Proposal, Proposer
 
 logger = logging.getLogger(__name__)
@@ -158,16 +158,16 @@ class DraftModelProposer(Proposer):
         random_rows = [r for r, i in enumerate(rows) if not batch[i].request.params.greedy]
         if not random_rows:
             return tokens
-        temps = torch.tensor([max(batch[rows[r]].request.params.temperature, MIN_TEMPERATURE)
-                              for r in random_rows], device=logits.device)
+        temps = _to_device(torch.tensor([max(batch[rows[r]].request.params.temperature, MIN_TEMPERATURE)
+                                         for r in random_rows]), logits.device)
         q = torch.softmax(logits[random_rows].float() / temps[:, None], dim=-1)
         generators = [(n, batch[rows[r]].request.generator(batch[rows[r]].seq.index))
                       for n, r in enumerate(random_rows)
                       if batch[rows[r]].request.generator(batch[rows[r]].seq.index) is not None]
         drawn = sample_from_probs(q, generators)
-        index = torch.tensor(random_rows, device=logits.device)
+        index = _to_device(torch.tensor(random_rows), logits.device)
         tokens = tokens.index_copy(0, index, drawn)
-        probs[torch.tensor([rows[r] for r in random_rows], device=logits.device), j] = q
+        probs[_to_device(torch.tensor([rows[r] for r in random_rows]), logits.device), j] = q
         return tokens
 
 
