@@ -55,7 +55,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rooflm.kernels.utils import check_last_dim_contiguous, gdc_launch_dependents, gdc_wait, is_interpreter, pdl_supported
+from rooflm.kernels.utils import (check_last_dim_contiguous, dot_precision, gdc_launch_dependents, gdc_wait,
+                                  is_interpreter, pdl_supported)
 
 
 # --------------------------------------------------------------------------
@@ -157,7 +158,7 @@ def _x_rows_tile(x_ptr, norm_w_ptr, rm, rk, M, K, stride_x, rstd, dtype: tl.cons
 def _gemv_rows_kernel(out_ptr, x_ptr, w_ptr, bias_ptr, residual_ptr, norm_w_ptr,
                       M, N, K, stride_x, stride_w, stride_r, stride_o, eps,
                       ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      NORM: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
                       HAS_RESIDUAL: tl.constexpr):
     """A few tokens (M <= ROWS, the tensor cores' 16-row minimum): each program streams BLOCK_N
     weight rows once and multiplies them with every token through tl.dot, padding rows zero."""
@@ -186,10 +187,10 @@ def _gemv_rows_kernel(out_ptr, x_ptr, w_ptr, bias_ptr, residual_ptr, norm_w_ptr,
         xv = _x_rows_tile(x_ptr, norm_w_ptr, rm, rk, M, K, stride_x, rstd, dtype, NORM)
         w_ok = n_mask[:, None] & (rk < K)[None, :]
         w = tl.load(w_rows + rk[None, :], mask=w_ok, other=0.0)
-        acc = tl.dot(xv, tl.trans(w), acc)
+        acc = tl.dot(xv, tl.trans(w), acc, input_precision=DOT_PRECISION)
         if GATED:
             wu = tl.load(up_rows + rk[None, :], mask=w_ok, other=0.0)
-            acc_up = tl.dot(xv, tl.trans(wu), acc_up)
+            acc_up = tl.dot(xv, tl.trans(wu), acc_up, input_precision=DOT_PRECISION)
 
     y = acc
     if HAS_BIAS:
@@ -234,9 +235,11 @@ def pick_config(n: int, k: int, gated: bool) -> GemvConfig:
 # multi-token steps on cuBLAS (the benchmarks' A/B switch).
 MAX_ROWS = int(os.environ.get("ROOFLM_GEMV_MAX_ROWS", "8"))
 ROWS_PAD = 16
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the multi-row kernel; untuned guess checked by
-# benchmarks/gemv.py --rows on the H100.
-ROWS_CONFIG = GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the multi-row kernel: the best of 18 configs on
+# four of the five Llama-3-8B shapes at M = 2, 5, 8 (H100, 2026-11-25, benchmarks/gemv_rows.py:
+# 2.3-3.1 TB/s, 1.0-1.15x cuBLAS); fp32 tiles are twice the bytes and take a smaller one.
+ROWS_CONFIG = GemvConfig(block_n=32, block_k=512, num_warps=4, num_stages=5)
+ROWS_CONFIG_FP32 = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=2)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
@@ -312,7 +315,12 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Ten
         if t is not None and t.numel() != size:
             raise ValueError(f"{name} must have {size} elements, got {tuple(t.shape)}")
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    cfg = config or (GemvConfig(16, 32, 1, 1) if is_interpreter() else ROWS_CONFIG)
+    if config is not None:
+        cfg = config
+    elif is_interpreter():
+        cfg = GemvConfig(16, 32, 1, 1)
+    else:
+        cfg = ROWS_CONFIG_FP32 if x.dtype == torch.float32 else ROWS_CONFIG
     dummy = x  # never read when its flag is off
     _gemv_rows_kernel[(triton.cdiv(n, cfg.block_n),)](
         out, x, weight,
@@ -321,7 +329,8 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Ten
         norm_weight if norm_weight is not None else dummy,
         m, n, k, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
         out.stride(0), eps,
-        ROWS=ROWS_PAD, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NORM=norm_weight is not None,
+        ROWS=ROWS_PAD, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=dot_precision(x.dtype),
+        NORM=norm_weight is not None,
         GATED=gated, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
