@@ -47,7 +47,6 @@ bandwidth. An H100 reads ~3.0 TB/s, so Llama-3-8B's 15 GB need >= 5.0 ms.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -55,8 +54,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rooflm.kernels.utils import (check_last_dim_contiguous, dot_precision, gdc_launch_dependents, gdc_wait,
-                                  is_interpreter, pdl_supported)
+from rooflm.kernels.utils import check_last_dim_contiguous, gdc_launch_dependents, gdc_wait, is_interpreter, pdl_supported
 
 
 # --------------------------------------------------------------------------
@@ -143,70 +141,6 @@ def _gemv_kernel(out_ptr, x_ptr, w_ptr, bias_ptr, residual_ptr, norm_w_ptr,
     tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-@triton.jit
-def _x_rows_tile(x_ptr, norm_w_ptr, rm, rk, M, K, stride_x, rstd, dtype: tl.constexpr, NORM: tl.constexpr):
-    """x[rm, rk] in x's dtype ([ROWS, BLOCK_K]; rows past M are zeros), RMS-normalised when NORM."""
-    ok = (rm < M)[:, None] & (rk < K)[None, :]
-    xv = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=ok, other=0.0).to(tl.float32)
-    if NORM:
-        nw = tl.load(norm_w_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
-        xv = ((xv * rstd[:, None]).to(dtype).to(tl.float32) * nw[None, :])
-    return xv.to(dtype)
-
-
-@triton.jit
-def _gemv_rows_kernel(out_ptr, x_ptr, w_ptr, bias_ptr, residual_ptr, norm_w_ptr,
-                      M, N, K, stride_x, stride_w, stride_r, stride_o, eps,
-                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      HAS_RESIDUAL: tl.constexpr):
-    """A few tokens (M <= ROWS, the tensor cores' 16-row minimum): each program streams BLOCK_N
-    weight rows once and multiplies them with every token through tl.dot, padding rows zero."""
-    dtype = x_ptr.dtype.element_ty
-    rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = rn < N
-    rm = tl.arange(0, ROWS)
-    offs_k = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + rn[:, None] * stride_w
-    up_rows = w_rows + N * stride_w
-
-    rstd = tl.full([ROWS], 1.0, dtype=tl.float32)
-    if NORM:
-        sq = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + offs_k
-            ok = (rm < M)[:, None] & (rk < K)[None, :]
-            xv = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=ok, other=0.0).to(tl.float32)
-            sq += xv * xv
-        rstd = 1.0 / tl.sqrt(tl.sum(sq, 1) / K + eps)
-
-    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + offs_k
-        xv = _x_rows_tile(x_ptr, norm_w_ptr, rm, rk, M, K, stride_x, rstd, dtype, NORM)
-        w_ok = n_mask[:, None] & (rk < K)[None, :]
-        w = tl.load(w_rows + rk[None, :], mask=w_ok, other=0.0)
-        acc = tl.dot(xv, tl.trans(w), acc, input_precision=DOT_PRECISION)
-        if GATED:
-            wu = tl.load(up_rows + rk[None, :], mask=w_ok, other=0.0)
-            acc_up = tl.dot(xv, tl.trans(wu), acc_up, input_precision=DOT_PRECISION)
-
-    y = acc
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if GATED:
-        gate = y.to(dtype).to(tl.float32)
-        up = acc_up.to(dtype).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        y = silu * up
-    out_ok = (rm < M)[:, None] & n_mask[None, :]
-    if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + rm[:, None] * stride_r + rn[None, :], mask=out_ok, other=0.0).to(tl.float32)
-        y = y.to(dtype).to(tl.float32) + r
-    tl.store(out_ptr + rm[:, None] * stride_o + rn[None, :], y.to(out_ptr.dtype.element_ty), mask=out_ok)
-
-
 # --------------------------------------------------------------------------
 # Wrapper
 # --------------------------------------------------------------------------
@@ -230,36 +164,19 @@ def pick_config(n: int, k: int, gated: bool) -> GemvConfig:
     return DEFAULT_CONFIG
 
 
-# Tokens the multi-row kernel takes (a speculative verify forward: 1 + k <= 8 tokens); the
-# tensor cores' smallest tile is 16 rows, the rest are zero padding. ROOFLM_GEMV_MAX_ROWS=1 keeps
-# multi-token steps on cuBLAS (the benchmarks' A/B switch).
-MAX_ROWS = int(os.environ.get("ROOFLM_GEMV_MAX_ROWS", "8"))
-ROWS_PAD = 16
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the multi-row kernel: the best of 18 configs on
-# four of the five Llama-3-8B shapes at M = 2, 5, 8 (H100, 2026-11-25, benchmarks/gemv_rows.py:
-# 2.3-3.1 TB/s, 1.0-1.15x cuBLAS); fp32 tiles are twice the bytes and take a smaller one.
-ROWS_CONFIG = GemvConfig(block_n=32, block_k=512, num_warps=4, num_stages=5)
-ROWS_CONFIG_FP32 = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=2)
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
          residual: Optional[torch.Tensor] = None, norm_weight: Optional[torch.Tensor] = None,
          eps: float = 1e-6, gated: bool = False, out_dtype: Optional[torch.dtype] = None,
          config: Optional[GemvConfig] = None) -> torch.Tensor:
     """y = weight @ f(x) for one token x [1, K] (or [K]); returns [1, N] (N = rows, or rows/2 gated).
-    A few tokens x [M, K], M <= MAX_ROWS, return [M, N] from the multi-row kernel.
 
     norm_weight: f = RMSNorm(norm_weight, eps), else f = identity. gated: y =
-    silu(gate) * up over weight's two row halves. residual [1, N] ([M, N]): y + residual.
+    silu(gate) * up over weight's two row halves. residual [1, N]: y + residual.
     bias [N] (not with gated). Inputs are not modified.
     """
     k = x.shape[-1]
-    if x.dim() == 2 and 1 < x.shape[0] <= MAX_ROWS:
-        return gemv_rows(x, weight, bias=bias, residual=residual, norm_weight=norm_weight, eps=eps,
-                         gated=gated, out_dtype=out_dtype, config=config)
     if x.numel() != k:
-        raise ValueError(f"gemv takes one token (or up to {MAX_ROWS} as [M, K]): x must be [1, K] or [K], "
-                         f"got {tuple(x.shape)}")
+        raise ValueError(f"gemv takes one token: x must be [1, K] or [K], got {tuple(x.shape)}")
     if weight.dim() != 2 or weight.shape[1] != k:
         raise ValueError(f"weight must be [N, {k}], got {tuple(weight.shape)}")
     if weight.dtype != x.dtype:
@@ -291,52 +208,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] 
     return out
 
 
-def gemv_rows(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
-              residual: Optional[torch.Tensor] = None, norm_weight: Optional[torch.Tensor] = None,
-              eps: float = 1e-6, gated: bool = False, out_dtype: Optional[torch.dtype] = None,
-              config: Optional[GemvConfig] = None) -> torch.Tensor:
-    """gemv for x [M, K], 1 <= M <= 16: every token against each weight tile read once."""
-    m, k = x.shape
-    if not 1 <= m <= ROWS_PAD:
-        raise ValueError(f"gemv_rows takes 1 to {ROWS_PAD} tokens, got {m}")
-    if weight.dim() != 2 or weight.shape[1] != k:
-        raise ValueError(f"weight must be [N, {k}], got {tuple(weight.shape)}")
-    if weight.dtype != x.dtype:
-        raise TypeError(f"weight dtype {weight.dtype} must match x's {x.dtype}")
-    if gated and (weight.shape[0] % 2 or bias is not None):
-        raise ValueError("gated gemv needs an even number of weight rows and no bias")
-    n = weight.shape[0] // 2 if gated else weight.shape[0]
-    check_last_dim_contiguous("weight", weight)
-    check_last_dim_contiguous("x", x)
-    if residual is not None:
-        residual = residual.reshape(m, n)
-        check_last_dim_contiguous("residual", residual)
-    for name, t, size in (("bias", bias, n), ("norm_weight", norm_weight, k)):
-        if t is not None and t.numel() != size:
-            raise ValueError(f"{name} must have {size} elements, got {tuple(t.shape)}")
-    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    if config is not None:
-        cfg = config
-    elif is_interpreter():
-        cfg = GemvConfig(16, 32, 1, 1)
-    else:
-        cfg = ROWS_CONFIG_FP32 if x.dtype == torch.float32 else ROWS_CONFIG
-    dummy = x  # never read when its flag is off
-    _gemv_rows_kernel[(triton.cdiv(n, cfg.block_n),)](
-        out, x, weight,
-        bias if bias is not None else dummy,
-        residual if residual is not None else dummy,
-        norm_weight if norm_weight is not None else dummy,
-        m, n, k, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
-        out.stride(0), eps,
-        ROWS=ROWS_PAD, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=dot_precision(x.dtype),
-        NORM=norm_weight is not None,
-        GATED=gated, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    return out
-
-
 # --------------------------------------------------------------------------
 # Reference
 # --------------------------------------------------------------------------
@@ -349,7 +220,7 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tens
     with their casts; same contract as gemv. config is accepted and ignored."""
     from rooflm.layers.norm import rms_norm_torch
 
-    x = x.reshape(-1, x.shape[-1])
+    x = x.reshape(1, -1)
     if norm_weight is not None:
         x = rms_norm_torch(x, norm_weight, eps)
     y = F.linear(x, weight, bias)
@@ -357,7 +228,7 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tens
         gate, up = y.chunk(2, dim=-1)
         y = (F.silu(gate.float()).to(x.dtype).float() * up.float()).to(x.dtype)
     if residual is not None:
-        y = y + residual.reshape(y.shape)
+        y = y + residual.reshape(1, -1)
     return y.to(out_dtype) if out_dtype is not None else y
 
 
