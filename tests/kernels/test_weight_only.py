@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
-from rooflm.kernels.w4a16 import pack_int4, unpack_int4, w4a16_linear, w4a16_linear_ref
+from rooflm.kernels.w4a16 import W4Config, pick_config, pack_int4, unpack_int4, w4a16_linear, w4a16_linear_ref
 from rooflm.kernels.w8a16 import w8a16_linear, w8a16_linear_ref
 
 
@@ -13,14 +13,23 @@ def _w4(n, k, group, dtype, seed=0):
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     scales = (0.01 + 0.02 * torch.rand(k // group, n, generator=g)).to(dtype)
     zeros = torch.randint(0, 16, (k // group, n), generator=g).to(dtype)  # asymmetric
-    return pack_int4(codes).to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE), g
+    return pack_int4(codes, group).to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE), g
 
 
-def test_int4_packing_round_trips_and_puts_even_k_low():
-    codes = torch.randint(0, 16, (3, 8), dtype=torch.uint8)
-    packed = pack_int4(codes)
-    assert torch.equal(unpack_int4(packed), codes)
-    assert int(packed[0, 0]) == int(codes[0, 0]) | (int(codes[0, 1]) << 4)
+def test_int4_packing_round_trips_and_puts_the_halves_of_k_in_the_nibbles():
+    codes = torch.randint(0, 16, (3, 256), dtype=torch.uint8)
+    packed = pack_int4(codes, 32)
+    assert packed.shape == (3, 128)
+    assert torch.equal(unpack_int4(packed, 256), codes)
+    assert int(packed[1, 5]) == int(codes[1, 5]) | (int(codes[1, 128 + 5]) << 4)
+
+
+def test_int4_packing_pads_the_high_half_when_the_groups_are_odd():
+    codes = torch.randint(1, 16, (2, 96), dtype=torch.uint8)  # 3 groups of 32: halves of 64 and 32 inputs
+    packed = pack_int4(codes, 32)
+    assert packed.shape == (2, 64)
+    assert torch.equal(packed[:, 32:] >> 4, torch.zeros(2, 32, dtype=torch.uint8))
+    assert torch.equal(unpack_int4(packed, 96), codes)
 
 
 @pytest.mark.parametrize("m", [1, 3, 17])
@@ -33,6 +42,57 @@ def test_w4a16_matches_reference(m, group):
     assert_close(w4a16_linear(x, qw, s, z, group), w4a16_linear_ref(x, qw, s, z, group), dtype, f"m={m} g={group}")
 
 
+@pytest.mark.parametrize("cfg", [
+    W4Config(1, 16, 128, 4, 3, split_k=1),   # GEMV, K steps of 2 groups
+    W4Config(1, 8, 256, 4, 3, split_k=3),    # GEMV, split-K over 3 byte ranges (the last one short)
+    W4Config(1, 32, 512, 4, 3, split_k=2),   # one step holds 4 groups a nibble; the step runs past S
+    W4Config(16, 16, 128, 4, 3, split_k=2),  # tensor cores, split-K
+    W4Config(32, 32, 256, 4, 3, split_k=1),
+], ids=lambda c: f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.split_k}")
+@pytest.mark.parametrize("k", [384, 448])  # 6 groups (halves of 192: even) and 7 (the high half padded)
+def test_w4a16_configs_match_reference(cfg, k):
+    """Every path of the kernel: split-K partials, steps running past the packed row (masks), an odd
+    group count (high nibbles padded past K), both GEMV and tensor-core tiles."""
+    dtype = torch.float16
+    m = 1 if cfg.block_m == 1 else 5
+    qw, s, z, g = _w4(24, k, 64, dtype, seed=k + cfg.block_k)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+    assert_close(w4a16_linear(x, qw, s, z, 64, config=cfg), w4a16_linear_ref(x, qw, s, z, 64), dtype, str(cfg))
+
+
+def test_w4a16_fractional_zero_points_stay_exact():
+    """The GEMV folds zero x sum(x) per group: a zero point that is not an integer (RTN may store
+    one) is kept as it is, not rounded into the code."""
+    qw, s, z, g = _w4(16, 128, 32, torch.float32)
+    z = z + 0.37
+    x = torch.randn(1, 128, generator=g).to(DEVICE)
+    assert_close(w4a16_linear(x, qw, s, z, 32), w4a16_linear_ref(x, qw, s, z, 32), torch.float32)
+
+
+def test_w4a16_pick_config_reads_the_tile_table():
+    from rooflm.kernels.tuned_configs import lookup
+    entry = dict(block_m=1, block_n=32, block_k=512, num_warps=8, num_stages=4, split_k=2)
+    table = {"GPU-X": {"w4a16": [dict(n=4096, k=4096, group=128, m=1, config=entry),
+                                 dict(n=4096, k=4096, group=128, m=16, config=dict(entry, block_m=16))]}}
+    assert lookup("w4a16", "GPU-X", 4096, 4096, 1, 128, table=table) == entry
+    assert lookup("w4a16", "GPU-X", 4096, 4096, 9, 128, table=table)["block_m"] == 16  # next tabled M up
+    assert lookup("w4a16", "GPU-X", 4096, 4096, 64, 128, table=table)["block_m"] == 16  # beyond: the largest
+    assert lookup("w4a16", "GPU-X", 4096, 4096, 1, 64, table=table) is None  # another group size
+    assert lookup("w4a16", "GPU-Y", 4096, 4096, 1, 128, table=table) is None
+    # No table entry: the heuristic splits K for a narrow N so that ~2 programs run per SM.
+    assert pick_config(1, 4096, 4096, 128, None, 132).split_k == 2
+    assert pick_config(1, 28672, 4096, 128, None, 132).split_k == 1
+
+
+def test_w4a16_rejects_configs_it_cannot_run():
+    qw, s, z, g = _w4(16, 128, 64, torch.float16)
+    x = torch.randn(1, 128, generator=g).to(torch.float16).to(DEVICE)
+    with pytest.raises(ValueError, match="whole groups"):
+        w4a16_linear(x, qw, s, z, 64, config=W4Config(1, 16, 64, 4, 3))
+    with pytest.raises(ValueError, match="block_n >= 16"):
+        w4a16_linear(x, qw, s, z, 64, config=W4Config(16, 8, 128, 4, 3))
+
+
 def test_w4a16_fp32_and_strided_input():
     qw, s, z, g = _w4(32, 128, 32, torch.float32)
     x = torch.randn(2, 256, generator=g).to(DEVICE)[:, ::2]  # non-contiguous rows
@@ -42,7 +102,7 @@ def test_w4a16_fp32_and_strided_input():
 def test_w4a16_rejects_bad_shapes():
     qw, s, z, _ = _w4(16, 64, 32, torch.float16)
     with pytest.raises(ValueError, match="qweight"):
-        w4a16_linear(torch.zeros(1, 32, dtype=torch.float16, device=DEVICE), qw, s, z, 32)
+        w4a16_linear(torch.zeros(1, 128, dtype=torch.float16, device=DEVICE), qw, s, z, 32)
     with pytest.raises(ValueError, match="scales and zeros"):
         w4a16_linear(torch.zeros(1, 64, dtype=torch.float16, device=DEVICE), qw, s[:1], z, 32)
 
