@@ -39,3 +39,9 @@ def split_k_reduce(y: torch.Tensor, workspace: torch.Tensor) -> torch.Tensor:
     block = 1024
     _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](y, workspace, m * n, split_k, BLOCK=block, num_warps=4)
     return y
+
+
+def split_for(programs: int, iterations: int, sms: int) -> int:
+    """The split-K pick_config takes without a measured table: about two programs per SM (at most
+    8 ways, at least one K step each); programs is the count without split-K."""
+    return max(1, min(8, iterations, -(-2 * sms // programs)))

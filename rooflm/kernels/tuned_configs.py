@@ -47,3 +47,19 @@ def lookup(kernel: str, device_name: Optional[str], n: int, k: int, m: int, grou
     above = [e for e in entries if e["m"] >= m]
     best = min(above, key=lambda e: e["m"]) if above else max(entries, key=lambda e: e["m"])
     return best["config"]
+
+
+@functools.lru_cache(maxsize=4)
+def _device_facts(index: int) -> tuple[str, int]:
+    import torch
+    props = torch.cuda.get_device_properties(index)
+    return props.name, props.multi_processor_count
+
+
+def device_facts(device) -> tuple[Optional[str], int]:
+    """(GPU name, the table's key; SM count) of a torch device; (None, 132) off CUDA (the
+    interpreter: no table, the heuristic sized for an H100's 132 SMs)."""
+    if device.type != "cuda":
+        return None, 132
+    import torch
+    return _device_facts(device.index if device.index is not None else torch.cuda.current_device())

@@ -50,8 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rooflm.kernels.split_k import split_k_reduce
-from rooflm.kernels.tuned_configs import lookup
+from rooflm.kernels.split_k import split_for, split_k_reduce
+from rooflm.kernels.tuned_configs import device_facts, lookup
 from rooflm.kernels.utils import is_interpreter
 from rooflm.quant.formats import int4_split, pack_int4, unpack_int4
 
@@ -199,24 +199,6 @@ def check_config(cfg: W4Config, group_size: int) -> None:
         problems.append("split_k, num_warps, num_stages must be >= 1")
     if problems:
         raise ValueError(f"W4A16 config {cfg}: " + "; ".join(problems))
-
-
-@functools.lru_cache(maxsize=4)
-def _device_facts(index: int) -> tuple[str, int]:
-    props = torch.cuda.get_device_properties(index)
-    return props.name, props.multi_processor_count
-
-
-def device_facts(device: torch.device) -> tuple[Optional[str], int]:
-    """(GPU name for the tile table, SM count); (None, 132) off CUDA (the interpreter)."""
-    if device.type != "cuda":
-        return None, 132
-    return _device_facts(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def split_for(programs: int, iterations: int, sms: int) -> int:
-    """Split-K that gives about two programs per SM (at most 8 ways, at least one step each)."""
-    return max(1, min(8, iterations, -(-2 * sms // programs)))
 
 
 @functools.lru_cache(maxsize=256)

@@ -5,7 +5,7 @@ import torch
 
 from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
 from rooflm.kernels.w4a16 import W4Config, pick_config, pack_int4, unpack_int4, w4a16_linear, w4a16_linear_ref
-from rooflm.kernels.w8a16 import w8a16_linear, w8a16_linear_ref
+from rooflm.kernels.w8a16 import W8Config, w8a16_linear, w8a16_linear_ref
 
 
 def _w4(n, k, group, dtype, seed=0):
@@ -118,6 +118,24 @@ def test_w8a16_matches_reference(m, with_zero):
     z = torch.randint(-8, 8, (n,), generator=g).to(dtype).to(DEVICE) if with_zero else None
     x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
     assert_close(w8a16_linear(x, qw, s, z), w8a16_linear_ref(x, qw, s, z), dtype, f"m={m} zero={with_zero}")
+
+
+@pytest.mark.parametrize("cfg", [
+    W8Config(1, 16, 64, 4, 3, split_k=1),
+    W8Config(1, 8, 32, 4, 3, split_k=3),     # split-K, the last range holding K's tail
+    W8Config(1, 32, 128, 4, 3, split_k=1),   # K = 256: no tail (the unmasked path)
+    W8Config(16, 16, 32, 4, 3, split_k=2),   # tensor cores, split-K
+], ids=lambda c: f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.split_k}")
+@pytest.mark.parametrize("k", [200, 256])
+def test_w8a16_configs_match_reference(cfg, k):
+    dtype = torch.float16
+    g = torch.Generator().manual_seed(k + cfg.block_k)
+    m, n = (1 if cfg.block_m == 1 else 5), 24
+    qw = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8).to(DEVICE)  # -128 too
+    s = (0.001 + 0.002 * torch.rand(n, generator=g)).to(dtype).to(DEVICE)
+    z = torch.randint(-8, 8, (n,), generator=g).to(dtype).to(DEVICE)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+    assert_close(w8a16_linear(x, qw, s, z, config=cfg), w8a16_linear_ref(x, qw, s, z), dtype, str(cfg))
 
 
 @pytest.mark.gpu
