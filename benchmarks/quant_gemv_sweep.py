@@ -64,7 +64,11 @@ def w4_candidates(m: int, group: int):
     if m == 1:
         out = [W4Config(1, bn, kk, 4, 3, sk) for bn in (8, 16, 32) for kk in (bk, 2 * bk) for sk in (1, 2, 4)]
         out += [W4Config(1, 16, bk, 2, 3, 2), W4Config(1, 16, 2 * bk, 8, 3, 2), W4Config(1, 32, 2 * bk, 8, 4, 1),
-                W4Config(1, 64, bk, 8, 3, 1), W4Config(1, 16, 4 * bk, 8, 2, 1), W4Config(1, 16, bk, 4, 5, 2)]
+                W4Config(1, 64, bk, 8, 3, 1), W4Config(1, 16, 4 * bk, 8, 2, 1), W4Config(1, 16, bk, 4, 5, 2),
+                W4Config(1, 32, bk, 2, 4, 2), W4Config(1, 64, bk, 4, 4, 1)]
+        # The tensor-core path with the row padded to 16 (Marlin's batch-1 choice): the multiply-adds
+        # leave the CUDA cores, only the unpack stays on them.
+        out += [W4Config(16, bn, bk, 4, 3, sk) for bn in (32, 64) for sk in (1, 2)]
         return out
     bms = (16,) if m <= 16 else (32, 64)
     out = [W4Config(bm, bn, bk, 4, 3, sk) for bm in bms for bn in (32, 64, 128) for sk in (1, 2)]
@@ -76,7 +80,8 @@ def w8_candidates(m: int):
     from rooflm.kernels.w8a16 import W8Config
     if m == 1:
         out = [W8Config(1, bn, bk, 4, 3, sk) for bn in (8, 16, 32) for bk in (256, 512) for sk in (1, 2, 4)]
-        return out + [W8Config(1, 16, 128, 4, 3, 2), W8Config(1, 32, 1024, 8, 3, 1)]
+        return out + [W8Config(1, 16, 128, 4, 3, 2), W8Config(1, 32, 1024, 8, 3, 1), W8Config(1, 16, 256, 4, 5, 2),
+                      W8Config(16, 64, 128, 4, 3, 1), W8Config(16, 64, 128, 4, 3, 2)]
     bms = (16,) if m <= 16 else (32, 64)
     out = [W8Config(bm, bn, 128, 4, 3, sk) for bm in bms for bn in (32, 64, 128) for sk in (1, 2)]
     return out + [W8Config(bm, 64, 64, 4, 3, 1) for bm in bms]

@@ -26,14 +26,18 @@ Each program owns BLOCK_N output columns (rows of W), BLOCK_M rows of x, and one
 ranges of the packed bytes (split-K: more programs for narrow N; fp32 partials summed by
 rooflm/kernels/split_k.py). It walks its range BLOCK_K / 2 bytes at a time, one group at a time:
   - codes to fp32 without an int->float convert (those run on the SM's slow conversion pipe):
-    OR-ing a nibble into the mantissa of 2^23 (0x4B000000) makes the float 2^23 + code, exact,
-    and subtracting 2^23 leaves the code. The high nibble is masked in place (16 x code) and the
-    1/16 folded into its group's factor: one logic op and one subtract a code.
-  - M == 1 (GEMV, CUDA cores): the scale and zero leave the inner loop,
-        y[n] = sum_g s[g, n] * (sum_{k in g} code[n, k] x[k] - z[g, n] * sum_{k in g} x[k]),
-    so a weight costs its unpack and one FMA; the per-group terms are per row, not per weight.
-  - M > 1 (GEMM, tensor cores): each group's [BLOCK_N, g] tile is dequantized, rounded to the
-    activation dtype and fed to tl.dot with x's matching [BLOCK_M, g] columns, fp32 accumulator.
+    a code shifted into the top mantissa bits of 1.0 (0x3F800000) reads as w' = 1 + code / 16,
+    exact; (code - zero) = 16 (w' - (1 + zero / 16)), the subtract exact (both in [1, 2)) and
+    1 + zero / 16 a per-row constant of the group. A weight costs a shift and an and-or, one
+    subtract and one multiply-add; no float op converts it.
+  - M == 1 (GEMV, CUDA cores): the scale leaves the inner loop,
+        y[n] = sum_g 16 s[g, n] * sum_{k in g} (w'[n, k] - (1 + z[g, n] / 16)) x[k],
+    the inner sum reduced per group and row (BLOCK_K / 2 bytes = whole groups of each nibble).
+    The loop is a tl.range with num_stages: Triton pipelines every load of it (bytes, x, scales)
+    through cp.async, which the kernel-level num_stages does only for loads that feed tl.dot;
+    a GEMV stream is latency-bound without it.
+  - M > 1 (GEMM, tensor cores): each group's [BLOCK_N, g] tile is dequantized the same way,
+    rounded to the activation dtype and fed to tl.dot with x's matching [BLOCK_M, g] columns.
 
 Work
 ----
@@ -58,9 +62,9 @@ from rooflm.quant.formats import int4_split, pack_int4, unpack_int4
 __all__ = ["W4Config", "pick_config", "w4a16_linear", "w4a16_linear_ref", "dequantize_w4", "w4a16_bytes",
            "pack_int4", "unpack_int4", "int4_split"]
 
-# 2^23 as a float and as its bit pattern: a code OR-ed into the mantissa reads as 2^23 + code.
-MAGIC_F32 = 8388608.0
-MAGIC_BITS = 0x4B000000
+# The bits of 1.0f and the place of a code in them: (code << 19) | ONE_BITS reads as 1 + code / 16.
+ONE_BITS = tl.constexpr(0x3F800000)
+CODE_BITS = tl.constexpr(0x00780000)
 
 
 # --------------------------------------------------------------------------
@@ -68,12 +72,14 @@ MAGIC_BITS = 0x4B000000
 # --------------------------------------------------------------------------
 
 @triton.jit
-def _nibbles(p):
-    """uint8 bytes -> (low code, 16 x high code) in fp32, exact (module header: the 2^23 trick)."""
+def _unit_nibbles(p):
+    """uint8 bytes -> w' = (1 + low code / 16, 1 + high code / 16) in fp32, exact: a code shifted
+    into the top four mantissa bits of 1.0 (0x3F800000). Integer ops only (shift, and-or): no
+    int->float convert (the SM's slow conversion pipe) and no float op."""
     b = p.to(tl.int32)
-    low = ((b & 0x0F) | MAGIC_BITS).to(tl.float32, bitcast=True) - MAGIC_F32
-    high16 = ((b & 0xF0) | MAGIC_BITS).to(tl.float32, bitcast=True) - MAGIC_F32
-    return low, high16
+    low = (((b << 19) & CODE_BITS) | ONE_BITS).to(tl.float32, bitcast=True)
+    high = (((b << 15) & CODE_BITS) | ONE_BITS).to(tl.float32, bitcast=True)
+    return low, high
 
 
 @triton.jit
@@ -87,7 +93,7 @@ def _group(s_ptr, z_ptr, grp, N, rn, mask):
 @triton.jit
 def _w4a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHUNK, stride_xm, stride_ym,
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-                  SPLIT: tl.constexpr, EVEN: tl.constexpr, PRECISION: tl.constexpr):
+                  SPLIT: tl.constexpr, EVEN: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
     # BLOCK_H: bytes of a row per step (BLOCK_K / 2 codes in each nibble), a multiple of GROUP.
     # EVEN: K == 2 S and S % BLOCK_H == 0, so no step runs past the row and no mask on K is needed.
     pid_n = tl.program_id(0)
@@ -101,13 +107,16 @@ def _w4a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHU
     if BLOCK_M == 1:
         x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for j0 in range(start, end, BLOCK_H):
+        # tl.range's num_stages pipelines every load of the loop (the kernel's num_stages only
+        # pipelines loads that feed tl.dot): STAGES steps of bytes in flight per program, which is
+        # what a latency-bound stream needs, not more arithmetic.
+        for j0 in tl.range(start, end, BLOCK_H, num_stages=STAGES):
             for gi in tl.static_range(BLOCK_H // GROUP):
                 b = j0 + gi * GROUP
                 if EVEN:
                     p = tl.load(qw_ptr + rn[:, None] * S + (b + rg)[None, :], mask=n_mask[:, None], other=0)
                     x_lo = tl.load(x_row + b + rg).to(tl.float32)
-                    x_hi = tl.load(x_row + S + b + rg).to(tl.float32)
+                    x_hi = tl.load(x_row + (S + b) + rg).to(tl.float32)
                     s_lo, z_lo = _group(s_ptr, z_ptr, b // GROUP, N, rn, n_mask)
                     s_hi, z_hi = _group(s_ptr, z_ptr, (S + b) // GROUP, N, rn, n_mask)
                 else:
@@ -116,15 +125,16 @@ def _w4a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHU
                     p = tl.load(qw_ptr + rn[:, None] * S + (b + rg)[None, :],
                                 mask=n_mask[:, None] & lo_ok[None, :], other=0)
                     x_lo = tl.load(x_row + b + rg, mask=lo_ok, other=0.0).to(tl.float32)
-                    x_hi = tl.load(x_row + S + b + rg, mask=hi_ok, other=0.0).to(tl.float32)
+                    x_hi = tl.load(x_row + (S + b) + rg, mask=hi_ok, other=0.0).to(tl.float32)
                     # (a scalar condition broadcast by hand: the interpreter's masks must be tensors)
                     bb = tl.zeros([BLOCK_N], dtype=tl.int32) + b
                     s_lo, z_lo = _group(s_ptr, z_ptr, b // GROUP, N, rn, n_mask & (bb < S))
                     s_hi, z_hi = _group(s_ptr, z_ptr, (S + b) // GROUP, N, rn, n_mask & (S + bb < K))
-                c_lo, c_hi16 = _nibbles(p)
-                d_lo = tl.sum(c_lo * x_lo[None, :], axis=1)
-                d_hi = tl.sum(c_hi16 * x_hi[None, :], axis=1) * 0.0625
-                acc += s_lo * (d_lo - z_lo * tl.sum(x_lo, axis=0)) + s_hi * (d_hi - z_hi * tl.sum(x_hi, axis=0))
+                u_lo, u_hi = _unit_nibbles(p)
+                # (code - zero) / 16 = w' - (1 + zero / 16): one subtract of a per-row constant
+                d_lo = 16.0 * tl.sum((u_lo - (1.0 + z_lo * 0.0625)[:, None]) * x_lo[None, :], axis=1)
+                d_hi = 16.0 * tl.sum((u_hi - (1.0 + z_hi * 0.0625)[:, None]) * x_hi[None, :], axis=1)
+                acc += s_lo * d_lo + s_hi * d_hi
         if SPLIT:
             tl.store(ws_ptr + (pid_k * M + pid_m).to(tl.int64) * N + rn, acc, mask=n_mask)
         else:
@@ -155,9 +165,11 @@ def _w4a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHU
                     bb = tl.zeros([BLOCK_N], dtype=tl.int32) + b
                     s_lo, z_lo = _group(s_ptr, z_ptr, b // GROUP, N, rn, n_mask & (bb < S))
                     s_hi, z_hi = _group(s_ptr, z_ptr, (S + b) // GROUP, N, rn, n_mask & (S + bb < K))
-                c_lo, c_hi16 = _nibbles(p)
-                w_lo = ((c_lo - z_lo[:, None]) * s_lo[:, None]).to(x_lo.dtype)
-                w_hi = ((c_hi16 * 0.0625 - z_hi[:, None]) * s_hi[:, None]).to(x_hi.dtype)
+                u_lo, u_hi = _unit_nibbles(p)
+                # (code - zero) * scale = (w' - (1 + zero / 16)) * 16 scale; the subtract is exact
+                # (both terms in [1, 2)), per-row constants outside the [BLOCK_N, GROUP] work
+                w_lo = ((u_lo - (1.0 + z_lo * 0.0625)[:, None]) * (16.0 * s_lo)[:, None]).to(x_lo.dtype)
+                w_hi = ((u_hi - (1.0 + z_hi * 0.0625)[:, None]) * (16.0 * s_hi)[:, None]).to(x_hi.dtype)
                 acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=PRECISION)
                 acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=PRECISION)
         mn_mask = m_mask[:, None] & n_mask[None, :]
@@ -258,6 +270,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                         SPLIT=split_k > 1, EVEN=(k == 2 * split and split % half == 0),
                         # fp32 activations multiply in full precision (tl.dot would take tf32)
                         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                        STAGES=1 if is_interpreter() else cfg.num_stages,
                         num_warps=cfg.num_warps, num_stages=1 if is_interpreter() else cfg.num_stages)
     if split_k > 1:
         split_k_reduce(y, ws)

@@ -47,8 +47,8 @@ from rooflm.kernels.tuned_configs import device_facts, lookup
 from rooflm.kernels.utils import is_interpreter
 
 # The bits of the float 2^23 + 128: an int8 code q added to them reads as 2^23 + 128 + q.
-MAGIC_BITS_Q8 = 0x4B000080
-MAGIC_F32_Q8 = 8388736.0
+MAGIC_BITS_Q8 = tl.constexpr(0x4B000080)
+MAGIC_F32_Q8 = tl.constexpr(8388736.0)
 
 
 # --------------------------------------------------------------------------
@@ -58,7 +58,8 @@ MAGIC_F32_Q8 = 8388736.0
 @triton.jit
 def _w8a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, CHUNK, stride_xm, stride_ym,
                   HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+                  BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                  STAGES: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -72,7 +73,8 @@ def _w8a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, CHUNK, st
         x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         xsum = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(start, end, BLOCK_K):
+        # tl.range's num_stages pipelines these loads (the kernel's num_stages only those feeding tl.dot)
+        for k0 in tl.range(start, end, BLOCK_K, num_stages=STAGES):
             if EVEN_K:
                 q = tl.load(qw_ptr + rn[:, None] * K + (k0 + rk)[None, :], mask=n_mask[:, None], other=0)
                 x = tl.load(x_row + k0 + rk).to(tl.float32)
@@ -188,6 +190,7 @@ def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split_k > 1,
                         EVEN_K=k % cfg.block_k == 0,
                         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps,
+                        STAGES=1 if is_interpreter() else cfg.num_stages,
                         num_stages=1 if is_interpreter() else cfg.num_stages)
     if split_k > 1:
         split_k_reduce(y, ws)

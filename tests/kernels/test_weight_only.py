@@ -61,8 +61,8 @@ def test_w4a16_configs_match_reference(cfg, k):
 
 
 def test_w4a16_fractional_zero_points_stay_exact():
-    """The GEMV folds zero x sum(x) per group: a zero point that is not an integer (RTN may store
-    one) is kept as it is, not rounded into the code."""
+    """The kernel subtracts 1 + zero / 16 from 1 + code / 16: a zero point that is not an integer
+    (a float zero in code units) is kept as it is, not rounded into the code."""
     qw, s, z, g = _w4(16, 128, 32, torch.float32)
     z = z + 0.37
     x = torch.randn(1, 128, generator=g).to(DEVICE)
