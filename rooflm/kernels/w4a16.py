@@ -91,11 +91,24 @@ def _group(s_ptr, z_ptr, grp, N, rn, mask):
 
 
 @triton.jit
+def _group_pair(s_ptr, z_ptr, b, end, S, K, N, rn, n_mask, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Scales and zeros of the groups at byte b of the low and the high half (zeros past `end`
+    or past K: the prefetch after a range's last step)."""
+    bb = tl.zeros([BLOCK_N], dtype=tl.int32) + b  # a tensor: the interpreter's masks must be
+    lo_ok = n_mask & (bb < end)
+    hi_ok = lo_ok & (S + bb < K)
+    s_lo, z_lo = _group(s_ptr, z_ptr, b // GROUP, N, rn, lo_ok)
+    s_hi, z_hi = _group(s_ptr, z_ptr, (S + b) // GROUP, N, rn, hi_ok)
+    return s_lo, z_lo, s_hi, z_hi
+
+
+@triton.jit
 def _w4a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHUNK, stride_xm, stride_ym,
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
                   SPLIT: tl.constexpr, EVEN: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
     # BLOCK_H: bytes of a row per step (BLOCK_K / 2 codes in each nibble), a multiple of GROUP.
-    # EVEN: K == 2 S and S % BLOCK_H == 0, so no step runs past the row and no mask on K is needed.
+    # EVEN: K == 2 S and S % BLOCK_H == 0, so no step runs past the row and no mask on K is needed
+    # (the GEMV steps one group at a time and needs only K == 2 S).
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -107,34 +120,29 @@ def _w4a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHU
     if BLOCK_M == 1:
         x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        # tl.range's num_stages pipelines every load of the loop (the kernel's num_stages only
-        # pipelines loads that feed tl.dot): STAGES steps of bytes in flight per program, which is
-        # what a latency-bound stream needs, not more arithmetic.
-        for j0 in tl.range(start, end, BLOCK_H, num_stages=STAGES):
-            for gi in tl.static_range(BLOCK_H // GROUP):
-                b = j0 + gi * GROUP
-                if EVEN:
-                    p = tl.load(qw_ptr + rn[:, None] * S + (b + rg)[None, :], mask=n_mask[:, None], other=0)
-                    x_lo = tl.load(x_row + b + rg).to(tl.float32)
-                    x_hi = tl.load(x_row + (S + b) + rg).to(tl.float32)
-                    s_lo, z_lo = _group(s_ptr, z_ptr, b // GROUP, N, rn, n_mask)
-                    s_hi, z_hi = _group(s_ptr, z_ptr, (S + b) // GROUP, N, rn, n_mask)
-                else:
-                    lo_ok = (b + rg) < S
-                    hi_ok = (S + b + rg) < K
-                    p = tl.load(qw_ptr + rn[:, None] * S + (b + rg)[None, :],
-                                mask=n_mask[:, None] & lo_ok[None, :], other=0)
-                    x_lo = tl.load(x_row + b + rg, mask=lo_ok, other=0.0).to(tl.float32)
-                    x_hi = tl.load(x_row + (S + b) + rg, mask=hi_ok, other=0.0).to(tl.float32)
-                    # (a scalar condition broadcast by hand: the interpreter's masks must be tensors)
-                    bb = tl.zeros([BLOCK_N], dtype=tl.int32) + b
-                    s_lo, z_lo = _group(s_ptr, z_ptr, b // GROUP, N, rn, n_mask & (bb < S))
-                    s_hi, z_hi = _group(s_ptr, z_ptr, (S + b) // GROUP, N, rn, n_mask & (S + bb < K))
-                u_lo, u_hi = _unit_nibbles(p)
-                # (code - zero) / 16 = w' - (1 + zero / 16): one subtract of a per-row constant
-                d_lo = 16.0 * tl.sum((u_lo - (1.0 + z_lo * 0.0625)[:, None]) * x_lo[None, :], axis=1)
-                d_hi = 16.0 * tl.sum((u_hi - (1.0 + z_hi * 0.0625)[:, None]) * x_hi[None, :], axis=1)
-                acc += s_lo * d_lo + s_hi * d_hi
+        # One group of each nibble a step (S and the ranges are whole groups: no mask on the low
+        # half; the high half stops at K). Its scales and zeros are loaded a step ahead: 2-byte
+        # loads a thread, which Triton's pipeliner does not turn into cp.async, and the zero is
+        # needed before the first multiply. BLOCK_K / 2 / GROUP steps are unrolled into one.
+        s_lo, z_lo, s_hi, z_hi = _group_pair(s_ptr, z_ptr, start, end, S, K, N, rn, n_mask, GROUP, BLOCK_N)
+        # tl.range's num_stages pipelines the loop's loads through cp.async (the kernel's
+        # num_stages does that only for loads that feed tl.dot): STAGES steps of bytes in flight
+        # per program, what a latency-bound stream needs.
+        for b in tl.range(start, end, GROUP, num_stages=STAGES, loop_unroll_factor=BLOCK_H // GROUP):
+            s_lo_n, z_lo_n, s_hi_n, z_hi_n = _group_pair(s_ptr, z_ptr, b + GROUP, end, S, K, N, rn, n_mask,
+                                                         GROUP, BLOCK_N)
+            p = tl.load(qw_ptr + rn[:, None] * S + (b + rg)[None, :], mask=n_mask[:, None], other=0)
+            x_lo = tl.load(x_row + b + rg).to(tl.float32)
+            if EVEN:
+                x_hi = tl.load(x_row + (S + b) + rg).to(tl.float32)
+            else:
+                x_hi = tl.load(x_row + (S + b) + rg, mask=(S + b + rg) < K, other=0.0).to(tl.float32)
+            u_lo, u_hi = _unit_nibbles(p)
+            # (code - zero) / 16 = w' - (1 + zero / 16): one subtract of a per-row constant
+            d_lo = tl.sum((u_lo - (1.0 + z_lo * 0.0625)[:, None]) * x_lo[None, :], axis=1)
+            d_hi = tl.sum((u_hi - (1.0 + z_hi * 0.0625)[:, None]) * x_hi[None, :], axis=1)
+            acc += (16.0 * s_lo) * d_lo + (16.0 * s_hi) * d_hi
+            s_lo, z_lo, s_hi, z_hi = s_lo_n, z_lo_n, s_hi_n, z_hi_n
         if SPLIT:
             tl.store(ws_ptr + (pid_k * M + pid_m).to(tl.int64) * N + rn, acc, mask=n_mask)
         else:
