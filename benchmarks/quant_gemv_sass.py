@@ -95,7 +95,7 @@ def cases(group: int = 128):
                     c.num_warps, c.num_stages, c.block_n * c.block_k, 1.0))
     from quant_gemv_sweep import w4_candidates, w8_candidates
     seen = set()
-    for m in (1, 16):
+    for m in (1, 16, 64):
         for c in [new4.pick_config(m, 4096, 4096, group)] + w4_candidates(m, group):
             key = ("w4", c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages)
             if key in seen:
