@@ -97,13 +97,14 @@ def cases(group: int = 128):
     seen = set()
     for m in (1, 16, 64):
         for c in [new4.pick_config(m, 4096, 4096, group)] + w4_candidates(m, group):
-            key = ("w4", c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages)
+            key = ("w4", c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages, c.fold)
             if key in seen:
                 continue
             seen.add(key)
             out.append((f"w4a16 new M={m} {c}", new4._w4a16_kernel, dict(act, qw_ptr="u8"),
                         dict(GROUP=group, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_H=c.block_k // 2,
-                             SPLIT=c.split_k > 1, EVEN=True, PRECISION="tf32", STAGES=c.num_stages),
+                             SPLIT=c.split_k > 1, EVEN=True, PRECISION="tf32", STAGES=c.num_stages,
+                             FOLD=bool(c.fold)),
                         c.num_warps, c.num_stages, c.block_n * c.block_k, 0.5))
         for c in [new8.pick_config(m, 4096, 4096)] + w8_candidates(m):
             key = ("w8", c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages)

@@ -69,9 +69,12 @@ def w4_candidates(m: int, group: int):
         # The tensor-core path with the row padded to 16 (Marlin's batch-1 choice): the multiply-adds
         # leave the CUDA cores, only the unpack stays on them.
         out += [W4Config(16, bn, bk, 4, 3, sk) for bn in (32, 64) for sk in (1, 2)]
+        out += [W4Config(16, 64, bk, 4, 3, 2, fold=False), W4Config(16, 128, bk, 4, 3, 2)]
         return out
     bms = (16,) if m <= 16 else (32, 64)
     out = [W4Config(bm, bn, bk, 4, 3, sk) for bm in bms for bn in (32, 64, 128) for sk in (1, 2)]
+    # the per-weight dequant (fold=False) beside the per-group fold on the middle tile
+    out += [W4Config(bm, 64, bk, 4, 3, 1, fold=False) for bm in bms]
     # (block_k 2 x 256 with block_m 64 needs 256 KB of shared memory at 3 stages: over the H100's 227)
     out += [c for bm in bms for c in ((W4Config(bm, 64, 2 * bk, 4, 3, 1),) if bm < 64 else ())
             + (W4Config(bm, 64, bk, 8, 4, 1), W4Config(bm, 64, bk, 4, 2, 1))]

@@ -83,6 +83,35 @@ def _unit_nibbles(p):
 
 
 @triton.jit
+def _unit_nibbles_as(p, dtype: tl.constexpr):
+    """uint8 bytes -> (1 + low code / 16, 1 + high code / 16) in dtype (bf16, fp16 or fp32), exact,
+    by bits alone: the code in the top four mantissa bits of 1.0 (bf16 0x3F80: bits 3..6; fp16
+    0x3C00: bits 6..9)."""
+    if dtype == tl.bfloat16:
+        b = p.to(tl.int16)
+        low = (((b << 3) & 0x78) | 0x3F80).to(tl.bfloat16, bitcast=True)
+        high = (((b >> 1) & 0x78) | 0x3F80).to(tl.bfloat16, bitcast=True)
+    elif dtype == tl.float16:
+        b = p.to(tl.int16)
+        low = (((b << 6) & 0x3C0) | 0x3C00).to(tl.float16, bitcast=True)
+        high = (((b << 2) & 0x3C0) | 0x3C00).to(tl.float16, bitcast=True)
+    else:
+        low, high = _unit_nibbles(p)
+    return low, high
+
+
+@triton.jit
+def _fold_group(acc, x, w, ones, s, z, PRECISION: tl.constexpr):
+    """acc + x @ ((code - z) s).T for one group, from w = 1 + code / 16:
+    (16 s) (x @ w.T) - s (16 + z) (x @ ones)."""
+    d1 = tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    d0 = tl.dot(x, ones, input_precision=PRECISION)
+    a = 16.0 * s
+    c = s * (16.0 + z)
+    return acc + a[None, :] * d1 - c[None, :] * d0
+
+
+@triton.jit
 def _group(s_ptr, z_ptr, grp, N, rn, mask):
     """Scale and zero of group `grp` for rows rn, fp32."""
     s = tl.load(s_ptr + grp * N + rn, mask=mask, other=0.0).to(tl.float32)
@@ -105,7 +134,8 @@ def _group_pair(s_ptr, z_ptr, b, end, S, K, N, rn, n_mask, GROUP: tl.constexpr, 
 @triton.jit
 def _w4a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHUNK, stride_xm, stride_ym,
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-                  SPLIT: tl.constexpr, EVEN: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
+                  SPLIT: tl.constexpr, EVEN: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
+                  FOLD: tl.constexpr):
     # BLOCK_H: bytes of a row per step (BLOCK_K / 2 codes in each nibble), a multiple of GROUP.
     # EVEN: K == 2 S and S % BLOCK_H == 0, so no step runs past the row and no mask on K is needed
     # (the GEMV steps one group at a time and needs only K == 2 S).
@@ -152,6 +182,7 @@ def _w4a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHU
         m_mask = rm < M
         x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        ones = tl.full([GROUP, BLOCK_N], 1.0, dtype=x_ptr.dtype.element_ty)
         for j0 in range(start, end, BLOCK_H):
             for gi in tl.static_range(BLOCK_H // GROUP):
                 b = j0 + gi * GROUP
@@ -173,13 +204,22 @@ def _w4a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHU
                     bb = tl.zeros([BLOCK_N], dtype=tl.int32) + b
                     s_lo, z_lo = _group(s_ptr, z_ptr, b // GROUP, N, rn, n_mask & (bb < S))
                     s_hi, z_hi = _group(s_ptr, z_ptr, (S + b) // GROUP, N, rn, n_mask & (S + bb < K))
-                u_lo, u_hi = _unit_nibbles(p)
-                # (code - zero) * scale = (w' - (1 + zero / 16)) * 16 scale; the subtract is exact
-                # (both terms in [1, 2)), per-row constants outside the [BLOCK_N, GROUP] work
-                w_lo = ((u_lo - (1.0 + z_lo * 0.0625)[:, None]) * (16.0 * s_lo)[:, None]).to(x_lo.dtype)
-                w_hi = ((u_hi - (1.0 + z_hi * 0.0625)[:, None]) * (16.0 * s_hi)[:, None]).to(x_hi.dtype)
-                acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=PRECISION)
-                acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=PRECISION)
+                if FOLD:
+                    # w' = 1 + code / 16 made in x's dtype by bits alone (exact in bf16/fp16/fp32)
+                    # and multiplied as it is; per group and row, sum((code - zero) x) =
+                    # 16 sum(w' x) - (16 + zero) sum(x), and sum(x) comes from a dot with ones, so
+                    # it is already in the accumulator's layout. No float op touches a weight.
+                    w_lo, w_hi = _unit_nibbles_as(p, x_lo.dtype)
+                    acc = _fold_group(acc, x_lo, w_lo, ones, s_lo, z_lo, PRECISION)
+                    acc = _fold_group(acc, x_hi, w_hi, ones, s_hi, z_hi, PRECISION)
+                else:
+                    u_lo, u_hi = _unit_nibbles(p)
+                    # (code - zero) * scale = (w' - (1 + zero / 16)) * 16 scale; the subtract is
+                    # exact (both terms in [1, 2)), per-row constants outside the per-weight work
+                    w_lo = ((u_lo - (1.0 + z_lo * 0.0625)[:, None]) * (16.0 * s_lo)[:, None]).to(x_lo.dtype)
+                    w_hi = ((u_hi - (1.0 + z_hi * 0.0625)[:, None]) * (16.0 * s_hi)[:, None]).to(x_hi.dtype)
+                    acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=PRECISION)
+                    acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=PRECISION)
         mn_mask = m_mask[:, None] & n_mask[None, :]
         if SPLIT:
             offs = (pid_k * M + rm).to(tl.int64)[:, None] * N + rn[None, :]
@@ -200,6 +240,7 @@ class W4Config(NamedTuple):
     num_warps: int
     num_stages: int
     split_k: int = 1  # programs per row block along K (fp32 partials, then one sum)
+    fold: bool = True  # tensor-core tiles: exact 1 + code / 16 and the scale per group (else per weight)
 
 
 def _pow2(v: int) -> bool:
@@ -278,7 +319,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                         SPLIT=split_k > 1, EVEN=(k == 2 * split and split % half == 0),
                         # fp32 activations multiply in full precision (tl.dot would take tf32)
                         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                        STAGES=1 if is_interpreter() else cfg.num_stages,
+                        STAGES=1 if is_interpreter() else cfg.num_stages, FOLD=bool(cfg.fold),
                         num_warps=cfg.num_warps, num_stages=1 if is_interpreter() else cfg.num_stages)
     if split_k > 1:
         split_k_reduce(y, ws)

@@ -2,9 +2,12 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
-from rooflm.kernels.w4a16 import W4Config, pick_config, pack_int4, unpack_int4, w4a16_linear, w4a16_linear_ref
+from rooflm.kernels.w4a16 import (W4Config, _unit_nibbles_as, pack_int4, pick_config, unpack_int4, w4a16_linear,
+                                  w4a16_linear_ref)
 from rooflm.kernels.w8a16 import W8Config, w8a16_linear, w8a16_linear_ref
 
 
@@ -48,7 +51,8 @@ def test_w4a16_matches_reference(m, group):
     W4Config(1, 32, 512, 4, 3, split_k=2),   # one step holds 4 groups a nibble; the step runs past S
     W4Config(16, 16, 128, 4, 3, split_k=2),  # tensor cores, split-K
     W4Config(32, 32, 256, 4, 3, split_k=1),
-], ids=lambda c: f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.split_k}")
+    W4Config(16, 32, 256, 4, 3, split_k=2, fold=False),  # tensor cores, scale and zero per weight
+], ids=lambda c: f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.split_k}{'' if c.fold else 'nofold'}")
 @pytest.mark.parametrize("k", [384, 448])  # 6 groups (halves of 192: even) and 7 (the high half padded)
 def test_w4a16_configs_match_reference(cfg, k):
     """Every path of the kernel: split-K partials, steps running past the packed row (masks), an odd
@@ -60,13 +64,33 @@ def test_w4a16_configs_match_reference(cfg, k):
     assert_close(w4a16_linear(x, qw, s, z, 64, config=cfg), w4a16_linear_ref(x, qw, s, z, 64), dtype, str(cfg))
 
 
+@triton.jit
+def _unpack_units(p_ptr, o_ptr, DT: tl.constexpr):
+    r = tl.arange(0, 256)
+    low, high = _unit_nibbles_as(tl.load(p_ptr + r), DT)
+    tl.store(o_ptr + r, low.to(tl.float32))
+    tl.store(o_ptr + 256 + r, high.to(tl.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_unit_nibbles_are_exact_in_each_activation_dtype(dtype):
+    """1 + code / 16 built from bits (the tensor-core path multiplies it as it is) for both nibbles."""
+    p = torch.arange(256, dtype=torch.uint8).to(DEVICE)  # every byte
+    out = torch.zeros(512, device=DEVICE)
+    tl_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
+    _unpack_units[(1,)](p, out, DT=tl_dtype)
+    expected = torch.cat([1 + (p & 15).float() / 16, 1 + (p >> 4).float() / 16])
+    assert torch.equal(out, expected)
+
+
 def test_w4a16_fractional_zero_points_stay_exact():
     """The kernel subtracts 1 + zero / 16 from 1 + code / 16: a zero point that is not an integer
     (a float zero in code units) is kept as it is, not rounded into the code."""
     qw, s, z, g = _w4(16, 128, 32, torch.float32)
     z = z + 0.37
-    x = torch.randn(1, 128, generator=g).to(DEVICE)
-    assert_close(w4a16_linear(x, qw, s, z, 32), w4a16_linear_ref(x, qw, s, z, 32), torch.float32)
+    for m in (1, 3):  # the GEMV and the tensor-core path
+        x = torch.randn(m, 128, generator=g).to(DEVICE)
+        assert_close(w4a16_linear(x, qw, s, z, 32), w4a16_linear_ref(x, qw, s, z, 32), torch.float32)
 
 
 def test_w4a16_pick_config_reads_the_tile_table():
