@@ -274,10 +274,10 @@ def pick_config(m: int, n: int, k: int, group: int, device_name: Optional[str] =
         return cfg
     block_k = 2 * max(group, 128)
     iterations = -(-int4_split(k, group) // (block_k // 2))
-    if m == 1:
-        return W4Config(1, 16, block_k, 4, 3, split_for(-(-n // 16), iterations, sms))
+    if m == 1:  # 32 rows a program: fewer instructions a weight than 16 (sm_90 SASS counts)
+        return W4Config(1, 32, block_k, 4, 4, split_for(-(-n // 32), iterations, sms))
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    block_n = 32 if m <= 16 else 64
+    block_n = 64
     programs = -(-n // block_n) * -(-m // block_m)
     return W4Config(block_m, block_n, block_k, 4, 3, split_for(programs, iterations, sms))
 
