@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
+from tests.kernels.conftest import DEVICE, KERNEL_TESTS, assert_close, requires_cuda
 from rooflm.kernels.w4a16 import (W4Config, _unit_nibbles_as, pack_int4, pick_config, unpack_int4, w4a16_linear,
                                   w4a16_linear_ref)
 from rooflm.kernels.w8a16 import W8Config, w8a16_linear, w8a16_linear_ref
@@ -201,3 +201,59 @@ def test_linear_methods_match_dequantized_weights(act_order):
     q8 = rtn_int8(w)
     out = W8A16Linear(q8, torch.device(DEVICE), torch.float16)(x.to(DEVICE))
     assert_close(out.cpu(), (x.float() @ q8.dequantize().T).to(torch.float16), torch.float16, "w8")
+
+
+# Compiled for the H100 (sm_90) on a machine without one (Triton's NVIDIA backend and ptxas run
+# offline): pick_config's tiles for the Llama-3-8B shapes build, fit the H100's 227 KB of shared
+# memory, do not spill, and the GEMVs keep their cp.async pipeline (tl.range num_stages; without
+# it the batch-1 stream is latency-bound). A subprocess: this process's kernels are the
+# interpreter's when there is no GPU.
+_SM90_COMPILE = """
+import re, subprocess, tempfile
+from triton.backends.nvidia.compiler import get_ptxas
+from benchmarks.quant_gemv_sass import compile_kernel
+from rooflm.kernels import w4a16, w8a16
+
+def spills(ptx):
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        out = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
+                             capture_output=True, text=True, check=True).stderr
+    found = re.findall(r"(\\d+) bytes spill stores", out)
+    assert found, out  # ptxas -v reports the spills of every function it compiles
+    return sum(int(n) for n in found)
+
+act = dict(y_ptr="bf16", x_ptr="bf16", s_ptr="bf16", z_ptr="bf16", ws_ptr="fp32")
+for m in (1, 16, 64):
+    for n, k in ((4096, 4096), (4096, 14336)):
+        c = w4a16.pick_config(m, n, k, 128, None, 132)
+        kern = compile_kernel(w4a16._w4a16_kernel, dict(act, qw_ptr="u8"),
+                              dict(GROUP=128, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_H=c.block_k // 2,
+                                   SPLIT=c.split_k > 1, EVEN=True, PRECISION="tf32", STAGES=c.num_stages,
+                                   FOLD=c.fold), c.num_warps, c.num_stages)
+        ptx = kern.asm["ptx"]
+        assert kern.metadata.shared <= 227 * 1024, (c, kern.metadata.shared)
+        assert spills(ptx) == 0, f"w4a16 {c} spills"
+        assert m > 1 or "cp.async" in ptx, f"w4a16 GEMV {c} lost its load pipeline"
+        c = w8a16.pick_config(m, n, k, None, 132)
+        kern = compile_kernel(w8a16._w8a16_kernel, dict(act, qw_ptr="i8"),
+                              dict(HAS_ZERO=False, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                                   SPLIT=c.split_k > 1, EVEN_K=True, PRECISION="tf32", STAGES=c.num_stages),
+                              c.num_warps, c.num_stages)
+        assert kern.metadata.shared <= 227 * 1024, (c, kern.metadata.shared)
+        assert spills(kern.asm["ptx"]) == 0, f"w8a16 {c} spills"
+        assert m > 1 or "cp.async" in kern.asm["ptx"], f"w8a16 GEMV {c} lost its load pipeline"
+print("ok")
+"""
+
+
+def test_pick_config_tiles_compile_for_sm90_without_spills():
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(KERNEL_TESTS))
+    done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=dict(env, PYTHONPATH=root), cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
