@@ -36,8 +36,12 @@ rooflm/kernels/split_k.py). It walks its range BLOCK_K / 2 bytes at a time, one 
     The loop is a tl.range with num_stages: Triton pipelines every load of it (bytes, x, scales)
     through cp.async, which the kernel-level num_stages does only for loads that feed tl.dot;
     a GEMV stream is latency-bound without it.
-  - M > 1 (GEMM, tensor cores): each group's [BLOCK_N, g] tile is dequantized the same way,
-    rounded to the activation dtype and fed to tl.dot with x's matching [BLOCK_M, g] columns.
+  - M > 1 (GEMM, tensor cores; also a candidate at M == 1 with the row padded to 16, Marlin's
+    choice): w' = 1 + code / 16 is built by bits directly in the activation dtype (exact in
+    bf16/fp16: four mantissa bits) and multiplied as it is, the scale and zero applied per group
+    to the [BLOCK_M, BLOCK_N] results: 16 s (x @ w'.T) - s (16 + z) (x @ ones). No float op
+    touches a weight; sum(x) comes from a dot with ones so it lands in the accumulator's layout.
+    (fold=False: the per-weight dequant (w' - (1 + z / 16)) 16 s rounded to the dtype, for the sweep.)
 
 Work
 ----
