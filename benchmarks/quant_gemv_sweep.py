@@ -14,8 +14,8 @@ dequantize-then-fp32 (rooflm.kernels.utils.rel_error, and the max abs error).
 Writes OUT/quant_gemv_sweep.json (every row) and, with --table, the fastest config within the dtype's
 tolerance per (kernel, N, K, group, M) into rooflm/kernels/tuned/weight_only.json under this GPU's
 name: what pick_config reads (rooflm/kernels/tuned_configs.py). Compiling the candidates is most of
-the time; they compile on a batch's first shape and --budget-s splits the time over the batches,
-skipping (and printing) the candidates left when a batch's share is spent.
+the time; they compile on a batch's first shape and --budget-s splits the time over the batches by
+their candidates, skipping (and printing) the candidates left when a batch's share is spent.
 
 Usage (GPU, repo root): TRITON_CACHE_DIR=$PWD/.triton-cache python benchmarks/quant_gemv_sweep.py --out DIR --table
        python benchmarks/quant_gemv_sweep.py --smoke --out DIR   tiny shapes (on a CPU: the interpreter and
@@ -178,9 +178,11 @@ def run(args) -> dict:
         return row
 
     print(f"{device_name}, {sms} SMs, {dtype}, group {group}; batches {batches}; budget {args.budget_s:.0f} s")
-    per_batch = args.budget_s / len(batches)
+    # Each batch's share of the budget in proportion to its candidates (batch 1 has the most); a
+    # batch runs candidates until its cumulative deadline, so what one leaves goes to the next.
+    counts = [len(w4_candidates(m, group)) + len(w8_candidates(m)) + 5 for m in batches]
     for bi, m in enumerate(batches):
-        t_batch = time.perf_counter()
+        deadline = t_start + args.budget_s * sum(counts[:bi + 1]) / sum(counts)
         for name, (n, k) in shapes.items():
             reps = 1 if not cuda else min(32, max(2, -(-L2_FLUSH_BYTES // (n * k // 2))))
             codes = [torch.randint(0, 16, (n, k), device=dev, dtype=torch.uint8, generator=gen) for _ in range(reps)]
@@ -212,8 +214,7 @@ def run(args) -> dict:
             todo += [("w4a16", "cand", c) for c in w4_candidates(m, group)[:cap] if c != heur4]
             todo += [("w8a16", "cand", c) for c in w8_candidates(m)[:cap] if c != heur8]
             for kernel, variant, cfg in todo:
-                spent = time.perf_counter() - t_batch
-                if variant == "cand" and (spent > per_batch * 1.0 or time.perf_counter() - t_start > args.budget_s):
+                if variant == "cand" and time.perf_counter() > deadline:
                     skipped.append(dict(case, kernel=kernel, config=cfg._asdict()))
                     continue
                 if kernel == "w4a16":
@@ -228,8 +229,6 @@ def run(args) -> dict:
             del q4, q4_old, q8, w16
             if cuda:
                 torch.cuda.empty_cache()
-        # What a batch did not spend goes to the batches after it.
-        per_batch += (per_batch - (time.perf_counter() - t_batch)) / max(1, len(batches) - bi - 1)
     if skipped:
         print(f"\nbudget: {len(skipped)} candidate runs skipped (listed in the JSON under 'skipped')")
     print(f"sweep wall time {time.perf_counter() - t_start:.0f} s")
