@@ -30,10 +30,10 @@ rooflm/kernels/split_k.py). It walks its range BLOCK_K / 2 bytes at a time, one 
     exact; (code - zero) = 16 (w' - (1 + zero / 16)), the subtract exact (both in [1, 2)) and
     1 + zero / 16 a per-row constant of the group. A weight costs a shift and an and-or, one
     subtract and one multiply-add; no float op converts it.
-  - M == 1 (GEMV, CUDA cores): the scale leaves the inner loop,
-        y[n] = sum_g 16 s[g, n] * sum_{k in g} (w'[n, k] - (1 + z[g, n] / 16)) x[k],
-    the inner sum reduced per group and row (BLOCK_K / 2 bytes = whole groups of each nibble).
-    The loop is a tl.range with num_stages: Triton pipelines every load of it (bytes, x, scales)
+  - M == 1 (GEMV, CUDA cores): (code - z) s = w' (16 s) - s (16 + z), one FMA with per-row
+    constants of the group, and one FMA into an elementwise [BLOCK_N, g] accumulator reduced once
+    at the end: 2 float ops a weight (tl.fma spelled out; left to the compiler, (a + b c) + d e
+    fused only in part). Both nibbles of a byte land in the same accumulator tile. The loop is a tl.range with num_stages: Triton pipelines every load of it (bytes, x, scales)
     through cp.async, which the kernel-level num_stages does only for loads that feed tl.dot;
     a GEMV stream is latency-bound without it.
   - M > 1 (GEMM, tensor cores; also a candidate at M == 1 with the row padded to 16, Marlin's
@@ -79,7 +79,8 @@ CODE_BITS = tl.constexpr(0x00780000)
 def _unit_nibbles(p):
     """uint8 bytes -> w' = (1 + low code / 16, 1 + high code / 16) in fp32, exact: a code shifted
     into the top four mantissa bits of 1.0 (0x3F800000). Integer ops only (shift, and-or): no
-    int->float convert (the SM's slow conversion pipe) and no float op."""
+    int->float convert (the SM's slow conversion pipe) and no float op. (Placing the code at
+    bits 16..19 instead, a byte move, was tried: ptxas still shifts; no fewer instructions.)"""
     b = p.to(tl.int32)
     low = (((b << 19) & CODE_BITS) | ONE_BITS).to(tl.float32, bitcast=True)
     high = (((b << 15) & CODE_BITS) | ONE_BITS).to(tl.float32, bitcast=True)
@@ -153,7 +154,7 @@ def _w4a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHU
     end = tl.minimum(start + CHUNK, S)
     if BLOCK_M == 1:
         x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, GROUP], dtype=tl.float32)
         # One group of each nibble a step (S and the ranges are whole groups: no mask on the low
         # half; the high half stops at K). Its scales and zeros are loaded a step ahead: 2-byte
         # loads a thread, which Triton's pipeliner does not turn into cp.async, and the zero is
@@ -172,11 +173,15 @@ def _w4a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHU
             else:
                 x_hi = tl.load(x_row + (S + b) + rg, mask=(S + b + rg) < K, other=0.0).to(tl.float32)
             u_lo, u_hi = _unit_nibbles(p)
-            # (code - zero) / 16 = w' - (1 + zero / 16): one subtract of a per-row constant
-            d_lo = tl.sum((u_lo - (1.0 + z_lo * 0.0625)[:, None]) * x_lo[None, :], axis=1)
-            d_hi = tl.sum((u_hi - (1.0 + z_hi * 0.0625)[:, None]) * x_hi[None, :], axis=1)
-            acc += (16.0 * s_lo) * d_lo + (16.0 * s_hi) * d_hi
+            # (code - zero) s = w' (16 s) - s (16 + zero): one FMA a weight with per-row constants,
+            # then one FMA into an elementwise accumulator: no reduction until the end
+            # (tl.fma spelled out: the compiler fuses (a + b * c) + d * e only in part)
+            w_lo = tl.fma(u_lo, (16.0 * s_lo)[:, None], (-s_lo * (16.0 + z_lo))[:, None])
+            w_hi = tl.fma(u_hi, (16.0 * s_hi)[:, None], (-s_hi * (16.0 + z_hi))[:, None])
+            acc = tl.fma(w_lo, x_lo[None, :], acc)
+            acc = tl.fma(w_hi, x_hi[None, :], acc)
             s_lo, z_lo, s_hi, z_hi = s_lo_n, z_lo_n, s_hi_n, z_hi_n
+        acc = tl.sum(acc, axis=1)
         if SPLIT:
             tl.store(ws_ptr + (pid_k * M + pid_m).to(tl.int64) * N + rn, acc, mask=n_mask)
         else:
