@@ -7,6 +7,9 @@
 #      batch 1 (128 in / 256 out), and bf16 vs int4-g128 at batch 16 and 64 (128 in / 128 out),
 #      each beside the bytes a decode step reads and the bound they give at 3.0 TB/s.
 # Usage (GPU machine, repo root): OUT=dir bash benchmarks/quant.sh
+#        OUT=dir bash benchmarks/quant.sh sweep  the W4A16/W8A16 tile sweep (< 4 min): bf16, the kernels
+#        before s9-w4 and the new ones' candidate tiles on the 8B shapes at batch 1/4/16/64; writes
+#        the best tiles into rooflm/kernels/tuned/weight_only.json for this GPU (commit it).
 #        OUT=dir bash benchmarks/quant.sh fp8   FP8 W8A8 instead (< 6 min): its GPU tests, the fp8
 #        linear against bf16 on the 8B shapes (benchmarks/fp8_linear.py), and decode tok/s of the
 #        8B shape in bf16 and fp8 at batch 1 (128 in / 256 out) and 64 (128 in / 128 out).
@@ -15,6 +18,12 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results/quant-gpu}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
+if [ "${1:-}" = sweep ]; then
+  export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}
+  timeout 230 python benchmarks/quant_gemv_sweep.py --out "$OUT" --table --budget-s 190 2>&1 | tee "$OUT/gemv-sweep.txt"
+  cp rooflm/kernels/tuned/weight_only.json "$OUT/"
+  exit 0
+fi
 if [ "${1:-}" = fp8 ]; then
   timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8_w8a8.py > "$OUT/gpu-tests-fp8.txt" 2>&1
   tail -3 "$OUT/gpu-tests-fp8.txt"

@@ -40,7 +40,7 @@ def main():
     for name, (n, k) in SHAPES.items():
         reps = min(32, max(2, -(-256 * 2**20 // (n * k // 2))))
         w = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(reps)]
-        qw4 = [pack_int4(torch.randint(0, 16, (n, k), device="cuda", dtype=torch.uint8)) for _ in range(reps)]
+        qw4 = [pack_int4(torch.randint(0, 16, (n, k), device="cuda", dtype=torch.uint8), 128) for _ in range(reps)]
         s4 = (torch.rand(k // 128, n, device="cuda") * 0.01 + 0.001).to(torch.bfloat16)
         z4 = torch.randint(0, 16, (k // 128, n), device="cuda").to(torch.bfloat16)
         qw8 = [torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8) for _ in range(reps)]
@@ -78,7 +78,7 @@ def sweep_gemv():
     for name in ("o", "down"):
         n, k = SHAPES[name]
         reps = min(32, max(2, -(-256 * 2**20 // (n * k // 2))))
-        qw = [pack_int4(torch.randint(0, 16, (n, k), device="cuda", dtype=torch.uint8)) for _ in range(reps)]
+        qw = [pack_int4(torch.randint(0, 16, (n, k), device="cuda", dtype=torch.uint8), 128) for _ in range(reps)]
         s4 = (torch.rand(k // 128, n, device="cuda") * 0.01).to(torch.bfloat16)
         z4 = torch.randint(0, 16, (k // 128, n), device="cuda").to(torch.bfloat16)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)

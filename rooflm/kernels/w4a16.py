@@ -5,45 +5,70 @@ Why
 Decode at small batch is weight-bandwidth-bound: every step streams every weight once. Four-bit
 codes with one (scale, zero) pair per group of g weights read 4 + 32 * 2 / g bits a weight
 (4.25 at g = 128) instead of bf16's 16, so the floor of a decode step drops ~3.8x. The weight is
-never materialised in float: each tile is unpacked and scaled in registers just before the
-multiply (the AWQ/GPTQ/Marlin idea; this kernel is the plain Triton version of it).
+never materialised in float: each tile is unpacked in registers just before the multiply (the
+AWQ/GPTQ/Marlin idea; this kernel is the plain Triton version of it).
 
-Layout (rooflm's runtime packing; checkpoints in AWQ/GPTQ order are repacked at load,
-rooflm/quant/formats.py)
+Layout (rooflm's runtime packing, made from AWQ/GPTQ/RTN weights by rooflm/quant/formats.py)
 ------
-  qweight  uint8 [N, K / 2]   row n, byte j: code of k = 2j in the low nibble, k = 2j + 1 in
-                              the high one. A row's codes are contiguous along K, so a program
-                              that owns BLOCK_N rows reads BLOCK_N runs of BLOCK_K / 2 bytes:
-                              coalesced, and unpacked with two mask/shift ops and one join.
+  qweight  uint8 [N, S]       S = int4_split(K, g) = K / 2 rounded up to whole groups; byte j of
+                              row n holds code k = j in the low nibble and k = S + j in the high
+                              one. A tile of BLOCK_K / 2 bytes is two K ranges of whole groups,
+                              one per nibble: one mask each, no interleave to undo (the old
+                              even/odd packing needed join + reshape: layout conversions).
   scales   [K / g, N]         float (the activation dtype), one per group and output row;
   zeros    [K / g, N]         float zero points in code units; group-major so that the BLOCK_N
-                              values a tile needs are one contiguous load.
+                              values a group needs are one contiguous load.
   w[n, k] = (code[n, k] - zeros[k // g, n]) * scales[k // g, n]
 
 Algorithm
 ---------
-Each program owns BLOCK_N output columns (rows of W) and BLOCK_M rows of x and walks K in tiles
-of BLOCK_K (a multiple of g, so a tile holds BLOCK_K / g whole groups):
-  - M == 1 (GEMV): the dequantized [BLOCK_N, BLOCK_K] tile times x broadcast, accumulated in
-    fp32 elementwise and reduced over K once at the end (no tensor cores: one row of x);
-  - M > 1 (GEMM): the tile is rounded to the activation dtype and fed to tl.dot with the
-    [BLOCK_M, BLOCK_K] tile of x (tensor cores), fp32 accumulator.
+Each program owns BLOCK_N output columns (rows of W), BLOCK_M rows of x, and one of SPLIT_K
+ranges of the packed bytes (split-K: more programs for narrow N; fp32 partials summed by
+rooflm/kernels/split_k.py). It walks its range BLOCK_K / 2 bytes at a time, one group at a time:
+  - codes to fp32 without an int->float convert (those run on the SM's slow conversion pipe):
+    a code shifted into the top mantissa bits of 1.0 (0x3F800000) reads as w' = 1 + code / 16,
+    exact; (code - zero) = 16 (w' - (1 + zero / 16)), the subtract exact (both in [1, 2)) and
+    1 + zero / 16 a per-row constant of the group. A weight costs a shift and an and-or, one
+    subtract and one multiply-add; no float op converts it.
+  - M == 1 (GEMV, CUDA cores): (code - z) s = w' (16 s) - s (16 + z), one FMA with per-row
+    constants of the group, and one FMA into an elementwise [BLOCK_N, g] accumulator reduced once
+    at the end: 2 float ops a weight (tl.fma spelled out; left to the compiler, (a + b c) + d e
+    fused only in part). Both nibbles of a byte land in the same accumulator tile. The loop is a tl.range with num_stages: Triton pipelines every load of it (bytes, x, scales)
+    through cp.async, which the kernel-level num_stages does only for loads that feed tl.dot;
+    a GEMV stream is latency-bound without it.
+  - M > 1 (GEMM, tensor cores; also a candidate at M == 1 with the row padded to 16, Marlin's
+    choice): w' = 1 + code / 16 is built by bits directly in the activation dtype (exact in
+    bf16/fp16: four mantissa bits) and multiplied as it is, the scale and zero applied per group
+    to the [BLOCK_M, BLOCK_N] results: 16 s (x @ w'.T) - s (16 + z) (x @ ones). No float op
+    touches a weight; sum(x) comes from a dot with ones so it lands in the accumulator's layout.
+    (fold=False: the per-weight dequant (w' - (1 + z / 16)) 16 s rounded to the dtype, for the sweep.)
 
 Work
 ----
-FLOPs 2 M N K. Bytes N K / 2 (codes) + 2 * 2 N K / g (scales, zeros) + 2 M K (x) + 2 M N (y).
+FLOPs 2 M N K. Bytes N S (codes) + 2 * 2 N K / g (scales, zeros) + 2 M K (x) + 2 M N (y).
 At M <= 64 on an H100 the weight bytes dominate: the bound is bytes / ~3.0 TB/s.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from rooflm.kernels.split_k import split_for, split_k_reduce
+from rooflm.kernels.tuned_configs import device_facts, lookup
 from rooflm.kernels.utils import is_interpreter
+from rooflm.quant.formats import int4_split, pack_int4, unpack_int4
+
+__all__ = ["W4Config", "pick_config", "w4a16_linear", "w4a16_linear_ref", "dequantize_w4", "w4a16_bytes",
+           "pack_int4", "unpack_int4", "int4_split"]
+
+# The bits of 1.0f and the place of a code in them: (code << 19) | ONE_BITS reads as 1 + code / 16.
+ONE_BITS = tl.constexpr(0x3F800000)
+CODE_BITS = tl.constexpr(0x00780000)
 
 
 # --------------------------------------------------------------------------
@@ -51,50 +76,166 @@ from rooflm.kernels.utils import is_interpreter
 # --------------------------------------------------------------------------
 
 @triton.jit
-def _dequant_tile(qw_ptr, s_ptr, z_ptr, rn, n_mask, k0, N, K, GROUP: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The [BLOCK_N, BLOCK_K] tile of W starting at column k0, in fp32."""
-    rkh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    packed = tl.load(qw_ptr + rn[:, None] * (K // 2) + rkh[None, :], mask=n_mask[:, None], other=0)
-    low = (packed & 0xF).to(tl.float32)
-    high = (packed >> 4).to(tl.float32)
-    # join puts the pair last: element 2j is the low nibble, 2j + 1 the high one (the packing).
-    codes = tl.join(low, high).reshape(BLOCK_N, BLOCK_K // GROUP, GROUP)
-    rg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-    sz_offs = rg[None, :] * N + rn[:, None]
-    scale = tl.load(s_ptr + sz_offs, mask=n_mask[:, None], other=0.0).to(tl.float32)
-    zero = tl.load(z_ptr + sz_offs, mask=n_mask[:, None], other=0.0).to(tl.float32)
-    w = (codes - zero[:, :, None]) * scale[:, :, None]
-    return w.reshape(BLOCK_N, BLOCK_K)
+def _unit_nibbles(p):
+    """uint8 bytes -> w' = (1 + low code / 16, 1 + high code / 16) in fp32, exact: a code shifted
+    into the top four mantissa bits of 1.0 (0x3F800000). Integer ops only (shift, and-or): no
+    int->float convert (the SM's slow conversion pipe) and no float op. (Placing the code at
+    bits 16..19 instead, a byte move, was tried: ptxas still shifts; no fewer instructions.)"""
+    b = p.to(tl.int32)
+    low = (((b << 19) & CODE_BITS) | ONE_BITS).to(tl.float32, bitcast=True)
+    high = (((b << 15) & CODE_BITS) | ONE_BITS).to(tl.float32, bitcast=True)
+    return low, high
 
 
 @triton.jit
-def _w4a16_kernel(y_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_ym,
-                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _unit_nibbles_as(p, dtype: tl.constexpr):
+    """uint8 bytes -> (1 + low code / 16, 1 + high code / 16) in dtype (bf16, fp16 or fp32), exact,
+    by bits alone: the code in the top four mantissa bits of 1.0 (bf16 0x3F80: bits 3..6; fp16
+    0x3C00: bits 6..9)."""
+    if dtype == tl.bfloat16:
+        b = p.to(tl.int16)
+        low = (((b << 3) & 0x78) | 0x3F80).to(tl.bfloat16, bitcast=True)
+        high = (((b >> 1) & 0x78) | 0x3F80).to(tl.bfloat16, bitcast=True)
+    elif dtype == tl.float16:
+        b = p.to(tl.int16)
+        low = (((b << 6) & 0x3C0) | 0x3C00).to(tl.float16, bitcast=True)
+        high = (((b << 2) & 0x3C0) | 0x3C00).to(tl.float16, bitcast=True)
+    else:
+        low, high = _unit_nibbles(p)
+    return low, high
+
+
+@triton.jit
+def _fold_group(acc, x, w, ones, s, z, PRECISION: tl.constexpr):
+    """acc + x @ ((code - z) s).T for one group, from w = 1 + code / 16:
+    (16 s) (x @ w.T) - s (16 + z) (x @ ones)."""
+    d1 = tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    d0 = tl.dot(x, ones, input_precision=PRECISION)
+    a = 16.0 * s
+    c = s * (16.0 + z)
+    return acc + a[None, :] * d1 - c[None, :] * d0
+
+
+@triton.jit
+def _group(s_ptr, z_ptr, grp, N, rn, mask):
+    """Scale and zero of group `grp` for rows rn, fp32."""
+    s = tl.load(s_ptr + grp * N + rn, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + grp * N + rn, mask=mask, other=0.0).to(tl.float32)
+    return s, z
+
+
+@triton.jit
+def _group_pair(s_ptr, z_ptr, b, end, S, K, N, rn, n_mask, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Scales and zeros of the groups at byte b of the low and the high half (zeros past `end`
+    or past K: the prefetch after a range's last step)."""
+    bb = tl.zeros([BLOCK_N], dtype=tl.int32) + b  # a tensor: the interpreter's masks must be
+    lo_ok = n_mask & (bb < end)
+    hi_ok = lo_ok & (S + bb < K)
+    s_lo, z_lo = _group(s_ptr, z_ptr, b // GROUP, N, rn, lo_ok)
+    s_hi, z_hi = _group(s_ptr, z_ptr, (S + b) // GROUP, N, rn, hi_ok)
+    return s_lo, z_lo, s_hi, z_hi
+
+
+@triton.jit
+def _w4a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHUNK, stride_xm, stride_ym,
+                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+                  SPLIT: tl.constexpr, EVEN: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
+                  FOLD: tl.constexpr):
+    # BLOCK_H: bytes of a row per step (BLOCK_K / 2 codes in each nibble), a multiple of GROUP.
+    # EVEN: K == 2 S and S % BLOCK_H == 0, so no step runs past the row and no mask on K is needed
+    # (the GEMV steps one group at a time and needs only K == 2 S).
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
-    rk = tl.arange(0, BLOCK_K)
+    rg = tl.arange(0, GROUP)
+    start = pid_k * CHUNK
+    end = tl.minimum(start + CHUNK, S)
     if BLOCK_M == 1:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            w = _dequant_tile(qw_ptr, s_ptr, z_ptr, rn, n_mask, k0, N, K, GROUP, BLOCK_N, BLOCK_K)
-            x = tl.load(x_ptr + pid_m * stride_xm + k0 + rk).to(tl.float32)
-            acc += w * x[None, :]
-        y = tl.sum(acc, axis=1)
-        tl.store(y_ptr + pid_m * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+        x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
+        acc = tl.zeros([BLOCK_N, GROUP], dtype=tl.float32)
+        # One group of each nibble a step (S and the ranges are whole groups: no mask on the low
+        # half; the high half stops at K). Its scales and zeros are loaded a step ahead: 2-byte
+        # loads a thread, which Triton's pipeliner does not turn into cp.async, and the zero is
+        # needed before the first multiply. BLOCK_K / 2 / GROUP steps are unrolled into one.
+        s_lo, z_lo, s_hi, z_hi = _group_pair(s_ptr, z_ptr, start, end, S, K, N, rn, n_mask, GROUP, BLOCK_N)
+        # tl.range's num_stages pipelines the loop's loads through cp.async (the kernel's
+        # num_stages does that only for loads that feed tl.dot): STAGES steps of bytes in flight
+        # per program, what a latency-bound stream needs.
+        for b in tl.range(start, end, GROUP, num_stages=STAGES, loop_unroll_factor=BLOCK_H // GROUP):
+            s_lo_n, z_lo_n, s_hi_n, z_hi_n = _group_pair(s_ptr, z_ptr, b + GROUP, end, S, K, N, rn, n_mask,
+                                                         GROUP, BLOCK_N)
+            p = tl.load(qw_ptr + rn[:, None] * S + (b + rg)[None, :], mask=n_mask[:, None], other=0)
+            x_lo = tl.load(x_row + b + rg).to(tl.float32)
+            if EVEN:
+                x_hi = tl.load(x_row + (S + b) + rg).to(tl.float32)
+            else:
+                x_hi = tl.load(x_row + (S + b) + rg, mask=(S + b + rg) < K, other=0.0).to(tl.float32)
+            u_lo, u_hi = _unit_nibbles(p)
+            # (code - zero) s = w' (16 s) - s (16 + zero): one FMA a weight with per-row constants,
+            # then one FMA into an elementwise accumulator: no reduction until the end
+            # (tl.fma spelled out: the compiler fuses (a + b * c) + d * e only in part)
+            w_lo = tl.fma(u_lo, (16.0 * s_lo)[:, None], (-s_lo * (16.0 + z_lo))[:, None])
+            w_hi = tl.fma(u_hi, (16.0 * s_hi)[:, None], (-s_hi * (16.0 + z_hi))[:, None])
+            acc = tl.fma(w_lo, x_lo[None, :], acc)
+            acc = tl.fma(w_hi, x_hi[None, :], acc)
+            s_lo, z_lo, s_hi, z_hi = s_lo_n, z_lo_n, s_hi_n, z_hi_n
+        acc = tl.sum(acc, axis=1)
+        if SPLIT:
+            tl.store(ws_ptr + (pid_k * M + pid_m).to(tl.int64) * N + rn, acc, mask=n_mask)
+        else:
+            tl.store(y_ptr + pid_m.to(tl.int64) * stride_ym + rn, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
     else:
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = rm < M
+        x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            w = _dequant_tile(qw_ptr, s_ptr, z_ptr, rn, n_mask, k0, N, K, GROUP, BLOCK_N, BLOCK_K)
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_mask[:, None], other=0.0)
-            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
-        offs = rm[:, None] * stride_ym + rn[None, :]
-        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        ones = tl.full([GROUP, BLOCK_N], 1.0, dtype=x_ptr.dtype.element_ty)
+        for j0 in range(start, end, BLOCK_H):
+            for gi in tl.static_range(BLOCK_H // GROUP):
+                b = j0 + gi * GROUP
+                if EVEN:
+                    p = tl.load(qw_ptr + rn[:, None] * S + (b + rg)[None, :], mask=n_mask[:, None], other=0)
+                    x_lo = tl.load(x_rows + (b + rg)[None, :], mask=m_mask[:, None], other=0.0)
+                    x_hi = tl.load(x_rows + (S + b + rg)[None, :], mask=m_mask[:, None], other=0.0)
+                    s_lo, z_lo = _group(s_ptr, z_ptr, b // GROUP, N, rn, n_mask)
+                    s_hi, z_hi = _group(s_ptr, z_ptr, (S + b) // GROUP, N, rn, n_mask)
+                else:
+                    lo_ok = (b + rg) < S
+                    hi_ok = (S + b + rg) < K
+                    p = tl.load(qw_ptr + rn[:, None] * S + (b + rg)[None, :],
+                                mask=n_mask[:, None] & lo_ok[None, :], other=0)
+                    x_lo = tl.load(x_rows + (b + rg)[None, :], mask=m_mask[:, None] & lo_ok[None, :], other=0.0)
+                    x_hi = tl.load(x_rows + (S + b + rg)[None, :], mask=m_mask[:, None] & hi_ok[None, :],
+                                   other=0.0)
+                    # (a scalar condition broadcast by hand: the interpreter's masks must be tensors)
+                    bb = tl.zeros([BLOCK_N], dtype=tl.int32) + b
+                    s_lo, z_lo = _group(s_ptr, z_ptr, b // GROUP, N, rn, n_mask & (bb < S))
+                    s_hi, z_hi = _group(s_ptr, z_ptr, (S + b) // GROUP, N, rn, n_mask & (S + bb < K))
+                if FOLD:
+                    # w' = 1 + code / 16 made in x's dtype by bits alone (exact in bf16/fp16/fp32)
+                    # and multiplied as it is; per group and row, sum((code - zero) x) =
+                    # 16 sum(w' x) - (16 + zero) sum(x), and sum(x) comes from a dot with ones, so
+                    # it is already in the accumulator's layout. No float op touches a weight.
+                    w_lo, w_hi = _unit_nibbles_as(p, x_lo.dtype)
+                    acc = _fold_group(acc, x_lo, w_lo, ones, s_lo, z_lo, PRECISION)
+                    acc = _fold_group(acc, x_hi, w_hi, ones, s_hi, z_hi, PRECISION)
+                else:
+                    u_lo, u_hi = _unit_nibbles(p)
+                    # (code - zero) * scale = (w' - (1 + zero / 16)) * 16 scale; the subtract is
+                    # exact (both terms in [1, 2)), per-row constants outside the per-weight work
+                    w_lo = ((u_lo - (1.0 + z_lo * 0.0625)[:, None]) * (16.0 * s_lo)[:, None]).to(x_lo.dtype)
+                    w_hi = ((u_hi - (1.0 + z_hi * 0.0625)[:, None]) * (16.0 * s_hi)[:, None]).to(x_hi.dtype)
+                    acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=PRECISION)
+                    acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=PRECISION)
+        mn_mask = m_mask[:, None] & n_mask[None, :]
+        if SPLIT:
+            offs = (pid_k * M + rm).to(tl.int64)[:, None] * N + rn[None, :]
+            tl.store(ws_ptr + offs, acc, mask=mn_mask)
+        else:
+            offs = rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+            tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mn_mask)
 
 
 # --------------------------------------------------------------------------
@@ -102,22 +243,52 @@ def _w4a16_kernel(y_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride
 # --------------------------------------------------------------------------
 
 class W4Config(NamedTuple):
-    block_m: int
+    block_m: int      # 1: the GEMV path (one row of x per program); >= 16: tensor-core tiles
     block_n: int
-    block_k: int
+    block_k: int      # codes of K per step: block_k / 2 bytes, block_k / 2 of each nibble
     num_warps: int
     num_stages: int
+    split_k: int = 1  # programs per row block along K (fp32 partials, then one sum)
+    fold: bool = True  # tensor-core tiles: exact 1 + code / 16 and the scale per group (else per weight)
 
 
-def pick_config(m: int, n: int, k: int, group: int) -> W4Config:
-    """Tiles by batch: one row of x streams through CUDA cores with narrow BLOCK_N (many programs
-    for N = 4096 on 132 SMs); larger batches take tensor-core tiles of 16..64 rows of x."""
-    block_k = max(group, 128) if k % max(group, 128) == 0 else group
-    if m == 1:
-        return W4Config(1, 16, max(block_k, 256) if k % max(block_k, 256) == 0 else block_k, 4, 3)
+def _pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+def check_config(cfg: W4Config, group_size: int) -> None:
+    """Raise on tiles the kernel cannot take (a hand-made or tabled config)."""
+    problems = []
+    if not (_pow2(cfg.block_n) and _pow2(cfg.block_k) and _pow2(cfg.block_m)):
+        problems.append("block_m, block_n, block_k must be powers of two")
+    if cfg.block_m != 1 and (cfg.block_m < 16 or cfg.block_n < 16):
+        problems.append("tensor-core tiles (block_m > 1) need block_m and block_n >= 16")
+    if cfg.block_k % (2 * group_size):
+        problems.append(f"block_k must hold whole groups in each nibble: a multiple of 2 x {group_size}")
+    if cfg.split_k < 1 or cfg.num_warps < 1 or cfg.num_stages < 1:
+        problems.append("split_k, num_warps, num_stages must be >= 1")
+    if problems:
+        raise ValueError(f"W4A16 config {cfg}: " + "; ".join(problems))
+
+
+@functools.lru_cache(maxsize=256)
+def pick_config(m: int, n: int, k: int, group: int, device_name: Optional[str] = None, sms: int = 132) -> W4Config:
+    """The measured tiles of rooflm/kernels/tuned/weight_only.json for this GPU and shape, else a
+    heuristic: one row of x on CUDA cores with narrow BLOCK_N and split-K to fill the SMs at M == 1,
+    tensor-core tiles of 16..64 rows of x above."""
+    tabled = lookup("w4a16", device_name, n, k, m, group)
+    if tabled is not None:
+        cfg = W4Config(**tabled)
+        check_config(cfg, group)
+        return cfg
+    block_k = 2 * max(group, 128)
+    iterations = -(-int4_split(k, group) // (block_k // 2))
+    if m == 1:  # 32 rows a program: fewer instructions a weight than 16 (sm_90 SASS counts)
+        return W4Config(1, 32, block_k, 4, 4, split_for(-(-n // 32), iterations, sms))
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    block_n = 32 if m <= 16 else 64
-    return W4Config(block_m, block_n, block_k, 4, 3)
+    block_n = 64
+    programs = -(-n // block_n) * -(-m // block_m)
+    return W4Config(block_m, block_n, block_k, 4, 3, split_for(programs, iterations, sms))
 
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -128,11 +299,12 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
     m, k = x.shape
     n = qweight.shape[0]
-    if qweight.dtype != torch.uint8 or qweight.shape[1] * 2 != k:
-        raise ValueError(f"qweight must be uint8 [N, K/2] = [{n}, {k // 2}], got {qweight.dtype} "
-                         f"{tuple(qweight.shape)}")
-    if k % group_size or group_size % 16:
-        raise ValueError(f"K={k} must be a multiple of the group size {group_size} (itself a multiple of 16)")
+    if k % group_size or group_size % 16 or not _pow2(group_size):
+        raise ValueError(f"K={k} must be a multiple of the group size {group_size} (a power of two >= 16)")
+    split = int4_split(k, group_size)
+    if qweight.dtype != torch.uint8 or qweight.shape[1] != split:
+        raise ValueError(f"qweight must be uint8 [N, int4_split(K, g)] = [{n}, {split}] (rooflm.quant.formats."
+                         f"pack_int4), got {qweight.dtype} {tuple(qweight.shape)}")
     groups = k // group_size
     if scales.shape != (groups, n) or zeros.shape != (groups, n):
         raise ValueError(f"scales and zeros must be [K/g, N] = [{groups}, {n}], got "
@@ -142,37 +314,35 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    cfg = config or pick_config(m, n, k, group_size)
-    if k % cfg.block_k or cfg.block_k % group_size or (cfg.block_m == 1) != (m == 1):
-        raise ValueError(f"config {cfg} does not fit M={m} K={k} group {group_size}")
-    grid = (triton.cdiv(n, cfg.block_n), m if cfg.block_m == 1 else triton.cdiv(m, cfg.block_m))
-    _w4a16_kernel[grid](y, x, qweight, scales, zeros, m, n, k, x.stride(0), y.stride(0),
-                        GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+    cfg = config or pick_config(m, n, k, group_size, *device_facts(x.device))
+    check_config(cfg, group_size)
+    half = cfg.block_k // 2
+    iterations = triton.cdiv(split, half)
+    per_split = triton.cdiv(iterations, cfg.split_k)
+    split_k = triton.cdiv(iterations, per_split)  # no empty splits
+    ws = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else y
+    grid = (triton.cdiv(n, cfg.block_n), m if cfg.block_m == 1 else triton.cdiv(m, cfg.block_m), split_k)
+    _w4a16_kernel[grid](y, ws, x, qweight, scales, zeros, m, n, k, split, groups, per_split * half,
+                        x.stride(0), y.stride(0),
+                        GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_H=half,
+                        SPLIT=split_k > 1, EVEN=(k == 2 * split and split % half == 0),
                         # fp32 activations multiply in full precision (tl.dot would take tf32)
                         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                        STAGES=1 if is_interpreter() else cfg.num_stages, FOLD=bool(cfg.fold),
                         num_warps=cfg.num_warps, num_stages=1 if is_interpreter() else cfg.num_stages)
+    if split_k > 1:
+        split_k_reduce(y, ws)
     return y
 
 
 # --------------------------------------------------------------------------
-# Packing and reference
+# Reference
 # --------------------------------------------------------------------------
-
-def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes [N, K] in 0..15 -> uint8 [N, K / 2] (even k low nibble, odd k high)."""
-    codes = codes.to(torch.uint8)
-    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
-
-
-def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
-    """The inverse of pack_int4."""
-    return torch.stack([qweight & 0xF, qweight >> 4], dim=-1).reshape(qweight.shape[0], -1)
-
 
 def dequantize_w4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                   group_size: int) -> torch.Tensor:
     """W [N, K] in fp32 from the runtime layout."""
-    codes = unpack_int4(qweight).float()
+    codes = unpack_int4(qweight, scales.shape[0] * group_size).float()
     s = scales.float().T.repeat_interleave(group_size, dim=1)
     z = zeros.float().T.repeat_interleave(group_size, dim=1)
     return (codes - z) * s
@@ -186,4 +356,4 @@ def w4a16_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
 
 def w4a16_bytes(m: int, n: int, k: int, group_size: int, act_bytes: int = 2) -> int:
     """Bytes one call must move: codes, scales and zeros, x and y."""
-    return n * k // 2 + 2 * act_bytes * n * (k // group_size) + act_bytes * (m * k + m * n)
+    return n * int4_split(k, group_size) + 2 * act_bytes * n * (k // group_size) + act_bytes * (m * k + m * n)

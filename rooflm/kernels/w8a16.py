@@ -19,9 +19,13 @@ Layout
 
 Algorithm
 ---------
-Each program owns BLOCK_N rows of W and BLOCK_M rows of x, walking K in BLOCK_K tiles:
-M == 1 accumulates the [BLOCK_N, BLOCK_K] products in fp32 and reduces once (GEMV); M > 1 uses
-tl.dot on codes converted to the activation dtype, fp32 accumulator.
+Each program owns BLOCK_N rows of W, BLOCK_M rows of x and one of SPLIT_K ranges of K (split-K:
+at batch 1 a narrow layer has too few row blocks to keep 132 SMs' loads in flight; the fp32
+partials are summed by rooflm/kernels/split_k.py), walking its range in BLOCK_K tiles:
+M == 1 accumulates the [BLOCK_N, BLOCK_K] products in fp32 and reduces once (GEMV), the codes
+made float without an int->float convert (slow pipe): q + 128 added to the bit pattern of 2^23
+reads as the float 2^23 + 128 + q, exact, and one subtract leaves q. M > 1 uses tl.dot on codes
+converted to the activation dtype, fp32 accumulator.
 
 Work
 ----
@@ -31,13 +35,20 @@ dominate at decode batch sizes.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from rooflm.kernels.split_k import split_for, split_k_reduce
+from rooflm.kernels.tuned_configs import device_facts, lookup
 from rooflm.kernels.utils import is_interpreter
+
+# The bits of the float 2^23 + 128: an int8 code q added to them reads as 2^23 + 128 + q.
+MAGIC_BITS_Q8 = tl.constexpr(0x4B000080)
+MAGIC_F32_Q8 = tl.constexpr(8388736.0)
 
 
 # --------------------------------------------------------------------------
@@ -45,24 +56,35 @@ from rooflm.kernels.utils import is_interpreter
 # --------------------------------------------------------------------------
 
 @triton.jit
-def _w8a16_kernel(y_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_ym,
+def _w8a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, CHUNK, stride_xm, stride_ym,
                   HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                  BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                  STAGES: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
     rk = tl.arange(0, BLOCK_K)
+    start = pid_k * CHUNK  # CHUNK is a multiple of BLOCK_K: only the last range meets K's tail
+    end = tl.minimum(start + CHUNK, K)
     scale = tl.load(s_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     if BLOCK_M == 1:
+        x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         xsum = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_mask = (k0 + rk) < K
-            q = tl.load(qw_ptr + rn[:, None] * K + (k0 + rk)[None, :],
-                        mask=n_mask[:, None] & k_mask[None, :], other=0).to(tl.float32)
-            x = tl.load(x_ptr + pid_m * stride_xm + k0 + rk, mask=k_mask, other=0.0).to(tl.float32)
-            acc += q * x[None, :]
+        # tl.range's num_stages pipelines these loads (the kernel's num_stages only those feeding tl.dot)
+        for k0 in tl.range(start, end, BLOCK_K, num_stages=STAGES):
+            if EVEN_K:
+                q = tl.load(qw_ptr + rn[:, None] * K + (k0 + rk)[None, :], mask=n_mask[:, None], other=0)
+                x = tl.load(x_row + k0 + rk).to(tl.float32)
+            else:
+                k_mask = (k0 + rk) < K
+                q = tl.load(qw_ptr + rn[:, None] * K + (k0 + rk)[None, :],
+                            mask=n_mask[:, None] & k_mask[None, :], other=0)
+                x = tl.load(x_row + k0 + rk, mask=k_mask, other=0.0).to(tl.float32)
+            qf = (q.to(tl.int32) + MAGIC_BITS_Q8).to(tl.float32, bitcast=True) - MAGIC_F32_Q8
+            acc += qf * x[None, :]
             if HAS_ZERO:
                 xsum += x
         y = tl.sum(acc, axis=1)
@@ -70,17 +92,20 @@ def _w8a16_kernel(y_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride
             zero = tl.load(z_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
             y -= zero * tl.sum(xsum, axis=0)
         y *= scale
-        tl.store(y_ptr + pid_m * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+        if SPLIT:
+            tl.store(ws_ptr + (pid_k * M + pid_m).to(tl.int64) * N + rn, y, mask=n_mask)
+        else:
+            tl.store(y_ptr + pid_m.to(tl.int64) * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
     else:
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = rm < M
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         xsum = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(start, end, BLOCK_K):
             k_mask = (k0 + rk) < K
             q = tl.load(qw_ptr + rn[:, None] * K + (k0 + rk)[None, :],
                         mask=n_mask[:, None] & k_mask[None, :], other=0)
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :],
+            x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + (k0 + rk)[None, :],
                         mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             acc = tl.dot(x, tl.trans(q.to(x.dtype)), acc, input_precision=PRECISION)
             if HAS_ZERO:
@@ -89,8 +114,12 @@ def _w8a16_kernel(y_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride
             zero = tl.load(z_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
             acc -= tl.sum(xsum, axis=1)[:, None] * zero[None, :]
         acc *= scale[None, :]
-        offs = rm[:, None] * stride_ym + rn[None, :]
-        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        mn_mask = m_mask[:, None] & n_mask[None, :]
+        if SPLIT:
+            tl.store(ws_ptr + (pid_k * M + rm).to(tl.int64)[:, None] * N + rn[None, :], acc, mask=mn_mask)
+        else:
+            offs = rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+            tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mn_mask)
 
 
 # --------------------------------------------------------------------------
@@ -98,24 +127,44 @@ def _w8a16_kernel(y_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride
 # --------------------------------------------------------------------------
 
 class W8Config(NamedTuple):
-    block_m: int
+    block_m: int      # 1: the GEMV path; >= 16: tensor-core tiles
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int = 1  # programs per row block along K (fp32 partials, then one sum)
 
 
-def pick_config(m: int, n: int, k: int) -> W8Config:
-    """As w4a16.pick_config: narrow row blocks at M == 1, tensor-core tiles above."""
-    if m == 1:
-        return W8Config(1, 16, 256, 4, 3)
+def check_config(cfg: W8Config) -> None:
+    """Raise on tiles the kernel cannot take (a hand-made or tabled config)."""
+    pow2 = all(v > 0 and v & (v - 1) == 0 for v in (cfg.block_m, cfg.block_n, cfg.block_k))
+    if not pow2 or (cfg.block_m != 1 and min(cfg.block_m, cfg.block_n, cfg.block_k) < 16) \
+            or min(cfg.split_k, cfg.num_warps, cfg.num_stages) < 1:
+        raise ValueError(f"W8A16 config {cfg}: block sizes must be powers of two (block_m 1, or block_m, "
+                         f"block_n, block_k >= 16 for tensor cores) and split_k, warps, stages >= 1")
+
+
+@functools.lru_cache(maxsize=256)
+def pick_config(m: int, n: int, k: int, device_name: Optional[str] = None, sms: int = 132) -> W8Config:
+    """The measured tiles of rooflm/kernels/tuned/weight_only.json for this GPU and shape, else as
+    w4a16.pick_config: narrow row blocks and split-K to fill the SMs at M == 1, tensor-core tiles above."""
+    tabled = lookup("w8a16", device_name, n, k, m)
+    if tabled is not None:
+        cfg = W8Config(**tabled)
+        check_config(cfg)
+        return cfg
+    if m == 1:  # 32 x 512 tiles: ~4.8 instructions a weight against ~6.3 at 16 x 256 (sm_90 SASS)
+        return W8Config(1, 32, 512, 4, 3, split_for(-(-n // 32), -(-k // 512), sms))
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    return W8Config(block_m, 32 if m <= 16 else 64, 128, 4, 3)
+    block_n = 32 if m <= 16 else 64
+    return W8Config(block_m, block_n, 128, 4, 3,
+                    split_for(-(-n // block_n) * -(-m // block_m), -(-k // 128), sms))
 
 
 def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                 zeros: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ W.T for int8 W [N, K] with per-row scales [N] (and zero points [N])."""
+                 zeros: torch.Tensor | None = None, config: Optional[W8Config] = None) -> torch.Tensor:
+    """x [M, K] @ W.T for int8 W [N, K] with per-row scales [N] (and zero points [N]).
+    config: tiles to use instead of pick_config's (benchmarks sweep them)."""
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
     m, k = x.shape
@@ -129,13 +178,22 @@ def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    cfg = pick_config(m, n, k)
-    grid = (triton.cdiv(n, cfg.block_n), m if cfg.block_m == 1 else triton.cdiv(m, cfg.block_m))
-    _w8a16_kernel[grid](y, x, qweight, scales, scales if zeros is None else zeros, m, n, k,
-                        x.stride(0), y.stride(0), HAS_ZERO=zeros is not None,
-                        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+    cfg = config or pick_config(m, n, k, *device_facts(x.device))
+    check_config(cfg)
+    iterations = triton.cdiv(k, cfg.block_k)
+    per_split = triton.cdiv(iterations, cfg.split_k)
+    split_k = triton.cdiv(iterations, per_split)  # no empty splits
+    ws = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else y
+    grid = (triton.cdiv(n, cfg.block_n), m if cfg.block_m == 1 else triton.cdiv(m, cfg.block_m), split_k)
+    _w8a16_kernel[grid](y, ws, x, qweight, scales, scales if zeros is None else zeros, m, n, k,
+                        per_split * cfg.block_k, x.stride(0), y.stride(0), HAS_ZERO=zeros is not None,
+                        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split_k > 1,
+                        EVEN_K=k % cfg.block_k == 0,
                         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps,
+                        STAGES=1 if is_interpreter() else cfg.num_stages,
                         num_stages=1 if is_interpreter() else cfg.num_stages)
+    if split_k > 1:
+        split_k_reduce(y, ws)
     return y
 
 

@@ -185,10 +185,10 @@ class W4A16Linear(QuantizedLinearMethod):
 
     def __init__(self, weight, device: torch.device, act_dtype: torch.dtype):
         super().__init__()
-        from rooflm.kernels.w4a16 import pack_int4
+        from rooflm.quant.formats import pack_int4
         self.out_features, self.in_features = weight.shape
         self.format, self.group_size = weight.format, weight.group_size
-        self.register_buffer("qweight", pack_int4(weight.codes).to(device))
+        self.register_buffer("qweight", pack_int4(weight.codes, weight.group_size).to(device))
         self.register_buffer("scales", weight.scales.to(device=device, dtype=act_dtype).contiguous())
         self.register_buffer("zeros", weight.zeros.to(device=device, dtype=act_dtype).contiguous())
         self.register_buffer("perm", None if weight.perm is None else weight.perm.to(device))

@@ -2,10 +2,13 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
-from rooflm.kernels.w4a16 import pack_int4, unpack_int4, w4a16_linear, w4a16_linear_ref
-from rooflm.kernels.w8a16 import w8a16_linear, w8a16_linear_ref
+from tests.kernels.conftest import DEVICE, KERNEL_TESTS, assert_close, requires_cuda
+from rooflm.kernels.w4a16 import (W4Config, _unit_nibbles_as, pack_int4, pick_config, unpack_int4, w4a16_linear,
+                                  w4a16_linear_ref)
+from rooflm.kernels.w8a16 import W8Config, w8a16_linear, w8a16_linear_ref
 
 
 def _w4(n, k, group, dtype, seed=0):
@@ -13,14 +16,23 @@ def _w4(n, k, group, dtype, seed=0):
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     scales = (0.01 + 0.02 * torch.rand(k // group, n, generator=g)).to(dtype)
     zeros = torch.randint(0, 16, (k // group, n), generator=g).to(dtype)  # asymmetric
-    return pack_int4(codes).to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE), g
+    return pack_int4(codes, group).to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE), g
 
 
-def test_int4_packing_round_trips_and_puts_even_k_low():
-    codes = torch.randint(0, 16, (3, 8), dtype=torch.uint8)
-    packed = pack_int4(codes)
-    assert torch.equal(unpack_int4(packed), codes)
-    assert int(packed[0, 0]) == int(codes[0, 0]) | (int(codes[0, 1]) << 4)
+def test_int4_packing_round_trips_and_puts_the_halves_of_k_in_the_nibbles():
+    codes = torch.randint(0, 16, (3, 256), dtype=torch.uint8)
+    packed = pack_int4(codes, 32)
+    assert packed.shape == (3, 128)
+    assert torch.equal(unpack_int4(packed, 256), codes)
+    assert int(packed[1, 5]) == int(codes[1, 5]) | (int(codes[1, 128 + 5]) << 4)
+
+
+def test_int4_packing_pads_the_high_half_when_the_groups_are_odd():
+    codes = torch.randint(1, 16, (2, 96), dtype=torch.uint8)  # 3 groups of 32: halves of 64 and 32 inputs
+    packed = pack_int4(codes, 32)
+    assert packed.shape == (2, 64)
+    assert torch.equal(packed[:, 32:] >> 4, torch.zeros(2, 32, dtype=torch.uint8))
+    assert torch.equal(unpack_int4(packed, 96), codes)
 
 
 @pytest.mark.parametrize("m", [1, 3, 17])
@@ -33,6 +45,78 @@ def test_w4a16_matches_reference(m, group):
     assert_close(w4a16_linear(x, qw, s, z, group), w4a16_linear_ref(x, qw, s, z, group), dtype, f"m={m} g={group}")
 
 
+@pytest.mark.parametrize("cfg", [
+    W4Config(1, 16, 128, 4, 3, split_k=1),   # GEMV, K steps of 2 groups
+    W4Config(1, 8, 256, 4, 3, split_k=3),    # GEMV, split-K over 3 byte ranges (the last one short)
+    W4Config(1, 32, 512, 4, 3, split_k=2),   # one step holds 4 groups a nibble; the step runs past S
+    W4Config(16, 16, 128, 4, 3, split_k=2),  # tensor cores, split-K
+    W4Config(32, 32, 256, 4, 3, split_k=1),
+    W4Config(16, 32, 256, 4, 3, split_k=2, fold=False),  # tensor cores, scale and zero per weight
+], ids=lambda c: f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.split_k}{'' if c.fold else 'nofold'}")
+@pytest.mark.parametrize("k", [384, 448])  # 6 groups (halves of 192: even) and 7 (the high half padded)
+def test_w4a16_configs_match_reference(cfg, k):
+    """Every path of the kernel: split-K partials, steps running past the packed row (masks), an odd
+    group count (high nibbles padded past K), both GEMV and tensor-core tiles."""
+    dtype = torch.float16
+    m = 1 if cfg.block_m == 1 else 5
+    qw, s, z, g = _w4(24, k, 64, dtype, seed=k + cfg.block_k)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+    assert_close(w4a16_linear(x, qw, s, z, 64, config=cfg), w4a16_linear_ref(x, qw, s, z, 64), dtype, str(cfg))
+
+
+@triton.jit
+def _unpack_units(p_ptr, o_ptr, DT: tl.constexpr):
+    r = tl.arange(0, 256)
+    low, high = _unit_nibbles_as(tl.load(p_ptr + r), DT)
+    tl.store(o_ptr + r, low.to(tl.float32))
+    tl.store(o_ptr + 256 + r, high.to(tl.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_unit_nibbles_are_exact_in_each_activation_dtype(dtype):
+    """1 + code / 16 built from bits (the tensor-core path multiplies it as it is) for both nibbles."""
+    p = torch.arange(256, dtype=torch.uint8).to(DEVICE)  # every byte
+    out = torch.zeros(512, device=DEVICE)
+    tl_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
+    _unpack_units[(1,)](p, out, DT=tl_dtype)
+    expected = torch.cat([1 + (p & 15).float() / 16, 1 + (p >> 4).float() / 16])
+    assert torch.equal(out, expected)
+
+
+def test_w4a16_fractional_zero_points_stay_exact():
+    """The kernel subtracts 1 + zero / 16 from 1 + code / 16: a zero point that is not an integer
+    (a float zero in code units) is kept as it is, not rounded into the code."""
+    qw, s, z, g = _w4(16, 128, 32, torch.float32)
+    z = z + 0.37
+    for m in (1, 3):  # the GEMV and the tensor-core path
+        x = torch.randn(m, 128, generator=g).to(DEVICE)
+        assert_close(w4a16_linear(x, qw, s, z, 32), w4a16_linear_ref(x, qw, s, z, 32), torch.float32)
+
+
+def test_w4a16_pick_config_reads_the_tile_table():
+    from rooflm.kernels.tuned_configs import lookup
+    entry = dict(block_m=1, block_n=32, block_k=512, num_warps=8, num_stages=4, split_k=2)
+    table = {"GPU-X": {"w4a16": [dict(n=4096, k=4096, group=128, m=1, config=entry),
+                                 dict(n=4096, k=4096, group=128, m=16, config=dict(entry, block_m=16))]}}
+    assert lookup("w4a16", "GPU-X", 4096, 4096, 1, 128, table=table) == entry
+    assert lookup("w4a16", "GPU-X", 4096, 4096, 9, 128, table=table)["block_m"] == 16  # next tabled M up
+    assert lookup("w4a16", "GPU-X", 4096, 4096, 64, 128, table=table)["block_m"] == 16  # beyond: the largest
+    assert lookup("w4a16", "GPU-X", 4096, 4096, 1, 64, table=table) is None  # another group size
+    assert lookup("w4a16", "GPU-Y", 4096, 4096, 1, 128, table=table) is None
+    # No table entry: the heuristic splits K for a narrow N so that ~2 programs run per SM.
+    assert pick_config(1, 4096, 4096, 128, None, 132).split_k == 3  # 128 row blocks of 32
+    assert pick_config(1, 28672, 4096, 128, None, 132).split_k == 1
+
+
+def test_w4a16_rejects_configs_it_cannot_run():
+    qw, s, z, g = _w4(16, 128, 64, torch.float16)
+    x = torch.randn(1, 128, generator=g).to(torch.float16).to(DEVICE)
+    with pytest.raises(ValueError, match="whole groups"):
+        w4a16_linear(x, qw, s, z, 64, config=W4Config(1, 16, 64, 4, 3))
+    with pytest.raises(ValueError, match="block_n >= 16"):
+        w4a16_linear(x, qw, s, z, 64, config=W4Config(16, 8, 128, 4, 3))
+
+
 def test_w4a16_fp32_and_strided_input():
     qw, s, z, g = _w4(32, 128, 32, torch.float32)
     x = torch.randn(2, 256, generator=g).to(DEVICE)[:, ::2]  # non-contiguous rows
@@ -42,7 +126,7 @@ def test_w4a16_fp32_and_strided_input():
 def test_w4a16_rejects_bad_shapes():
     qw, s, z, _ = _w4(16, 64, 32, torch.float16)
     with pytest.raises(ValueError, match="qweight"):
-        w4a16_linear(torch.zeros(1, 32, dtype=torch.float16, device=DEVICE), qw, s, z, 32)
+        w4a16_linear(torch.zeros(1, 128, dtype=torch.float16, device=DEVICE), qw, s, z, 32)
     with pytest.raises(ValueError, match="scales and zeros"):
         w4a16_linear(torch.zeros(1, 64, dtype=torch.float16, device=DEVICE), qw, s[:1], z, 32)
 
@@ -58,6 +142,24 @@ def test_w8a16_matches_reference(m, with_zero):
     z = torch.randint(-8, 8, (n,), generator=g).to(dtype).to(DEVICE) if with_zero else None
     x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
     assert_close(w8a16_linear(x, qw, s, z), w8a16_linear_ref(x, qw, s, z), dtype, f"m={m} zero={with_zero}")
+
+
+@pytest.mark.parametrize("cfg", [
+    W8Config(1, 16, 64, 4, 3, split_k=1),
+    W8Config(1, 8, 32, 4, 3, split_k=3),     # split-K, the last range holding K's tail
+    W8Config(1, 32, 128, 4, 3, split_k=1),   # K = 256: no tail (the unmasked path)
+    W8Config(16, 16, 32, 4, 3, split_k=2),   # tensor cores, split-K
+], ids=lambda c: f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.split_k}")
+@pytest.mark.parametrize("k", [200, 256])
+def test_w8a16_configs_match_reference(cfg, k):
+    dtype = torch.float16
+    g = torch.Generator().manual_seed(k + cfg.block_k)
+    m, n = (1 if cfg.block_m == 1 else 5), 24
+    qw = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8).to(DEVICE)  # -128 too
+    s = (0.001 + 0.002 * torch.rand(n, generator=g)).to(dtype).to(DEVICE)
+    z = torch.randint(-8, 8, (n,), generator=g).to(dtype).to(DEVICE)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+    assert_close(w8a16_linear(x, qw, s, z, config=cfg), w8a16_linear_ref(x, qw, s, z), dtype, str(cfg))
 
 
 @pytest.mark.gpu
@@ -99,3 +201,59 @@ def test_linear_methods_match_dequantized_weights(act_order):
     q8 = rtn_int8(w)
     out = W8A16Linear(q8, torch.device(DEVICE), torch.float16)(x.to(DEVICE))
     assert_close(out.cpu(), (x.float() @ q8.dequantize().T).to(torch.float16), torch.float16, "w8")
+
+
+# Compiled for the H100 (sm_90) on a machine without one (Triton's NVIDIA backend and ptxas run
+# offline): pick_config's tiles for the Llama-3-8B shapes build, fit the H100's 227 KB of shared
+# memory, do not spill, and the GEMVs keep their cp.async pipeline (tl.range num_stages; without
+# it the batch-1 stream is latency-bound). A subprocess: this process's kernels are the
+# interpreter's when there is no GPU.
+_SM90_COMPILE = """
+import re, subprocess, tempfile
+from triton.backends.nvidia.compiler import get_ptxas
+from benchmarks.quant_gemv_sass import compile_kernel
+from rooflm.kernels import w4a16, w8a16
+
+def spills(ptx):
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        out = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
+                             capture_output=True, text=True, check=True).stderr
+    found = re.findall(r"(\\d+) bytes spill stores", out)
+    assert found, out  # ptxas -v reports the spills of every function it compiles
+    return sum(int(n) for n in found)
+
+act = dict(y_ptr="bf16", x_ptr="bf16", s_ptr="bf16", z_ptr="bf16", ws_ptr="fp32")
+for m in (1, 16, 64):
+    for n, k in ((4096, 4096), (4096, 14336)):
+        c = w4a16.pick_config(m, n, k, 128, None, 132)
+        kern = compile_kernel(w4a16._w4a16_kernel, dict(act, qw_ptr="u8"),
+                              dict(GROUP=128, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_H=c.block_k // 2,
+                                   SPLIT=c.split_k > 1, EVEN=True, PRECISION="tf32", STAGES=c.num_stages,
+                                   FOLD=c.fold), c.num_warps, c.num_stages)
+        ptx = kern.asm["ptx"]
+        assert kern.metadata.shared <= 227 * 1024, (c, kern.metadata.shared)
+        assert spills(ptx) == 0, f"w4a16 {c} spills"
+        assert m > 1 or "cp.async" in ptx, f"w4a16 GEMV {c} lost its load pipeline"
+        c = w8a16.pick_config(m, n, k, None, 132)
+        kern = compile_kernel(w8a16._w8a16_kernel, dict(act, qw_ptr="i8"),
+                              dict(HAS_ZERO=False, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                                   SPLIT=c.split_k > 1, EVEN_K=True, PRECISION="tf32", STAGES=c.num_stages),
+                              c.num_warps, c.num_stages)
+        assert kern.metadata.shared <= 227 * 1024, (c, kern.metadata.shared)
+        assert spills(kern.asm["ptx"]) == 0, f"w8a16 {c} spills"
+        assert m > 1 or "cp.async" in kern.asm["ptx"], f"w8a16 GEMV {c} lost its load pipeline"
+print("ok")
+"""
+
+
+def test_pick_config_tiles_compile_for_sm90_without_spills():
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(KERNEL_TESTS))
+    done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=dict(env, PYTHONPATH=root), cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
