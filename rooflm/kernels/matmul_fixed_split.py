@@ -68,7 +68,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rooflm.kernels.matmul_persistent import MATMUL_BUCKETS, matmul_config, matmul_persistent
+from rooflm.kernels.matmul_persistent import MATMUL_BUCKETS, _tile_coords, matmul_config, matmul_persistent
 from rooflm.kernels.utils import cdiv, check_last_dim_contiguous, dot_precision, num_sms, upcast_dots
 
 
@@ -140,18 +140,6 @@ def _split_programs_kernel(y_ptr, ws_ptr, count_ptr, x_ptr, w_ptr, bias_ptr, M, 
         tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=tile_ok)
         # Back to zero for the next launch, and for the next replay of a CUDA graph that holds this one.
         tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Tile index -> (pid_m, pid_n), GROUP_M row tiles at a time (as matmul_persistent)."""
-    tiles_per_group = GROUP_M * num_pid_n
-    group = tile // tiles_per_group
-    first_m = group * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % tiles_per_group) % group_rows
-    pid_n = (tile % tiles_per_group) // group_rows
-    return pid_m, pid_n
 
 
 @triton.jit(do_not_specialize=["M", "num_programs"])
