@@ -231,8 +231,14 @@ class SpeculativeConfig:
     # forward is no longer memory-bound and its extra rows cost the batch real compute.
     # None: 256 on CUDA (the bf16 GEMM's ridge point on an H100 is ~300 tokens), 8 on the CPU.
     speculative_max_batch_tokens: Optional[int] = None
+    # adaptive: within that budget, speculate at a batch size only while speculating steps have
+    # measured more tokens per second than plain ones there (rooflm/spec/policy.py); budget:
+    # always speculate within it.
+    speculative_policy: str = "adaptive"
 
     def __post_init__(self) -> None:
+        if self.speculative_policy not in ("adaptive", "budget"):
+            raise ValueError(f"speculative_policy must be adaptive or budget, got {self.speculative_policy!r}")
         if self.speculative_method not in (None, "ngram", "draft"):
             raise ValueError(f"speculative_method must be ngram or draft, got {self.speculative_method!r}")
         if self.num_speculative_tokens < 1:

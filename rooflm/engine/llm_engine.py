@@ -74,7 +74,7 @@ class LLMEngine:
             from rooflm.spec.decoder import SpecDecoder
             from rooflm.spec.factory import make_proposer
             proposer = make_proposer(config, self.model_config, self.max_model_len)
-            self.spec = SpecDecoder(config.speculative, proposer, self.max_model_len)
+            self.spec = SpecDecoder(config.speculative, proposer, self.max_model_len, config.runtime.deterministic)
             self.runner.extra_kv_bytes_per_block = proposer.kv_bytes_per_block()
         try:
             num_blocks, num_host = self.runner.initialize(self.model_path, self.load_format)

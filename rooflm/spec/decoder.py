@@ -32,6 +32,7 @@ from rooflm.engine.report import SpecSnapshot
 from rooflm.engine.request import Request, Sequence
 from rooflm.engine.scheduler import Scheduler, SchedulerOutput
 from rooflm.layers.sampler import _to_device
+from rooflm.spec.policy import SpecPolicy
 from rooflm.spec.proposer import DraftRequest, Proposer
 
 
@@ -67,11 +68,14 @@ class SpecBatch:
 
 
 class SpecDecoder:
-    def __init__(self, cfg: SpeculativeConfig, proposer: Proposer, max_model_len: int):
+    def __init__(self, cfg: SpeculativeConfig, proposer: Proposer, max_model_len: int,
+                 deterministic: bool = False):
         self.cfg = cfg
         self.proposer = proposer
         self.max_model_len = max_model_len
         self.stats = SpecStats(accepted_per_pos=[0] * cfg.num_speculative_tokens)
+        # --deterministic promises the same outputs run to run: no timing-driven choices.
+        self.policy = SpecPolicy("budget" if deterministic else cfg.speculative_policy)
 
     def set_proposer(self, proposer: Proposer) -> None:
         """Swap the proposer (benchmarks' replay proposer); it keeps no KV pool."""
@@ -87,9 +91,15 @@ class SpecDecoder:
                           self.cfg.speculative_max_batch_tokens // num_decoding - 1))
 
     def plan(self, scheduler: Scheduler) -> None:
+        self.policy.begin_step()
         decoding = [(req, seq) for req in scheduler.running for seq in req.live_seqs
                     if seq.num_uncomputed_tokens == 1]
         k = self.num_drafts_per_seq(len(decoding))
+        # A seeded random request draws its numbers in an order that depends on which steps
+        # speculate: timing-driven choices would make its output differ run to run.
+        seeded = any(req.params.seed is not None and not req.params.greedy for req, _ in decoding)
+        if k > 0 and decoding and not seeded and not self.policy.speculate(len(decoding)):
+            k = 0  # measured: plain steps give more tokens per second at this batch size
         for req in scheduler.running:
             for seq in req.live_seqs:
                 seq.num_spec_slots = 0
@@ -130,6 +140,7 @@ class SpecDecoder:
     # ---- 3. after the step ---------------------------------------------------------------------
 
     def observe(self, out: SchedulerOutput, sampled: dict[int, list[int]], seconds: float) -> None:
+        self._measure(out, sampled)
         verified = False
         stats = self.stats
         for sch in out.scheduled:
@@ -144,3 +155,11 @@ class SpecDecoder:
                 stats.accepted_per_pos[i] += 1
         if verified:
             stats.verify_s += seconds
+
+    def _measure(self, out: SchedulerOutput, sampled: dict[int, list[int]]) -> None:
+        """The step for the policy: decode rows only, whether any drafted, tokens per sequence."""
+        decode_only = all(sch.num_new_tokens == 1 + len(sch.spec_token_ids or ()) for sch in out.scheduled)
+        gained = [len(sampled.get(sch.seq.seq_id, ())) for sch in out.scheduled]
+        speculated = any(sch.spec_token_ids for sch in out.scheduled)
+        tokens = sum(gained) / len(gained) if gained else 0.0
+        self.policy.step_ran(len(out.scheduled), speculated, tokens, decode_only)

@@ -33,7 +33,7 @@ def run(path, dtype, **kw):
 def test_spec_decode_matches_plain_on_gpu(tmp_path, dtype, method):
     path, _ = make_tiny_model(tmp_path, "llama", initializer_range=0.3)
     ref, _, _ = run(path, dtype)
-    kw = dict(speculative_method=method, speculative_max_batch_tokens=512)
+    kw = dict(speculative_method=method, speculative_max_batch_tokens=512, speculative_policy="budget")
     if method == "draft":
         kw["draft_model"] = path  # the target drafting for itself: most drafts are accepted
     out, stats, free = run(path, dtype, **kw)
@@ -78,7 +78,7 @@ def test_verify_steps_replay_the_uniform_graphs(tmp_path):
     path gives."""
     path, _ = make_tiny_model(tmp_path, "llama", initializer_range=0.3)
     kw = dict(device="cuda", dtype="bfloat16", block_size=16, num_blocks=256, speculative_method="draft",
-              draft_model=path)
+              draft_model=path, speculative_policy="budget")
     llm = LLM(model=path, **kw)
     graphs = llm.engine.runner.uniform_graphs
     assert graphs is not None and graphs.graphs

@@ -17,8 +17,9 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def spec_llm():
+    # The budget policy: these tests check the mechanism; when speculating pays is test_spec_policy.py's.
     return LLM(dtype="float32", device="cpu", quantization="none", speculative_method="ngram",
-               speculative_max_batch_tokens=64)
+               speculative_max_batch_tokens=64, speculative_policy="budget")
 
 
 def test_greedy_text_is_identical_with_ngram_speculation(smollm2_exact, spec_llm):

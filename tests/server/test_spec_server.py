@@ -11,7 +11,7 @@ from tests.server.server_utils import SMALL_ENGINE_ARGS, metric, scrape, start_s
 def spec_server(tmp_path_factory):
     process = start_server(tmp_path_factory.mktemp("spec"), "spec",
                            SMALL_ENGINE_ARGS + ["--speculative-method", "ngram",
-                                                "--num-speculative-tokens", "3"])
+                                                "--num-speculative-tokens", "3", "--speculative-policy", "budget"])
     try:
         process.wait_ready()
         yield process

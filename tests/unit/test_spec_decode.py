@@ -14,8 +14,9 @@ from rooflm.spec.replay import ReplayProposer
 from tests.models.tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-# Big enough that the CPU's batch policy does not switch speculation off in these tests.
-SPEC = dict(speculative_max_batch_tokens=512)
+# Big enough that the CPU's batch policy does not switch speculation off in these tests; the
+# budget policy: these tests are about the mechanism, not when it pays (test_spec_policy.py).
+SPEC = dict(speculative_max_batch_tokens=512, speculative_policy="budget")
 BASE = dict(device="cpu", dtype="float32", block_size=4, num_blocks=512)
 
 

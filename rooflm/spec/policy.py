@@ -1,0 +1,133 @@
+"""When speculating pays: measured tokens per second of speculating and plain steps, per batch size.
+
+Drafts are free only while the verify forward stays memory-bound and the proposer costs little.
+Neither holds everywhere: on the H100 (2026-11-25, benchmarks/results/spec-h100-20261125/) a 1B
+draft model at batch 64 made decoding 0.57x as fast at 80% acceptance, and real n-gram drafts on
+text they do not match cost 0.93x at batch 1. The token budget (decoder.py) bounds k by the
+GEMMs' ridge point; this policy decides, per step, between speculating with that k and not
+speculating, from what the engine has measured:
+
+    speculate  iff  L_spec / t_spec  >  1 / t_plain
+
+for the step's batch-size bucket (powers of two), where t is the wall time of a whole step
+cycle (schedule, propose, forward, sampling, output processing: the time from one step's plan to
+the next), and L_spec the tokens a sequence gained per speculating step (accepted drafts + 1,
+sequences without drafts counting 1). All three are exponential moving averages. A bucket
+learns first: it speculates until min_spec_steps speculating steps are measured, with a plain
+step every fourth until min_plain_steps plain ones are; then every `explore_every`-th step of a
+bucket runs the side not chosen, so its figures follow changes in acceptance (a chat turning
+into a copy task) and in context length. Seeded random requests and --deterministic keep the
+budget's choice (decoder.py): a timing-driven choice would change their outputs run to run.
+
+policy "budget" keeps the token budget alone (always speculate when k > 0).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+def bucket(batch: int) -> int:
+    """Batch sizes share measurements within powers of two: 1, 2, 3-4, 5-8, ..."""
+    return 1 << max(0, (batch - 1).bit_length())
+
+
+@dataclass
+class _Side:
+    seconds: Optional[float] = None  # EWMA of a step cycle's wall time
+    tokens: Optional[float] = None  # EWMA of tokens a sequence gained per step (plain: 1)
+    count: int = 0  # steps measured
+
+
+@dataclass
+class _Bucket:
+    spec: _Side = field(default_factory=_Side)
+    plain: _Side = field(default_factory=_Side)
+    steps: int = 0
+
+
+@dataclass
+class _Pending:
+    """The step just run, waiting for the next plan to close its cycle time."""
+
+    key: int
+    speculated: bool
+    tokens: float
+    started: float
+
+
+class SpecPolicy:
+    def __init__(self, mode: str = "adaptive", decay: float = 0.8, explore_every: int = 32,
+                 min_spec_steps: int = 8, min_plain_steps: int = 2, clock=time.perf_counter):
+        if mode not in ("adaptive", "budget"):
+            raise ValueError(f"speculative_policy must be adaptive or budget, got {mode!r}")
+        self.mode = mode
+        self.decay = decay
+        self.explore_every = explore_every
+        self.min_spec_steps = min_spec_steps
+        self.min_plain_steps = min_plain_steps
+        self.clock = clock
+        self.buckets: dict[int, _Bucket] = {}
+        self.pending: Optional[_Pending] = None
+        self.plan_started: Optional[float] = None
+
+    # ---- deciding (SpecDecoder.plan) ----------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Every step's plan: closes the previous step's cycle time."""
+        now = self.clock()
+        step, self.pending = self.pending, None
+        if step is not None:
+            side = self._side(step.key, step.speculated)
+            side.seconds = self._ewma(side.seconds, now - step.started)
+            side.tokens = self._ewma(side.tokens, step.tokens)
+            side.count += 1
+        self.plan_started = now
+
+    def speculate(self, batch: int) -> bool:
+        """Whether this step of `batch` decoding sequences speculates (k from the budget > 0)."""
+        if self.mode == "budget":
+            return True
+        b = self.buckets.setdefault(bucket(batch), _Bucket())
+        b.steps += 1
+        if b.spec.count < self.min_spec_steps:
+            # Learning: speculate (a request's first drafts say little about its later ones),
+            # with a plain step every fourth until the plain side has its samples.
+            return not (b.plain.count < self.min_plain_steps and b.steps % 4 == 0)
+        if b.plain.count < self.min_plain_steps:
+            return False
+        better = self.speculating_pays(b)
+        if b.steps % self.explore_every == 0:
+            return not better
+        return better
+
+    @staticmethod
+    def speculating_pays(b: _Bucket) -> bool:
+        return b.spec.tokens / b.spec.seconds > b.plain.tokens / b.plain.seconds
+
+    # ---- measuring (SpecDecoder.observe) ------------------------------------------------------
+
+    def step_ran(self, batch: int, speculated: bool, tokens_per_seq: float, decode_only: bool) -> None:
+        """A step finished: its cycle closes at the next plan. Steps with prefill chunks are not
+        measured (their time is the prefill's, not the decode's)."""
+        if self.mode == "budget" or not decode_only or batch == 0 or self.plan_started is None:
+            self.pending = None
+            return
+        self.pending = _Pending(bucket(batch), speculated, tokens_per_seq, self.plan_started)
+
+    def _side(self, key: int, speculated: bool) -> _Side:
+        b = self.buckets.setdefault(key, _Bucket())
+        return b.spec if speculated else b.plain
+
+    def _ewma(self, old: Optional[float], new: float) -> float:
+        return new if old is None else self.decay * old + (1 - self.decay) * new
+
+    def summary(self) -> dict[int, dict[str, Optional[float]]]:
+        """Per bucket: tokens per second per sequence, speculating and plain (for logs and benches)."""
+        out = {}
+        for key, b in sorted(self.buckets.items()):
+            out[key] = {name: (side.tokens / side.seconds if side.seconds else None)
+                        for name, side in (("spec", b.spec), ("plain", b.plain))}
+        return out
