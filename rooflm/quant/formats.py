@@ -4,7 +4,11 @@ Every format decodes to one of two runtime forms, each `value = (code - zero) * 
 
   GroupWeight  4-bit, one (scale, zero) per output row and group of `group_size` inputs:
                codes uint8 [N, K] (0..15), scales [K/g, N], zeros [K/g, N] (float, code units),
-               perm: int64 [K] or None (GPTQ act-order: input k of the kernel is perm[k] of x)
+               perm: int64 [K] or None (GPTQ act-order: input k of the kernel is perm[k] of x);
+               bits 8 (GGUF Q8_0, compressed-tensors int8 groups): codes int8 [N, K], W8A16's
+               group-wise path. keep_dtype: the scales and zeros go to the device in their own
+               dtype (GGUF: fp16 where the file's values fit it exactly, else fp32) rather than
+               rounded to the activation dtype.
   ChannelWeight 8-bit, one (scale, zero) per output row: codes int8 [N, K], scales [N], zeros [N]
 
 Checkpoint layouts (W is nn.Linear's [N = out, K = in]; all packed tensors are int32):
@@ -60,6 +64,7 @@ class GroupWeight:
     perm: Optional[torch.Tensor] = None
     format: str = "int4"
     bits: int = 4
+    keep_dtype: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -83,8 +88,11 @@ class GroupWeight:
         for p in parts[1:]:
             if p.group_size != first.group_size or not _same_perm(p.perm, first.perm):
                 raise ValueError("cannot fuse shards with different group sizes or act-order permutations")
+        if len({(p.bits, p.scales.dtype, p.zeros.dtype, p.keep_dtype) for p in parts}) != 1:
+            raise ValueError("cannot fuse shards with different bits or scale/zero dtypes")
         return GroupWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts], dim=1),
-                           torch.cat([p.zeros for p in parts], dim=1), first.group_size, first.perm, first.format)
+                           torch.cat([p.zeros for p in parts], dim=1), first.group_size, first.perm, first.format,
+                           first.bits, first.keep_dtype)
 
 
 @dataclass(frozen=True)
