@@ -232,7 +232,7 @@ class ModelRunner:
         if load_format == "gguf" and self.keeps_quantized():
             # At most the file's blocks plus the embedding in float (its lookup table). On CUDA
             # the kernels' form is up to 4/3 of the file (Q4_K: fp32 scales and zeros per 32,
-            # 6 bits a weight against the file's 4.5; BlockTensor.to_group_weight).
+            # 6 bits a weight against the file's 4.5; formats.from_gguf_blocks).
             blocks = os.path.getsize(path) * (4 / 3 if self.device.type == "cuda" else 1)
             weights = min(weights, int(blocks) + cfg.vocab_size * cfg.hidden_size * elem)
         kv = 0

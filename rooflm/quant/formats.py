@@ -58,6 +58,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -330,6 +331,47 @@ def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Ten
             return ChannelWeight(codes, scales[0].contiguous(), zeros[0].contiguous(), "ct-int8")
         return GroupWeight(codes, scales, zeros, g, perm, "ct-int8", bits=8)
     return GroupWeight(codes.to(torch.uint8).contiguous(), scales, zeros.to(act_dtype), g, perm, "ct-int4")
+
+
+def _narrowest(values: np.ndarray) -> np.ndarray:
+    """fp16 if it holds every value exactly, else fp32 (contiguous)."""
+    half = values.astype(np.float16)
+    exact = np.array_equal(half.astype(np.float32), values)
+    return np.ascontiguousarray(half if exact else values.astype(np.float32))
+
+
+def from_gguf_blocks(blocks) -> GroupWeight:
+    """A GGUF weight (gguf_blocks.BlockTensor) in the form the CUDA kernels take: groups of 32,
+    value = (code - zero) * scale; W4A16 for the 4-bit types, W8A16's group-wise path for Q8_0.
+    The same values:
+
+      Q4_0  scale d, zero 8                    Q8_0  scale d, zero 0 (int8 codes)
+      Q4_1  scale d, zero -m / d               Q4_K  scale d * sc, zero dmin * m / (d * sc)
+
+    Scales and zeros are kept in fp16 where fp16 holds every one exactly (d of Q4_0/Q4_1/Q8_0 is
+    the file's fp16; zero 8 is exact), else in fp32 (Q4_K's d * sc has up to 17 significant
+    bits; -m / d is a quotient): keep_dtype stops the linear from rounding them to the
+    activation dtype. Only the fp32 quotient rounds (relative 2^-24 of m). A block with scale 0
+    is the constant `offset`, which (code - zero) * 0 cannot give: its codes become 0 and its
+    (scale, zero) (|offset|, -sign(offset)), the same values."""
+    from rooflm.quant.gguf_blocks import BLOCK
+    scale = blocks.scale.astype(np.float32)
+    offset = blocks.offset.astype(np.float32)
+    codes = blocks.codes
+    dead = scale == 0
+    if dead.any():
+        codes = codes.reshape(*scale.shape, BLOCK).copy()
+        codes[dead] = 0
+        codes = codes.reshape(blocks.shape)
+        scale = np.where(dead, np.abs(offset), scale)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        # (Q4_0's d is negative where its block's largest |w| is negative: a sign is no special case)
+        zero = np.where(scale != 0, -offset / np.where(scale != 0, scale, 1.0), 0.0).astype(np.float32)
+    if blocks.format == "Q8_0":
+        zero = np.zeros_like(scale)  # symmetric: the W8A16 linear drops the zero term
+    return GroupWeight(torch.from_numpy(np.ascontiguousarray(codes)),
+                       torch.from_numpy(_narrowest(scale.T)), torch.from_numpy(_narrowest(zero.T)),
+                       BLOCK, None, f"gguf-{blocks.format.lower()}", blocks.bits, keep_dtype=True)
 
 
 def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,

@@ -73,38 +73,6 @@ class BlockTensor:
         """The rows in `index` order (a q/k un-permutation moves whole rows: blocks run along them)."""
         return BlockTensor(self.format, self.codes[index], self.scale[index], self.offset[index])
 
-    def to_group_weight(self):
-        """The form the CUDA kernels take (formats.GroupWeight, groups of 32, value = (code - zero) *
-        scale): W4A16 for the 4-bit types, W8A16's group-wise path for Q8_0. The same values:
-
-          Q4_0  scale d, zero 8                    Q8_0  scale d, zero 0 (int8 codes)
-          Q4_1  scale d, zero -m / d               Q4_K  scale d * sc, zero dmin * m / (d * sc)
-
-        Scales and zeros are kept in fp16 where fp16 holds every one exactly (d of Q4_0/Q4_1/Q8_0 is
-        the file's fp16; zero 8 is exact), else in fp32 (Q4_K's d * sc has up to 17 significant
-        bits; -m / d is a quotient): keep_dtype stops the linear from rounding them to the
-        activation dtype. Only the fp32 quotient rounds (relative 2^-24 of m). A block with scale 0
-        is the constant `offset`, which (code - zero) * 0 cannot give: its codes become 0 and its
-        (scale, zero) (|offset|, -sign(offset)), the same values."""
-        from rooflm.quant.formats import GroupWeight
-        scale = self.scale.astype(np.float32)
-        offset = self.offset.astype(np.float32)
-        codes = self.codes
-        dead = scale == 0
-        if dead.any():
-            codes = codes.reshape(*scale.shape, BLOCK).copy()
-            codes[dead] = 0
-            codes = codes.reshape(self.shape)
-            scale = np.where(dead, np.abs(offset), scale)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            # (Q4_0's d is negative where its block's largest |w| is negative: a sign is no special case)
-            zero = np.where(scale != 0, -offset / np.where(scale != 0, scale, 1.0), 0.0).astype(np.float32)
-        if self.format == "Q8_0":
-            zero = np.zeros_like(scale)  # symmetric: the W8A16 linear drops the zero term
-        return GroupWeight(torch.from_numpy(np.ascontiguousarray(codes)),
-                           torch.from_numpy(_narrowest(scale.T)), torch.from_numpy(_narrowest(zero.T)),
-                           BLOCK, None, f"gguf-{self.format.lower()}", self.bits, keep_dtype=True)
-
     @staticmethod
     def cat(parts: list["BlockTensor"]) -> "BlockTensor":
         """Row-wise concatenation of shards of one format (fused q/k/v, gate/up)."""
@@ -114,13 +82,6 @@ class BlockTensor:
         return BlockTensor(parts[0].format, np.concatenate([p.codes for p in parts]),
                            np.concatenate([p.scale for p in parts]),
                            np.concatenate([p.offset for p in parts]))
-
-
-def _narrowest(values: np.ndarray) -> np.ndarray:
-    """fp16 if it holds every value exactly, else fp32 (contiguous)."""
-    half = values.astype(np.float16)
-    exact = np.array_equal(half.astype(np.float32), values)
-    return np.ascontiguousarray(half if exact else values.astype(np.float32))
 
 
 def decode(format: str, raw: np.ndarray, shape: tuple[int, int]) -> BlockTensor:

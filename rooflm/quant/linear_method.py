@@ -6,7 +6,7 @@ per-32 scale d * sc and offset dmin * m are rounded to the kernel's fp16: up to 
 block); the torch kernel modules below are the fallback.
 
 On CUDA a GGUF weight goes to the Triton kernels instead (make_linear_method): its blocks as a
-formats.GroupWeight of group 32 (BlockTensor.to_group_weight), W4A16 for Q4_0/Q4_1/Q4_K and
+formats.GroupWeight of group 32 (formats.from_gguf_blocks), W4A16 for Q4_0/Q4_1/Q4_K and
 W8A16's group-wise path for Q8_0, scales and zeros in fp16/fp32 exactly as decoded.
 
 Why: batch-1 decode reads every weight once per token. SmolLM2-135M dequantized to fp32 is
@@ -307,10 +307,10 @@ def fp8_matmul_emulated(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw
 def make_linear_method(weight, device: torch.device, act_dtype: torch.dtype) -> Optional[QuantizedLinearMethod]:
     """The module for any quantized weight (GGUF blocks, GroupWeight, ChannelWeight, Fp8Weight) on `device`,
     or None where no kernel here takes it (the caller then dequantizes)."""
-    from rooflm.quant.formats import ChannelWeight, Fp8Weight, GroupWeight
+    from rooflm.quant.formats import ChannelWeight, Fp8Weight, GroupWeight, from_gguf_blocks
     if isinstance(weight, BlockTensor):
-        if device.type == "cuda":  # the Triton kernels, on the blocks' own values (to_group_weight)
-            return make_linear_method(weight.to_group_weight(), device, act_dtype)
+        if device.type == "cuda":  # the Triton kernels, on the blocks' own values
+            return make_linear_method(from_gguf_blocks(weight), device, act_dtype)
         return make_quantized_linear(weight, device)
     if isinstance(weight, Fp8Weight):  # every device: fp32 emulation where there is no _scaled_mm
         return Fp8Linear(weight, device)

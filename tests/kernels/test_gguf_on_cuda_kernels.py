@@ -1,4 +1,4 @@
-"""GGUF blocks in the CUDA kernels' form (BlockTensor.to_group_weight -> W4A16 / W8A16 group-wise):
+"""GGUF blocks in the CUDA kernels' form (formats.from_gguf_blocks -> W4A16 / W8A16 group-wise):
 the same values gguf-py decodes, and the linears (under Triton's interpreter on the CPU) against
 x @ W.T with W from gguf-py."""
 
@@ -8,6 +8,7 @@ import torch
 
 from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
 from tests.unit.gguf_q4k import encode_q4_k
+from rooflm.quant.formats import from_gguf_blocks
 from rooflm.quant.gguf_blocks import decode
 from rooflm.quant.linear_method import W4A16Linear, W8A16Linear, make_linear_method
 
@@ -30,7 +31,7 @@ def gguf_weight(fmt, rows, cols, seed):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_group_weight_holds_ggufs_values(fmt):
     raw, ref = gguf_weight(fmt, 24, 512, seed=3)
-    gw = decode(fmt, raw, (24, 512)).to_group_weight()
+    gw = from_gguf_blocks(decode(fmt, raw, (24, 512)))
     assert gw.group_size == 32 and gw.keep_dtype and gw.bits == (8 if fmt == "Q8_0" else 4)
     assert gw.scales.shape == gw.zeros.shape == (16, 24)
     w = gw.dequantize()
@@ -54,7 +55,7 @@ def test_constant_blocks_with_scale_zero_keep_their_value():
     blocks[2, 1, 0:4] = 0  # d = 0 and m = 0: zeros
     ref = torch.from_numpy(gguf_quants.dequantize(blocks, GGMLQuantizationType.Q4_1)).reshape(4, 64)
     assert torch.all(ref[1, :32] == np.float32(np.float16(-0.0312)))
-    gw = decode("Q4_1", blocks, (4, 64)).to_group_weight()
+    gw = from_gguf_blocks(decode("Q4_1", blocks, (4, 64)))
     w = gw.dequantize()
     assert torch.equal(w[1, :32], ref[1, :32]) and torch.equal(w[2, 32:], ref[2, 32:])
     assert (w - ref).abs().max() <= 4e-7 * ref.abs().max()  # the other blocks: -m / d's rounding
@@ -66,7 +67,7 @@ def test_linears_match_ggufs_weights(fmt, m):
     """W4A16Linear / W8A16Linear (what a Linear holds on CUDA) on the blocks against x @ W.T."""
     n, k = 40, 512
     raw, ref = gguf_weight(fmt, n, k, seed=11 + m)
-    gw = decode(fmt, raw, (n, k)).to_group_weight()
+    gw = from_gguf_blocks(decode(fmt, raw, (n, k)))
     cls = W8A16Linear if fmt == "Q8_0" else W4A16Linear
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=g)
@@ -86,7 +87,7 @@ def test_activation_dtype_rounding_of_scales_and_zeros_is_what_keep_dtype_avoids
     weight error well above the fp32 rounding kept here."""
     for fmt in ("Q4_1", "Q4_K"):
         raw, ref = gguf_weight(fmt, 64, 1024, seed=17)
-        gw = decode(fmt, raw, (64, 1024)).to_group_weight()
+        gw = from_gguf_blocks(decode(fmt, raw, (64, 1024)))
         rounded = type(gw)(gw.codes, gw.scales.to(torch.bfloat16), gw.zeros.to(torch.bfloat16), 32,
                            bits=4).dequantize()
         err = ((rounded - ref).norm() / ref.norm()).item()
