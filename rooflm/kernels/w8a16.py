@@ -12,9 +12,11 @@ The zero term is zero for symmetric checkpoints (rooflm's RTN, GPTQ sym); GPTQ's
 8-bit per-channel weights need it. int8 codes are exact in bf16/fp16 (|q| <= 128 < 2^8), so the
 tensor-core path multiplies the exact codes.
 
-Group-wise scales (GROUP > 0: GGUF Q8_0 is int8 with one fp16 scale per block of 32 inputs) do
-not factor out of the whole sum, only out of each group's: the same sum is taken per group and
-scaled there, y[m, n] = sum_g s[g, n] (sum_{k in g} x[m, k] q[n, k] - z[g, n] sum_{k in g} x[m, k]).
+Group-wise scales (_w8a16_grouped: GGUF Q8_0 is int8 with one fp16 scale per block of 32 inputs)
+do not factor out of the whole sum, only out of each group's. The GEMV scales each weight as it
+is loaded, (q - z[g, n]) s[g, n] (one FMA with per-row constants of the group, as w4a16's GEMV);
+the tensor-core path takes one dot a group and scales its [BLOCK_M, BLOCK_N] result:
+y[m, n] = sum_g s[g, n] (sum_{k in g} x[m, k] q[n, k] - z[g, n] sum_{k in g} x[m, k]).
 
 Layout
 ------
@@ -140,34 +142,28 @@ def _w8a16_grouped(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, CHUNK, s
     pid_k = tl.program_id(2)
     rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
-    rk = tl.arange(0, BLOCK_K)
     GROUPS: tl.constexpr = BLOCK_K // GROUP
-    rg = tl.arange(0, GROUPS)
     start = pid_k * CHUNK
     end = tl.minimum(start + CHUNK, K)
     if BLOCK_M == 1:
         x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
-        # [BLOCK_N, groups of a tile]: each group's sum is scaled where it is made, summed at the end
-        acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
-        for k0 in tl.range(start, end, BLOCK_K, num_stages=STAGES):
-            g_ok = (k0 + rg * GROUP) < K
-            s = tl.load(s_ptr + ((k0 // GROUP) + rg)[None, :] * N + rn[:, None],
-                        mask=n_mask[:, None] & g_ok[None, :], other=0.0).to(tl.float32)
-            if EVEN_K:
-                q = tl.load(qw_ptr + rn[:, None] * K + (k0 + rk)[None, :], mask=n_mask[:, None], other=0)
-                x = tl.load(x_row + k0 + rk).to(tl.float32)
-            else:
-                k_mask = (k0 + rk) < K
-                q = tl.load(qw_ptr + rn[:, None] * K + (k0 + rk)[None, :],
-                            mask=n_mask[:, None] & k_mask[None, :], other=0)
-                x = tl.load(x_row + k0 + rk, mask=k_mask, other=0.0).to(tl.float32)
+        rgk = tl.arange(0, GROUP)
+        # One group a step, as w4a16's GEMV: (q - z) s = fma(q, s, -z s) with per-row constants of
+        # the group, then one FMA into an elementwise [BLOCK_N, GROUP] accumulator reduced once at
+        # the end (no per-step reduction or reshape). Steps start on group boundaries and stop at
+        # end <= K, a multiple of GROUP: no mask along K. BLOCK_K / GROUP steps are unrolled.
+        acc = tl.zeros([BLOCK_N, GROUP], dtype=tl.float32)
+        for k0 in tl.range(start, end, GROUP, num_stages=STAGES, loop_unroll_factor=BLOCK_K // GROUP):
+            s = tl.load(s_ptr + (k0 // GROUP) * N + rn, mask=n_mask, other=0.0).to(tl.float32)
+            q = tl.load(qw_ptr + rn[:, None] * K + (k0 + rgk)[None, :], mask=n_mask[:, None], other=0)
+            x = tl.load(x_row + k0 + rgk).to(tl.float32)
             qf = (q.to(tl.int32) + MAGIC_BITS_Q8).to(tl.float32, bitcast=True) - MAGIC_F32_Q8
-            part = tl.sum(tl.reshape(qf * x[None, :], [BLOCK_N, GROUPS, GROUP]), axis=2)
             if HAS_ZERO:
-                z = tl.load(z_ptr + ((k0 // GROUP) + rg)[None, :] * N + rn[:, None],
-                            mask=n_mask[:, None] & g_ok[None, :], other=0.0).to(tl.float32)
-                part -= z * tl.sum(tl.reshape(x, [GROUPS, GROUP]), axis=1)[None, :]
-            acc = tl.fma(part, s, acc)
+                z = tl.load(z_ptr + (k0 // GROUP) * N + rn, mask=n_mask, other=0.0).to(tl.float32)
+                w = tl.fma(qf, s[:, None], (-z * s)[:, None])
+            else:
+                w = qf * s[:, None]
+            acc = tl.fma(w, x[None, :], acc)
         y = tl.sum(acc, axis=1)
         if SPLIT:
             tl.store(ws_ptr + (pid_k * M + pid_m).to(tl.int64) * N + rn, y, mask=n_mask)
@@ -178,6 +174,7 @@ def _w8a16_grouped(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, CHUNK, s
         m_mask = rm < M
         rgk = tl.arange(0, GROUP)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        # one tl.dot a group, scaled (and its zero term taken off) before it joins the accumulator
         for k0 in range(start, end, BLOCK_K):
             for gi in tl.static_range(GROUPS):
                 kk = k0 + gi * GROUP
