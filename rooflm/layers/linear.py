@@ -6,8 +6,8 @@ knows which row range a named shard goes to.
 
 A layer's weight is either a float parameter or, when the checkpoint's weights are kept
 quantized (GGUF Q4_0/Q4_1/Q8_0/Q4_K on the CPU and on one CUDA device; GPTQ/AWQ/compressed-tensors
-int4/int8 on CUDA), a rooflm.quant
-QuantizedLinearMethod that multiplies them directly; forward does not change for the model.
+int4/int8 on CUDA), a rooflm.quant QuantizedLinearMethod that multiplies them directly; forward
+does not change for the model.
 """
 
 from __future__ import annotations
