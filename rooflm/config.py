@@ -100,8 +100,8 @@ class LoadConfig:
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
     tokenizer: Optional[str] = None
     seed: int = 0
-    # auto: GGUF Q4_0/Q4_1/Q8_0 weights stay in their blocks where a kernel multiplies them
-    # (rooflm/quant/; the CPU today), activations rounded to bf16 for those matmuls.
+    # auto: GGUF Q4_0/Q4_1/Q8_0/Q4_K weights stay in their blocks where a kernel multiplies them
+    # (rooflm/quant/: the CPU block matmuls; on one CUDA device the W4A16/W8A16 kernels).
     # none: every weight dequantized to --dtype (exact float weights, slower).
     # GPTQ/AWQ checkpoints (config.json quantization_config) stay quantized on CUDA under auto.
     # int8 | int4-g32 | int4-g64 | int4-g128: round-to-nearest weight-only quantization of the

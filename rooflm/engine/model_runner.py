@@ -213,8 +213,12 @@ class ModelRunner:
         return num_blocks, num_host
 
     def keeps_quantized(self) -> bool:
-        """GGUF blocks stay quantized where a kernel takes them: the CPU (rooflm/quant/)."""
-        return self.config.load.quantization == "auto" and self.device.type == "cpu"
+        """GGUF blocks stay quantized where a kernel takes them (rooflm/quant/): the CPU's block
+        matmuls, and on one CUDA device the Triton W4A16/W8A16 kernels (no tensor-parallel
+        sharding of blocks yet: dequantized there)."""
+        if self.config.load.quantization != "auto":
+            return False
+        return self.device.type == "cpu" or (self.device.type == "cuda" and self.tp.size == 1)
 
     def check_memory(self, path: str, load_format: str) -> None:
         """Refuse a load that cannot fit, before anything is allocated (engine/memory_check.py)."""
@@ -226,8 +230,11 @@ class ModelRunner:
         elem = self.dtype.itemsize
         weights = cfg.num_params() * elem // self.tp.size  # about: norms are replicated
         if load_format == "gguf" and self.keeps_quantized():
-            # At most the file's blocks plus the embedding in float (its lookup table).
-            weights = min(weights, os.path.getsize(path) + cfg.vocab_size * cfg.hidden_size * elem)
+            # At most the file's blocks plus the embedding in float (its lookup table). On CUDA
+            # the kernels' form is up to 4/3 of the file (Q4_K: fp32 scales and zeros per 32,
+            # 6 bits a weight against the file's 4.5; formats.from_gguf_blocks).
+            blocks = os.path.getsize(path) * (4 / 3 if self.device.type == "cuda" else 1)
+            weights = min(weights, int(blocks) + cfg.vocab_size * cfg.hidden_size * elem)
         kv = 0
         if self.device.type == "cpu":
             kv = (self.determine_num_blocks() + self.num_host_blocks()) * self.kv_bytes_per_block()

@@ -12,10 +12,17 @@ The zero term is zero for symmetric checkpoints (rooflm's RTN, GPTQ sym); GPTQ's
 8-bit per-channel weights need it. int8 codes are exact in bf16/fp16 (|q| <= 128 < 2^8), so the
 tensor-core path multiplies the exact codes.
 
+Group-wise scales (_w8a16_grouped: GGUF Q8_0 is int8 with one fp16 scale per block of 32 inputs)
+do not factor out of the whole sum, only out of each group's. The GEMV scales each weight as it
+is loaded, (q - z[g, n]) s[g, n] (one FMA with per-row constants of the group, as w4a16's GEMV);
+the tensor-core path takes one dot a group and scales its [BLOCK_M, BLOCK_N] result:
+y[m, n] = sum_g s[g, n] (sum_{k in g} x[m, k] q[n, k] - z[g, n] sum_{k in g} x[m, k]).
+
 Layout
 ------
   qweight int8 [N, K] (nn.Linear's row-major: a program's BLOCK_N rows are contiguous along K)
   scales  [N] float, zeros [N] float (code units)
+          or, group-wise, [K / g, N] each (group-major, as w4a16's: BLOCK_N values one load)
 
 Algorithm
 ---------
@@ -122,6 +129,77 @@ def _w8a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, CHUNK, st
             tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mn_mask)
 
 
+@triton.jit
+def _w8a16_grouped(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, CHUNK, stride_xm, stride_ym,
+                   HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
+                   GROUP: tl.constexpr):
+    """The kernel with scales (and zeros) per group of GROUP inputs: BLOCK_K holds whole groups,
+    K is a multiple of GROUP (the wrapper checks), so a group past K is all masked: zero codes,
+    zero x, zero scale."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    GROUPS: tl.constexpr = BLOCK_K // GROUP
+    start = pid_k * CHUNK
+    end = tl.minimum(start + CHUNK, K)
+    if BLOCK_M == 1:
+        x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
+        rgk = tl.arange(0, GROUP)
+        # One group a step, as w4a16's GEMV: (q - z) s = fma(q, s, -z s) with per-row constants of
+        # the group, then one FMA into an elementwise [BLOCK_N, GROUP] accumulator reduced once at
+        # the end (no per-step reduction or reshape). Steps start on group boundaries and stop at
+        # end <= K, a multiple of GROUP: no mask along K. BLOCK_K / GROUP steps are unrolled.
+        acc = tl.zeros([BLOCK_N, GROUP], dtype=tl.float32)
+        for k0 in tl.range(start, end, GROUP, num_stages=STAGES, loop_unroll_factor=BLOCK_K // GROUP):
+            s = tl.load(s_ptr + (k0 // GROUP) * N + rn, mask=n_mask, other=0.0).to(tl.float32)
+            q = tl.load(qw_ptr + rn[:, None] * K + (k0 + rgk)[None, :], mask=n_mask[:, None], other=0)
+            x = tl.load(x_row + k0 + rgk).to(tl.float32)
+            qf = (q.to(tl.int32) + MAGIC_BITS_Q8).to(tl.float32, bitcast=True) - MAGIC_F32_Q8
+            if HAS_ZERO:
+                z = tl.load(z_ptr + (k0 // GROUP) * N + rn, mask=n_mask, other=0.0).to(tl.float32)
+                w = tl.fma(qf, s[:, None], (-z * s)[:, None])
+            else:
+                w = qf * s[:, None]
+            acc = tl.fma(w, x[None, :], acc)
+        y = tl.sum(acc, axis=1)
+        if SPLIT:
+            tl.store(ws_ptr + (pid_k * M + pid_m).to(tl.int64) * N + rn, y, mask=n_mask)
+        else:
+            tl.store(y_ptr + pid_m.to(tl.int64) * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = rm < M
+        rgk = tl.arange(0, GROUP)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        # one tl.dot a group, scaled (and its zero term taken off) before it joins the accumulator
+        for k0 in range(start, end, BLOCK_K):
+            for gi in tl.static_range(GROUPS):
+                kk = k0 + gi * GROUP
+                k_mask = (kk + rgk) < K
+                q = tl.load(qw_ptr + rn[:, None] * K + (kk + rgk)[None, :],
+                            mask=n_mask[:, None] & k_mask[None, :], other=0)
+                x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + (kk + rgk)[None, :],
+                            mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                d = tl.dot(x, tl.trans(q.to(x.dtype)), input_precision=PRECISION)
+                # (a scalar condition broadcast by hand: the interpreter's masks must be tensors)
+                kb = tl.zeros([BLOCK_N], dtype=tl.int32) + kk
+                g_mask = n_mask & (kb < K)
+                s = tl.load(s_ptr + (kk // GROUP) * N + rn, mask=g_mask, other=0.0).to(tl.float32)
+                if HAS_ZERO:
+                    z = tl.load(z_ptr + (kk // GROUP) * N + rn, mask=g_mask, other=0.0).to(tl.float32)
+                    d -= tl.sum(x.to(tl.float32), axis=1)[:, None] * z[None, :]
+                acc += d * s[None, :]
+        mn_mask = m_mask[:, None] & n_mask[None, :]
+        if SPLIT:
+            tl.store(ws_ptr + (pid_k * M + rm).to(tl.int64)[:, None] * N + rn[None, :], acc, mask=mn_mask)
+        else:
+            offs = rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+            tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mn_mask)
+
+
 # --------------------------------------------------------------------------
 # Wrapper
 # --------------------------------------------------------------------------
@@ -135,19 +213,29 @@ class W8Config(NamedTuple):
     split_k: int = 1  # programs per row block along K (fp32 partials, then one sum)
 
 
-def check_config(cfg: W8Config) -> None:
+def check_config(cfg: W8Config, group_size: int = 0) -> None:
     """Raise on tiles the kernel cannot take (a hand-made or tabled config)."""
     pow2 = all(v > 0 and v & (v - 1) == 0 for v in (cfg.block_m, cfg.block_n, cfg.block_k))
     if not pow2 or (cfg.block_m != 1 and min(cfg.block_m, cfg.block_n, cfg.block_k) < 16) \
             or min(cfg.split_k, cfg.num_warps, cfg.num_stages) < 1:
         raise ValueError(f"W8A16 config {cfg}: block sizes must be powers of two (block_m 1, or block_m, "
                          f"block_n, block_k >= 16 for tensor cores) and split_k, warps, stages >= 1")
+    if group_size and cfg.block_k % group_size:
+        raise ValueError(f"W8A16 config {cfg}: block_k must hold whole groups of {group_size}")
 
 
 @functools.lru_cache(maxsize=256)
-def pick_config(m: int, n: int, k: int, device_name: Optional[str] = None, sms: int = 132) -> W8Config:
+def pick_config(m: int, n: int, k: int, device_name: Optional[str] = None, sms: int = 132,
+                group_size: int = 0) -> W8Config:
     """The measured tiles of rooflm/kernels/tuned/weight_only.json for this GPU and shape, else as
-    w4a16.pick_config: narrow row blocks and split-K to fill the SMs at M == 1, tensor-core tiles above."""
+    w4a16.pick_config: narrow row blocks and split-K to fill the SMs at M == 1, tensor-core tiles above.
+    Group-wise scales take the heuristic (the table was measured per-channel), block_k >= the group."""
+    if group_size:
+        cfg = pick_config(m, n, k, None, sms)
+        if cfg.block_k < group_size:
+            cfg = cfg._replace(block_k=group_size,
+                               split_k=min(cfg.split_k, max(1, -(-k // group_size))))
+        return cfg
     tabled = lookup("w8a16", device_name, n, k, m)
     if tabled is not None:
         cfg = W8Config(**tabled)
@@ -162,8 +250,10 @@ def pick_config(m: int, n: int, k: int, device_name: Optional[str] = None, sms: 
 
 
 def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                 zeros: torch.Tensor | None = None, config: Optional[W8Config] = None) -> torch.Tensor:
-    """x [M, K] @ W.T for int8 W [N, K] with per-row scales [N] (and zero points [N]).
+                 zeros: torch.Tensor | None = None, config: Optional[W8Config] = None,
+                 group_size: int = 0) -> torch.Tensor:
+    """x [M, K] @ W.T for int8 W [N, K] with per-row scales [N] (and zero points [N]), or with
+    group_size > 0 scales (and zeros) [K / group_size, N], one per group of inputs and row.
     config: tiles to use instead of pick_config's (benchmarks sweep them)."""
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
@@ -171,27 +261,37 @@ def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     n = qweight.shape[0]
     if qweight.dtype != torch.int8 or qweight.shape[1] != k:
         raise ValueError(f"qweight must be int8 [N, K] with K={k}, got {qweight.dtype} {tuple(qweight.shape)}")
-    if scales.shape != (n,) or (zeros is not None and zeros.shape != (n,)):
-        raise ValueError(f"scales (and zeros) must be [N] = [{n}], got {tuple(scales.shape)}")
+    if group_size:
+        if group_size < 16 or group_size & (group_size - 1) or k % group_size:
+            raise ValueError(f"group_size {group_size} must be a power of two >= 16 dividing K={k}")
+        want = (k // group_size, n)
+    else:
+        want = (n,)
+    if scales.shape != want or (zeros is not None and zeros.shape != want):
+        raise ValueError(f"scales (and zeros) must be {list(want)}, got {tuple(scales.shape)}"
+                         + ("" if zeros is None else f" and {tuple(zeros.shape)}"))
     if x.stride(-1) != 1:
         x = x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    cfg = config or pick_config(m, n, k, *device_facts(x.device))
-    check_config(cfg)
+    cfg = config or pick_config(m, n, k, *device_facts(x.device), group_size=group_size)
+    check_config(cfg, group_size)
     iterations = triton.cdiv(k, cfg.block_k)
     per_split = triton.cdiv(iterations, cfg.split_k)
     split_k = triton.cdiv(iterations, per_split)  # no empty splits
     ws = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else y
     grid = (triton.cdiv(n, cfg.block_n), m if cfg.block_m == 1 else triton.cdiv(m, cfg.block_m), split_k)
-    _w8a16_kernel[grid](y, ws, x, qweight, scales, scales if zeros is None else zeros, m, n, k,
-                        per_split * cfg.block_k, x.stride(0), y.stride(0), HAS_ZERO=zeros is not None,
-                        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split_k > 1,
-                        EVEN_K=k % cfg.block_k == 0,
-                        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps,
-                        STAGES=1 if is_interpreter() else cfg.num_stages,
-                        num_stages=1 if is_interpreter() else cfg.num_stages)
+    # group-wise scales: a kernel of their own (its loop sums per group), the same arguments
+    kernel = _w8a16_grouped if group_size else _w8a16_kernel
+    extra = {"GROUP": group_size} if group_size else {}
+    kernel[grid](y, ws, x, qweight, scales, scales if zeros is None else zeros, m, n, k,
+                 per_split * cfg.block_k, x.stride(0), y.stride(0), HAS_ZERO=zeros is not None,
+                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split_k > 1,
+                 EVEN_K=k % cfg.block_k == 0,
+                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps,
+                 STAGES=1 if is_interpreter() else cfg.num_stages,
+                 num_stages=1 if is_interpreter() else cfg.num_stages, **extra)
     if split_k > 1:
         split_k_reduce(y, ws)
     return y
@@ -201,18 +301,24 @@ def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 # Reference
 # --------------------------------------------------------------------------
 
-def dequantize_w8(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_w8(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
+                  group_size: int = 0) -> torch.Tensor:
     """W [N, K] in fp32."""
     codes = qweight.float()
+    if group_size:  # [K / g, N] -> one value per weight
+        def spread(t):
+            return t.float().T.repeat_interleave(group_size, dim=1)
+        return (codes - (0.0 if zeros is None else spread(zeros))) * spread(scales)
     if zeros is not None:
         codes = codes - zeros.float()[:, None]
     return codes * scales.float()[:, None]
 
 
 def w8a16_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                     zeros: torch.Tensor | None = None) -> torch.Tensor:
-    return (x.float() @ dequantize_w8(qweight, scales, zeros).T).to(x.dtype)
+                     zeros: torch.Tensor | None = None, group_size: int = 0) -> torch.Tensor:
+    return (x.float() @ dequantize_w8(qweight, scales, zeros, group_size).T).to(x.dtype)
 
 
-def w8a16_bytes(m: int, n: int, k: int, act_bytes: int = 2) -> int:
-    return n * k + 2 * act_bytes * n + act_bytes * (m * k + m * n)
+def w8a16_bytes(m: int, n: int, k: int, act_bytes: int = 2, group_size: int = 0) -> int:
+    groups = k // group_size if group_size else 1
+    return n * k + 2 * act_bytes * n * groups + act_bytes * (m * k + m * n)

@@ -305,7 +305,7 @@ def open_gguf_weights(path: str, keep_quantized: bool = False
     """The config, and a stream of (HF name, float32 tensor, path).
 
     With keep_quantized, 2-D tensors in a block format rooflm.quant multiplies directly
-    (Q4_0, Q4_1, Q8_0) come as rooflm.quant.gguf_blocks.BlockTensor instead, un-permuted the
+    (Q4_0, Q4_1, Q8_0, Q4_K) come as rooflm.quant.gguf_blocks.BlockTensor instead, un-permuted the
     same way; the model decides what to do with them.
 
     Names and tensor types are checked up front so an unusable file fails

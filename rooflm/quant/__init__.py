@@ -3,9 +3,10 @@
 The narrow interface the rest of rooflm sees:
 
 - quantized tensors, one per linear weight, each with `shape`, `format`, `dequantize()` and `cat()`
-  (fused shards): `gguf_blocks.BlockTensor` (GGUF Q4_0/Q4_1/Q8_0 blocks) and
+  (fused shards): `gguf_blocks.BlockTensor` (GGUF Q4_0/Q4_1/Q8_0/Q4_K blocks) and
   `formats.GroupWeight` / `formats.ChannelWeight` (4-bit group-wise / 8-bit per-channel, decoded
-  from GPTQ or AWQ checkpoints by `checkpoint.group_quantized`, or made by `rtn` / `gptq`);
+  from GPTQ, AWQ or compressed-tensors pack-quantized checkpoints by `checkpoint.group_quantized`,
+  or made by `rtn` / `gptq`);
 - `linear_method.make_linear_method(weight, device, dtype)`: the module that computes `x @ W.T`
   from one (`QuantizedLinearMethod`: torch's CPU kernels for GGUF blocks, the Triton W4A16/W8A16
   kernels on CUDA), or None where no kernel on that device takes it (the caller dequantizes);

@@ -9,7 +9,9 @@ config.json's `quantization_config` names the scheme (quant_method). rooflm read
         (input_scale); weight_block_size is not supported
   compressed-tensors  format "float-quantized" with 8-bit float weights (channel or tensor
         strategy) and 8-bit float input activations (token/dynamic, tensor/static) or none;
-        other compressed-tensors formats (pack-quantized int4, int8 W8A8) fail naming the format
+        format "pack-quantized" (W4A16 / W8A16: int4 or int8 weights, group or channel strategy,
+        symmetric or not, actorder with weight_g_idx; no input activations), see formats.py;
+        other compressed-tensors formats (int-quantized W8A8, sparse) fail naming the format
 
 Anything else fails at load with the scheme named. A quantized linear's tensors
 (`<prefix>.qweight`, `.qzeros`, `.scales`, `.g_idx`) are collected and yielded as one
@@ -33,7 +35,7 @@ _OPTIONAL = {"g_idx"}
 
 @dataclass(frozen=True)
 class QuantScheme:
-    method: str  # gptq | awq
+    method: str  # gptq | awq | fp8 | ct-packed (compressed-tensors pack-quantized)
     bits: int
     group_size: int  # -1: one group per output channel
     desc_act: bool = False
@@ -44,7 +46,9 @@ class QuantScheme:
         if self.method == "fp8":
             return f"fp8 W8A8 ({self.activations} activations)" if self.activations != "none" else "fp8 weight-only"
         g = "per-channel" if self.group_size == -1 else f"g{self.group_size}"
-        return f"{self.method} int{self.bits} {g}" + (" act-order" if self.desc_act else "")
+        method = "compressed-tensors pack-quantized" if self.method == "ct-packed" else self.method
+        return (f"{method} int{self.bits} {g}" + (" act-order" if self.desc_act else "")
+                + ("" if self.sym or self.method != "ct-packed" else " asymmetric"))
 
 
 def parse_quant_config(cfg: dict[str, Any], config_path: str) -> Optional[QuantScheme]:
@@ -80,8 +84,8 @@ def parse_quant_config(cfg: dict[str, Any], config_path: str) -> Optional[QuantS
     if method == "compressed-tensors":
         return _compressed_tensors_scheme(qc, config_path)
     raise load_error(config_path, f"quantization scheme {method!r} is not supported; rooflm loads "
-                                  f"'gptq', 'awq', 'fp8' and compressed-tensors fp8 checkpoints "
-                                  f"(and GGUF Q4_0/Q4_1/Q8_0)")
+                                  f"'gptq', 'awq', 'fp8' and compressed-tensors (fp8, pack-quantized "
+                                  f"int4/int8) checkpoints (and GGUF Q4_0/Q4_1/Q8_0/Q4_K)")
 
 
 def _compressed_tensors_scheme(qc: dict[str, Any], config_path: str) -> QuantScheme:
@@ -89,9 +93,12 @@ def _compressed_tensors_scheme(qc: dict[str, Any], config_path: str) -> QuantSch
     weights, with 8-bit float activations per token (dynamic) or per tensor (static), or none."""
     fmt = str(qc.get("format", "?"))
     groups = list((qc.get("config_groups") or {}).values())
+    if fmt == "pack-quantized" and groups:
+        return _pack_quantized_scheme(groups, config_path)
     if fmt not in ("float-quantized", "naive-quantized") or not groups:
         raise load_error(config_path, f"compressed-tensors format {fmt!r} is not supported; rooflm reads "
-                                      f"'float-quantized' fp8 (W8A8 or weight-only)")
+                                      f"'float-quantized' fp8 (W8A8 or weight-only) and 'pack-quantized' "
+                                      f"int4/int8 weight-only")
     acts = set()
     for group in groups:
         w = group.get("weights") or {}
@@ -112,11 +119,45 @@ def _compressed_tensors_scheme(qc: dict[str, Any], config_path: str) -> QuantSch
     return QuantScheme("fp8", 8, -1, activations=acts.pop())
 
 
+def _pack_quantized_scheme(groups: list[dict], config_path: str) -> QuantScheme:
+    """llm-compressor's W4A16 / W8A16 (format pack-quantized): one weight scheme for every config
+    group (several groups must agree: rooflm keeps one scheme a model), integer weights, no
+    quantized activations."""
+    schemes = set()
+    for group in groups:
+        w = group.get("weights") or {}
+        strategy = w.get("strategy")
+        bits = int(w.get("num_bits", 0))
+        if w.get("type") != "int" or bits not in (4, 8) or strategy not in ("group", "channel"):
+            raise load_error(config_path, f"compressed-tensors pack-quantized weights {w.get('type')} {bits}-bit "
+                                          f"strategy {strategy!r} are not supported (int 4- or 8-bit, group or "
+                                          f"channel)")
+        if group.get("input_activations") is not None:
+            raise load_error(config_path, f"compressed-tensors pack-quantized with input activations "
+                                          f"{group['input_activations']} is not supported (weight-only)")
+        size = int(w.get("group_size") or -1) if strategy == "group" else -1
+        if strategy == "group" and size <= 0:
+            raise load_error(config_path, "compressed-tensors group strategy without a group_size")
+        actorder = w.get("actorder")
+        if actorder not in (None, False, "group", "weight", "static", "dynamic"):
+            raise load_error(config_path, f"compressed-tensors actorder {actorder!r} is not supported")
+        # actorder "group" stores weight_g_idx (inputs assigned to groups out of order); "weight"
+        # only ordered the quantization, and the groups stay contiguous
+        schemes.add(QuantScheme("ct-packed", bits, size, actorder == "group", bool(w.get("symmetric", True))))
+    if len(schemes) != 1:
+        raise load_error(config_path, f"compressed-tensors config groups with different weight schemes "
+                                      f"{sorted(s.describe() for s in schemes)} are not supported")
+    return schemes.pop()
+
+
 def group_quantized(stream: Iterator[tuple[str, torch.Tensor, str]], scheme: QuantScheme,
                     act_dtype: torch.dtype = torch.float16) -> Iterator[tuple[str, Any, str]]:
     """Pass float tensors through; collect each quantized linear's parts into `<prefix>.weight`."""
     if scheme.method == "fp8":
         yield from _group_fp8(stream, scheme)
+        return
+    if scheme.method == "ct-packed":
+        yield from _group_packed(stream, scheme)
         return
     parts = _PARTS[scheme.method]
     pending: dict[str, dict[str, torch.Tensor]] = {}
@@ -188,3 +229,49 @@ def _decode_fp8(scheme: QuantScheme, t: dict[str, torch.Tensor], source: str, pr
         return fp8.from_checkpoint(t["weight"], t["weight_scale"], t.get("input_scale"), scheme.activations)
     except ValueError as exc:
         raise load_error(source, f"cannot decode {scheme.describe()} linear {prefix!r}: {exc}") from exc
+
+
+_CT_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
+
+
+def _group_packed(stream: Iterator[tuple[str, torch.Tensor, str]],
+                  scheme: QuantScheme) -> Iterator[tuple[str, Any, str]]:
+    """compressed-tensors pack-quantized linears: `<prefix>.weight_packed`, `.weight_scale`,
+    `.weight_shape`, `.weight_zero_point` (asymmetric), `.weight_g_idx` (actorder group) ->
+    `<prefix>.weight`, scales in the checkpoint's own dtype (bf16 ones are not squeezed through
+    fp16's range). A symmetric file's zero points (older writers kept them) must be zero."""
+    needed = ["weight_packed", "weight_scale", "weight_shape"]
+    if not scheme.sym:
+        needed.append("weight_zero_point")
+    if scheme.desc_act:
+        needed.append("weight_g_idx")
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    sources: dict[str, str] = {}
+    for name, tensor, source in stream:
+        prefix, _, leaf = name.rpartition(".")
+        if leaf not in _CT_PARTS:
+            yield name, tensor, source
+            continue
+        if leaf == "weight_zero_point" and scheme.sym:
+            zero = (formats.unpack_rows(tensor.reshape(tensor.shape[0], -1), scheme.bits) - (1 << (scheme.bits - 1))
+                    if tensor.dtype == torch.int32 else tensor)
+            if torch.count_nonzero(zero):
+                raise load_error(source, f"{name}: non-zero zero points in a checkpoint whose config says "
+                                         f"symmetric")
+            continue
+        got = pending.setdefault(prefix, {})
+        got[leaf] = tensor
+        sources[prefix] = source
+        if all(p in got for p in needed):
+            t = pending.pop(prefix)
+            try:
+                weight = formats.from_compressed_tensors(
+                    t["weight_packed"], t["weight_scale"], t["weight_shape"], t.get("weight_zero_point"),
+                    t.get("weight_g_idx"), scheme.bits, scheme.group_size, t["weight_scale"].dtype)
+            except (ValueError, RuntimeError) as exc:
+                raise load_error(source, f"cannot decode compressed-tensors {scheme.describe()} linear "
+                                         f"{prefix!r}: {exc}") from exc
+            yield prefix + ".weight", weight, source
+    for prefix, got in pending.items():
+        missing = [p for p in needed if p not in got]
+        raise load_error(sources[prefix], f"compressed-tensors linear {prefix!r} lacks {', '.join(missing)}")

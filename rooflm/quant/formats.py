@@ -4,7 +4,11 @@ Every format decodes to one of two runtime forms, each `value = (code - zero) * 
 
   GroupWeight  4-bit, one (scale, zero) per output row and group of `group_size` inputs:
                codes uint8 [N, K] (0..15), scales [K/g, N], zeros [K/g, N] (float, code units),
-               perm: int64 [K] or None (GPTQ act-order: input k of the kernel is perm[k] of x)
+               perm: int64 [K] or None (GPTQ act-order: input k of the kernel is perm[k] of x);
+               bits 8 (GGUF Q8_0, compressed-tensors int8 groups): codes int8 [N, K], W8A16's
+               group-wise path. keep_dtype: the scales and zeros go to the device in their own
+               dtype (GGUF: fp16 where the file's values fit it exactly, else fp32) rather than
+               rounded to the activation dtype.
   ChannelWeight 8-bit, one (scale, zero) per output row: codes int8 [N, K], scales [N], zeros [N]
 
 Checkpoint layouts (W is nn.Linear's [N = out, K = in]; all packed tensors are int32):
@@ -23,6 +27,17 @@ Checkpoint layouts (W is nn.Linear's [N = out, K = in]; all packed tensors are i
     qzeros  [G, N / 8]          zero points, same packing, stored as they are
     scales  [G, N] fp16
     value = scales[k // g, n] * (q[k, n] - z[k // g, n])
+
+  compressed-tensors "pack-quantized" (llm-compressor's W4A16 / W8A16, int4 or int8, group or
+  channel strategy, symmetric or not; compressed_tensors' pack_to_int32)
+    weight_packed      int32 [N, ceil(K * bits / 32)]  codes packed along K: word j of row n holds
+                       k = j*p .. j*p+p-1, k = j*p + i in bits [i*bits, (i+1)*bits), each code the
+                       signed value q (-2^(bits-1) .. 2^(bits-1)-1) stored plus 2^(bits-1)
+    weight_scale       [N, G] (G = 1 for channel), the checkpoint's float dtype
+    weight_zero_point  asymmetric only: int32 [ceil(N * bits / 32), G] packed along N the same
+                       way (signed, stored plus 2^(bits-1)); older files: int8 [N, G] as they are
+    weight_shape       [2] = (N, K);  weight_g_idx [K] with actorder "group"
+    value = scale[n, g] * (q[n, k] - zero_point[n, g])  =  scale * (stored code - stored zero)
 
 `rooflm quantize` writes GPTQ (it also holds 8-bit per-channel, group_size -1).
 
@@ -43,6 +58,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -60,6 +76,7 @@ class GroupWeight:
     perm: Optional[torch.Tensor] = None
     format: str = "int4"
     bits: int = 4
+    keep_dtype: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -83,8 +100,11 @@ class GroupWeight:
         for p in parts[1:]:
             if p.group_size != first.group_size or not _same_perm(p.perm, first.perm):
                 raise ValueError("cannot fuse shards with different group sizes or act-order permutations")
+        if len({(p.bits, p.scales.dtype, p.zeros.dtype, p.keep_dtype) for p in parts}) != 1:
+            raise ValueError("cannot fuse shards with different bits or scale/zero dtypes")
         return GroupWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts], dim=1),
-                           torch.cat([p.zeros for p in parts], dim=1), first.group_size, first.perm, first.format)
+                           torch.cat([p.zeros for p in parts], dim=1), first.group_size, first.perm, first.format,
+                           first.bits, first.keep_dtype)
 
 
 @dataclass(frozen=True)
@@ -252,17 +272,106 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     g = k if group_size in (-1, 0) else group_size
     perm = None
     if g_idx is not None:
-        g_idx = g_idx.to(torch.int64)
-        if not torch.equal(g_idx, torch.arange(k) // g):
-            # act-order: sort the inputs by group so each group is contiguous again; the kernel then
-            # reads x through perm (one gather of the activations per call).
-            perm = torch.argsort(g_idx, stable=True)
-            counts = torch.bincount(g_idx, minlength=-(-k // g))
-            if not torch.equal(counts, torch.bincount(torch.arange(k) // g)):
-                raise ValueError(f"GPTQ g_idx does not put {g} inputs in each group")
+        # act-order: sort the inputs by group so each group is contiguous again; the kernel then
+        # reads x through perm (one gather of the activations per call).
+        perm = _act_order(g_idx, k, g)
+        if perm is not None:
             codes = codes[perm]
     return GroupWeight(codes.T.to(torch.uint8).contiguous(), scales.contiguous(), zeros.to(act_dtype).contiguous(),
                        g, perm, "gptq-int4")
+
+
+def _act_order(g_idx: torch.Tensor, k: int, g: int) -> Optional[torch.Tensor]:
+    """None where g_idx is the plain k // g; else the permutation that sorts the inputs by group
+    (GPTQ act-order), checked to give every group g inputs."""
+    g_idx = g_idx.to(torch.int64)
+    if torch.equal(g_idx, torch.arange(k) // g):
+        return None
+    counts = torch.bincount(g_idx, minlength=-(-k // g))
+    if not torch.equal(counts, torch.bincount(torch.arange(k) // g)):
+        raise ValueError(f"g_idx does not put {g} inputs in each group")
+    return torch.argsort(g_idx, stable=True)
+
+
+def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Tensor, weight_shape: torch.Tensor,
+                            weight_zero_point: Optional[torch.Tensor], g_idx: Optional[torch.Tensor], bits: int,
+                            group_size: int, act_dtype: torch.dtype = torch.float16):
+    """A compressed-tensors pack-quantized linear (layout above) -> GroupWeight (4-bit, or 8-bit with
+    groups) or ChannelWeight (8-bit per channel)."""
+    if bits not in (4, 8):
+        raise ValueError(f"pack-quantized num_bits={bits} is not supported (4 or 8)")
+    n, k = (int(v) for v in weight_shape.reshape(-1).tolist())
+    if weight_packed.dtype != torch.int32 or weight_packed.shape[0] != n or \
+            weight_packed.shape[1] * 32 // bits < k:
+        raise ValueError(f"weight_packed must be int32 [{n}, {-(-k * bits // 32)}] for weight_shape "
+                         f"{[n, k]}, got {weight_packed.dtype} {tuple(weight_packed.shape)}")
+    offset = 1 << (bits - 1)
+    codes = unpack_cols(weight_packed, bits)[:, :k]  # stored, unsigned: q + offset
+    scales = weight_scale.reshape(n, -1)
+    groups = scales.shape[1]
+    g = k if group_size in (-1, 0) or groups == 1 else group_size
+    if groups != -(-k // g):
+        raise ValueError(f"weight_scale {tuple(weight_scale.shape)} does not give one scale per row and "
+                         f"group of {g} of K={k}")
+    if weight_zero_point is None:
+        zeros = torch.full((n, groups), offset, dtype=torch.int32)
+    elif weight_zero_point.dtype == torch.int32:  # packed along N
+        zeros = unpack_rows(weight_zero_point.reshape(-1, groups), bits)[:n]
+    else:  # unpacked signed zero points (older files)
+        zeros = weight_zero_point.reshape(n, groups).to(torch.int32) + offset
+    perm = None if g_idx is None else _act_order(g_idx, k, g)
+    if perm is not None:
+        codes = codes[:, perm]
+    scales = scales.T.to(act_dtype).contiguous()
+    zeros = zeros.T.contiguous()
+    if bits == 8:  # codes and zeros back to signed int8 (their difference is what counts)
+        codes = (codes - offset).to(torch.int8).contiguous()
+        zeros = (zeros - offset).to(act_dtype)
+        if groups == 1 and perm is None:
+            return ChannelWeight(codes, scales[0].contiguous(), zeros[0].contiguous(), "ct-int8")
+        return GroupWeight(codes, scales, zeros, g, perm, "ct-int8", bits=8)
+    return GroupWeight(codes.to(torch.uint8).contiguous(), scales, zeros.to(act_dtype), g, perm, "ct-int4")
+
+
+def _narrowest(values: np.ndarray) -> np.ndarray:
+    """fp16 if it holds every value exactly, else fp32 (contiguous)."""
+    half = values.astype(np.float16)
+    exact = np.array_equal(half.astype(np.float32), values)
+    return np.ascontiguousarray(half if exact else values.astype(np.float32))
+
+
+def from_gguf_blocks(blocks) -> GroupWeight:
+    """A GGUF weight (gguf_blocks.BlockTensor) in the form the CUDA kernels take: groups of 32,
+    value = (code - zero) * scale; W4A16 for the 4-bit types, W8A16's group-wise path for Q8_0.
+    The same values:
+
+      Q4_0  scale d, zero 8                    Q8_0  scale d, zero 0 (int8 codes)
+      Q4_1  scale d, zero -m / d               Q4_K  scale d * sc, zero dmin * m / (d * sc)
+
+    Scales and zeros are kept in fp16 where fp16 holds every one exactly (d of Q4_0/Q4_1/Q8_0 is
+    the file's fp16; zero 8 is exact), else in fp32 (Q4_K's d * sc has up to 17 significant
+    bits; -m / d is a quotient): keep_dtype stops the linear from rounding them to the
+    activation dtype. Only the fp32 quotient rounds (relative 2^-24 of m). A block with scale 0
+    is the constant `offset`, which (code - zero) * 0 cannot give: its codes become 0 and its
+    (scale, zero) (|offset|, -sign(offset)), the same values."""
+    from rooflm.quant.gguf_blocks import BLOCK
+    scale = blocks.scale.astype(np.float32)
+    offset = blocks.offset.astype(np.float32)
+    codes = blocks.codes
+    dead = scale == 0
+    if dead.any():
+        codes = codes.reshape(*scale.shape, BLOCK).copy()
+        codes[dead] = 0
+        codes = codes.reshape(blocks.shape)
+        scale = np.where(dead, np.abs(offset), scale)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        # (Q4_0's d is negative where its block's largest |w| is negative: a sign is no special case)
+        zero = np.where(scale != 0, -offset / np.where(scale != 0, scale, 1.0), 0.0).astype(np.float32)
+    if blocks.format == "Q8_0":
+        zero = np.zeros_like(scale)  # symmetric: the W8A16 linear drops the zero term
+    return GroupWeight(torch.from_numpy(np.ascontiguousarray(codes)),
+                       torch.from_numpy(_narrowest(scale.T)), torch.from_numpy(_narrowest(zero.T)),
+                       BLOCK, None, f"gguf-{blocks.format.lower()}", blocks.bits, keep_dtype=True)
 
 
 def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,

@@ -7,7 +7,16 @@ ggml stores a 2-D weight row by row, each row as blocks of 32 values:
   Q8_0  {fp16 d; int8 qs[32]}           value = d * q,        q in -128..127 (34 B / 32 values)
 
 In the 4-bit types byte j of qs holds value j in its low nibble and value j + 16 in its high
-nibble. Every block is an affine map of its codes, so all three decode to one form:
+nibble. Q4_K groups eight such sub-blocks in a super-block of 256 values (144 B, 4.5 bits a value):
+
+  Q4_K  {fp16 d; fp16 dmin; uint8 scales[12]; uint8 qs[128]}
+        sub-block i (32 values): value = (d * sc[i]) * q - (dmin * m[i]), sc and m 6-bit,
+        packed in `scales` as ggml's get_scale_min_k4 reads them (i < 4: low 6 bits of bytes i
+        and i + 4; i >= 4: a nibble of byte i + 4 and the top 2 bits of bytes i - 4 and i);
+        qs in 4 chunks of 32 bytes, each holding sub-block 2c in the low nibbles and 2c + 1
+        in the high ones (not Q4_0's j / j + 16 split).
+
+Every block is an affine map of its codes, so all four decode to one form:
 
   value = scale * code + offset      (scale, offset per row and block of 32)
 
@@ -26,8 +35,10 @@ BLOCK = 32
 
 # type name -> (bytes per block, has a per-block minimum m)
 _LAYOUTS = {"Q4_0": (18, False), "Q4_1": (20, True), "Q8_0": (34, False)}
+SUPER_BLOCK = 256  # Q4_K: values per super-block
+Q4_K_BYTES = 144
 
-FORMATS = tuple(_LAYOUTS)
+FORMATS = tuple(_LAYOUTS) + ("Q4_K",)
 
 
 @dataclass(frozen=True)
@@ -76,9 +87,11 @@ class BlockTensor:
 def decode(format: str, raw: np.ndarray, shape: tuple[int, int]) -> BlockTensor:
     """Decode a GGUF tensor's bytes (uint8, any shape holding rows * bytes-per-row) into a
     BlockTensor of torch shape (rows, cols)."""
-    if format not in _LAYOUTS:
+    if format not in FORMATS:
         raise ValueError(f"{format} is not a block format rooflm keeps quantized ({', '.join(FORMATS)})")
     rows, cols = shape
+    if format == "Q4_K":
+        return _decode_q4_k(raw, rows, cols)
     if cols % BLOCK:
         raise ValueError(f"row length {cols} is not a multiple of the block size {BLOCK}")
     block_bytes, has_min = _LAYOUTS[format]
@@ -101,3 +114,29 @@ def decode(format: str, raw: np.ndarray, shape: tuple[int, int]) -> BlockTensor:
     else:
         offset = -8.0 * scale
     return BlockTensor(format, codes, scale, offset)
+
+
+def _decode_q4_k(raw: np.ndarray, rows: int, cols: int) -> BlockTensor:
+    """Q4_K super-blocks -> per-32 (scale, offset): scale = d * sc and offset = -(dmin * m), each
+    one fp32 product as ggml and gguf-py compute them, so dequantize() is theirs bit for bit."""
+    if cols % SUPER_BLOCK:
+        raise ValueError(f"Q4_K row length {cols} is not a multiple of the super-block size {SUPER_BLOCK}")
+    supers = cols // SUPER_BLOCK
+    raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
+    if raw.size != rows * supers * Q4_K_BYTES:
+        raise ValueError(f"Q4_K tensor of shape {(rows, cols)} needs {rows * supers * Q4_K_BYTES} bytes, "
+                         f"got {raw.size}")
+    blocks = raw.reshape(rows, supers, Q4_K_BYTES)
+    d = blocks[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float32)
+    dmin = blocks[:, :, 2:4].copy().view(np.float16)[:, :, 0].astype(np.float32)
+    packed = blocks[:, :, 4:16]
+    low, high, mixed = packed[:, :, 0:4], packed[:, :, 4:8], packed[:, :, 8:12]
+    # get_scale_min_k4: sub-blocks 0-3 in the low 6 bits of bytes 0-3 (sc) and 4-7 (m); 4-7 take a
+    # nibble of bytes 8-11 and the top 2 bits of bytes 0-3 (sc) or 4-7 (m).
+    sc = np.concatenate([low & 0x3F, (mixed & 0x0F) | ((low >> 6) << 4)], axis=2).astype(np.float32)
+    mins = np.concatenate([high & 0x3F, (mixed >> 4) | ((high >> 6) << 4)], axis=2).astype(np.float32)
+    scale = (d[:, :, None] * sc).reshape(rows, cols // BLOCK)
+    offset = -(dmin[:, :, None] * mins).reshape(rows, cols // BLOCK)
+    qs = blocks[:, :, 16:].reshape(rows, supers, 4, 1, 32)
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(rows, cols)
+    return BlockTensor("Q4_K", codes, scale, offset)

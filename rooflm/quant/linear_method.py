@@ -1,14 +1,19 @@
 """Linear layers that multiply block-quantized weights without dequantizing them to float.
 
 Where rooflm's native kernels build (rooflm/quant/native.py: a C compiler and AVX2/FMA),
-NativeBlockLinear takes every 4-bit and 8-bit format with the file's exact blocks; the torch
-kernel modules below are the fallback.
+NativeBlockLinear takes every 4-bit and 8-bit format with the file's exact blocks (Q4_K's
+per-32 scale d * sc and offset dmin * m are rounded to the kernel's fp16: up to 2^-12 relative a
+block); the torch kernel modules below are the fallback.
+
+On CUDA a GGUF weight goes to the Triton kernels instead (make_linear_method): its blocks as a
+formats.GroupWeight of group 32 (formats.from_gguf_blocks), W4A16 for Q4_0/Q4_1/Q4_K and
+W8A16's group-wise path for Q8_0, scales and zeros in fp16/fp32 exactly as decoded.
 
 Why: batch-1 decode reads every weight once per token. SmolLM2-135M dequantized to fp32 is
 0.54 GB a token; its Q4_1 blocks as torch's packed int4 are 4.5 bits a weight (~60 MB for the
 decoder layers). The kernels are torch's own CPU weight-only GEMMs:
 
-  4-bit (Q4_0, Q4_1): aten._weight_int4pack_mm_for_cpu, groups of 32 along K with one
+  4-bit (Q4_0, Q4_1, Q4_K): aten._weight_int4pack_mm_for_cpu, groups of 32 along K with one
       (scale, zero) pair per group and row, value = (code - 8) * scale + zero. A GGUF block is
       exactly one group: scale = d, zero = offset + 8 d. Only the rounding of scale and zero to
       bf16 (the kernel's activation dtype) changes the weights.
@@ -160,7 +165,7 @@ class Int8RowLinear(QuantizedLinearMethod):
 
 def make_quantized_linear(blocks: BlockTensor, device: torch.device) -> Optional[QuantizedLinearMethod]:
     """The module for `blocks` on `device`, or None when no kernel here takes the format
-    (then the caller dequantizes). Only the CPU kernels exist so far."""
+    (then the caller dequantizes). The CPU kernels; make_linear_method sends CUDA to Triton's."""
     if device.type != "cpu":
         return None
     lib = native.library()
@@ -189,8 +194,11 @@ class W4A16Linear(QuantizedLinearMethod):
         self.out_features, self.in_features = weight.shape
         self.format, self.group_size = weight.format, weight.group_size
         self.register_buffer("qweight", pack_int4(weight.codes, weight.group_size).to(device))
-        self.register_buffer("scales", weight.scales.to(device=device, dtype=act_dtype).contiguous())
-        self.register_buffer("zeros", weight.zeros.to(device=device, dtype=act_dtype).contiguous())
+        # The kernel reads scales and zeros in whatever float dtype they come in (to fp32 in
+        # registers): GGUF's (keep_dtype) stay fp16/fp32, exact, not rounded to bf16.
+        param_dtype = None if weight.keep_dtype else act_dtype
+        self.register_buffer("scales", weight.scales.to(device=device, dtype=param_dtype).contiguous())
+        self.register_buffer("zeros", weight.zeros.to(device=device, dtype=param_dtype).contiguous())
         self.register_buffer("perm", None if weight.perm is None else weight.perm.to(device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -203,19 +211,28 @@ class W4A16Linear(QuantizedLinearMethod):
 
 
 class W8A16Linear(QuantizedLinearMethod):
+    """int8 weights: a ChannelWeight (one scale a row) or an 8-bit GroupWeight (GGUF Q8_0: one scale
+    per row and group of inputs, the kernel's group-wise path)."""
+
     def __init__(self, weight, device: torch.device, act_dtype: torch.dtype):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.format = weight.format
+        self.group_size = getattr(weight, "group_size", 0)
+        if getattr(weight, "perm", None) is not None:
+            raise ValueError("8-bit group-wise weights with an act-order permutation are not supported")
+        param_dtype = None if getattr(weight, "keep_dtype", False) else act_dtype
         self.register_buffer("qweight", weight.codes.to(device=device, dtype=torch.int8).contiguous())
-        self.register_buffer("scales", weight.scales.to(device=device, dtype=act_dtype).contiguous())
+        self.register_buffer("scales", weight.scales.to(device=device, dtype=param_dtype).contiguous())
         # Symmetric weights (zero 0 everywhere) skip the zero-point term.
         has_zero = bool((weight.zeros != 0).any())
-        self.register_buffer("zeros", weight.zeros.to(device=device, dtype=act_dtype) if has_zero else None)
+        self.register_buffer("zeros", weight.zeros.to(device=device, dtype=param_dtype).contiguous()
+                             if has_zero else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from rooflm.kernels.w8a16 import w8a16_linear
-        y = w8a16_linear(x.reshape(-1, self.in_features), self.qweight, self.scales, self.zeros)
+        y = w8a16_linear(x.reshape(-1, self.in_features), self.qweight, self.scales, self.zeros,
+                         group_size=self.group_size)
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -290,8 +307,10 @@ def fp8_matmul_emulated(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw
 def make_linear_method(weight, device: torch.device, act_dtype: torch.dtype) -> Optional[QuantizedLinearMethod]:
     """The module for any quantized weight (GGUF blocks, GroupWeight, ChannelWeight, Fp8Weight) on `device`,
     or None where no kernel here takes it (the caller then dequantizes)."""
-    from rooflm.quant.formats import ChannelWeight, Fp8Weight, GroupWeight
+    from rooflm.quant.formats import ChannelWeight, Fp8Weight, GroupWeight, from_gguf_blocks
     if isinstance(weight, BlockTensor):
+        if device.type == "cuda":  # the Triton kernels, on the blocks' own values
+            return make_linear_method(from_gguf_blocks(weight), device, act_dtype)
         return make_quantized_linear(weight, device)
     if isinstance(weight, Fp8Weight):  # every device: fp32 emulation where there is no _scaled_mm
         return Fp8Linear(weight, device)
@@ -299,8 +318,11 @@ def make_linear_method(weight, device: torch.device, act_dtype: torch.dtype) -> 
         return None  # CPU: dequantized at load (no CPU kernel for these layouts yet)
     if isinstance(weight, GroupWeight):
         # The kernel's tiles hold whole groups: a short last group (K % g) is dequantized instead.
-        if weight.shape[1] % weight.group_size or weight.group_size % 16:
+        g = weight.group_size
+        if weight.shape[1] % g or g % 16 or g & (g - 1):
             return None
+        if weight.bits == 8:
+            return None if weight.perm is not None else W8A16Linear(weight, device, act_dtype)
         return W4A16Linear(weight, device, act_dtype)
     if isinstance(weight, ChannelWeight):
         return W8A16Linear(weight, device, act_dtype)

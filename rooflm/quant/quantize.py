@@ -20,6 +20,8 @@ with --act-order, the permutation in g_idx) or int8 symmetric per channel (`bits
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import logging
 import os
@@ -93,8 +95,9 @@ def _rows(weight, start: int, size: int):
     """Rows [start, start + size) of a GroupWeight/ChannelWeight."""
     from rooflm.quant.formats import ChannelWeight, GroupWeight
     if isinstance(weight, GroupWeight):
-        return GroupWeight(weight.codes[start:start + size], weight.scales[:, start:start + size],
-                           weight.zeros[:, start:start + size], weight.group_size, weight.perm, weight.format)
+        return dataclasses.replace(weight, codes=weight.codes[start:start + size],
+                                   scales=weight.scales[:, start:start + size],
+                                   zeros=weight.zeros[:, start:start + size])
     return ChannelWeight(weight.codes[start:start + size], weight.scales[start:start + size],
                          weight.zeros[start:start + size], weight.format)
 

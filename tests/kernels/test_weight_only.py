@@ -162,6 +162,49 @@ def test_w8a16_configs_match_reference(cfg, k):
     assert_close(w8a16_linear(x, qw, s, z, config=cfg), w8a16_linear_ref(x, qw, s, z), dtype, str(cfg))
 
 
+def _w8_grouped(n, k, group, dtype, seed, with_zero=False):
+    g = torch.Generator().manual_seed(seed)
+    qw = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8).to(DEVICE)
+    s = (0.001 + 0.02 * torch.rand(k // group, n, generator=g)).to(dtype).to(DEVICE)  # one a group: varied
+    z = torch.randint(-8, 8, (k // group, n), generator=g).to(dtype).to(DEVICE) if with_zero else None
+    return qw, s, z, g
+
+
+@pytest.mark.parametrize("cfg", [
+    None,                                     # pick_config's heuristic (block_k raised to the group)
+    W8Config(1, 16, 64, 4, 3, split_k=1),     # GEMV, two groups a tile
+    W8Config(1, 8, 32, 4, 3, split_k=3),      # one group a tile, split-K
+    W8Config(1, 32, 128, 4, 3, split_k=2),    # the last tile runs past K (K = 224: 7 groups)
+    W8Config(16, 16, 64, 4, 3, split_k=2),    # tensor cores, split-K
+    W8Config(16, 32, 32, 4, 3, split_k=1),
+], ids=lambda c: "heuristic" if c is None else f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.split_k}")
+@pytest.mark.parametrize("with_zero", [False, True])
+def test_w8a16_group_scales_match_reference(cfg, with_zero):
+    """Group-wise scales (GGUF Q8_0: one per 32 inputs): each group's sum scaled by its own scale."""
+    dtype = torch.float16
+    n, k, group = 24, 224, 32
+    qw, s, z, g = _w8_grouped(n, k, group, dtype, seed=7 + with_zero, with_zero=with_zero)
+    for m in ((1, 5) if cfg is None else ((1,) if cfg.block_m == 1 else (5,))):
+        x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+        ref = w8a16_linear_ref(x, qw, s, z, group_size=group)
+        assert_close(w8a16_linear(x, qw, s, z, config=cfg, group_size=group), ref, dtype, f"{cfg} m={m}")
+    # and the reference is what it says: per-channel scales repeated per group give the per-channel result
+    per_row = s[0].clone()
+    same = per_row.expand(k // group, n).contiguous()
+    assert torch.equal(w8a16_linear_ref(x, qw, same, None, group_size=group), w8a16_linear_ref(x, qw, per_row))
+
+
+def test_w8a16_group_scales_reject_bad_shapes():
+    qw, s, _, g = _w8_grouped(16, 64, 32, torch.float16, seed=1)
+    x = torch.randn(1, 64, generator=g).to(torch.float16).to(DEVICE)
+    with pytest.raises(ValueError, match=r"must be \[2, 16\]"):
+        w8a16_linear(x, qw, s[:1], group_size=32)
+    with pytest.raises(ValueError, match="group_size 24"):
+        w8a16_linear(x, qw, s, group_size=24)
+    with pytest.raises(ValueError, match="whole groups"):
+        w8a16_linear(x, qw, s, config=W8Config(1, 16, 16, 4, 3), group_size=32)
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("m", [1, 16, 64])
@@ -175,6 +218,9 @@ def test_weight_only_bf16_large(m, n, k):
     q8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8).to(DEVICE)
     s8 = (0.001 * torch.rand(n, generator=g) + 1e-4).to(dtype).to(DEVICE)
     assert_close(w8a16_linear(x, q8, s8), w8a16_linear_ref(x, q8, s8), dtype, "w8")
+    s32 = (0.001 * torch.rand(k // 32, n, generator=g) + 1e-4).to(dtype).to(DEVICE)  # GGUF Q8_0's groups
+    assert_close(w8a16_linear(x, q8, s32, group_size=32), w8a16_linear_ref(x, q8, s32, group_size=32), dtype,
+                 "w8 g32")
 
 
 @pytest.mark.parametrize("act_order", [False, True])

@@ -26,7 +26,8 @@ def _generate(path, dtype, **kw):
     return outs, linears
 
 
-@pytest.mark.parametrize("layout,scheme", [("gptq", "int4-g32"), ("awq", "int4-g64"), ("gptq", "int8")])
+@pytest.mark.parametrize("layout,scheme", [("gptq", "int4-g32"), ("awq", "int4-g64"), ("gptq", "int8"),
+                                           ("ct", "int4-g32"), ("ct", "int8")])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_quantized_kernels_match_dequantized_float(tmp_path, layout, scheme, dtype):
     from safetensors.torch import save_file

@@ -343,10 +343,13 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def write_tiny_gguf(path: str, hf_model, gguf_arch: str, permute_qk: bool,
                     rope_freqs: np.ndarray | None = None,
-                    replace: dict[str, np.ndarray] | None = None) -> None:
+                    replace: dict[str, np.ndarray] | None = None,
+                    linear_format: str | None = None) -> None:
     """A GGUF of a tiny HF model, named with gguf-py's own tensor map (not rooflm's).
 
-    The embedding is stored Q8_0 to exercise dequantization; all else F32.
+    The embedding is stored Q8_0 to exercise dequantization; all else F32, or with linear_format
+    (Q4_0, Q4_1, Q8_0, Q4_K) the decoder's 2-D linear weights in that block format (Q4_K through
+    tests/unit/gguf_q4k.py: gguf-py cannot quantize it).
     """
     import gguf
 
@@ -385,6 +388,14 @@ def write_tiny_gguf(path: str, hf_model, gguf_arch: str, permute_qk: bool,
             array = llama_cpp_permute(array, config.num_key_value_heads)
         if replace and gguf_name in replace:
             writer.add_tensor(gguf_name, replace[gguf_name])
+        elif linear_format and gguf_name.startswith("blk.") and array.ndim == 2:
+            qtype = gguf.GGMLQuantizationType[linear_format]
+            if linear_format == "Q4_K":
+                from tests.unit.gguf_q4k import encode_q4_k
+                quantized = encode_q4_k(array)
+            else:
+                quantized = gguf.quants.quantize(array, qtype)
+            writer.add_tensor(gguf_name, quantized, raw_dtype=qtype)
         elif gguf_name == "token_embd.weight":
             quantized = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
             writer.add_tensor(gguf_name, quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0)

@@ -1,9 +1,12 @@
-"""GPTQ and AWQ checkpoints (rooflm/quant/formats.py, checkpoint.py), RTN and GPTQ quantization.
+"""GPTQ, AWQ and compressed-tensors pack-quantized checkpoints (rooflm/quant/formats.py,
+checkpoint.py), RTN and GPTQ quantization.
 
 The layouts are checked against the formats' published descriptions, written out here a second
 time in plain loops over Python integers (not through formats.py's packers): GPTQ v1
-(AutoGPTQ: qweight packed along K, qzeros along N and stored minus one) and AWQ GEMM (AutoAWQ:
-packed along N in the order 0, 2, 4, 6, 1, 3, 5, 7).
+(AutoGPTQ: qweight packed along K, qzeros along N and stored minus one), AWQ GEMM (AutoAWQ:
+packed along N in the order 0, 2, 4, 6, 1, 3, 5, 7) and compressed-tensors pack-quantized
+(compressed_tensors.pack_to_int32: signed values plus 2^(bits-1), packed along K from bit 0;
+asymmetric zero points packed the same way along N; llm-compressor does not install here).
 """
 
 import json
@@ -39,6 +42,99 @@ def _spec_pack_awq(rows):
     order = (0, 2, 4, 6, 1, 3, 5, 7)
     return torch.tensor([[_int32(sum(r[c * 8 + order[i]] << (4 * i) for i in range(8))) for c in range(len(r) // 8)]
                          for r in rows], dtype=torch.int32)
+
+
+def _spec_pack_ct(rows, bits):
+    """rows [R][C] of signed values -> int32 [R][ceil(C * bits / 32)] as pack_to_int32 (packed_dim 1)."""
+    per, offset = 32 // bits, 1 << (bits - 1)
+    out = []
+    for r in rows:
+        padded = [v + offset for v in r] + [0] * (-len(r) % per)
+        out.append([_int32(sum(padded[w * per + i] << (bits * i) for i in range(per)))
+                    for w in range(len(padded) // per)])
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def _spec_pack_ct_zero_points(zp, bits):
+    """zero points [N][G] signed -> int32 [ceil(N * bits / 32)][G]: pack_to_int32 with packed_dim 0."""
+    columns = [list(c) for c in zip(*zp)]  # [G][N]
+    return _spec_pack_ct(columns, bits).T.contiguous()
+
+
+def _ct_tensors(q, scales, zp, bits, packed_zero=True):
+    """The tensors of one pack-quantized linear from signed codes q [N][K], scales [N, G], zero
+    points [N][G] (None: symmetric)."""
+    n, k = len(q), len(q[0])
+    t = {"weight_packed": _spec_pack_ct(q, bits), "weight_scale": scales.contiguous(),
+         "weight_shape": torch.tensor([n, k], dtype=torch.int64)}
+    if zp is not None:
+        t["weight_zero_point"] = (_spec_pack_ct_zero_points(zp, bits) if packed_zero
+                                  else torch.tensor(zp, dtype=torch.int8))
+    return t
+
+
+@pytest.mark.parametrize("bits,group,sym,packed_zero,actorder", [
+    (4, 32, True, True, False), (4, 32, False, True, False), (4, -1, False, True, False),
+    (4, 16, False, False, False), (4, 16, True, True, True), (8, -1, True, True, False),
+    (8, -1, False, True, False), (8, 32, False, True, False)],
+    ids=lambda v: str(v))
+def test_compressed_tensors_pack_quantized_decodes_per_spec(bits, group, sym, packed_zero, actorder):
+    g = torch.Generator().manual_seed(bits * 100 + group)
+    n, k = 12, 64  # N not a multiple of 8: the packed zero points are padded
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    gs = k if group == -1 else group
+    q = torch.randint(lo, hi + 1, (n, k), generator=g)
+    scales = (torch.rand(n, k // gs, generator=g) * 0.02 + 0.001).to(torch.bfloat16)
+    zp = None if sym else torch.randint(lo, hi + 1, (n, k // gs), generator=g)
+    g_idx = None
+    group_of = torch.arange(k) // gs
+    if actorder:  # weight_g_idx: inputs assigned to groups out of order
+        group_of = group_of[torch.randperm(k, generator=g)]
+        g_idx = group_of.to(torch.int32)
+    t = _ct_tensors(q.tolist(), scales, None if zp is None else zp.tolist(), bits, packed_zero)
+    w = formats.from_compressed_tensors(t["weight_packed"], t["weight_scale"], t["weight_shape"],
+                                        t.get("weight_zero_point"), g_idx, bits, group)
+    expected = torch.empty(n, k)
+    for kk in range(k):
+        grp = int(group_of[kk])
+        z = 0 if zp is None else zp[:, grp]
+        expected[:, kk] = scales[:, grp].float() * (q[:, kk] - z).float()
+    assert torch.equal(w.dequantize(), expected)
+    assert (getattr(w, "perm", None) is not None) == actorder
+    assert isinstance(w, formats.ChannelWeight if bits == 8 and group == -1 else formats.GroupWeight)
+
+
+def test_compressed_tensors_configs_parse_and_unsupported_ones_fail_naming_what():
+    def ct(weights, fmt="pack-quantized", acts=None):
+        return {"quantization_config": {"quant_method": "compressed-tensors", "format": fmt, "config_groups": {
+            "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}}}}
+    w4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}
+    assert parse_quant_config(ct(w4), "c") == QuantScheme("ct-packed", 4, 128, False, True)
+    assert parse_quant_config(ct(dict(w4, symmetric=False, actorder="group")), "c") == \
+        QuantScheme("ct-packed", 4, 128, True, False)
+    assert parse_quant_config(ct(dict(w4, strategy="channel", num_bits=8)), "c") == QuantScheme("ct-packed", 8, -1)
+    with pytest.raises(ModelLoadError, match="'int-quantized'"):
+        parse_quant_config(ct(dict(w4, num_bits=8), fmt="int-quantized"), "c")
+    with pytest.raises(ModelLoadError, match="strategy 'tensor'"):
+        parse_quant_config(ct(dict(w4, strategy="tensor")), "c")
+    with pytest.raises(ModelLoadError, match="input activations"):
+        parse_quant_config(ct(w4, acts={"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}), "c")
+
+
+def test_compressed_tensors_grouping_checks_symmetric_zero_points():
+    q = [[(i * 7 + j) % 16 - 8 for j in range(64)] for i in range(8)]
+    t = _ct_tensors(q, torch.full((8, 2), 0.01), None, 4)
+    zeros = _spec_pack_ct_zero_points([[0, 0]] * 8, 4)  # written by an older symmetric writer: zero
+    stream = [("a.q_proj.weight_zero_point", zeros, "f")] + [(f"a.q_proj.{p}", v, "f") for p, v in t.items()]
+    out = dict((n, w) for n, w, _ in group_quantized(iter(stream), QuantScheme("ct-packed", 4, 32)))
+    assert set(out) == {"a.q_proj.weight"}
+    assert torch.equal(out["a.q_proj.weight"].dequantize(), torch.tensor(q).float() * 0.01)
+    bad = [("a.q_proj.weight_zero_point", _spec_pack_ct_zero_points([[1, 0]] * 8, 4), "f")]
+    with pytest.raises(ModelLoadError, match="non-zero zero points"):
+        list(group_quantized(iter(bad), QuantScheme("ct-packed", 4, 32)))
+    with pytest.raises(ModelLoadError, match="lacks weight_zero_point"):
+        list(group_quantized(iter([(f"a.q_proj.{p}", v, "f") for p, v in t.items()]),
+                             QuantScheme("ct-packed", 4, 32, sym=False)))
 
 
 @pytest.mark.parametrize("desc_act", [False, True])
@@ -153,7 +249,18 @@ def _write_quantized_copy(src: str, dst: str, layout: str, scheme: WeightScheme)
         if ".layers." in name and name.endswith("_proj.weight"):
             prefix = name[: -len(".weight")]
             q = rtn_int8(t) if scheme.bits == 8 else rtn_int4(t, scheme.group_size)
-            parts = formats.to_awq(q) if layout == "awq" else formats.to_gptq(q, scheme.bits)
+            if layout == "ct":  # compressed-tensors pack-quantized, written from the spec (signed codes)
+                offset = 1 << (scheme.bits - 1)
+                signed = q.codes.to(torch.int32) - (0 if scheme.bits == 8 else offset)
+                if scheme.bits == 8:  # rtn_int8: symmetric, one scale a row
+                    parts = _ct_tensors(signed.tolist(), q.scales[:, None].to(torch.bfloat16), None, 8)
+                    q = formats.ChannelWeight(q.codes, q.scales.to(torch.bfloat16), q.zeros)
+                else:  # rtn_int4: asymmetric groups, zero points packed along N
+                    zp = (q.zeros.float().round().to(torch.int32) - offset).T
+                    parts = _ct_tensors(signed.tolist(), q.scales.T.to(torch.bfloat16), zp.tolist(), 4)
+                    q = formats.GroupWeight(q.codes, q.scales.to(torch.bfloat16), q.zeros, q.group_size)
+            else:
+                parts = formats.to_awq(q) if layout == "awq" else formats.to_gptq(q, scheme.bits)
             out.update({f"{prefix}.{p}": v for p, v in parts.items()})
             reference[name] = q.dequantize()
         else:
@@ -163,7 +270,15 @@ def _write_quantized_copy(src: str, dst: str, layout: str, scheme: WeightScheme)
     save_file(out, os.path.join(dst, "model.safetensors"))
     with open(os.path.join(src, "config.json")) as f:
         cfg = json.load(f)
-    if layout == "awq":
+    if layout == "ct":
+        weights = {"num_bits": scheme.bits, "type": "int", "symmetric": scheme.bits == 8,
+                   "strategy": "channel" if scheme.bits == 8 else "group", "dynamic": False,
+                   "group_size": None if scheme.bits == 8 else scheme.group_size, "actorder": None}
+        cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                      "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                                                    "input_activations": None}},
+                                      "ignore": ["lm_head"], "quantization_status": "compressed"}
+    elif layout == "awq":
         cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": scheme.group_size,
                                       "zero_point": True, "version": "gemm"}
     else:
@@ -174,7 +289,8 @@ def _write_quantized_copy(src: str, dst: str, layout: str, scheme: WeightScheme)
     return reference, cfg
 
 
-@pytest.mark.parametrize("layout,scheme", [("gptq", "int4-g32"), ("awq", "int4-g32"), ("gptq", "int8")])
+@pytest.mark.parametrize("layout,scheme", [("gptq", "int4-g32"), ("awq", "int4-g32"), ("gptq", "int8"),
+                                           ("ct", "int4-g32"), ("ct", "int8")])
 def test_quantized_checkpoint_loads_as_its_dequantized_values(tmp_path, layout, scheme):
     """The loader maps every part (fused q/k/v and gate/up included) to the right place: logits of
     the quantized directory equal those of a float directory holding the decoded values."""
