@@ -101,7 +101,9 @@ class LoadConfig:
     tokenizer: Optional[str] = None
     seed: int = 0
     # auto: GGUF Q4_0/Q4_1/Q8_0/Q4_K weights stay in their blocks where a kernel multiplies them
-    # (rooflm/quant/: the CPU block matmuls; on one CUDA device the W4A16/W8A16 kernels).
+    # and that path has passed its tests on the device: the CPU block matmuls (rooflm/quant/).
+    # gguf: also on one CUDA device, through the W4A16/W8A16 kernels (exact repacks of the blocks;
+    # not yet run on a GPU, so auto still dequantizes GGUF there).
     # none: every weight dequantized to --dtype (exact float weights, slower).
     # GPTQ/AWQ checkpoints (config.json quantization_config) stay quantized on CUDA under auto.
     # int8 | int4-g32 | int4-g64 | int4-g128: round-to-nearest weight-only quantization of the
@@ -115,9 +117,9 @@ class LoadConfig:
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(
                 f"load_format must be one of auto, safetensors, gguf, dummy; got {self.load_format!r}")
-        if self.quantization not in ("auto", "none", "int8", "int4-g32", "int4-g64", "int4-g128", "fp8"):
-            raise ValueError(f"quantization must be auto, none, int8, int4-g32, int4-g64, int4-g128 or fp8; "
-                             f"got {self.quantization!r}")
+        if self.quantization not in ("auto", "none", "gguf", "int8", "int4-g32", "int4-g64", "int4-g128", "fp8"):
+            raise ValueError(f"quantization must be auto, none, gguf, int8, int4-g32, int4-g64, int4-g128 or "
+                             f"fp8; got {self.quantization!r}")
 
 
 @dataclass(frozen=True)
