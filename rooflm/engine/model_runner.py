@@ -444,8 +444,9 @@ class ModelRunner:
             for host, dev in out.blocks_to_swap_in:
                 pool[:, :, dev].copy_(host_pool[:, :, host], non_blocking=True)
         if out.blocks_to_copy:
-            src = torch.tensor([s for s, _ in out.blocks_to_copy], device=self.device)
-            dst = torch.tensor([d for _, d in out.blocks_to_copy], device=self.device)
+            # Through pinned memory: a pageable copy would wait here for the step in flight.
+            src = self._host([s for s, _ in out.blocks_to_copy], torch.int64).to(self.device, non_blocking=True)
+            dst = self._host([d for _, d in out.blocks_to_copy], torch.int64).to(self.device, non_blocking=True)
             for pool, _ in self._pools():
                 pool[:, :, dst] = pool[:, :, src]
 
