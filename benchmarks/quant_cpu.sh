@@ -9,6 +9,7 @@
 #        int4-g128-awq-gptq-score int4-g32-awq-gptq-score (2026-11-25; -score: AWQ scored with GPTQ,
 #        today's awq+gptq default); int4-g128-gptq-ao-mse-seq int4-g128-awq-gptq-score-seq
 #        int4-g32-awq-gptq-score-seq (sequential GPTQ; the rows before pass --no-sequential)
+#        int4-g128-awq-gptq-block int4-g128-awq-block (AWQ scored on the block's output)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/quant-cpu-$(date -u +%Y%m%d)}
@@ -50,6 +51,9 @@ one() {
     int4-g128-gptq-ao-mse-seq) run int4-g128-gptq-ao-mse-seq --scheme int4-g128 --method gptq --act-order --mse --calib-windows 32 --sequential ;;
     int4-g128-awq-gptq-score-seq) run int4-g128-awq-gptq-score-seq --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score gptq --sequential ;;
     int4-g32-awq-gptq-score-seq) run int4-g32-awq-gptq-score-seq --scheme int4-g32 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score gptq --sequential ;;
+    # AWQ scored on the block's output (llm-awq's objective, rooflm/quant/awq_block.py; 2026-11-25 s9).
+    int4-g128-awq-gptq-block) run int4-g128-awq-gptq-block --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score gptq --awq-objective block --no-sequential ;;
+    int4-g128-awq-block) run int4-g128-awq-block --scheme int4-g128 --method awq --calib-windows 32 --awq-objective block ;;
     *) echo "unknown run $1" >&2; return 2 ;;
   esac
 }

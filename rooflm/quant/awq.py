@@ -37,7 +37,7 @@ for qkv); this scores each linear's own output, the same objective GPTQ uses.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -114,11 +114,14 @@ def output_error(dw: torch.Tensor, hessian: torch.Tensor) -> float:
 
 
 def search_scale(w: torch.Tensor, hessian: torch.Tensor, act_mean: torch.Tensor, config: AwqConfig,
-                 tie: Optional[tuple[int, int, int]] = None) -> tuple[torch.Tensor, float, float]:
+                 tie: Optional[tuple[int, int, int]] = None,
+                 error: Optional[Callable[[torch.Tensor], float]] = None) -> tuple[torch.Tensor, float, float]:
     """(s [K], alpha, error / RTN's error) for w [N, K] whose inputs have mean |x| act_mean [K].
 
     tie (kv_heads, group, head_dim): the inputs are [query head, head_dim] and channels of the
-    query heads of one kv group must share their scale (o_proj under GQA)."""
+    query heads of one kv group must share their scale (o_proj under GQA).
+    error: the objective of a candidate, given its effective weight Q(W diag(s)) diag(1/s) [N, K];
+    default this linear's own output error tr(dW H dW^T) (awq_block.py passes a block's output error)."""
     w = w.float()
     h = hessian.float()
     mean = act_mean.float().clamp_min(1e-8)
@@ -138,8 +141,8 @@ def search_scale(w: torch.Tensor, hessian: torch.Tensor, act_mean: torch.Tensor,
             if duo:
                 s = (s / (w_mean.pow(1 - alpha) + 1e-4)).clamp_min(1e-4)
             s = s / (s.max() * s.min()).sqrt()  # llm-awq's normalisation: the scales centre on 1
-            dw = quantize(w * s[None, :], h / (s[:, None] * s[None, :])) / s[None, :] - w
-            err = output_error(dw, h)
+            wq = quantize(w * s[None, :], h / (s[:, None] * s[None, :])) / s[None, :]
+            err = output_error(wq - w, h) if error is None else error(wq)
             if base is None:
                 base = err  # alpha 0 without duo: s = 1, RTN
             if best[2] is None or err < best[2]:

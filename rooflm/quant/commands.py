@@ -26,6 +26,12 @@ def register(sub) -> None:
                    help="AWQ: quantizer used to score each alpha: rtn (llm-awq's; the default of --method awq) or "
                         "gptq (the one awq+gptq writes, with its --act-order/--mse; the default of awq+gptq: "
                         "+5.37%% vs +7.67%% perplexity on SmolLM2 g128, but +3.85%% vs +3.13%% at g32)")
+    p.add_argument("--awq-objective", default="linear", choices=("linear", "block"),
+                   help="AWQ: what each alpha is scored by: linear (each linear's own output error on the calibration "
+                        "Hessian) or block (llm-awq's: the attention block's output for qkv_proj, the MLP's for "
+                        "gate_up_proj, with o_proj / down_proj quantized as written; awq_block.py)")
+    p.add_argument("--awq-block-windows", type=int, default=4,
+                   help="AWQ --awq-objective block: calibration windows the blocks are run on (the first ones)")
     p.add_argument("--duo", action="store_true",
                    help="AWQ: also search AutoAWQ's scales mean|x|^alpha / mean|w|^(1-alpha) beside mean|x|^alpha")
     p.add_argument("--calib-window", type=int, default=512, help="tokens per calibration window")
@@ -109,7 +115,15 @@ def run_quantize(args: argparse.Namespace) -> int:
         if args.awq_score == "gptq":
             torch.set_num_threads(1)
         try:
-            report = apply_awq(model, hessians, act_means, config)
+            if args.awq_objective == "block":
+                from rooflm.quant.awq_block import apply_awq_block, capture_block_inputs
+                if args.awq_block_windows < 1:
+                    raise ValueError(f"--awq-block-windows must be >= 1, got {args.awq_block_windows}")
+                inputs = capture_block_inputs(llm, windows[:args.awq_block_windows])
+                report = apply_awq_block(model, hessians, act_means, inputs, config)
+                del inputs
+            else:
+                report = apply_awq(model, hessians, act_means, config)
         finally:
             torch.set_num_threads(threads)
         awq_note = " " + report.summary() + "."
@@ -137,7 +151,9 @@ def run_quantize(args: argparse.Namespace) -> int:
     if args.method in ("gptq", "awq+gptq"):
         options += " --sequential" if sequential else " --no-sequential"
     if args.method.startswith("awq"):
-        options += f" --awq-score {args.awq_score}"
+        options += f" --awq-score {args.awq_score} --awq-objective {args.awq_objective}"
+        if args.awq_objective == "block":
+            options += f" --awq-block-windows {args.awq_block_windows}"
     note = (f"# {args.scheme} {args.method}{options} of {args.model or 'the embedded SmolLM2-135M-Instruct'}\n\n"
             f"Written by `rooflm quantize` in the GPTQ v1 layout (rooflm/quant/formats.py).{calib}{awq_note} "
             f"Embeddings, LM head and norms in {args.float_dtype}.")
