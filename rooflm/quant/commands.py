@@ -32,6 +32,10 @@ def register(sub) -> None:
                         "gate_up_proj, with o_proj / down_proj quantized as written; awq_block.py)")
     p.add_argument("--awq-block-windows", type=int, default=4,
                    help="AWQ --awq-objective block: calibration windows the blocks are run on (the first ones)")
+    p.add_argument("--awq-inputs", default="float", choices=("float", "quantized"),
+                   help="AWQ+GPTQ with --awq-objective block: search each layer's scales on the float model's "
+                        "inputs, or on those the already scaled and quantized layers before it produce "
+                        "(awq_sequential.py; GPTQ then runs sequentially too)")
     p.add_argument("--duo", action="store_true",
                    help="AWQ: also search AutoAWQ's scales mean|x|^alpha / mean|w|^(1-alpha) beside mean|x|^alpha")
     p.add_argument("--calib-window", type=int, default=512, help="tokens per calibration window")
@@ -80,6 +84,13 @@ def run_quantize(args: argparse.Namespace) -> int:
     args.method = args.method or "gptq"
     t0 = time.perf_counter()
     sequential = use_sequential(args.method, args.sequential)
+    awq_on_quantized = args.awq_inputs == "quantized"
+    if awq_on_quantized:
+        if args.method != "awq+gptq" or args.awq_objective != "block":
+            raise ValueError("--awq-inputs quantized needs --method awq+gptq --awq-objective block")
+        if args.sequential is False:
+            raise ValueError("--awq-inputs quantized quantizes layer by layer: it cannot be --no-sequential")
+        sequential = True
     extra = {}
     if sequential:  # the sequential pass needs every calibration token in one prefill step
         extra["max_num_batched_tokens"] = max(2048, args.calib_windows * args.calib_window)
@@ -104,7 +115,7 @@ def run_quantize(args: argparse.Namespace) -> int:
             hessians = collect_hessians(llm, windows, act_means)
         calib = f" Calibration: {len(windows)} windows of {args.calib_window} tokens of {path}, after skipping {args.calib_skip_windows}."
         print(f"calibration: {len(windows) * args.calib_window} tokens in {time.perf_counter() - t0:.1f} s")
-    if args.method.startswith("awq"):
+    if args.method.startswith("awq") and not awq_on_quantized:
         from rooflm.quant.awq import AwqConfig, apply_awq
         args.awq_score = args.awq_score or ("gptq" if args.method == "awq+gptq" else "rtn")
         t1 = time.perf_counter()
@@ -137,7 +148,19 @@ def run_quantize(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     prequantized = None
     try:
-        if sequential:
+        if awq_on_quantized:
+            from rooflm.quant.awq import AwqConfig
+            from rooflm.quant.awq_sequential import sequential_awq_gptq
+            args.awq_score = args.awq_score or "gptq"
+            t2 = time.perf_counter()
+            config = AwqConfig(scheme, duo_scaling=args.duo, score_with=args.awq_score,
+                               gptq_act_order=args.act_order, gptq_mse=args.mse)
+            prequantized, report = sequential_awq_gptq(llm, windows, config, hessians, act_means,
+                                                       args.awq_block_windows, args.act_order, args.mse)
+            awq_note = " " + report.summary() + "."
+            print(f"{report.summary()}; sequential AWQ+GPTQ: {len(prequantized)} linears in "
+                  f"{time.perf_counter() - t2:.1f} s")
+        elif sequential:
             from rooflm.quant.sequential import sequential_gptq
             t2 = time.perf_counter()
             prequantized = sequential_gptq(llm, windows, scheme, args.act_order, args.mse)
@@ -153,7 +176,7 @@ def run_quantize(args: argparse.Namespace) -> int:
     if args.method.startswith("awq"):
         options += f" --awq-score {args.awq_score} --awq-objective {args.awq_objective}"
         if args.awq_objective == "block":
-            options += f" --awq-block-windows {args.awq_block_windows}"
+            options += f" --awq-block-windows {args.awq_block_windows} --awq-inputs {args.awq_inputs}"
     note = (f"# {args.scheme} {args.method}{options} of {args.model or 'the embedded SmolLM2-135M-Instruct'}\n\n"
             f"Written by `rooflm quantize` in the GPTQ v1 layout (rooflm/quant/formats.py).{calib}{awq_note} "
             f"Embeddings, LM head and norms in {args.float_dtype}.")

@@ -119,3 +119,57 @@ def test_block_objective_beats_the_per_linear_choice_on_the_block_error(tmp_path
             assert block <= linear * (1 + 1e-4), (i, kind, block, linear)
             strictly_better += block < linear * (1 - 1e-3)
     assert strictly_better > 0
+
+
+def test_sequential_awq_searches_on_the_quantized_models_inputs(tmp_path):
+    """awq_sequential.py: every linear ends quantized as returned (the model runs the written
+    weights); layer 0's qkv scale, whose input no quantized linear precedes, is the one the
+    float-input block search picks, and later scales are searched on other (quantized) inputs;
+    the result is closer to the float model than RTN int4."""
+    from rooflm.quant.awq_sequential import sequential_awq_gptq
+    from rooflm.quant.quantize import collect_hessians, decoder_linears
+    src = _salient_model(tmp_path)
+    config = AwqConfig(SCHEME, alphas=GRID)
+    total = sum(map(len, WINDOWS))
+
+    llm = _llm(src)
+    means: dict = {}
+    hessians = collect_hessians(llm, WINDOWS, means)
+    float_report = apply_awq_block(llm.engine.runner.model, hessians, means, capture_block_inputs(llm, WINDOWS[:2]),
+                                   config)
+
+    from rooflm.llm import LLM
+    llm = LLM(model=src, dtype="float32", device="cpu", block_size=4, quantization="none",
+              enable_prefix_caching=False, max_num_batched_tokens=total)
+    means = {}
+    hessians = collect_hessians(llm, WINDOWS, means)
+    quantized, report = sequential_awq_gptq(llm, WINDOWS, config, hessians, means, block_windows=2)
+    model = llm.engine.runner.model
+    assert set(quantized) == set(decoder_linears(model)) == set(report.alpha)
+    for name, q in quantized.items():
+        assert torch.equal(model.get_submodule(name).weight, q.dequantize()), name
+    first = "model.layers.0.self_attn.qkv_proj"
+    assert report.alpha[first] == float_report.alpha[first]
+    assert abs(report.error_ratio[first] - float_report.error_ratio[first]) < 1e-3
+    later = [n for n in report.alpha if n != first and not n.endswith(("o_proj", "down_proj"))]
+    assert any(abs(report.error_ratio[n] - float_report.error_ratio[n]) > 1e-3 for n in later)
+    # The model as left (folded norms, written weights) is what the checkpoint holds: it must be
+    # closer to the float model than RTN int4 (a missing norm fold would put it far off).
+    rtn = _llm(src)
+    from rooflm.quant.quantize import quantize_linear
+    with torch.no_grad():
+        for name, linear in decoder_linears(rtn.engine.runner.model).items():
+            linear.weight.copy_(quantize_linear(linear.weight.detach().float(), SCHEME, "rtn", None).dequantize())
+    reference = _prompt_logprobs(_llm(src))
+    err_awq = (_prompt_logprobs(llm) - reference).norm()
+    err_rtn = (_prompt_logprobs(rtn) - reference).norm()
+    assert err_awq < err_rtn, (err_awq, err_rtn)
+
+
+def _prompt_logprobs(llm) -> torch.Tensor:
+    """Each token's logprob after its prefix, over two held-out windows."""
+    from rooflm.sampling_params import SamplingParams
+    prompts = [torch.randint(3, 250, (48,), generator=torch.Generator().manual_seed(100 + i)).tolist() for i in range(2)]
+    out = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1), use_tqdm=False)
+    return torch.tensor([entry[token].logprob for o, p in zip(out, prompts)
+                         for entry, token in zip(o.prompt_logprobs[1:], p[1:])])
