@@ -11,7 +11,8 @@
 #        int4-g32-awq-gptq-score-seq (sequential GPTQ; the rows before pass --no-sequential)
 #        int4-g128-awq-gptq-block int4-g128-awq-block (AWQ scored on the block's output)
 #        int4-g128-awq-gptq-block-seq (... searched on the quantized model's own inputs);
-#        int4-g128-awq-gptq-score-c128 int4-g128-awq-gptq-block-seq-c128 (128 calibration windows)
+#        int4-g128-awq-gptq-score-c128 int4-g128-awq-gptq-block-seq-c128 (128 calibration windows);
+#        int4-g128-awq-gptq-score-refit (GPTQ's scales refit, --refit)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/quant-cpu-$(date -u +%Y%m%d)}
@@ -59,6 +60,8 @@ one() {
     # More calibration text: 128 windows (65,536 tokens) instead of 32.
     int4-g128-awq-gptq-score-c128) run int4-g128-awq-gptq-score-c128 --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 128 --awq-score gptq --no-sequential ;;
     int4-g128-awq-gptq-block-seq-c128) run int4-g128-awq-gptq-block-seq-c128 --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 128 --awq-score gptq --awq-objective block --awq-inputs quantized ;;
+    # GPTQ's group scales refit to the least output error for its codes (gptq.refit_group_scales).
+    int4-g128-awq-gptq-score-refit) run int4-g128-awq-gptq-score-refit --scheme int4-g128 --method awq+gptq --act-order --mse --refit --calib-windows 32 --awq-score gptq --no-sequential ;;
     int4-g128-awq-block) run int4-g128-awq-block --scheme int4-g128 --method awq --calib-windows 32 --awq-objective block ;;
     *) echo "unknown run $1" >&2; return 2 ;;
   esac

@@ -30,8 +30,9 @@ It applies to the RTN path; `awq+gptq` quantizes the scaled weights with GPTQ (w
 the scaled inputs is diag(1/s) H diag(1/s): no second calibration pass), and by default scores
 each alpha with GPTQ itself (`score_with`): RTN's error is a poor guide to what GPTQ will leave.
 
-What is not done here: llm-awq scores the scales on the output of the whole block (e.g. attention
-for qkv); this scores each linear's own output, the same objective GPTQ uses.
+This scores each linear's own output, the same objective GPTQ uses; awq_block.py scores qkv_proj
+and gate_up_proj on the output of their whole block as llm-awq does (`--awq-objective block`), and
+awq_sequential.py does that on the quantized model's own inputs (`--awq-inputs quantized`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class AwqConfig:
     score_with: str = "rtn"
     gptq_act_order: bool = False
     gptq_mse: bool = False
+    gptq_refit: bool = False
 
     def quantizer(self):
         """(scaled w [N, K], Hessian of the scaled inputs) -> dequantized weight, for scoring."""
@@ -71,7 +73,8 @@ class AwqConfig:
         if self.score_with == "gptq":
             from rooflm.quant.gptq import gptq_quantize
             return lambda w, h: gptq_quantize(w, h, self.scheme.bits, self.scheme.group_size, scale_dtype=torch.float32,
-                                              act_order=self.gptq_act_order, mse=self.gptq_mse).dequantize()
+                                              act_order=self.gptq_act_order, mse=self.gptq_mse,
+                                              refit=self.gptq_refit).dequantize()
         raise ValueError(f"AWQ score_with must be 'rtn' or 'gptq'; got {self.score_with!r}")
     # Range shrink factors of the clip search (llm-awq: max_shrink 0.5 in 20 steps; here fewer,
     # the same spacing near 1 where the choices fall).

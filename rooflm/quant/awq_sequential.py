@@ -30,7 +30,7 @@ from rooflm.quant.awq_block import _block_error, attention_block, mlp_block
 
 def sequential_awq_gptq(llm, windows: list[list[int]], config: AwqConfig, float_hessians: dict[str, torch.Tensor],
                         float_act_means: dict[str, torch.Tensor], block_windows: int, act_order: bool = False,
-                        mse: bool = False) -> tuple[dict, AwqReport]:
+                        mse: bool = False, refit: bool = False) -> tuple[dict, AwqReport]:
     """Scale and quantize every decoder linear of `llm`'s float model in place (module
     docstring); returns ({rooflm linear name: GroupWeight/ChannelWeight}, the AWQ report).
     float_hessians / float_act_means: the float model's statistics (quantize.collect_hessians),
@@ -62,7 +62,7 @@ def sequential_awq_gptq(llm, windows: list[list[int]], config: AwqConfig, float_
 
     def gptq(mod, x: torch.Tensor):
         return gptq_quantize(mod.weight.detach().float(), x.T @ x, config.scheme.bits, config.scheme.group_size,
-                             act_order=act_order, mse=mse)
+                             act_order=act_order, mse=mse, refit=refit)
 
     @torch.no_grad()
     def hook(mod, args, name):

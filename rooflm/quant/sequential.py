@@ -32,7 +32,8 @@ from rooflm.quant.rtn import WeightScheme
 
 
 def sequential_gptq(llm, windows: list[list[int]], scheme: WeightScheme, act_order: bool = False,
-                    mse: bool = False, hessians: Optional[dict[str, torch.Tensor]] = None) -> dict:
+                    mse: bool = False, hessians: Optional[dict[str, torch.Tensor]] = None,
+                    refit: bool = False) -> dict:
     """Quantize every decoder linear of `llm`'s (float) model in place, layer by layer on the
     quantized predecessors' outputs; returns {rooflm linear name: GroupWeight/ChannelWeight}.
     The model's linear weights are left as the dequantized values (what the checkpoint loads to).
@@ -64,7 +65,7 @@ def sequential_gptq(llm, windows: list[list[int]], scheme: WeightScheme, act_ord
         torch.set_num_threads(1)
         try:
             q = gptq_quantize(mod.weight.detach().float(), h, scheme.bits, scheme.group_size,
-                              act_order=act_order, mse=mse)
+                              act_order=act_order, mse=mse, refit=refit)
         finally:
             torch.set_num_threads(threads)
         mod.weight.copy_(q.dequantize().to(mod.weight.dtype))
