@@ -173,3 +173,21 @@ def _prompt_logprobs(llm) -> torch.Tensor:
     out = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1), use_tqdm=False)
     return torch.tensor([entry[token].logprob for o, p in zip(out, prompts)
                          for entry, token in zip(o.prompt_logprobs[1:], p[1:])])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--method", "awq+gptq", "--awq-inputs", "quantized"], "needs --method awq\\+gptq --awq-objective block"),
+    (["--method", "awq", "--awq-objective", "block", "--awq-inputs", "quantized"], "needs --method awq\\+gptq"),
+    (["--method", "awq+gptq", "--awq-objective", "block", "--awq-inputs", "quantized", "--no-sequential"],
+     "cannot be --no-sequential"),
+    (["--method", "rtn", "--refit"], "--refit refits GPTQ's scales"),
+])
+def test_quantize_rejects_flag_combinations_it_cannot_honour(argv, message):
+    """Checked before the model loads: each error names the flags."""
+    import argparse
+    from rooflm.quant.commands import register
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["quantize", "--output", "unused"] + argv)
+    with pytest.raises(ValueError, match=message):
+        args.func(args)
