@@ -43,6 +43,7 @@ from typing import Callable, Optional
 import torch
 
 from rooflm.quant.formats import GroupWeight
+from rooflm.quant.gptq import range_search_rows
 from rooflm.quant.rtn import WeightScheme, int4_params, quantize_int4_codes, quantize_weight
 
 
@@ -65,16 +66,18 @@ class AwqConfig:
     gptq_act_order: bool = False
     gptq_mse: bool = False
     gptq_refit: bool = False
+    gptq_mse_skip_qk: bool = False  # GPTQ keeps q/k rows' full range (gptq.range_search_rows)
 
-    def quantizer(self):
-        """(scaled w [N, K], Hessian of the scaled inputs) -> dequantized weight, for scoring."""
+    def quantizer(self, mse_rows: Optional[torch.Tensor] = None):
+        """(scaled w [N, K], Hessian of the scaled inputs) -> dequantized weight, for scoring;
+        mse_rows: gptq_quantize's (the rows whose range GPTQ's mse may shrink)."""
         if self.score_with == "rtn":
             return lambda w, h: fake_quantize(w, self.scheme)
         if self.score_with == "gptq":
             from rooflm.quant.gptq import gptq_quantize
             return lambda w, h: gptq_quantize(w, h, self.scheme.bits, self.scheme.group_size, scale_dtype=torch.float32,
                                               act_order=self.gptq_act_order, mse=self.gptq_mse,
-                                              refit=self.gptq_refit).dequantize()
+                                              refit=self.gptq_refit, mse_rows=mse_rows).dequantize()
         raise ValueError(f"AWQ score_with must be 'rtn' or 'gptq'; got {self.score_with!r}")
     # Range shrink factors of the clip search (llm-awq: max_shrink 0.5 in 20 steps; here fewer,
     # the same spacing near 1 where the choices fall).
@@ -118,7 +121,8 @@ def output_error(dw: torch.Tensor, hessian: torch.Tensor) -> float:
 
 def search_scale(w: torch.Tensor, hessian: torch.Tensor, act_mean: torch.Tensor, config: AwqConfig,
                  tie: Optional[tuple[int, int, int]] = None,
-                 error: Optional[Callable[[torch.Tensor], float]] = None) -> tuple[torch.Tensor, float, float]:
+                 error: Optional[Callable[[torch.Tensor], float]] = None,
+                 mse_rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, float, float]:
     """(s [K], alpha, error / RTN's error) for w [N, K] whose inputs have mean |x| act_mean [K].
 
     tie (kv_heads, group, head_dim): the inputs are [query head, head_dim] and channels of the
@@ -137,7 +141,7 @@ def search_scale(w: torch.Tensor, hessian: torch.Tensor, act_mean: torch.Tensor,
         mean, w_mean = tied(mean), tied(w_mean)
     best = (torch.ones_like(mean), 0.0, None)
     base = None
-    quantize = config.quantizer()
+    quantize = config.quantizer(mse_rows)
     for duo in ((False, True) if config.duo_scaling else (False,)):
         for alpha in config.alphas:
             s = mean.pow(alpha)
@@ -265,7 +269,8 @@ def apply_awq(model, hessians: dict[str, torch.Tensor], act_means: dict[str, tor
         for name, linear, tie in _layer_groups(model, index):
             if linear.quant is not None or linear.weight.numel() == 0:
                 raise ValueError(f"AWQ needs float weights; {name} is already quantized")
-            s, alpha, ratio = search_scale(linear.weight, hessians[name], act_means[name], config, tie)
+            s, alpha, ratio = search_scale(linear.weight, hessians[name], act_means[name], config, tie,
+                                           mse_rows=range_search_rows(linear, config.gptq_mse_skip_qk))
             scales[name] = s
             report.alpha[name] = alpha
             report.error_ratio[name] = ratio

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from rooflm.quant.awq import AwqConfig, AwqReport, _layer_groups, fold_scales, search_scale
+from rooflm.quant.gptq import range_search_rows
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,8 @@ def apply_awq_block(model, hessians: dict[str, torch.Tensor], act_means: dict[st
             w_follower = groups[follower][0].weight.float()
             follower_q = quantize(w_follower, hessians[follower])
             error = _block_error(block, x, linear.weight.float(), w_follower, follower_q)
-            s, alpha, ratio = search_scale(linear.weight, hessians[name], act_means[name], config, None, error)
+            s, alpha, ratio = search_scale(linear.weight, hessians[name], act_means[name], config, None, error,
+                                           range_search_rows(linear, config.gptq_mse_skip_qk))
             first[name] = s
             report.alpha[name], report.error_ratio[name] = alpha, ratio
         fold_scales(model, index, first)

@@ -26,6 +26,7 @@ import torch
 
 from rooflm.quant.awq import AwqConfig, AwqReport, _layer_groups, fold_scales, search_scale
 from rooflm.quant.awq_block import _block_error, attention_block, mlp_block
+from rooflm.quant.gptq import range_search_rows
 
 
 def sequential_awq_gptq(llm, windows: list[list[int]], config: AwqConfig, float_hessians: dict[str, torch.Tensor],
@@ -62,7 +63,8 @@ def sequential_awq_gptq(llm, windows: list[list[int]], config: AwqConfig, float_
 
     def gptq(mod, x: torch.Tensor):
         return gptq_quantize(mod.weight.detach().float(), x.T @ x, config.scheme.bits, config.scheme.group_size,
-                             act_order=act_order, mse=mse, refit=refit)
+                             act_order=act_order, mse=mse, refit=refit,
+                             mse_rows=range_search_rows(mod, config.gptq_mse_skip_qk))
 
     @torch.no_grad()
     def hook(mod, args, name):
@@ -88,7 +90,8 @@ def sequential_awq_gptq(llm, windows: list[list[int]], config: AwqConfig, float_
             error = _block_error(lambda xw, a, b: block(block_module, xw, a, b), inputs, mod.weight.float(),
                                  follower.weight.float(), follower_q)
             h = x.T @ x
-            s, alpha, ratio = search_scale(mod.weight, h, x.abs().mean(dim=0), config, None, error)
+            s, alpha, ratio = search_scale(mod.weight, h, x.abs().mean(dim=0), config, None, error,
+                                           range_search_rows(mod, config.gptq_mse_skip_qk))
             fold_scales(model, index, {name: s})
             report.alpha[name], report.error_ratio[name] = alpha, ratio
             x = x / s[None, :]

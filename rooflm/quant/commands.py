@@ -46,6 +46,9 @@ def register(sub) -> None:
                    help="GPTQ: quantize inputs by decreasing Hessian diagonal (desc_act, g_idx in the checkpoint)")
     p.add_argument("--mse", action="store_true",
                    help="GPTQ: search each group's range for the least Hessian-weighted rounding error")
+    p.add_argument("--mse-skip-qk", action="store_true",
+                   help="GPTQ --mse: keep the q and k rows' full min..max range (AWQ's clip search skips q/k: their "
+                        "errors reach the attention scores)")
     p.add_argument("--refit", action="store_true",
                    help="GPTQ (4-bit): after the codes are found, refit each row's group scales to the least output "
                         "error on the calibration Hessian (gptq.refit_group_scales); AWQ's GPTQ scoring uses it too")
@@ -87,6 +90,8 @@ def run_quantize(args: argparse.Namespace) -> int:
     args.method = args.method or "gptq"
     t0 = time.perf_counter()
     sequential = use_sequential(args.method, args.sequential)
+    if args.mse_skip_qk and not args.mse:
+        raise ValueError("--mse-skip-qk narrows GPTQ's --mse range search: give --mse too")
     if args.refit and args.method not in ("gptq", "awq+gptq"):
         raise ValueError(f"--refit refits GPTQ's scales: it applies to --method gptq and awq+gptq, not {args.method}")
     awq_on_quantized = args.awq_inputs == "quantized"
@@ -125,7 +130,8 @@ def run_quantize(args: argparse.Namespace) -> int:
         args.awq_score = args.awq_score or ("gptq" if args.method == "awq+gptq" else "rtn")
         t1 = time.perf_counter()
         config = AwqConfig(scheme, duo_scaling=args.duo, score_with=args.awq_score,
-                           gptq_act_order=args.act_order, gptq_mse=args.mse, gptq_refit=args.refit)
+                           gptq_act_order=args.act_order, gptq_mse=args.mse, gptq_refit=args.refit,
+                           gptq_mse_skip_qk=args.mse_skip_qk)
         # GPTQ scoring is GPTQ's column loop many times over: one thread (see below).
         threads = torch.get_num_threads()
         if args.awq_score == "gptq":
@@ -159,7 +165,8 @@ def run_quantize(args: argparse.Namespace) -> int:
             args.awq_score = args.awq_score or "gptq"
             t2 = time.perf_counter()
             config = AwqConfig(scheme, duo_scaling=args.duo, score_with=args.awq_score,
-                               gptq_act_order=args.act_order, gptq_mse=args.mse, gptq_refit=args.refit)
+                               gptq_act_order=args.act_order, gptq_mse=args.mse, gptq_refit=args.refit,
+                               gptq_mse_skip_qk=args.mse_skip_qk)
             prequantized, report = sequential_awq_gptq(llm, windows, config, hessians, act_means,
                                                        args.awq_block_windows, args.act_order, args.mse, args.refit)
             awq_note = " " + report.summary() + "."
@@ -168,14 +175,15 @@ def run_quantize(args: argparse.Namespace) -> int:
         elif sequential:
             from rooflm.quant.sequential import sequential_gptq
             t2 = time.perf_counter()
-            prequantized = sequential_gptq(llm, windows, scheme, args.act_order, args.mse, refit=args.refit)
+            prequantized = sequential_gptq(llm, windows, scheme, args.act_order, args.mse, refit=args.refit,
+                                           mse_skip_qk=args.mse_skip_qk)
             print(f"sequential GPTQ: {len(prequantized)} linears in {time.perf_counter() - t2:.1f} s")
         tensors = quantized_state_dict(model, scheme, method, hessians, float_dtype, args.act_order, args.mse,
-                                       prequantized, refit=args.refit)
+                                       prequantized, refit=args.refit, mse_skip_qk=args.mse_skip_qk)
     finally:
         torch.set_num_threads(threads)
     config = hf_config_dict(llm.engine.model_config)
-    options = "".join(f" --{o.replace('_', '-')}" for o in ("act_order", "mse", "refit", "no_clip", "duo") if getattr(args, o))
+    options = "".join(f" --{o.replace('_', '-')}" for o in ("act_order", "mse", "mse_skip_qk", "refit", "no_clip", "duo") if getattr(args, o))
     if args.method in ("gptq", "awq+gptq"):
         options += " --sequential" if sequential else " --no-sequential"
     if args.method.startswith("awq"):

@@ -17,6 +17,8 @@ sequential.py (`rooflm quantize --method gptq`'s default) those of the already q
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from rooflm.quant.formats import ChannelWeight, GroupWeight
@@ -25,13 +27,15 @@ from rooflm.quant.rtn import int4_params, int4_params_mse
 
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int,
                   damp: float = 0.01, block: int = 128, scale_dtype: torch.dtype = torch.float16,
-                  act_order: bool = False, mse: bool = False, refit: bool = False):
+                  act_order: bool = False, mse: bool = False, refit: bool = False,
+                  mse_rows: Optional[torch.Tensor] = None):
     """w [N, K], hessian [K, K] (sum of x x^T) -> GroupWeight (4-bit) or ChannelWeight (8-bit).
 
     act_order (GPTQ's desc_act, 4-bit): quantize the inputs with the largest Hessian diagonal
     first, while the most columns remain to absorb their error; groups are formed in that order,
     and the result carries the permutation (GPTQ's g_idx). mse: each group's range is searched
-    for the smallest Hessian-weighted rounding error instead of taken as min..max. refit (4-bit):
+    for the smallest Hessian-weighted rounding error instead of taken as min..max; with mse_rows
+    (bool [N]) only in those rows, the others keep min..max (range_search_rows). refit (4-bit):
     afterwards, the scales that minimise the layer's output error for the codes found
     (refit_group_scales)."""
     W = w.detach().float().clone()
@@ -71,6 +75,10 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size:
                     end = min(i + group_size, i2 - i1)
                     if mse:
                         s_g, z_g = int4_params_mse(W1[:, i:end], diag[col:col + end - i])
+                        if mse_rows is not None:
+                            s_m, z_m = int4_params(W1[:, i:end], end - i)
+                            s_g = torch.where(mse_rows[:, None], s_g, s_m)
+                            z_g = torch.where(mse_rows[:, None], z_g, z_m)
                     else:
                         s_g, z_g = int4_params(W1[:, i:end], end - i)
                     g = col // group_size
@@ -92,6 +100,23 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size:
     if refit:
         q = refit_group_scales(q, w, hessian, scale_dtype)
     return q
+
+
+def range_search_rows(linear, skip_qk: bool) -> Optional[torch.Tensor]:
+    """The rows of `linear` whose group range GPTQ's `mse` may shrink: all (None) unless skip_qk,
+    which keeps the q and k rows of a fused qkv_proj at their full min..max range.
+
+    Why: a clipped q or k weight errs on the largest products of the attention scores, which
+    the softmax then amplifies; AWQ's clip search skips q/k for this reason (llm-awq, AutoAWQ:
+    "due to qk bmm, it is hard to clip precisely")."""
+    shards = getattr(linear, "shard_offsets", {})
+    if not skip_qk or "q" not in shards or "k" not in shards:
+        return None
+    rows = torch.ones(linear.out_features, dtype=torch.bool)
+    for shard in ("q", "k"):
+        offset, size = shards[shard]
+        rows[offset:offset + size] = False
+    return rows
 
 
 def group_output_error(q: GroupWeight, w: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:

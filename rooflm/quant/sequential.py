@@ -33,12 +33,12 @@ from rooflm.quant.rtn import WeightScheme
 
 def sequential_gptq(llm, windows: list[list[int]], scheme: WeightScheme, act_order: bool = False,
                     mse: bool = False, hessians: Optional[dict[str, torch.Tensor]] = None,
-                    refit: bool = False) -> dict:
+                    refit: bool = False, mse_skip_qk: bool = False) -> dict:
     """Quantize every decoder linear of `llm`'s (float) model in place, layer by layer on the
     quantized predecessors' outputs; returns {rooflm linear name: GroupWeight/ChannelWeight}.
     The model's linear weights are left as the dequantized values (what the checkpoint loads to).
     `hessians`, if given, is filled with the Hessian each linear was quantized with."""
-    from rooflm.quant.gptq import gptq_quantize
+    from rooflm.quant.gptq import gptq_quantize, range_search_rows
     from rooflm.quant.quantize import decoder_linears
     from rooflm.sampling_params import SamplingParams
     model = llm.engine.runner.model
@@ -65,7 +65,8 @@ def sequential_gptq(llm, windows: list[list[int]], scheme: WeightScheme, act_ord
         torch.set_num_threads(1)
         try:
             q = gptq_quantize(mod.weight.detach().float(), h, scheme.bits, scheme.group_size,
-                              act_order=act_order, mse=mse, refit=refit)
+                              act_order=act_order, mse=mse, refit=refit,
+                              mse_rows=range_search_rows(mod, mse_skip_qk))
         finally:
             torch.set_num_threads(threads)
         mod.weight.copy_(q.dequantize().to(mod.weight.dtype))
