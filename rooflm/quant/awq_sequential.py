@@ -27,6 +27,7 @@ import torch
 from rooflm.quant.awq import AwqConfig, AwqReport, _layer_groups, fold_scales, search_scale
 from rooflm.quant.awq_block import _block_error, attention_block, mlp_block
 from rooflm.quant.gptq import range_search_rows
+from rooflm.quant.sequential import check_one_step
 
 
 def sequential_awq_gptq(llm, windows: list[list[int]], config: AwqConfig, float_hessians: dict[str, torch.Tensor],
@@ -42,10 +43,7 @@ def sequential_awq_gptq(llm, windows: list[list[int]], config: AwqConfig, float_
     model = llm.engine.runner.model
     lengths = [len(w) for w in windows]
     total = sum(lengths)
-    budget = llm.engine.config.scheduler.max_num_batched_tokens
-    if budget < total:
-        raise ValueError(f"sequential AWQ needs all {total} calibration tokens in one forward step, but "
-                         f"max_num_batched_tokens is {budget}: build the LLM with max_num_batched_tokens>={total}")
+    check_one_step(llm, windows, "sequential AWQ")
     if block_windows < 1:
         raise ValueError(f"sequential AWQ: block_windows must be >= 1, got {block_windows}")
     quantize = config.quantizer()

@@ -102,10 +102,22 @@ def run_quantize(args: argparse.Namespace) -> int:
             raise ValueError("--awq-inputs quantized quantizes layer by layer: it cannot be --no-sequential")
         sequential = True
     extra = {}
+    calib_tokens = args.calib_windows * args.calib_window
     if sequential:  # the sequential pass needs every calibration token in one prefill step
-        extra["max_num_batched_tokens"] = max(2048, args.calib_windows * args.calib_window)
+        extra["max_num_batched_tokens"] = max(2048, calib_tokens)
     llm = LLM(model=args.model, device="cpu", dtype="float32", quantization="none", enable_prefix_caching=False,
               **extra)
+    info = llm.engine.info
+    slots = calib_tokens + args.calib_windows * info.block_size  # each window's last block partly empty
+    if sequential and (info.kv_capacity_tokens < slots or info.max_num_seqs < args.calib_windows):
+        # ... so also every window as a sequence of the step and all their KV at once: the
+        # default pool (cpu_kv_cache_gb) holds ~23k SmolLM2 tokens in fp32. Rebuilt once.
+        from rooflm.quant.sequential import kv_cache_gb_for
+        extra["cpu_kv_cache_gb"] = max(1.0, kv_cache_gb_for(info, slots))
+        extra["max_num_seqs"] = max(info.max_num_seqs, args.calib_windows)
+        llm.shutdown()
+        llm = LLM(model=args.model, device="cpu", dtype="float32", quantization="none", enable_prefix_caching=False,
+                  **extra)
     model = llm.engine.runner.model
     hessians = None
     calib = ""
