@@ -13,7 +13,7 @@
 #        int4-g128-awq-gptq-block-seq (... searched on the quantized model's own inputs);
 #        int4-g128-awq-gptq-score-c128 int4-g128-awq-gptq-block-seq-c128 (128 calibration windows);
 #        int4-g128-awq-gptq-score-refit (GPTQ's scales refit, --refit);
-#        int4-g128-awq-gptq-score-skipqk (no range shrink on q/k rows, --mse-skip-qk)
+#        int4-g128-awq-gptq-score-skipqk (no range shrink on q/k rows, --mse-skip-qk), int4-g128-awq-gptq-score-skipqk-refit
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/quant-cpu-$(date -u +%Y%m%d)}
@@ -65,6 +65,7 @@ one() {
     int4-g128-awq-gptq-score-refit) run int4-g128-awq-gptq-score-refit --scheme int4-g128 --method awq+gptq --act-order --mse --refit --calib-windows 32 --awq-score gptq --no-sequential ;;
     # GPTQ's --mse range search kept off the q/k rows (gptq.range_search_rows; AWQ's clip search skips q/k).
     int4-g128-awq-gptq-score-skipqk) run int4-g128-awq-gptq-score-skipqk --scheme int4-g128 --method awq+gptq --act-order --mse --mse-skip-qk --calib-windows 32 --awq-score gptq --no-sequential ;;
+    int4-g128-awq-gptq-score-skipqk-refit) run int4-g128-awq-gptq-score-skipqk-refit --scheme int4-g128 --method awq+gptq --act-order --mse --mse-skip-qk --refit --calib-windows 32 --awq-score gptq --no-sequential ;;
     int4-g128-awq-block) run int4-g128-awq-block --scheme int4-g128 --method awq --calib-windows 32 --awq-objective block ;;
     *) echo "unknown run $1" >&2; return 2 ;;
   esac
