@@ -29,13 +29,14 @@ def register(sub) -> None:
     p.add_argument("--awq-objective", default="linear", choices=("linear", "block"),
                    help="AWQ: what each alpha is scored by: linear (each linear's own output error on the calibration "
                         "Hessian) or block (llm-awq's: the attention block's output for qkv_proj, the MLP's for "
-                        "gate_up_proj, with o_proj / down_proj quantized as written; awq_block.py)")
+                        "gate_up_proj, with o_proj / down_proj quantized as written; awq_block.py). On SmolLM2 g128 "
+                        "awq+gptq: +6.31%% perplexity vs +5.37%%, though KL 0.042 vs 0.044 nats")
     p.add_argument("--awq-block-windows", type=int, default=4,
                    help="AWQ --awq-objective block: calibration windows the blocks are run on (the first ones)")
     p.add_argument("--awq-inputs", default="float", choices=("float", "quantized"),
                    help="AWQ+GPTQ with --awq-objective block: search each layer's scales on the float model's "
                         "inputs, or on those the already scaled and quantized layers before it produce "
-                        "(awq_sequential.py; GPTQ then runs sequentially too)")
+                        "(awq_sequential.py; GPTQ then runs sequentially too). SmolLM2 g128: +6.77%%, KL 0.040")
     p.add_argument("--duo", action="store_true",
                    help="AWQ: also search AutoAWQ's scales mean|x|^alpha / mean|w|^(1-alpha) beside mean|x|^alpha")
     p.add_argument("--calib-window", type=int, default=512, help="tokens per calibration window")
@@ -48,10 +49,11 @@ def register(sub) -> None:
                    help="GPTQ: search each group's range for the least Hessian-weighted rounding error")
     p.add_argument("--mse-skip-qk", action="store_true",
                    help="GPTQ --mse: keep the q and k rows' full min..max range (AWQ's clip search skips q/k: their "
-                        "errors reach the attention scores)")
+                        "errors reach the attention scores). SmolLM2 g128 awq+gptq: +5.02%% vs +5.37%%, within noise")
     p.add_argument("--refit", action="store_true",
                    help="GPTQ (4-bit): after the codes are found, refit each row's group scales to the least output "
-                        "error on the calibration Hessian (gptq.refit_group_scales); AWQ's GPTQ scoring uses it too")
+                        "error on the calibration Hessian (gptq.refit_group_scales); AWQ's GPTQ scoring uses it too. "
+                        "SmolLM2 g128 awq+gptq: +5.52%% vs +5.37%%")
     p.add_argument("--sequential", action=argparse.BooleanOptionalAction, default=None,
                    help="GPTQ / AWQ+GPTQ: calibrate each linear on the outputs of the already quantized linears "
                         "before it (true-sequential, sequential.py) instead of the float model's; default on for "
