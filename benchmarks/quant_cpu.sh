@@ -9,6 +9,11 @@
 #        int4-g128-awq-gptq-score int4-g32-awq-gptq-score (2026-11-25; -score: AWQ scored with GPTQ,
 #        today's awq+gptq default); int4-g128-gptq-ao-mse-seq int4-g128-awq-gptq-score-seq
 #        int4-g32-awq-gptq-score-seq (sequential GPTQ; the rows before pass --no-sequential)
+#        int4-g128-awq-gptq-block int4-g128-awq-block (AWQ scored on the block's output)
+#        int4-g128-awq-gptq-block-seq (... searched on the quantized model's own inputs);
+#        int4-g128-awq-gptq-score-c128 int4-g128-awq-gptq-block-seq-c128 (128 calibration windows);
+#        int4-g128-awq-gptq-score-refit (GPTQ's scales refit, --refit);
+#        int4-g128-awq-gptq-score-skipqk (no range shrink on q/k rows, --mse-skip-qk), int4-g128-awq-gptq-score-skipqk-refit
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/quant-cpu-$(date -u +%Y%m%d)}
@@ -50,6 +55,18 @@ one() {
     int4-g128-gptq-ao-mse-seq) run int4-g128-gptq-ao-mse-seq --scheme int4-g128 --method gptq --act-order --mse --calib-windows 32 --sequential ;;
     int4-g128-awq-gptq-score-seq) run int4-g128-awq-gptq-score-seq --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score gptq --sequential ;;
     int4-g32-awq-gptq-score-seq) run int4-g32-awq-gptq-score-seq --scheme int4-g32 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score gptq --sequential ;;
+    # AWQ scored on the block's output (llm-awq's objective, rooflm/quant/awq_block.py; 2026-11-25 s9).
+    int4-g128-awq-gptq-block) run int4-g128-awq-gptq-block --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score gptq --awq-objective block --no-sequential ;;
+    int4-g128-awq-gptq-block-seq) run int4-g128-awq-gptq-block-seq --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score gptq --awq-objective block --awq-inputs quantized ;;
+    # More calibration text: 128 windows (65,536 tokens) instead of 32.
+    int4-g128-awq-gptq-score-c128) run int4-g128-awq-gptq-score-c128 --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 128 --awq-score gptq --no-sequential ;;
+    int4-g128-awq-gptq-block-seq-c128) run int4-g128-awq-gptq-block-seq-c128 --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 128 --awq-score gptq --awq-objective block --awq-inputs quantized ;;
+    # GPTQ's group scales refit to the least output error for its codes (gptq.refit_group_scales).
+    int4-g128-awq-gptq-score-refit) run int4-g128-awq-gptq-score-refit --scheme int4-g128 --method awq+gptq --act-order --mse --refit --calib-windows 32 --awq-score gptq --no-sequential ;;
+    # GPTQ's --mse range search kept off the q/k rows (gptq.range_search_rows; AWQ's clip search skips q/k).
+    int4-g128-awq-gptq-score-skipqk) run int4-g128-awq-gptq-score-skipqk --scheme int4-g128 --method awq+gptq --act-order --mse --mse-skip-qk --calib-windows 32 --awq-score gptq --no-sequential ;;
+    int4-g128-awq-gptq-score-skipqk-refit) run int4-g128-awq-gptq-score-skipqk-refit --scheme int4-g128 --method awq+gptq --act-order --mse --mse-skip-qk --refit --calib-windows 32 --awq-score gptq --no-sequential ;;
+    int4-g128-awq-block) run int4-g128-awq-block --scheme int4-g128 --method awq --calib-windows 32 --awq-objective block ;;
     *) echo "unknown run $1" >&2; return 2 ;;
   esac
 }

@@ -30,18 +30,20 @@ It applies to the RTN path; `awq+gptq` quantizes the scaled weights with GPTQ (w
 the scaled inputs is diag(1/s) H diag(1/s): no second calibration pass), and by default scores
 each alpha with GPTQ itself (`score_with`): RTN's error is a poor guide to what GPTQ will leave.
 
-What is not done here: llm-awq scores the scales on the output of the whole block (e.g. attention
-for qkv); this scores each linear's own output, the same objective GPTQ uses.
+This scores each linear's own output, the same objective GPTQ uses; awq_block.py scores qkv_proj
+and gate_up_proj on the output of their whole block as llm-awq does (`--awq-objective block`), and
+awq_sequential.py does that on the quantized model's own inputs (`--awq-inputs quantized`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from rooflm.quant.formats import GroupWeight
+from rooflm.quant.gptq import range_search_rows
 from rooflm.quant.rtn import WeightScheme, int4_params, quantize_int4_codes, quantize_weight
 
 
@@ -63,15 +65,19 @@ class AwqConfig:
     score_with: str = "rtn"
     gptq_act_order: bool = False
     gptq_mse: bool = False
+    gptq_refit: bool = False
+    gptq_mse_skip_qk: bool = False  # GPTQ keeps q/k rows' full range (gptq.range_search_rows)
 
-    def quantizer(self):
-        """(scaled w [N, K], Hessian of the scaled inputs) -> dequantized weight, for scoring."""
+    def quantizer(self, mse_rows: Optional[torch.Tensor] = None):
+        """(scaled w [N, K], Hessian of the scaled inputs) -> dequantized weight, for scoring;
+        mse_rows: gptq_quantize's (the rows whose range GPTQ's mse may shrink)."""
         if self.score_with == "rtn":
             return lambda w, h: fake_quantize(w, self.scheme)
         if self.score_with == "gptq":
             from rooflm.quant.gptq import gptq_quantize
             return lambda w, h: gptq_quantize(w, h, self.scheme.bits, self.scheme.group_size, scale_dtype=torch.float32,
-                                              act_order=self.gptq_act_order, mse=self.gptq_mse).dequantize()
+                                              act_order=self.gptq_act_order, mse=self.gptq_mse,
+                                              refit=self.gptq_refit, mse_rows=mse_rows).dequantize()
         raise ValueError(f"AWQ score_with must be 'rtn' or 'gptq'; got {self.score_with!r}")
     # Range shrink factors of the clip search (llm-awq: max_shrink 0.5 in 20 steps; here fewer,
     # the same spacing near 1 where the choices fall).
@@ -114,11 +120,15 @@ def output_error(dw: torch.Tensor, hessian: torch.Tensor) -> float:
 
 
 def search_scale(w: torch.Tensor, hessian: torch.Tensor, act_mean: torch.Tensor, config: AwqConfig,
-                 tie: Optional[tuple[int, int, int]] = None) -> tuple[torch.Tensor, float, float]:
+                 tie: Optional[tuple[int, int, int]] = None,
+                 error: Optional[Callable[[torch.Tensor], float]] = None,
+                 mse_rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, float, float]:
     """(s [K], alpha, error / RTN's error) for w [N, K] whose inputs have mean |x| act_mean [K].
 
     tie (kv_heads, group, head_dim): the inputs are [query head, head_dim] and channels of the
-    query heads of one kv group must share their scale (o_proj under GQA)."""
+    query heads of one kv group must share their scale (o_proj under GQA).
+    error: the objective of a candidate, given its effective weight Q(W diag(s)) diag(1/s) [N, K];
+    default this linear's own output error tr(dW H dW^T) (awq_block.py passes a block's output error)."""
     w = w.float()
     h = hessian.float()
     mean = act_mean.float().clamp_min(1e-8)
@@ -131,15 +141,15 @@ def search_scale(w: torch.Tensor, hessian: torch.Tensor, act_mean: torch.Tensor,
         mean, w_mean = tied(mean), tied(w_mean)
     best = (torch.ones_like(mean), 0.0, None)
     base = None
-    quantize = config.quantizer()
+    quantize = config.quantizer(mse_rows)
     for duo in ((False, True) if config.duo_scaling else (False,)):
         for alpha in config.alphas:
             s = mean.pow(alpha)
             if duo:
                 s = (s / (w_mean.pow(1 - alpha) + 1e-4)).clamp_min(1e-4)
             s = s / (s.max() * s.min()).sqrt()  # llm-awq's normalisation: the scales centre on 1
-            dw = quantize(w * s[None, :], h / (s[:, None] * s[None, :])) / s[None, :] - w
-            err = output_error(dw, h)
+            wq = quantize(w * s[None, :], h / (s[:, None] * s[None, :])) / s[None, :]
+            err = output_error(wq - w, h) if error is None else error(wq)
             if base is None:
                 base = err  # alpha 0 without duo: s = 1, RTN
             if best[2] is None or err < best[2]:
@@ -259,7 +269,8 @@ def apply_awq(model, hessians: dict[str, torch.Tensor], act_means: dict[str, tor
         for name, linear, tie in _layer_groups(model, index):
             if linear.quant is not None or linear.weight.numel() == 0:
                 raise ValueError(f"AWQ needs float weights; {name} is already quantized")
-            s, alpha, ratio = search_scale(linear.weight, hessians[name], act_means[name], config, tie)
+            s, alpha, ratio = search_scale(linear.weight, hessians[name], act_means[name], config, tie,
+                                           mse_rows=range_search_rows(linear, config.gptq_mse_skip_qk))
             scales[name] = s
             report.alpha[name] = alpha
             report.error_ratio[name] = ratio

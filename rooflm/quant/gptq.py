@@ -17,6 +17,8 @@ sequential.py (`rooflm quantize --method gptq`'s default) those of the already q
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from rooflm.quant.formats import ChannelWeight, GroupWeight
@@ -25,13 +27,17 @@ from rooflm.quant.rtn import int4_params, int4_params_mse
 
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int,
                   damp: float = 0.01, block: int = 128, scale_dtype: torch.dtype = torch.float16,
-                  act_order: bool = False, mse: bool = False):
+                  act_order: bool = False, mse: bool = False, refit: bool = False,
+                  mse_rows: Optional[torch.Tensor] = None):
     """w [N, K], hessian [K, K] (sum of x x^T) -> GroupWeight (4-bit) or ChannelWeight (8-bit).
 
     act_order (GPTQ's desc_act, 4-bit): quantize the inputs with the largest Hessian diagonal
     first, while the most columns remain to absorb their error; groups are formed in that order,
     and the result carries the permutation (GPTQ's g_idx). mse: each group's range is searched
-    for the smallest Hessian-weighted rounding error instead of taken as min..max."""
+    for the smallest Hessian-weighted rounding error instead of taken as min..max; with mse_rows
+    (bool [N]) only in those rows, the others keep min..max (range_search_rows). refit (4-bit):
+    afterwards, the scales that minimise the layer's output error for the codes found
+    (refit_group_scales)."""
     W = w.detach().float().clone()
     n, k = W.shape
     H = hessian.detach().float().clone()
@@ -69,6 +75,10 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size:
                     end = min(i + group_size, i2 - i1)
                     if mse:
                         s_g, z_g = int4_params_mse(W1[:, i:end], diag[col:col + end - i])
+                        if mse_rows is not None:
+                            s_m, z_m = int4_params(W1[:, i:end], end - i)
+                            s_g = torch.where(mse_rows[:, None], s_g, s_m)
+                            z_g = torch.where(mse_rows[:, None], z_g, z_m)
                     else:
                         s_g, z_g = int4_params(W1[:, i:end], end - i)
                     g = col // group_size
@@ -85,5 +95,70 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size:
         W[:, i2:] -= err1 @ hinv[i1:i2, i2:]
     if bits == 8:
         return ChannelWeight(codes.to(torch.int8), scale8.to(scale_dtype), torch.zeros(n, dtype=scale_dtype), "int8")
-    return GroupWeight(codes.to(torch.uint8), scales.T.contiguous().to(scale_dtype),
-                       zeros.T.contiguous().to(scale_dtype), group_size, perm, f"int4-g{group_size}")
+    q = GroupWeight(codes.to(torch.uint8), scales.T.contiguous().to(scale_dtype),
+                    zeros.T.contiguous().to(scale_dtype), group_size, perm, f"int4-g{group_size}")
+    if refit:
+        q = refit_group_scales(q, w, hessian, scale_dtype)
+    return q
+
+
+def range_search_rows(linear, skip_qk: bool) -> Optional[torch.Tensor]:
+    """The rows of `linear` whose group range GPTQ's `mse` may shrink: all (None) unless skip_qk,
+    which keeps the q and k rows of a fused qkv_proj at their full min..max range.
+
+    Why: a clipped q or k weight errs on the largest products of the attention scores, which
+    the softmax then amplifies; AWQ's clip search skips q/k for this reason (llm-awq, AutoAWQ:
+    "due to qk bmm, it is hard to clip precisely")."""
+    shards = getattr(linear, "shard_offsets", {})
+    if not skip_qk or "q" not in shards or "k" not in shards:
+        return None
+    rows = torch.ones(linear.out_features, dtype=torch.bool)
+    for shard in ("q", "k"):
+        offset, size = shards[shard]
+        rows[offset:offset + size] = False
+    return rows
+
+
+def group_output_error(q: GroupWeight, w: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
+    """Per output row, tr(dW H dW^T)'s row term for dW = q.dequantize() - w [N]."""
+    dw = q.dequantize() - w.float()
+    return ((dw @ hessian.float()) * dw).sum(dim=1)
+
+
+def refit_group_scales(q: GroupWeight, w: torch.Tensor, hessian: torch.Tensor,
+                       scale_dtype: torch.dtype = torch.float16) -> GroupWeight:
+    """Keep q's codes and (integer) zero points; replace each row's group scales by those that
+    minimise its output error (W_q - W) H (W_q - W)^T, W_q[i] = (code_i - zero_g) * s_g.
+
+    Why: GPTQ fixes each group's scale from the weights when the group starts (before the later
+    columns' compensation lands), then rounds every code for that scale; the scales are the only
+    continuous parameters of the format left, and given the codes the loss is quadratic in them:
+    per row, a G x G least squares (M s = r, M[g, h] = sum_{i in g, j in h} a_i H_ij a_j,
+    r[g] = sum_{i in g} a_i (H w)_i, a_i = code_i - zero_g), G = K / group_size. A row keeps its old
+    scales wherever the new ones (rounded to the stored dtype) are not better or not positive."""
+    W = w.detach().float()
+    H = hessian.detach().float()
+    if q.perm is not None:  # codes are in act-order (q.perm) order
+        W = W[:, q.perm]
+        H = H[q.perm][:, q.perm]
+    n, k = W.shape
+    gs = q.group_size
+    groups = -(-k // gs)
+    pad = groups * gs - k
+    zeros = q.zeros.float().T.repeat_interleave(gs, dim=1)[:, :k]
+    a = torch.nn.functional.pad(q.codes.float() - zeros, (0, pad))  # [N, G*gs]
+    hp = torch.nn.functional.pad(H, (0, pad, 0, pad))
+    m = torch.empty(n, groups, groups)
+    for g in range(groups):  # row-block g of M for every row at once: [N, gs] @ [gs, K]
+        t = a[:, g * gs:(g + 1) * gs] @ hp[g * gs:(g + 1) * gs]
+        m[:, g, :] = (t * a).reshape(n, groups, gs).sum(dim=2)
+    r = (a * torch.nn.functional.pad(W @ H, (0, pad))).reshape(n, groups, gs).sum(dim=2)
+    ridge = 1e-6 * torch.diagonal(m, dim1=1, dim2=2).mean(dim=1).clamp_min(1e-12)
+    m = m + ridge[:, None, None] * torch.eye(groups)
+    s_new = torch.linalg.solve(m, r[:, :, None])[:, :, 0].to(scale_dtype).float()  # [N, G]
+    ok = torch.isfinite(s_new).all(dim=1) & (s_new > 0).all(dim=1)
+    s_new = torch.where(ok[:, None], s_new, q.scales.float().T)
+    candidate = GroupWeight(q.codes, s_new.T.contiguous().to(scale_dtype), q.zeros, gs, q.perm, q.format)
+    better = group_output_error(candidate, w, hessian) < group_output_error(q, w, hessian)
+    scales = torch.where(better[None, :], candidate.scales, q.scales)
+    return GroupWeight(q.codes, scales.contiguous(), q.zeros, gs, q.perm, q.format)

@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from rooflm.quant.formats import to_gptq
+from rooflm.quant.gptq import range_search_rows
 from rooflm.quant.rtn import WeightScheme, quantize_weight
 
 logger = logging.getLogger(__name__)
@@ -79,12 +80,14 @@ def collect_hessians(llm, windows: list[list[int]],
 
 
 def quantize_linear(w: torch.Tensor, scheme: WeightScheme, method: str, hessian: Optional[torch.Tensor],
-                    act_order: bool = False, mse: bool = False):
+                    act_order: bool = False, mse: bool = False, refit: bool = False,
+                    mse_rows: Optional[torch.Tensor] = None):
     """method: rtn | gptq | awq (weights already AWQ-scaled: RTN with the clip search when a Hessian
     is given) | awq+gptq (weights already AWQ-scaled, the Hessian rescaled to match: GPTQ)."""
     if method in ("gptq", "awq+gptq"):
         from rooflm.quant.gptq import gptq_quantize
-        return gptq_quantize(w, hessian, scheme.bits, scheme.group_size, act_order=act_order, mse=mse)
+        return gptq_quantize(w, hessian, scheme.bits, scheme.group_size, act_order=act_order, mse=mse, refit=refit,
+                             mse_rows=mse_rows)
     if method == "awq" and hessian is not None and scheme.bits == 4:
         from rooflm.quant.awq import AwqConfig, clipped_rtn_int4
         return clipped_rtn_int4(w, hessian, scheme.group_size, AwqConfig(scheme).shrinks)
@@ -104,7 +107,8 @@ def _rows(weight, start: int, size: int):
 
 def quantized_state_dict(model, scheme: WeightScheme, method: str, hessians: Optional[dict],
                          float_dtype: torch.dtype, act_order: bool = False, mse: bool = False,
-                         prequantized: Optional[dict] = None) -> dict[str, torch.Tensor]:
+                         prequantized: Optional[dict] = None, refit: bool = False,
+                         mse_skip_qk: bool = False) -> dict[str, torch.Tensor]:
     """HF-named tensors: GPTQ parts for decoder linears, float for everything else.
     prequantized: linear name -> its already quantized weight (sequential.py), written as is."""
     out: dict[str, torch.Tensor] = {}
@@ -120,7 +124,8 @@ def quantized_state_dict(model, scheme: WeightScheme, method: str, hessians: Opt
             q = prequantized[name]
         else:
             q = quantize_linear(module.weight.detach().float(), scheme, method,
-                                None if hessians is None else hessians[name], act_order, mse)
+                                None if hessians is None else hessians[name], act_order, mse, refit,
+                                range_search_rows(module, mse_skip_qk))
         if leaf in _SPLITS:
             _, names = _SPLITS[leaf]
             for shard, (offset, size) in module.shard_offsets.items():

@@ -31,21 +31,42 @@ import torch
 from rooflm.quant.rtn import WeightScheme
 
 
+def check_one_step(llm, windows: list[list[int]], what: str) -> None:
+    """The engine must run every calibration window in ONE prefill step: enough batched tokens,
+    sequences and KV cache (a full pool splits the step as surely as a small token budget)."""
+    info = llm.engine.info
+    total = sum(len(w) for w in windows)
+    if info.max_num_batched_tokens < total:
+        raise ValueError(f"{what} needs all {total} calibration tokens in one forward step, but max_num_batched_tokens "
+                         f"is {info.max_num_batched_tokens}: build the LLM with max_num_batched_tokens>={total}")
+    if info.max_num_seqs < len(windows):
+        raise ValueError(f"{what} runs all {len(windows)} calibration windows in one step, but max_num_seqs is "
+                         f"{info.max_num_seqs}: build the LLM with max_num_seqs>={len(windows)}")
+    blocks = sum(-(-len(w) // info.block_size) for w in windows)
+    if info.num_blocks < blocks:
+        raise ValueError(f"{what} holds all {total} calibration tokens in the KV cache at once, but it has "
+                         f"{info.kv_capacity_tokens} token slots: build the LLM with a larger cpu_kv_cache_gb "
+                         f"(about {kv_cache_gb_for(info, blocks * info.block_size):.2f})")
+
+
+def kv_cache_gb_for(info, tokens: int) -> float:
+    """GiB of KV cache that hold `tokens` tokens of the engine's model (a 10% margin)."""
+    return 1.1 * tokens * info.model_config.kv_bytes_per_token(info.kv_dtype_bytes) / 2**30
+
+
 def sequential_gptq(llm, windows: list[list[int]], scheme: WeightScheme, act_order: bool = False,
-                    mse: bool = False, hessians: Optional[dict[str, torch.Tensor]] = None) -> dict:
+                    mse: bool = False, hessians: Optional[dict[str, torch.Tensor]] = None,
+                    refit: bool = False, mse_skip_qk: bool = False) -> dict:
     """Quantize every decoder linear of `llm`'s (float) model in place, layer by layer on the
     quantized predecessors' outputs; returns {rooflm linear name: GroupWeight/ChannelWeight}.
     The model's linear weights are left as the dequantized values (what the checkpoint loads to).
     `hessians`, if given, is filled with the Hessian each linear was quantized with."""
-    from rooflm.quant.gptq import gptq_quantize
+    from rooflm.quant.gptq import gptq_quantize, range_search_rows
     from rooflm.quant.quantize import decoder_linears
     from rooflm.sampling_params import SamplingParams
     model = llm.engine.runner.model
     total = sum(len(w) for w in windows)
-    budget = llm.engine.config.scheduler.max_num_batched_tokens
-    if budget < total:
-        raise ValueError(f"sequential GPTQ needs all {total} calibration tokens in one forward step, but "
-                         f"max_num_batched_tokens is {budget}: build the LLM with max_num_batched_tokens>={total}")
+    check_one_step(llm, windows, "sequential GPTQ")
     quantized: dict = {}
 
     @torch.no_grad()
@@ -64,7 +85,8 @@ def sequential_gptq(llm, windows: list[list[int]], scheme: WeightScheme, act_ord
         torch.set_num_threads(1)
         try:
             q = gptq_quantize(mod.weight.detach().float(), h, scheme.bits, scheme.group_size,
-                              act_order=act_order, mse=mse)
+                              act_order=act_order, mse=mse, refit=refit,
+                              mse_rows=range_search_rows(mod, mse_skip_qk))
         finally:
             torch.set_num_threads(threads)
         mod.weight.copy_(q.dequantize().to(mod.weight.dtype))

@@ -67,3 +67,14 @@ def test_sequential_defaults():
     assert not use_sequential("rtn", None)
     with pytest.raises(ValueError, match="--sequential applies"):
         use_sequential("awq", True)
+
+
+def test_sequential_needs_the_kv_cache_to_hold_every_window(tmp_path):
+    """A KV pool smaller than the calibration splits the prefill as surely as a small token
+    budget (seen at 128 windows: 23,040 of 65,536 tokens in the step); it is refused up front."""
+    from rooflm.quant.sequential import sequential_gptq
+    from tests.models.tiny_models import make_tiny_model
+    src, _ = make_tiny_model(tmp_path, "llama", attention="gqa")
+    total = sum(map(len, WINDOWS))
+    with pytest.raises(ValueError, match="cpu_kv_cache_gb"):
+        sequential_gptq(_llm(src, max_num_batched_tokens=total, num_blocks=20), WINDOWS, SCHEME)

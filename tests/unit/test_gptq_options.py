@@ -1,0 +1,54 @@
+"""GPTQ's options in rooflm/quant/gptq.py: the scale refit (same codes, lower output error) and the
+range search kept off the q/k rows."""
+
+import pytest
+import torch
+
+from rooflm.quant.gptq import gptq_quantize, group_output_error
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_refit_lowers_the_output_error_with_the_same_codes(act_order):
+    """refit keeps GPTQ's codes and zero points and only changes scales, to ones with a lower
+    output error tr(dW H dW^T) (strictly lower here: GPTQ's scales are set before the
+    compensation lands, so they are not the least-squares ones)."""
+    g = torch.Generator().manual_seed(0)
+    k, n, group = 256, 64, 64
+    channel = torch.ones(k)
+    channel[torch.randperm(k, generator=g)[:8]] = 10.0
+    x = torch.randn(1024, k, generator=g) * channel
+    w = torch.randn(n, k, generator=g) * 0.05
+    h = x.T @ x
+    plain = gptq_quantize(w, h, 4, group, act_order=act_order, mse=True)
+    refit = gptq_quantize(w, h, 4, group, act_order=act_order, mse=True, refit=True)
+    assert torch.equal(plain.codes, refit.codes) and torch.equal(plain.zeros, refit.zeros)
+    before, after = group_output_error(plain, w, h), group_output_error(refit, w, h)
+    assert (after <= before).all()
+    assert after.sum() < 0.99 * before.sum(), (after.sum() / before.sum())
+
+
+def test_mse_skip_qk_keeps_the_q_and_k_rows_at_their_full_range(tmp_path):
+    """range_search_rows marks a fused qkv_proj's v rows only; GPTQ --mse then leaves the q/k
+    rows' group scales at min..max (as plain GPTQ picks them) and searches the v rows'."""
+    from rooflm.llm import LLM
+    from rooflm.quant.gptq import range_search_rows
+    from tests.models.tiny_models import make_tiny_model
+    src, _ = make_tiny_model(tmp_path, "llama", attention="gqa")
+    llm = LLM(model=src, dtype="float32", device="cpu", block_size=4, quantization="none")
+    attn = llm.engine.runner.model.model.layers[0].self_attn
+    rows = range_search_rows(attn.qkv_proj, skip_qk=True)
+    v_offset, v_size = attn.qkv_proj.shard_offsets["v"]
+    assert rows.sum() == v_size and rows[v_offset:].all() and not rows[:v_offset].any()
+    assert range_search_rows(attn.qkv_proj, skip_qk=False) is None
+    assert range_search_rows(attn.o_proj, skip_qk=True) is None
+    g = torch.Generator().manual_seed(1)
+    w = attn.qkv_proj.weight.detach().float()
+    w = w + torch.randn(w.shape, generator=g) * w.abs().max() * (torch.rand(w.shape, generator=g) < 0.01)  # outliers
+    x = torch.randn(512, w.shape[1], generator=g)
+    h = x.T @ x
+    plain = gptq_quantize(w, h, 4, 32)
+    full = gptq_quantize(w, h, 4, 32, mse=True)
+    skip = gptq_quantize(w, h, 4, 32, mse=True, mse_rows=rows)
+    assert torch.equal(skip.scales[:, :v_offset], plain.scales[:, :v_offset])
+    assert torch.equal(skip.scales[:, v_offset:], full.scales[:, v_offset:])
+    assert not torch.equal(full.scales[:, :v_offset], plain.scales[:, :v_offset])  # mse did shrink some q/k groups
