@@ -3,7 +3,7 @@ on copy-heavy prompts (continue or edit a given text, code that repeats its iden
 open chat, one request at a time (batch 1), greedy. Plain and n-gram runs alternate per prompt,
 in one process; the load average is printed beside the numbers (the machine is shared).
 
-    python benchmarks/spec_decode_cpu.py [--max-tokens 96] [--k 4] [--quantization none]
+    python benchmarks/spec_decode_cpu.py [--max-tokens 96] [--k 4] [--quantization none] [--policy budget]
 """
 
 from __future__ import annotations
@@ -53,11 +53,14 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--policy", default="adaptive", choices=["adaptive", "budget"],
+                    help="--speculative-policy of the n-gram engine")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     common = dict(device="cpu", dtype="float32", quantization=args.quantization)
     plain = LLM(**common)
-    spec = LLM(**common, speculative_method="ngram", num_speculative_tokens=args.k)
+    spec = LLM(**common, speculative_method="ngram", num_speculative_tokens=args.k,
+               speculative_policy=args.policy)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     warm = SamplingParams(temperature=0, max_tokens=4)
     for llm in (plain, spec):
