@@ -68,7 +68,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rooflm.kernels.matmul_persistent import MATMUL_BUCKETS, _tile_coords, matmul_config, matmul_persistent
+from rooflm.kernels.matmul_persistent import _tile_coords, check_matmul_inputs, matmul_config, matmul_persistent
 from rooflm.kernels.utils import cdiv, check_last_dim_contiguous, dot_precision, num_sms, upcast_dots
 
 
@@ -252,15 +252,7 @@ def matmul_fixed_split(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     schedule ("programs" | "loop") overrides the choice by M; config overrides the tile shape
     (its BLOCK_K must be the dtype's, as in matmul_persistent).
     """
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be [N, K], got {tuple(weight.shape)}")
-    n, k = weight.shape
-    if x.shape[-1] != k:
-        raise ValueError(f"x's last dim {x.shape[-1]} does not match weight's K {k}")
-    if x.dtype != weight.dtype or x.dtype not in MATMUL_BUCKETS:
-        raise TypeError(f"x and weight must share one of fp16, bf16, fp32; got {x.dtype}, {weight.dtype}")
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    n, k = check_matmul_inputs(x, weight, bias)
     if schedule is not None and schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     check_last_dim_contiguous("weight", weight)

@@ -154,15 +154,8 @@ def matmul_config(dtype: torch.dtype, m: int = 1) -> tuple[int, int, int, int, i
     raise AssertionError("unreachable: the last bucket is open-ended")
 
 
-def matmul_persistent(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                      out_dtype: Optional[torch.dtype] = None,
-                      config: Optional[tuple[int, int, int, int, int, int]] = None) -> torch.Tensor:
-    """y = x @ weight^T + bias with a summation order independent of x's row count.
-
-    x [..., K]; weight [N, K]; bias [N]. Leading dims of x are flattened into M. config overrides
-    the buckets (benchmarks/deterministic_tiles.py compares tile shapes); a caller that wants
-    batch invariance must keep BLOCK_K and BLOCK_M >= MIN_BLOCK_M (check_buckets).
-    """
+def check_matmul_inputs(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple[int, int]:
+    """(N, K) of a batch-invariant matmul's weight, after checking x and bias against it."""
     if weight.dim() != 2:
         raise ValueError(f"weight must be [N, K], got {tuple(weight.shape)}")
     n, k = weight.shape
@@ -172,6 +165,19 @@ def matmul_persistent(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         raise TypeError(f"x and weight must share one of fp16, bf16, fp32; got {x.dtype}, {weight.dtype}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    return n, k
+
+
+def matmul_persistent(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                      out_dtype: Optional[torch.dtype] = None,
+                      config: Optional[tuple[int, int, int, int, int, int]] = None) -> torch.Tensor:
+    """y = x @ weight^T + bias with a summation order independent of x's row count.
+
+    x [..., K]; weight [N, K]; bias [N]. Leading dims of x are flattened into M. config overrides
+    the buckets (benchmarks/deterministic_tiles.py compares tile shapes); a caller that wants
+    batch invariance must keep BLOCK_K and BLOCK_M >= MIN_BLOCK_M (check_buckets).
+    """
+    n, k = check_matmul_inputs(x, weight, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
