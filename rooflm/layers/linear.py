@@ -5,8 +5,8 @@ launches of a layer. The checkpoint stores them apart, so each fused layer
 knows which row range a named shard goes to.
 
 A layer's weight is either a float parameter or, when the checkpoint's weights are kept
-quantized (GGUF Q4_0/Q4_1/Q8_0/Q4_K on the CPU and on one CUDA device; GPTQ/AWQ/compressed-tensors
-int4/int8 on CUDA), a rooflm.quant QuantizedLinearMethod that multiplies them directly; forward
+quantized (GGUF Q4_0/Q4_1/Q8_0/Q4_K on the CPU, and on one CUDA device with --quantization gguf;
+GPTQ/AWQ/compressed-tensors int4/int8 on CUDA), a rooflm.quant QuantizedLinearMethod that multiplies them directly; forward
 does not change for the model.
 """
 
