@@ -6,7 +6,11 @@
 #   3. the GPU tests (tests/distributed/test_tp_gpu.py: TP=2 greedy tokens == TP=1 with each
 #      all-reduce, and the teardown that hung on 2026-11-23 now bounded);
 #   4. batch-1 decode, Llama-3-8B shape (dummy bf16), 128 in / 256 out: TP=1, TP=2 --tp-allreduce nccl, symm;
-#   5. offline N x 1024/1024 (N=${LONG_PROMPTS:-400}; the issue's 1000 needs a call of its own): the same three.
+#   5. offline N x 1024/1024 (N=${LONG_PROMPTS:-400}; the issue's 1000 needs a call of its own): TP=1,
+#      TP=2 nccl, then `rooflm profile` of TP=2 decode at batch 256 (where its offline step goes),
+#      then TP=2 symm and the TP=1 profile if the budget allows.
+# ROOFLM_TP_STEP_TIMES=1: each worker prints, at stop, its host time per step against the time it
+# waited for rank 0's packets (a worker busy for the whole step is what the GPUs wait on).
 # Every step runs under `timeout`, within a total budget (BUDGET_S, 510 s): a step that would not
 # fit is skipped and says so. NCCL_DEBUG=WARN; ROOFLM_HANG_DUMP_S=120 makes a rank that stalls for
 # 2 minutes print its stacks into its log. $OUT ends with at most 4 files: summary.md (the
@@ -14,11 +18,11 @@
 # Usage (GPU machine, repo root): OUT=dir bash benchmarks/tp.sh
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export NCCL_DEBUG=WARN ROOFLM_HANG_DUMP_S=120
+export NCCL_DEBUG=WARN ROOFLM_HANG_DUMP_S=120 ROOFLM_TP_STEP_TIMES=1
 OUT=${OUT:-benchmarks/results/tp}
 LOGS="$OUT/logs"
 mkdir -p "$LOGS"
-BUDGET_S=${BUDGET_S:-510}
+BUDGET_S=${BUDGET_S:-560}
 MODEL="--model llama-3-8b --load-format dummy --max-model-len 2048"
 N=${LONG_PROMPTS:-400}
 SUMMARY="$OUT/summary.md"
@@ -76,9 +80,15 @@ throughput() {  # tp allreduce
 latency 1 nccl
 latency 2 nccl
 latency 2 symm
+profile() {  # tp
+  step "profile-tp$1" 100 python -m rooflm profile $MODEL --tensor-parallel-size "$1" --batch-size 256 \
+    --input-len 1024 --output-len 1024 --steps 10 --output "$LOGS/profile-tp$1"
+}
 throughput 1 nccl
 throughput 2 nccl
+profile 2
 throughput 2 symm
+profile 1
 
 python - "$OUT" "$N" <<'PY' 2>&1 | tee -a "$SUMMARY"
 import json, os, sys
@@ -114,7 +124,16 @@ PY
 say ""
 sed -n '/^all-reduce,/,/^llama-3-8b/p' "$LOGS/allreduce.txt" 2>/dev/null | tee -a "$SUMMARY" > /dev/null
 say ""
+say ""
+say "Workers (rank 1's host time per step, ROOFLM_TP_STEP_TIMES):"
+for f in "$LOGS"/latency-tp2-*.txt "$LOGS"/throughput-tp2-*.txt "$LOGS"/profile-tp2.txt; do
+  [ -f "$f" ] && say "- $(basename "$f" .txt): $(grep -h '^tp rank 1:' "$f" | tail -1)"
+done
+for f in "$LOGS"/profile-tp*.txt; do
+  [ -f "$f" ] && { say ""; say "$(basename "$f" .txt):"; sed -n '/^wall time per step/,/^summary:/p' "$f" | tee -a "$SUMMARY" > /dev/null; }
+done
 say "GPU tests: $(grep -hE "sequences token-for-token|shutdown took" "$LOGS/gpu-tests.txt" 2>/dev/null | tr '\n' ';') $(tail -1 "$LOGS/gpu-tests.txt" 2>/dev/null)"
 say "total ${SECONDS} s"
+rm -f "$LOGS"/profile-tp*/trace.json  # tens of MB each; summary.json stays
 tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
 cat "$SUMMARY" > /dev/null

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 PARENT_POLL_S = 0.5
 FAULT_INJECT_ENV = "ROOFLM_TP_FAULT_INJECT"
+STEP_TIMES_ENV = "ROOFLM_TP_STEP_TIMES"  # set: each worker prints where its host time went, at stop
 MAX_TRACEBACK_CHARS = 20_000  # the tail: where it failed
 
 
@@ -45,6 +46,7 @@ class WorkerRunner(ModelRunner):
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, tp: TPGroup):
         super().__init__(config, model_config, max_model_len, tp)
         self.prev_sampled: Optional[torch.Tensor] = None  # the last step's sampled ids, on the device
+        self.kinds = {"graph": 0, "piecewise": 0, "eager": 0}  # how its forwards ran
 
     @torch.inference_mode()
     def replay(self, packet: StepPacket) -> None:
@@ -65,7 +67,9 @@ class WorkerRunner(ModelRunner):
             dst = self._host(packet.pending_positions, torch.int64).to(self.device, non_blocking=True)
             src = self._host(packet.pending_rows, torch.int64).to(self.device, non_blocking=True)
             fixup = (dst, self.prev_sampled.index_select(0, src))
-        self._forward(inputs, StepResult({}, {}, {}), fixup, self._pick_graph(inputs, fixup))
+        graph = self._pick_graph(inputs, fixup)
+        self._forward(inputs, StepResult({}, {}, {}), fixup, graph)
+        self.kinds[_kind(graph, self._piecewise_runs(inputs))] += 1
         if packet.logits_indices:  # rank 0 sampled these rows: receive their ids
             sampled = torch.empty(len(packet.logits_indices), dtype=torch.int64, device=self.device)
             self.prev_sampled = self.tp.broadcast_device(sampled)
@@ -74,6 +78,10 @@ class WorkerRunner(ModelRunner):
         """Rank 0 computes prompt logprobs; the LM head's all-gather needs every rank."""
         for _, base, _, count in inputs.prompt_logprob_spans:
             self.model.compute_logits(hidden[base:base + count])
+
+
+def _kind(graph, piecewise: bool) -> str:
+    return "graph" if graph is not None else ("piecewise" if piecewise else "eager")
 
 
 def rank_device(base: torch.device, rank: int) -> torch.device:
@@ -125,13 +133,21 @@ def _serve(rank: int, size: int, init_method: str, config: EngineConfig, model_c
     runner.initialize(model_path, load_format)
     channel = StepChannel(tp)
     fault_step = fault_step_from_env(rank)
-    steps = 0
+    steps, waited, busy = 0, 0.0, 0.0
+    t0 = time.perf_counter()
     while (packet := channel.receive()) is not None:
+        t1 = time.perf_counter()
         watch.progress()
         steps += 1
         if steps == fault_step:
             raise RuntimeError(f"fault injected at tp rank {rank} step {steps} ({FAULT_INJECT_ENV})")
         runner.replay(packet)
+        t0, waited, busy = time.perf_counter(), waited + t1 - t0, busy + time.perf_counter() - t1
+    if os.environ.get(STEP_TIMES_ENV):
+        # Where rank 0's step goes if the GPUs wait for this rank: a host that is busy close to
+        # the step time is the limit; one that mostly waits for the next packet is not.
+        print(f"tp rank {rank}: {steps} steps, host busy {busy:.3f} s ({1e3 * busy / max(steps, 1):.2f} ms/step), "
+              f"waiting for packets {waited:.3f} s; forwards {runner.kinds}", file=sys.stderr, flush=True)
     watch.arm()  # the teardown gets its own N seconds
     runner.release_graphs()  # before the group goes: NCCL waits on graphs that captured it
     if not destroy_group(tp):
