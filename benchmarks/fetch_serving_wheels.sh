@@ -28,6 +28,10 @@ STRUCTURED=(  # structured outputs (rooflm/structured/, benchmarks/structured_ov
   # and apache-tvm-ffi, whose one dependency is typing-extensions (above)
   xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 )
+GGUF=(  # the GGUF GPU tests (tests/kernels/test_gguf_on_cuda_kernels.py, tests/unit/test_gguf_formats.py)
+  # import gguf-py as their reference and skip without it; its numpy is on the GPU machine
+  gguf==0.19.0 pyyaml==6.0.4
+)
 PLOT=(  # rooflm bench serve --plot (headless Agg)
   matplotlib==3.11.2 contourpy==1.3.3 cycler==0.12.1 fonttools==4.68.0 kiwisolver==1.5.1
   pillow==13.0.0 pyparsing==3.3.3 python-dateutil==4.0.0 tzdata==2026.6 packaging==26.3
@@ -38,6 +42,6 @@ EXCLUDE=$(git rev-parse --git-path info/exclude); mkdir -p "$(dirname "$EXCLUDE"
 grep -qxF '/.whl/' "$EXCLUDE" 2>/dev/null || echo '/.whl/' >> "$EXCLUDE"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PY_VERSION" \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-  --platform manylinux2014_x86_64 --platform any -d .whl "${SERVER[@]}" "${CLIENT[@]}" "${STRUCTURED[@]}" "${PLOT[@]}"
+  --platform manylinux2014_x86_64 --platform any -d .whl "${SERVER[@]}" "${CLIENT[@]}" "${STRUCTURED[@]}" "${GGUF[@]}" "${PLOT[@]}"
 ls -1 .whl
 du -ch .whl/*.whl | tail -1
