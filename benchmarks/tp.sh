@@ -65,7 +65,7 @@ PY
 say ""
 say "Steps:"
 step allreduce 110 python benchmarks/allreduce.py --ranks 2 --out "$OUT"
-step gpu-tests 170 python -m pytest -q -s -p no:cacheprovider -m gpu tests/distributed/test_tp_gpu.py
+step gpu-tests 260 python -m pytest -q -s -p no:cacheprovider -m gpu tests/distributed/test_tp_gpu.py
 
 latency() {  # tp allreduce
   step "latency-tp$1-$2" 120 python -m rooflm bench latency $MODEL --tensor-parallel-size "$1" --tp-allreduce "$2" \
@@ -74,7 +74,7 @@ latency() {  # tp allreduce
 }
 throughput() {  # tp allreduce
   step "throughput-tp$1-$2" 110 python -m rooflm bench throughput $MODEL --tensor-parallel-size "$1" \
-    --tp-allreduce "$2" --num-prompts "$N" --input-len 1024 --output-len 1024 --disable-tqdm \
+    --tp-allreduce "$2" --num-prompts "$N" --input-len 1024 --output-len 1024 --disable-tqdm --breakdown \
     --output-json "$LOGS/throughput-tp$1-$2.json"
 }
 latency 1 nccl

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Where TP=2's offline time goes (issue 22), on 2 GPUs of one host, one call of ~5 minutes:
+#   1. offline 400 x 1024/1024 with --breakdown (time per step kind: decode graph / mixed / prefill,
+#      host vs device), TP=1 on GPU 0 while the GGUF-on-CUDA GPU tests run on GPU 1 (they need
+#      gguf-py: carry .whl from benchmarks/fetch_serving_wheels.sh);
+#   2. the same with TP=2 (--tp-allreduce auto);
+#   3. `rooflm profile` of TP=2 prefill-phase steps (warm-up 40 steps: 400 prompts are still
+#      arriving, ~80 sequences decode beside each 2048-token chunk), then the same at TP=1;
+#   4. tests/distributed/test_tp_gpu.py -k qwen2 (the case tp.sh's step limit cut on 11-25).
+# Usage (GPU machine, repo root): OUT=dir bash benchmarks/tp_offline.sh   ($OUT ends with summary.md and logs.tar.gz)
+set -uo pipefail
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 NCCL_DEBUG=WARN ROOFLM_TP_STEP_TIMES=1
+OUT=${OUT:-benchmarks/results/tp-offline}
+LOGS="$OUT/logs"; mkdir -p "$LOGS"
+MODEL=${MODEL:-"--model llama-3-8b --load-format dummy --max-model-len 2048"}
+N=${LONG_PROMPTS:-400}
+SUMMARY="$OUT/summary.md"
+{ echo "# benchmarks/tp_offline.sh, $(date -u +%FT%TZ), commit ${ROOFLM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
+  nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | tr '\n' ';'; echo; } | tee "$SUMMARY"
+
+throughput() {  # tp, gpus
+  CUDA_VISIBLE_DEVICES=$2 timeout 150 python -m rooflm bench throughput $MODEL --tensor-parallel-size "$1" \
+    --num-prompts "$N" --input-len 1024 --output-len 1024 --disable-tqdm --breakdown \
+    --output-json "$LOGS/throughput-tp$1.json" > "$LOGS/throughput-tp$1.txt" 2>&1
+  echo "- throughput TP=$1: rc $? at ${SECONDS} s" | tee -a "$SUMMARY"
+}
+profile() {  # tp, gpus
+  CUDA_VISIBLE_DEVICES=$2 timeout 100 python -m rooflm profile $MODEL --tensor-parallel-size "$1" --batch-size "$N" \
+    --input-len 1024 --output-len 1024 --warmup-steps 40 --steps 5 --output "$LOGS/profile-prefill-tp$1" \
+    > "$LOGS/profile-prefill-tp$1.txt" 2>&1
+  echo "- profile prefill TP=$1: rc $? at ${SECONDS} s" | tee -a "$SUMMARY"
+}
+CUDA_VISIBLE_DEVICES=1 timeout 200 python -m pytest -q -p no:cacheprovider -m gpu -rs tests/kernels/test_gguf_on_cuda_kernels.py \
+  tests/unit/test_gguf_formats.py > "$LOGS/gguf-gpu-tests.txt" 2>&1 &
+GGUF=$!
+throughput 1 0
+wait $GGUF; echo "- GGUF GPU tests: $(tail -1 "$LOGS/gguf-gpu-tests.txt")" | tee -a "$SUMMARY"
+throughput 2 0,1
+profile 2 0,1
+profile 1 0
+timeout 150 python -m pytest -q -s -p no:cacheprovider -m gpu tests/distributed/test_tp_gpu.py -k qwen2 > "$LOGS/gpu-tests-qwen2.txt" 2>&1
+echo "- TP GPU test qwen2: $(grep -hE 'token-for-token|shutdown took' "$LOGS/gpu-tests-qwen2.txt" | tr '\n' ';') $(tail -1 "$LOGS/gpu-tests-qwen2.txt")" | tee -a "$SUMMARY"
+for tp in 1 2; do
+  { echo; echo "## TP=$tp offline"; grep -E "Elapsed|Output token|Engine steps|Measured" "$LOGS/throughput-tp$tp.txt"
+    sed -n '/Step breakdown/,/^time:/p' "$LOGS/throughput-tp$tp.txt"; grep -h '^tp rank 1:' "$LOGS/throughput-tp$tp.txt"
+    echo; echo "## TP=$tp profile, prefill-phase steps"; sed -n '/^wall time per step/,/^verdict/p' "$LOGS/profile-prefill-tp$tp.txt"
+  } >> "$SUMMARY"
+done
+rm -f "$LOGS"/profile-*/trace.json
+tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
+echo "total ${SECONDS} s" >> "$SUMMARY"
