@@ -7,6 +7,9 @@
 #   3. `rooflm profile` of TP=2 prefill-phase steps (warm-up 40 steps: 400 prompts are still
 #      arriving, ~80 sequences decode beside each 2048-token chunk), then the same at TP=1;
 #   4. tests/distributed/test_tp_gpu.py -k qwen2 (the case tp.sh's step limit cut on 11-25).
+# OLD=dir (a copy of another commit's rooflm/ package, e.g. `git archive C rooflm | tar -x -C dir`,
+# carried) adds an A/B of the host path in the same call: TP=2 offline with OLD's code, and the
+# ShareGPT-like offline workload (1000 x ~230/~200) on one GPU, this tree on GPU 0 beside OLD's on GPU 1.
 # Usage (GPU machine, repo root): OUT=dir bash benchmarks/tp_offline.sh   ($OUT ends with summary.md and logs.tar.gz)
 set -uo pipefail
 if [ -d .whl ]; then
@@ -22,11 +25,18 @@ SUMMARY="$OUT/summary.md"
 { echo "# benchmarks/tp_offline.sh, $(date -u +%FT%TZ), commit ${ROOFLM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
   nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | tr '\n' ';'; echo; } | tee "$SUMMARY"
 
-throughput() {  # tp, gpus
-  CUDA_VISIBLE_DEVICES=$2 timeout 150 python -m rooflm bench throughput $MODEL --tensor-parallel-size "$1" \
-    --num-prompts "$N" --input-len 1024 --output-len 1024 --disable-tqdm --breakdown \
-    --output-json "$LOGS/throughput-tp$1.json" > "$LOGS/throughput-tp$1.txt" 2>&1
-  echo "- throughput TP=$1: rc $? at ${SECONDS} s" | tee -a "$SUMMARY"
+throughput() {  # tp, gpus, [tag, pythonpath]
+  local tag=${3:-}
+  CUDA_VISIBLE_DEVICES=$2 PYTHONPATH=${4:-$PYTHONPATH} timeout 150 python -m rooflm bench throughput $MODEL \
+    --tensor-parallel-size "$1" --num-prompts "$N" --input-len 1024 --output-len 1024 --disable-tqdm --breakdown \
+    --output-json "$LOGS/throughput-tp$1$tag.json" > "$LOGS/throughput-tp$1$tag.txt" 2>&1
+  echo "- throughput TP=$1$tag: rc $? at ${SECONDS} s" | tee -a "$SUMMARY"
+}
+sharegpt() {  # gpu, tag, pythonpath
+  CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=$3 timeout 150 python -m rooflm bench throughput --model llama-3-8b \
+    --load-format dummy --max-model-len 4096 --num-prompts 1000 --input-len 230 --output-len 200 --range-ratio 0.9 \
+    --disable-tqdm --breakdown --output-json "$LOGS/sharegpt$2.json" > "$LOGS/sharegpt$2.txt" 2>&1
+  echo "- ShareGPT-like TP=1$2: rc $? at ${SECONDS} s" | tee -a "$SUMMARY"
 }
 profile() {  # tp, gpus
   CUDA_VISIBLE_DEVICES=$2 timeout 100 python -m rooflm profile $MODEL --tensor-parallel-size "$1" --batch-size "$N" \
@@ -40,15 +50,25 @@ GGUF=$!
 throughput 1 0
 wait $GGUF; echo "- GGUF GPU tests: $(tail -1 "$LOGS/gguf-gpu-tests.txt")" | tee -a "$SUMMARY"
 throughput 2 0,1
+if [ -n "${OLD:-}" ]; then
+  OLDPATH=$PWD/$OLD:${PYTHONPATH#$PWD:}
+  throughput 2 0,1 -old "$OLDPATH"
+  sharegpt 0 "" "$PYTHONPATH" &
+  sharegpt 1 -old "$OLDPATH"
+  wait
+fi
 profile 2 0,1
-profile 1 0
+[ -z "${OLD:-}" ] && profile 1 0
 timeout 150 python -m pytest -q -s -p no:cacheprovider -m gpu tests/distributed/test_tp_gpu.py -k qwen2 > "$LOGS/gpu-tests-qwen2.txt" 2>&1
 echo "- TP GPU test qwen2: $(grep -hE 'token-for-token|shutdown took' "$LOGS/gpu-tests-qwen2.txt" | tr '\n' ';') $(tail -1 "$LOGS/gpu-tests-qwen2.txt")" | tee -a "$SUMMARY"
-for tp in 1 2; do
-  { echo; echo "## TP=$tp offline"; grep -E "Elapsed|Output token|Engine steps|Measured" "$LOGS/throughput-tp$tp.txt"
-    sed -n '/Step breakdown/,/^time:/p' "$LOGS/throughput-tp$tp.txt"; grep -h '^tp rank 1:' "$LOGS/throughput-tp$tp.txt"
-    echo; echo "## TP=$tp profile, prefill-phase steps"; sed -n '/^wall time per step/,/^verdict/p' "$LOGS/profile-prefill-tp$tp.txt"
-  } >> "$SUMMARY"
+for name in throughput-tp1 throughput-tp2 throughput-tp2-old sharegpt sharegpt-old; do
+  [ -f "$LOGS/$name.txt" ] || continue
+  { echo; echo "## $name"; grep -E "Elapsed|Output token|Engine steps|Measured" "$LOGS/$name.txt"
+    sed -n '/Step breakdown/,/^time:/p' "$LOGS/$name.txt"; grep -h '^tp rank 1:' "$LOGS/$name.txt"; } >> "$SUMMARY"
+done
+for tp in 2 1; do
+  [ -f "$LOGS/profile-prefill-tp$tp.txt" ] || continue
+  { echo; echo "## TP=$tp profile, prefill-phase steps"; sed -n '/^wall time per step/,/^verdict/p' "$LOGS/profile-prefill-tp$tp.txt"; } >> "$SUMMARY"
 done
 rm -f "$LOGS"/profile-*/trace.json
 tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
