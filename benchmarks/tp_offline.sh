@@ -22,29 +22,31 @@ LOGS="$OUT/logs"; mkdir -p "$LOGS"
 MODEL=${MODEL:-"--model llama-3-8b --load-format dummy --max-model-len 2048"}
 N=${LONG_PROMPTS:-400}
 SUMMARY="$OUT/summary.md"
+BUDGET_S=${BUDGET_S:-450}  # every step's timeout is cut to what is left of it, so the tarball gets made
+lim() { local left=$(( BUDGET_S - SECONDS )); (( left < 20 )) && left=1; echo $(( $1 < left ? $1 : left )); }
 { echo "# benchmarks/tp_offline.sh, $(date -u +%FT%TZ), commit ${ROOFLM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
   nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | tr '\n' ';'; echo; } | tee "$SUMMARY"
 
 throughput() {  # tp, gpus, [tag, pythonpath]
   local tag=${3:-}
-  CUDA_VISIBLE_DEVICES=$2 PYTHONPATH=${4:-$PYTHONPATH} timeout 150 python -m rooflm bench throughput $MODEL \
+  CUDA_VISIBLE_DEVICES=$2 PYTHONPATH=${4:-$PYTHONPATH} timeout "$(lim 120)" python -m rooflm bench throughput $MODEL \
     --tensor-parallel-size "$1" --num-prompts "$N" --input-len 1024 --output-len 1024 --disable-tqdm --breakdown \
     --output-json "$LOGS/throughput-tp$1$tag.json" > "$LOGS/throughput-tp$1$tag.txt" 2>&1
   echo "- throughput TP=$1$tag: rc $? at ${SECONDS} s" | tee -a "$SUMMARY"
 }
 sharegpt() {  # gpu, tag, pythonpath
-  CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=$3 timeout 150 python -m rooflm bench throughput --model llama-3-8b \
+  CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=$3 timeout "$(lim 100)" python -m rooflm bench throughput --model llama-3-8b \
     --load-format dummy --max-model-len 4096 --num-prompts 1000 --input-len 230 --output-len 200 --range-ratio 0.9 \
     --disable-tqdm --breakdown --output-json "$LOGS/sharegpt$2.json" > "$LOGS/sharegpt$2.txt" 2>&1
   echo "- ShareGPT-like TP=1$2: rc $? at ${SECONDS} s" | tee -a "$SUMMARY"
 }
 profile() {  # tp, gpus
-  CUDA_VISIBLE_DEVICES=$2 timeout 100 python -m rooflm profile $MODEL --tensor-parallel-size "$1" --batch-size "$N" \
+  CUDA_VISIBLE_DEVICES=$2 timeout "$(lim 80)" python -m rooflm profile $MODEL --tensor-parallel-size "$1" --batch-size "$N" \
     --input-len 1024 --output-len 1024 --warmup-steps 40 --steps 5 --output "$LOGS/profile-prefill-tp$1" \
     > "$LOGS/profile-prefill-tp$1.txt" 2>&1
   echo "- profile prefill TP=$1: rc $? at ${SECONDS} s" | tee -a "$SUMMARY"
 }
-CUDA_VISIBLE_DEVICES=1 timeout 200 python -m pytest -q -p no:cacheprovider -m gpu -rs tests/kernels/test_gguf_on_cuda_kernels.py \
+CUDA_VISIBLE_DEVICES=1 timeout 150 python -m pytest -q -p no:cacheprovider -m gpu -rs tests/kernels/test_gguf_on_cuda_kernels.py \
   tests/unit/test_gguf_formats.py > "$LOGS/gguf-gpu-tests.txt" 2>&1 &
 GGUF=$!
 throughput 1 0
@@ -57,10 +59,10 @@ if [ -n "${OLD:-}" ]; then
   sharegpt 1 -old "$OLDPATH"
   wait
 fi
+timeout "$(lim 150)" python -m pytest -q -s -p no:cacheprovider -m gpu tests/distributed/test_tp_gpu.py -k qwen2 > "$LOGS/gpu-tests-qwen2.txt" 2>&1
+echo "- TP GPU test qwen2: $(grep -hE 'token-for-token|shutdown took' "$LOGS/gpu-tests-qwen2.txt" | tr '\n' ';') $(tail -1 "$LOGS/gpu-tests-qwen2.txt")" | tee -a "$SUMMARY"
 profile 2 0,1
 [ -z "${OLD:-}" ] && profile 1 0
-timeout 150 python -m pytest -q -s -p no:cacheprovider -m gpu tests/distributed/test_tp_gpu.py -k qwen2 > "$LOGS/gpu-tests-qwen2.txt" 2>&1
-echo "- TP GPU test qwen2: $(grep -hE 'token-for-token|shutdown took' "$LOGS/gpu-tests-qwen2.txt" | tr '\n' ';') $(tail -1 "$LOGS/gpu-tests-qwen2.txt")" | tee -a "$SUMMARY"
 for name in throughput-tp1 throughput-tp2 throughput-tp2-old sharegpt sharegpt-old; do
   [ -f "$LOGS/$name.txt" ] || continue
   { echo; echo "## $name"; grep -E "Elapsed|Output token|Engine steps|Measured" "$LOGS/$name.txt"
