@@ -63,14 +63,18 @@ timeout "$(lim 150)" python -m pytest -q -s -p no:cacheprovider -m gpu tests/dis
 echo "- TP GPU test qwen2: $(grep -hE 'token-for-token|shutdown took' "$LOGS/gpu-tests-qwen2.txt" | tr '\n' ';') $(tail -1 "$LOGS/gpu-tests-qwen2.txt")" | tee -a "$SUMMARY"
 profile 2 0,1
 [ -z "${OLD:-}" ] && profile 1 0
+# Batch 1, TP=2: where the step goes beyond half the weight read (GEMV per shard, all-reduces, gaps).
+CUDA_VISIBLE_DEVICES=0,1 timeout "$(lim 60)" python -m rooflm profile $MODEL --tensor-parallel-size 2 --batch-size 1 \
+  --input-len 128 --output-len 512 --steps 20 --output "$LOGS/profile-b1-tp2" > "$LOGS/profile-b1-tp2.txt" 2>&1
+echo "- profile batch-1 TP=2: rc $? at ${SECONDS} s" | tee -a "$SUMMARY"
 for name in throughput-tp1 throughput-tp2 throughput-tp2-old sharegpt sharegpt-old; do
   [ -f "$LOGS/$name.txt" ] || continue
   { echo; echo "## $name"; grep -E "Elapsed|Output token|Engine steps|Measured" "$LOGS/$name.txt"
     sed -n '/Step breakdown/,/^time:/p' "$LOGS/$name.txt"; grep -h '^tp rank 1:' "$LOGS/$name.txt"; } >> "$SUMMARY"
 done
-for tp in 2 1; do
-  [ -f "$LOGS/profile-prefill-tp$tp.txt" ] || continue
-  { echo; echo "## TP=$tp profile, prefill-phase steps"; sed -n '/^wall time per step/,/^verdict/p' "$LOGS/profile-prefill-tp$tp.txt"; } >> "$SUMMARY"
+for name in profile-prefill-tp2 profile-prefill-tp1 profile-b1-tp2; do
+  [ -f "$LOGS/$name.txt" ] || continue
+  { echo; echo "## $name"; sed -n '/^wall time per step/,/^verdict/p' "$LOGS/$name.txt"; } >> "$SUMMARY"
 done
 rm -f "$LOGS"/profile-*/trace.json
 tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
