@@ -8,7 +8,6 @@ tensor; the sampled token ids are the one device-to-host transfer of a step.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ import torch
 from rooflm.config import EngineConfig, ModelConfig
 from rooflm.distributed.group import SINGLE, TPGroup
 from rooflm.engine.block_manager import slot_mapping
+from rooflm.engine.block_table_array import BlockTableArray, block_table_array
 from rooflm.engine.report import NULL_TRACER
 from rooflm.engine.scheduler import ScheduledSeq, SchedulerOutput
 from rooflm.layers.attention import AttentionMetadata, ReferenceBackend
@@ -120,20 +120,6 @@ class StepResult:
     prompt_logprobs: dict[int, list[Optional[dict]]]  # seq_id -> entries for this chunk
 
 
-def _block_table_array(tables: list[list[int]]) -> np.ndarray:
-    """Ragged block tables as one zero-padded [num_seqs, width] int32 array, filled in one numpy
-    pass rather than a row copy per sequence. The width is a multiple of 16: it is the attention
-    kernels' row stride, and Triton compiles a kernel variant per stride class (1, multiple of
-    16, other), so a width that followed the batch's longest table made the server compile new
-    variants mid-run (seconds of TTFT, measured on an H100)."""
-    lens = np.fromiter((len(t) for t in tables), dtype=np.int64, count=len(tables))
-    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
-    width = -(-max(int(lens.max()), 1) // 16) * 16
-    array = np.zeros((len(tables), width), dtype=np.int32)
-    array[np.arange(array.shape[1])[None, :] < lens[:, None]] = flat
-    return array
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
                  tp: TPGroup = SINGLE):
@@ -165,6 +151,8 @@ class ModelRunner:
         self.kv_cache_dtype = config.cache.kv_cache_dtype
         self.kv_dtype = kv_format.storage_dtype(self.kv_cache_dtype, self.dtype)
         self.sampler = Sampler()
+        # The steps' block tables, updated in place where tables changed (block_table_array.py).
+        self.block_tables = BlockTableArray()
         self.graphs = None
         self.uniform_graphs = None  # UniformGraphRunner: verify steps of speculative decoding
         # Bytes per KV block of a second pool sized with this one (a draft model's), so that
@@ -515,7 +503,7 @@ class ModelRunner:
                     rows.append(SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids,
                                             req.generator(index), suppress.get(seq.seq_id, ())))
                     row_owner.append(sch)
-        tables = _block_table_array([s.seq.block_table.ids for s in order])
+        tables = self.block_tables.gather([s.seq.block_table for s in order])
         host = HostInputs(
             input_ids=self._host(input_ids, torch.int64), positions=self._host(positions, torch.int64),
             slot_mapping=self._host(slots, torch.int64), query_start_loc=self._host(query_start, torch.int32),
@@ -558,7 +546,7 @@ class ModelRunner:
         num_seqs = len(order)
         query_start = list(range(num_seqs + 1))
         seq_lens = [p + 1 for p in positions]
-        tables = _block_table_array([s.seq.block_table.ids for s in order])
+        tables = self.block_tables.gather([s.seq.block_table for s in order])
         host = HostInputs(
             input_ids=self._host(input_ids, torch.int64), positions=self._host(positions, torch.int64),
             slot_mapping=self._host(slots, torch.int64), query_start_loc=self._host(query_start, torch.int32),
@@ -765,7 +753,7 @@ class ModelRunner:
             input_ids=self._host(input_ids, torch.int64), positions=self._host(positions, torch.int64),
             slot_mapping=self._host(slots, torch.int64), query_start_loc=self._host(query_start, torch.int32),
             seq_lens=self._host(seq_lens, torch.int32),
-            block_tables=self._pin(torch.from_numpy(_block_table_array(tables))))
+            block_tables=self._pin(torch.from_numpy(block_table_array(tables))))
         inputs = StepInputs(host=host, query_start_loc_cpu=query_start, seq_lens_cpu=seq_lens,
                             max_query_len=max(query_lens), num_decodes=sum(1 for n in query_lens if n == 1),
                             order=[], logits_indices=logits_indices, rows=[], row_owner=[],
