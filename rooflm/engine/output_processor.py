@@ -43,6 +43,8 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self._seq_ids = seq_ids
         self.num_generated_tokens = 0  # since start: every token appended to a sequence
+        # skip_special_tokens -> {token id: its text alone}, shared by the detokenizers.
+        self._token_texts: dict[bool, dict[int, str]] = {}
 
     # ---- sequences ------------------------------------------------------------------------
 
@@ -54,8 +56,9 @@ class OutputProcessor:
     def _init_text_state(self, req: Request, seq: Sequence) -> None:
         from rooflm.tokenizer.detokenizer import IncrementalDetokenizer, StopStringMatcher
         if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer.hf, req.prompt_token_ids,
-                                                     req.params.skip_special_tokens)
+            skip = req.params.skip_special_tokens
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer.hf, req.prompt_token_ids, skip,
+                                                     self._token_texts.setdefault(skip, {}))
         if req.params.stop:
             seq.stop_matcher = StopStringMatcher(req.params.stop, req.params.include_stop_str_in_output)
 

@@ -142,7 +142,7 @@ class Scheduler:
         is computed and whose token ids are all on the host can be hashed, and only blocks
         on the device are worth finding."""
         table = seq.block_table
-        if req.status != RequestStatus.RUNNING or not table:
+        if req.status != RequestStatus.RUNNING or table is None or not table.ids:
             return
         known = min(seq.num_computed_tokens, len(seq.token_ids))
         if known // self.bm.block_size <= table.num_cached_blocks:
