@@ -108,11 +108,13 @@ def main() -> None:
         runs.append({name: 1e3 * record.phase_s.get(name, 0.0) / n for name in HOST_PHASES})
         print(f"rep {rep}: " + ", ".join(f"{k} {v:.3f}" for k, v in runs[-1].items())
               + f", host total {sum(runs[-1].values()):.3f} ms")
-    print(f"\nbatch {args.batch}, ctx {args.ctx}, temperature {args.temperature}: host ms per decode step, "
-          f"median of {args.reps} reps x {args.steps} steps")
+    print(f"\nbatch {args.batch}, ctx {args.ctx}, temperature {args.temperature}: host ms per decode step "
+          f"over {args.reps} reps x {args.steps} steps: median, min")
     for name in HOST_PHASES:
-        print(f"  {labels[name]:<45} {statistics.median(r[name] for r in runs):8.3f}")
-    print(f"  {'host total':<45} {statistics.median(sum(r.values()) for r in runs):8.3f}")
+        values = [r[name] for r in runs]
+        print(f"  {labels[name]:<45} {statistics.median(values):8.3f} {min(values):8.3f}")
+    totals = [sum(r.values()) for r in runs]
+    print(f"  {'host total':<45} {statistics.median(totals):8.3f} {min(totals):8.3f}")
 
 
 if __name__ == "__main__":
