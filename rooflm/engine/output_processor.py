@@ -127,7 +127,11 @@ class OutputProcessor:
         self.num_generated_tokens += 1
         if lp is not None:
             seq.output_logprobs.append(self._decode_logprobs(lp))
-        text = seq.detokenizer.step([token]) if seq.detokenizer is not None else ""
+        # A request that reads its text only at the end (output_kind "final") and has no stop
+        # strings to match: its tokens are detokenized when it finishes (or is aborted), not
+        # each step; _catch_up_text replays them one by one, so the text is the same.
+        defer = seq.stop_matcher is None and params.output_kind == "final"
+        text = seq.detokenizer.step([token]) if seq.detokenizer is not None and not defer else ""
         n_out = len(seq.output_token_ids)
         past_min = n_out >= params.min_tokens
         stop_str = None
@@ -148,6 +152,8 @@ class OutputProcessor:
                            req.request_id, token)
             seq.finish_reason = "abort"
         if seq.finish_reason is not None:
+            if defer:
+                text = self._catch_up_text(seq, keep_last=True)
             text += self._flush_text(seq, stopped_by_string=stop_str is not None)
             self.scheduler.free_seq(seq)
         if text:
@@ -168,6 +174,22 @@ class OutputProcessor:
                 break
         self.scheduler.rollback_spec(seq)
         return ids, text
+
+    @staticmethod
+    def _catch_up_text(seq: Sequence, keep_last: bool = False) -> str:
+        """Detokenize a deferred sequence's tokens the detokenizer has not seen, one at a time as
+        _append_token would have: their text goes into output_text, except the last token's
+        with keep_last, which is returned (the step's delta, as without deferral)."""
+        detok = seq.detokenizer
+        if detok is None:
+            return ""
+        unseen = len(seq.output_token_ids) - len(detok.output_token_ids)
+        if unseen <= 0:
+            return ""
+        tokens = seq.output_token_ids[-unseen:]
+        last = tokens.pop() if keep_last else None
+        seq.output_text += "".join([detok.step([token]) for token in tokens])
+        return detok.step([last]) if keep_last else ""
 
     @staticmethod
     def _flush_text(seq: Sequence, stopped_by_string: bool) -> str:
@@ -192,6 +214,9 @@ class OutputProcessor:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def make_output(self, req: Request, deltas: Deltas) -> RequestOutput:
+        if req.params.output_kind == "final":  # an abort reads the text of deferred tokens too
+            for seq in req.seqs:
+                self._catch_up_text(seq)
         if len(req.seqs) == 1:
             return self._make_output_one(req, req.seqs[0], deltas)
         completions = []

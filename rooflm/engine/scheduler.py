@@ -33,7 +33,7 @@ from rooflm.engine.growth_reserve import NewTokenRatio, remaining_tokens
 from rooflm.engine.request import Request, RequestStatus, Sequence
 
 
-@dataclass
+@dataclass(slots=True)  # hundreds made and read every step
 class ScheduledSeq:
     request: Request
     seq: Sequence
