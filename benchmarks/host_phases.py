@@ -56,6 +56,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--output-kind", default="delta", choices=("delta", "final"),
+                        help="final: as offline runs (LLM.generate, bench throughput) submit")
     parser.add_argument("--cprofile", action="store_true")
     args = parser.parse_args()
 
@@ -77,7 +79,8 @@ def main() -> None:
                                    max_num_batched_tokens=max(8192, args.ctx))
     vocab = engine.info.model_config.vocab_size
     rng = random.Random(0)
-    params = SamplingParams(temperature=args.temperature, max_tokens=decode_steps, ignore_eos=True, seed=None)
+    params = SamplingParams(temperature=args.temperature, max_tokens=decode_steps, ignore_eos=True, seed=None,
+                            output_kind=args.output_kind)
     for i in range(args.batch):
         engine.add_request(f"r{i}", [rng.randrange(100, vocab) for _ in range(args.ctx)], params)
     # Prefill until every sequence decodes, then a few decode steps more.
@@ -108,7 +111,8 @@ def main() -> None:
         runs.append({name: 1e3 * record.phase_s.get(name, 0.0) / n for name in HOST_PHASES})
         print(f"rep {rep}: " + ", ".join(f"{k} {v:.3f}" for k, v in runs[-1].items())
               + f", host total {sum(runs[-1].values()):.3f} ms")
-    print(f"\nbatch {args.batch}, ctx {args.ctx}, temperature {args.temperature}: host ms per decode step "
+    print(f"\nbatch {args.batch}, ctx {args.ctx}, temperature {args.temperature}, output_kind {args.output_kind}: "
+          f"host ms per decode step "
           f"over {args.reps} reps x {args.steps} steps: median, min")
     for name in HOST_PHASES:
         values = [r[name] for r in runs]
