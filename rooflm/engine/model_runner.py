@@ -151,6 +151,8 @@ class ModelRunner:
         self.kv_cache_dtype = config.cache.kv_cache_dtype
         self.kv_dtype = kv_format.storage_dtype(self.kv_cache_dtype, self.dtype)
         self.sampler = Sampler()
+        # (rows, metadata) of the last step whose metadata may serve again (_sampling_metadata).
+        self._meta_cache: tuple[list[SamplingRow], Optional[SamplingMetadata]] = ([], None)
         # The steps' block tables, updated in place where tables changed (block_table_array.py).
         self.block_tables = BlockTableArray()
         self.graphs = None
@@ -617,7 +619,7 @@ class ModelRunner:
         handle.graph = "full" if graph else ("piecewise" if self._piecewise_runs(inputs) else "eager")
         logits = self._forward(inputs, handle.result, fixup, graph)
         if inputs.rows:
-            meta = SamplingMetadata.build(inputs.rows, self.model_config.vocab_size, self.device)
+            meta = self._sampling_metadata(inputs.rows)
             handle.row_of = {sch.seq.seq_id: r for r, sch in enumerate(inputs.row_owner)}
             handle.constrained_rows = [r for r, row in enumerate(inputs.rows)
                                        if row.params.structured_outputs is not None]
@@ -631,6 +633,24 @@ class ModelRunner:
                 self._sample(handle, logits, meta)
             self._copy_results_to_host(handle)
         return handle
+
+    def _sampling_metadata(self, rows: list[SamplingRow]) -> SamplingMetadata:
+        """SamplingMetadata.build, or the previous step's metadata when every row has the same
+        params, generator and suppressed ids as the row in its place then (a steady decode
+        batch): the metadata is a function of those alone, unless it holds token counts
+        (penalties, from the histories) or a grammar's bitmask (set on it after the build), and
+        such metadata is never kept. Saves the per-row Python of the build and its host-to-device
+        copies on most steps at a large batch."""
+        prev_rows, prev = self._meta_cache
+        if prev is not None and len(rows) == len(prev_rows) and all(
+                a.params is b.params and a.generator is b.generator and a.suppress_token_ids == b.suppress_token_ids
+                for a, b in zip(rows, prev_rows)):
+            return prev
+        meta = SamplingMetadata.build(rows, self.model_config.vocab_size, self.device)
+        reusable = (meta.seen_mask is None and meta.output_counts is None
+                    and all(row.params.structured_outputs is None for row in rows))
+        self._meta_cache = (rows, meta) if reusable else ([], None)
+        return meta
 
     def _sample(self, handle: "StepHandle", logits: torch.Tensor, meta: SamplingMetadata) -> None:
         """Sample every row, or verify the drafts of speculating sequences (rooflm/spec/)."""
