@@ -58,10 +58,12 @@ class BlockTable:
 
     Handed out and changed only by the BlockManager. Readers use len(), indexing,
     iteration, slots(), or `ids` itself (the live list, cheap to copy into an array
-    each step: read it, never change it).
+    each step: read it, never change it). `version` grows at every change of `ids`, so a
+    reader that keeps a copy (the model runner's persistent block-table array) knows when
+    it is stale without comparing the lists.
     """
 
-    __slots__ = ("block_size", "ids", "num_cached_blocks", "on_host")
+    __slots__ = ("block_size", "ids", "num_cached_blocks", "on_host", "version")
 
     def __init__(self, block_size: int, ids: Optional[list[int]] = None):
         self.block_size = block_size
@@ -70,6 +72,7 @@ class BlockTable:
         self.num_cached_blocks = 0
         # Swapped out: the ids name host blocks until the table is swapped back in.
         self.on_host = False
+        self.version = 0
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -247,6 +250,7 @@ class BlockManager:
             self._touch(block_id)
             table.ids.append(block_id)
         table.num_cached_blocks = len(hit.block_ids)  # they are registered already
+        table.version += 1
 
     def allocate(self, table: BlockTable, num_computed: int, num_tokens_after: int,
                  copies: list[tuple[int, int]]) -> bool:
@@ -263,6 +267,8 @@ class BlockManager:
             self._copy_on_write(table, num_computed // self.block_size, copies)
         for _ in range(new_blocks):
             table.ids.append(self._pop_free())
+        if new_blocks:
+            table.version += 1
         return True
 
     def trim(self, table: BlockTable, num_tokens: int) -> None:
@@ -272,6 +278,7 @@ class BlockManager:
         keep = self.blocks_needed(num_tokens)
         while len(table.ids) > keep:
             self._release(table.ids.pop())
+            table.version += 1
         table.num_cached_blocks = min(table.num_cached_blocks, keep)
 
     def _copy_on_write(self, table: BlockTable, index: int, copies: list[tuple[int, int]]) -> None:
@@ -279,6 +286,7 @@ class BlockManager:
         dst = self._pop_free()
         self._release(src)
         table.ids[index] = dst
+        table.version += 1
         copies.append((src, dst))
 
     def fork(self, table: BlockTable) -> BlockTable:
@@ -305,6 +313,7 @@ class BlockManager:
             for block_id in reversed(table.ids):
                 self._release(block_id)
         table.ids.clear()
+        table.version += 1
         table.num_cached_blocks = 0
         table.on_host = False
 
@@ -358,6 +367,7 @@ class BlockManager:
                 self._release(block_id)
                 table.ids[i] = host_id
             table.on_host = True
+            table.version += 1
             table.num_cached_blocks = 0  # back on the device its blocks are new: register again
         return list(mapping.items())
 
@@ -375,6 +385,7 @@ class BlockManager:
                 self._release_host(host_id)
                 table.ids[i] = mapping[host_id]
             table.on_host = False
+            table.version += 1
         return list(mapping.items())
 
     def _release_host(self, host_id: int) -> None:

@@ -447,9 +447,11 @@ class LLMEngine:
         suppress = {}
         for sch in out.scheduled:
             params = sch.request.params
+            if not params.min_tokens or not sch.completes:
+                continue  # most rows: nothing to count
             # Tokens generated before this sample: those read back plus earlier pending ones.
             generated = sch.seq.num_output_tokens + sch.seq.num_pending - 1
-            if params.min_tokens and sch.completes and generated < params.min_tokens:
+            if generated < params.min_tokens:
                 ids = set(params.stop_token_ids or ())
                 if not params.ignore_eos:
                     ids |= self.eos_token_ids

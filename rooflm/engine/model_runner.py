@@ -8,7 +8,6 @@ tensor; the sampled token ids are the one device-to-host transfer of a step.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ import torch
 from rooflm.config import EngineConfig, ModelConfig
 from rooflm.distributed.group import SINGLE, TPGroup
 from rooflm.engine.block_manager import slot_mapping
+from rooflm.engine.block_table_array import BlockTableArray, block_table_array
 from rooflm.engine.report import NULL_TRACER
 from rooflm.engine.scheduler import ScheduledSeq, SchedulerOutput
 from rooflm.layers.attention import AttentionMetadata, ReferenceBackend
@@ -34,6 +34,9 @@ LOGITS_ROW_ALIGN = 64
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -117,20 +120,6 @@ class StepResult:
     prompt_logprobs: dict[int, list[Optional[dict]]]  # seq_id -> entries for this chunk
 
 
-def _block_table_array(tables: list[list[int]]) -> np.ndarray:
-    """Ragged block tables as one zero-padded [num_seqs, width] int32 array, filled in one numpy
-    pass rather than a row copy per sequence. The width is a multiple of 16: it is the attention
-    kernels' row stride, and Triton compiles a kernel variant per stride class (1, multiple of
-    16, other), so a width that followed the batch's longest table made the server compile new
-    variants mid-run (seconds of TTFT, measured on an H100)."""
-    lens = np.fromiter((len(t) for t in tables), dtype=np.int64, count=len(tables))
-    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
-    width = -(-max(int(lens.max()), 1) // 16) * 16
-    array = np.zeros((len(tables), width), dtype=np.int32)
-    array[np.arange(array.shape[1])[None, :] < lens[:, None]] = flat
-    return array
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
                  tp: TPGroup = SINGLE):
@@ -162,6 +151,10 @@ class ModelRunner:
         self.kv_cache_dtype = config.cache.kv_cache_dtype
         self.kv_dtype = kv_format.storage_dtype(self.kv_cache_dtype, self.dtype)
         self.sampler = Sampler()
+        # (rows, metadata) of the last step whose metadata may serve again (_sampling_metadata).
+        self._meta_cache: tuple[list[SamplingRow], Optional[SamplingMetadata]] = ([], None)
+        # The steps' block tables, updated in place where tables changed (block_table_array.py).
+        self.block_tables = BlockTableArray()
         self.graphs = None
         self.uniform_graphs = None  # UniformGraphRunner: verify steps of speculative decoding
         # Bytes per KV block of a second pool sized with this one (a draft model's), so that
@@ -451,6 +444,9 @@ class ModelRunner:
                 pool[:, :, dst] = pool[:, :, src]
 
     def prepare(self, out: SchedulerOutput, suppress: dict[int, tuple[int, ...]]) -> StepInputs:
+        inputs = self._prepare_decodes(out, suppress)
+        if inputs is not None:
+            return inputs
         # Decodes (one query token) first: the attention backend splits the batch there.
         order = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
         num_decodes = sum(1 for s in order if s.num_new_tokens == 1)
@@ -509,7 +505,7 @@ class ModelRunner:
                     rows.append(SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids,
                                             req.generator(index), suppress.get(seq.seq_id, ())))
                     row_owner.append(sch)
-        tables = _block_table_array([s.seq.block_table.ids for s in order])
+        tables = self.block_tables.gather([s.seq.block_table for s in order])
         host = HostInputs(
             input_ids=self._host(input_ids, torch.int64), positions=self._host(positions, torch.int64),
             slot_mapping=self._host(slots, torch.int64), query_start_loc=self._host(query_start, torch.int32),
@@ -518,6 +514,49 @@ class ModelRunner:
                           max_query_len=max(s.num_new_tokens for s in order), num_decodes=num_decodes,
                           order=order, logits_indices=logits_indices, rows=rows, row_owner=row_owner,
                           prompt_logprob_spans=spans, pending_positions=pending, spec_rows=spec_rows)
+
+    def _prepare_decodes(self, out: SchedulerOutput, suppress: dict[int, tuple[int, ...]]) -> Optional[StepInputs]:
+        """prepare() for a step of plain decodes only (the steady state of a large batch): one
+        token and one sampling row per sequence, no drafts, forks or prompt logprobs. The same
+        inputs as the general loop, in one pass without its branches and ranges; None when a
+        row is anything else, and the general loop runs."""
+        order = out.scheduled  # all decodes: sorting them first keeps this order
+        if not order or order[-1].num_new_tokens != 1:
+            return None  # admitted prompts come last: a mixed step is usually seen here at once
+        block_size = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        rows: list[SamplingRow] = []
+        pending: list[tuple[int, int]] = []
+        for i, sch in enumerate(order):
+            req, seq, start = sch.request, sch.seq, sch.start
+            if (sch.num_new_tokens != 1 or not sch.completes or sch.spec_token_ids or req.needs_fork
+                    or req.prompt_logprobs is not None):
+                return None
+            token_ids = seq.token_ids
+            if start < len(token_ids):
+                input_ids.append(token_ids[start])
+            else:  # sampled last step, id still on the device
+                pending.append((i, seq.seq_id))
+                input_ids.append(0)
+            positions.append(start)
+            slots.append(seq.block_table.ids[start // block_size] * block_size + start % block_size)
+            rows.append(SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids,
+                                    req.generators[seq.index] if req.generators else None,
+                                    suppress.get(seq.seq_id, ()) if suppress else ()))
+        num_seqs = len(order)
+        query_start = list(range(num_seqs + 1))
+        seq_lens = [p + 1 for p in positions]
+        tables = self.block_tables.gather([s.seq.block_table for s in order])
+        host = HostInputs(
+            input_ids=self._host(input_ids, torch.int64), positions=self._host(positions, torch.int64),
+            slot_mapping=self._host(slots, torch.int64), query_start_loc=self._host(query_start, torch.int32),
+            seq_lens=self._host(seq_lens, torch.int32), block_tables=self._pin(torch.from_numpy(tables)))
+        return StepInputs(host=host, query_start_loc_cpu=query_start, seq_lens_cpu=seq_lens,
+                          max_query_len=1, num_decodes=num_seqs, order=list(order),
+                          logits_indices=list(range(num_seqs)), rows=rows, row_owner=list(order),
+                          prompt_logprob_spans=[], pending_positions=pending)
 
     @staticmethod
     def _spec_rows(sch: ScheduledSeq, base: int, logits_indices: list[int], rows: list[SamplingRow],
@@ -539,7 +578,9 @@ class ModelRunner:
         return t.pin_memory() if self.device.type == "cuda" else t
 
     def _host(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        return self._pin(torch.tensor(values, dtype=dtype))
+        # Through numpy: torch.tensor(list) took 11 us for 256 ints where np.array takes 3.5
+        # (2-core CPU), and a step makes several of these.
+        return self._pin(torch.from_numpy(np.array(values, dtype=_NUMPY_DTYPES[dtype])))
 
     def to_device(self, inputs: "StepInputs") -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         h, dev = inputs.host, self.device
@@ -578,7 +619,7 @@ class ModelRunner:
         handle.graph = "full" if graph else ("piecewise" if self._piecewise_runs(inputs) else "eager")
         logits = self._forward(inputs, handle.result, fixup, graph)
         if inputs.rows:
-            meta = SamplingMetadata.build(inputs.rows, self.model_config.vocab_size, self.device)
+            meta = self._sampling_metadata(inputs.rows)
             handle.row_of = {sch.seq.seq_id: r for r, sch in enumerate(inputs.row_owner)}
             handle.constrained_rows = [r for r, row in enumerate(inputs.rows)
                                        if row.params.structured_outputs is not None]
@@ -592,6 +633,24 @@ class ModelRunner:
                 self._sample(handle, logits, meta)
             self._copy_results_to_host(handle)
         return handle
+
+    def _sampling_metadata(self, rows: list[SamplingRow]) -> SamplingMetadata:
+        """SamplingMetadata.build, or the previous step's metadata when every row has the same
+        params, generator and suppressed ids as the row in its place then (a steady decode
+        batch): the metadata is a function of those alone, unless it holds token counts
+        (penalties, from the histories) or a grammar's bitmask (set on it after the build), and
+        such metadata is never kept. Saves the per-row Python of the build and its host-to-device
+        copies on most steps at a large batch."""
+        prev_rows, prev = self._meta_cache
+        if prev is not None and len(rows) == len(prev_rows) and all(
+                a.params is b.params and a.generator is b.generator and a.suppress_token_ids == b.suppress_token_ids
+                for a, b in zip(rows, prev_rows)):
+            return prev
+        meta = SamplingMetadata.build(rows, self.model_config.vocab_size, self.device)
+        reusable = (meta.seen_mask is None and meta.output_counts is None
+                    and all(row.params.structured_outputs is None for row in rows))
+        self._meta_cache = (rows, meta) if reusable else ([], None)
+        return meta
 
     def _sample(self, handle: "StepHandle", logits: torch.Tensor, meta: SamplingMetadata) -> None:
         """Sample every row, or verify the drafts of speculating sequences (rooflm/spec/)."""
@@ -674,9 +733,14 @@ class ModelRunner:
         want_lp = lp_ids is not None
         if want_lp:
             lp_ids, lp_vals, ranks = lp_ids.tolist(), lp_vals.tolist(), ranks.tolist()
+        sampled = result.sampled
         for r, sch in enumerate(inputs.row_owner):
             sid = sch.seq.seq_id
-            result.sampled.setdefault(sid, []).append(token_ids[r])
+            tokens = sampled.get(sid)
+            if tokens is None:  # most sequences have one row: no list made just to be dropped
+                sampled[sid] = [token_ids[r]]
+            else:
+                tokens.append(token_ids[r])
             if want_lp and sch.request.params.logprobs is not None:
                 k = sch.request.params.logprobs
                 entry = {lp_ids[r][0]: (lp_vals[r][0], ranks[r])}
@@ -709,7 +773,7 @@ class ModelRunner:
             input_ids=self._host(input_ids, torch.int64), positions=self._host(positions, torch.int64),
             slot_mapping=self._host(slots, torch.int64), query_start_loc=self._host(query_start, torch.int32),
             seq_lens=self._host(seq_lens, torch.int32),
-            block_tables=self._pin(torch.from_numpy(_block_table_array(tables))))
+            block_tables=self._pin(torch.from_numpy(block_table_array(tables))))
         inputs = StepInputs(host=host, query_start_loc_cpu=query_start, seq_lens_cpu=seq_lens,
                             max_query_len=max(query_lens), num_decodes=sum(1 for n in query_lens if n == 1),
                             order=[], logits_indices=logits_indices, rows=[], row_owner=[],

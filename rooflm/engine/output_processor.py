@@ -43,6 +43,8 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self._seq_ids = seq_ids
         self.num_generated_tokens = 0  # since start: every token appended to a sequence
+        # skip_special_tokens -> {token id: its text alone}, shared by the detokenizers.
+        self._token_texts: dict[bool, dict[int, str]] = {}
 
     # ---- sequences ------------------------------------------------------------------------
 
@@ -54,8 +56,9 @@ class OutputProcessor:
     def _init_text_state(self, req: Request, seq: Sequence) -> None:
         from rooflm.tokenizer.detokenizer import IncrementalDetokenizer, StopStringMatcher
         if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer.hf, req.prompt_token_ids,
-                                                     req.params.skip_special_tokens)
+            skip = req.params.skip_special_tokens
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer.hf, req.prompt_token_ids, skip,
+                                                     self._token_texts.setdefault(skip, {}))
         if req.params.stop:
             seq.stop_matcher = StopStringMatcher(req.params.stop, req.params.include_stop_str_in_output)
 
@@ -79,24 +82,31 @@ class OutputProcessor:
         now = time.monotonic()
         deltas: dict[str, Deltas] = {}
         touched: dict[str, Request] = {}
+        sampled, logprobs, prompt_logprobs = result.sampled, result.logprobs, result.prompt_logprobs
+        cache_computed_blocks = self.scheduler.cache_computed_blocks
         for sch in out.scheduled:
             seq, req = sch.seq, sch.request
-            if seq.finished or req.status == RequestStatus.FINISHED:
+            if seq.finish_reason is not None or req.status == RequestStatus.FINISHED:
                 continue  # finished (or aborted) while this step was in flight: drop its token
-            prompt_logprobs = result.prompt_logprobs.get(seq.seq_id)
-            if prompt_logprobs is not None:
-                req.prompt_logprobs.extend(self._decode_logprobs(e) for e in prompt_logprobs)
-            self.scheduler.cache_computed_blocks(req, seq)
+            if prompt_logprobs:
+                entries = prompt_logprobs.get(seq.seq_id)
+                if entries is not None:
+                    req.prompt_logprobs.extend(self._decode_logprobs(e) for e in entries)
+            cache_computed_blocks(req, seq)
             if not sch.completes:
                 continue
-            tokens = result.sampled[seq.seq_id]
-            lps = result.logprobs.get(seq.seq_id, [None] * len(tokens))
-            request_deltas = deltas.setdefault(req.request_id, {})
+            tokens = sampled[seq.seq_id]
+            lps = logprobs.get(seq.seq_id) if logprobs else None
+            request_deltas = deltas.get(req.request_id)
+            if request_deltas is None:
+                request_deltas = deltas[req.request_id] = {}
             if sch.spec_token_ids:
-                request_deltas[seq.index] = self._append_verified(req, seq, tokens, lps)
+                request_deltas[seq.index] = self._append_verified(req, seq, tokens, lps or [None] * len(tokens))
+            elif len(tokens) == 1 and not req.needs_fork:  # one sample of one sequence: most rows
+                request_deltas[seq.index] = self._append_token(req, seq, tokens[0], lps[0] if lps else None)
             else:
                 targets = self._fork(req, seq) if req.needs_fork else [seq]
-                for target, token, lp in zip(targets, tokens, lps):
+                for target, token, lp in zip(targets, tokens, lps or [None] * len(tokens)):
                     request_deltas[target.index] = self._append_token(req, target, token, lp)
             req.first_token_time = req.first_token_time or now
             req.last_token_time = now
@@ -117,8 +127,12 @@ class OutputProcessor:
         self.num_generated_tokens += 1
         if lp is not None:
             seq.output_logprobs.append(self._decode_logprobs(lp))
-        text = seq.detokenizer.step([token]) if seq.detokenizer is not None else ""
-        n_out = seq.num_output_tokens
+        # A request that reads its text only at the end (output_kind "final") and has no stop
+        # strings to match: its tokens are detokenized when it finishes (or is aborted), not
+        # each step; _catch_up_text replays them one by one, so the text is the same.
+        defer = seq.stop_matcher is None and params.output_kind == "final"
+        text = seq.detokenizer.step([token]) if seq.detokenizer is not None and not defer else ""
+        n_out = len(seq.output_token_ids)
         past_min = n_out >= params.min_tokens
         stop_str = None
         if seq.stop_matcher is not None:
@@ -129,7 +143,7 @@ class OutputProcessor:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif token in self.eos_token_ids and not params.ignore_eos and past_min:
             seq.finish_reason = "stop"
-        elif n_out >= req.max_tokens or seq.num_known_tokens >= self.max_model_len:
+        elif n_out >= req.max_tokens or len(seq.token_ids) >= self.max_model_len:
             seq.finish_reason = "length"
         elif seq.grammar is not None and not seq.grammar.accept(token):
             # The grammar forbade the token (the mask was overridden, e.g. min_tokens
@@ -137,10 +151,13 @@ class OutputProcessor:
             logger.warning("request %s: sampled token %d breaks its grammar; stopping it",
                            req.request_id, token)
             seq.finish_reason = "abort"
-        if seq.finished:
+        if seq.finish_reason is not None:
+            if defer:
+                text = self._catch_up_text(seq, keep_last=True)
             text += self._flush_text(seq, stopped_by_string=stop_str is not None)
             self.scheduler.free_seq(seq)
-        seq.output_text += text
+        if text:
+            seq.output_text += text
         return [token], text
 
     def _append_verified(self, req: Request, seq: Sequence, tokens: list[int],
@@ -157,6 +174,22 @@ class OutputProcessor:
                 break
         self.scheduler.rollback_spec(seq)
         return ids, text
+
+    @staticmethod
+    def _catch_up_text(seq: Sequence, keep_last: bool = False) -> str:
+        """Detokenize a deferred sequence's tokens the detokenizer has not seen, one at a time as
+        _append_token would have: their text goes into output_text, except the last token's
+        with keep_last, which is returned (the step's delta, as without deferral)."""
+        detok = seq.detokenizer
+        if detok is None:
+            return ""
+        unseen = len(seq.output_token_ids) - len(detok.output_token_ids)
+        if unseen <= 0:
+            return ""
+        tokens = seq.output_token_ids[-unseen:]
+        last = tokens.pop() if keep_last else None
+        seq.output_text += "".join([detok.step([token]) for token in tokens])
+        return detok.step([last]) if keep_last else ""
 
     @staticmethod
     def _flush_text(seq: Sequence, stopped_by_string: bool) -> str:
@@ -181,6 +214,11 @@ class OutputProcessor:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def make_output(self, req: Request, deltas: Deltas) -> RequestOutput:
+        if req.params.output_kind == "final":  # an abort reads the text of deferred tokens too
+            for seq in req.seqs:
+                self._catch_up_text(seq)
+        if len(req.seqs) == 1:
+            return self._make_output_one(req, req.seqs[0], deltas)
         completions = []
         delta_text, delta_ids = [], []
         for seq in sorted(req.seqs, key=lambda s: s.index):
@@ -196,3 +234,16 @@ class OutputProcessor:
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
             outputs=completions, finished=req.finished, prompt_logprobs=req.prompt_logprobs,
             num_cached_tokens=req.num_cached_tokens, delta_text=delta_text, delta_token_ids=delta_ids)
+
+    @staticmethod
+    def _make_output_one(req: Request, seq: Sequence, deltas: Deltas) -> RequestOutput:
+        """make_output for a request of one sequence (most of them), without sorting or loops."""
+        ids, text = deltas.get(seq.index, ([], ""))
+        completion = CompletionOutput(
+            index=seq.index, text=seq.output_text, token_ids=seq.output_token_ids,
+            logprobs=seq.output_logprobs if req.params.logprobs is not None else None,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            outputs=[completion], finished=seq.finish_reason is not None, prompt_logprobs=req.prompt_logprobs,
+            num_cached_tokens=req.num_cached_tokens, delta_text=[text], delta_token_ids=[ids])

@@ -134,7 +134,10 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
+        for s in self.seqs:  # a loop, not all(genexpr): read for every request every step
+            if s.finish_reason is None:
+                return False
+        return True
 
     @property
     def num_prompt_tokens(self) -> int:

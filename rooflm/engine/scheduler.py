@@ -33,7 +33,7 @@ from rooflm.engine.growth_reserve import NewTokenRatio, remaining_tokens
 from rooflm.engine.request import Request, RequestStatus, Sequence
 
 
-@dataclass
+@dataclass(slots=True)  # hundreds made and read every step
 class ScheduledSeq:
     request: Request
     seq: Sequence
@@ -106,7 +106,11 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def num_running_seqs(self) -> int:
-        return sum(len(r.live_seqs) for r in self.running)
+        count = 0
+        for r in self.running:
+            # Most groups hold one sequence: no list of live ones to build (batch 256, every step).
+            count += (r.seqs[0].finish_reason is None) if len(r.seqs) == 1 else len(r.live_seqs)
+        return count
 
     def free_seq(self, seq: Sequence) -> None:
         """A finished sequence gives its blocks back at once, on the device or the host."""
@@ -137,10 +141,13 @@ class Scheduler:
         """Register a sequence's newly full blocks in the prefix cache. Only blocks whose K/V
         is computed and whose token ids are all on the host can be hashed, and only blocks
         on the device are worth finding."""
-        if req.status != RequestStatus.RUNNING or not seq.block_table:
+        table = seq.block_table
+        if req.status != RequestStatus.RUNNING or table is None or not table.ids:
             return
-        known = min(seq.num_computed_tokens, seq.num_known_tokens)
-        self.bm.cache_full_blocks(seq.block_table, seq.token_ids, known, req.cache_salt)
+        known = min(seq.num_computed_tokens, len(seq.token_ids))
+        if known // self.bm.block_size <= table.num_cached_blocks:
+            return  # no block filled up since the last call: most decode steps of most sequences
+        self.bm.cache_full_blocks(table, seq.token_ids, known, req.cache_salt)
 
     # ---- speculative decoding ------------------------------------------------------------
 
@@ -299,6 +306,10 @@ class Scheduler:
         kept: list[Request] = []
         while queue:
             req = queue.popleft()
+            if self._schedule_plain_decode(req, budget, out):
+                budget -= 1
+                kept.append(req)
+                continue
             plan = self._plan(req, budget)
             if plan is None:
                 kept.append(req)  # no budget left this step; it stays running
@@ -317,6 +328,31 @@ class Scheduler:
                 kept.append(req)
         self.running = kept
         return budget
+
+    def _schedule_plain_decode(self, req: Request, budget: int, out: SchedulerOutput) -> bool:
+        """The step of most running requests at a large batch: one sequence, one new token,
+        no draft slots, and room for it in the table's last block (no new block, no
+        copy-on-write). Schedules it as _plan, _fits and _commit would, without their lists
+        and growth arithmetic (they were most of the scheduler's time at batch 256); False
+        leaves the request to the general path, which decides everything else."""
+        seqs = req.seqs
+        if len(seqs) != 1 or budget < 1:
+            return False
+        seq = seqs[0]
+        start = seq.num_computed_tokens
+        if (seq.finish_reason is not None or seq.num_spec_slots
+                or len(seq.token_ids) + seq.num_pending - start != 1):
+            return False
+        if seq.num_pending and (req.needs_host_tokens or not self._schedulable(req, seq)):
+            return False
+        ids = seq.block_table.ids
+        block_size = self.bm.block_size
+        if start >= len(ids) * block_size:
+            return False  # the token opens a new block
+        if start % block_size and self.bm.blocks[ids[start // block_size]].ref_cnt > 1:
+            return False  # it lands in a shared block: copy-on-write
+        out.scheduled.append(ScheduledSeq(req, seq, 1, start, True))
+        return True
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.num_preemptions += 1

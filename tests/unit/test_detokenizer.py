@@ -218,6 +218,26 @@ def test_random_token_ids_match_one_shot_decode(request, which):
             assert "".join(deltas) + tail == tokenizer.decode(ids, skip_special_tokens=skip), ids
 
 
+@pytest.mark.parametrize("which", ["byte_tokenizer", "sentencepiece_tokenizer"])
+def test_shared_token_texts_give_the_same_deltas(request, which):
+    # The engine's detokenizers share one cache of single-token texts per skip setting: every
+    # stream's deltas must be those of a detokenizer with a cache of its own, and the cache
+    # must hold decode([id]) of each id it saw.
+    tokenizer = request.getfixturevalue(which)
+    rng = random.Random(3)
+    for skip in (True, False):
+        shared = {}
+        for _ in range(50):
+            ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 30))]
+            alone = IncrementalDetokenizer(tokenizer, [1], skip_special_tokens=skip)
+            sharing = IncrementalDetokenizer(tokenizer, [1], skip_special_tokens=skip, token_texts=shared)
+            for token_id in ids:
+                assert sharing.step([token_id]) == alone.step([token_id])
+            assert sharing.flush() == alone.flush()
+        assert shared
+        assert all(text == tokenizer.decode([i], skip_special_tokens=skip) for i, text in shared.items())
+
+
 # Stop strings ---------------------------------------------------------------
 
 

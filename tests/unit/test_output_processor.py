@@ -66,3 +66,54 @@ def test_a_token_in_flight_for_an_aborted_request_is_dropped(tiny_path):
     final = [o for o in outputs if o.finished]
     assert len(final) == 1 and len(final[0].outputs[0].token_ids) == 6
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.fixture(scope="module")
+def tiny_with_text(tmp_path_factory):
+    """The tiny model with a byte-level tokenizer of its 256 ids: every id is one byte, so
+    sampled ids are mostly broken UTF-8, the detokenizer's hardest case."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path, _ = make_tiny_model(tmp_path_factory.mktemp("tiny_text"), "llama", initializer_range=0.3)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(path)
+    return path
+
+
+def test_final_outputs_detokenized_at_the_end_equal_step_by_step_text(tiny_with_text):
+    # output_kind "final" without stop strings defers detokenization to the end (or the abort):
+    # the text, and the last step's delta, must be those of a request detokenized every step.
+    engine = LLMEngine.from_kwargs(model=tiny_with_text, device="cpu", dtype="float32")
+    prompts = prompts_of([9, 14, 5])
+    outputs = {}
+    for kind in ("delta", "final"):
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(temperature=1.0, seed=i, max_tokens=12 + 5 * i, ignore_eos=True,
+                                    output_kind=kind)
+            engine.add_request(f"{kind}{i}", prompt, params)
+    engine.add_request("abort-delta", prompts[0], SamplingParams(temperature=1.0, seed=7, max_tokens=40))
+    engine.add_request("abort-final", prompts[0], SamplingParams(temperature=1.0, seed=7, max_tokens=40,
+                                                                 output_kind="final"))
+    for _ in range(6):
+        for out in engine.step():
+            outputs[out.request_id] = out
+    aborted = {o.request_id: o for o in engine.abort_request(["abort-delta", "abort-final"])}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    texts = set()
+    for i in range(len(prompts)):
+        a, b = outputs[f"delta{i}"], outputs[f"final{i}"]
+        assert a.finished and b.finished
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert b.outputs[0].text == a.outputs[0].text
+        assert b.delta_text == a.delta_text
+        texts.add(a.outputs[0].text)
+    assert len(texts) == len(prompts) and all(texts)
+    a, b = aborted["abort-delta"], aborted["abort-final"]
+    assert b.outputs[0].token_ids == a.outputs[0].token_ids and len(a.outputs[0].token_ids) == 6
+    assert b.outputs[0].text == a.outputs[0].text
