@@ -115,6 +115,13 @@ class TPGroup:
             dist.broadcast(x, src=0, group=self.host_group)
         return x
 
+    def broadcast_host_async(self, x: torch.Tensor):
+        """Rank 0's x to the other ranks without waiting: the Work handle, or None (one rank).
+        x must stay alive and unchanged until the handle's wait() returns."""
+        if self.size > 1:
+            return dist.broadcast(x, src=0, group=self.host_group, async_op=True)
+        return None
+
     def min_over_ranks(self, value: int) -> int:
         if self.size == 1:
             return value

@@ -94,17 +94,35 @@ def _pairs(values: list[int]) -> list[tuple[int, int]]:
 
 
 class StepChannel:
-    """Rank 0 sends, the workers receive; both over the group's host (gloo) group."""
+    """Rank 0 sends, the workers receive; both over the group's host (gloo) group.
+
+    A gloo broadcast returns on the root only once every receiver has posted its receive
+    (measured: a root whose receiver posts 20 ms late returns after 20 ms, at any size), so a
+    blocking send would make rank 0 wait, each step, for the workers to finish launching the
+    step before; rank 0's host work and theirs would add up instead of overlapping. So send()
+    queues the broadcasts and returns; the next send (or stop) first waits for the previous
+    one, which bounds rank 0's lead to one step and keeps its tensors alive until delivered."""
 
     def __init__(self, tp: TPGroup):
         self.tp = tp
+        self._in_flight: list = []  # the last send's Work handles and the tensors they read
 
     def send(self, packet: StepPacket) -> None:
         header, payload = packet.pack()
-        self.tp.broadcast_host(header)
-        self.tp.broadcast_host(payload)
+        self.flush()
+        works = [self.tp.broadcast_host_async(header), self.tp.broadcast_host_async(payload)]
+        self._in_flight = [works, header, payload]
+
+    def flush(self) -> None:
+        """Wait until the last send reached every worker (raises if the group broke)."""
+        if self._in_flight:
+            works, self._in_flight = self._in_flight[0], []
+            for work in works:
+                if work is not None:
+                    work.wait()
 
     def send_stop(self) -> None:
+        self.flush()
         header = torch.zeros(HEADER_LEN, dtype=torch.int64)
         header[0] = OP_STOP
         self.tp.broadcast_host(header)

@@ -68,7 +68,7 @@ class WorkerRunner(ModelRunner):
             src = self._host(packet.pending_rows, torch.int64).to(self.device, non_blocking=True)
             fixup = (dst, self.prev_sampled.index_select(0, src))
         graph = self._pick_graph(inputs, fixup)
-        self._forward(inputs, StepResult({}, {}, {}), fixup, graph)
+        self._forward(inputs, StepResult({}, {}, {}), fixup, graph, gather=False)
         self.kinds[_kind(graph, self._piecewise_runs(inputs))] += 1
         if packet.logits_indices:  # rank 0 sampled these rows: receive their ids
             sampled = torch.empty(len(packet.logits_indices), dtype=torch.int64, device=self.device)
