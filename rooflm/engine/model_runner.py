@@ -506,14 +506,18 @@ class ModelRunner:
                                             req.generator(index), suppress.get(seq.seq_id, ())))
                     row_owner.append(sch)
         tables = self.block_tables.gather([s.seq.block_table for s in order])
-        host = HostInputs(
-            input_ids=self._host(input_ids, torch.int64), positions=self._host(positions, torch.int64),
-            slot_mapping=self._host(slots, torch.int64), query_start_loc=self._host(query_start, torch.int32),
-            seq_lens=self._host(seq_lens, torch.int32), block_tables=self._pin(torch.from_numpy(tables)))
+        host = self._host_inputs(input_ids, positions, slots, query_start, seq_lens, tables)
         return StepInputs(host=host, query_start_loc_cpu=query_start, seq_lens_cpu=seq_lens,
                           max_query_len=max(s.num_new_tokens for s in order), num_decodes=num_decodes,
                           order=order, logits_indices=logits_indices, rows=rows, row_owner=row_owner,
                           prompt_logprob_spans=spans, pending_positions=pending, spec_rows=spec_rows)
+
+    def _host_inputs(self, input_ids: list[int], positions: list[int], slots: list[int],
+                     query_start: list[int], seq_lens: list[int], tables) -> HostInputs:
+        return HostInputs(
+            input_ids=self._host(input_ids, torch.int64), positions=self._host(positions, torch.int64),
+            slot_mapping=self._host(slots, torch.int64), query_start_loc=self._host(query_start, torch.int32),
+            seq_lens=self._host(seq_lens, torch.int32), block_tables=self._pin(torch.from_numpy(tables)))
 
     def _prepare_decodes(self, out: SchedulerOutput, suppress: dict[int, tuple[int, ...]]) -> Optional[StepInputs]:
         """prepare() for a step of plain decodes only (the steady state of a large batch): one
@@ -549,10 +553,7 @@ class ModelRunner:
         query_start = list(range(num_seqs + 1))
         seq_lens = [p + 1 for p in positions]
         tables = self.block_tables.gather([s.seq.block_table for s in order])
-        host = HostInputs(
-            input_ids=self._host(input_ids, torch.int64), positions=self._host(positions, torch.int64),
-            slot_mapping=self._host(slots, torch.int64), query_start_loc=self._host(query_start, torch.int32),
-            seq_lens=self._host(seq_lens, torch.int32), block_tables=self._pin(torch.from_numpy(tables)))
+        host = self._host_inputs(input_ids, positions, slots, query_start, seq_lens, tables)
         return StepInputs(host=host, query_start_loc_cpu=query_start, seq_lens_cpu=seq_lens,
                           max_query_len=1, num_decodes=num_seqs, order=list(order),
                           logits_indices=list(range(num_seqs)), rows=rows, row_owner=list(order),
