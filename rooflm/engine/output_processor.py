@@ -217,15 +217,16 @@ class OutputProcessor:
         if req.params.output_kind == "final":  # an abort reads the text of deferred tokens too
             for seq in req.seqs:
                 self._catch_up_text(seq)
-        if len(req.seqs) == 1:
-            return self._make_output_one(req, req.seqs[0], deltas)
+        # Most requests hold one sequence: no sort for them.
+        seqs = req.seqs if len(req.seqs) == 1 else sorted(req.seqs, key=lambda s: s.index)
+        want_logprobs = req.params.logprobs is not None
         completions = []
         delta_text, delta_ids = [], []
-        for seq in sorted(req.seqs, key=lambda s: s.index):
+        for seq in seqs:
             completions.append(CompletionOutput(
                 # The live list, not a copy: copying every step would cost O(length^2).
                 index=seq.index, text=seq.output_text, token_ids=seq.output_token_ids,
-                logprobs=seq.output_logprobs if req.params.logprobs is not None else None,
+                logprobs=seq.output_logprobs if want_logprobs else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
             ids, text = deltas.get(seq.index, ([], ""))
             delta_ids.append(ids)
@@ -234,16 +235,3 @@ class OutputProcessor:
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
             outputs=completions, finished=req.finished, prompt_logprobs=req.prompt_logprobs,
             num_cached_tokens=req.num_cached_tokens, delta_text=delta_text, delta_token_ids=delta_ids)
-
-    @staticmethod
-    def _make_output_one(req: Request, seq: Sequence, deltas: Deltas) -> RequestOutput:
-        """make_output for a request of one sequence (most of them), without sorting or loops."""
-        ids, text = deltas.get(seq.index, ([], ""))
-        completion = CompletionOutput(
-            index=seq.index, text=seq.output_text, token_ids=seq.output_token_ids,
-            logprobs=seq.output_logprobs if req.params.logprobs is not None else None,
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
-        return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            outputs=[completion], finished=seq.finish_reason is not None, prompt_logprobs=req.prompt_logprobs,
-            num_cached_tokens=req.num_cached_tokens, delta_text=[text], delta_token_ids=[ids])
