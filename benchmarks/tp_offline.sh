@@ -22,7 +22,12 @@ LOGS="$OUT/logs"; mkdir -p "$LOGS"
 MODEL=${MODEL:-"--model llama-3-8b --load-format dummy --max-model-len 2048"}
 N=${LONG_PROMPTS:-400}
 SUMMARY="$OUT/summary.md"
-BUDGET_S=${BUDGET_S:-450}  # every step's timeout is cut to what is left of it, so the tarball gets made
+BUDGET_S=${BUDGET_S:-450}
+# Knobs: GPU1_TESTS (pytest paths run on GPU 1 beside TP=1), TP_TEST_K (-k of the TP parity test),
+# PROFILES=0 (skip the three profiles).
+GPU1_TESTS=${GPU1_TESTS:-"tests/kernels/test_gguf_on_cuda_kernels.py tests/unit/test_gguf_formats.py"}
+TP_TEST_K=${TP_TEST_K:-qwen2}
+PROFILES=${PROFILES:-1}  # every step's timeout is cut to what is left of it, so the tarball gets made
 lim() { local left=$(( BUDGET_S - SECONDS )); (( left < 20 )) && left=1; echo $(( $1 < left ? $1 : left )); }
 { echo "# benchmarks/tp_offline.sh, $(date -u +%FT%TZ), commit ${ROOFLM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
   nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | tr '\n' ';'; echo; } | tee "$SUMMARY"
@@ -46,11 +51,11 @@ profile() {  # tp, gpus
     > "$LOGS/profile-prefill-tp$1.txt" 2>&1
   echo "- profile prefill TP=$1: rc $? at ${SECONDS} s" | tee -a "$SUMMARY"
 }
-CUDA_VISIBLE_DEVICES=1 timeout 150 python -m pytest -q -p no:cacheprovider -m gpu -rs tests/kernels/test_gguf_on_cuda_kernels.py \
-  tests/unit/test_gguf_formats.py > "$LOGS/gguf-gpu-tests.txt" 2>&1 &
+CUDA_VISIBLE_DEVICES=1 timeout "$(lim 150)" python -m pytest -q -p no:cacheprovider -m gpu -rs $GPU1_TESTS \
+  > "$LOGS/gguf-gpu-tests.txt" 2>&1 &
 GGUF=$!
 throughput 1 0
-wait $GGUF; echo "- GGUF GPU tests: $(tail -1 "$LOGS/gguf-gpu-tests.txt")" | tee -a "$SUMMARY"
+wait $GGUF; echo "- GPU tests on GPU 1 ($GPU1_TESTS): $(tail -1 "$LOGS/gguf-gpu-tests.txt")" | tee -a "$SUMMARY"
 throughput 2 0,1
 if [ -n "${OLD:-}" ]; then
   OLDPATH=$PWD/$OLD:${PYTHONPATH#$PWD:}
@@ -59,14 +64,16 @@ if [ -n "${OLD:-}" ]; then
   sharegpt 1 -old "$OLDPATH"
   wait
 fi
-timeout "$(lim 150)" python -m pytest -q -s -p no:cacheprovider -m gpu tests/distributed/test_tp_gpu.py -k qwen2 > "$LOGS/gpu-tests-qwen2.txt" 2>&1
-echo "- TP GPU test qwen2: $(grep -hE 'token-for-token|shutdown took' "$LOGS/gpu-tests-qwen2.txt" | tr '\n' ';') $(tail -1 "$LOGS/gpu-tests-qwen2.txt")" | tee -a "$SUMMARY"
+timeout "$(lim 150)" python -m pytest -q -s -p no:cacheprovider -m gpu tests/distributed/test_tp_gpu.py -k "$TP_TEST_K" > "$LOGS/gpu-tests-qwen2.txt" 2>&1
+echo "- TP GPU test ($TP_TEST_K): $(grep -hE 'token-for-token|shutdown took' "$LOGS/gpu-tests-qwen2.txt" | tr '\n' ';') $(tail -1 "$LOGS/gpu-tests-qwen2.txt")" | tee -a "$SUMMARY"
+if [ "$PROFILES" = 1 ]; then
 profile 2 0,1
 [ -z "${OLD:-}" ] && profile 1 0
 # Batch 1, TP=2: where the step goes beyond half the weight read (GEMV per shard, all-reduces, gaps).
 CUDA_VISIBLE_DEVICES=0,1 timeout "$(lim 60)" python -m rooflm profile $MODEL --tensor-parallel-size 2 --batch-size 1 \
   --input-len 128 --output-len 512 --steps 20 --output "$LOGS/profile-b1-tp2" > "$LOGS/profile-b1-tp2.txt" 2>&1
 echo "- profile batch-1 TP=2: rc $? at ${SECONDS} s" | tee -a "$SUMMARY"
+fi
 for name in throughput-tp1 throughput-tp2 throughput-tp2-old sharegpt sharegpt-old; do
   [ -f "$LOGS/$name.txt" ] || continue
   { echo; echo "## $name"; grep -E "Elapsed|Output token|Engine steps|Measured" "$LOGS/$name.txt"
