@@ -15,8 +15,10 @@ worker that raises sends its traceback to rank 0 through a pipe and exits (execu
 
 from __future__ import annotations
 
+import cProfile
 import logging
 import os
+import pstats
 import sys
 import threading
 import time
@@ -37,6 +39,7 @@ logger = logging.getLogger(__name__)
 PARENT_POLL_S = 0.5
 FAULT_INJECT_ENV = "ROOFLM_TP_FAULT_INJECT"
 STEP_TIMES_ENV = "ROOFLM_TP_STEP_TIMES"  # set: each worker prints where its host time went, at stop
+PROFILE_ENV = "ROOFLM_TP_WORKER_PROFILE"  # a folder: each worker's step loop under cProfile, written at stop
 MAX_TRACEBACK_CHARS = 20_000  # the tail: where it failed
 
 
@@ -134,6 +137,10 @@ def _serve(rank: int, size: int, init_method: str, config: EngineConfig, model_c
     channel = StepChannel(tp)
     fault_step = fault_step_from_env(rank)
     steps, waited, busy = 0, 0.0, 0.0
+    profile_dir = os.environ.get(PROFILE_ENV)
+    profiler = cProfile.Profile() if profile_dir else None
+    if profiler is not None:
+        profiler.enable()
     t0 = time.perf_counter()
     while (packet := channel.receive()) is not None:
         t1 = time.perf_counter()
@@ -143,6 +150,9 @@ def _serve(rank: int, size: int, init_method: str, config: EngineConfig, model_c
             raise RuntimeError(f"fault injected at tp rank {rank} step {steps} ({FAULT_INJECT_ENV})")
         runner.replay(packet)
         t0, waited, busy = time.perf_counter(), waited + t1 - t0, busy + time.perf_counter() - t1
+    if profiler is not None:
+        profiler.disable()
+        _write_profile(profiler, profile_dir, rank)
     if os.environ.get(STEP_TIMES_ENV):
         # Where rank 0's step goes if the GPUs wait for this rank: a host that is busy close to
         # the step time is the limit; one that mostly waits for the next packet is not.
@@ -152,6 +162,16 @@ def _serve(rank: int, size: int, init_method: str, config: EngineConfig, model_c
     runner.release_graphs()  # before the group goes: NCCL waits on graphs that captured it
     if not destroy_group(tp):
         os._exit(0)  # a stuck NCCL teardown: rank 0 asked to stop, so leave without it
+
+
+def _write_profile(profiler: "cProfile.Profile", folder: str, rank: int) -> None:
+    """The worker's step loop: pstats for snakeviz/pstats, and the top functions as text."""
+    os.makedirs(folder, exist_ok=True)
+    profiler.dump_stats(os.path.join(folder, f"worker-rank{rank}.pstats"))
+    with open(os.path.join(folder, f"worker-rank{rank}.txt"), "w") as f:
+        stats = pstats.Stats(profiler, stream=f)
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats(30)
 
 
 @dataclass(frozen=True)
