@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rooflm import LLM, SamplingParams  # noqa: E402
 from rooflm.bench.results import git_commit  # noqa: E402
 from rooflm.spec.proposer import Proposal, Proposer  # noqa: E402
+from rooflm.spec.policy import SpecPolicy  # noqa: E402
 from rooflm.spec.replay import ReplayProposer  # noqa: E402
 
 
@@ -100,6 +101,9 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-draft", action="store_true")
+    ap.add_argument("--policy", default="adaptive", choices=("adaptive", "budget"),
+                    help="--speculative-policy of the speculating engines; each variant starts with "
+                         "a fresh policy, so one variant's acceptance does not decide the next's steps")
     ap.add_argument("--out", default="benchmarks/results/spec")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -136,8 +140,12 @@ def main() -> int:
     llm = None
     release_memory()
 
+    def fresh_policy(llm):
+        llm.engine.spec.policy = SpecPolicy(args.policy)
+
     def replay_runs(llm, label, b, make_proposer, original):
         for a in args.acceptances:
+            fresh_policy(llm)
             continuation = {tuple(p): o for p, o in zip(prompts[b], truth[b])}
             for _ in range(args.repeats):
                 llm.engine.spec.set_proposer(make_proposer(ReplayProposer(continuation, 1 - a, vocab)))
@@ -149,6 +157,7 @@ def main() -> int:
         llm.engine.spec.set_proposer(original)
 
     def real_run(llm, label, b):
+        fresh_policy(llm)
         before = llm.engine.snapshot().spec
         seconds, _ = timed(llm, prompts[b], params)
         record(f"{label}-real", b, seconds, spec_delta(llm, before))
@@ -158,7 +167,8 @@ def main() -> int:
         spec.cfg = dataclasses.replace(spec.cfg, speculative_max_batch_tokens=1 << 30)
 
     # ---- n-gram engine -------------------------------------------------------------------------
-    llm = LLM(**common, speculative_method="ngram", num_speculative_tokens=args.k)
+    llm = LLM(**common, speculative_method="ngram", num_speculative_tokens=args.k,
+              speculative_policy=args.policy)
     ngram = llm.engine.spec.proposer
     policy_cfg = llm.engine.spec.cfg
     for b in args.batches:
@@ -175,7 +185,7 @@ def main() -> int:
     # ---- draft-model engine --------------------------------------------------------------------
     if not args.skip_draft:
         llm = LLM(**common, speculative_method="draft", num_speculative_tokens=args.k,
-                  draft_model=args.draft_model, draft_load_format="dummy")
+                  draft_model=args.draft_model, draft_load_format="dummy", speculative_policy=args.policy)
         draft = llm.engine.spec.proposer
         policy_cfg = llm.engine.spec.cfg
         for b in args.batches:
@@ -193,7 +203,7 @@ def main() -> int:
     for r in rows:
         r["speedup"] = r["tok_s"] / plain[r["batch"]]
     meta = {"model": args.model, "draft_model": args.draft_model, "k": args.k,
-            "input_len": args.input_len, "output_len": args.output_len, "commit": git_commit(),
+            "policy": args.policy, "input_len": args.input_len, "output_len": args.output_len, "commit": git_commit(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
     try:
         import torch

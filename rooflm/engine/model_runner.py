@@ -206,13 +206,13 @@ class ModelRunner:
         return num_blocks, num_host
 
     def keeps_quantized(self) -> bool:
-        """GGUF blocks stay quantized where a kernel takes them (rooflm/quant/): the CPU's block
-        matmuls under auto or gguf; on one CUDA device the Triton W4A16/W8A16 kernels under gguf
-        only, until that path has run on a GPU (no tensor-parallel sharding of blocks yet)."""
+        """GGUF blocks stay quantized where a kernel takes them (rooflm/quant/), under auto or
+        gguf: the CPU's block matmuls; on one CUDA device the Triton W4A16/W8A16 kernels (their
+        GPU tests passed on H100 x2, 2026-11-25; no tensor-parallel sharding of blocks yet)."""
         mode = self.config.load.quantization
         if mode not in ("auto", "gguf"):
             return False
-        return self.device.type == "cpu" or (mode == "gguf" and self.device.type == "cuda" and self.tp.size == 1)
+        return self.device.type == "cpu" or (self.device.type == "cuda" and self.tp.size == 1)
 
     def check_memory(self, path: str, load_format: str) -> None:
         """Refuse a load that cannot fit, before anything is allocated (engine/memory_check.py)."""

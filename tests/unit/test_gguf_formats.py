@@ -118,7 +118,7 @@ def _generate(path, quantization, device):
 
 def _quantized_and_reference(tmp_path, fmt, device):
     path = _gguf_model(tmp_path, fmt)
-    # gguf: blocks kept on CUDA too (auto keeps them on the CPU only until that path has run on a GPU).
+    # gguf (as auto): blocks kept, on the CPU and on one CUDA device.
     out, methods = _generate(path, "gguf", device)
     reference, none = _generate(path, "none", device)
     assert not none
