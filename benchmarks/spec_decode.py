@@ -104,6 +104,10 @@ def main() -> int:
     ap.add_argument("--policy", default="adaptive", choices=("adaptive", "budget"),
                     help="--speculative-policy of the speculating engines; each variant starts with "
                          "a fresh policy, so one variant's acceptance does not decide the next's steps")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="every engine with --deterministic: plain and verify forwards then break "
+                         "near-ties alike, so a replay's acceptance is the set one (a check of the "
+                         "mechanism, at the deterministic kernels' speed)")
     ap.add_argument("--out", default="benchmarks/results/spec")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -111,7 +115,8 @@ def main() -> int:
     max_batch = max(args.batches)
     blocks = max_batch * -(-(args.input_len + args.output_len + 2 * args.k) // 16) + 64
     common = dict(model=args.model, load_format="dummy", max_model_len=args.input_len + args.output_len + 64,
-                  num_blocks=blocks, max_num_seqs=max_batch, cuda_graph_max_batch=max_batch)
+                  num_blocks=blocks, max_num_seqs=max_batch, cuda_graph_max_batch=max_batch,
+                  deterministic=args.deterministic)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     warm = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     rows, truth = [], {}
@@ -203,7 +208,7 @@ def main() -> int:
     for r in rows:
         r["speedup"] = r["tok_s"] / plain[r["batch"]]
     meta = {"model": args.model, "draft_model": args.draft_model, "k": args.k,
-            "policy": args.policy, "input_len": args.input_len, "output_len": args.output_len, "commit": git_commit(),
+            "policy": args.policy, "deterministic": args.deterministic, "input_len": args.input_len, "output_len": args.output_len, "commit": git_commit(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
     try:
         import torch
