@@ -147,13 +147,14 @@ class StepMeter:
     def __init__(self, model_config: ModelConfig, weight_dtype_bytes: float, kv_dtype_bytes: float,
                  gpu: Optional[GpuSpec] = None, *, act_bytes: Optional[float] = None,
                  compute_dtype: Optional[str] = None, window: int = 256,
-                 head_bytes: Optional[float] = None):
+                 head_bytes: Optional[float] = None, tp: int = 1):
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.model_config = model_config
         self.weight_bytes = float(weight_dtype_bytes)
         self.kv_bytes = float(kv_dtype_bytes)
         self.head_bytes = head_bytes  # None: step_cost's rule
+        self.tp = tp  # tensor-parallel ranks: a step's cost is one rank's share plus its all-reduces
         self.act_bytes = float(act_bytes if act_bytes is not None
                                else (4.0 if weight_dtype_bytes >= 4 else 2.0))
         self.compute_dtype = compute_dtype or _compute_dtype_for(weight_dtype_bytes)
@@ -182,6 +183,7 @@ class StepMeter:
         # W8A8 (fp8) linears run on the fp8 tensor cores whatever the activations' dtype.
         kwargs.setdefault("compute_dtype", info.matmul_dtype or _compute_dtype_for(act))
         kwargs.setdefault("head_bytes", info.head_dtype_bytes or None)
+        kwargs.setdefault("tp", info.tensor_parallel_size)
         return cls(info.model_config, info.weight_dtype_bytes, info.kv_dtype_bytes, gpu, **kwargs)
 
     # ---- one step -------------------------------------------------------------------------
@@ -193,7 +195,7 @@ class StepMeter:
     def _step_cost(self, **shape):
         return step_cost(self.model_config, **shape, weight_bytes=self.weight_bytes,
                          kv_bytes=self.kv_bytes, act_bytes=self.act_bytes,
-                         compute_dtype=self.compute_dtype, head_bytes=self.head_bytes)
+                         compute_dtype=self.compute_dtype, head_bytes=self.head_bytes, tp=self.tp)
 
     def cost(self, shape: BatchShape):
         """step_cost of the batch, every op of it."""

@@ -186,6 +186,15 @@ def test_for_engine_reads_the_engine_info():
     # W8A8 linears (--quantization fp8) are priced at the fp8 tensor-core rate, bf16 activations or not.
     fp8 = dataclasses.replace(info, weight_dtype_bytes=1.0, matmul_dtype="fp8")
     assert StepMeter.for_engine(fp8, gpu=GPUS["h200"]).compute_dtype == "fp8"
+    # Tensor parallel: one rank's share plus its all-reduces, as the throughput bound prices it
+    # (the TP=2 breakdown printed TP=1's floor before).
+    llama = dataclasses.replace(info, model_config=get_preset("llama-3-8b"))
+    shape = batch_shape(mixed_batch())
+    one = StepMeter.for_engine(llama, gpu=GPUS["h200"]).cost(shape)
+    two = StepMeter.for_engine(dataclasses.replace(llama, tensor_parallel_size=2), gpu=GPUS["h200"]).cost(shape)
+    assert two.bytes < 0.6 * one.bytes and two.flops < 0.6 * one.flops
+    assert two.bytes == step_cost(get_preset("llama-3-8b"), **shape.as_kwargs(), weight_bytes=2.0, kv_bytes=2.0,
+                                  act_bytes=2.0, compute_dtype="bf16", tp=2).bytes
     assert live.StepStats.__dataclass_fields__.keys() >= {
         "elapsed_s", "bytes", "flops", "achieved_gbps", "achieved_tflops", "mbu", "mfu"}
 
