@@ -100,7 +100,21 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(format_summary(result))
         if cfg.results:
             print(f"results: {cfg.results}")
-    return rc
+    return leave(rc)
+
+
+def leave(rc: int) -> int:
+    """A rank of several exits here, past the interpreter's teardown: with the group destroyed,
+    gloo's threads could still abort a rank at exit ("terminate called without an active
+    exception", SIGABRT after a finished run: CI, 2026-11-26, even after shutdown's barrier),
+    failing a run whose results are already written. One process returns normally."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return rc
+    import logging
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def register(sub) -> None:
