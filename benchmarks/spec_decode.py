@@ -39,7 +39,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rooflm import LLM, SamplingParams  # noqa: E402
 from rooflm.bench.results import git_commit  # noqa: E402
 from rooflm.spec.proposer import Proposal, Proposer  # noqa: E402
-from rooflm.spec.policy import SpecPolicy  # noqa: E402
 from rooflm.spec.replay import ReplayProposer  # noqa: E402
 
 
@@ -145,12 +144,9 @@ def main() -> int:
     llm = None
     release_memory()
 
-    def fresh_policy(llm):
-        llm.engine.spec.policy = SpecPolicy(args.policy)
-
     def replay_runs(llm, label, b, make_proposer, original):
         for a in args.acceptances:
-            fresh_policy(llm)
+            llm.engine.spec.reset_policy()
             continuation = {tuple(p): o for p, o in zip(prompts[b], truth[b])}
             for _ in range(args.repeats):
                 llm.engine.spec.set_proposer(make_proposer(ReplayProposer(continuation, 1 - a, vocab)))
@@ -162,7 +158,7 @@ def main() -> int:
         llm.engine.spec.set_proposer(original)
 
     def real_run(llm, label, b):
-        fresh_policy(llm)
+        llm.engine.spec.reset_policy()
         before = llm.engine.snapshot().spec
         seconds, _ = timed(llm, prompts[b], params)
         record(f"{label}-real", b, seconds, spec_delta(llm, before))
@@ -208,7 +204,8 @@ def main() -> int:
     for r in rows:
         r["speedup"] = r["tok_s"] / plain[r["batch"]]
     meta = {"model": args.model, "draft_model": args.draft_model, "k": args.k,
-            "policy": args.policy, "deterministic": args.deterministic, "input_len": args.input_len, "output_len": args.output_len, "commit": git_commit(),
+            "policy": args.policy, "deterministic": args.deterministic, "input_len": args.input_len,
+            "output_len": args.output_len, "commit": git_commit(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
     try:
         import torch

@@ -81,6 +81,10 @@ class SpecDecoder:
         """Swap the proposer (benchmarks' replay proposer); it keeps no KV pool."""
         self.proposer = proposer
 
+    def reset_policy(self) -> None:
+        """Forget what the policy measured (benchmarks: each variant learns on its own)."""
+        self.policy = SpecPolicy(self.policy.mode)
+
     # ---- 1. before scheduling ------------------------------------------------------------------
 
     def num_drafts_per_seq(self, num_decoding: int) -> int:

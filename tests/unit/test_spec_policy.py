@@ -109,3 +109,5 @@ def test_engine_measures_both_sides_and_stays_lossless(tmp_path):
     assert out == ref
     measured = llm.engine.spec.policy.buckets[bucket(len(prompts))]
     assert measured.spec.seconds is not None and measured.plain.seconds is not None
+    llm.engine.spec.reset_policy()  # benchmarks: each variant learns afresh, in the same mode
+    assert llm.engine.spec.policy.buckets == {} and llm.engine.spec.policy.mode == "adaptive"
