@@ -46,6 +46,8 @@ class _InFlight:
     schedule_s: float
     launch_s: float
     launched_at: float
+    planned_at: float  # when the step's _step began (the speculation policy's clock)
+    behind: bool  # launched while another step was in flight (the async pipeline was full)
 
 
 class LLMEngine:
@@ -93,10 +95,6 @@ class LLMEngine:
         self.async_scheduling = config.runtime.async_scheduling
         if self.async_scheduling is None:
             self.async_scheduling = self.runner.device.type == "cuda"
-        if self.spec is not None and self.async_scheduling:
-            # Proposals need the previous step's tokens on the host.
-            logger.info("speculative decoding runs with synchronous scheduling")
-            self.async_scheduling = False
         self._in_flight: Optional[_InFlight] = None  # launched, not yet processed
         self._last_collect = time.perf_counter()
         self._observers: list[Callable[[StepReport], None]] = []
@@ -380,9 +378,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.check_alive()
         failed = self._reap_failed_grammars() if self._compiling else []
+        if self.spec is not None:
+            failed += self._plan_speculation()
         with self.tracer.phase("schedule"):
-            if self.spec is not None:
-                self.spec.plan(self.scheduler)
             out = self.scheduler.schedule()
         if self.spec is not None and not out.is_empty:
             with self.tracer.phase("propose"):
@@ -396,8 +394,10 @@ class LLMEngine:
                 handle = self.runner.launch(out, self._suppressed_tokens(out), prev)
             self._num_steps += 1
             launched = _InFlight(out, handle, shape, self._num_steps, t1 - t0,
-                                 time.perf_counter() - t1, t1)
-        if not self.async_scheduling:
+                                 time.perf_counter() - t1, t1, t0, prev is not None)
+        if not self.async_scheduling or (self.spec is not None and self.spec.verifies(out)):
+            # A verify step's accepted lengths decide the next schedule: it runs synchronously
+            # (_plan_speculation finished the step before it).
             if launched is not None and launched.handle.needs_bitmask:
                 self._sample_constrained(launched.handle)
             return failed + (self._finish_step(launched) if launched is not None else [])
@@ -410,6 +410,15 @@ class LLMEngine:
             # processing and mask fill take longer than step t+1's forward.
             self._sample_constrained(launched.handle)
         return failed + outputs
+
+    def _plan_speculation(self) -> list[RequestOutput]:
+        """Decide whether the next step speculates and give out its draft slots. Proposals read
+        every sequence's tokens on the host, so a step in flight is finished first; its
+        outputs are returned. Plain steps keep async scheduling."""
+        k = self.spec.decide(self.scheduler)
+        drained = self.drain() if k and self._in_flight is not None else []
+        self.spec.assign(self.scheduler, k)
+        return drained
 
     def drain(self) -> list[RequestOutput]:
         """Finish the step in flight, if any (async scheduling), and return its outputs; after
@@ -424,7 +433,8 @@ class LLMEngine:
             result = self.runner.collect(step.handle)
         t1 = time.perf_counter()
         if self.spec is not None:
-            self.spec.observe(step.out, result.sampled, t1 - step.launched_at)
+            self.spec.observe(step.out, result.sampled, t1 - step.launched_at, step.planned_at,
+                              step.behind or not self.async_scheduling)
         with self.tracer.phase("process"):
             outputs = self._process(step.out, result)
         t2 = time.perf_counter()

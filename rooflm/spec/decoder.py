@@ -1,10 +1,11 @@
 """The engine's seam for speculative decoding.
 
 Each step, around the scheduler:
-  1. plan (before scheduling): every decoding sequence gets num_spec_slots, the drafts it may
-     verify next step: k, shortened by the batch policy below, by its remaining max_tokens and
-     by the context length; 0 for sequences that do not speculate (a grammar, under
-     min_tokens). The scheduler counts the slots as tokens to compute and allocates their K/V.
+  1. decide and assign (before scheduling): every decoding sequence gets num_spec_slots, the
+     drafts it may verify next step: k, shortened by the batch policy below, by its remaining
+     max_tokens and by the context length; 0 for sequences that do not speculate (a grammar,
+     under min_tokens). The scheduler counts the slots as tokens to compute and allocates their
+     K/V. A step that verifies runs synchronously; plain steps keep async scheduling.
   2. propose (after scheduling): the proposer fills the slots; unused ones are given back
      (Scheduler.shrink_spec). The runner then verifies the drafts in the step's forward
      (spec/rejection.py) and the output processor appends the accepted ones and rolls the
@@ -94,26 +95,32 @@ class SpecDecoder:
         return max(0, min(self.cfg.num_speculative_tokens,
                           self.cfg.speculative_max_batch_tokens // num_decoding - 1))
 
-    def plan(self, scheduler: Scheduler) -> None:
-        self.policy.begin_step()
+    def decide(self, scheduler: Scheduler) -> int:
+        """k for the next step: the token budget's, 0 where the policy measured that plain steps
+        give more tokens per second at this batch size. A k > 0 needs every sequence's tokens on
+        the host, so the engine finishes a step in flight before assign()."""
         decoding = [(req, seq) for req in scheduler.running for seq in req.live_seqs
                     if seq.num_uncomputed_tokens == 1]
         k = self.num_drafts_per_seq(len(decoding))
+        if k == 0 or not decoding:
+            return 0
         # A seeded random request draws its numbers in an order that depends on which steps
         # speculate: timing-driven choices would make its output differ run to run.
         seeded = any(req.params.seed is not None and not req.params.greedy for req, _ in decoding)
-        if k > 0 and decoding and not seeded and not self.policy.speculate(len(decoding)):
-            k = 0  # measured: plain steps give more tokens per second at this batch size
-        for req in scheduler.running:
-            for seq in req.live_seqs:
-                seq.num_spec_slots = 0
-        for req in scheduler.swapped:
-            for seq in req.live_seqs:
-                seq.num_spec_slots = 0
+        return k if seeded or self.policy.speculate(len(decoding)) else 0
+
+    def assign(self, scheduler: Scheduler, k: int) -> None:
+        """Give each decoding sequence its draft slots for the next step (0: a plain step)."""
+        for queue in (scheduler.running, scheduler.swapped):
+            for req in queue:
+                for seq in req.live_seqs:
+                    seq.num_spec_slots = 0
         if k == 0:
             return
-        for req, seq in decoding:
-            seq.num_spec_slots = self._slots(req, seq, k)
+        for req in scheduler.running:
+            for seq in req.live_seqs:
+                if seq.num_uncomputed_tokens == 1:
+                    seq.num_spec_slots = self._slots(req, seq, k)
 
     def _slots(self, req: Request, seq: Sequence, k: int) -> int:
         params = req.params
@@ -143,8 +150,17 @@ class SpecDecoder:
 
     # ---- 3. after the step ---------------------------------------------------------------------
 
-    def observe(self, out: SchedulerOutput, sampled: dict[int, list[int]], seconds: float) -> None:
-        self._measure(out, sampled)
+    @staticmethod
+    def verifies(out: SchedulerOutput) -> bool:
+        """Whether a scheduled step has drafts to verify (its results decide the next schedule)."""
+        return out.spec is not None and any(sch.spec_token_ids for sch in out.scheduled)
+
+    def observe(self, out: SchedulerOutput, sampled: dict[int, list[int]], seconds: float,
+                planned_at: float, representative: bool = True) -> None:
+        """A step's results: acceptance statistics, and the policy's measurement (`planned_at`:
+        when the step's plan began; `representative`: false for a plain step that filled the
+        async pipeline)."""
+        self._measure(out, sampled, planned_at, representative)
         verified = False
         stats = self.stats
         for sch in out.scheduled:
@@ -160,10 +176,12 @@ class SpecDecoder:
         if verified:
             stats.verify_s += seconds
 
-    def _measure(self, out: SchedulerOutput, sampled: dict[int, list[int]]) -> None:
+    def _measure(self, out: SchedulerOutput, sampled: dict[int, list[int]], planned_at: float,
+                 representative: bool) -> None:
         """The step for the policy: decode rows only, whether any drafted, tokens per sequence."""
         decode_only = all(sch.num_new_tokens == 1 + len(sch.spec_token_ids or ()) for sch in out.scheduled)
         gained = [len(sampled.get(sch.seq.seq_id, ())) for sch in out.scheduled]
         speculated = any(sch.spec_token_ids for sch in out.scheduled)
         tokens = sum(gained) / len(gained) if gained else 0.0
-        self.policy.step_ran(len(out.scheduled), speculated, tokens, decode_only)
+        self.policy.step_ran(len(out.scheduled), speculated, tokens, decode_only, planned_at,
+                             representative or speculated)

@@ -9,15 +9,22 @@ speculating, from what the engine has measured:
 
     speculate  iff  L_spec / t_spec  >  1 / t_plain
 
-for the step's batch-size bucket (powers of two), where t is the wall time of a whole step
-cycle (schedule, propose, forward, sampling, output processing: the time from one step's plan to
-the next), and L_spec the tokens a sequence gained per speculating step (accepted drafts + 1,
-sequences without drafts counting 1). All three are exponential moving averages. A bucket
-learns first: it speculates until min_spec_steps speculating steps are measured, with a plain
-step every fourth until min_plain_steps plain ones are; then every `explore_every`-th step of a
-bucket runs the side not chosen, so its figures follow changes in acceptance (a chat turning
-into a copy task) and in context length. Seeded random requests and --deterministic keep the
-budget's choice (decoder.py): a timing-driven choice would change their outputs run to run.
+for the step's batch-size bucket (powers of two), where t is a step's period (from the previous
+step's results to this one's, so schedule, propose, forward, sampling and output processing all
+count) and L_spec the tokens a sequence gained per speculating step (accepted drafts + 1,
+sequences without drafts counting 1). All three are exponential moving averages.
+
+Under async scheduling plain steps overlap the host's work with the device's, while a
+speculating step runs synchronously (its proposals need the previous step's tokens on the host).
+A plain step's period is representative only once the pipeline is full: the first plain step
+after a synchronous one is not measured, so plain steps are tried in runs (explore_plain_steps).
+
+A bucket learns first: it speculates until min_spec_steps speculating steps are measured (a
+request's first drafts say little about its later ones), then runs plain steps until
+min_plain_steps are measured. Then every `explore_every`-th step of a bucket starts a short run
+of the side not chosen, so its figures follow changes in acceptance (a chat turning into a copy
+task) and in context length. Seeded random requests and --deterministic keep the budget's choice
+(decoder.py): a timing-driven choice would change their outputs run to run.
 
 policy "budget" keeps the token budget alone (always speculate when k > 0).
 """
@@ -36,7 +43,7 @@ def bucket(batch: int) -> int:
 
 @dataclass
 class _Side:
-    seconds: Optional[float] = None  # EWMA of a step cycle's wall time
+    seconds: Optional[float] = None  # EWMA of a step's period (results to results)
     tokens: Optional[float] = None  # EWMA of tokens a sequence gained per step (plain: 1)
     count: int = 0  # steps measured
 
@@ -46,21 +53,14 @@ class _Bucket:
     spec: _Side = field(default_factory=_Side)
     plain: _Side = field(default_factory=_Side)
     steps: int = 0
-
-
-@dataclass
-class _Pending:
-    """The step just run, waiting for the next plan to close its cycle time."""
-
-    key: int
-    speculated: bool
-    tokens: float
-    started: float
+    run_side: bool = False  # the side an exploring run tries (True: speculate)
+    run_left: int = 0  # steps of that run still to go
 
 
 class SpecPolicy:
     def __init__(self, mode: str = "adaptive", decay: float = 0.8, explore_every: int = 32,
-                 min_spec_steps: int = 8, min_plain_steps: int = 2, clock=time.perf_counter):
+                 min_spec_steps: int = 8, min_plain_steps: int = 2, explore_plain_steps: int = 3,
+                 clock=time.perf_counter):
         if mode not in ("adaptive", "budget"):
             raise ValueError(f"speculative_policy must be adaptive or budget, got {mode!r}")
         self.mode = mode
@@ -68,23 +68,12 @@ class SpecPolicy:
         self.explore_every = explore_every
         self.min_spec_steps = min_spec_steps
         self.min_plain_steps = min_plain_steps
+        self.explore_plain_steps = explore_plain_steps
         self.clock = clock
         self.buckets: dict[int, _Bucket] = {}
-        self.pending: Optional[_Pending] = None
-        self.plan_started: Optional[float] = None
+        self.last_done: Optional[float] = None  # when the previous step's results arrived
 
     # ---- deciding (SpecDecoder.plan) ----------------------------------------------------------
-
-    def begin_step(self) -> None:
-        """Every step's plan: closes the previous step's cycle time."""
-        now = self.clock()
-        step, self.pending = self.pending, None
-        if step is not None:
-            side = self._side(step.key, step.speculated)
-            side.seconds = self._ewma(side.seconds, now - step.started)
-            side.tokens = self._ewma(side.tokens, step.tokens)
-            side.count += 1
-        self.plan_started = now
 
     def speculate(self, batch: int) -> bool:
         """Whether this step of `batch` decoding sequences speculates (k from the budget > 0)."""
@@ -92,15 +81,18 @@ class SpecPolicy:
             return True
         b = self.buckets.setdefault(bucket(batch), _Bucket())
         b.steps += 1
+        if b.run_left > 0:  # an exploring run of one side
+            b.run_left -= 1
+            return b.run_side
         if b.spec.count < self.min_spec_steps:
-            # Learning: speculate (a request's first drafts say little about its later ones),
-            # with a plain step every fourth until the plain side has its samples.
-            return not (b.plain.count < self.min_plain_steps and b.steps % 4 == 0)
+            return True
         if b.plain.count < self.min_plain_steps:
             return False
         better = self.speculating_pays(b)
         if b.steps % self.explore_every == 0:
-            return not better
+            b.run_side = not better
+            b.run_left = (1 if b.run_side else self.explore_plain_steps) - 1
+            return b.run_side
         return better
 
     @staticmethod
@@ -109,17 +101,22 @@ class SpecPolicy:
 
     # ---- measuring (SpecDecoder.observe) ------------------------------------------------------
 
-    def step_ran(self, batch: int, speculated: bool, tokens_per_seq: float, decode_only: bool) -> None:
-        """A step finished: its cycle closes at the next plan. Steps with prefill chunks are not
-        measured (their time is the prefill's, not the decode's)."""
-        if self.mode == "budget" or not decode_only or batch == 0 or self.plan_started is None:
-            self.pending = None
+    def step_ran(self, batch: int, speculated: bool, tokens_per_seq: float, decode_only: bool,
+                 planned_at: float, representative: bool = True) -> None:
+        """A step's results arrived. Its period runs from the previous step's results, or from
+        its own plan if that came later (the engine was idle). Steps with prefill chunks are not
+        measured (their time is the prefill's), nor unrepresentative ones (a plain step that
+        filled the async pipeline)."""
+        now = self.clock()
+        started = planned_at if self.last_done is None else max(self.last_done, planned_at)
+        self.last_done = now
+        if self.mode == "budget" or not decode_only or batch == 0 or not representative:
             return
-        self.pending = _Pending(bucket(batch), speculated, tokens_per_seq, self.plan_started)
-
-    def _side(self, key: int, speculated: bool) -> _Side:
-        b = self.buckets.setdefault(key, _Bucket())
-        return b.spec if speculated else b.plain
+        b = self.buckets.setdefault(bucket(batch), _Bucket())
+        side = b.spec if speculated else b.plain
+        side.seconds = self._ewma(side.seconds, now - started)
+        side.tokens = self._ewma(side.tokens, tokens_per_seq)
+        side.count += 1
 
     def _ewma(self, old: Optional[float], new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new

@@ -56,7 +56,7 @@ def reference(plain):
 
 
 def spec_llm(tiny_path, method, other_path=None, **kwargs):
-    opts = dict(BASE, **SPEC, **kwargs)
+    opts = {**BASE, **SPEC, **kwargs}
     if method == "draft-same":
         return LLM(model=tiny_path, speculative_method="draft", draft_model=tiny_path, **opts)
     if method == "draft-other":
@@ -213,6 +213,54 @@ def test_seeded_random_sampling_is_reproducible(tiny_path):
         a = tokens(spec_llm(tiny_path, method).generate(PROMPTS[:3], params))
         b = tokens(spec_llm(tiny_path, method).generate(PROMPTS[:3], params))
         assert a == b
+
+
+# ---- async scheduling: plain steps pipelined, verify steps synchronous ------------------------------
+
+
+def assert_same_outputs(outputs, reference):
+    """Token ids exactly; logprobs to fp32 rounding (a verify forward sums in another order)."""
+    assert tokens(outputs) == tokens(reference)
+    for out, ref in zip(outputs, reference):
+        for o, r in zip(out.outputs, ref.outputs):
+            for lo, lr in zip(o.logprobs or (), r.logprobs or ()):
+                assert lo.keys() == lr.keys()
+                assert [lo[t].logprob for t in lo] == pytest.approx([lr[t].logprob for t in lo], abs=1e-4)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft-other"])
+@pytest.mark.parametrize("policy", ["adaptive", "budget"])
+def test_async_scheduling_with_speculation_is_lossless(tiny_path, other_path, plain, method, policy):
+    # Under the adaptive policy a bucket speculates 8 steps, then runs plain ones (pipelined),
+    # then keeps the faster side: both kinds of step and the switches between them are run.
+    prompts = PROMPTS + prompts_of([14, 29], offset=5)
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, n=2),
+              SamplingParams(temperature=0, max_tokens=35, ignore_eos=True, repetition_penalty=1.2)]
+    params = [params[i % 3] for i in range(len(prompts))]
+    ref = plain.generate(prompts, params)
+    llm = spec_llm(tiny_path, method, other_path, async_scheduling=True, speculative_policy=policy)
+    assert llm.engine.async_scheduling
+    assert_same_outputs(llm.generate(prompts, params), ref)
+    check_all_blocks_free(llm)
+    assert llm.engine.snapshot().spec.num_drafts > 0
+    if policy == "adaptive":  # plain steps were measured, which needs one launched behind another
+        assert any(b.plain.count for b in llm.engine.spec.policy.buckets.values())
+
+
+def test_async_speculation_under_preemption_and_seeds(tiny_path, plain):
+    lengths = [37, 21, 50, 9, 44, 30, 17, 26, 33, 12, 48, 25]
+    prompts = prompts_of(lengths)
+    ref = tokens(plain.generate(prompts, GREEDY))
+    need = sum(-(-(n + GREEDY.max_tokens) // 4) for n in lengths)
+    llm = spec_llm(tiny_path, "ngram", num_blocks=need // 8, reserve_new_tokens=False,
+                   async_scheduling=True, speculative_policy="adaptive")
+    assert tokens(llm.generate(prompts, GREEDY)) == ref
+    assert llm.engine.scheduler.num_preemptions > 0
+    check_all_blocks_free(llm)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=25, ignore_eos=True, seed=7)
+    sync = tokens(spec_llm(tiny_path, "ngram").generate(PROMPTS[:3], seeded))
+    assert tokens(llm.generate(PROMPTS[:3], seeded)) == sync
 
 
 def test_the_batch_policy_shortens_k_then_switches_speculation_off(tiny_path):

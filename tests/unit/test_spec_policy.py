@@ -16,12 +16,21 @@ class Clock:
         return self.now
 
 
-def run_step(policy, clock, batch, seconds, spec_tokens, decode_only=True):
-    """One engine step: plan (decide), the step takes `seconds`, then observe."""
-    policy.begin_step()
+def run_step(policy, clock, batch, seconds, spec_tokens, decode_only=True, representative=True):
+    """One synchronous engine step: decide, the step takes `seconds`, its results arrive."""
+    planned_at = clock.now
     speculate = policy.speculate(batch)
     clock.now += seconds
-    policy.step_ran(batch, speculate, spec_tokens if speculate else 1.0, decode_only)
+    policy.step_ran(batch, speculate, spec_tokens if speculate else 1.0, decode_only, planned_at,
+                    representative or speculate)
+    return speculate
+
+
+def _one(policy, clock, spec_s, plain_s, spec_tokens):
+    planned_at = clock.now
+    speculate = policy.speculate(1)
+    clock.now += spec_s if speculate else plain_s
+    policy.step_ran(1, speculate, spec_tokens if speculate else 1.0, True, planned_at)
     return speculate
 
 
@@ -39,47 +48,65 @@ def test_measures_both_sides_then_keeps_the_faster_and_explores():
     clock = Clock()
     policy = SpecPolicy(explore_every=8, min_spec_steps=1, min_plain_steps=1, clock=clock)
     # Speculating: 2.5 tokens in 10 ms (250/s); plain: 1 token in 5 ms (200/s): speculate.
-    choices = [run_step(policy, clock, 1, 0.010, 2.5), run_step(policy, clock, 1, 0.005, 2.5)]
-    assert choices == [True, False]  # first each side is measured
-    for _ in range(30):
-        policy.begin_step()
-        speculate = policy.speculate(1)
-        clock.now += 0.010 if speculate else 0.005
-        policy.step_ran(1, speculate, 2.5 if speculate else 1.0, True)
-        choices.append(speculate)
-    assert choices[2:].count(False) == 4  # the bucket's steps 8, 16, 24 and 32 explore
+    choices = [_one(policy, clock, 0.010, 0.005, 2.5) for _ in range(34)]
+    assert choices[:2] == [True, False]  # first each side is measured
+    # The bucket's steps 8, 16, 24 and 32 start a plain run of explore_plain_steps (3).
+    plain = [i + 1 for i, c in enumerate(choices) if not c]
+    assert plain == [2, 8, 9, 10, 16, 17, 18, 24, 25, 26, 32, 33, 34]
     # Acceptance collapses: speculating now gives 1.1 tokens in 10 ms; the policy switches off.
-    for _ in range(40):
-        policy.begin_step()
-        speculate = policy.speculate(1)
-        clock.now += 0.010 if speculate else 0.005
-        policy.step_ran(1, speculate, 1.1 if speculate else 1.0, True)
-        choices.append(speculate)
-    assert choices[-16:].count(True) <= 2  # off, but for exploration
+    choices += [_one(policy, clock, 0.010, 0.005, 1.1) for _ in range(40)]
+    assert choices[-16:].count(True) <= 2  # off, but for one-step explorations (steps 64, 72)
 
 
-def test_learning_speculates_with_a_plain_step_every_fourth():
+def test_learning_speculates_then_measures_plain_steps():
     clock = Clock()
     policy = SpecPolicy(clock=clock)  # 8 speculating and 2 plain steps before it decides
     choices = [run_step(policy, clock, 2, 0.050, 1.0) for _ in range(10)]
-    assert choices == [True, True, True, False, True, True, True, False, True, True]
+    assert choices == [True] * 8 + [False] * 2
     # Speculating measured 1 token in 50 ms against plain's 1 in 50 ms: not better, so plain.
     assert not run_step(policy, clock, 2, 0.050, 1.0)
+
+
+def test_a_plain_step_that_fills_the_pipeline_is_not_measured():
+    # Under async scheduling the first plain step after a speculating one ran without a step
+    # in flight before it: its period is a synchronous step's, not the pipeline's.
+    clock = Clock()
+    policy = SpecPolicy(min_spec_steps=1, min_plain_steps=2, clock=clock)
+    assert run_step(policy, clock, 4, 0.020, 3.0)
+    assert not run_step(policy, clock, 4, 0.030, 1.0, representative=False)
+    assert policy.buckets[4].plain.count == 0
+    assert not run_step(policy, clock, 4, 0.005, 1.0)
+    assert not run_step(policy, clock, 4, 0.005, 1.0)
+    assert policy.buckets[4].plain.seconds == pytest.approx(0.005)
+    assert not run_step(policy, clock, 4, 0.005, 1.0)  # 200 tok/s plain beats 150 speculating
+
+
+def test_a_period_runs_from_the_previous_results_or_from_an_idle_plan():
+    clock = Clock()
+    policy = SpecPolicy(min_spec_steps=3, clock=clock)
+    # Pipelined: step 2 was planned before step 1's results arrived; its period starts there.
+    policy.speculate(8)
+    clock.now = 1.000
+    policy.step_ran(8, True, 2.0, True, planned_at=0.990)
+    policy.speculate(8)
+    clock.now = 1.004
+    policy.step_ran(8, True, 2.0, True, planned_at=0.998)
+    side = policy.buckets[8].spec
+    assert side.seconds == pytest.approx(0.8 * 0.010 + 0.2 * 0.004)
+    # Idle for a second: the next period starts at its plan, not at the last results.
+    clock.now = 2.000
+    policy.speculate(8)
+    clock.now = 2.006
+    policy.step_ran(8, True, 2.0, True, planned_at=2.000)
+    assert side.seconds < 0.01
 
 
 def test_batch_sizes_are_measured_apart():
     clock = Clock()
     policy = SpecPolicy(min_spec_steps=1, min_plain_steps=1, clock=clock)
     for batch, spec_s, plain_s in ((1, 0.010, 0.006), (64, 0.030, 0.008)):
-        policy.begin_step()
-        assert policy.speculate(batch)
-        clock.now += spec_s
-        policy.step_ran(batch, True, 3.0, True)
-        policy.begin_step()
-        assert not policy.speculate(batch)
-        clock.now += plain_s
-        policy.step_ran(batch, False, 1.0, True)
-    policy.begin_step()
+        assert run_step(policy, clock, batch, spec_s, 3.0)
+        assert not run_step(policy, clock, batch, plain_s, 1.0)
     assert policy.speculate(1) and not policy.speculate(64)  # 300 vs 167 tok/s; 100 vs 125
 
 
@@ -87,7 +114,6 @@ def test_steps_with_prefill_are_not_measured():
     clock = Clock()
     policy = SpecPolicy(clock=clock)
     run_step(policy, clock, 4, 5.0, 3.0, decode_only=False)
-    policy.begin_step()
     assert policy.buckets[4].spec.seconds is None
 
 
