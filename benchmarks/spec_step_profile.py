@@ -32,7 +32,8 @@ def main() -> int:
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     llm = LLM(model=args.model, load_format="dummy", max_model_len=512, max_num_seqs=args.batch,
-              cuda_graph_max_batch=args.batch, speculative_method="ngram", num_speculative_tokens=args.k)
+              cuda_graph_max_batch=args.batch, speculative_method="ngram", num_speculative_tokens=args.k,
+              speculative_policy="budget")  # every step verifies: the profile is of verify steps
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(0)
     prompts = [[rng.randrange(100, vocab) for _ in range(128)] for _ in range(args.batch)]
