@@ -48,6 +48,7 @@ class _InFlight:
     launched_at: float
     planned_at: float  # when the step's _step began (the speculation policy's clock)
     behind: bool  # launched while another step was in flight (the async pipeline was full)
+    speculating: bool = False  # planned to verify drafts (the proposer may have found none)
 
 
 class LLMEngine:
@@ -378,8 +379,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.check_alive()
         failed = self._reap_failed_grammars() if self._compiling else []
+        k = 0
         if self.spec is not None:
-            failed += self._plan_speculation()
+            drained, k = self._plan_speculation()
+            failed += drained
         with self.tracer.phase("schedule"):
             out = self.scheduler.schedule()
         if self.spec is not None and not out.is_empty:
@@ -394,7 +397,7 @@ class LLMEngine:
                 handle = self.runner.launch(out, self._suppressed_tokens(out), prev)
             self._num_steps += 1
             launched = _InFlight(out, handle, shape, self._num_steps, t1 - t0,
-                                 time.perf_counter() - t1, t1, t0, prev is not None)
+                                 time.perf_counter() - t1, t1, t0, prev is not None, k > 0)
         if not self.async_scheduling or (self.spec is not None and self.spec.verifies(out)):
             # A verify step's accepted lengths decide the next schedule: it runs synchronously
             # (_plan_speculation finished the step before it).
@@ -411,14 +414,14 @@ class LLMEngine:
             self._sample_constrained(launched.handle)
         return failed + outputs
 
-    def _plan_speculation(self) -> list[RequestOutput]:
-        """Decide whether the next step speculates and give out its draft slots. Proposals read
-        every sequence's tokens on the host, so a step in flight is finished first; its
-        outputs are returned. Plain steps keep async scheduling."""
+    def _plan_speculation(self) -> tuple[list[RequestOutput], int]:
+        """Decide whether the next step speculates (k > 0) and give out its draft slots.
+        Proposals read every sequence's tokens on the host, so a step in flight is finished
+        first; its outputs are returned with k. Plain steps keep async scheduling."""
         k = self.spec.decide(self.scheduler)
         drained = self.drain() if k and self._in_flight is not None else []
         self.spec.assign(self.scheduler, k)
-        return drained
+        return drained, k
 
     def drain(self) -> list[RequestOutput]:
         """Finish the step in flight, if any (async scheduling), and return its outputs; after
@@ -434,7 +437,7 @@ class LLMEngine:
         t1 = time.perf_counter()
         if self.spec is not None:
             self.spec.observe(step.out, result.sampled, t1 - step.launched_at, step.planned_at,
-                              step.behind or not self.async_scheduling)
+                              step.behind or not self.async_scheduling, step.speculating)
         with self.tracer.phase("process"):
             outputs = self._process(step.out, result)
         t2 = time.perf_counter()

@@ -156,11 +156,11 @@ class SpecDecoder:
         return out.spec is not None and any(sch.spec_token_ids for sch in out.scheduled)
 
     def observe(self, out: SchedulerOutput, sampled: dict[int, list[int]], seconds: float,
-                planned_at: float, representative: bool = True) -> None:
+                planned_at: float, representative: bool = True, attempted: bool = False) -> None:
         """A step's results: acceptance statistics, and the policy's measurement (`planned_at`:
         when the step's plan began; `representative`: false for a plain step that filled the
-        async pipeline)."""
-        self._measure(out, sampled, planned_at, representative)
+        async pipeline; `attempted`: the step was planned to speculate, drafts or not)."""
+        self._measure(out, sampled, planned_at, representative, attempted)
         verified = False
         stats = self.stats
         for sch in out.scheduled:
@@ -177,11 +177,13 @@ class SpecDecoder:
             stats.verify_s += seconds
 
     def _measure(self, out: SchedulerOutput, sampled: dict[int, list[int]], planned_at: float,
-                 representative: bool) -> None:
+                 representative: bool, attempted: bool) -> None:
         """The step for the policy: decode rows only, whether any drafted, tokens per sequence."""
         decode_only = all(sch.num_new_tokens == 1 + len(sch.spec_token_ids or ()) for sch in out.scheduled)
         gained = [len(sampled.get(sch.seq.seq_id, ())) for sch in out.scheduled]
-        speculated = any(sch.spec_token_ids for sch in out.scheduled)
+        # A step planned to speculate is the speculating side even when the proposer found no
+        # drafts: it ran synchronously all the same, and proposing cost its time.
+        speculated = attempted or any(sch.spec_token_ids for sch in out.scheduled)
         tokens = sum(gained) / len(gained) if gained else 0.0
         self.policy.step_ran(len(out.scheduled), speculated, tokens, decode_only, planned_at,
                              representative or speculated)

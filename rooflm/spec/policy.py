@@ -20,11 +20,15 @@ A plain step's period is representative only once the pipeline is full: the firs
 after a synchronous one is not measured, so plain steps are tried in runs (explore_plain_steps).
 
 A bucket learns first: it speculates until min_spec_steps speculating steps are measured (a
-request's first drafts say little about its later ones), then runs plain steps until
-min_plain_steps are measured. Then every `explore_every`-th step of a bucket starts a short run
-of the side not chosen, so its figures follow changes in acceptance (a chat turning into a copy
-task) and in context length. Seeded random requests and --deterministic keep the budget's choice
-(decoder.py): a timing-driven choice would change their outputs run to run.
+step counts as speculating when it was planned to, even if the proposer found no drafts: such a
+step still ran synchronously), then runs plain steps until min_plain_steps are measured. Then
+it keeps the faster side and now and then runs a short stretch of the other (one speculating
+step, or explore_plain_steps plain ones), so its figures follow changes in acceptance (a chat
+turning into a copy task) and in context length. The stretch comes explore_every steps after
+the decision; each stretch that leaves the decision as it was doubles the gap to the next (up
+to max_explore_gap), a flip resets it: a losing side that stays losing costs ever less. Seeded
+random requests and --deterministic keep the budget's choice (decoder.py): a timing-driven
+choice would change their outputs run to run.
 
 policy "budget" keeps the token budget alone (always speculate when k > 0).
 """
@@ -55,12 +59,16 @@ class _Bucket:
     steps: int = 0
     run_side: bool = False  # the side an exploring run tries (True: speculate)
     run_left: int = 0  # steps of that run still to go
+    explored: Optional[bool] = None  # the decision an exploring run was started against
+    gap: int = 0  # steps from a decision to the next exploring run
+    next_explore: Optional[int] = None  # the bucket's step that starts it
+    decision: Optional[bool] = None  # the side last chosen (True: speculate)
 
 
 class SpecPolicy:
     def __init__(self, mode: str = "adaptive", decay: float = 0.8, explore_every: int = 32,
-                 min_spec_steps: int = 8, min_plain_steps: int = 2, explore_plain_steps: int = 3,
-                 clock=time.perf_counter):
+                 min_spec_steps: int = 4, min_plain_steps: int = 2, explore_plain_steps: int = 3,
+                 max_explore_gap: int = 512, clock=time.perf_counter):
         if mode not in ("adaptive", "budget"):
             raise ValueError(f"speculative_policy must be adaptive or budget, got {mode!r}")
         self.mode = mode
@@ -69,6 +77,7 @@ class SpecPolicy:
         self.min_spec_steps = min_spec_steps
         self.min_plain_steps = min_plain_steps
         self.explore_plain_steps = explore_plain_steps
+        self.max_explore_gap = max_explore_gap
         self.clock = clock
         self.buckets: dict[int, _Bucket] = {}
         self.last_done: Optional[float] = None  # when the previous step's results arrived
@@ -89,8 +98,15 @@ class SpecPolicy:
         if b.plain.count < self.min_plain_steps:
             return False
         better = self.speculating_pays(b)
-        if b.steps % self.explore_every == 0:
-            b.run_side = not better
+        if b.next_explore is None or b.explored is not None or better != b.decision:
+            # Decided for the first time, a stretch just ended, or the figures flipped the
+            # decision: a stretch that changed nothing doubles the gap, anything else resets it.
+            confirmed = b.explored is not None and better == b.explored
+            b.gap = min(2 * b.gap, self.max_explore_gap) if confirmed else self.explore_every
+            b.explored, b.next_explore = None, b.steps + b.gap
+        b.decision = better
+        if b.steps >= b.next_explore:
+            b.explored, b.run_side = better, not better
             b.run_left = (1 if b.run_side else self.explore_plain_steps) - 1
             return b.run_side
         return better

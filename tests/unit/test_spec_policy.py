@@ -44,25 +44,28 @@ def test_budget_mode_always_speculates():
     assert all(run_step(policy, clock, 64, 1.0 if i % 2 else 0.01, 1.0) for i in range(20))
 
 
-def test_measures_both_sides_then_keeps_the_faster_and_explores():
+def test_measures_both_sides_then_keeps_the_faster_and_explores_less_and_less():
     clock = Clock()
     policy = SpecPolicy(explore_every=8, min_spec_steps=1, min_plain_steps=1, clock=clock)
     # Speculating: 2.5 tokens in 10 ms (250/s); plain: 1 token in 5 ms (200/s): speculate.
-    choices = [_one(policy, clock, 0.010, 0.005, 2.5) for _ in range(34)]
+    choices = [_one(policy, clock, 0.010, 0.005, 2.5) for _ in range(70)]
     assert choices[:2] == [True, False]  # first each side is measured
-    # The bucket's steps 8, 16, 24 and 32 start a plain run of explore_plain_steps (3).
+    # Decided at step 3: a plain stretch of explore_plain_steps (3) 8 steps later; it changes
+    # nothing, so the gap doubles: 16 steps after step 14, then 32 after step 33.
     plain = [i + 1 for i, c in enumerate(choices) if not c]
-    assert plain == [2, 8, 9, 10, 16, 17, 18, 24, 25, 26, 32, 33, 34]
-    # Acceptance collapses: speculating now gives 1.1 tokens in 10 ms; the policy switches off.
-    choices += [_one(policy, clock, 0.010, 0.005, 1.1) for _ in range(40)]
-    assert choices[-16:].count(True) <= 2  # off, but for one-step explorations (steps 64, 72)
+    assert plain == [2, 11, 12, 13, 30, 31, 32, 65, 66, 67]
+    # Acceptance collapses: speculating now gives 1.1 tokens in 10 ms. Its moving average
+    # falls below plain's 200 tok/s after two steps, and the policy turns speculation off.
+    # The flip resets the gap: one-step explorations of speculating follow 8, 16 and 32 steps on.
+    choices += [_one(policy, clock, 0.010, 0.005, 1.1) for _ in range(80)]
+    assert [i + 1 for i, c in enumerate(choices) if c and i >= 70] == [71, 72, 81, 98, 131]
 
 
 def test_learning_speculates_then_measures_plain_steps():
     clock = Clock()
-    policy = SpecPolicy(clock=clock)  # 8 speculating and 2 plain steps before it decides
-    choices = [run_step(policy, clock, 2, 0.050, 1.0) for _ in range(10)]
-    assert choices == [True] * 8 + [False] * 2
+    policy = SpecPolicy(clock=clock)  # 4 speculating and 2 plain steps before it decides
+    choices = [run_step(policy, clock, 2, 0.050, 1.0) for _ in range(6)]
+    assert choices == [True] * 4 + [False] * 2
     # Speculating measured 1 token in 50 ms against plain's 1 in 50 ms: not better, so plain.
     assert not run_step(policy, clock, 2, 0.050, 1.0)
 
@@ -137,3 +140,18 @@ def test_engine_measures_both_sides_and_stays_lossless(tmp_path):
     assert measured.spec.seconds is not None and measured.plain.seconds is not None
     llm.engine.spec.reset_policy()  # benchmarks: each variant learns afresh, in the same mode
     assert llm.engine.spec.policy.buckets == {} and llm.engine.spec.policy.mode == "adaptive"
+
+
+def test_steps_planned_to_speculate_count_even_when_nothing_was_proposed(tmp_path):
+    # A proposer that never finds drafts (n-gram on text without repeats): the planned steps
+    # still ran synchronously, so they are the speculating side, and the policy learns plain.
+    from rooflm.spec.replay import ReplayProposer
+    path, _ = make_tiny_model(tmp_path, "llama", initializer_range=0.3)
+    llm = LLM(model=path, speculative_method="ngram", speculative_max_batch_tokens=512, device="cpu",
+              dtype="float32", block_size=4, num_blocks=512)
+    llm.engine.spec.set_proposer(ReplayProposer({}, 0.0, 256))  # no continuation: no drafts
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(12)] for i in range(2)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    measured = llm.engine.spec.policy.buckets[2]
+    assert llm.engine.snapshot().spec.num_drafts == 0
+    assert measured.spec.count >= 4 and measured.plain.count >= 2
