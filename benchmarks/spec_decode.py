@@ -4,9 +4,10 @@ Dummy weights give real proposers near-zero acceptance, so the mechanism is meas
 replay proposer (rooflm/spec/replay.py): it proposes the target's own greedy continuation with
 a set fraction of output positions corrupted, so a draft matches with probability about
 1 - corrupt ("per-token acceptance" below). The continuation comes from the plain run; each
-repeat then replays the previous repeat's own output, so that a near-tie the verify forward
-breaks differently from the decode forward (bf16) stops costing acceptance after the first
-repeat. Measured acceptance is printed beside the set one.
+repeat then replays the previous repeat's own output, until the output is the one replayed (at
+most --max-repeats), so that near-ties the verify forward breaks differently from the decode
+forward (bf16) stop costing acceptance. Measured acceptance is printed beside the set one, with
+the repeats taken and whether the fixed point was reached.
 
 Rows (batch B, k drafts, 128 in / 256 out by default, greedy, ignore_eos):
   plain             the engine without speculation (its defaults: async scheduling, graphs)
@@ -98,7 +99,10 @@ def main() -> int:
     ap.add_argument("--acceptances", type=float, nargs="+", default=[0.5, 0.8, 0.9])
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of plain and real variants; "
+                    "replay variants run at least this many")
+    ap.add_argument("--max-repeats", type=int, default=6,
+                    help="replay variants rerun until their output is the one replayed, at most this often")
     ap.add_argument("--skip-draft", action="store_true")
     ap.add_argument("--policy", default="adaptive", choices=("adaptive", "budget"),
                     help="--speculative-policy of the speculating engines; each variant starts with "
@@ -148,12 +152,17 @@ def main() -> int:
         for a in args.acceptances:
             llm.engine.spec.reset_policy()
             continuation = {tuple(p): o for p, o in zip(prompts[b], truth[b])}
-            for _ in range(args.repeats):
+            # Replay until the output is the one replayed (a fixed point): then only the set
+            # corruption rejects drafts, not near-ties the verify forward breaks differently.
+            for repeat in range(1, args.max_repeats + 1):
                 llm.engine.spec.set_proposer(make_proposer(ReplayProposer(continuation, 1 - a, vocab)))
                 before = llm.engine.snapshot().spec
                 seconds, outs = timed(llm, prompts[b], params)
                 stats = spec_delta(llm, before)
-                continuation = {tuple(p): o for p, o in zip(prompts[b], outs)}
+                replayed, continuation = continuation, {tuple(p): o for p, o in zip(prompts[b], outs)}
+                if repeat >= args.repeats and continuation == replayed:
+                    break
+            stats.update(repeats=repeat, fixed_point=continuation == replayed)
             record(f"{label}-replay@{a:.2f}", b, seconds, stats)
         llm.engine.spec.set_proposer(original)
 
@@ -216,13 +225,14 @@ def main() -> int:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     lines = [f"# speculative decoding, {meta.get('device')}, {args.model} (dummy), draft {args.draft_model}, "
              f"k={args.k}, {args.input_len} in / {args.output_len} out, commit {meta['commit']}", "",
-             "| variant | batch | tok/s | speedup | acceptance | mean accepted length | draft s | verify s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| variant | batch | tok/s | speedup | acceptance | mean accepted length | draft s | verify s | repeats |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['variant']} | {r['batch']} | {r['tok_s']:.0f} | {r['speedup']:.2f}x | "
                      f"{r.get('acceptance_rate', float('nan')):.2f} | "
                      f"{r.get('mean_accepted_length', float('nan')):.2f} | "
-                     f"{r.get('draft_s', 0):.2f} | {r.get('verify_s', 0):.2f} |")
+                     f"{r.get('draft_s', 0):.2f} | {r.get('verify_s', 0):.2f} | "
+                     f"{r.get('repeats', '')}{'' if r.get('fixed_point', True) else ' (moving)'} |")
     table = "\n".join(lines)
     with open(os.path.join(args.out, "spec_decode.md"), "w") as f:
         f.write(table + "\n")
