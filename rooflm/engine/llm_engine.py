@@ -381,7 +381,8 @@ class LLMEngine:
         failed = self._reap_failed_grammars() if self._compiling else []
         k = 0
         if self.spec is not None:
-            drained, k = self._plan_speculation()
+            with self.tracer.phase("plan"):
+                drained, k = self._plan_speculation()
             failed += drained
         with self.tracer.phase("schedule"):
             out = self.scheduler.schedule()
