@@ -19,14 +19,17 @@ speculating step runs synchronously (its proposals need the previous step's toke
 A plain step's period is representative only once the pipeline is full: the first plain step
 after a synchronous one is not measured, so plain steps are tried in runs (explore_plain_steps).
 
-A bucket learns first: it speculates until min_spec_steps speculating steps are measured (a
-step counts as speculating when it was planned to, even if the proposer found no drafts: such a
-step still ran synchronously), then runs plain steps until min_plain_steps are measured. Then
-it keeps the faster side and now and then runs a short stretch of the other (one speculating
-step, or explore_plain_steps plain ones), so its figures follow changes in acceptance (a chat
-turning into a copy task) and in context length. The stretch comes explore_every steps after
-the decision; each stretch that leaves the decision as it was doubles the gap to the next (up
-to max_explore_gap), a flip resets it: a losing side that stays losing costs ever less. Seeded
+A bucket learns first: it runs plain steps until min_plain_steps are measured, then speculates
+until min_spec_steps speculating steps are measured (a step counts as speculating when it was
+planned to, even if the proposer found no drafts: such a step still ran synchronously), or
+until two are and they ran at under early_exit of plain's rate (a draft model at a large batch:
+learning it longer only costs). Then it keeps the faster side and now and then runs a short
+stretch of the other (one speculating step, or explore_plain_steps plain ones), so its figures
+follow changes in acceptance (a chat turning into a copy task) and in context length. The gap
+from a decision to the next stretch is explore_every steps, or more where a stretch costs more
+than explore_budget of the steps in between (a stretch of a side at a third of the other's rate
+costs two steps); each stretch that leaves the decision as it was doubles the gap (up to
+max_explore_gap), a flip resets it: a losing side that stays losing costs ever less. Seeded
 random requests and --deterministic keep the budget's choice (decoder.py): a timing-driven
 choice would change their outputs run to run.
 
@@ -35,9 +38,15 @@ policy "budget" keeps the token budget alone (always speculate when k > 0).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional
+
+
+def _rate(side: "_Side") -> float:
+    """Tokens per second per sequence of one side."""
+    return side.tokens / side.seconds
 
 
 def bucket(batch: int) -> int:
@@ -68,7 +77,8 @@ class _Bucket:
 class SpecPolicy:
     def __init__(self, mode: str = "adaptive", decay: float = 0.8, explore_every: int = 32,
                  min_spec_steps: int = 4, min_plain_steps: int = 2, explore_plain_steps: int = 3,
-                 max_explore_gap: int = 512, clock=time.perf_counter):
+                 max_explore_gap: int = 512, explore_budget: float = 0.02, early_exit: float = 0.5,
+                 clock=time.perf_counter):
         if mode not in ("adaptive", "budget"):
             raise ValueError(f"speculative_policy must be adaptive or budget, got {mode!r}")
         self.mode = mode
@@ -78,6 +88,8 @@ class SpecPolicy:
         self.min_plain_steps = min_plain_steps
         self.explore_plain_steps = explore_plain_steps
         self.max_explore_gap = max_explore_gap
+        self.explore_budget = explore_budget
+        self.early_exit = early_exit
         self.clock = clock
         self.buckets: dict[int, _Bucket] = {}
         self.last_done: Optional[float] = None  # when the previous step's results arrived
@@ -93,16 +105,17 @@ class SpecPolicy:
         if b.run_left > 0:  # an exploring run of one side
             b.run_left -= 1
             return b.run_side
-        if b.spec.count < self.min_spec_steps:
-            return True
         if b.plain.count < self.min_plain_steps:
             return False
+        if self._learning_spec(b):
+            return True
         better = self.speculating_pays(b)
         if b.next_explore is None or b.explored is not None or better != b.decision:
             # Decided for the first time, a stretch just ended, or the figures flipped the
             # decision: a stretch that changed nothing doubles the gap, anything else resets it.
             confirmed = b.explored is not None and better == b.explored
-            b.gap = min(2 * b.gap, self.max_explore_gap) if confirmed else self.explore_every
+            floor = self._gap_floor(b, better)
+            b.gap = min(max(2 * b.gap, floor) if confirmed else floor, self.max_explore_gap)
             b.explored, b.next_explore = None, b.steps + b.gap
         b.decision = better
         if b.steps >= b.next_explore:
@@ -111,9 +124,22 @@ class SpecPolicy:
             return b.run_side
         return better
 
+    def _learning_spec(self, b: _Bucket) -> bool:
+        if b.spec.count >= self.min_spec_steps:
+            return False
+        return b.spec.count < 2 or _rate(b.spec) >= self.early_exit * _rate(b.plain)
+
+    def _gap_floor(self, b: _Bucket, better: bool) -> int:
+        """Steps between stretches so that one costs at most explore_budget of them: a stretch
+        of the losing side costs its length x (winner's rate / loser's rate - 1) steps."""
+        win, lose = (b.spec, b.plain) if better else (b.plain, b.spec)
+        length = self.explore_plain_steps if better else 1
+        cost = length * max(0.0, _rate(win) / max(_rate(lose), 1e-9) - 1.0)
+        return max(self.explore_every, math.ceil(cost / self.explore_budget))
+
     @staticmethod
     def speculating_pays(b: _Bucket) -> bool:
-        return b.spec.tokens / b.spec.seconds > b.plain.tokens / b.plain.seconds
+        return _rate(b.spec) > _rate(b.plain)
 
     # ---- measuring (SpecDecoder.observe) ------------------------------------------------------
 

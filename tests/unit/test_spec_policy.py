@@ -46,14 +46,16 @@ def test_budget_mode_always_speculates():
 
 def test_measures_both_sides_then_keeps_the_faster_and_explores_less_and_less():
     clock = Clock()
-    policy = SpecPolicy(explore_every=8, min_spec_steps=1, min_plain_steps=1, clock=clock)
+    # explore_budget=1: stretches every explore_every steps whatever they cost (below: the cost).
+    policy = SpecPolicy(explore_every=8, min_spec_steps=1, min_plain_steps=1, explore_budget=1.0,
+                        clock=clock)
     # Speculating: 2.5 tokens in 10 ms (250/s); plain: 1 token in 5 ms (200/s): speculate.
     choices = [_one(policy, clock, 0.010, 0.005, 2.5) for _ in range(70)]
-    assert choices[:2] == [True, False]  # first each side is measured
+    assert choices[:2] == [False, True]  # first each side is measured
     # Decided at step 3: a plain stretch of explore_plain_steps (3) 8 steps later; it changes
     # nothing, so the gap doubles: 16 steps after step 14, then 32 after step 33.
     plain = [i + 1 for i, c in enumerate(choices) if not c]
-    assert plain == [2, 11, 12, 13, 30, 31, 32, 65, 66, 67]
+    assert plain == [1, 11, 12, 13, 30, 31, 32, 65, 66, 67]
     # Acceptance collapses: speculating now gives 1.1 tokens in 10 ms. Its moving average
     # falls below plain's 200 tok/s after two steps, and the policy turns speculation off.
     # The flip resets the gap: one-step explorations of speculating follow 8, 16 and 32 steps on.
@@ -61,13 +63,32 @@ def test_measures_both_sides_then_keeps_the_faster_and_explores_less_and_less():
     assert [i + 1 for i, c in enumerate(choices) if c and i >= 70] == [71, 72, 81, 98, 131]
 
 
-def test_learning_speculates_then_measures_plain_steps():
+def test_learning_measures_plain_steps_then_speculates():
     clock = Clock()
-    policy = SpecPolicy(clock=clock)  # 4 speculating and 2 plain steps before it decides
+    policy = SpecPolicy(clock=clock)  # 2 plain and 4 speculating steps before it decides
     choices = [run_step(policy, clock, 2, 0.050, 1.0) for _ in range(6)]
-    assert choices == [True] * 4 + [False] * 2
+    assert choices == [False] * 2 + [True] * 4
     # Speculating measured 1 token in 50 ms against plain's 1 in 50 ms: not better, so plain.
     assert not run_step(policy, clock, 2, 0.050, 1.0)
+
+
+def test_a_costly_side_is_learned_briefly_and_explored_seldom():
+    # A draft model at a large batch: a speculating step takes 4x a plain one for 1.2 tokens.
+    clock = Clock()
+    policy = SpecPolicy(explore_every=32, clock=clock)
+    choices = [run_step(policy, clock, 64, 0.020 if policy_side(policy) else 0.005, 1.2)
+               for _ in range(400)]
+    # Learning: 2 plain steps, then 2 speculating ones at 0.3x plain's rate end it early.
+    assert choices[:5] == [False, False, True, True, False]
+    # A one-step stretch of speculating costs 1 / 0.3 - 1 = 2.33 steps: at most 2% of the gap
+    # makes it 117 steps, then 234, then the cap of 512.
+    assert [i + 1 for i, c in enumerate(choices) if c][2:] == [122, 357]
+
+
+def policy_side(policy):
+    """The side the next speculate() call will choose, without taking it (peeks at a copy)."""
+    import copy
+    return copy.deepcopy(policy).speculate(64)
 
 
 def test_a_plain_step_that_fills_the_pipeline_is_not_measured():
@@ -75,12 +96,12 @@ def test_a_plain_step_that_fills_the_pipeline_is_not_measured():
     # in flight before it: its period is a synchronous step's, not the pipeline's.
     clock = Clock()
     policy = SpecPolicy(min_spec_steps=1, min_plain_steps=2, clock=clock)
-    assert run_step(policy, clock, 4, 0.020, 3.0)
     assert not run_step(policy, clock, 4, 0.030, 1.0, representative=False)
     assert policy.buckets[4].plain.count == 0
     assert not run_step(policy, clock, 4, 0.005, 1.0)
     assert not run_step(policy, clock, 4, 0.005, 1.0)
     assert policy.buckets[4].plain.seconds == pytest.approx(0.005)
+    assert run_step(policy, clock, 4, 0.020, 3.0)
     assert not run_step(policy, clock, 4, 0.005, 1.0)  # 200 tok/s plain beats 150 speculating
 
 
@@ -108,8 +129,8 @@ def test_batch_sizes_are_measured_apart():
     clock = Clock()
     policy = SpecPolicy(min_spec_steps=1, min_plain_steps=1, clock=clock)
     for batch, spec_s, plain_s in ((1, 0.010, 0.006), (64, 0.030, 0.008)):
-        assert run_step(policy, clock, batch, spec_s, 3.0)
         assert not run_step(policy, clock, batch, plain_s, 1.0)
+        assert run_step(policy, clock, batch, spec_s, 3.0)
     assert policy.speculate(1) and not policy.speculate(64)  # 300 vs 167 tok/s; 100 vs 125
 
 
@@ -117,7 +138,7 @@ def test_steps_with_prefill_are_not_measured():
     clock = Clock()
     policy = SpecPolicy(clock=clock)
     run_step(policy, clock, 4, 5.0, 3.0, decode_only=False)
-    assert policy.buckets[4].spec.seconds is None
+    assert policy.buckets[4].plain.seconds is None and policy.buckets[4].plain.count == 0
 
 
 def test_bad_mode_is_named():
