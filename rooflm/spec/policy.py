@@ -77,7 +77,7 @@ class _Bucket:
 class SpecPolicy:
     def __init__(self, mode: str = "adaptive", decay: float = 0.8, explore_every: int = 32,
                  min_spec_steps: int = 4, min_plain_steps: int = 2, explore_plain_steps: int = 3,
-                 max_explore_gap: int = 512, explore_budget: float = 0.02, early_exit: float = 0.5,
+                 max_explore_gap: int = 512, explore_budget: float = 0.01, early_exit: float = 0.5,
                  clock=time.perf_counter):
         if mode not in ("adaptive", "budget"):
             raise ValueError(f"speculative_policy must be adaptive or budget, got {mode!r}")
