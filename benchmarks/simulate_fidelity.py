@@ -4,7 +4,9 @@ For each `rooflm bench serve` result file given, the simulator replays the same 
 request's send time, prompt length and output tokens, from the file) on the calibration
 table's GPU and engine configuration; for the offline `rooflm bench throughput` result, the
 same 1000 requests all at once (the lengths bench throughput drew, redrawn with its seed).
-Prints one table: throughput, median and P99 TTFT and TPOT, measured, simulated, error.
+Prints one table: throughput, median and P99 TTFT and TPOT, measured, simulated, error; where
+the result has them, the server's own TTFT (its /metrics histogram, bench serve's
+server_ttft_ms: no client in it) against the same simulated TTFT, and the client's CPU load.
 
   python benchmarks/simulate_fidelity.py --calibration CAL.json --model-dir DIR \\
       --serve OUT/serve-rate16.json OUT/serve-rate45.json ... --offline OUT/offline.json --out OUT
@@ -55,10 +57,14 @@ def row(name: str, figure: str, measured, simulated, target: float) -> list:
 def compare(name: str, measured: dict, sim: dict) -> list[list]:
     rows = [row(name, "output tok/s", measured["output_throughput"], sim["output_throughput"],
                 TARGETS["throughput"])]
-    for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT")):
-        m, s = measured.get(key), sim.get(key)
+    for key, label in (("ttft_ms", "TTFT"), ("server_ttft_ms", "TTFT at the server"), ("tpot_ms", "TPOT")):
+        m, s = measured.get(key), sim.get("ttft_ms" if key == "server_ttft_ms" else key)
+        if key == "server_ttft_ms" and not m:
+            continue  # a result from before bench serve scraped /metrics
         for stat, target in (("median", TARGETS["median"]), ("p99", TARGETS["p99"])):
             rows.append(row(name, f"{label} {stat} ms", m and m[stat], s and s[stat], target))
+    if "client_cpu_busy" in measured:  # the client's own load: a busy client inflates its TTFT
+        rows.append([name, "client CPU busy", f"{measured['client_cpu_busy']:.0%}", None, None, "n/a"])
     return rows
 
 

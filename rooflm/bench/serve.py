@@ -542,6 +542,13 @@ def format_report(metrics: dict, args: argparse.Namespace) -> str:
         lines.append(row(f"Median {short} (ms):", stats["median"]))
         lines.append(row(f"P90 {short} (ms):", stats["p90"]))
         lines.append(row(f"P99 {short} (ms):", stats["p99"]))
+    if metrics.get("server_ttft_ms"):
+        server = metrics["server_ttft_ms"]
+        lines.append(title("Server side (/metrics histogram)", "-"))
+        lines.append(row("Median TTFT at the server (ms):", server["median"]))
+        lines.append(row("P99 TTFT at the server (ms):", server["p99"]))
+    if "client_cpu_busy" in metrics:
+        lines.append(row("Client CPU busy (% of the run):", 100 * metrics["client_cpu_busy"], 1))
     lines.append("=" * width)
     if metrics["errors"]:
         lines.append(f"Errors ({metrics['failed']} failed requests):")
@@ -660,9 +667,18 @@ def _run_one_rate(args: argparse.Namespace, requests: list[SampleRequest],
               f"{args.base_url.rstrip('/')}{args.endpoint}; arrivals {rate}; max concurrency "
               f"{args.max_concurrency or 'unlimited'}\n")
     out.flush()
+    from rooflm.bench.server_side import run_ttft_ms, scrape_ttft_buckets
+
+    before = scrape_ttft_buckets(args.base_url)
+    cpu0 = time.process_time()
     outputs, duration = asyncio.run(run_benchmark(args.base_url, args.endpoint, args.model,
                                                   requests, args))
+    client_cpu_s = time.process_time() - cpu0
     metrics = compute_metrics(outputs, duration, goodput_slos)
+    # The client's own CPU, and the server's TTFT: a busy client delays reading its chunks.
+    metrics["client_cpu_s"] = client_cpu_s
+    metrics["client_cpu_busy"] = client_cpu_s / max(duration, 1e-9)
+    metrics["server_ttft_ms"] = run_ttft_ms(before, scrape_ttft_buckets(args.base_url))
     out.write(format_report(metrics, args))
 
     if args.save_result or args.result_file:

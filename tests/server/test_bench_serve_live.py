@@ -24,6 +24,10 @@ def test_bench_serve_against_live_server(server, tmp_path, capsys, dataset):
     assert metrics["completed"] == 6 and metrics["failed"] == 0, printed
     assert "Successful requests:" in printed and "TTFT" in printed
     assert metrics["total_output_tokens"] > 0 and metrics["ttft_ms"]["mean"] > 0
+    # The server's own TTFT, from its /metrics histogram before and after: these 6 requests.
+    server_ttft = metrics["server_ttft_ms"]
+    assert server_ttft["count"] == 6 and 0 < server_ttft["median"] <= server_ttft["p99"], printed
+    assert "TTFT at the server" in printed and 0 < metrics["client_cpu_busy"] < 2
 
 
 def test_bench_serve_on_a_dummy_model_directory(tmp_path, capsys):
