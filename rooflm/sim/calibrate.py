@@ -21,15 +21,10 @@ from typing import Optional, TextIO
 from rooflm.sim.calibration import CalibrationTable, StepSample, fit_correction
 from rooflm.sim.cost_model import RooflineCostModel
 
-# (context length, batch sizes): at most ~400k prompt tokens per context, so that the whole
-# grid runs in about half a minute on an H100 with an 8B model. The 256 and 512 rows cover
-# chat-like serving (hundreds of sequences at a few hundred tokens of context, prefill chunks
-# of several short prompts), where the fit of 2026-11-26 had no samples and priced a
-# ShareGPT-like run 10.5% slow (benchmarks/results/simulate-fidelity-h100-20261126/).
+# (context length, batch sizes): at most ~250k prompt tokens per context, so that the whole
+# grid runs in well under a minute on an H100 with an 8B model.
 DEFAULT_GRID = ((128, (1, 4, 16, 32, 64, 128, 256, 384, 512)),
-                (256, (512,)),
-                (512, (256, 512)),
-                (1024, (1, 4, 16, 32, 64, 128, 256)),
+                (1024, (1, 4, 16, 32, 64, 128)),
                 (3072, (1, 4, 16, 32)))
 OUTPUT_TOKENS = 24
 # A step more than this many times slower than the fit predicts is an outlier (a kernel
