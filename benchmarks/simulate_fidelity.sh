@@ -59,7 +59,9 @@ for _ in $(seq 300); do
   sleep 1
 done
 curl -sf "$URL/health" > /dev/null || { echo "server not healthy:"; tail -40 "$OUT/server.log"; exit 1; }
+# Four client processes: one falls behind the stream at 80 req/s and bills its lag to TTFT.
 python3 -m rooflm bench serve --base-url $URL --model $NAME --vocab-size $VOCAB --ignore-eos \
+  --client-processes ${CLIENTS:-4} \
   --request-timeout 900 --disable-tqdm $WORKLOAD --request-rate $RATES --seed 1 --goodput ttft:500 tpot:30 \
   --result-file "$OUT/serve.json" 2>&1 | tail -8 | tee "$OUT/serve.txt"
 kill -TERM $SERVER_PID 2>/dev/null; wait $SERVER_PID 2>/dev/null

@@ -30,6 +30,25 @@ def test_bench_serve_against_live_server(server, tmp_path, capsys, dataset):
     assert "TTFT at the server" in printed and 0 < metrics["client_cpu_busy"] < 2
 
 
+def test_bench_serve_from_several_client_processes(server, tmp_path, capsys):
+    result_file = tmp_path / "pool.json"
+    rc = main(["bench", "serve", "--base-url", server.url, "--model", MODEL, "--api-key", API_KEY,
+               "--num-prompts", "6", "--input-len", "24", "--output-len", "4", "--request-rate", "20",
+               "--client-processes", "2", "--vocab-size", "49152", "--request-timeout", "60",
+               "--result-file", str(result_file), "--disable-tqdm"])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    metrics = json.loads(result_file.read_text())
+    assert metrics["completed"] == 6 and metrics["failed"] == 0 and metrics["client_processes"] == 2, printed
+    # Merged back in request order, each sent at its own offset on the shared schedule.
+    from rooflm.bench.client_pool import arrival_offsets
+    offsets = arrival_offsets(6, 20.0, 1.0, seed=0)
+    starts = [r["start"] for r in metrics["requests"]]
+    assert all(abs(s - o) < 0.25 for s, o in zip(starts, offsets)), (starts, offsets)
+    assert metrics["server_ttft_ms"]["count"] == 6
+    assert "busiest of 2" in printed
+
+
 def test_bench_serve_on_a_dummy_model_directory(tmp_path, capsys):
     """An HF directory with a real tokenizer and no weights, served with --load-format dummy:
     text streams per token, so TTFT/TPOT/ITL are all measured, at two request rates."""

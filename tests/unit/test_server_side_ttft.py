@@ -28,3 +28,26 @@ def test_a_run_is_the_difference_of_two_scrapes():
     assert run["count"] == 100
     assert run["median"] == pytest.approx(40.0) and run["p99"] == pytest.approx(40 + 40 * 49 / 50)
     assert run_ttft_ms(None, after) is None and run_ttft_ms(before, before) is None
+
+
+def test_the_pool_draws_the_single_client_schedule(monkeypatch):
+    import asyncio
+    import itertools
+
+    from rooflm.bench import serve
+    from rooflm.bench.client_pool import arrival_offsets
+
+    gaps = []
+
+    async def record(seconds):
+        gaps.append(seconds)
+
+    monkeypatch.setattr(serve.asyncio, "sleep", record)
+
+    async def drain():
+        async for _ in serve._arrivals(list(range(5)), 400.0, 1.0, 3):
+            pass
+
+    asyncio.run(drain())
+    assert arrival_offsets(5, 400.0, 1.0, seed=3) == pytest.approx([0.0, *itertools.accumulate(gaps)])
+    assert arrival_offsets(3, float("inf"), 1.0, 0) == [0.0, 0.0, 0.0]
