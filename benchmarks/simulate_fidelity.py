@@ -76,6 +76,8 @@ def main() -> int:
     p.add_argument("--offline", default=None, help="bench throughput --output-json file")
     p.add_argument("--max-model-len", default="4096")
     p.add_argument("--out", required=True)
+    p.add_argument("--sim-args", default="", help="more `rooflm simulate` flags for the served runs, "
+                   "e.g. \"--api-token-us 80 --api-request-us 500\"")
     args = p.parse_args()
     common = ["--model", args.model_dir, "--calibration", args.calibration, "--max-model-len", args.max_model_len]
     rows = []
@@ -84,7 +86,7 @@ def main() -> int:
             measured = json.load(f)
         name = f"serve {measured['request_rate']:g} req/s" if measured.get("request_rate") else "serve inf"
         stem = os.path.splitext(os.path.basename(path))[0]
-        sim = simulate(["--trace", path, *common], os.path.join(args.out, f"sim-{stem}.json"))
+        sim = simulate(["--trace", path, *common, *args.sim_args.split()], os.path.join(args.out, f"sim-{stem}.json"))
         rows += compare(name, measured, sim)
     if args.offline:
         with open(args.offline, encoding="utf-8") as f:
