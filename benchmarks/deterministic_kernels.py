@@ -10,6 +10,8 @@
   attention: the uniform prefill path (decodes included, no split-KV, every key tile masked) vs
           the default launches (split-KV decode kernel; prefill with TMA and unmasked tiles).
 
+  tma:    the persistent matmul with TMA tile loads vs its pointer loads vs cuBLAS (--part tma).
+
 Times are triton.testing.do_bench medians (ms). Writes kernels.json under --out.
 `--part split` runs the split part alone (about a minute on an H100, by estimate).
 """
@@ -193,17 +195,47 @@ def bench_attention() -> list[dict]:
     return rows
 
 
+TMA_CONFIGS = [(128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (128, 128, 64, 8, 8, 4), (128, 128, 64, 8, 4, 4),
+               (64, 256, 64, 8, 4, 4)]
+
+
+def bench_tma() -> list[dict]:
+    """The persistent matmul with TMA tile loads against its pointer loads and cuBLAS, per
+    projection at M = 512 and 2048 (prefill chunks) and 64, with candidate tiles (BLOCK_K 64:
+    the sums do not change), and whether TMA's rows are bitwise the pointer kernel's."""
+    rows = []
+    for name, (n, k) in PROJECTIONS.items():
+        w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k ** 0.5
+        for m in (64, 512, 2048):
+            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+            t_cublas = do_bench(lambda: F.linear(x, w), return_mode="median")
+            t_ptr = do_bench(lambda: matmul_persistent(x, w), return_mode="median")
+            same = torch.equal(matmul_persistent(x, w, tma=True), matmul_persistent(x, w))
+            row = dict(kernel="tma", shape=name, m=m, cublas_ms=t_cublas, pointer_ms=t_ptr, same_sums=same)
+            for cfg in TMA_CONFIGS:
+                row[f"tma {cfg}"] = do_bench(lambda: matmul_persistent(x, w, config=cfg, tma=True),
+                                             return_mode="median")
+            best = min((v, c) for c, v in row.items() if c.startswith("tma ("))
+            rows.append(row)
+            print(f"tma {name:8s} M={m:5d} cuBLAS {t_cublas:7.3f} pointer {t_ptr:7.3f} (x{t_ptr / t_cublas:.2f}) "
+                  f"best TMA {best[0]:7.3f} (x{best[0] / t_cublas:.2f}) {best[1][4:]}  same sums {same}", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--part", choices=("all", "split"), default="all")
+    ap.add_argument("--part", choices=("all", "split", "tma"), default="all")
     args = ap.parse_args()
-    if args.part == "split":
+    if args.part == "tma":
+        rows = bench_tma()
+    elif args.part == "split":
         rows = bench_fixed_split()
     else:
         rows = bench_matmul() + bench_fixed_split() + bench_attention() + bench_tile_shapes()
-    with open(os.path.join(args.out, "kernels.json" if args.part == "all" else "kernels-split.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "rows": rows}, f, indent=1)
+    with open(os.path.join(args.out, "kernels.json" if args.part == "all" else f"kernels-{args.part}.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "rows": rows,
+                   "part": args.part}, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

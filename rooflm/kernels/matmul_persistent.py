@@ -109,6 +109,39 @@ def _matmul_persistent_kernel(y_ptr, x_ptr, w_ptr, bias_ptr, M, N, K, num_progra
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit(do_not_specialize=["M", "num_programs"])
+def _matmul_persistent_tma_kernel(y_ptr, x_desc, w_desc, bias_ptr, M, N, K, num_programs, stride_ym,
+                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                  GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                  DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """The same tiles and the same K loop as _matmul_persistent_kernel, with the x and W tiles
+    brought in by the Hopper tensor-memory accelerator (TMA: one descriptor per operand, zeros
+    past the edges) instead of per-thread address arithmetic and masks. Only how the tiles
+    arrive changes: each element's sum is the same dots in the same order."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    for tile in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=True):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = x_desc.load([off_m, k0])
+            b = w_desc.load([off_n, k0])
+            if UPCAST:  # the interpreter's bf16 dot (utils.upcast_dots); never compiled
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b.T, acc, input_precision=DOT_PRECISION)
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & n_ok[None, :])
+
+
 # --------------------------------------------------------------------------
 # Wrapper
 # --------------------------------------------------------------------------
@@ -168,14 +201,24 @@ def check_matmul_inputs(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     return n, k
 
 
+def tma_usable(x2: torch.Tensor, weight: torch.Tensor) -> bool:
+    """TMA descriptors need 16-byte aligned bases and row strides (and a Hopper GPU, or the
+    interpreter, which emulates them)."""
+    if not is_interpreter() and (x2.device.type != "cuda" or torch.cuda.get_device_capability(x2.device)[0] < 9):
+        return False
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (x2, weight))
+
+
 def matmul_persistent(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                       out_dtype: Optional[torch.dtype] = None,
-                      config: Optional[tuple[int, int, int, int, int, int]] = None) -> torch.Tensor:
+                      config: Optional[tuple[int, int, int, int, int, int]] = None,
+                      tma: bool = False) -> torch.Tensor:
     """y = x @ weight^T + bias with a summation order independent of x's row count.
 
     x [..., K]; weight [N, K]; bias [N]. Leading dims of x are flattened into M. config overrides
     the buckets (benchmarks/deterministic_tiles.py compares tile shapes); a caller that wants
-    batch invariance must keep BLOCK_K and BLOCK_M >= MIN_BLOCK_M (check_buckets).
+    batch invariance must keep BLOCK_K and BLOCK_M >= MIN_BLOCK_M (check_buckets). tma: load the
+    tiles through TMA descriptors where tma_usable (the same sums; a timing experiment so far).
     """
     n, k = check_matmul_inputs(x, weight, bias)
     lead = x.shape[:-1]
@@ -190,13 +233,21 @@ def matmul_persistent(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         num_tiles = cdiv(m, block_m) * cdiv(n, block_n)
         sms = num_sms(x.device.index or 0) if x.device.type == "cuda" else num_sms()
         programs = min(sms, num_tiles)
-        _matmul_persistent_kernel[(programs,)](
-            y, x2, weight, bias if bias is not None else weight, m, n, k, programs,
-            x2.stride(0), weight.stride(0), y.stride(0),
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-            HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(x.dtype), UPCAST=upcast_dots(x.dtype),
-            num_warps=num_warps, num_stages=num_stages,
-        )
+        common = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+                      HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(x.dtype),
+                      UPCAST=upcast_dots(x.dtype), num_warps=num_warps, num_stages=num_stages)
+        if tma and tma_usable(x2, weight):
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            x_desc = TensorDescriptor.from_tensor(x2, [block_m, block_k])
+            w_desc = TensorDescriptor.from_tensor(weight, [block_n, block_k])
+            _matmul_persistent_tma_kernel[(programs,)](
+                y, x_desc, w_desc, bias if bias is not None else weight, m, n, k, programs, y.stride(0),
+                **common)
+        else:
+            _matmul_persistent_kernel[(programs,)](
+                y, x2, weight, bias if bias is not None else weight, m, n, k, programs,
+                x2.stride(0), weight.stride(0), y.stride(0), **common)
     return y.reshape(*lead, n)
 
 

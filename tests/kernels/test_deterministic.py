@@ -56,6 +56,16 @@ def test_matmul_row_is_the_same_for_every_m():
         assert rows_equal(matmul_persistent(x[lo:hi].clone(), w, b), full[lo:hi]), (lo, hi)
 
 
+def test_matmul_tma_loads_give_the_pointer_loads_rows():
+    # The same tiles through TMA descriptors (zeros past the edges, emulated by the interpreter):
+    # rows at every M equal the pointer kernel's, a bias and partial tiles included.
+    x, w, b = exact_values(40, 80), exact_values(72, 80), exact_values(72)
+    full = matmul_persistent(x, w, b)
+    assert torch.equal(matmul_persistent(x, w, b, tma=True), full)
+    for lo, hi in [(0, 1), (7, 8), (3, 20)]:
+        assert rows_equal(matmul_persistent(x[lo:hi].clone(), w, b, tma=True), full[lo:hi]), (lo, hi)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_matmul_matches_reference(dtype):
     x, w, b = torch.randn(19, 70, device=DEVICE), torch.randn(33, 70, device=DEVICE), torch.randn(33, device=DEVICE)
@@ -79,6 +89,20 @@ def test_matmul_gpu_bf16_rows_invariant(n, k):
     """The Llama-3-8B projections in bf16: one token alone, in a decode batch, in a prefill chunk."""
     check_matmul_rows(2048, n, k, torch.bfloat16, [(0, 1), (5, 6), (0, 64), (100, 356), (1000, 2048)],
                       bias=False)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
+def test_matmul_gpu_tma_rows_equal_pointer_rows(n, k):
+    """TMA loads change how tiles arrive, not the sums: rows bitwise equal to the pointer
+    kernel's at M = 2048 and to a token run alone (M = 1, the decode bucket)."""
+    x = torch.randn(2048, k, device=DEVICE).to(torch.bfloat16)
+    w = (torch.randn(n, k, device=DEVICE) / k ** 0.5).to(torch.bfloat16)
+    full = matmul_persistent(x, w)
+    with_tma = matmul_persistent(x, w, tma=True)
+    assert torch.equal(with_tma, full)
+    assert rows_equal(matmul_persistent(x[7:8].clone(), w), with_tma[7:8])
 
 
 # ---- fixed-split matmul: split count from the weight, order fixed by it -----------------------
