@@ -154,8 +154,14 @@ def _matmul_persistent_tma_kernel(y_ptr, x_desc, w_desc, bias_ptr, M, N, K, num_
 # The 16-bit buckets are benchmarks/deterministic_tiles.py's choice on the H100 (2026-11-23,
 # benchmarks/results/deterministic-h100-20261123/): 64 x 64 tiles with 6 stages spread a decode
 # step's weight reads over the SMs (1.0-1.2x cuBLAS's time up to M = 64, against 1.1-2.3x for
-# 128 x 128), 128 x 256 tiles for prefill chunks (1.2-1.3x cuBLAS at M = 2048, against 1.4-1.6x).
-_BF16_BUCKETS = ((64, (64, 64, 64, 8, 4, 6)), (None, (128, 256, 64, 8, 8, 3)))
+# 128 x 128). Above M = 64 the tiles come in through TMA on Hopper (TMA_MIN_M), with the tiles
+# that were best there on the H100 (2026-11-26, benchmarks/results/deterministic-tma-h100-20261126/):
+# 128 x 128 up to M = 1024 (the four projections at M = 512: 1.18x cuBLAS's time, against 1.55x
+# with pointer loads and 128 x 256 tiles) and 128 x 256 above (1.01x at M = 2048, against 1.22x).
+_BF16_BUCKETS = ((64, (64, 64, 64, 8, 4, 6)), (1024, (128, 128, 64, 8, 4, 4)), (None, (128, 256, 64, 8, 8, 3)))
+# TMA loads from this M up, where tma_usable: at M = 64 they were slower than the 64 x 64 pointer
+# tiles (qkv 0.040 against 0.032 ms), at 512 and 2048 faster for every projection.
+TMA_MIN_M = 65
 MATMUL_BUCKETS = {
     torch.bfloat16: _BF16_BUCKETS,
     torch.float16: _BF16_BUCKETS,
@@ -212,13 +218,14 @@ def tma_usable(x2: torch.Tensor, weight: torch.Tensor) -> bool:
 def matmul_persistent(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                       out_dtype: Optional[torch.dtype] = None,
                       config: Optional[tuple[int, int, int, int, int, int]] = None,
-                      tma: bool = False) -> torch.Tensor:
+                      tma: Optional[bool] = None) -> torch.Tensor:
     """y = x @ weight^T + bias with a summation order independent of x's row count.
 
     x [..., K]; weight [N, K]; bias [N]. Leading dims of x are flattened into M. config overrides
     the buckets (benchmarks/deterministic_tiles.py compares tile shapes); a caller that wants
     batch invariance must keep BLOCK_K and BLOCK_M >= MIN_BLOCK_M (check_buckets). tma: load the
-    tiles through TMA descriptors where tma_usable (the same sums; a timing experiment so far).
+    tiles through TMA descriptors where tma_usable (the same tiles and sums: the GPU tests check
+    rows bitwise against the pointer loads); None: from TMA_MIN_M rows up, compiled only.
     """
     n, k = check_matmul_inputs(x, weight, bias)
     lead = x.shape[:-1]
@@ -236,6 +243,8 @@ def matmul_persistent(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         common = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
                       HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(x.dtype),
                       UPCAST=upcast_dots(x.dtype), num_warps=num_warps, num_stages=num_stages)
+        if tma is None:
+            tma = m >= TMA_MIN_M and not is_interpreter()
         if tma and tma_usable(x2, weight):
             from triton.tools.tensor_descriptor import TensorDescriptor
 
