@@ -4,7 +4,8 @@
 #      (alone, preemption by recompute and swap, eager vs graphs, chunk 256 without prefix
 #      cache, async scheduling off) -> compare-*.json
 #   2. what --deterministic costs: batch-1 decode (128 in / 256 out), 64 x 1024/256 decode, the
-#      1000-request ShareGPT-like offline workload, default and deterministic side by side
+#      1000-request ShareGPT-like offline workload, default and deterministic side by side (and
+#      deterministic with the fixed split on, ROOFLM_DETERMINISTIC_MAX_SPLITS=8)
 #   3. why: the persistent and fixed-split matmuls against cuBLAS, uniform attention against the decode kernel
 # then a short table. Usage (GPU machine, repo root): OUT=dir bash benchmarks/deterministic.sh [compare|cost]
 # (all: ~8 min on an H100, by estimate; compare and cost each fit a call on their own, same OUT.)
@@ -34,11 +35,11 @@ if [ "$PART" != compare ]; then
       --range-ratio 0.9 --max-model-len 4096 --disable-tqdm "$@" --output-json "$OUT/$name.json" 2>&1 \
       | grep -v "^result written" | tail -12 > "$OUT/$name.txt"
   }
-  # deterministic-nosplit: the same mode with the fixed split off (ROOFLM_DETERMINISTIC_MAX_SPLITS=1),
-  # every weight summed in the persistent matmul's single K loop.
-  for mode in default deterministic deterministic-nosplit; do
+  # deterministic-split: the same mode with the fixed split on (ROOFLM_DETERMINISTIC_MAX_SPLITS=8;
+  # off by default: every weight summed in the persistent matmul's single K loop).
+  for mode in default deterministic deterministic-split; do
     flag=""; [ $mode != default ] && flag="--deterministic"
-    splits=8; [ $mode = deterministic-nosplit ] && splits=1
+    splits=1; [ $mode = deterministic-split ] && splits=8
     export ROOFLM_DETERMINISTIC_MAX_SPLITS=$splits
     latency b1-$mode --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 $flag
     latency b64-$mode --batch-size 64 --input-len 1024 --output-len 256 --num-iters 2 $flag
@@ -67,14 +68,14 @@ rows = [("batch-1 decode 128/256, TPOT ms", "b1", lambda d: d["tpot_ms"]["median
         ("64 x 1024/256, TTFT ms (64 prefills)", "b64", lambda d: d["ttft_ms"]["median"], False),
         ("ShareGPT-like 1000, output tok/s", "sharegpt", lambda d: d["output_tokens_per_s"], True)]
 print("\n== cost of --deterministic (same call) ==")
-print(f"{'what':40s} {'default':>10s} {'determ.':>10s} {'cost':>7s} {'no split':>10s} {'cost':>7s}")
+print(f"{'what':40s} {'default':>10s} {'determ.':>10s} {'cost':>7s} {'split on':>10s} {'cost':>7s}")
 for label, name, get, higher_better in rows:
     a = load(name + "-default")
     if a is None:
         print(f"{label:40s} missing"); continue
     x = get(a)
     line = f"{label:40s} {x:10.2f}"
-    for mode in ("deterministic", "deterministic-nosplit"):
+    for mode in ("deterministic", "deterministic-split"):
         b = load(f"{name}-{mode}")
         if b is None:
             line += f" {'-':>10s} {'-':>7s}"; continue

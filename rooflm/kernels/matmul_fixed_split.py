@@ -173,11 +173,13 @@ def _split_loop_kernel(y_ptr, x_ptr, w_ptr, bias_ptr, M, N, K, SPLIT_K, num_prog
 # Split plan and wrapper
 # --------------------------------------------------------------------------
 
-# Beyond a few splits the grid is full and the partials only cost workspace traffic.
-# ROOFLM_DETERMINISTIC_MAX_SPLITS=1 turns the split off (the persistent matmul's order for every
-# weight): benchmarks/deterministic.sh measures the engine both ways, since on the H100 (2026-11-25,
-# kernels-split.json) splitting won only on down at M <= 64 and lost at prefill sizes.
-MAX_SPLITS = int(os.environ.get("ROOFLM_DETERMINISTIC_MAX_SPLITS", "8"))
+# Off by default (1: the persistent matmul's order for every weight); ROOFLM_DETERMINISTIC_MAX_SPLITS=8
+# turns it on (beyond a few splits the grid is full and the partials only cost workspace traffic).
+# benchmarks/deterministic.sh measures the engine both ways. On the H100 (2026-11-26,
+# benchmarks/results/deterministic-tma-h100-20261126/), with the persistent matmul's TMA loads
+# above M = 64, the split cost ShareGPT-like traffic +47.5% against +22.8% without it and a
+# 64-prompt prefill +23% against +1%; it saves only batch-1 decode (+25% against +32%).
+MAX_SPLITS = int(os.environ.get("ROOFLM_DETERMINISTIC_MAX_SPLITS", "1"))
 # The "programs" schedule up to this M (the persistent matmul's narrow-tile bucket): one row of
 # 64 x 64 tiles, a workspace that stays in L2. Above it, the "loop" schedule.
 SPLIT_PROGRAMS_MAX_M = 64

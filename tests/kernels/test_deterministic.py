@@ -42,6 +42,13 @@ def check_matmul_rows(m_big, n, k, dtype, subsets, bias):
 # dots (tiling, masks, key ranges and their order, softmax rescaling), which is what these
 # tests check on the CPU. The summation order inside the matrix units is checked by the GPU
 # cases (random bf16, model shapes).
+@pytest.fixture
+def split_on(monkeypatch):
+    """The fixed split as ROOFLM_DETERMINISTIC_MAX_SPLITS=8 sets it (it is off by default)."""
+    import rooflm.kernels.matmul_fixed_split as fixed_split
+    monkeypatch.setattr(fixed_split, "MAX_SPLITS", 8)
+
+
 def exact_values(*shape, scale=0.5):
     """Values in {-1, 0, 1} * scale, fp16: dot products of them are exact in fp32."""
     return (torch.randint(-1, 2, shape, device=DEVICE) * scale).half()
@@ -156,7 +163,7 @@ def test_fixed_split_schedules_agree_and_counters_reset():
     assert int(_COUNTERS[x.device].abs().sum()) == 0
 
 
-def test_split_plan_whole_k_steps_and_no_more_programs_than_needed():
+def test_split_plan_whole_k_steps_and_no_more_programs_than_needed(split_on):
     # H100 (132 SMs), Llama-3-8B, bf16 (BLOCK_N 64, BLOCK_K 64 compiled; the interpreter's tile
     # is 32 x 32, so these numbers are the compiled ones only on a GPU).
     block_n, block_k = matmul_config(torch.bfloat16, 1)[1:3]
@@ -168,7 +175,7 @@ def test_split_plan_whole_k_steps_and_no_more_programs_than_needed():
     assert split_size(200, 3, 32) == 96  # 7 steps -> 3 + 3 + 1
 
 
-def test_fixed_split_default_plan_and_checks():
+def test_fixed_split_default_plan_and_checks(split_on):
     """Without an explicit S the plan splits these small weights on the interpreter's 4 'SMs'."""
     x, w, b = exact_values(9, 80), exact_values(72, 80), exact_values(72)
     assert split_plan(72, 80, torch.float16, 4)[0] > 1
@@ -185,7 +192,7 @@ def test_fixed_split_default_plan_and_checks():
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 14336), (6144, 4096)])
-def test_fixed_split_gpu_bf16_rows_invariant(n, k):
+def test_fixed_split_gpu_bf16_rows_invariant(n, k, split_on):
     """The Llama-3-8B projections that split on the H100 (o, down, qkv), bf16: both schedules,
     rows alone and inside M = 3, 64, 200, 2048 give the same bits, near the fp32 product."""
     torch.manual_seed(0)
@@ -355,7 +362,7 @@ def test_uniform_attention_gpu_bf16_decode_equals_prefill_row():
 
 # ---- the engine with --deterministic on the Triton path -------------------------------------
 
-def test_engine_deterministic_triton_path_matches_reference(tmp_path):
+def test_engine_deterministic_triton_path_matches_reference(tmp_path, split_on):
     """The batch-invariant kernel set in the engine (persistent matmul in every linear layer and
     the LM head, decodes through the uniform prefill kernel, no GEMV) gives the reference's
     greedy tokens. Batch invariance itself is the GPU tests' (interpreter dots: see above)."""
