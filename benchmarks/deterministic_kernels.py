@@ -197,6 +197,9 @@ def bench_attention() -> list[dict]:
 
 TMA_CONFIGS = [(128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (128, 128, 64, 8, 8, 4), (128, 128, 64, 8, 4, 4),
                (64, 256, 64, 8, 4, 4)]
+# Decode sizes: narrow tiles spread the weight reads over the SMs (the pointer bucket is 64 x 64).
+TMA_SMALL_CONFIGS = [(64, 64, 64, 8, 4, 6), (64, 64, 64, 8, 4, 4), (64, 32, 64, 8, 4, 6), (64, 128, 64, 8, 4, 4)]
+M_TMA = [int(m) for m in os.environ.get("M_TMA", "64,512,2048").split(",")]
 
 
 def bench_tma() -> list[dict]:
@@ -205,16 +208,14 @@ def bench_tma() -> list[dict]:
     the sums do not change), and whether TMA's rows are bitwise the pointer kernel's."""
     rows = []
     for name, (n, k) in PROJECTIONS.items():
-        if name == "lm_head":
-            continue  # it runs on the sampled rows only: a decode-bucket M
         w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k ** 0.5
-        for m in (64, 512, 2048):
+        for m in M_TMA:
             x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
             t_cublas = do_bench(lambda: F.linear(x, w), return_mode="median")
-            t_ptr = do_bench(lambda: matmul_persistent(x, w), return_mode="median")
-            same = torch.equal(matmul_persistent(x, w, tma=True), matmul_persistent(x, w))
+            t_ptr = do_bench(lambda: matmul_persistent(x, w, tma=False), return_mode="median")
+            same = torch.equal(matmul_persistent(x, w, tma=True), matmul_persistent(x, w, tma=False))
             row = dict(kernel="tma", shape=name, m=m, cublas_ms=t_cublas, pointer_ms=t_ptr, same_sums=same)
-            for cfg in TMA_CONFIGS:
+            for cfg in (TMA_SMALL_CONFIGS if m <= 64 else TMA_CONFIGS):
                 row[f"tma {cfg}"] = do_bench(lambda: matmul_persistent(x, w, config=cfg, tma=True),
                                              return_mode="median")
             best = min((v, c) for c, v in row.items() if c.startswith("tma ("))
