@@ -35,7 +35,7 @@ def arrival_offsets(count: int, request_rate: float, burstiness: float, seed: in
 async def _send_all(base_url: str, endpoint: str, model: str, jobs, args, start_wall: float):
     import aiohttp
 
-    from rooflm.bench.serve import _is_chat, _payload, send_request
+    from rooflm.bench.stream_client import _is_chat, _payload, send_request
 
     url = base_url.rstrip("/") + "/" + endpoint.lstrip("/")
     chat = _is_chat(endpoint)
