@@ -57,3 +57,20 @@ def test_pick_refuses_contexts_shorter_than_the_width():
     runner = _runner()
     assert runner.pick(3, [100, 2]) is None  # padding rows would sit before position 0
     assert runner.pick(2, [100, 2]) == (2, 2)
+
+
+def test_the_staged_layout_pads_rows_and_sequences():
+    # Two sequences of 3 and 1 tokens in width-4 rows of a 3-sequence graph; stale values from a
+    # larger earlier step must not survive.
+    runner = _runner()
+    runner.stage.fill_(7)
+    runner.stage_lens.fill_(7)
+    starts = [0, 3, 4]
+    rows = uniform_rows(starts, 4)
+    ids, pos, slots = (torch.tensor(v, dtype=torch.int64) for v in ([11, 12, 13, 21], [5, 6, 7, 9], [50, 51, 52, 90]))
+    runner.fill_stage(rows, 12, 3, 4, ids, pos, slots, torch.tensor([8, 10], dtype=torch.int32))
+    assert rows.tolist() == [1, 2, 3, 7]
+    assert runner.stage[0, :12].tolist() == [0, 11, 12, 13, 0, 0, 0, 21, 0, 0, 0, 0]
+    assert runner.stage[1, :12].tolist() == [0, 5, 6, 7, 0, 0, 0, 9, 0, 0, 0, 0]
+    assert runner.stage[2, :12].tolist() == [-1, 50, 51, 52, -1, -1, -1, 90, -1, -1, -1, -1]
+    assert runner.stage_lens[:3].tolist() == [8, 10, 4]
