@@ -45,8 +45,8 @@ from typing import Optional
 
 
 def _rate(side: "_Side") -> float:
-    """Tokens per second per sequence of one side."""
-    return side.tokens / side.seconds
+    """Tokens per second per sequence of one side (a zero period, a coarse clock's, counts as 1 ns)."""
+    return side.tokens / max(side.seconds, 1e-9)
 
 
 def bucket(batch: int) -> int:
