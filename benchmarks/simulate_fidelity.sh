@@ -59,7 +59,7 @@ for _ in $(seq 300); do
   sleep 1
 done
 curl -sf "$URL/health" > /dev/null || { echo "server not healthy:"; tail -40 "$OUT/server.log"; exit 1; }
-# Four client processes: one falls behind the stream at 80 req/s and bills its lag to TTFT.
+# Four client processes: the client's own load (one process: 50% busy at 80 req/s) out of the TTFT.
 python3 -m rooflm bench serve --base-url $URL --model $NAME --vocab-size $VOCAB --ignore-eos \
   --client-processes ${CLIENTS:-4} \
   --request-timeout 900 --disable-tqdm $WORKLOAD --request-rate $RATES --seed 1 --goodput ttft:500 tpot:30 \

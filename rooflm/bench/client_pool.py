@@ -1,16 +1,18 @@
 """`rooflm bench serve --client-processes N`: the benchmark client spread over N processes.
 
-One Python process parsing every SSE chunk of a busy server falls behind it: on the H100 at 80
-req/s (~11,600 streamed tokens a second) `bench serve`'s single process was 50% busy on
-average, and its P99 TTFT was 548 ms in one run and 231 ms in another while the server's own
-histogram said 243 and 242 (benchmarks/results/simulate-fidelity-h100-20261126/). A late read
-is billed to the server. With N processes the arrival schedule is drawn once, as the single
+One Python process parses every SSE chunk of a busy server, and can fall behind it: on the H100
+at 80 req/s (~11,600 streamed tokens a second) `bench serve`'s single process was 50% busy on
+average. With N processes the client's own load stays out of what it times (at 80 req/s on
+that H100, four processes were each at most 18% busy; the gap between their TTFT and the
+server's stayed, since the API process's streaming made it: benchmarks/results/
+simulate-fidelity-h100-20261126/). The arrival schedule is drawn once, as the single
 process draws it, and request i goes to process i mod N, which sends it at its own offset
 from a start time all processes share; their outputs are merged back in request order.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import math
 import multiprocessing as mp
@@ -18,6 +20,9 @@ import os
 import random
 import time
 from typing import Sequence
+
+
+_WORKER_ARGS = ("temperature", "ignore_eos", "request_timeout", "api_key")
 
 
 def arrival_offsets(count: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
@@ -77,7 +82,8 @@ def run_pool(base_url: str, endpoint: str, model: str, requests: Sequence, args,
     ctx = mp.get_context("spawn")  # the parent may hold threads (tqdm, a server in tests)
     ready, results = ctx.Queue(), ctx.Queue()
     starts = [ctx.Queue() for _ in range(processes)]
-    light_args = _Args(**vars(args))
+    # What the workers read (the request body's options, the session's timeout and key): picklable.
+    light_args = argparse.Namespace(**{k: getattr(args, k) for k in _WORKER_ARGS})
     workers = [ctx.Process(target=_worker, args=(r, base_url, endpoint, model, jobs[r], light_args,
                                                   ready, starts[r], results), daemon=True)
                for r in range(processes)]
@@ -106,20 +112,3 @@ def run_pool(base_url: str, endpoint: str, model: str, requests: Sequence, args,
     if errors:
         raise RuntimeError("a benchmark client process failed: " + "; ".join(errors))
     return outputs, duration, max(cpu)
-
-
-class _Args:
-    """The picklable part of bench serve's arguments (what _payload and the session read)."""
-
-    def __init__(self, **kw):
-        self.__dict__.update({k: v for k, v in kw.items() if _picklable(v)})
-
-
-def _picklable(value) -> bool:
-    import pickle
-
-    try:
-        pickle.dumps(value)
-        return True
-    except Exception:  # noqa: BLE001
-        return False

@@ -45,8 +45,7 @@ from dataclasses import asdict
 from datetime import datetime
 from typing import Optional, Sequence, TextIO
 
-from rooflm.bench.stream_client import (RequestOutput, SampleRequest, _chunk_output, _error_message,  # noqa: F401
-                                        _is_chat, _payload, _sse_data, send_request)
+from rooflm.bench.stream_client import RequestOutput, SampleRequest, _is_chat, _payload, send_request
 
 # Common English words, each about one token for BPE tokenizers, for text
 # prompts of a chosen length when the endpoint cannot take token ids (chat).
