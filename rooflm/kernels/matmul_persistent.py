@@ -46,6 +46,7 @@ benchmarks/deterministic_tiles.py.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -207,10 +208,16 @@ def check_matmul_inputs(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     return n, k
 
 
+@functools.lru_cache(maxsize=None)
+def _is_hopper_or_later(index: int) -> bool:
+    """Asked once per device: tma_usable runs for every linear of every step."""
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
 def tma_usable(x2: torch.Tensor, weight: torch.Tensor) -> bool:
     """TMA descriptors need 16-byte aligned bases and row strides (and a Hopper GPU, or the
     interpreter, which emulates them)."""
-    if not is_interpreter() and (x2.device.type != "cuda" or torch.cuda.get_device_capability(x2.device)[0] < 9):
+    if not is_interpreter() and (x2.device.type != "cuda" or not _is_hopper_or_later(x2.device.index or 0)):
         return False
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (x2, weight))
 
