@@ -8,6 +8,7 @@
 #      deterministic with the fixed split on, ROOFLM_DETERMINISTIC_MAX_SPLITS=8)
 #   3. why: the persistent and fixed-split matmuls against cuBLAS, uniform attention against the decode kernel
 # then a short table. Usage (GPU machine, repo root): OUT=dir bash benchmarks/deterministic.sh [compare|cost]
+# (MODES="default deterministic" leaves out the fixed-split run.)
 # (all: ~8 min on an H100, by estimate; compare and cost each fit a call on their own, same OUT.)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -37,7 +38,7 @@ if [ "$PART" != compare ]; then
   }
   # deterministic-split: the same mode with the fixed split on (ROOFLM_DETERMINISTIC_MAX_SPLITS=8;
   # off by default: every weight summed in the persistent matmul's single K loop).
-  for mode in default deterministic deterministic-split; do
+  for mode in ${MODES:-default deterministic deterministic-split}; do
     flag=""; [ $mode != default ] && flag="--deterministic"
     splits=1; [ $mode = deterministic-split ] && splits=8
     export ROOFLM_DETERMINISTIC_MAX_SPLITS=$splits

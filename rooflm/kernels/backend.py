@@ -12,7 +12,8 @@ Same semantics as ReferenceBackend (rooflm/layers/attention.py):
   sequences and the prefill kernel the rest (prefill, chunked prefill and
   prefix-cache hits alike, since it reads all K/V from the cache). With
   deterministic=True every sequence, decodes included, goes through the prefill
-  kernel's uniform path (batch-invariant rows; rooflm/deterministic/).
+  kernel's uniform path (batch-invariant rows; rooflm/deterministic/), the decodes
+  in a launch of their own with shorter query tiles that sum alike.
 
 The model runner picks this backend on CUDA and the reference on CPU; model
 code does not change.
@@ -26,7 +27,8 @@ import torch
 
 from rooflm.kernels.decode_attention import (DecodePlan, decode_attention, decode_config,
                                              decode_num_splits, plan_decode_attention)
-from rooflm.kernels.prefill_attention import PrefillPlan, plan_prefill_attention, prefill_attention
+from rooflm.kernels.prefill_attention import (PrefillPlan, plan_prefill_attention, prefill_attention, prefill_config,
+                                              uniform_decode_config)
 from rooflm.kernels.rope_kv_write import rope_kv_write, write_kv
 from rooflm.kernels.utils import cdiv
 from rooflm.layers.attention import AttentionBackend, AttentionMetadata
@@ -83,7 +85,9 @@ class TritonBackend(AttentionBackend):
             plan = meta.plan = self.plan(q, k_cache, v_cache, meta, sliding_window, out, k_scale, v_scale)
         decode, prefill = plan
         scales = dict(k_scale=k_scale, v_scale=v_scale)
-        if decode is not None:
+        if isinstance(decode, PrefillPlan):  # --deterministic: decodes through the uniform path
+            prefill_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out, plan=decode, **scales)
+        elif decode is not None:
             decode_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out, plan=decode, **scales)
         if prefill is not None:
             prefill_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out, plan=prefill, **scales)
@@ -91,13 +95,12 @@ class TritonBackend(AttentionBackend):
 
     def plan(self, q, k_cache, v_cache, meta: AttentionMetadata, sliding_window: Optional[int],
              out: torch.Tensor, k_scale: Optional[torch.Tensor] = None,
-             v_scale: Optional[torch.Tensor] = None) -> tuple[Optional[DecodePlan], Optional[PrefillPlan]]:
+             v_scale: Optional[torch.Tensor] = None) -> tuple[Optional[DecodePlan | PrefillPlan], Optional[PrefillPlan]]:
         """The step's launches, the same for every layer: decodes first, then prefill chunks."""
-        if self.deterministic:
-            return None, plan_prefill_attention(q, k_cache, v_cache, meta, sliding_window, out=out,
-                                                k_scale=k_scale, v_scale=v_scale, uniform=True)
-        decode = None
         num_decodes = meta.num_decodes
+        if self.deterministic:
+            return self._plan_uniform(q, k_cache, v_cache, meta, sliding_window, out, k_scale, v_scale)
+        decode = None
         if num_decodes > 0:
             num_splits = self.decode_num_splits
             config = None
@@ -116,4 +119,21 @@ class TritonBackend(AttentionBackend):
         if num_decodes < meta.num_seqs:
             prefill = plan_prefill_attention(q, k_cache, v_cache, meta, sliding_window, out=out,
                                              first_seq=num_decodes, k_scale=k_scale, v_scale=v_scale)
+        return decode, prefill
+
+    def _plan_uniform(self, q, k_cache, v_cache, meta: AttentionMetadata, sliding_window: Optional[int],
+                      out: torch.Tensor, k_scale=None, v_scale=None) -> tuple[Optional[PrefillPlan], Optional[PrefillPlan]]:
+        """--deterministic: decodes and chunks both through the uniform prefill kernel, the decodes
+        in tiles of fewer query rows (uniform_decode_config: same key loop, same sums)."""
+        num_decodes = meta.num_decodes
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
+        decode = prefill = None
+        if num_decodes > 0:
+            table = prefill_config(q.shape[-1], q.shape[1] // k_cache.shape[2], q.dtype, tma=False)
+            config = uniform_decode_config(table, q.shape[1] // k_cache.shape[2])
+            decode = plan_prefill_attention(q, k_cache, v_cache, meta, sliding_window, out=out, config=config,
+                                            uniform=True, end_seq=num_decodes, **scales)
+        if num_decodes < meta.num_seqs:
+            prefill = plan_prefill_attention(q, k_cache, v_cache, meta, sliding_window, out=out,
+                                             first_seq=num_decodes, uniform=True, **scales)
         return decode, prefill

@@ -320,6 +320,21 @@ def prefill_config(head_dim: int, group: int, dtype: torch.dtype = torch.bfloat1
     return max(block_m, next_power_of_2(group)), block_n, warps, stages
 
 
+# Decodes through the uniform path (--deterministic) fill GROUP rows of their query tile: a
+# tile of 64 rows does half the MMA work of the table's 128 for the same rows, and a row is one
+# m64 wgmma of one warpgroup in both, so it sums to the same bits (H100, 64 x 1280 decodes:
+# 0.166 -> 0.135 ms, the decode kernel's time, rows equal: deterministic-h100-20261123).
+# 16-row tiles take the older mma instruction and do not sum alike.
+UNIFORM_DECODE_BLOCK_M = 64
+
+
+def uniform_decode_config(config: tuple[int, int, int, int], group: int) -> tuple[int, int, int, int]:
+    """The uniform path's tile for decode-only sequences: config with fewer query rows, the
+    same key tiles, warps and stages (the key loop, and so every row's sums, unchanged)."""
+    block_m, block_n, num_warps, num_stages = config
+    return max(min(block_m, UNIFORM_DECODE_BLOCK_M), next_power_of_2(group)), block_n, num_warps, num_stages
+
+
 def _tma_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> bool:
     head_dim, block_size = q.shape[2], k_cache.shape[1]
     return (k_cache.is_contiguous() and v_cache.is_contiguous() and head_dim == next_power_of_2(head_dim)
@@ -338,6 +353,7 @@ class PrefillPlan:
     use_tma: bool
     sliding: bool
     uniform: bool = False  # every key tile masked: a row's sums do not depend on its tile-mates
+    end_seq: Optional[int] = None  # sequences first_seq .. end_seq - 1 (None: to the last)
 
 
 def plan_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -346,10 +362,10 @@ def plan_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            config: Optional[tuple[int, int, int, int]] = None,
                            use_tma: Optional[bool] = None, k_scale: Optional[torch.Tensor] = None,
                            v_scale: Optional[torch.Tensor] = None,
-                           uniform: bool = False) -> Optional[PrefillPlan]:
+                           uniform: bool = False, end_seq: Optional[int] = None) -> Optional[PrefillPlan]:
     """Check the inputs and fix the launch for a step (see prefill_attention); None: no chunks.
     uniform: one code path for every key tile (batch-invariant rows: --deterministic); it
-    takes gathered loads, not TMA."""
+    takes gathered loads, not TMA. end_seq: attend sequences first_seq .. end_seq - 1 only."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     check_paged_attention_inputs(q, k_cache, v_cache, meta, out if out is not None else q, k_scale, v_scale)
@@ -357,7 +373,7 @@ def plan_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if use_tma:
             raise ValueError("FP8 caches and uniform plans are read with gathered loads, not TMA")
         use_tma = False
-    num_seqs = meta.num_seqs
+    num_seqs = meta.num_seqs if end_seq is None else min(end_seq, meta.num_seqs)
     if first_seq >= num_seqs:
         return None
     group = num_heads // num_kv_heads
@@ -383,7 +399,7 @@ def plan_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tile_lo = starts[first_seq] // block_q + first_seq
     num_tiles = starts[num_seqs] // block_q + num_seqs - tile_lo
     sliding = sliding_window is not None and sliding_window > 0
-    return PrefillPlan(first_seq, tile_lo, num_tiles, config, use_tma, sliding, uniform)
+    return PrefillPlan(first_seq, tile_lo, num_tiles, config, use_tma, sliding, uniform, num_seqs)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -437,7 +453,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     _prefill_attention_kernel[grid](
         out, q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, k_desc, v_desc,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        plan.first_seq, meta.num_seqs, plan.tile_lo, plan.num_tiles, scale * LOG2E,
+        plan.first_seq, meta.num_seqs if plan.end_seq is None else plan.end_seq, plan.tile_lo, plan.num_tiles, scale * LOG2E,
         sliding_window if plan.sliding else 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),

@@ -9,7 +9,9 @@ from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
 from rooflm.kernels.matmul_fixed_split import (matmul_fixed_split, matmul_fixed_split_ref, split_plan,
                                                split_size)
 from rooflm.kernels.matmul_persistent import matmul_config, matmul_persistent, matmul_ref
-from rooflm.kernels.prefill_attention import prefill_attention, prefill_attention_ref
+from rooflm.kernels.backend import TritonBackend
+from rooflm.kernels.prefill_attention import (PrefillPlan, prefill_attention, prefill_attention_ref, prefill_config,
+                                              uniform_decode_config)
 from rooflm.kernels.rmsnorm import rmsnorm
 from rooflm.kernels.utils import num_sms, random_paged_batch
 from rooflm.layers.attention import AttentionMetadata
@@ -344,20 +346,51 @@ def test_uniform_attention_row_same_as_decode_chunk_or_in_batch(window):
         assert rows_equal(out, query_rows(meta, full, seqs, query_lens)), f"{seqs=} {query_lens=}"
 
 
+def test_deterministic_backend_runs_decodes_in_short_uniform_tiles():
+    """--deterministic: the decodes get a uniform launch of their own (fewer query rows per tile,
+    the same key tiles), the chunks another, and the rows are the full prefill's."""
+    torch.manual_seed(5)
+    dtype, head_dim, group, num_kv_heads = torch.float16, 64, 2, 2
+    seq_lens = [70, 45, 9]
+    meta, k_cache, v_cache = random_paged_batch(seq_lens, seq_lens, num_kv_heads, head_dim, 16, dtype, DEVICE)
+    k_cache = torch.where(k_cache.isnan(), k_cache, exact_values(*k_cache.shape))
+    v_cache = torch.where(v_cache.isnan(), v_cache, exact_values(*v_cache.shape, scale=1.0))
+    q = exact_values(sum(seq_lens), num_kv_heads * group, head_dim)
+    scale = head_dim ** -0.5
+    full = prefill_attention(q, k_cache, v_cache, meta, scale, uniform=True)
+    seqs, query_lens = [1, 0, 2], [1, 1, 5]
+    sub = sub_meta(meta, seqs, query_lens)
+    backend = TritonBackend(deterministic=True)
+    q_sub = query_rows(meta, q, seqs, query_lens)
+    decode, prefill = backend.plan(q_sub, k_cache, v_cache, sub, None, torch.empty_like(q_sub))
+    assert isinstance(decode, PrefillPlan) and decode.uniform and prefill.uniform
+    assert (decode.first_seq, decode.end_seq, prefill.first_seq) == (0, 2, 2)
+    table = prefill_config(head_dim, group, dtype, tma=False)
+    assert decode.config == uniform_decode_config(table, group) and decode.config[1:] == prefill.config[1:]
+    assert uniform_decode_config((128, 64, 4, 3), 4) == (64, 64, 4, 3)
+    out = backend.attend(q_sub, k_cache, v_cache, sub, scale, None)
+    assert rows_equal(out, query_rows(meta, full, seqs, query_lens))
+
+
 @pytest.mark.gpu
 @requires_cuda
 def test_uniform_attention_gpu_bf16_decode_equals_prefill_row():
-    """Llama-3-8B attention shape (32 heads, 8 KV heads, D 128) in bf16, block size 16."""
+    """Llama-3-8B attention shape (32 heads, 8 KV heads, D 128) in bf16, block size 16; the
+    deterministic backend runs decodes in 64-row tiles and chunks in the table's 128."""
     torch.manual_seed(0)
     seq_lens = [900, 300, 1200]
     meta, k_cache, v_cache = random_paged_batch(seq_lens, seq_lens, 8, 128, 16, torch.bfloat16, DEVICE)
     q = torch.randn(sum(seq_lens), 32, 128, device=DEVICE).to(torch.bfloat16)
     full = prefill_attention(q, k_cache, v_cache, meta, 128 ** -0.5, uniform=True)
-    for seqs, query_lens in [([0], [1]), ([1, 0, 2], [1, 1, 256]), ([2], [700]), ([0, 1], [1, 300])]:
+    backend = TritonBackend(deterministic=True)
+    for seqs, query_lens in [([0], [1]), ([1, 0, 2], [1, 1, 256]), ([2], [700]), ([0, 1], [1, 300]),
+                             ([2, 1, 0], [1, 1, 1])]:
         sub = sub_meta(meta, seqs, query_lens)
-        out = prefill_attention(query_rows(meta, q, seqs, query_lens), k_cache, v_cache, sub, 128 ** -0.5,
-                                uniform=True)
+        q_sub = query_rows(meta, q, seqs, query_lens)
+        out = prefill_attention(q_sub, k_cache, v_cache, sub, 128 ** -0.5, uniform=True)
         assert rows_equal(out, query_rows(meta, full, seqs, query_lens)), f"{seqs=} {query_lens=}"
+        out = backend.attend(q_sub, k_cache, v_cache, sub, 128 ** -0.5, None)
+        assert rows_equal(out, query_rows(meta, full, seqs, query_lens)), f"backend {seqs=} {query_lens=}"
 
 
 # ---- the engine with --deterministic on the Triton path -------------------------------------
