@@ -11,6 +11,8 @@
           the default launches (split-KV decode kernel; prefill with TMA and unmasked tiles).
 
   tma:    the persistent matmul with TMA tile loads vs its pointer loads vs cuBLAS (--part tma).
+  small:  decode-size tile candidates (M = 1, 16, 64) under CUDA graphs vs the bucket's and
+          cuBLAS, with whether each sums like the bucket (--part small).
 
 Times are triton.testing.do_bench medians (ms). Writes kernels.json under --out.
 `--part split` runs the split part alone (about a minute on an H100, by estimate).
@@ -225,13 +227,58 @@ def bench_tma() -> list[dict]:
     return rows
 
 
+# The decode bucket (M <= 64): narrower tiles fill more SMs for the narrow projections (o and down
+# have 64 tiles of 64 x 64 for 132 SMs). BLOCK_K 128 is there to see whether it sums like 64.
+SMALL_CONFIGS = [(64, bn, bk, 8, 4, st) for bn in (16, 32, 64) for bk in (64,) for st in (4, 6, 8, 12)] + \
+    [(64, 32, 128, 8, 4, 4), (64, 64, 128, 8, 4, 4)]
+M_SMALL = (1, 16, 64)
+
+
+def bench_small() -> list[dict]:
+    """Decode-size tiles under CUDA graphs (no launch gaps, no cache flush: as a captured decode
+    step runs them) against the table's bucket and cuBLAS, with the bytes each moves per second,
+    and whether each candidate's rows are bitwise the bucket's (then it can replace it)."""
+    from triton.testing import do_bench_cudagraph
+    from rooflm.kernels.matmul_persistent import matmul_config
+    rows = []
+    for name in ("qkv", "o", "gate_up", "down"):
+        n, k = PROJECTIONS[name]
+        w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k ** 0.5
+        for m in M_SMALL:
+            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+            table = matmul_config(torch.bfloat16, m)
+            ref = matmul_persistent(x, w, config=table)
+            gb = n * k * 2 / 1e6
+            t_cublas = do_bench_cudagraph(lambda: F.linear(x, w), rep=40)
+            t_table = do_bench_cudagraph(lambda: matmul_persistent(x, w, config=table), rep=40)
+            best = (t_table, table)
+            for cfg in SMALL_CONFIGS:
+                try:
+                    t = do_bench_cudagraph(lambda: matmul_persistent(x, w, config=cfg), rep=40)
+                except Exception as e:  # noqa: BLE001 (a tile that does not fit: say so, go on)
+                    print(f"small {name} M={m} {cfg}: {type(e).__name__}", flush=True)
+                    continue
+                same = bool(torch.equal(matmul_persistent(x, w, config=cfg), ref))
+                rows.append(dict(kernel="small", shape=name, m=m, config=list(cfg), ms=t, table_ms=t_table,
+                                 cublas_ms=t_cublas, gbs=gb / t, same_sums=same))
+                if same and t < best[0]:
+                    best = (t, cfg)
+                if not same:
+                    print(f"small {name} M={m} {cfg}: {t:.4f} ms, sums DIFFER from the bucket's", flush=True)
+            print(f"small {name:8s} M={m:3d} cuBLAS {t_cublas:.4f} ({gb / t_cublas:.0f} GB/s) table {t_table:.4f} "
+                  f"({gb / t_table:.0f} GB/s) best {best[0]:.4f} ({gb / best[0]:.0f} GB/s) {best[1]}", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--part", choices=("all", "split", "tma"), default="all")
+    ap.add_argument("--part", choices=("all", "split", "tma", "small"), default="all")
     args = ap.parse_args()
     if args.part == "tma":
         rows = bench_tma()
+    elif args.part == "small":
+        rows = bench_small()
     elif args.part == "split":
         rows = bench_fixed_split()
     else:
