@@ -159,7 +159,14 @@ def _matmul_persistent_tma_kernel(y_ptr, x_desc, w_desc, bias_ptr, M, N, K, num_
 # that were best there on the H100 (2026-11-26, benchmarks/results/deterministic-tma-h100-20261126/):
 # 128 x 128 up to M = 1024 (the four projections at M = 512: 1.18x cuBLAS's time, against 1.55x
 # with pointer loads and 128 x 256 tiles) and 128 x 256 above (1.01x at M = 2048, against 1.22x).
-_BF16_BUCKETS = ((64, (64, 64, 64, 8, 4, 6)), (1024, (128, 128, 64, 8, 4, 4)), (None, (128, 256, 64, 8, 8, 3)))
+# The decode bucket's stages (8, was 6) and its narrow variant are from the CUDA-graph sweep of
+# 2026-11-26 (benchmarks/deterministic_kernels.py --part small, deterministic-h100-20261126b/).
+_BF16_BUCKETS = ((64, (64, 64, 64, 8, 4, 8)), (1024, (128, 128, 64, 8, 4, 4)), (None, (128, 256, 64, 8, 8, 3)))
+# A weight whose 64-wide column tiles number at most half the SMs (Llama-3-8B's o and down: 64
+# tiles for 132 SMs) leaves SMs idle in the decode bucket; 32-wide tiles (deeper pipeline: the
+# tile is half the bytes) fill them: M = 1, o 16.1 -> 13.9 us, down 54.9 -> 43.7 us (cuBLAS 10.9
+# and 44.3). BLOCK_N never changes a row's sums (the K loop is the bucket's).
+_BF16_NARROW = (64, 32, 64, 8, 4, 12)
 # TMA loads from this M up, where tma_usable: at M = 64 they were slower than the 64 x 64 pointer
 # tiles (qkv 0.040 against 0.032 ms), at 512 and 2048 faster for every projection.
 TMA_MIN_M = 65
@@ -168,30 +175,36 @@ MATMUL_BUCKETS = {
     torch.float16: _BF16_BUCKETS,
     torch.float32: ((None, (64, 64, 32, 8, 4, 3)),),
 }
+NARROW_DECODE_CONFIGS = {torch.bfloat16: _BF16_NARROW, torch.float16: _BF16_NARROW}
 MIN_BLOCK_M = 64  # below it Triton picks another MMA instruction: never measured to sum alike
 # The interpreter pays per operation, not per element: a small fixed shape keeps tests quick.
 _INTERPRETER_CONFIG = (16, 32, 32, 4, 1, 1)
 
 
-def check_buckets(buckets) -> None:
-    """One BLOCK_K per dtype, BLOCK_M >= MIN_BLOCK_M, the last bucket open-ended."""
+def check_buckets(buckets, narrow=None) -> None:
+    """One BLOCK_K per dtype (narrow decode tiles included), BLOCK_M >= MIN_BLOCK_M, the last
+    bucket open-ended."""
     for dtype, table in buckets.items():
-        if {cfg[2] for _, cfg in table} != {table[0][1][2]} or table[-1][0] is not None:
+        configs = [cfg for _, cfg in table] + ([narrow[dtype]] if narrow and dtype in narrow else [])
+        if {cfg[2] for cfg in configs} != {table[0][1][2]} or table[-1][0] is not None:
             raise ValueError(f"{dtype}: buckets must share BLOCK_K and end with (None, config): {table}")
-        if any(cfg[0] < MIN_BLOCK_M for _, cfg in table):
-            raise ValueError(f"{dtype}: BLOCK_M below {MIN_BLOCK_M} in {table}")
+        if any(cfg[0] < MIN_BLOCK_M for cfg in configs):
+            raise ValueError(f"{dtype}: BLOCK_M below {MIN_BLOCK_M} in {configs}")
 
 
-check_buckets(MATMUL_BUCKETS)
+check_buckets(MATMUL_BUCKETS, NARROW_DECODE_CONFIGS)
 
 
-def matmul_config(dtype: torch.dtype, m: int = 1) -> tuple[int, int, int, int, int, int]:
+def matmul_config(dtype: torch.dtype, m: int = 1, n: int = 0, sms: int = 0) -> tuple[int, int, int, int, int, int]:
+    """The tile for an [m, K] x [K, n] product on a GPU of `sms` SMs (n, sms: 0 for the bucket's)."""
     if is_interpreter():
         return _INTERPRETER_CONFIG
-    for max_m, config in MATMUL_BUCKETS[dtype]:
-        if max_m is None or m <= max_m:
-            return config
-    raise AssertionError("unreachable: the last bucket is open-ended")
+    table = MATMUL_BUCKETS[dtype]
+    config = next(cfg for max_m, cfg in table if max_m is None or m <= max_m)
+    narrow = NARROW_DECODE_CONFIGS.get(dtype)
+    if narrow is not None and n and m <= table[0][0] and 2 * cdiv(n, config[1]) <= sms:
+        return narrow
+    return config
 
 
 def check_matmul_inputs(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple[int, int]:
@@ -243,9 +256,9 @@ def matmul_persistent(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m > 0 and n > 0:
-        block_m, block_n, block_k, group_m, num_warps, num_stages = config or matmul_config(x.dtype, m)
-        num_tiles = cdiv(m, block_m) * cdiv(n, block_n)
         sms = num_sms(x.device.index or 0) if x.device.type == "cuda" else num_sms()
+        block_m, block_n, block_k, group_m, num_warps, num_stages = config or matmul_config(x.dtype, m, n, sms)
+        num_tiles = cdiv(m, block_m) * cdiv(n, block_n)
         programs = min(sms, num_tiles)
         common = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
                       HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(x.dtype),

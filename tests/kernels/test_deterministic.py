@@ -91,9 +91,24 @@ def test_matmul_input_checks():
     assert matmul_persistent(x[:0], torch.randn(4, 8, device=DEVICE)).shape == (0, 4)
 
 
+def test_matmul_config_narrow_decode_tiles_only_where_they_fill_the_gpu(monkeypatch):
+    import rooflm.kernels.matmul_persistent as mp
+    monkeypatch.setattr(mp, "is_interpreter", lambda: False)
+    bucket, narrow = mp.MATMUL_BUCKETS[torch.bfloat16][0][1], mp.NARROW_DECODE_CONFIGS[torch.bfloat16]
+    assert narrow[2] == bucket[2]  # the K loop, and so every row's sums, is the bucket's
+    assert matmul_config(torch.bfloat16, 1, 4096, 132) == narrow  # o, down: 64 tiles of 64 for 132 SMs
+    assert matmul_config(torch.bfloat16, 64, 4096, 132) == narrow
+    assert matmul_config(torch.bfloat16, 1, 6144, 132) == bucket  # qkv: 96 tiles, 192 narrow ones
+    assert matmul_config(torch.bfloat16, 1, 4096, 100) == bucket
+    assert matmul_config(torch.bfloat16, 65, 4096, 132) == mp.MATMUL_BUCKETS[torch.bfloat16][1][1]
+    assert matmul_config(torch.float32, 1, 4096, 132) == mp.MATMUL_BUCKETS[torch.float32][0][1]
+    with pytest.raises(ValueError, match="BLOCK_K"):
+        mp.check_buckets(mp.MATMUL_BUCKETS, {torch.bfloat16: (64, 32, 128, 8, 4, 4)})
+
+
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (28672, 4096)])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (28672, 4096), (4096, 4096)])
 def test_matmul_gpu_bf16_rows_invariant(n, k):
     """The Llama-3-8B projections in bf16: one token alone, in a decode batch, in a prefill chunk."""
     check_matmul_rows(2048, n, k, torch.bfloat16, [(0, 1), (5, 6), (0, 64), (100, 356), (1000, 2048)],
