@@ -176,23 +176,32 @@ MATMUL_BUCKETS = {
     torch.float32: ((None, (64, 64, 32, 8, 4, 3)),),
 }
 NARROW_DECODE_CONFIGS = {torch.bfloat16: _BF16_NARROW, torch.float16: _BF16_NARROW}
+# Above the decode bucket each bucket has a second tile, 128 x 256 where it has 128 x 128 and
+# back: which one is faster depends on how a weight's tiles fill the waves of the SMs (Llama-3-8B
+# at M = 512: qkv 0.048 ms in 128 x 256 tiles against 0.060 in 128 x 128, o 0.045 against
+# 0.037). _wave_cost picks one per shape; it ranked all 8 pairs measured on the H100 at M = 512
+# and 2048 (deterministic-tma-h100-20261126/kernels-ef5c33e/) as they ran.
+_BF16_ALTERNATIVES = {1024: (128, 256, 64, 8, 8, 4), None: (128, 128, 64, 8, 4, 4)}
+ALTERNATIVE_CONFIGS = {torch.bfloat16: _BF16_ALTERNATIVES, torch.float16: _BF16_ALTERNATIVES}
+SMALL_TILE_PENALTY = 1.15  # a 128 x 128 tile's MMA time per element against a 128 x 256 tile's
 MIN_BLOCK_M = 64  # below it Triton picks another MMA instruction: never measured to sum alike
 # The interpreter pays per operation, not per element: a small fixed shape keeps tests quick.
 _INTERPRETER_CONFIG = (16, 32, 32, 4, 1, 1)
 
 
-def check_buckets(buckets, narrow=None) -> None:
-    """One BLOCK_K per dtype (narrow decode tiles included), BLOCK_M >= MIN_BLOCK_M, the last
-    bucket open-ended."""
+def check_buckets(buckets, narrow=None, alternatives=None) -> None:
+    """One BLOCK_K per dtype (narrow decode tiles and alternatives included), BLOCK_M >=
+    MIN_BLOCK_M, the last bucket open-ended."""
     for dtype, table in buckets.items():
         configs = [cfg for _, cfg in table] + ([narrow[dtype]] if narrow and dtype in narrow else [])
+        configs += list((alternatives or {}).get(dtype, {}).values())
         if {cfg[2] for cfg in configs} != {table[0][1][2]} or table[-1][0] is not None:
             raise ValueError(f"{dtype}: buckets must share BLOCK_K and end with (None, config): {table}")
         if any(cfg[0] < MIN_BLOCK_M for cfg in configs):
             raise ValueError(f"{dtype}: BLOCK_M below {MIN_BLOCK_M} in {configs}")
 
 
-check_buckets(MATMUL_BUCKETS, NARROW_DECODE_CONFIGS)
+check_buckets(MATMUL_BUCKETS, NARROW_DECODE_CONFIGS, ALTERNATIVE_CONFIGS)
 
 
 def matmul_config(dtype: torch.dtype, m: int = 1, n: int = 0, sms: int = 0) -> tuple[int, int, int, int, int, int]:
@@ -200,11 +209,24 @@ def matmul_config(dtype: torch.dtype, m: int = 1, n: int = 0, sms: int = 0) -> t
     if is_interpreter():
         return _INTERPRETER_CONFIG
     table = MATMUL_BUCKETS[dtype]
-    config = next(cfg for max_m, cfg in table if max_m is None or m <= max_m)
+    max_m, config = next((max_m, cfg) for max_m, cfg in table if max_m is None or m <= max_m)
+    if not n or not sms:
+        return config
     narrow = NARROW_DECODE_CONFIGS.get(dtype)
-    if narrow is not None and n and m <= table[0][0] and 2 * cdiv(n, config[1]) <= sms:
+    if narrow is not None and m <= table[0][0] and 2 * cdiv(n, config[1]) <= sms:
         return narrow
+    other = ALTERNATIVE_CONFIGS.get(dtype, {}).get(max_m)
+    if other is not None and _wave_cost(other, m, n, sms) < _wave_cost(config, m, n, sms):
+        return other
     return config
+
+
+def _wave_cost(config: tuple[int, ...], m: int, n: int, sms: int) -> float:
+    """Relative time of an [m, n] output in this config's tiles: waves of tiles over the SMs,
+    times a tile's area, a 128 x 128 tile's at SMALL_TILE_PENALTY."""
+    block_m, block_n = config[0], config[1]
+    waves = cdiv(cdiv(m, block_m) * cdiv(n, block_n), sms)
+    return waves * block_m * block_n * (1.0 if block_m * block_n >= 128 * 256 else SMALL_TILE_PENALTY)
 
 
 def check_matmul_inputs(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple[int, int]:

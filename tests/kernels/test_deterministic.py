@@ -106,6 +106,20 @@ def test_matmul_config_narrow_decode_tiles_only_where_they_fill_the_gpu(monkeypa
         mp.check_buckets(mp.MATMUL_BUCKETS, {torch.bfloat16: (64, 32, 128, 8, 4, 4)})
 
 
+def test_matmul_config_prefill_tiles_follow_the_waves(monkeypatch):
+    """Above the decode bucket: 128 x 256 or 128 x 128 tiles by how they fill the SMs, as the
+    H100 ran Llama-3-8B's projections at M = 512 and 2048 (the faster of each pair)."""
+    import rooflm.kernels.matmul_persistent as mp
+    monkeypatch.setattr(mp, "is_interpreter", lambda: False)
+    shapes = {"qkv": 6144, "o": 4096, "gate_up": 28672, "down": 4096}
+    faster = {512: {"qkv": 256, "o": 128, "gate_up": 256, "down": 128},
+              2048: {"qkv": 256, "o": 256, "gate_up": 256, "down": 256}}
+    for m, by_shape in faster.items():
+        for name, block_n in by_shape.items():
+            config = matmul_config(torch.bfloat16, m, shapes[name], 132)
+            assert config[1] == block_n and config[2] == 64, (m, name, config)
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (28672, 4096), (4096, 4096)])
