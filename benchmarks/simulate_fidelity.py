@@ -79,6 +79,7 @@ def main() -> int:
     p.add_argument("--sim-args", default="", help="more `rooflm simulate` flags for the served runs, "
                    "e.g. \"--api-token-us 80 --api-request-us 500\"")
     args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     common = ["--model", args.model_dir, "--calibration", args.calibration, "--max-model-len", args.max_model_len]
     rows = []
     for path in args.serve:
