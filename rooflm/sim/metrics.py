@@ -9,9 +9,13 @@ schedule, preemptions, and the KV pool's usage and the queues over time.
 
 from __future__ import annotations
 
+import bisect
+import math
 from typing import Optional
 
 from rooflm.bench.serve import RequestOutput, _stats, compute_metrics
+from rooflm.bench.server_side import histogram_quantile
+from rooflm.server.buckets import TTFT_BUCKETS
 from rooflm.sim.simulator import SimResult
 
 
@@ -31,6 +35,22 @@ def bench_outputs(result: SimResult, egress_s: float = 0.0) -> list[RequestOutpu
     return outputs
 
 
+def server_ttft_ms(result: SimResult) -> Optional[dict]:
+    """TTFT as the server's /metrics histogram reports it (bench serve's server_ttft_ms): from
+    the API process taking the request in to its taking in the step with the first token (the
+    token's streaming, and any wait before the request was taken in, are not in it), counted into
+    the server's buckets and read back with the same interpolation, so that simulated and
+    measured quantiles are equally coarse."""
+    values = sorted(r.first_token_server_s - r.admitted_s for r in result.records
+                    if r.first_token_server_s is not None and r.admitted_s is not None)
+    if not values:
+        return None
+    cumulative = {le: float(bisect.bisect_right(values, le)) for le in TTFT_BUCKETS}
+    cumulative[math.inf] = float(len(values))
+    return {"median": histogram_quantile(0.5, cumulative) * 1e3, "p99": histogram_quantile(0.99, cumulative) * 1e3,
+            "count": len(values)}
+
+
 def _downsample(points: list, limit: int) -> list:
     if len(points) <= limit:
         return points
@@ -42,6 +62,7 @@ def sim_metrics(result: SimResult, goodput_slos: Optional[dict[str, float]] = No
                 series_points: int = 2000) -> dict:
     """bench serve's metrics dict, plus the simulator's own figures under "sim"."""
     metrics = compute_metrics(bench_outputs(result), result.duration_s, goodput_slos or {})
+    metrics["server_ttft_ms"] = server_ttft_ms(result)
     queued = [1e3 * (r.scheduled_s - r.arrival_s) for r in result.records if r.scheduled_s is not None]
     series = []
     for replica in result.replicas:

@@ -66,7 +66,9 @@ class RequestRecord:
     replica: int = 0
     delivered_s: Optional[float] = None  # when the engine could first schedule it
     scheduled_s: Optional[float] = None  # first scheduled: the end of its queueing
-    token_times: list[float] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # when each token reached the client
+    admitted_s: Optional[float] = None  # when the API process took it in (the server's arrival stamp)
+    first_token_server_s: Optional[float] = None  # when the API process took in the first token's step
     finish_s: Optional[float] = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0
@@ -216,7 +218,11 @@ class SimReplica:
             got.append(self.records[req.request_id])
         # When each token reaches its client: the step's end, or later behind the API process.
         times = self.api.send(t, len(got)) if self.api is not None else [t] * len(got)
+        # The API process reads the step's results when it gets to them, then streams them.
+        taken = times[0] - self.api.cost.token_s if self.api is not None and times else t
         for record, at in zip(got, times):
+            if record.first_token_server_s is None:
+                record.first_token_server_s = taken
             record.token_times.append(at)
         for output in self.outputs.process(step.out, StepResult(sampled, {}, {})):
             if output.finished:

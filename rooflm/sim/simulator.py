@@ -106,6 +106,7 @@ def simulate(cfg: SimConfig, cost_model: StepCostModel, requests: list[SimReques
             r = router.pick(replicas, [key])
             api = replicas[r].api
             admitted = api.admit(req.arrival_s) if api is not None else req.arrival_s
+            records[i].admitted_s = admitted
             heapq.heappush(events, (admitted + cfg.ingress_s, _DELIVER, counter, r, (i, ids)))
             counter += 1
             i += 1

@@ -322,6 +322,31 @@ def test_api_process_queueing_grows_ttft_with_load_not_throughput():
             assert rec.token_times == sorted(rec.token_times) and rec.finish_s == rec.token_times[-1]
 
 
+def test_server_ttft_is_the_histogram_quantile_without_the_streaming():
+    """server_ttft_ms runs from the API process taking a request in to its taking in the step
+    with the first token, counted into the server's buckets and read back as Prometheus would."""
+    import math
+
+    from rooflm.bench.server_side import histogram_quantile
+    from rooflm.server.buckets import TTFT_BUCKETS
+    from rooflm.sim.metrics import server_ttft_ms
+
+    reqs = synthetic_workload(120, LengthDist("fixed", 16), LengthDist("fixed", 20), "poisson", 120.0, seed=5)
+    cfg = SimConfig(small_replica(max_num_seqs=64, num_blocks=4000), ingress_s=0.001,
+                    api=ApiCost(request_s=50e-6, token_s=300e-6))
+    result = simulate(cfg, SyntheticCostModel(step_s=0.004, per_seq_s=2e-5), reqs)
+    metrics = sim_metrics(result)
+    server = metrics["server_ttft_ms"]
+    values = [r.first_token_server_s - r.admitted_s for r in result.records]
+    assert server == server_ttft_ms(result) and server["count"] == 120
+    # The streaming of a step's tokens comes after the server's stamp: its TTFT is shorter.
+    assert all(r.token_times[0] > r.first_token_server_s >= r.admitted_s + 0.001 for r in result.records)
+    assert server["median"] < metrics["ttft_ms"]["median"]
+    buckets = {le: float(sum(v <= le for v in values)) for le in TTFT_BUCKETS + [math.inf]}
+    assert server["median"] == pytest.approx(histogram_quantile(0.5, buckets) * 1e3)
+    assert server["p99"] == pytest.approx(histogram_quantile(0.99, buckets) * 1e3)
+
+
 # ---- the plan search -----------------------------------------------------------------------------
 
 
