@@ -53,7 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rooflm.kernels.utils import cdiv, check_last_dim_contiguous, dot_precision, is_interpreter, num_sms, upcast_dots
+from rooflm.kernels.utils import (cdiv, check_last_dim_contiguous, dot_precision, gdc_launch_dependents, gdc_wait,
+                                  is_interpreter, num_sms, pdl_supported, upcast_dots)
 
 
 # --------------------------------------------------------------------------
@@ -79,7 +80,10 @@ def _matmul_persistent_kernel(y_ptr, x_ptr, w_ptr, bias_ptr, M, N, K, num_progra
                               stride_xm, stride_wn, stride_ym,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                              UPCAST: tl.constexpr):
+                              UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched while the kernel before drains (utils.pdl_supported): wait for its x
+        gdc_launch_dependents()
+        gdc_wait()
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
@@ -114,11 +118,14 @@ def _matmul_persistent_kernel(y_ptr, x_ptr, w_ptr, bias_ptr, M, N, K, num_progra
 def _matmul_persistent_tma_kernel(y_ptr, x_desc, w_desc, bias_ptr, M, N, K, num_programs, stride_ym,
                                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                   GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                  DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                                  DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
     """The same tiles and the same K loop as _matmul_persistent_kernel, with the x and W tiles
     brought in by the Hopper tensor-memory accelerator (TMA: one descriptor per operand, zeros
     past the edges) instead of per-thread address arithmetic and masks. Only how the tiles
     arrive changes: each element's sum is the same dots in the same order."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
@@ -285,6 +292,8 @@ def matmul_persistent(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         common = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
                       HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(x.dtype),
                       UPCAST=upcast_dots(x.dtype), num_warps=num_warps, num_stages=num_stages)
+        if pdl_supported(x.device):
+            common.update(PDL=True, launch_pdl=True)
         if tma is None:
             tma = m >= TMA_MIN_M and not is_interpreter()
         if tma and tma_usable(x2, weight):

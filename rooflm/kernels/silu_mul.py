@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rooflm.kernels.utils import check_last_dim_contiguous
+from rooflm.kernels.utils import check_last_dim_contiguous, gdc_launch_dependents, gdc_wait, pdl_supported
 
 
 # --------------------------------------------------------------------------
@@ -38,7 +38,10 @@ from rooflm.kernels.utils import check_last_dim_contiguous
 # --------------------------------------------------------------------------
 
 @triton.jit
-def _silu_mul_kernel(out_ptr, x_ptr, stride_x, stride_o, I, BLOCK: tl.constexpr):
+def _silu_mul_kernel(out_ptr, x_ptr, stride_x, stride_o, I, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched while the kernel before drains (utils.pdl_supported): wait for its x
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
@@ -69,6 +72,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
         block = min(BLOCK, triton.next_power_of_2(inter))
         _silu_mul_kernel[(num_rows, triton.cdiv(inter, block))](
             out, x, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4 if block >= 512 else 2,
+            **({"PDL": True, "launch_pdl": True} if pdl_supported(x.device) else {}),
         )
     return out
 

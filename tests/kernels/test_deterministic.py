@@ -267,7 +267,7 @@ def spills(ptx):
 def build(fn, args, config):
     block_m, block_n, block_k, group_m, warps, stages = config
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, HAS_BIAS=True,
-                  DOT_PRECISION="tf32", UPCAST=False)
+                  DOT_PRECISION="tf32", UPCAST=False, PDL=False)
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig = dict(args, **{k: "constexpr" for k in consts})
     names = list(sig)
