@@ -46,8 +46,9 @@ def _capability(device_index: int) -> tuple[int, int]:
 
 
 # Programmatic dependent launch for the decode-path kernels (gemv, RoPE/KV write, decode
-# attention); benchmarks switch it off to measure what it is worth.
-USE_PDL = True
+# attention, the persistent matmul, RMSNorm, SiLU-mul); benchmarks switch it off to measure what
+# it is worth (ROOFLM_PDL=0 for a whole run).
+USE_PDL = os.environ.get("ROOFLM_PDL", "1") != "0"
 
 
 def pdl_supported(device: torch.device) -> bool:
