@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import inspect
 import json
 import os
 import re
@@ -41,6 +42,9 @@ def compile_kernel(fn, pointer_types: dict, constexprs: dict, num_warps: int, nu
     other arguments are i32, pointers and DIVISIBLE integers marked 16-divisible (as the launch
     on the 8B shapes specializes them)."""
     sig, attrs = {}, {}
+    # constexprs the caller leaves out take their defaults (PDL = False: a launch option)
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty},
+                  **constexprs}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"

@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from rooflm.kernels.utils import (cdiv, check_last_dim_contiguous, dot_precision, gdc_launch_dependents, gdc_wait,
-                                  is_interpreter, num_sms, pdl_supported, upcast_dots)
+                                  is_interpreter, num_sms, pdl_launch, upcast_dots)
 
 
 # --------------------------------------------------------------------------
@@ -292,8 +292,7 @@ def matmul_persistent(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         common = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
                       HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(x.dtype),
                       UPCAST=upcast_dots(x.dtype), num_warps=num_warps, num_stages=num_stages)
-        if pdl_supported(x.device):
-            common.update(PDL=True, launch_pdl=True)
+        common.update(pdl_launch(x.device))
         if tma is None:
             tma = m >= TMA_MIN_M and not is_interpreter()
         if tma and tma_usable(x2, weight):

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rooflm.kernels.utils import check_last_dim_contiguous, gdc_launch_dependents, gdc_wait, next_power_of_2, pdl_supported
+from rooflm.kernels.utils import check_last_dim_contiguous, gdc_launch_dependents, gdc_wait, next_power_of_2, pdl_launch
 
 
 # --------------------------------------------------------------------------
@@ -69,10 +69,6 @@ def _rmsnorm_kernel(out_ptr, x_ptr, residual_ptr, residual_out_ptr, weight_ptr,
 # --------------------------------------------------------------------------
 
 MAX_HIDDEN = 65536  # one row per program, held in registers
-
-
-def _pdl(device: torch.device) -> dict:
-    return {"PDL": True, "launch_pdl": True} if pdl_supported(device) else {}
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -110,7 +106,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rmsnorm_kernel[(num_rows,)](
             out, x, residual, residual_out, weight,
             x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0), n, eps,
-            BLOCK=block, HAS_RESIDUAL=has_residual, num_warps=num_warps, **_pdl(x.device),
+            BLOCK=block, HAS_RESIDUAL=has_residual, num_warps=num_warps, **pdl_launch(x.device),
         )
     return (out, residual_out) if has_residual else out
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rooflm.kernels.utils import check_last_dim_contiguous, gdc_launch_dependents, gdc_wait, pdl_supported
+from rooflm.kernels.utils import check_last_dim_contiguous, gdc_launch_dependents, gdc_wait, pdl_launch
 
 
 # --------------------------------------------------------------------------
@@ -72,7 +72,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
         block = min(BLOCK, triton.next_power_of_2(inter))
         _silu_mul_kernel[(num_rows, triton.cdiv(inter, block))](
             out, x, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4 if block >= 512 else 2,
-            **({"PDL": True, "launch_pdl": True} if pdl_supported(x.device) else {}),
+            **pdl_launch(x.device),
         )
     return out
 

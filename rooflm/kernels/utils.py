@@ -61,6 +61,11 @@ def pdl_supported(device: torch.device) -> bool:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
 
 
+def pdl_launch(device: torch.device) -> dict:
+    """Launch options of a kernel with a PDL constexpr that gdc_waits first: PDL where supported."""
+    return {"PDL": True, "launch_pdl": True} if pdl_supported(device) else {}
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
