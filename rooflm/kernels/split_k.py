@@ -19,14 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from rooflm.kernels.utils import gdc_launch_dependents, gdc_wait, pdl_launch
-
 
 @triton.jit
-def _split_k_reduce_kernel(y_ptr, ws_ptr, MN, SPLIT_K, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # launched while the split kernel drains: wait for its partials
-        gdc_launch_dependents()
-        gdc_wait()
+def _split_k_reduce_kernel(y_ptr, ws_ptr, MN, SPLIT_K, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -42,8 +37,7 @@ def split_k_reduce(y: torch.Tensor, workspace: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"split_k_reduce: y {tuple(y.shape)} must be contiguous [{m}, {n}] and the "
                          f"workspace fp32 [SPLIT_K, M, N], got {workspace.dtype}")
     block = 1024
-    _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](y, workspace, m * n, split_k, BLOCK=block, num_warps=4,
-                                                          **pdl_launch(y.device))
+    _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](y, workspace, m * n, split_k, BLOCK=block, num_warps=4)
     return y
 
 

@@ -51,7 +51,7 @@ import triton.language as tl
 
 from rooflm.kernels.split_k import split_for, split_k_reduce
 from rooflm.kernels.tuned_configs import device_facts, lookup
-from rooflm.kernels.utils import gdc_launch_dependents, gdc_wait, is_interpreter, pdl_launch
+from rooflm.kernels.utils import is_interpreter
 
 # The bits of the float 2^23 + 128: an int8 code q added to them reads as 2^23 + 128 + q.
 MAGIC_BITS_Q8 = tl.constexpr(0x4B000080)
@@ -66,10 +66,7 @@ MAGIC_F32_Q8 = tl.constexpr(8388736.0)
 def _w8a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, CHUNK, stride_xm, stride_ym,
                   HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                  STAGES: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # launched while the kernel before drains (utils.pdl_supported): wait for its x
-        gdc_launch_dependents()
-        gdc_wait()
+                  STAGES: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -136,13 +133,10 @@ def _w8a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, CHUNK, st
 def _w8a16_grouped(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, CHUNK, stride_xm, stride_ym,
                    HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
-                   GROUP: tl.constexpr, PDL: tl.constexpr = False):
+                   GROUP: tl.constexpr):
     """The kernel with scales (and zeros) per group of GROUP inputs: BLOCK_K holds whole groups,
     K is a multiple of GROUP (the wrapper checks), so a group past K is all masked: zero codes,
     zero x, zero scale."""
-    if PDL:  # launched while the kernel before drains (utils.pdl_supported): wait for its x
-        gdc_launch_dependents()
-        gdc_wait()
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -297,7 +291,7 @@ def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  EVEN_K=k % cfg.block_k == 0,
                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps,
                  STAGES=1 if is_interpreter() else cfg.num_stages,
-                 num_stages=1 if is_interpreter() else cfg.num_stages, **extra, **pdl_launch(x.device))
+                 num_stages=1 if is_interpreter() else cfg.num_stages, **extra)
     if split_k > 1:
         split_k_reduce(y, ws)
     return y
