@@ -51,7 +51,7 @@ import triton.language as tl
 
 from rooflm.kernels.split_k import split_for, split_k_reduce
 from rooflm.kernels.tuned_configs import device_facts, lookup
-from rooflm.kernels.utils import is_interpreter
+from rooflm.kernels.utils import gdc_launch_dependents, gdc_wait, is_interpreter, pdl_launch
 
 # The bits of the float 2^23 + 128: an int8 code q added to them reads as 2^23 + 128 + q.
 MAGIC_BITS_Q8 = tl.constexpr(0x4B000080)
@@ -66,7 +66,9 @@ MAGIC_F32_Q8 = tl.constexpr(8388736.0)
 def _w8a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, CHUNK, stride_xm, stride_ym,
                   HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                  STAGES: tl.constexpr):
+                  STAGES: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched early (programmatic dependent launch): wait for the kernel before's x
+        gdc_wait()
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -99,6 +101,8 @@ def _w8a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, CHUNK, st
             zero = tl.load(z_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
             y -= zero * tl.sum(xsum, axis=0)
         y *= scale
+        if PDL:  # only now: a kernel launched at this one's start would hold SM slots its later waves need
+            gdc_launch_dependents()
         if SPLIT:
             tl.store(ws_ptr + (pid_k * M + pid_m).to(tl.int64) * N + rn, y, mask=n_mask)
         else:
@@ -291,7 +295,8 @@ def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  EVEN_K=k % cfg.block_k == 0,
                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps,
                  STAGES=1 if is_interpreter() else cfg.num_stages,
-                 num_stages=1 if is_interpreter() else cfg.num_stages, **extra)
+                 num_stages=1 if is_interpreter() else cfg.num_stages, **extra,
+                 **(pdl_launch(x.device) if kernel is _w8a16_kernel and cfg.block_m == 1 else {}))
     if split_k > 1:
         split_k_reduce(y, ws)
     return y
