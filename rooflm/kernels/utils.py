@@ -64,10 +64,11 @@ def pdl_supported(device: torch.device) -> bool:
 def pdl_launch(device: torch.device) -> dict:
     """Launch options of a kernel with a PDL constexpr that gdc_waits first: PDL where supported.
 
-    Not for every kernel: the weight-only GEMVs (w8a16, w4a16) launched this way made batch-1
-    decode slower on the H100 (int8 291.8 -> 286.7, int4 282.8 -> 263.3 tok/s with ROOFLM_PDL 0 ->
-    1 at da5c058), likely because each kernel lets the next launch at once, so a chain of waiting
-    kernels holds SM slots the GEMV's later waves need. Measure before adding it to a kernel."""
+    Where a kernel releases its dependents matters: the weight-only GEMVs (w8a16, w4a16) releasing
+    them at their start made batch-1 decode slower on the H100 (int8 291.8 -> 286.7, int4 282.8 ->
+    263.3 tok/s with ROOFLM_PDL 0 -> 1 at da5c058): the next kernels sit resident, holding SM
+    slots the GEMV's later waves need. Released after the main loop, int8 went 291.7 -> 303.5
+    (3c3577e). Measure before adding it to a kernel."""
     return {"PDL": True, "launch_pdl": True} if pdl_supported(device) else {}
 
 

@@ -60,7 +60,7 @@ import triton.language as tl
 
 from rooflm.kernels.split_k import split_for, split_k_reduce
 from rooflm.kernels.tuned_configs import device_facts, lookup
-from rooflm.kernels.utils import is_interpreter
+from rooflm.kernels.utils import gdc_launch_dependents, gdc_wait, is_interpreter, pdl_launch
 from rooflm.quant.formats import int4_split, pack_int4, unpack_int4
 
 __all__ = ["W4Config", "pick_config", "w4a16_linear", "w4a16_linear_ref", "dequantize_w4", "w4a16_bytes",
@@ -140,7 +140,9 @@ def _group_pair(s_ptr, z_ptr, b, end, S, K, N, rn, n_mask, GROUP: tl.constexpr, 
 def _w4a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHUNK, stride_xm, stride_ym,
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
                   SPLIT: tl.constexpr, EVEN: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
-                  FOLD: tl.constexpr):
+                  FOLD: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched early (programmatic dependent launch): wait for the kernel before's x
+        gdc_wait()
     # BLOCK_H: bytes of a row per step (BLOCK_K / 2 codes in each nibble), a multiple of GROUP.
     # EVEN: K == 2 S and S % BLOCK_H == 0, so no step runs past the row and no mask on K is needed
     # (the GEMV steps one group at a time and needs only K == 2 S).
@@ -182,6 +184,8 @@ def _w4a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHU
             acc = tl.fma(w_hi, x_hi[None, :], acc)
             s_lo, z_lo, s_hi, z_hi = s_lo_n, z_lo_n, s_hi_n, z_hi_n
         acc = tl.sum(acc, axis=1)
+        if PDL:  # only now: a kernel launched at this one's start would hold SM slots its later waves need
+            gdc_launch_dependents()
         if SPLIT:
             tl.store(ws_ptr + (pid_k * M + pid_m).to(tl.int64) * N + rn, acc, mask=n_mask)
         else:
@@ -329,7 +333,8 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                         # fp32 activations multiply in full precision (tl.dot would take tf32)
                         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                         STAGES=1 if is_interpreter() else cfg.num_stages, FOLD=bool(cfg.fold),
-                        num_warps=cfg.num_warps, num_stages=1 if is_interpreter() else cfg.num_stages)
+                        num_warps=cfg.num_warps, num_stages=1 if is_interpreter() else cfg.num_stages,
+                        **(pdl_launch(x.device) if cfg.block_m == 1 else {}))
     if split_k > 1:
         split_k_reduce(y, ws)
     return y
