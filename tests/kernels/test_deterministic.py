@@ -351,18 +351,23 @@ def query_rows(meta: AttentionMetadata, q: torch.Tensor, seqs: list[int], query_
     return torch.cat([q[starts[s + 1] - n:starts[s + 1]] for s, n in zip(seqs, query_lens)])
 
 
-@pytest.mark.parametrize("window", [None, 24])
-def test_uniform_attention_row_same_as_decode_chunk_or_in_batch(window):
-    torch.manual_seed(21)
-    dtype, head_dim, group, num_kv_heads = torch.float16, 64, 2, 2
-    seq_lens = [70, 45, 9]
-    meta, k_cache, v_cache = random_paged_batch(seq_lens, seq_lens, num_kv_heads, head_dim, 16, dtype, DEVICE)
-    # Exact dots (see exact_values): q.k in multiples of 1/4 up to 16; the softmax weights, fp16
-    # in [2^-6, 1], times V in {-1, 0, 1} summed over <= 70 keys fit fp32's 24 bits.
+def exact_attention_batch(seed: int, seq_lens: list[int], group: int = 2, num_kv_heads: int = 2,
+                          head_dim: int = 64):
+    """A full prefill of seq_lens in fp16 whose dots are exact (see exact_values): q.k in
+    multiples of 1/4 up to 16; the softmax weights, fp16 in [2^-6, 1], times V in {-1, 0, 1}
+    summed over <= 70 keys fit fp32's 24 bits. Returns (meta, k_cache, v_cache, q)."""
+    torch.manual_seed(seed)
+    meta, k_cache, v_cache = random_paged_batch(seq_lens, seq_lens, num_kv_heads, head_dim, 16, torch.float16,
+                                                DEVICE)
     k_cache = torch.where(k_cache.isnan(), k_cache, exact_values(*k_cache.shape))
     v_cache = torch.where(v_cache.isnan(), v_cache, exact_values(*v_cache.shape, scale=1.0))
-    q = exact_values(sum(seq_lens), num_kv_heads * group, head_dim)
-    scale = head_dim ** -0.5
+    return meta, k_cache, v_cache, exact_values(sum(seq_lens), num_kv_heads * group, head_dim)
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_uniform_attention_row_same_as_decode_chunk_or_in_batch(window):
+    meta, k_cache, v_cache, q = exact_attention_batch(21, [70, 45, 9])
+    dtype, scale = torch.float16, 64 ** -0.5
     full = prefill_attention(q, k_cache, v_cache, meta, scale, window, uniform=True)
     assert_close(full, prefill_attention_ref(q, k_cache, v_cache, meta, scale, window), dtype, "uniform")
     # (sequences, query lengths): a decode alone, decodes beside a chunk, chunks of other sizes
@@ -378,14 +383,8 @@ def test_uniform_attention_row_same_as_decode_chunk_or_in_batch(window):
 def test_deterministic_backend_runs_decodes_in_short_uniform_tiles():
     """--deterministic: the decodes get a uniform launch of their own (fewer query rows per tile,
     the same key tiles), the chunks another, and the rows are the full prefill's."""
-    torch.manual_seed(5)
-    dtype, head_dim, group, num_kv_heads = torch.float16, 64, 2, 2
-    seq_lens = [70, 45, 9]
-    meta, k_cache, v_cache = random_paged_batch(seq_lens, seq_lens, num_kv_heads, head_dim, 16, dtype, DEVICE)
-    k_cache = torch.where(k_cache.isnan(), k_cache, exact_values(*k_cache.shape))
-    v_cache = torch.where(v_cache.isnan(), v_cache, exact_values(*v_cache.shape, scale=1.0))
-    q = exact_values(sum(seq_lens), num_kv_heads * group, head_dim)
-    scale = head_dim ** -0.5
+    meta, k_cache, v_cache, q = exact_attention_batch(5, [70, 45, 9])
+    dtype, head_dim, group, scale = torch.float16, 64, 2, 64 ** -0.5
     full = prefill_attention(q, k_cache, v_cache, meta, scale, uniform=True)
     seqs, query_lens = [1, 0, 2], [1, 1, 5]
     sub = sub_meta(meta, seqs, query_lens)
