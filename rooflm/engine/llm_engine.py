@@ -434,7 +434,7 @@ class LLMEngine:
         """Read a launched step's samples back, process them, and report the step."""
         t0 = time.perf_counter()
         with self.tracer.phase("collect"):
-            result = self.runner.collect(step.handle)
+            result = self.runner.collect(step.handle, wait_device=self.async_scheduling)
         t1 = time.perf_counter()
         if self.spec is not None:
             self.spec.observe(step.out, result.sampled, t1 - step.launched_at, step.planned_at,

@@ -633,6 +633,11 @@ class ModelRunner:
             with self.tracer.phase("sample"):
                 self._sample(handle, logits, meta)
             self._copy_results_to_host(handle)
+        elif self.device.type == "cuda":
+            # Nothing sampled (a prefill chunk that does not end its prompt): no results to wait
+            # for, but an event all the same, so that collect(wait_device=True) can time it.
+            handle.ready = torch.cuda.Event()
+            handle.ready.record()
         return handle
 
     def _sampling_metadata(self, rows: list[SamplingRow]) -> SamplingMetadata:
@@ -722,10 +727,15 @@ class ModelRunner:
         return dst, prev.sampled.sampled_token_ids.index_select(0, src)
 
     @torch.inference_mode()
-    def collect(self, handle: "StepHandle") -> StepResult:
-        """Wait for a launched step and bring its sampled tokens (and logprobs) to the host."""
+    def collect(self, handle: "StepHandle", wait_device: bool = False) -> StepResult:
+        """Wait for a launched step and bring its sampled tokens (and logprobs) to the host. A
+        step that sampled nothing is waited for only with wait_device (async scheduling, where the
+        next step is already queued: the wait costs the device nothing and the step's time is
+        then its own, not carried by the next step's)."""
         result, inputs = handle.result, handle.inputs
         if handle.sampled is None:
+            if wait_device and handle.ready is not None:
+                handle.ready.synchronize()
             return result
         if handle.ready is not None:
             handle.ready.synchronize()  # the step's one wait for the device
