@@ -86,8 +86,8 @@ done
 echo "fidelity done at +$(( $(date +%s) - T0 )) s"
 
 # (5) If time is left: the README's plan beyond one machine, priced with this calibration.
-if [ $(( $(date +%s) - T0 )) -lt ${PLAN_BEFORE_S:-390} ]; then
-  timeout 80 python3 -m rooflm simulate --plan --model llama-3-8b --calibration "$CAL" --rate 1000 \
+if [ $(( $(date +%s) - T0 )) -lt ${PLAN_BEFORE_S:-380} ]; then
+  timeout ${PLAN_TIMEOUT_S:-150} python3 -m rooflm simulate --plan --model llama-3-8b --calibration "$CAL" --rate 1000 \
     --slo ttft_p99=500ms,tpot_p50=30ms --gpus h100,h200 --tp-options 1,2 --num-prompts 500 \
     --max-model-len 4096 2>&1 | tee "$OUT/plan-1000rps.txt" | tail -9
 fi
