@@ -111,3 +111,35 @@ def test_output_reaching_the_context_length_is_whole(tiny_path):
     sync, async_ = run_both(tiny_path, prompts_of([24, 24]), params, max_model_len=64)
     assert async_ == sync
     assert [len(r[0][0]) for r in async_] == [40, 40]
+
+
+class _Event:
+    def __init__(self):
+        self.waits = 0
+
+    def synchronize(self):
+        self.waits += 1
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_step_that_samples_nothing_is_waited_for_only_under_async(tiny_path, async_scheduling):
+    """A prefill chunk that does not end its prompt samples nothing, so its collect has no tokens
+    to wait for; under async scheduling the engine waits on the step's event all the same (the
+    next step is already queued), so that the time it reports is the step's own. On the CPU there
+    is no event: a stand-in counts the waits."""
+    llm = LLM(model=tiny_path, device="cpu", dtype="float32", async_scheduling=async_scheduling,
+              max_num_batched_tokens=16, enable_chunked_prefill=True)
+    runner = llm.engine.runner
+    launch, events = runner.launch, []
+
+    def launch_with_event(*args, **kwargs):
+        handle = launch(*args, **kwargs)
+        if handle.sampled is None:
+            handle.ready = _Event()
+            events.append(handle.ready)
+        return handle
+
+    runner.launch = launch_with_event
+    llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))  # 50 tokens
+    assert len(events) >= 3  # chunks of 16 that end no prompt
+    assert [e.waits for e in events] == [1 if async_scheduling else 0] * len(events)
