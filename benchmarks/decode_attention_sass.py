@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real, even beside the CPU tests' setting
@@ -33,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from quant_gemv_sass import TARGET, main_loop  # noqa: E402
+from quant_gemv_sass import TARGET, cuobjdump, main_loop  # noqa: E402
 
 FLOAT_ARGS = ("qk_scale",)
 DIVISIBLE = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_ct", "stride_ch",
@@ -85,16 +84,7 @@ SM_REGISTERS, SM_SHARED, SM_MAX_WARPS = 65536, 228 * 1024, 64  # H100 per SM
 
 def registers(kernel) -> int:
     """Registers a thread uses, from the cubin's resource usage (no GPU needed)."""
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    path = f"/tmp/rooflm_res_{os.getpid()}.cubin"
-    with open(path, "wb") as f:
-        f.write(kernel.asm["cubin"])
-    try:
-        out = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-res-usage", path],
-                             capture_output=True, text=True, check=True).stdout
-    finally:
-        os.remove(path)
-    return int(re.search(r"REG:(\d+)", out).group(1))
+    return int(re.search(r"REG:(\d+)", cuobjdump(kernel, "-res-usage")).group(1))
 
 
 def in_flight(kernel, num_warps: int) -> tuple[int, int, int]:

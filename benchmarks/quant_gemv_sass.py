@@ -59,17 +59,22 @@ def compile_kernel(fn, pointer_types: dict, constexprs: dict, num_warps: int, nu
     return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def main_loop(kernel) -> tuple[int, collections.Counter]:
-    """(instructions, op counts) of the largest backward-branch loop in the kernel's SASS."""
+def cuobjdump(kernel, flag: str) -> str:
+    """`cuobjdump FLAG` (Triton's bundled copy) of a compiled kernel's cubin: -sass, -res-usage."""
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     path = f"/tmp/rooflm_sass_{os.getpid()}.cubin"
     with open(path, "wb") as f:
         f.write(kernel.asm["cubin"])
     try:
-        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", path],
+        return subprocess.run([os.path.join(bin_dir, "cuobjdump"), flag, path],
                               capture_output=True, text=True, check=True).stdout
     finally:
         os.remove(path)
+
+
+def main_loop(kernel) -> tuple[int, collections.Counter]:
+    """(instructions, op counts) of the largest backward-branch loop in the kernel's SASS."""
+    sass = cuobjdump(kernel, "-sass")
     ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
     best = (0, collections.Counter())
     for addr, text in ins:
