@@ -39,6 +39,16 @@ PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
                "lm_head": (128256, 4096)}
 
 
+def operands(names, ms):
+    """(name, n, k, m, x, w) for each projection named and each M: W [N, K] scaled by 1 / sqrt(K),
+    drawn once per projection, x [M, K] once per M, bf16 on DEVICE."""
+    for name in names:
+        n, k = PROJECTIONS[name]
+        w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k ** 0.5
+        for m in ms:
+            yield name, n, k, m, torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16), w
+
+
 # Tile shapes (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages) to compare with the table's: a
 # shape-dependent (never M-dependent) choice could fill more SMs for the narrow projections.
 CANDIDATES = [(128, 64, 64, 8, 4, 4), (64, 64, 64, 8, 4, 4), (128, 256, 64, 8, 8, 3)]
@@ -50,37 +60,30 @@ def bench_tile_shapes() -> list[dict]:
     from rooflm.kernels.matmul_persistent import matmul_config
     rows = []
     base = matmul_config(torch.bfloat16, 2048)
-    for name in ("o", "down", "gate_up"):
-        n, k = PROJECTIONS[name]
-        w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k ** 0.5
-        for m in (1, 2048):
-            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
-            ref = matmul_persistent(x, w, config=base)
-            t_base = do_bench(lambda: matmul_persistent(x, w, config=base), return_mode="median")
-            for cand in CANDIDATES:
-                t = do_bench(lambda: matmul_persistent(x, w, config=cand), return_mode="median")
-                same = bool(torch.equal(matmul_persistent(x, w, config=cand), ref))
-                rows.append(dict(kernel="matmul-tiles", shape=name, m=m, config=list(cand), ms=t,
-                                 table_ms=t_base, sums_like_table=same))
-                print(f"tiles {name:8s} M={m:5d} {cand}: {t:7.3f} ms (table {t_base:7.3f})  same sums: {same}",
-                      flush=True)
+    for name, n, k, m, x, w in operands(("o", "down", "gate_up"), (1, 2048)):
+        ref = matmul_persistent(x, w, config=base)
+        t_base = do_bench(lambda: matmul_persistent(x, w, config=base), return_mode="median")
+        for cand in CANDIDATES:
+            t = do_bench(lambda: matmul_persistent(x, w, config=cand), return_mode="median")
+            same = bool(torch.equal(matmul_persistent(x, w, config=cand), ref))
+            rows.append(dict(kernel="matmul-tiles", shape=name, m=m, config=list(cand), ms=t,
+                             table_ms=t_base, sums_like_table=same))
+            print(f"tiles {name:8s} M={m:5d} {cand}: {t:7.3f} ms (table {t_base:7.3f})  same sums: {same}",
+                  flush=True)
     return rows
 
 
 def bench_matmul() -> list[dict]:
     rows = []
-    for name, (n, k) in PROJECTIONS.items():
-        w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k ** 0.5
-        for m in M_VALUES:
-            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
-            t_cublas = do_bench(lambda: F.linear(x, w), return_mode="median")
-            t_det = do_bench(lambda: matmul_persistent(x, w), return_mode="median")
-            row = dict(kernel="matmul", shape=name, m=m, n=n, k=k, cublas_ms=t_cublas, deterministic_ms=t_det,
-                       ratio=t_det / t_cublas, det_tflops=matmul_flops(m, n, k) / t_det / 1e9,
-                       det_gbs=matmul_bytes(m, n, k, 2) / t_det / 1e6)
-            rows.append(row)
-            print(f"matmul {name:8s} M={m:5d}  cuBLAS {t_cublas:7.3f} ms  persistent {t_det:7.3f} ms  "
-                  f"x{row['ratio']:.2f}  ({row['det_tflops']:.0f} TFLOP/s, {row['det_gbs']:.0f} GB/s)", flush=True)
+    for name, n, k, m, x, w in operands(PROJECTIONS, M_VALUES):
+        t_cublas = do_bench(lambda: F.linear(x, w), return_mode="median")
+        t_det = do_bench(lambda: matmul_persistent(x, w), return_mode="median")
+        row = dict(kernel="matmul", shape=name, m=m, n=n, k=k, cublas_ms=t_cublas, deterministic_ms=t_det,
+                   ratio=t_det / t_cublas, det_tflops=matmul_flops(m, n, k) / t_det / 1e9,
+                   det_gbs=matmul_bytes(m, n, k, 2) / t_det / 1e6)
+        rows.append(row)
+        print(f"matmul {name:8s} M={m:5d}  cuBLAS {t_cublas:7.3f} ms  persistent {t_det:7.3f} ms  "
+              f"x{row['ratio']:.2f}  ({row['det_tflops']:.0f} TFLOP/s, {row['det_gbs']:.0f} GB/s)", flush=True)
     return rows
 
 
@@ -124,30 +127,22 @@ def bench_fixed_split() -> list[dict]:
         del w, x_all, full
     # The "loop" schedule's tile (capped at 128 x 128: acc + total in registers), against others
     # that fit, at prefill sizes; each must sum like the default (else it could not be used).
-    for name in ("o", "down", "qkv"):
-        n, k = PROJECTIONS[name]
-        w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k ** 0.5
-        for m in (256, 2048):
-            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
-            ref = matmul_fixed_split(x, w, schedule="loop")
-            for cand in LOOP_CANDIDATES:
-                t = do_bench(lambda: matmul_fixed_split(x, w, schedule="loop", config=cand), return_mode="median")
-                same = bool(torch.equal(matmul_fixed_split(x, w, schedule="loop", config=cand), ref))
-                rows.append(dict(kernel="matmul-split-loop-tiles", shape=name, m=m, config=list(cand), ms=t,
-                                 default_config=list(loop_config(torch.bfloat16, m)), same_sums=same))
-                print(f"loop tiles {name:6s} M={m:5d} {cand}: {t:7.3f} ms  same sums: {same}", flush=True)
+    for name, n, k, m, x, w in operands(("o", "down", "qkv"), (256, 2048)):
+        ref = matmul_fixed_split(x, w, schedule="loop")
+        for cand in LOOP_CANDIDATES:
+            t = do_bench(lambda: matmul_fixed_split(x, w, schedule="loop", config=cand), return_mode="median")
+            same = bool(torch.equal(matmul_fixed_split(x, w, schedule="loop", config=cand), ref))
+            rows.append(dict(kernel="matmul-split-loop-tiles", shape=name, m=m, config=list(cand), ms=t,
+                             default_config=list(loop_config(torch.bfloat16, m)), same_sums=same))
+            print(f"loop tiles {name:6s} M={m:5d} {cand}: {t:7.3f} ms  same sums: {same}", flush=True)
     # Is split_plan's S the right one? Every S at decode sizes, "programs" schedule.
-    for name in ("o", "down", "qkv"):
-        n, k = PROJECTIONS[name]
-        w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k ** 0.5
-        for m in (1, 64):
-            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
-            times = {s: do_bench(lambda: matmul_fixed_split(x, w, splits=s, schedule="programs"),
-                                 return_mode="median") for s in range(1, 9)}
-            rows.append(dict(kernel="matmul-split-count", shape=name, m=m, ms_by_splits=times,
-                             planned=split_plan(n, k, torch.bfloat16, sms)[0]))
-            print(f"splits {name:8s} M={m:3d} planned S={rows[-1]['planned']}: "
-                  + "  ".join(f"S={s} {t:.4f}" for s, t in times.items()), flush=True)
+    for name, n, k, m, x, w in operands(("o", "down", "qkv"), (1, 64)):
+        times = {s: do_bench(lambda: matmul_fixed_split(x, w, splits=s, schedule="programs"),
+                             return_mode="median") for s in range(1, 9)}
+        rows.append(dict(kernel="matmul-split-count", shape=name, m=m, ms_by_splits=times,
+                         planned=split_plan(n, k, torch.bfloat16, sms)[0]))
+        print(f"splits {name:8s} M={m:3d} planned S={rows[-1]['planned']}: "
+              + "  ".join(f"S={s} {t:.4f}" for s, t in times.items()), flush=True)
     return rows
 
 
@@ -209,21 +204,18 @@ def bench_tma() -> list[dict]:
     projection at M = 512 and 2048 (prefill chunks) and 64, with candidate tiles (BLOCK_K 64:
     the sums do not change), and whether TMA's rows are bitwise the pointer kernel's."""
     rows = []
-    for name, (n, k) in PROJECTIONS.items():
-        w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k ** 0.5
-        for m in M_TMA:
-            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
-            t_cublas = do_bench(lambda: F.linear(x, w), return_mode="median")
-            t_ptr = do_bench(lambda: matmul_persistent(x, w, tma=False), return_mode="median")
-            same = torch.equal(matmul_persistent(x, w, tma=True), matmul_persistent(x, w, tma=False))
-            row = dict(kernel="tma", shape=name, m=m, cublas_ms=t_cublas, pointer_ms=t_ptr, same_sums=same)
-            for cfg in (TMA_SMALL_CONFIGS if m <= 64 else TMA_CONFIGS):
-                row[f"tma {cfg}"] = do_bench(lambda: matmul_persistent(x, w, config=cfg, tma=True),
-                                             return_mode="median")
-            best = min((v, c) for c, v in row.items() if c.startswith("tma ("))
-            rows.append(row)
-            print(f"tma {name:8s} M={m:5d} cuBLAS {t_cublas:7.3f} pointer {t_ptr:7.3f} (x{t_ptr / t_cublas:.2f}) "
-                  f"best TMA {best[0]:7.3f} (x{best[0] / t_cublas:.2f}) {best[1][4:]}  same sums {same}", flush=True)
+    for name, n, k, m, x, w in operands(PROJECTIONS, M_TMA):
+        t_cublas = do_bench(lambda: F.linear(x, w), return_mode="median")
+        t_ptr = do_bench(lambda: matmul_persistent(x, w, tma=False), return_mode="median")
+        same = torch.equal(matmul_persistent(x, w, tma=True), matmul_persistent(x, w, tma=False))
+        row = dict(kernel="tma", shape=name, m=m, cublas_ms=t_cublas, pointer_ms=t_ptr, same_sums=same)
+        for cfg in (TMA_SMALL_CONFIGS if m <= 64 else TMA_CONFIGS):
+            row[f"tma {cfg}"] = do_bench(lambda: matmul_persistent(x, w, config=cfg, tma=True),
+                                         return_mode="median")
+        best = min((v, c) for c, v in row.items() if c.startswith("tma ("))
+        rows.append(row)
+        print(f"tma {name:8s} M={m:5d} cuBLAS {t_cublas:7.3f} pointer {t_ptr:7.3f} (x{t_ptr / t_cublas:.2f}) "
+              f"best TMA {best[0]:7.3f} (x{best[0] / t_cublas:.2f}) {best[1][4:]}  same sums {same}", flush=True)
     return rows
 
 
@@ -241,32 +233,28 @@ def bench_small() -> list[dict]:
     from triton.testing import do_bench_cudagraph
     from rooflm.kernels.matmul_persistent import matmul_config
     rows = []
-    for name in ("qkv", "o", "gate_up", "down"):
-        n, k = PROJECTIONS[name]
-        w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k ** 0.5
-        for m in M_SMALL:
-            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
-            table = matmul_config(torch.bfloat16, m)
-            ref = matmul_persistent(x, w, config=table)
-            gb = n * k * 2 / 1e6
-            t_cublas = do_bench_cudagraph(lambda: F.linear(x, w), rep=40)
-            t_table = do_bench_cudagraph(lambda: matmul_persistent(x, w, config=table), rep=40)
-            best = (t_table, table)
-            for cfg in SMALL_CONFIGS:
-                try:
-                    t = do_bench_cudagraph(lambda: matmul_persistent(x, w, config=cfg), rep=40)
-                except Exception as e:  # noqa: BLE001 (a tile that does not fit: say so, go on)
-                    print(f"small {name} M={m} {cfg}: {type(e).__name__}", flush=True)
-                    continue
-                same = bool(torch.equal(matmul_persistent(x, w, config=cfg), ref))
-                rows.append(dict(kernel="small", shape=name, m=m, config=list(cfg), ms=t, table_ms=t_table,
-                                 cublas_ms=t_cublas, gbs=gb / t, same_sums=same))
-                if same and t < best[0]:
-                    best = (t, cfg)
-                if not same:
-                    print(f"small {name} M={m} {cfg}: {t:.4f} ms, sums DIFFER from the bucket's", flush=True)
-            print(f"small {name:8s} M={m:3d} cuBLAS {t_cublas:.4f} ({gb / t_cublas:.0f} GB/s) table {t_table:.4f} "
-                  f"({gb / t_table:.0f} GB/s) best {best[0]:.4f} ({gb / best[0]:.0f} GB/s) {best[1]}", flush=True)
+    for name, n, k, m, x, w in operands(("qkv", "o", "gate_up", "down"), M_SMALL):
+        table = matmul_config(torch.bfloat16, m)
+        ref = matmul_persistent(x, w, config=table)
+        gb = n * k * 2 / 1e6
+        t_cublas = do_bench_cudagraph(lambda: F.linear(x, w), rep=40)
+        t_table = do_bench_cudagraph(lambda: matmul_persistent(x, w, config=table), rep=40)
+        best = (t_table, table)
+        for cfg in SMALL_CONFIGS:
+            try:
+                t = do_bench_cudagraph(lambda: matmul_persistent(x, w, config=cfg), rep=40)
+            except Exception as e:  # noqa: BLE001 (a tile that does not fit: say so, go on)
+                print(f"small {name} M={m} {cfg}: {type(e).__name__}", flush=True)
+                continue
+            same = bool(torch.equal(matmul_persistent(x, w, config=cfg), ref))
+            rows.append(dict(kernel="small", shape=name, m=m, config=list(cfg), ms=t, table_ms=t_table,
+                             cublas_ms=t_cublas, gbs=gb / t, same_sums=same))
+            if same and t < best[0]:
+                best = (t, cfg)
+            if not same:
+                print(f"small {name} M={m} {cfg}: {t:.4f} ms, sums DIFFER from the bucket's", flush=True)
+        print(f"small {name:8s} M={m:3d} cuBLAS {t_cublas:.4f} ({gb / t_cublas:.0f} GB/s) table {t_table:.4f} "
+              f"({gb / t_table:.0f} GB/s) best {best[0]:.4f} ({gb / best[0]:.0f} GB/s) {best[1]}", flush=True)
     return rows
 
 
