@@ -129,8 +129,8 @@ class TritonBackend(AttentionBackend):
         scales = dict(k_scale=k_scale, v_scale=v_scale)
         decode = prefill = None
         if num_decodes > 0:
-            table = prefill_config(q.shape[-1], q.shape[1] // k_cache.shape[2], q.dtype, tma=False)
-            config = uniform_decode_config(table, q.shape[1] // k_cache.shape[2])
+            group = q.shape[1] // k_cache.shape[2]
+            config = uniform_decode_config(prefill_config(q.shape[-1], group, q.dtype, tma=False), group)
             decode = plan_prefill_attention(q, k_cache, v_cache, meta, sliding_window, out=out, config=config,
                                             uniform=True, end_seq=num_decodes, **scales)
         if num_decodes < meta.num_seqs:
