@@ -82,7 +82,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rooflm.kernels.utils import (check_paged_attention_inputs, config_for_head_dim, LOG2E, dot_precision, is_interpreter,
-                                  fp8_pv, kv_tile_offsets, load_2d, load_kv_scales, next_power_of_2, upcast_dots)
+                                  fp8_pv, kv_tile_offsets, load_2d, load_kv_scales, next_power_of_2, upcast_dots,
+                                  gdc_launch_dependents, gdc_wait, pdl_supported)
 from rooflm.layers.attention import AttentionMetadata, paged_attention_ref
 
 # A masked score. Finite on purpose: a row whose first tile is fully masked
@@ -189,9 +190,13 @@ def _prefill_attention_kernel(
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SLIDING: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-        FP8: tl.constexpr = False, ABLATE: tl.constexpr = 0, UNIFORM: tl.constexpr = False):
+        FP8: tl.constexpr = False, ABLATE: tl.constexpr = 0, UNIFORM: tl.constexpr = False,
+        PDL: tl.constexpr = False):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     PAD_D: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
+    if PDL:  # launched while the RoPE/KV write drains (uniform plans): wait for q and the cache
+        gdc_launch_dependents()
+        gdc_wait()
 
     # Which sequence and which of its query tiles (longest tiles first).
     target = tile_lo + (num_tiles - 1 - tl.program_id(0))
@@ -354,6 +359,13 @@ class PrefillPlan:
     sliding: bool
     uniform: bool = False  # every key tile masked: a row's sums do not depend on its tile-mates
     end_seq: Optional[int] = None  # sequences first_seq .. end_seq - 1 (None: to the last)
+    # Programmatic dependent launch, for uniform plans only: --deterministic runs every
+    # attention through this kernel between PDL-launched kernels (the RoPE/KV write before, the
+    # persistent matmul after), so without it each layer pays two full launch gaps. The default
+    # path's prefill launches sit beside decode attention in mixed steps, where early-resident
+    # programs could hold SM slots the decode kernel's later waves need (utils.pdl_launch): not
+    # measured, so not switched on there.
+    pdl: bool = False
 
 
 def plan_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -399,7 +411,8 @@ def plan_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tile_lo = starts[first_seq] // block_q + first_seq
     num_tiles = starts[num_seqs] // block_q + num_seqs - tile_lo
     sliding = sliding_window is not None and sliding_window > 0
-    return PrefillPlan(first_seq, tile_lo, num_tiles, config, use_tma, sliding, uniform, num_seqs)
+    return PrefillPlan(first_seq, tile_lo, num_tiles, config, use_tma, sliding, uniform, num_seqs,
+                       pdl=uniform and pdl_supported(q.device))
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -461,8 +474,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         SLIDING=plan.sliding, UPCAST=upcast_dots(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
-        USE_TMA=plan.use_tma, FP8=fp8, ABLATE=_ablate, UNIFORM=plan.uniform, num_warps=num_warps,
-        num_stages=num_stages,
+        USE_TMA=plan.use_tma, FP8=fp8, ABLATE=_ablate, UNIFORM=plan.uniform, PDL=plan.pdl, num_warps=num_warps,
+        num_stages=num_stages, **({"launch_pdl": True} if plan.pdl else {}),
     )
     return out
 
