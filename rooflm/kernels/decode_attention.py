@@ -241,6 +241,14 @@ DECODE_CONFIGS_SHORT = {
     128: (32, 4, 3),   # H100, 1 x 8192 in 64 splits: 1799 GB/s (64-key tiles: 1675)
     256: (32, 4, 3),
 }
+# FP8 caches over long key ranges: tiles of half the bytes want fewer registers a CTA (more CTAs,
+# so more tiles in flight an SM). H100 sweep of 2026-11-26 (benchmarks/kv_fp8.py, one split):
+# 300 x 1500 keys 485 -> 450 us (1,959 -> 2,113 GB/s), 512 x 330 235 -> 214 us against (128, 4, 3).
+DECODE_CONFIGS_FP8 = {
+    64: (128, 4, 3),   # not swept on the device yet
+    128: (64, 2, 6),
+    256: (64, 4, 3),   # not swept on the device yet
+}
 SHORT_RANGE_TOKENS = 512  # keys per program below which the short table applies
 DECODE_CONFIG_FP32 = (32, 4, 2)
 _INTERPRETER_CONFIG = (32, 1, 1)
@@ -256,12 +264,16 @@ MAX_SPLITS = 64
 
 
 def decode_config(head_dim: int, dtype: torch.dtype = torch.bfloat16,
-                  keys_per_program: int = 1 << 30) -> tuple[int, int, int]:
+                  keys_per_program: int = 1 << 30, fp8: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for q's dtype; fp8: an FP8 cache."""
     if is_interpreter():
         return _INTERPRETER_CONFIG
     if dtype == torch.float32:
         return DECODE_CONFIG_FP32
-    table = DECODE_CONFIGS_SHORT if keys_per_program < SHORT_RANGE_TOKENS else DECODE_CONFIGS
+    if keys_per_program < SHORT_RANGE_TOKENS:
+        table = DECODE_CONFIGS_SHORT
+    else:
+        table = DECODE_CONFIGS_FP8 if fp8 else DECODE_CONFIGS
     return config_for_head_dim(table, max(next_power_of_2(head_dim), 16))
 
 
@@ -313,7 +325,7 @@ def plan_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     span = min(max_len, sliding_window) if sliding else max_len
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_len, sliding_window if sliding else None)
-    config = config or decode_config(head_dim, q.dtype, cdiv(span, num_splits))
+    config = config or decode_config(head_dim, q.dtype, cdiv(span, num_splits), fp8=k_scale is not None)
     head_dim_pad = max(next_power_of_2(head_dim), 16)
     if num_splits > 1:
         part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim_pad, dtype=torch.float32, device=q.device)
