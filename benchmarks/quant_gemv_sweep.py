@@ -72,13 +72,29 @@ def w4_candidates(m: int, group: int):
         out += [W4Config(16, 64, bk, 4, 3, 2, fold=False), W4Config(16, 128, bk, 4, 3, 2)]
         return out
     bms = (16,) if m <= 16 else (32, 64)
-    out = [W4Config(bm, bn, bk, 4, 3, sk) for bm in bms for bn in (32, 64, 128) for sk in (1, 2)]
+    out = swap_ab_candidates(m, bk)  # first: the budget skips the end of a list
+    out += [W4Config(bm, bn, bk, 4, 3, sk) for bm in bms for bn in (32, 64, 128) for sk in (1, 2)]
     # the per-weight dequant (fold=False) beside the per-group fold on the middle tile
     out += [W4Config(bm, 64, bk, 4, 3, 1, fold=False) for bm in bms]
     # (block_k 2 x 256 with block_m 64 needs 256 KB of shared memory at 3 stages: over the H100's 227)
     out += [c for bm in bms for c in ((W4Config(bm, 64, 2 * bk, 4, 3, 1),) if bm < 64 else ())
             + (W4Config(bm, 64, bk, 8, 4, 1), W4Config(bm, 64, bk, 4, 2, 1))]
     return out
+
+
+def swap_ab_candidates(m: int, bk: int):
+    """Tensor-core tiles computing y.T = W @ x.T (the unpacked W wgmma's A operand, from registers):
+    block_n is wgmma's M (64 a warpgroup), block_m its N. Tiles that compile for sm_90 without
+    spills (benchmarks/quant_gemv_sass.py; 4 warps with block_n 128 spill), fold and per-weight."""
+    from rooflm.kernels.w4a16 import W4Config
+    if m <= 16:
+        out = [W4Config(16, 64, bk, 4, 3, sk, fold) for sk in (1, 2, 4) for fold in (True, False)]
+        out += [W4Config(16, 128, bk, 8, 3, sk) for sk in (1, 2)] + [W4Config(16, 64, bk, 4, 4, 1)]
+    else:
+        out = [W4Config(64, 64, bk, 4, 3, sk, fold) for sk in (1, 2) for fold in (True, False)]
+        out += [W4Config(64, 128, bk, 8, 3, 1, fold) for fold in (True, False)]
+        out += [W4Config(32, 64, bk, 4, 3, 1, fold) for fold in (True, False)]
+    return [c._replace(swap_ab=True) for c in out]
 
 
 def w8_candidates(m: int):
@@ -211,7 +227,10 @@ def run(args) -> dict:
             heur8, heur4 = new8.pick_config(m, n, k, None, sms), new4.pick_config(m, n, k, group, None, sms)
             todo = [("w8a16", "heur", heur8)] + [("w4a16", "heur", heur4)]
             cap = args.max_candidates
-            todo += [("w4a16", "cand", c) for c in w4_candidates(m, group)[:cap] if c != heur4]
+            cands4 = w4_candidates(m, group)[:cap]
+            if heur4.block_m > 1:  # the heuristic's tile swapped: its split-K is sized for this shape
+                cands4 = [heur4._replace(swap_ab=True)] + [c for c in cands4 if c != heur4._replace(swap_ab=True)]
+            todo += [("w4a16", "cand", c) for c in cands4 if c != heur4]
             todo += [("w8a16", "cand", c) for c in w8_candidates(m)[:cap] if c != heur8]
             for kernel, variant, cfg in todo:
                 if variant == "cand" and time.perf_counter() > deadline:
@@ -240,7 +259,9 @@ def _cfg(c: dict | None) -> str:
     if not c:
         return ""
     return (f"m{c['block_m']} n{c['block_n']} k{c['block_k']} w{c['num_warps']} s{c['num_stages']}"
-            + (f" x{c['split_k']}" if c.get("split_k", 1) > 1 else ""))
+            + (f" x{c['split_k']}" if c.get("split_k", 1) > 1 else "")
+            + (" nofold" if c.get("fold") is False and c["block_m"] > 1 else "")
+            + (" swap" if c.get("swap_ab") else ""))
 
 
 def best_rows(rows, shape, m, kernel):

@@ -42,6 +42,11 @@ rooflm/kernels/split_k.py). It walks its range BLOCK_K / 2 bytes at a time, one 
     to the [BLOCK_M, BLOCK_N] results: 16 s (x @ w'.T) - s (16 + z) (x @ ones). No float op
     touches a weight; sum(x) comes from a dot with ones so it lands in the accumulator's layout.
     (fold=False: the per-weight dequant (w' - (1 + z / 16)) 16 s rounded to the dtype, for the sweep.)
+  - swap_ab (M > 1): the [BLOCK_N, BLOCK_M] tile of y.T = W @ x.T, as CUTLASS's mixed-input Hopper
+    GEMMs and Machete do at small M. Hopper's wgmma reads its A operand from registers, B only from
+    shared memory: the unpacked W as A goes straight to the tensor cores (as B it goes back through
+    shared memory, or the dot falls back to mma.sync), x.T is B. BLOCK_N is wgmma's M (64 a
+    warpgroup), BLOCK_M its N (16..64). The fold takes sum(x) as a row sum (fp32), not a second MMA.
 
 Work
 ----
@@ -117,6 +122,18 @@ def _fold_group(acc, x, w, ones, s, z, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _fold_group_t(acc, w, x, s, z, PRECISION: tl.constexpr):
+    """_fold_group swapped (acc is [BLOCK_N, BLOCK_M]): acc + ((code - z) s) @ x.T =
+    (16 s) (w @ x.T) - s (16 + z) sum(x), the row sums of x in fp32 as the dot with ones sums
+    them, without a second MMA of the first one's size."""
+    d1 = tl.dot(w, tl.trans(x), input_precision=PRECISION)
+    xs = tl.sum(x.to(tl.float32), axis=1)
+    a = 16.0 * s
+    c = s * (16.0 + z)
+    return acc + a[:, None] * d1 - c[:, None] * xs[None, :]
+
+
+@triton.jit
 def _group(s_ptr, z_ptr, grp, N, rn, mask):
     """Scale and zero of group `grp` for rows rn, fp32."""
     s = tl.load(s_ptr + grp * N + rn, mask=mask, other=0.0).to(tl.float32)
@@ -137,10 +154,36 @@ def _group_pair(s_ptr, z_ptr, b, end, S, K, N, rn, n_mask, GROUP: tl.constexpr, 
 
 
 @triton.jit
+def _gemm_tiles(qw_ptr, x_rows, s_ptr, z_ptr, b, S, K, N, rn, n_mask, m_mask,
+                GROUP: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr):
+    """The tensor-core path's operands of one group of each nibble at byte b: the bytes of rows
+    rn, x's columns of the low and the high half, their scales and zeros (masked past S and K
+    unless EVEN)."""
+    rg = tl.arange(0, GROUP)
+    if EVEN:
+        p = tl.load(qw_ptr + rn[:, None] * S + (b + rg)[None, :], mask=n_mask[:, None], other=0)
+        x_lo = tl.load(x_rows + (b + rg)[None, :], mask=m_mask[:, None], other=0.0)
+        x_hi = tl.load(x_rows + (S + b + rg)[None, :], mask=m_mask[:, None], other=0.0)
+        s_lo, z_lo = _group(s_ptr, z_ptr, b // GROUP, N, rn, n_mask)
+        s_hi, z_hi = _group(s_ptr, z_ptr, (S + b) // GROUP, N, rn, n_mask)
+    else:
+        lo_ok = (b + rg) < S
+        hi_ok = (S + b + rg) < K
+        p = tl.load(qw_ptr + rn[:, None] * S + (b + rg)[None, :], mask=n_mask[:, None] & lo_ok[None, :], other=0)
+        x_lo = tl.load(x_rows + (b + rg)[None, :], mask=m_mask[:, None] & lo_ok[None, :], other=0.0)
+        x_hi = tl.load(x_rows + (S + b + rg)[None, :], mask=m_mask[:, None] & hi_ok[None, :], other=0.0)
+        # (a scalar condition broadcast by hand: the interpreter's masks must be tensors)
+        bb = tl.zeros([BLOCK_N], dtype=tl.int32) + b
+        s_lo, z_lo = _group(s_ptr, z_ptr, b // GROUP, N, rn, n_mask & (bb < S))
+        s_hi, z_hi = _group(s_ptr, z_ptr, (S + b) // GROUP, N, rn, n_mask & (S + bb < K))
+    return p, x_lo, x_hi, s_lo, z_lo, s_hi, z_hi
+
+
+@triton.jit
 def _w4a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHUNK, stride_xm, stride_ym,
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
                   SPLIT: tl.constexpr, EVEN: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
-                  FOLD: tl.constexpr, PDL: tl.constexpr = False):
+                  FOLD: tl.constexpr, SWAP_AB: tl.constexpr = False, PDL: tl.constexpr = False):
     if PDL:  # launched early (programmatic dependent launch): wait for the kernel before's x
         gdc_wait()
     # BLOCK_H: bytes of a row per step (BLOCK_K / 2 codes in each nibble), a multiple of GROUP.
@@ -194,45 +237,46 @@ def _w4a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHU
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = rm < M
         x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        # SWAP_AB: the tile of y.T = W @ x.T. wgmma takes its A operand from registers, B only from
+        # shared memory: the unpacked W as A goes straight to the tensor cores, x.T is B.
+        acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], dtype=tl.float32)
         ones = tl.full([GROUP, BLOCK_N], 1.0, dtype=x_ptr.dtype.element_ty)
         for j0 in range(start, end, BLOCK_H):
             for gi in tl.static_range(BLOCK_H // GROUP):
-                b = j0 + gi * GROUP
-                if EVEN:
-                    p = tl.load(qw_ptr + rn[:, None] * S + (b + rg)[None, :], mask=n_mask[:, None], other=0)
-                    x_lo = tl.load(x_rows + (b + rg)[None, :], mask=m_mask[:, None], other=0.0)
-                    x_hi = tl.load(x_rows + (S + b + rg)[None, :], mask=m_mask[:, None], other=0.0)
-                    s_lo, z_lo = _group(s_ptr, z_ptr, b // GROUP, N, rn, n_mask)
-                    s_hi, z_hi = _group(s_ptr, z_ptr, (S + b) // GROUP, N, rn, n_mask)
-                else:
-                    lo_ok = (b + rg) < S
-                    hi_ok = (S + b + rg) < K
-                    p = tl.load(qw_ptr + rn[:, None] * S + (b + rg)[None, :],
-                                mask=n_mask[:, None] & lo_ok[None, :], other=0)
-                    x_lo = tl.load(x_rows + (b + rg)[None, :], mask=m_mask[:, None] & lo_ok[None, :], other=0.0)
-                    x_hi = tl.load(x_rows + (S + b + rg)[None, :], mask=m_mask[:, None] & hi_ok[None, :],
-                                   other=0.0)
-                    # (a scalar condition broadcast by hand: the interpreter's masks must be tensors)
-                    bb = tl.zeros([BLOCK_N], dtype=tl.int32) + b
-                    s_lo, z_lo = _group(s_ptr, z_ptr, b // GROUP, N, rn, n_mask & (bb < S))
-                    s_hi, z_hi = _group(s_ptr, z_ptr, (S + b) // GROUP, N, rn, n_mask & (S + bb < K))
+                p, x_lo, x_hi, s_lo, z_lo, s_hi, z_hi = _gemm_tiles(qw_ptr, x_rows, s_ptr, z_ptr, j0 + gi * GROUP,
+                                                                    S, K, N, rn, n_mask, m_mask, GROUP, BLOCK_N, EVEN)
                 if FOLD:
                     # w' = 1 + code / 16 made in x's dtype by bits alone (exact in bf16/fp16/fp32)
                     # and multiplied as it is; per group and row, sum((code - zero) x) =
                     # 16 sum(w' x) - (16 + zero) sum(x), and sum(x) comes from a dot with ones, so
-                    # it is already in the accumulator's layout. No float op touches a weight.
+                    # it is already in the accumulator's layout (swapped: a row sum of x, the dot
+                    # with ones would double the MMAs). No float op touches a weight.
                     w_lo, w_hi = _unit_nibbles_as(p, x_lo.dtype)
-                    acc = _fold_group(acc, x_lo, w_lo, ones, s_lo, z_lo, PRECISION)
-                    acc = _fold_group(acc, x_hi, w_hi, ones, s_hi, z_hi, PRECISION)
+                    if SWAP_AB:
+                        acc = _fold_group_t(acc, w_lo, x_lo, s_lo, z_lo, PRECISION)
+                        acc = _fold_group_t(acc, w_hi, x_hi, s_hi, z_hi, PRECISION)
+                    else:
+                        acc = _fold_group(acc, x_lo, w_lo, ones, s_lo, z_lo, PRECISION)
+                        acc = _fold_group(acc, x_hi, w_hi, ones, s_hi, z_hi, PRECISION)
                 else:
                     u_lo, u_hi = _unit_nibbles(p)
-                    # (code - zero) * scale = (w' - (1 + zero / 16)) * 16 scale; the subtract is
-                    # exact (both terms in [1, 2)), per-row constants outside the per-weight work
-                    w_lo = ((u_lo - (1.0 + z_lo * 0.0625)[:, None]) * (16.0 * s_lo)[:, None]).to(x_lo.dtype)
-                    w_hi = ((u_hi - (1.0 + z_hi * 0.0625)[:, None]) * (16.0 * s_hi)[:, None]).to(x_hi.dtype)
-                    acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=PRECISION)
-                    acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=PRECISION)
+                    if SWAP_AB:
+                        # one FMA a weight, then rounded to x's dtype. The step's two dots go into
+                        # a fresh tile added to acc after: chained into the loop-carried acc, ptxas
+                        # serializes every wgmma (its info C7515, sm_90 SASS checked offline)
+                        w_lo = tl.fma(u_lo, (16.0 * s_lo)[:, None], (-s_lo * (16.0 + z_lo))[:, None]).to(x_lo.dtype)
+                        w_hi = tl.fma(u_hi, (16.0 * s_hi)[:, None], (-s_hi * (16.0 + z_hi))[:, None]).to(x_hi.dtype)
+                        d = tl.dot(w_lo, tl.trans(x_lo), input_precision=PRECISION)
+                        acc += tl.dot(w_hi, tl.trans(x_hi), d, input_precision=PRECISION)
+                    else:
+                        # (code - zero) * scale = (w' - (1 + zero / 16)) * 16 scale; the subtract is
+                        # exact (both terms in [1, 2)), per-row constants outside the per-weight work
+                        w_lo = ((u_lo - (1.0 + z_lo * 0.0625)[:, None]) * (16.0 * s_lo)[:, None]).to(x_lo.dtype)
+                        w_hi = ((u_hi - (1.0 + z_hi * 0.0625)[:, None]) * (16.0 * s_hi)[:, None]).to(x_hi.dtype)
+                        acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=PRECISION)
+                        acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=PRECISION)
+        if SWAP_AB:
+            acc = tl.trans(acc)  # renames the registers' dimensions (no data moved): y's tile
         mn_mask = m_mask[:, None] & n_mask[None, :]
         if SPLIT:
             offs = (pid_k * M + rm).to(tl.int64)[:, None] * N + rn[None, :]
@@ -254,6 +298,7 @@ class W4Config(NamedTuple):
     num_stages: int
     split_k: int = 1  # programs per row block along K (fp32 partials, then one sum)
     fold: bool = True  # tensor-core tiles: exact 1 + code / 16 and the scale per group (else per weight)
+    swap_ab: bool = False  # tensor-core tiles: y.T = W @ x.T, the unpacked W wgmma's A operand from registers
 
 
 def _pow2(v: int) -> bool:
@@ -267,6 +312,8 @@ def check_config(cfg: W4Config, group_size: int) -> None:
         problems.append("block_m, block_n, block_k must be powers of two")
     if cfg.block_m != 1 and (cfg.block_m < 16 or cfg.block_n < 16):
         problems.append("tensor-core tiles (block_m > 1) need block_m and block_n >= 16")
+    if cfg.swap_ab and cfg.block_m == 1:
+        problems.append("swap_ab is for tensor-core tiles (block_m >= 16)")
     if cfg.block_k % (2 * group_size):
         problems.append(f"block_k must hold whole groups in each nibble: a multiple of 2 x {group_size}")
     if cfg.split_k < 1 or cfg.num_warps < 1 or cfg.num_stages < 1:
@@ -333,6 +380,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                         # fp32 activations multiply in full precision (tl.dot would take tf32)
                         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                         STAGES=1 if is_interpreter() else cfg.num_stages, FOLD=bool(cfg.fold),
+                        SWAP_AB=bool(cfg.swap_ab),
                         num_warps=cfg.num_warps, num_stages=1 if is_interpreter() else cfg.num_stages,
                         **(pdl_launch(x.device) if cfg.block_m == 1 else {}))
     if split_k > 1:

@@ -64,6 +64,43 @@ def test_w4a16_configs_match_reference(cfg, k):
     assert_close(w4a16_linear(x, qw, s, z, 64, config=cfg), w4a16_linear_ref(x, qw, s, z, 64), dtype, str(cfg))
 
 
+@pytest.mark.parametrize("fold", [True, False], ids=["fold", "nofold"])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("m,block_m", [(2, 16), (16, 16), (33, 32), (64, 64)])
+@pytest.mark.parametrize("k,group", [(384, 64), (448, 64), (512, 128)])  # even; the high half padded; g 128
+def test_w4a16_swap_ab_matches_reference(m, block_m, split_k, fold, k, group):
+    """The swapped tensor-core tiles (y.T = W @ x.T, W the MMA's A operand): rows of x past M and
+    of W past N masked (N = 40), split-K partials, both the per-group fold and the per-weight scale."""
+    dtype = torch.float16
+    qw, s, z, g = _w4(40, k, group, dtype, seed=k + m + split_k)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+    cfg = W4Config(block_m, 32, 2 * group, 4, 3, split_k=split_k, fold=fold, swap_ab=True)
+    assert_close(w4a16_linear(x, qw, s, z, group, config=cfg), w4a16_linear_ref(x, qw, s, z, group), dtype, str(cfg))
+
+
+@pytest.mark.parametrize("fold", [True, False], ids=["fold", "nofold"])
+def test_w4a16_swap_ab_fp32_strided_and_fractional_zeros(fold):
+    """fp32 activations (full-precision dots) through the swapped tiles, x with a row stride, and
+    zero points that are not integers."""
+    qw, s, z, g = _w4(48, 256, 32, torch.float32)
+    z = z + 0.37
+    x = torch.randn(17, 512, generator=g).to(DEVICE)[:, ::2]
+    cfg = W4Config(16, 16, 128, 4, 3, split_k=2, fold=fold, swap_ab=True)
+    assert_close(w4a16_linear(x, qw, s, z, 32, config=cfg), w4a16_linear_ref(x, qw, s, z, 32), torch.float32)
+
+
+def test_w4a16_swap_ab_is_a_table_field_old_tables_lack():
+    """Tabled configs load with swap_ab or without it (tables written before it: off), and a GEMV
+    tile cannot take it."""
+    old = dict(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=1, fold=True)
+    assert W4Config(**old).swap_ab is False
+    assert W4Config(**dict(old, swap_ab=True))._asdict()["swap_ab"] is True
+    qw, s, z, g = _w4(16, 128, 64, torch.float16)
+    x = torch.randn(1, 128, generator=g).to(torch.float16).to(DEVICE)
+    with pytest.raises(ValueError, match="swap_ab"):
+        w4a16_linear(x, qw, s, z, 64, config=W4Config(1, 16, 128, 4, 3, swap_ab=True))
+
+
 @triton.jit
 def _unpack_units(p_ptr, o_ptr, DT: tl.constexpr):
     r = tl.arange(0, 256)
@@ -223,6 +260,23 @@ def test_weight_only_bf16_large(m, n, k):
                  "w8 g32")
 
 
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("cfg", [
+    W4Config(16, 64, 256, 4, 3, split_k=3, swap_ab=True),
+    W4Config(64, 64, 256, 4, 3, split_k=1, fold=False, swap_ab=True),
+    W4Config(64, 128, 256, 8, 3, split_k=2, swap_ab=True),
+], ids=lambda c: f"m{c.block_m}n{c.block_n}w{c.num_warps}s{c.split_k}{'' if c.fold else 'nofold'}")
+@pytest.mark.parametrize("m", [16, 64])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 14336)])
+def test_w4a16_swap_ab_bf16_large(cfg, m, n, k):
+    """The swapped tiles compiled (wgmma, its A operand from registers) on the 8B shapes in bf16."""
+    dtype = torch.bfloat16
+    qw, s, z, g = _w4(n, k, 128, dtype, seed=m + 1)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+    assert_close(w4a16_linear(x, qw, s, z, 128, config=cfg), w4a16_linear_ref(x, qw, s, z, 128), dtype, str(cfg))
+
+
 @pytest.mark.parametrize("act_order", [False, True])
 def test_linear_methods_match_dequantized_weights(act_order):
     """W4A16Linear / W8A16Linear (what a Linear holds on CUDA) against x @ W.T with W decoded from the
@@ -277,7 +331,7 @@ for m in (1, 16, 64):
         kern = compile_kernel(w4a16._w4a16_kernel, dict(act, qw_ptr="u8"),
                               dict(GROUP=128, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_H=c.block_k // 2,
                                    SPLIT=c.split_k > 1, EVEN=True, PRECISION="tf32", STAGES=c.num_stages,
-                                   FOLD=c.fold), c.num_warps, c.num_stages)
+                                   FOLD=c.fold, SWAP_AB=c.swap_ab), c.num_warps, c.num_stages)
         ptx = kern.asm["ptx"]
         assert kern.metadata.shared <= 227 * 1024, (c, kern.metadata.shared)
         assert spills(ptx) == 0, f"w4a16 {c} spills"
@@ -294,12 +348,50 @@ print("ok")
 """
 
 
-def test_pick_config_tiles_compile_for_sm90_without_spills():
+# The swapped tiles' point: the unpacked W reaches wgmma from registers (HGMMA's A operand a
+# register, not a shared-memory descriptor), and ptxas keeps the wgmma chain asynchronous (no
+# info C7515, "wgmma.mma_async instructions are serialized"), without spills.
+_SM90_SWAP_AB = """
+import re, subprocess, tempfile
+from triton.backends.nvidia.compiler import get_ptxas
+from benchmarks.quant_gemv_sass import compile_kernel, cuobjdump
+from rooflm.kernels import w4a16
+
+act = dict(y_ptr="bf16", x_ptr="bf16", s_ptr="bf16", z_ptr="bf16", ws_ptr="fp32", qw_ptr="u8")
+for c in (w4a16.W4Config(16, 64, 256, 4, 3, swap_ab=True),
+          w4a16.W4Config(64, 64, 256, 4, 3, 2, fold=False, swap_ab=True)):
+    kern = compile_kernel(w4a16._w4a16_kernel, act,
+                          dict(GROUP=128, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_H=c.block_k // 2,
+                               SPLIT=c.split_k > 1, EVEN=True, PRECISION="tf32", STAGES=c.num_stages,
+                               FOLD=c.fold, SWAP_AB=True), c.num_warps, c.num_stages)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(kern.asm["ptx"])
+        f.flush()
+        info = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
+                              capture_output=True, text=True, check=True).stderr
+    assert "C7515" not in info, (c, info)
+    assert sum(int(n) for n in re.findall(r"(\\d+) bytes spill stores", info)) == 0, (c, info)
+    hgmma = re.findall(r"HGMMA\\.\\S+ (\\S+), (\\S+),", cuobjdump(kern, "-sass"))
+    assert hgmma and all(a.startswith("R") for _, a in hgmma), (c, hgmma[:4])
+print("ok")
+"""
+
+
+def _run_offline(script: str) -> None:
+    """script in a subprocess without TRITON_INTERPRET (compiled for real), from the repo root."""
     import os
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(KERNEL_TESTS))
-    done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=dict(env, PYTHONPATH=root), cwd=root,
+    done = subprocess.run([sys.executable, "-c", script], env=dict(env, PYTHONPATH=root), cwd=root,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_pick_config_tiles_compile_for_sm90_without_spills():
+    _run_offline(_SM90_COMPILE)
+
+
+def test_swap_ab_tiles_feed_wgmma_from_registers_on_sm90():
+    _run_offline(_SM90_SWAP_AB)
