@@ -37,12 +37,10 @@ TARGET = GPUTarget("cuda", 90, 32)
 DIVISIBLE = ("N", "K", "S", "CHUNK", "stride_xm", "stride_ym")  # true of the Llama-3-8B shapes
 
 
-def compile_kernel(fn, pointer_types: dict, constexprs: dict, num_warps: int, num_stages: int,
-                   divisible: tuple = DIVISIBLE, scalar_types: dict | None = None):
+def compile_kernel(fn, pointer_types: dict, constexprs: dict, num_warps: int, num_stages: int):
     """fn (a @triton.jit kernel) for sm_90 with the given pointer element types and constexprs;
-    other arguments are i32 (or scalar_types[name], e.g. "fp32" for an eps), pointers and
-    `divisible` integers marked 16-divisible (as the launch on the 8B shapes specializes them)."""
-    scalar_types = scalar_types or {}
+    other arguments are i32, pointers and DIVISIBLE integers marked 16-divisible (as the launch
+    on the 8B shapes specializes them)."""
     sig, attrs = {}, {}
     # constexprs the caller leaves out take their defaults (PDL = False: a launch option)
     constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty},
@@ -54,8 +52,8 @@ def compile_kernel(fn, pointer_types: dict, constexprs: dict, num_warps: int, nu
             sig[name] = "*" + pointer_types[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
-            sig[name] = scalar_types.get(name, "i32")
-            if name in divisible:
+            sig[name] = "i32"
+            if name in DIVISIBLE:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, sig, constexprs, attrs)
     return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))

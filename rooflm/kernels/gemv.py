@@ -32,32 +32,21 @@ reads it from L2.
   again, as torch's `x + residual` after a bf16 matmul.
 - BIAS: added to the fp32 accumulator, the product then rounded to the dtype.
 
-A few tokens (gemv_rows): steps of 2..MAX_ROWS tokens (a speculative verify
-forward is 1 + k tokens; small decode batches) still read each weight once.
-Each program streams its [BLOCK_N, BLOCK_K] weight tiles as above and
-multiplies them with all M tokens' x tiles through tl.dot on the tensor cores,
-whose 16-row minimum pads M with zero rows (never stored). Same fusions and
-casts; the norm prologue reduces each token's sum(x^2) separately.
-
 Shapes
 ------
 x [1, K] (or [K]), W [N, K] ([2N, K] when GATED), bias [N], residual [1, N],
-norm weight [K]; out [1, N] in x's dtype (or out_dtype). gemv_rows: x [M, K],
-residual [M, N], out [M, N].
+norm weight [K]; out [1, N] in x's dtype (or out_dtype).
 
 Work
 ----
-FLOPs: 2*M*N*K (4*M*N*K gated; M = 1 for one token), negligible against the
-bytes.
-Bytes: N*K*e of weight (2*N*K*e gated) + M*K*e (x) + M*N*e (out) [+ M*N*e
-residual]; x is read by every program, from L2.
+FLOPs: 2*N*K (4*N*K gated), negligible against the bytes.
+Bytes: N*K*e of weight (2*N*K*e gated) + K*e (x) + N*e (out) [+ N*e residual].
 Memory-bound: the yardstick is weight bytes / time against the device's
 bandwidth. An H100 reads ~3.0 TB/s, so Llama-3-8B's 15 GB need >= 5.0 ms.
 """
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -65,8 +54,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rooflm.kernels.utils import (check_last_dim_contiguous, dot_precision, gdc_launch_dependents, gdc_wait,
-                                  is_interpreter, pdl_launch, pdl_supported, upcast_dots)
+from rooflm.kernels.utils import check_last_dim_contiguous, gdc_launch_dependents, gdc_wait, is_interpreter, pdl_supported
 
 
 # --------------------------------------------------------------------------
@@ -153,88 +141,6 @@ def _gemv_kernel(out_ptr, x_ptr, w_ptr, bias_ptr, residual_ptr, norm_w_ptr,
     tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-@triton.jit
-def _x_rows_tile(x_ptr, norm_w_ptr, rm, rk, M, K, stride_x, rstd, dtype: tl.constexpr, NORM: tl.constexpr):
-    """x[rm, rk] in x's dtype ([ROWS, BLOCK_K]; rows past M are zeros), RMS-normalised (HF's
-    casts, each token by its own rstd) when NORM."""
-    ok = (rm < M)[:, None] & (rk < K)[None, :]
-    xv = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=ok, other=0.0)
-    if NORM:
-        nw = tl.load(norm_w_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
-        xv = (xv.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32) * nw[None, :]
-    return xv.to(dtype)
-
-
-@triton.jit
-def _rows_rstd(x_ptr, rm, offs_k, M, K, stride_x, eps, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """1 / rms of each token's x [ROWS] (1 / sqrt(eps) for the zero padding rows)."""
-    sq = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + offs_k
-        ok = (rm < M)[:, None] & (rk < K)[None, :]
-        xv = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=ok, other=0.0).to(tl.float32)
-        sq += xv * xv
-    return 1.0 / tl.sqrt(tl.sum(sq, 1) / K + eps)
-
-
-@triton.jit
-def _gemv_rows_kernel(out_ptr, x_ptr, w_ptr, bias_ptr, residual_ptr, norm_w_ptr,
-                      M, N, K, stride_x, stride_w, stride_r, stride_o, eps,
-                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, NORM: tl.constexpr,
-                      GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                      PDL: tl.constexpr = False):
-    """A few tokens (M <= ROWS, the tensor cores' 16-row minimum): each program streams BLOCK_N
-    weight rows once and multiplies them with every token through tl.dot, padding rows zero."""
-    dtype = x_ptr.dtype.element_ty
-    rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = rn < N
-    rm = tl.arange(0, ROWS)
-    offs_k = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + rn[:, None] * stride_w
-    up_rows = w_rows + N * stride_w
-
-    if PDL:  # x and the residual are the kernel before's outputs (utils.pdl_launch)
-        gdc_wait()
-    rstd = tl.full([ROWS], 1.0, dtype=tl.float32)
-    if NORM:
-        rstd = _rows_rstd(x_ptr, rm, offs_k, M, K, stride_x, eps, ROWS, BLOCK_K)
-
-    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + offs_k
-        xv = _x_rows_tile(x_ptr, norm_w_ptr, rm, rk, M, K, stride_x, rstd, dtype, NORM)
-        w_ok = n_mask[:, None] & (rk < K)[None, :]
-        w = tl.load(w_rows + rk[None, :], mask=w_ok, other=0.0)
-        if UPCAST:  # the interpreter's bf16 dot (utils.upcast_dots); never compiled
-            xv = xv.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(xv, tl.trans(w), acc, input_precision=DOT_PRECISION)
-        if GATED:
-            wu = tl.load(up_rows + rk[None, :], mask=w_ok, other=0.0)
-            if UPCAST:
-                wu = wu.to(tl.float32)
-            acc_up = tl.dot(xv, tl.trans(wu), acc_up, input_precision=DOT_PRECISION)
-    # Released after the weight stream: resident dependents would hold SM slots its waves need.
-    if PDL:
-        gdc_launch_dependents()
-
-    y = acc
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if GATED:
-        gate = y.to(dtype).to(tl.float32)
-        up = acc_up.to(dtype).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        y = silu * up
-    out_ok = (rm < M)[:, None] & n_mask[None, :]  # padding rows are never stored
-    if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + rm[:, None] * stride_r + rn[None, :], mask=out_ok, other=0.0).to(tl.float32)
-        y = y.to(dtype).to(tl.float32) + r
-    tl.store(out_ptr + rm[:, None] * stride_o + rn[None, :], y.to(out_ptr.dtype.element_ty), mask=out_ok)
-
-
 # --------------------------------------------------------------------------
 # Wrapper
 # --------------------------------------------------------------------------
@@ -258,59 +164,19 @@ def pick_config(n: int, k: int, gated: bool) -> GemvConfig:
     return DEFAULT_CONFIG
 
 
-# Tokens of the steps the model runs through gemv (layers/kernels.py: Kernels.gemv_max_rows): a
-# speculative verify forward is 1 + k <= 8 tokens, small decode batches 2..8. The multi-row
-# kernel takes up to ROWS_PAD, the tensor cores' smallest tile; rows past M are zero padding.
-# ROOFLM_GEMV_MAX_ROWS=1 keeps multi-token steps on cuBLAS (the benchmarks' A/B switch).
-ROWS_PAD = 16
-MAX_ROWS = int(os.environ.get("ROOFLM_GEMV_MAX_ROWS", "8"))
-if not 1 <= MAX_ROWS <= ROWS_PAD:
-    raise ValueError(f"ROOFLM_GEMV_MAX_ROWS must be 1..{ROWS_PAD}, got {MAX_ROWS}")
-# The multi-row kernel's tiles. Its shared memory is the load pipeline's buffers: (num_stages - 1)
-# x (BLOCK_N weight rows, 2 x BLOCK_N gated, + ROWS_PAD x rows) x BLOCK_K x e bytes, plus the
-# norm weight's; an H100 has 227 KB a block (Triton 3.9 for sm_90; tests/kernels/test_gemv.py
-# compiles every tile picked here offline and checks it fits without spilling).
-# ROWS_CONFIG: the best of 18 configs on four of the five Llama-3-8B shapes at M = 2, 5, 8
-# (H100, 2026-11-25, benchmarks/gemv_rows.py: 2.3-3.1 TB/s, 1.0-1.15x cuBLAS); 212 KB.
-ROWS_CONFIG = GemvConfig(block_n=32, block_k=512, num_warps=4, num_stages=5)
-# Gated: ROWS_CONFIG's tile with the up rows needs 340 KB (the reverted version failed to launch).
-# Half the K depth and one stage more keeps 5 x 2 x 16 KB of weight in flight, more than
-# ROWS_CONFIG's 4 x 32 KB, in 210 KB; 7 stages need 251 KB, and BLOCK_K 512 at 3 stages sits at
-# 255 registers. Chosen to fit, not measured (benchmarks/gemv_rows.py --gated times candidates).
-ROWS_CONFIG_GATED = GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=6)
-# fp32 (the GPU tests' tiny models): tiles of twice the bytes, and tf32x3 dots (three products
-# each) hold more registers; gated, BLOCK_K 128 spills, 64 takes 138 registers. Not measured.
-ROWS_CONFIG_FP32 = GemvConfig(block_n=32, block_k=64, num_warps=4, num_stages=3)
-
-
-def pick_rows_config(n: int, k: int, gated: bool, dtype: torch.dtype) -> GemvConfig:
-    """Launch shape of gemv_rows for an [n, k] weight (n output rows, per half when gated)."""
-    if is_interpreter():
-        return GemvConfig(16, 32, 1, 1)  # small tiles keep the CPU interpreter quick
-    if dtype == torch.float32:
-        return ROWS_CONFIG_FP32
-    return ROWS_CONFIG_GATED if gated else ROWS_CONFIG
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
          residual: Optional[torch.Tensor] = None, norm_weight: Optional[torch.Tensor] = None,
          eps: float = 1e-6, gated: bool = False, out_dtype: Optional[torch.dtype] = None,
          config: Optional[GemvConfig] = None) -> torch.Tensor:
     """y = weight @ f(x) for one token x [1, K] (or [K]); returns [1, N] (N = rows, or rows/2 gated).
-    A few tokens x [M, K], 1 < M <= ROWS_PAD, return [M, N] from the multi-row kernel (gemv_rows;
-    the model sends it steps of up to MAX_ROWS tokens).
 
     norm_weight: f = RMSNorm(norm_weight, eps), else f = identity. gated: y =
-    silu(gate) * up over weight's two row halves. residual [1, N] ([M, N]): y + residual.
+    silu(gate) * up over weight's two row halves. residual [1, N]: y + residual.
     bias [N] (not with gated). Inputs are not modified.
     """
-    if x.dim() == 2 and 1 < x.shape[0] <= ROWS_PAD:
-        return gemv_rows(x, weight, bias=bias, residual=residual, norm_weight=norm_weight, eps=eps,
-                         gated=gated, out_dtype=out_dtype, config=config)
     k = x.shape[-1]
     if x.numel() != k:
-        raise ValueError(f"gemv takes one token (or up to {ROWS_PAD} as [M, K]): x must be [1, K] or [K], "
-                         f"got {tuple(x.shape)}")
+        raise ValueError(f"gemv takes one token: x must be [1, K] or [K], got {tuple(x.shape)}")
     if weight.dim() != 2 or weight.shape[1] != k:
         raise ValueError(f"weight must be [N, {k}], got {tuple(weight.shape)}")
     if weight.dtype != x.dtype:
@@ -342,48 +208,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] 
     return out
 
 
-def gemv_rows(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
-              residual: Optional[torch.Tensor] = None, norm_weight: Optional[torch.Tensor] = None,
-              eps: float = 1e-6, gated: bool = False, out_dtype: Optional[torch.dtype] = None,
-              config: Optional[GemvConfig] = None) -> torch.Tensor:
-    """gemv for x [M, K], 1 <= M <= ROWS_PAD: every token against each weight tile read once;
-    returns [M, N]. residual [M, N] (any shape of M * N elements, rows contiguous)."""
-    if x.dim() != 2 or not 1 <= x.shape[0] <= ROWS_PAD:
-        raise ValueError(f"gemv_rows takes x [M, K] of 1 to {ROWS_PAD} tokens, got {tuple(x.shape)}")
-    m, k = x.shape
-    if weight.dim() != 2 or weight.shape[1] != k:
-        raise ValueError(f"weight must be [N, {k}], got {tuple(weight.shape)}")
-    if weight.dtype != x.dtype:
-        raise TypeError(f"weight dtype {weight.dtype} must match x's {x.dtype}")
-    if gated and (weight.shape[0] % 2 or bias is not None):
-        raise ValueError("gated gemv needs an even number of weight rows and no bias")
-    n = weight.shape[0] // 2 if gated else weight.shape[0]
-    check_last_dim_contiguous("weight", weight)
-    check_last_dim_contiguous("x", x)
-    for name, t, size in (("bias", bias, n), ("residual", residual, m * n), ("norm_weight", norm_weight, k)):
-        if t is not None and t.numel() != size:
-            raise ValueError(f"{name} must have {size} elements, got {tuple(t.shape)}")
-    if residual is not None:
-        residual = residual.reshape(m, n)
-        check_last_dim_contiguous("residual", residual)
-    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    cfg = config or pick_rows_config(n, k, gated, x.dtype)
-    dummy = x  # never read when its flag is off
-    _gemv_rows_kernel[(triton.cdiv(n, cfg.block_n),)](
-        out, x, weight,
-        bias if bias is not None else dummy,
-        residual if residual is not None else dummy,
-        norm_weight if norm_weight is not None else dummy,
-        m, n, k, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
-        out.stride(0), eps,
-        ROWS=ROWS_PAD, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=dot_precision(x.dtype),
-        UPCAST=upcast_dots(x.dtype), NORM=norm_weight is not None, GATED=gated, HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_launch(x.device),
-    )
-    return out
-
-
 # --------------------------------------------------------------------------
 # Reference
 # --------------------------------------------------------------------------
@@ -396,7 +220,7 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tens
     with their casts; same contract as gemv. config is accepted and ignored."""
     from rooflm.layers.norm import rms_norm_torch
 
-    x = x.reshape(-1, x.shape[-1])
+    x = x.reshape(1, -1)
     if norm_weight is not None:
         x = rms_norm_torch(x, norm_weight, eps)
     y = F.linear(x, weight, bias)
@@ -404,7 +228,7 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tens
         gate, up = y.chunk(2, dim=-1)
         y = (F.silu(gate.float()).to(x.dtype).float() * up.float()).to(x.dtype)
     if residual is not None:
-        y = y + residual.reshape(y.shape)
+        y = y + residual.reshape(1, -1)
     return y.to(out_dtype) if out_dtype is not None else y
 
 

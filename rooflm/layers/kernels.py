@@ -3,7 +3,7 @@ construction like the attention backend, never patched onto modules afterwards.
 
 None means the layer's torch code (the CPU path and the reference). On CUDA the runner
 passes the Triton kernels of rooflm/kernels/: RMSNorm with the residual add fused, SiLU-mul,
-and the GEMV that runs a whole decoder layer of one token (or a few) as four weight reads.
+and the one-token GEMV that runs a whole decoder layer as four weight reads.
 With --deterministic (rooflm/deterministic/) the runner passes batch-invariant ones instead:
 a linear kernel whose sums do not depend on the number of rows, and no GEMV.
 """
@@ -18,8 +18,7 @@ from typing import Callable, Optional
 class Kernels:
     rmsnorm: Optional[Callable] = None  # (x, weight, eps, residual) -> y or (y, x + residual)
     silu_mul: Optional[Callable] = None  # [T, 2I] -> [T, I]
-    gemv: Optional[Callable] = None  # rooflm.kernels.gemv.gemv, for steps of 1..gemv_max_rows tokens
-    gemv_max_rows: int = 1  # tokens a step may have and still run through gemv
+    gemv: Optional[Callable] = None  # rooflm.kernels.gemv.gemv, for one-token steps
     # (x, weight, bias, quant) -> y for every linear layer and the LM head; None: F.linear (or the
     # layer's quantized method). Set only by --deterministic: a batch-invariant matmul.
     linear: Optional[Callable] = None
@@ -31,9 +30,8 @@ TORCH_KERNELS = Kernels()
 
 
 def triton_kernels(decode_gemv: bool) -> Kernels:
-    from rooflm.kernels.gemv import MAX_ROWS, gemv
+    from rooflm.kernels.gemv import gemv
     from rooflm.kernels.rmsnorm import rmsnorm
     from rooflm.kernels.silu_mul import silu_mul
 
-    return Kernels(rmsnorm=rmsnorm, silu_mul=silu_mul, gemv=gemv if decode_gemv else None,
-                   gemv_max_rows=MAX_ROWS)
+    return Kernels(rmsnorm=rmsnorm, silu_mul=silu_mul, gemv=gemv if decode_gemv else None)

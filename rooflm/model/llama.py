@@ -85,14 +85,12 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.self_attn = LlamaAttention(cfg, rotary, backend, kernels, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.rmsnorm)
         self.mlp = LlamaMLP(cfg, kernels, tp)
-        # On CUDA (rooflm.kernels.gemv.gemv): steps of one token (or a few: speculative verify
-        # forwards, small decode batches: Kernels.gemv_max_rows) run the layer as four
-        # weight-streaming kernels with the norms, SiLU-mul and residual adds folded in.
+        # On CUDA (rooflm.kernels.gemv.gemv): one-token steps run the layer as four weight
+        # GEMVs with the norms, SiLU-mul and residual adds folded in.
         self.gemv = kernels.gemv
-        self.gemv_max_rows = kernels.gemv_max_rows
 
     def forward(self, positions, x, residual, kv_cache, meta):
-        if self.gemv is not None and 0 < x.shape[0] <= self.gemv_max_rows:
+        if self.gemv is not None and x.shape[0] == 1:
             return self._forward_gemv(positions, x, residual, kv_cache, meta)
         # The residual stream is carried separately so each norm can fuse the add before it.
         if residual is None:
@@ -105,7 +103,7 @@ class LlamaDecoderLayer(torch.nn.Module):
         return self.mlp(x), residual
 
     def _forward_gemv(self, positions, x, residual, kv_cache, meta):
-        """A few tokens: the same math (and casts) as forward, in four fused GEMVs. The residual
+        """One token: the same math (and casts) as forward, in four fused GEMVs. The residual
         stream h is returned whole (residual None): the adds happen in the GEMV epilogues."""
         gemv, attn, mlp = self.gemv, self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
@@ -161,8 +159,7 @@ class LlamaForCausalLM(torch.nn.Module):
         self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings, backend, kernels, tp)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = tp_layers.lm_head(cfg.hidden_size, cfg.vocab_size, tp, tied)
-        self.gemv = kernels.gemv  # as LlamaDecoderLayer.gemv: the LM head of one token (or a few)
-        self.gemv_max_rows = kernels.gemv_max_rows
+        self.gemv = kernels.gemv  # as LlamaDecoderLayer.gemv: the LM head of one token
         self.linear = kernels.linear  # --deterministic: the batch-invariant matmul, for the LM head
         # Tied embeddings read from quantized blocks: the embedding is dequantized (a lookup reads
         # one row per token) and the LM head, which reads all of it every step, stays quantized.
@@ -186,7 +183,7 @@ class LlamaForCausalLM(torch.nn.Module):
         if self.lm_head is None and self.tied_head_quant is not None:
             return self.tied_head_quant(hidden).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self.gemv is not None and 0 < hidden.shape[0] <= self.gemv_max_rows:
+        if self.gemv is not None and hidden.shape[0] == 1:
             return self.gemv(hidden, weight, out_dtype=torch.float32)
         return torch.nn.functional.linear(hidden, weight).float()
 
