@@ -57,6 +57,7 @@ At M <= 64 on an H100 the weight bytes dominate: the bound is bytes / ~3.0 TB/s.
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -108,6 +109,53 @@ def _unit_nibbles_as(p, dtype: tl.constexpr):
     else:
         low, high = _unit_nibbles(p)
     return low, high
+
+
+# Four code bytes in one register -> (1 + low code / 16) and (1 + high code / 16) of each, two
+# 16-bit values a register: prmt spreads bytes 0,1 (2,3) into the two 16-bit lanes, a shift puts
+# each nibble at the mantissa's top four bits and one lop3 masks it and ors in 1.0's bits:
+# 10 instructions for 8 weights, where Triton's per-element int16 code takes ~2.5 a weight (sm_90
+# SASS). The same values bit for bit as _unit_nibbles_as. Compiled only (the interpreter has no
+# inline assembly). LO and HI_OP/HI place each nibble; MASK is its four bits, ONE 1.0 in the dtype.
+_NIBBLES_ASM = """
+{
+.reg .b32 d01, d23, t;
+prmt.b32 d01, $4, 0, 0x4140;
+prmt.b32 d23, $4, 0, 0x4342;
+shl.b32 t, d01, LO;
+lop3.b32 $0, t, MASK, ONE, 0xEA;
+shl.b32 t, d23, LO;
+lop3.b32 $1, t, MASK, ONE, 0xEA;
+HI_OP.b32 t, d01, HI;
+lop3.b32 $2, t, MASK, ONE, 0xEA;
+HI_OP.b32 t, d23, HI;
+lop3.b32 $3, t, MASK, ONE, 0xEA;
+}
+"""
+
+
+def _nibbles_asm(**fields) -> str:
+    text = _NIBBLES_ASM
+    for name, value in fields.items():
+        text = text.replace(name, value)
+    return text
+
+
+_NIBBLES_ASM_BF16 = tl.constexpr(_nibbles_asm(LO="3", HI_OP="shr", HI="1", MASK="0x00780078", ONE="0x3F803F80"))
+_NIBBLES_ASM_FP16 = tl.constexpr(_nibbles_asm(LO="6", HI_OP="shl", HI="2", MASK="0x03C003C0", ONE="0x3C003C00"))
+# ROOFLM_W4_ASM=0: Triton's own unpacking everywhere (the benchmarks' A/B switch).
+USE_ASM = os.environ.get("ROOFLM_W4_ASM", "1") != "0"
+
+
+@triton.jit
+def _unit_nibbles_packed(p, dtype: tl.constexpr):
+    """_unit_nibbles_as (bf16 or fp16) in inline PTX, four bytes at a time."""
+    if dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise(_NIBBLES_ASM_BF16, "=r,=r,=r,=r,r", [p],
+                                         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        return tl.inline_asm_elementwise(_NIBBLES_ASM_FP16, "=r,=r,=r,=r,r", [p],
+                                         dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
 
 @triton.jit
@@ -183,7 +231,8 @@ def _gemm_tiles(qw_ptr, x_rows, s_ptr, z_ptr, b, S, K, N, rn, n_mask, m_mask,
 def _w4a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHUNK, stride_xm, stride_ym,
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
                   SPLIT: tl.constexpr, EVEN: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
-                  FOLD: tl.constexpr, SWAP_AB: tl.constexpr = False, PDL: tl.constexpr = False):
+                  FOLD: tl.constexpr, SWAP_AB: tl.constexpr = False, PDL: tl.constexpr = False,
+                  ASM: tl.constexpr = False):
     if PDL:  # launched early (programmatic dependent launch): wait for the kernel before's x
         gdc_wait()
     # BLOCK_H: bytes of a row per step (BLOCK_K / 2 codes in each nibble), a multiple of GROUP.
@@ -251,7 +300,10 @@ def _w4a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHU
                     # 16 sum(w' x) - (16 + zero) sum(x), and sum(x) comes from a dot with ones, so
                     # it is already in the accumulator's layout (swapped: a row sum of x, the dot
                     # with ones would double the MMAs). No float op touches a weight.
-                    w_lo, w_hi = _unit_nibbles_as(p, x_lo.dtype)
+                    if ASM:
+                        w_lo, w_hi = _unit_nibbles_packed(p, x_lo.dtype)
+                    else:
+                        w_lo, w_hi = _unit_nibbles_as(p, x_lo.dtype)
                     if SWAP_AB:
                         acc = _fold_group_t(acc, w_lo, x_lo, s_lo, z_lo, PRECISION)
                         acc = _fold_group_t(acc, w_hi, x_hi, s_hi, z_hi, PRECISION)
@@ -381,6 +433,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                         STAGES=1 if is_interpreter() else cfg.num_stages, FOLD=bool(cfg.fold),
                         SWAP_AB=bool(cfg.swap_ab),
+                        ASM=USE_ASM and not is_interpreter() and x.dtype in (torch.bfloat16, torch.float16),
                         num_warps=cfg.num_warps, num_stages=1 if is_interpreter() else cfg.num_stages,
                         **(pdl_launch(x.device) if cfg.block_m == 1 else {}))
     if split_k > 1:

@@ -6,7 +6,8 @@ import triton
 import triton.language as tl
 
 from tests.kernels.conftest import DEVICE, KERNEL_TESTS, assert_close, requires_cuda
-from rooflm.kernels.w4a16 import (W4Config, _unit_nibbles_as, pack_int4, pick_config, unpack_int4, w4a16_linear,
+from rooflm.kernels import w4a16 as w4a16_module
+from rooflm.kernels.w4a16 import (W4Config, _unit_nibbles_as, _unit_nibbles_packed, pack_int4, pick_config, unpack_int4, w4a16_linear,
                                   w4a16_linear_ref)
 from rooflm.kernels.w8a16 import W8Config, w8a16_linear, w8a16_linear_ref
 
@@ -118,6 +119,48 @@ def test_unit_nibbles_are_exact_in_each_activation_dtype(dtype):
     _unpack_units[(1,)](p, out, DT=tl_dtype)
     expected = torch.cat([1 + (p & 15).float() / 16, 1 + (p >> 4).float() / 16])
     assert torch.equal(out, expected)
+
+
+@triton.jit
+def _unpack_units_packed(p_ptr, o_ptr, DT: tl.constexpr):
+    r = tl.arange(0, 256)
+    low, high = _unit_nibbles_packed(tl.load(p_ptr + r), DT)
+    tl.store(o_ptr + r, low.to(tl.float32))
+    tl.store(o_ptr + 256 + r, high.to(tl.float32))
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_packed_unit_nibbles_match_the_triton_ones_for_every_byte(dtype):
+    """The inline-PTX unpacking (prmt, shift, lop3 on four bytes at a time) gives each byte's two
+    values in its own place, the same as _unit_nibbles_as (compiled only: no inline asm under the
+    interpreter)."""
+    p = torch.arange(256, dtype=torch.uint8).flip(0).contiguous().to(DEVICE)  # every byte, not in order
+    out = torch.zeros(512, device=DEVICE)
+    _unpack_units_packed[(1,)](p, out, DT={torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype])
+    expected = torch.cat([1 + (p & 15).float() / 16, 1 + (p >> 4).float() / 16])
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("cfg", [
+    W4Config(16, 64, 256, 4, 3, split_k=2), W4Config(16, 64, 256, 4, 3, split_k=3, swap_ab=True),
+    W4Config(64, 128, 256, 8, 3, swap_ab=True), W4Config(32, 64, 256, 4, 3),
+], ids=lambda c: f"m{c.block_m}n{c.block_n}w{c.num_warps}s{c.split_k}{'swap' if c.swap_ab else ''}")
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_w4a16_packed_unpacking_is_bitwise_the_triton_unpacking(cfg, m, monkeypatch):
+    """ROOFLM_W4_ASM on and off give the same bits: the values are exact either way."""
+    dtype = torch.bfloat16
+    qw, s, z, g = _w4(4096, 4096, 128, dtype, seed=m + 7)
+    x = torch.randn(m, 4096, generator=g).to(dtype).to(DEVICE)
+    monkeypatch.setattr(w4a16_module, "USE_ASM", True)
+    y_asm = w4a16_linear(x, qw, s, z, 128, config=cfg)
+    monkeypatch.setattr(w4a16_module, "USE_ASM", False)
+    y_tl = w4a16_linear(x, qw, s, z, 128, config=cfg)
+    assert torch.equal(y_asm, y_tl)
+    assert_close(y_asm, w4a16_linear_ref(x, qw, s, z, 128), dtype, str(cfg))
 
 
 def test_w4a16_fractional_zero_points_stay_exact():
@@ -331,7 +374,7 @@ for m in (1, 16, 64):
         kern = compile_kernel(w4a16._w4a16_kernel, dict(act, qw_ptr="u8"),
                               dict(GROUP=128, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_H=c.block_k // 2,
                                    SPLIT=c.split_k > 1, EVEN=True, PRECISION="tf32", STAGES=c.num_stages,
-                                   FOLD=c.fold, SWAP_AB=c.swap_ab), c.num_warps, c.num_stages)
+                                   FOLD=c.fold, SWAP_AB=c.swap_ab, ASM=w4a16.USE_ASM), c.num_warps, c.num_stages)
         ptx = kern.asm["ptx"]
         assert kern.metadata.shared <= 227 * 1024, (c, kern.metadata.shared)
         assert spills(ptx) == 0, f"w4a16 {c} spills"
@@ -363,7 +406,7 @@ for c in (w4a16.W4Config(16, 64, 256, 4, 3, swap_ab=True),
     kern = compile_kernel(w4a16._w4a16_kernel, act,
                           dict(GROUP=128, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_H=c.block_k // 2,
                                SPLIT=c.split_k > 1, EVEN=True, PRECISION="tf32", STAGES=c.num_stages,
-                               FOLD=c.fold, SWAP_AB=True), c.num_warps, c.num_stages)
+                               FOLD=c.fold, SWAP_AB=True, ASM=w4a16.USE_ASM), c.num_warps, c.num_stages)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(kern.asm["ptx"])
         f.flush()
