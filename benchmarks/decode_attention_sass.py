@@ -39,16 +39,16 @@ DIVISIBLE = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "s
              "stride_bt")
 
 
-def compile_decode(fp8: bool, block_n: int, num_warps: int, num_stages: int, ablate: int = 0):
+def compile_decode(fp8: bool, block_n: int, num_warps: int, num_stages: int, ablate: int = 0, pairs: bool = False):
     from rooflm.kernels.decode_attention import _decode_attention_kernel as fn
 
-    kv = "fp8e4nv" if fp8 else "bf16"
+    kv = ("i16" if pairs else "fp8e4nv") if fp8 else "bf16"
     ptrs = dict(out_ptr="bf16", part_out_ptr="fp32", part_lse_ptr="fp32", q_ptr="bf16", k_cache_ptr=kv,
                 v_cache_ptr=kv, k_scale_ptr="fp32", v_scale_ptr="fp32", block_tables_ptr="i32",
                 seq_lens_ptr="i32", query_start_loc_ptr="i32")
     consts = dict(NUM_HEADS=32, GROUP=4, ROWS=16, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16,
                   BLOCK_N=block_n, SINGLE_SPLIT=True, SLIDING=False, UPCAST=False, DOT_PRECISION="tf32",
-                  FP8=fp8, PDL=False, ABLATE=ablate)
+                  FP8=fp8, PDL=False, ABLATE=ablate, PAIRS=pairs)
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
@@ -66,7 +66,7 @@ def compile_decode(fp8: bool, block_n: int, num_warps: int, num_stages: int, abl
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-CASES = [  # (label, fp8, BLOCK_N, warps, stages, ablate)
+CASES = [  # (label, fp8, BLOCK_N, warps, stages, ablate[, pairs])
     ("bf16, engine tiles (128, 4, 3)", False, 128, 4, 3, 0),
     ("bf16, short-range tiles (32, 4, 3)", False, 32, 4, 3, 0),
     ("fp8, engine tiles (128, 4, 3)", True, 128, 4, 3, 0),
@@ -78,6 +78,11 @@ CASES = [  # (label, fp8, BLOCK_N, warps, stages, ablate)
     ("fp8, (128, 4, 5)", True, 128, 4, 5, 0),
     ("fp8, (256, 4, 3)", True, 256, 4, 3, 0),
     ("fp8, (256, 8, 3)", True, 256, 8, 3, 0),
+    # Byte pairs (utils.load_e4m3_pairs): 16-bit loads, one cvt for two values.
+    ("fp8 pairs, engine tiles (64, 2, 6)", True, 64, 2, 6, 0, True),
+    ("fp8 bytes, engine tiles (64, 2, 6)", True, 64, 2, 6, 0),
+    ("fp8 pairs, (128, 4, 3)", True, 128, 4, 3, 0, True),
+    ("fp8 pairs, (32, 4, 3) short range", True, 32, 4, 3, 0, True),
 ]
 SM_REGISTERS, SM_SHARED, SM_MAX_WARPS = 65536, 228 * 1024, 64  # H100 per SM
 
@@ -108,8 +113,8 @@ def main(argv=None):
     print(f"sm_90 SASS, Triton {triton.__version__}; Llama-3-8B decode shape (GQA 32/8, D 128, block 16); "
           f"issue bound = {args.sms} SMs x 4 x 32 lanes x {args.clock_ghz} GHz / instructions per element")
     rows = []
-    for label, fp8, block_n, warps, stages, ablate in CASES:
-        kernel = compile_decode(fp8, block_n, warps, stages, ablate)
+    for label, fp8, block_n, warps, stages, ablate, *pairs in CASES:
+        kernel = compile_decode(fp8, block_n, warps, stages, ablate, bool(pairs and pairs[0]))
         count, ops = main_loop(kernel)
         elements = 2 * block_n * 128  # K and V of one key tile, one KV head
         per_element = count * warps * 32 / elements

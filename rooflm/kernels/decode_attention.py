@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 
 from rooflm.kernels.utils import (check_paged_attention_inputs, config_for_head_dim, LOG2E, cdiv, dot_precision, fp8_pv, is_interpreter,
-                                  kv_tile_offsets, load_2d, load_kv_scales, next_power_of_2, num_sms, upcast_dots,
+                                  fp8_pairs_apply, kv_tile_offsets, load_2d, load_e4m3_pairs, load_kv_scales, next_power_of_2, num_sms, upcast_dots,
                                   gdc_launch_dependents, gdc_wait, pdl_supported)
 from rooflm.layers.attention import AttentionMetadata, paged_attention_ref
 
@@ -77,18 +77,25 @@ def _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_
                       qk_scale, stride_cb, stride_ct, stride_sb, stride_st, offs_d, d_ok,
                       BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAD_D: tl.constexpr,
                       MASKED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                      FP8: tl.constexpr, ABLATE: tl.constexpr):
-    """Online-softmax update with the key tiles lo .. hi; keys outside [kv_lo, kv_hi) are masked."""
+                      FP8: tl.constexpr, ABLATE: tl.constexpr, PAIRS: tl.constexpr = False,
+                      HEAD_DIM: tl.constexpr = 0):
+    """Online-softmax update with the key tiles lo .. hi; keys outside [kv_lo, kv_hi) are masked.
+    PAIRS: the FP8 caches are int16 views (strides in byte pairs), widened a pair at a time."""
     offs_n = tl.arange(0, BLOCK_N)
+    offs_pair = tl.arange(0, HEAD_DIM // 2) if PAIRS else offs_d
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k_idx = start_n + offs_n
         kv_ok = (k_idx >= kv_lo) & (k_idx < kv_hi)
         kv_offs = kv_tile_offsets(block_table_ptr, start_n, kv_ok, stride_cb, stride_ct,
                                   BLOCK_SIZE, BLOCK_N, MASKED)
-        k = load_2d(k_base + kv_offs[:, None] + offs_d[None, :], kv_ok, d_ok, MASKED, PAD_D)
-        v = load_2d(v_base + kv_offs[:, None] + offs_d[None, :], kv_ok, d_ok, MASKED, PAD_D)
-        if FP8:  # widen E4M3 to q's dtype (fp16 on the GPU) for the dots; scales applied outside them
+        if PAIRS:
+            k = load_e4m3_pairs(k_base + kv_offs[:, None] + offs_pair[None, :], kv_ok, MASKED, BLOCK_N, HEAD_DIM)
+            v = load_e4m3_pairs(v_base + kv_offs[:, None] + offs_pair[None, :], kv_ok, MASKED, BLOCK_N, HEAD_DIM)
+        else:
+            k = load_2d(k_base + kv_offs[:, None] + offs_d[None, :], kv_ok, d_ok, MASKED, PAD_D)
+            v = load_2d(v_base + kv_offs[:, None] + offs_d[None, :], kv_ok, d_ok, MASKED, PAD_D)
+        if FP8 and not PAIRS:  # widen E4M3 to q's dtype (fp16 on the GPU) for the dots; scales applied outside them
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         elif UPCAST:
@@ -127,7 +134,7 @@ def _decode_attention_kernel(
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
         SINGLE_SPLIT: tl.constexpr, SLIDING: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        FP8: tl.constexpr, PDL: tl.constexpr, ABLATE: tl.constexpr = 0):
+        FP8: tl.constexpr, PDL: tl.constexpr, ABLATE: tl.constexpr = 0, PAIRS: tl.constexpr = False):
     PAD_D: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
     if PDL:  # launched early (programmatic dependent launch): wait for q and the K/V writes
         gdc_launch_dependents()
@@ -173,18 +180,21 @@ def _decode_attention_kernel(
         acc, l_i, m_i = _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_table_ptr,
                                           start, end, kv_lo, end, qk_scale, stride_cb, stride_ct,
                                           stride_sb, stride_st, offs_d, d_ok,
-                                          BLOCK_SIZE, BLOCK_N, PAD_D, True, UPCAST, DOT_PRECISION, FP8, ABLATE)
+                                          BLOCK_SIZE, BLOCK_N, PAD_D, True, UPCAST, DOT_PRECISION, FP8, ABLATE,
+                                          PAIRS, HEAD_DIM)
     else:
         # Whole tiles unmasked, then the ragged tail.
         full_end = tl.maximum(start + ((end - start) // BLOCK_N) * BLOCK_N, start)
         acc, l_i, m_i = _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_table_ptr,
                                           start, full_end, 0, end, qk_scale, stride_cb, stride_ct,
                                           stride_sb, stride_st, offs_d, d_ok,
-                                          BLOCK_SIZE, BLOCK_N, PAD_D, False, UPCAST, DOT_PRECISION, FP8, ABLATE)
+                                          BLOCK_SIZE, BLOCK_N, PAD_D, False, UPCAST, DOT_PRECISION, FP8, ABLATE,
+                                          PAIRS, HEAD_DIM)
         acc, l_i, m_i = _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_table_ptr,
                                           full_end, end, 0, end, qk_scale, stride_cb, stride_ct,
                                           stride_sb, stride_st, offs_d, d_ok,
-                                          BLOCK_SIZE, BLOCK_N, PAD_D, True, UPCAST, DOT_PRECISION, FP8, ABLATE)
+                                          BLOCK_SIZE, BLOCK_N, PAD_D, True, UPCAST, DOT_PRECISION, FP8, ABLATE,
+                                          PAIRS, HEAD_DIM)
 
     if SINGLE_SPLIT:
         out = acc / l_i[:, None]
@@ -369,6 +379,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_seqs, num_splits, pdl = plan.num_seqs, plan.num_splits, plan.pdl
     pdl_kwargs = {"launch_pdl": True} if pdl else {}
     fp8 = k_scale is not None
+    pairs = fp8 and fp8_pairs_apply(k_cache, v_cache)
+    if pairs:  # byte pairs: every stride of the int16 view is half the byte stride
+        k_cache, v_cache = k_cache.view(torch.int16), v_cache.view(torch.int16)
     _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, plan.part_out, plan.part_lse, q, k_cache, v_cache,
         k_scale if fp8 else q, v_scale if fp8 else q,
@@ -380,7 +393,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         NUM_HEADS=num_heads, GROUP=group, ROWS=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         SINGLE_SPLIT=num_splits == 1, SLIDING=plan.sliding, UPCAST=upcast_dots(q.dtype),
-        DOT_PRECISION=dot_precision(q.dtype), FP8=fp8, PDL=pdl, ABLATE=_ablate, num_warps=num_warps,
+        DOT_PRECISION=dot_precision(q.dtype), FP8=fp8, PDL=pdl, ABLATE=_ablate, PAIRS=pairs, num_warps=num_warps,
         num_stages=num_stages,
         **pdl_kwargs,
     )

@@ -82,7 +82,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rooflm.kernels.utils import (check_paged_attention_inputs, config_for_head_dim, LOG2E, dot_precision, is_interpreter,
-                                  fp8_pv, kv_tile_offsets, load_2d, load_kv_scales, next_power_of_2, upcast_dots,
+                                  fp8_pairs_apply, fp8_pv, kv_tile_offsets, load_2d, load_e4m3_pairs, load_kv_scales, next_power_of_2, upcast_dots,
                                   gdc_launch_dependents, gdc_wait, pdl_supported)
 from rooflm.layers.attention import AttentionMetadata, paged_attention_ref
 
@@ -118,9 +118,11 @@ def _attend_key_range(acc, l_i, m_i, q, q_pos,
                       BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAD_D: tl.constexpr,
                       MASKED: tl.constexpr, SLIDING: tl.constexpr, UPCAST: tl.constexpr,
                       DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, ABLATE: tl.constexpr,
-                      FP8: tl.constexpr):
-    """Online-softmax update of (acc, l, m) with keys lo .. hi - 1 (kv_end bounds the loads)."""
+                      FP8: tl.constexpr, PAIRS: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0):
+    """Online-softmax update of (acc, l, m) with keys lo .. hi - 1 (kv_end bounds the loads).
+    PAIRS: the FP8 caches are int16 views read as byte pairs (utils.load_e4m3_pairs)."""
     offs_n = tl.arange(0, BLOCK_N)
+    offs_pair = tl.arange(0, HEAD_DIM // 2) if PAIRS else offs_d
     # Unmasked tiles inside one cache block can come through the copy engine (TMA):
     # the tile is BLOCK_N consecutive rows of the cache seen as [slots, H_kv * D].
     TMA: tl.constexpr = USE_TMA and not MASKED and BLOCK_N <= BLOCK_SIZE
@@ -137,8 +139,11 @@ def _attend_key_range(acc, l_i, m_i, q, q_pos,
             # Keys past kv_end load as zeros and are masked out of the scores.
             kv_offs = kv_tile_offsets(block_table_ptr, start_n, kv_ok, stride_cb, stride_ct,
                                       BLOCK_SIZE, BLOCK_N, MASKED)
-            k = load_2d(k_base + kv_offs[:, None] + offs_d[None, :], kv_ok, d_ok, MASKED, PAD_D)
-        if FP8:  # widen E4M3 to q's dtype (fp16) for the dot; the key's scale multiplies its scores
+            if PAIRS:
+                k = load_e4m3_pairs(k_base + kv_offs[:, None] + offs_pair[None, :], kv_ok, MASKED, BLOCK_N, HEAD_DIM)
+            else:
+                k = load_2d(k_base + kv_offs[:, None] + offs_d[None, :], kv_ok, d_ok, MASKED, PAD_D)
+        if FP8 and not PAIRS:  # widen E4M3 to q's dtype (fp16) for the dot; the key's scale multiplies its scores
             k = k.to(q.dtype)
         elif UPCAST:
             k = k.to(tl.float32)
@@ -163,9 +168,11 @@ def _attend_key_range(acc, l_i, m_i, q, q_pos,
         l_i = l_i * alpha + tl.sum(p, 1)
         if TMA:
             v = v_desc.load([row, kv_col])
+        elif PAIRS:
+            v = load_e4m3_pairs(v_base + kv_offs[:, None] + offs_pair[None, :], kv_ok, MASKED, BLOCK_N, HEAD_DIM)
         else:
             v = load_2d(v_base + kv_offs[:, None] + offs_d[None, :], kv_ok, d_ok, MASKED, PAD_D)
-        if FP8:
+        if FP8 and not PAIRS:
             v = v.to(q.dtype)
         elif UPCAST:
             v = v.to(tl.float32)
@@ -191,7 +198,7 @@ def _prefill_attention_kernel(
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SLIDING: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
         FP8: tl.constexpr = False, ABLATE: tl.constexpr = 0, UNIFORM: tl.constexpr = False,
-        PDL: tl.constexpr = False):
+        PDL: tl.constexpr = False, PAIRS: tl.constexpr = False):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     PAD_D: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
     if PDL:  # launched while the RoPE/KV write drains (uniform plans): wait for q and the cache
@@ -261,15 +268,15 @@ def _prefill_attention_kernel(
         acc, l_i, m_i = _attend_key_range(
             acc, l_i, m_i, q, q_pos, k_base, v_base, ks_base, vs_base, k_desc, v_desc, kv_col, block_table_ptr,
             lo, full_lo, hi, qk_scale, sliding_window, stride_cb, stride_ct, stride_sb, stride_st, offs_d, d_ok,
-            BLOCK_SIZE, BLOCK_N, PAD_D, True, SLIDING, UPCAST, DOT_PRECISION, USE_TMA, ABLATE, FP8)
+            BLOCK_SIZE, BLOCK_N, PAD_D, True, SLIDING, UPCAST, DOT_PRECISION, USE_TMA, ABLATE, FP8, PAIRS, HEAD_DIM)
     acc, l_i, m_i = _attend_key_range(
         acc, l_i, m_i, q, q_pos, k_base, v_base, ks_base, vs_base, k_desc, v_desc, kv_col, block_table_ptr,
         full_lo, full_hi, hi, qk_scale, sliding_window, stride_cb, stride_ct, stride_sb, stride_st, offs_d, d_ok,
-        BLOCK_SIZE, BLOCK_N, PAD_D, False, SLIDING, UPCAST, DOT_PRECISION, USE_TMA, ABLATE, FP8)
+        BLOCK_SIZE, BLOCK_N, PAD_D, False, SLIDING, UPCAST, DOT_PRECISION, USE_TMA, ABLATE, FP8, PAIRS, HEAD_DIM)
     acc, l_i, m_i = _attend_key_range(
         acc, l_i, m_i, q, q_pos, k_base, v_base, ks_base, vs_base, k_desc, v_desc, kv_col, block_table_ptr,
         full_hi, hi, hi, qk_scale, sliding_window, stride_cb, stride_ct, stride_sb, stride_st, offs_d, d_ok,
-        BLOCK_SIZE, BLOCK_N, PAD_D, True, SLIDING, UPCAST, DOT_PRECISION, USE_TMA, ABLATE, FP8)
+        BLOCK_SIZE, BLOCK_N, PAD_D, True, SLIDING, UPCAST, DOT_PRECISION, USE_TMA, ABLATE, FP8, PAIRS, HEAD_DIM)
 
     out = acc / l_i[:, None]
     o_offs = tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
@@ -463,6 +470,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
     grid = (plan.num_tiles, num_kv_heads)
     fp8 = k_scale is not None
+    pairs = fp8 and not plan.use_tma and fp8_pairs_apply(k_cache, v_cache)
+    if pairs:  # byte pairs: every stride of the int16 view is half the byte stride
+        k_cache, v_cache = k_cache.view(torch.int16), v_cache.view(torch.int16)
     _prefill_attention_kernel[grid](
         out, q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, k_desc, v_desc,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
@@ -474,7 +484,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         SLIDING=plan.sliding, UPCAST=upcast_dots(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
-        USE_TMA=plan.use_tma, FP8=fp8, ABLATE=_ablate, UNIFORM=plan.uniform, PDL=plan.pdl, num_warps=num_warps,
+        USE_TMA=plan.use_tma, FP8=fp8, ABLATE=_ablate, UNIFORM=plan.uniform, PDL=plan.pdl, PAIRS=pairs,
+        num_warps=num_warps,
         num_stages=num_stages, **({"launch_pdl": True} if plan.pdl else {}),
     )
     return out

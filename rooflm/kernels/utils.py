@@ -200,6 +200,34 @@ def load_kv_scales(scale_base, block_table_ptr, start_n, kv_ok, stride_sb, strid
     return tl.load(scale_base + offs)
 
 
+# ROOFLM_FP8_PAIRS=0: FP8 tiles loaded and widened a byte at a time (the benchmarks' A/B switch).
+FP8_PAIRS = os.environ.get("ROOFLM_FP8_PAIRS", "1") != "0"
+
+
+def fp8_pairs_apply(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether an FP8 cache is read as byte pairs (utils.load_e4m3_pairs): compiled on sm_89+ (the
+    pair conversion), a power-of-two head dim and byte strides that halve exactly."""
+    if not FP8_PAIRS or is_interpreter() or k_cache.device.type != "cuda":
+        return False
+    if torch.cuda.get_device_capability(k_cache.device) < (8, 9):
+        return False
+    head_dim = k_cache.shape[-1]
+    return (head_dim >= 16 and head_dim == next_power_of_2(head_dim)
+            and all(st % 2 == 0 for t in (k_cache, v_cache) for st in t.stride()[:-1]))
+
+
+@triton.jit
+def load_e4m3_pairs(ptrs, row_ok, MASK_ROWS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """An E4M3 tile [ROWS, COLS] widened to fp16, read through an int16 view of the cache (ptrs:
+    [ROWS, COLS // 2] of byte pairs). Loaded bytewise, Triton turns an FP8 tile into one shared-memory
+    load a byte plus its address arithmetic, and widens afterwards; as pairs, each 16-bit load
+    feeds one cvt.rn.f16x2.e4m3x2 (sm_89+), two values an instruction. Compiled only (inline PTX)."""
+    pairs = load_2d(ptrs, row_ok, row_ok, MASK_ROWS, False)
+    lo, hi = tl.inline_asm_elementwise("{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
+                                       "=h,=h,h", [pairs], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+    return tl.reshape(tl.join(lo, hi), [ROWS, COLS])  # byte 2j (the pair's low byte) is column 2j
+
+
 @triton.jit
 def fp8_pv(acc, p, v, vs_base, block_table_ptr, start_n, kv_ok, stride_sb, stride_st,
            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):

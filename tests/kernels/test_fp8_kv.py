@@ -124,3 +124,28 @@ def test_fp8_cache_without_scales_is_refused():
     q = torch.randn(1, 4, 64, device=DEVICE).to(torch.float16)
     with pytest.raises(ValueError, match="k_scale"):
         decode_attention(q, k8, v8, meta, 0.125)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="the byte-pair widening needs sm_89+")
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_fp8_byte_pairs_match_bytewise_loads(kind, monkeypatch):
+    """The Llama-3-8B shape through the byte-pair loads (utils.load_e4m3_pairs, what the engine
+    runs on Hopper) and through bytewise loads (ROOFLM_FP8_PAIRS=0): both against the reference."""
+    import rooflm.kernels.utils as kernel_utils
+
+    torch.manual_seed(2)
+    lens = [330, 17, 1025, 64]
+    meta, k8, v8, ks, vs = fp8_batch(lens, [1] * len(lens) if kind == "decode" else lens, 8, 128, 16)
+    assert kernel_utils.fp8_pairs_apply(k8, v8)
+    q = torch.randn(meta.query_start_loc_cpu[-1], 32, 128, device=DEVICE).to(torch.bfloat16)
+    run = decode_attention if kind == "decode" else prefill_attention
+    outs = []
+    for pairs in (True, False):
+        monkeypatch.setattr(kernel_utils, "FP8_PAIRS", pairs)
+        outs.append(run(q, k8, v8, meta, 128 ** -0.5, k_scale=ks, v_scale=vs))
+    ref = (decode_attention_ref if kind == "decode" else prefill_attention_ref)(q, k8, v8, meta, 128 ** -0.5,
+                                                                               k_scale=ks, v_scale=vs)
+    for out in outs:
+        assert_close(out, ref, torch.bfloat16, f"{kind} fp8")
