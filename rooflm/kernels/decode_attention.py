@@ -60,8 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rooflm.kernels.utils import (check_paged_attention_inputs, config_for_head_dim, LOG2E, cdiv, dot_precision, fp8_pv,
-                                  fp8_pv_scaled, is_interpreter,
+from rooflm.kernels.utils import (check_paged_attention_inputs, config_for_head_dim, LOG2E, cdiv, dot_precision, fp8_pv, is_interpreter,
                                   fp8_pairs_apply, kv_tile_offsets, load_2d, load_e4m3_pairs, load_kv_scales, next_power_of_2, num_sms, upcast_dots,
                                   gdc_launch_dependents, gdc_wait, pdl_supported)
 from rooflm.layers.attention import AttentionMetadata, paged_attention_ref
@@ -74,17 +73,6 @@ _MASKED = tl.constexpr(-1.0e30)
 # --------------------------------------------------------------------------
 
 @triton.jit
-def _tile_scales(ks_base, vs_base, block_table_ptr, start_n, kv_lo, kv_hi, stride_sb, stride_st,
-                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The K and V scales [BLOCK_N] of the key tile at start_n (0 outside [kv_lo, kv_hi))."""
-    k_idx = start_n + tl.arange(0, BLOCK_N)
-    ok = (k_idx >= kv_lo) & (k_idx < kv_hi)
-    ks = load_kv_scales(ks_base, block_table_ptr, start_n, ok, stride_sb, stride_st, BLOCK_SIZE, BLOCK_N, True)
-    vs = load_kv_scales(vs_base, block_table_ptr, start_n, ok, stride_sb, stride_st, BLOCK_SIZE, BLOCK_N, True)
-    return ks, vs
-
-
-@triton.jit
 def _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_table_ptr, lo, hi, kv_lo, kv_hi,
                       qk_scale, stride_cb, stride_ct, stride_sb, stride_st, offs_d, d_ok,
                       BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAD_D: tl.constexpr,
@@ -95,22 +83,10 @@ def _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_
     PAIRS: the FP8 caches are int16 views (strides in byte pairs), widened a pair at a time."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_pair = tl.arange(0, HEAD_DIM // 2) if PAIRS else offs_d
-    # FP8: each tile's K and V scales are loaded one tile ahead. They are 4-byte gathers through
-    # the block table that Triton's pipeliner leaves synchronous, so loaded where they are used
-    # every tile waited on them (512 x 330 on the H100: 252 us with scales, 200 without).
-    PREFETCH: tl.constexpr = FP8 and ABLATE == 0
-    last = ((tl.maximum(hi, 1) - 1) // BLOCK_N) * BLOCK_N  # a tile inside the range: no read past it
-    if PREFETCH:
-        ks_next, vs_next = _tile_scales(ks_base, vs_base, block_table_ptr, tl.minimum(lo, last), kv_lo, kv_hi,
-                                        stride_sb, stride_st, BLOCK_SIZE, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k_idx = start_n + offs_n
         kv_ok = (k_idx >= kv_lo) & (k_idx < kv_hi)
-        if PREFETCH:
-            ks, vs = ks_next, vs_next
-            ks_next, vs_next = _tile_scales(ks_base, vs_base, block_table_ptr, tl.minimum(start_n + BLOCK_N, last),
-                                            kv_lo, kv_hi, stride_sb, stride_st, BLOCK_SIZE, BLOCK_N)
         kv_offs = kv_tile_offsets(block_table_ptr, start_n, kv_ok, stride_cb, stride_ct,
                                   BLOCK_SIZE, BLOCK_N, MASKED)
         if PAIRS:
@@ -126,9 +102,7 @@ def _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        if PREFETCH:
-            qk = qk * ks[None, :]
-        elif FP8 and ABLATE != 1:  # ABLATE 1 (timing experiment, wrong results): no scales at all
+        if FP8 and ABLATE != 1:  # ABLATE 1 (timing experiment, wrong results): no scales at all
             qk = qk * load_kv_scales(ks_base, block_table_ptr, start_n, kv_ok, stride_sb, stride_st,
                                      BLOCK_SIZE, BLOCK_N, MASKED)[None, :]
         if MASKED:
@@ -138,8 +112,9 @@ def _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if PREFETCH:
-            acc = fp8_pv_scaled(acc, p, v, vs, DOT_PRECISION)
+        if FP8 and ABLATE == 0:
+            acc = fp8_pv(acc, p, v, vs_base, block_table_ptr, start_n, kv_ok, stride_sb, stride_st,
+                          BLOCK_SIZE, BLOCK_N, MASKED, DOT_PRECISION)
         elif FP8 and ABLATE == 2:  # timing experiment: V scales folded into p, no normalisation
             vs = load_kv_scales(vs_base, block_table_ptr, start_n, kv_ok, stride_sb, stride_st,
                                 BLOCK_SIZE, BLOCK_N, MASKED)

@@ -237,12 +237,6 @@ def fp8_pv(acc, p, v, vs_base, block_table_ptr, start_n, kv_ok, stride_sb, strid
     [0, 1] where fp16 is accurate (a V scale can be 1e-7); s_max multiplies the tile's product."""
     vs = load_kv_scales(vs_base, block_table_ptr, start_n, kv_ok, stride_sb, stride_st,
                         BLOCK_SIZE, BLOCK_N, MASKED)
-    return fp8_pv_scaled(acc, p, v, vs, DOT_PRECISION)
-
-
-@triton.jit
-def fp8_pv_scaled(acc, p, v, vs, DOT_PRECISION: tl.constexpr):
-    """fp8_pv with the tile's V scales vs [BLOCK_N] already loaded."""
     vs_max = tl.max(vs, 0)
     vs_max = tl.where(vs_max > 0, vs_max, 1.0)
     pv = tl.dot((p * (vs / vs_max)[None, :]).to(v.dtype), v, input_precision=DOT_PRECISION)
