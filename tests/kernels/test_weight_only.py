@@ -103,9 +103,12 @@ def test_w4a16_swap_ab_is_a_table_field_old_tables_lack():
 
 
 @triton.jit
-def _unpack_units(p_ptr, o_ptr, DT: tl.constexpr):
+def _unpack_units(p_ptr, o_ptr, DT: tl.constexpr, PACKED: tl.constexpr = False):
     r = tl.arange(0, 256)
-    low, high = _unit_nibbles_as(tl.load(p_ptr + r), DT)
+    if PACKED:  # the inline-PTX unpacking (compiled only)
+        low, high = _unit_nibbles_packed(tl.load(p_ptr + r), DT)
+    else:
+        low, high = _unit_nibbles_as(tl.load(p_ptr + r), DT)
     tl.store(o_ptr + r, low.to(tl.float32))
     tl.store(o_ptr + 256 + r, high.to(tl.float32))
 
@@ -121,14 +124,6 @@ def test_unit_nibbles_are_exact_in_each_activation_dtype(dtype):
     assert torch.equal(out, expected)
 
 
-@triton.jit
-def _unpack_units_packed(p_ptr, o_ptr, DT: tl.constexpr):
-    r = tl.arange(0, 256)
-    low, high = _unit_nibbles_packed(tl.load(p_ptr + r), DT)
-    tl.store(o_ptr + r, low.to(tl.float32))
-    tl.store(o_ptr + 256 + r, high.to(tl.float32))
-
-
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -138,7 +133,7 @@ def test_packed_unit_nibbles_match_the_triton_ones_for_every_byte(dtype):
     interpreter)."""
     p = torch.arange(256, dtype=torch.uint8).flip(0).contiguous().to(DEVICE)  # every byte, not in order
     out = torch.zeros(512, device=DEVICE)
-    _unpack_units_packed[(1,)](p, out, DT={torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype])
+    _unpack_units[(1,)](p, out, DT={torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype], PACKED=True)
     expected = torch.cat([1 + (p & 15).float() / 16, 1 + (p >> 4).float() / 16])
     assert torch.equal(out, expected)
 
