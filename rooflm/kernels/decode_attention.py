@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 
 from rooflm.kernels.utils import (check_paged_attention_inputs, config_for_head_dim, LOG2E, cdiv, dot_precision, fp8_pv, is_interpreter,
-                                  fp8_pairs_apply, kv_tile_offsets, load_2d, load_e4m3_pairs, load_kv_scales, next_power_of_2, num_sms, upcast_dots,
+                                  fp8_pair_views, kv_tile_offsets, load_2d, load_e4m3_pairs, load_kv_scales, next_power_of_2, num_sms, upcast_dots,
                                   gdc_launch_dependents, gdc_wait, pdl_supported)
 from rooflm.layers.attention import AttentionMetadata, paged_attention_ref
 
@@ -379,9 +379,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_seqs, num_splits, pdl = plan.num_seqs, plan.num_splits, plan.pdl
     pdl_kwargs = {"launch_pdl": True} if pdl else {}
     fp8 = k_scale is not None
-    pairs = fp8 and fp8_pairs_apply(k_cache, v_cache)
-    if pairs:  # byte pairs: every stride of the int16 view is half the byte stride
-        k_cache, v_cache = k_cache.view(torch.int16), v_cache.view(torch.int16)
+    views = fp8_pair_views(k_cache, v_cache) if fp8 else None
+    pairs = views is not None
+    if pairs:
+        k_cache, v_cache = views
     _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, plan.part_out, plan.part_lse, q, k_cache, v_cache,
         k_scale if fp8 else q, v_scale if fp8 else q,

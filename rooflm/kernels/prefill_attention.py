@@ -82,7 +82,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rooflm.kernels.utils import (check_paged_attention_inputs, config_for_head_dim, LOG2E, dot_precision, is_interpreter,
-                                  fp8_pairs_apply, fp8_pv, kv_tile_offsets, load_2d, load_e4m3_pairs, load_kv_scales, next_power_of_2, upcast_dots,
+                                  fp8_pair_views, fp8_pv, kv_tile_offsets, load_2d, load_e4m3_pairs, load_kv_scales, next_power_of_2, upcast_dots,
                                   gdc_launch_dependents, gdc_wait, pdl_supported)
 from rooflm.layers.attention import AttentionMetadata, paged_attention_ref
 
@@ -470,9 +470,10 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
     grid = (plan.num_tiles, num_kv_heads)
     fp8 = k_scale is not None
-    pairs = fp8 and not plan.use_tma and fp8_pairs_apply(k_cache, v_cache)
-    if pairs:  # byte pairs: every stride of the int16 view is half the byte stride
-        k_cache, v_cache = k_cache.view(torch.int16), v_cache.view(torch.int16)
+    views = fp8_pair_views(k_cache, v_cache) if fp8 and not plan.use_tma else None
+    pairs = views is not None
+    if pairs:
+        k_cache, v_cache = views
     _prefill_attention_kernel[grid](
         out, q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, k_desc, v_desc,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,

@@ -204,16 +204,20 @@ def load_kv_scales(scale_base, block_table_ptr, start_n, kv_ok, stride_sb, strid
 FP8_PAIRS = os.environ.get("ROOFLM_FP8_PAIRS", "1") != "0"
 
 
-def fp8_pairs_apply(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether an FP8 cache is read as byte pairs (utils.load_e4m3_pairs): compiled on sm_89+ (the
-    pair conversion), a power-of-two head dim and byte strides that halve exactly."""
+def fp8_pair_views(k_cache: torch.Tensor, v_cache: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """int16 views of an FP8 cache (every stride half the byte stride) where its tiles are read as
+    byte pairs (load_e4m3_pairs): compiled on sm_89+ (the pair conversion), a power-of-two head
+    dim, byte strides that halve exactly; else None (bytewise loads)."""
     if not FP8_PAIRS or is_interpreter() or k_cache.device.type != "cuda":
-        return False
-    if torch.cuda.get_device_capability(k_cache.device) < (8, 9):
-        return False
+        return None
+    if _capability(k_cache.device.index if k_cache.device.index is not None else torch.cuda.current_device()) < (8, 9):
+        return None
     head_dim = k_cache.shape[-1]
-    return (head_dim >= 16 and head_dim == next_power_of_2(head_dim)
-            and all(st % 2 == 0 for t in (k_cache, v_cache) for st in t.stride()[:-1]))
+    if head_dim < 16 or head_dim != next_power_of_2(head_dim):
+        return None
+    if any(st % 2 for t in (k_cache, v_cache) for st in t.stride()[:-1]):
+        return None
+    return k_cache.view(torch.int16), v_cache.view(torch.int16)
 
 
 @triton.jit

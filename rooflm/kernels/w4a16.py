@@ -116,33 +116,24 @@ def _unit_nibbles_as(p, dtype: tl.constexpr):
 # each nibble at the mantissa's top four bits and one lop3 masks it and ors in 1.0's bits:
 # 10 instructions for 8 weights, where Triton's per-element int16 code takes ~2.5 a weight (sm_90
 # SASS). The same values bit for bit as _unit_nibbles_as. Compiled only (the interpreter has no
-# inline assembly). LO and HI_OP/HI place each nibble; MASK is its four bits, ONE 1.0 in the dtype.
+# inline assembly). lo and hi_op/hi place each nibble; mask is its four bits, one 1.0 in the dtype.
 _NIBBLES_ASM = """
 {
 .reg .b32 d01, d23, t;
 prmt.b32 d01, $4, 0, 0x4140;
 prmt.b32 d23, $4, 0, 0x4342;
-shl.b32 t, d01, LO;
-lop3.b32 $0, t, MASK, ONE, 0xEA;
-shl.b32 t, d23, LO;
-lop3.b32 $1, t, MASK, ONE, 0xEA;
-HI_OP.b32 t, d01, HI;
-lop3.b32 $2, t, MASK, ONE, 0xEA;
-HI_OP.b32 t, d23, HI;
-lop3.b32 $3, t, MASK, ONE, 0xEA;
+shl.b32 t, d01, %(lo)s;
+lop3.b32 $0, t, %(mask)s, %(one)s, 0xEA;
+shl.b32 t, d23, %(lo)s;
+lop3.b32 $1, t, %(mask)s, %(one)s, 0xEA;
+%(hi_op)s.b32 t, d01, %(hi)s;
+lop3.b32 $2, t, %(mask)s, %(one)s, 0xEA;
+%(hi_op)s.b32 t, d23, %(hi)s;
+lop3.b32 $3, t, %(mask)s, %(one)s, 0xEA;
 }
 """
-
-
-def _nibbles_asm(**fields) -> str:
-    text = _NIBBLES_ASM
-    for name, value in fields.items():
-        text = text.replace(name, value)
-    return text
-
-
-_NIBBLES_ASM_BF16 = tl.constexpr(_nibbles_asm(LO="3", HI_OP="shr", HI="1", MASK="0x00780078", ONE="0x3F803F80"))
-_NIBBLES_ASM_FP16 = tl.constexpr(_nibbles_asm(LO="6", HI_OP="shl", HI="2", MASK="0x03C003C0", ONE="0x3C003C00"))
+_NIBBLES_ASM_BF16 = tl.constexpr(_NIBBLES_ASM % dict(lo=3, hi_op="shr", hi=1, mask="0x00780078", one="0x3F803F80"))
+_NIBBLES_ASM_FP16 = tl.constexpr(_NIBBLES_ASM % dict(lo=6, hi_op="shl", hi=2, mask="0x03C003C0", one="0x3C003C00"))
 # ROOFLM_W4_ASM=0: Triton's own unpacking everywhere (the benchmarks' A/B switch).
 USE_ASM = os.environ.get("ROOFLM_W4_ASM", "1") != "0"
 

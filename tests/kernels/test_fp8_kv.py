@@ -138,7 +138,7 @@ def test_fp8_byte_pairs_match_bytewise_loads(kind, monkeypatch):
     torch.manual_seed(2)
     lens = [330, 17, 1025, 64]
     meta, k8, v8, ks, vs = fp8_batch(lens, [1] * len(lens) if kind == "decode" else lens, 8, 128, 16)
-    assert kernel_utils.fp8_pairs_apply(k8, v8)
+    assert kernel_utils.fp8_pair_views(k8, v8) is not None
     q = torch.randn(meta.query_start_loc_cpu[-1], 32, 128, device=DEVICE).to(torch.bfloat16)
     run = decode_attention if kind == "decode" else prefill_attention
     outs = []
