@@ -233,6 +233,17 @@ def load_e4m3_pairs(ptrs, row_ok, MASK_ROWS: tl.constexpr, ROWS: tl.constexpr, C
 
 
 @triton.jit
+def prefetch_l2(ptrs):
+    """prefetch.global.L2 of the 128-byte line at each pointer: a hint, no register written and
+    nothing waits for it, so a kernel launched early (PDL) can pull in what does not depend on
+    the kernel before it (weights, cached K/V) before its gdc_wait. L2 is where writes land, so
+    a line fetched before another kernel writes it is never stale. (is_pure=False: kept though
+    its dummy result is unused.) Compiled only: no inline assembly in the interpreter."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def fp8_pv(acc, p, v, vs_base, block_table_ptr, start_n, kv_ok, stride_sb, stride_st,
            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """acc + sum_n p_n s_n v_n for an FP8 value tile v (widened, unscaled) with scales s_n.
