@@ -47,7 +47,6 @@ benchmarks/deterministic_tiles.py.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
@@ -55,7 +54,7 @@ import triton
 import triton.language as tl
 
 from rooflm.kernels.utils import (cdiv, check_last_dim_contiguous, dot_precision, gdc_launch_dependents, gdc_wait,
-                                  is_interpreter, num_sms, pdl_launch, prefetch_l2, upcast_dots)
+                                  is_interpreter, num_sms, pdl_launch, upcast_dots)
 
 
 # --------------------------------------------------------------------------
@@ -74,16 +73,6 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit
-def _prefetch_first_tile(w_ptr, rows, N, K, stride_wn, BLOCK_N: tl.constexpr, PREFETCH_K: tl.constexpr):
-    """The first PREFETCH_K elements of W rows `rows` into L2, one line a thread at a time."""
-    line: tl.constexpr = 128 * 8 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements a 128-byte line
-    offs = tl.arange(0, PREFETCH_K // line) * line
-    ok = (rows < N)[:, None] & (offs < K)[None, :]
-    ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + offs[None, :]
-    prefetch_l2(tl.where(ok, ptrs, w_ptr))
-
-
 # M and the program count change every step: not specialised on, so one compiled kernel serves
 # every batch (specialising on M == 1 would also give decode its own code, and maybe its own sums).
 @triton.jit(do_not_specialize=["M", "num_programs"])
@@ -91,26 +80,13 @@ def _matmul_persistent_kernel(y_ptr, x_ptr, w_ptr, bias_ptr, M, N, K, num_progra
                               stride_xm, stride_wn, stride_ym,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                              UPCAST: tl.constexpr, PDL: tl.constexpr = False, PREFETCH_K: tl.constexpr = 0,
-                              GATED: tl.constexpr = False):
-    # GATED: W is [2N, K], gate rows then up rows; y = silu(x W_gate^T) * (x W_up^T), each
-    # product summed as the plain kernel sums it (the same dots, a second accumulator) and the
-    # SiLU-mul computed as silu_mul.py computes it: bitwise this kernel then silu_mul.
+                              UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched while the kernel before drains (utils.pdl_supported): wait for its x
+        gdc_launch_dependents()
+        gdc_wait()
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
-    up_ptr = w_ptr + N.to(tl.int64) * stride_wn
-    if PDL:  # launched while the kernel before drains (utils.pdl_supported): wait for its x
-        gdc_launch_dependents()
-        if PREFETCH_K > 0:
-            # W does not depend on the kernel before: the first tile's leading K steps go to L2
-            # while that kernel finishes, so the pipeline's first loads do not wait on HBM.
-            first_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)[1] * BLOCK_N
-            rows = first_n + tl.arange(0, BLOCK_N)
-            _prefetch_first_tile(w_ptr, rows, N, K, stride_wn, BLOCK_N, PREFETCH_K)
-            if GATED:
-                _prefetch_first_tile(up_ptr, rows, N, K, stride_wn, BLOCK_N, PREFETCH_K)
-        gdc_wait()
     offs_k = tl.arange(0, BLOCK_K)
     for tile in range(tl.program_id(0), num_tiles, num_programs):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
@@ -120,9 +96,7 @@ def _matmul_persistent_kernel(y_ptr, x_ptr, w_ptr, bias_ptr, M, N, K, num_progra
         n_ok = offs_n < N
         x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
         w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # W^T tile [BK, BN]
-        u_ptrs = w_ptrs + N.to(tl.int64) * stride_wn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         # The K loop: always from 0 in steps of BLOCK_K, one dot per step, whatever M is.
         for k0 in range(0, K, BLOCK_K):
             k_ok = offs_k < K - k0
@@ -132,21 +106,10 @@ def _matmul_persistent_kernel(y_ptr, x_ptr, w_ptr, bias_ptr, M, N, K, num_progra
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            if GATED:
-                bu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                if UPCAST:
-                    bu = bu.to(tl.float32)
-                acc_up = tl.dot(a, bu, acc_up, input_precision=DOT_PRECISION)
-                u_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if GATED:  # silu_mul.py's arithmetic on the two products as they would be stored
-            dtype = y_ptr.dtype.element_ty
-            gate = acc.to(dtype).to(tl.float32)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-            acc = silu * acc_up.to(dtype).to(tl.float32)
         y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -301,25 +264,6 @@ def tma_usable(x2: torch.Tensor, weight: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (x2, weight))
 
 
-# Bytes of each of its first tile's W rows a decode-bucket program prefetches into L2 before it
-# waits for the kernel before it (PDL): the pipeline's first loads then find W in L2. A power of
-# two, at least 128 (one line); 0 turns it off (ROOFLM_MATMUL_PREFETCH, for the H100 comparison).
-PREFETCH_BYTES = int(os.environ.get("ROOFLM_MATMUL_PREFETCH", "1024"))
-if PREFETCH_BYTES and (PREFETCH_BYTES < 128 or PREFETCH_BYTES & (PREFETCH_BYTES - 1)):
-    raise ValueError(f"ROOFLM_MATMUL_PREFETCH must be 0 or a power of two >= 128, got {PREFETCH_BYTES}")
-# The gated decode tile: 32 gate and 32 up rows a program, so a stage holds the 64 W rows of the
-# plain decode tile (64 x 64, 8 stages) and the grid has the same 448 tiles for Llama-3-8B.
-_BF16_GATED = (64, 32, 64, 8, 4, 8)
-GATED_DECODE_CONFIGS = {torch.bfloat16: _BF16_GATED, torch.float16: _BF16_GATED,
-                        torch.float32: MATMUL_BUCKETS[torch.float32][0][1]}
-check_buckets(MATMUL_BUCKETS, GATED_DECODE_CONFIGS)
-
-
-def _prefetch_k(common: dict, dtype: torch.dtype) -> int:
-    """PREFETCH_K, in elements, of a launch: only with PDL (without it nothing runs before the wait)."""
-    return PREFETCH_BYTES * 8 // torch.finfo(dtype).bits if common.get("PDL") else 0
-
-
 def matmul_persistent(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                       out_dtype: Optional[torch.dtype] = None,
                       config: Optional[tuple[int, int, int, int, int, int]] = None,
@@ -333,75 +277,40 @@ def matmul_persistent(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     rows bitwise against the pointer loads); None: from TMA_MIN_M rows up, compiled only.
     """
     n, k = check_matmul_inputs(x, weight, bias)
-    x2, lead = _rows(x, weight)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    check_last_dim_contiguous("weight", weight)
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m > 0 and n > 0:
         sms = num_sms(x.device.index or 0) if x.device.type == "cuda" else num_sms()
         config = config or matmul_config(x.dtype, m, n, sms)
-        common, programs = _launch(x2, n, config, sms, bias is not None)
+        block_m, block_n, block_k, group_m, num_warps, num_stages = config[:6]
+        num_tiles = cdiv(m, block_m) * cdiv(n, block_n)
+        # A program per SM, or config[6] of them (a 7-tuple, for the benchmarks' candidates: tiles
+        # too small to keep enough bytes in flight alone).
+        programs = min(sms * (config[6] if len(config) > 6 else 1), num_tiles)
+        common = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+                      HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(x.dtype),
+                      UPCAST=upcast_dots(x.dtype), num_warps=num_warps, num_stages=num_stages)
+        common.update(pdl_launch(x.device))
         if tma is None:
             tma = m >= TMA_MIN_M and not is_interpreter()
         if tma and tma_usable(x2, weight):
             from triton.tools.tensor_descriptor import TensorDescriptor
 
-            x_desc = TensorDescriptor.from_tensor(x2, [config[0], config[2]])
-            w_desc = TensorDescriptor.from_tensor(weight, [config[1], config[2]])
+            x_desc = TensorDescriptor.from_tensor(x2, [block_m, block_k])
+            w_desc = TensorDescriptor.from_tensor(weight, [block_n, block_k])
             _matmul_persistent_tma_kernel[(programs,)](
                 y, x_desc, w_desc, bias if bias is not None else weight, m, n, k, programs, y.stride(0),
                 **common)
         else:
             _matmul_persistent_kernel[(programs,)](
                 y, x2, weight, bias if bias is not None else weight, m, n, k, programs,
-                x2.stride(0), weight.stride(0), y.stride(0),
-                PREFETCH_K=_prefetch_k(common, x.dtype) if m < TMA_MIN_M else 0, **common)
+                x2.stride(0), weight.stride(0), y.stride(0), **common)
     return y.reshape(*lead, n)
-
-
-def matmul_persistent_gated(x: torch.Tensor, weight: torch.Tensor,
-                            config: Optional[tuple[int, int, int, int, int, int]] = None) -> torch.Tensor:
-    """silu(x @ W_gate^T) * (x @ W_up^T) for weight [2I, K] = [gate rows; up rows] (the fused
-    gate_up projection): bitwise silu_mul(matmul_persistent(x, weight)), in one launch and
-    without the [M, 2I] intermediate. Each product is summed in the persistent kernel's order
-    (BLOCK_N never changes a sum), so the fused and unfused paths may serve different M of one
-    model. Pointer loads only: for the decode bucket (M <= 64), where the launch it saves counts.
-    """
-    n2, k = check_matmul_inputs(x, weight, None)
-    if n2 % 2:
-        raise ValueError(f"a gated weight has gate and up rows: an even count, got {n2}")
-    n = n2 // 2
-    x2, lead = _rows(x, weight)
-    m = x2.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m > 0 and n > 0:
-        sms = num_sms(x.device.index or 0) if x.device.type == "cuda" else num_sms()
-        config = config or (_INTERPRETER_CONFIG if is_interpreter() else GATED_DECODE_CONFIGS[x.dtype])
-        common, programs = _launch(x2, n, config, sms, False)
-        _matmul_persistent_kernel[(programs,)](
-            y, x2, weight, weight, m, n, k, programs, x2.stride(0), weight.stride(0), y.stride(0),
-            PREFETCH_K=_prefetch_k(common, x.dtype), GATED=True, **common)
-    return y.reshape(*lead, n)
-
-
-def _rows(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
-    """x as [M, K] rows with a unit last stride, and its leading dims; checks W's last stride."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    check_last_dim_contiguous("weight", weight)
-    return x2, lead
-
-
-def _launch(x2: torch.Tensor, n: int, config: tuple[int, ...], sms: int, has_bias: bool) -> tuple[dict, int]:
-    """The kernels' launch arguments for a config, and the persistent grid's size."""
-    block_m, block_n, block_k, group_m, num_warps, num_stages = config
-    programs = min(sms, cdiv(x2.shape[0], block_m) * cdiv(n, block_n))
-    common = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-                  HAS_BIAS=has_bias, DOT_PRECISION=dot_precision(x2.dtype),
-                  UPCAST=upcast_dots(x2.dtype), num_warps=num_warps, num_stages=num_stages)
-    common.update(pdl_launch(x2.device))
-    return common, programs
 
 
 # --------------------------------------------------------------------------
@@ -415,13 +324,6 @@ def matmul_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype or x.dtype)
-
-
-def matmul_gated_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of the fp32 reference's products, with silu_mul's roundings."""
-    gate, up = matmul_ref(x, weight).chunk(2, dim=-1)
-    silu = torch.nn.functional.silu(gate.float()).to(x.dtype)
-    return (silu.float() * up.float()).to(x.dtype)
 
 
 def matmul_flops(m: int, n: int, k: int) -> int:

@@ -73,7 +73,6 @@ Bytes  >= (q + out) T * H * D * e + (k + v) 2 * sum_s(seq_len_s) * H_kv * D * e
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -84,7 +83,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rooflm.kernels.utils import (check_paged_attention_inputs, config_for_head_dim, LOG2E, dot_precision, is_interpreter,
                                   fp8_pair_views, fp8_pv, kv_tile_offsets, load_2d, load_e4m3_pairs, load_kv_scales, next_power_of_2, upcast_dots,
-                                  gdc_launch_dependents, gdc_wait, pdl_supported, prefetch_l2)
+                                  gdc_launch_dependents, gdc_wait, pdl_supported)
 from rooflm.layers.attention import AttentionMetadata, paged_attention_ref
 
 # A masked score. Finite on purpose: a row whose first tile is fully masked
@@ -188,21 +187,6 @@ def _attend_key_range(acc, l_i, m_i, q, q_pos,
     return acc, l_i, m_i
 
 
-@triton.jit
-def _prefetch_keys(k_base, v_base, block_table_ptr, lo, hi, stride_cb, stride_ct, BLOCK_SIZE: tl.constexpr,
-                   KEYS: tl.constexpr, LINES: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
-    """prefetch.global.L2 of the K and V rows of keys [lo, min(hi, lo + KEYS)) of one KV head:
-    LINES 128-byte lines a row."""
-    pos = lo + tl.arange(0, KEYS)
-    ok = pos < hi
-    page = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=ok, other=0)
-    row = page.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct
-    offs = row[:, None] + (tl.arange(0, LINES) * (HEAD_DIM_PAD // LINES))[None, :]
-    ok = ok[:, None] & (tl.arange(0, LINES) < LINES)[None, :]
-    prefetch_l2(tl.where(ok, k_base + offs, k_base))
-    prefetch_l2(tl.where(ok, v_base + offs, v_base))
-
-
 @triton.jit(do_not_specialize=["seq_lo", "seq_hi", "tile_lo", "num_tiles", "sliding_window"])
 def _prefill_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, k_desc, v_desc,
@@ -214,16 +198,14 @@ def _prefill_attention_kernel(
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SLIDING: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
         FP8: tl.constexpr = False, ABLATE: tl.constexpr = 0, UNIFORM: tl.constexpr = False,
-        PDL: tl.constexpr = False, PAIRS: tl.constexpr = False, PREFETCH_KEYS: tl.constexpr = 0,
-        PREFETCH_LINES: tl.constexpr = 1):
+        PDL: tl.constexpr = False, PAIRS: tl.constexpr = False):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     PAD_D: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
-    if PDL:  # launched while the RoPE/KV write drains (uniform plans); q and the cache after gdc_wait
+    if PDL:  # launched while the RoPE/KV write drains (uniform plans): wait for q and the cache
         gdc_launch_dependents()
+        gdc_wait()
 
-    # Which sequence and which of its query tiles (longest tiles first). The step's metadata was
-    # copied in before the step's first kernel (never written by a PDL-launched one): with PDL it
-    # is read, and the key range worked out, while the kernel before drains.
+    # Which sequence and which of its query tiles (longest tiles first).
     target = tile_lo + (num_tiles - 1 - tl.program_id(0))
     kv_head = tl.program_id(1)
     seq = _find_seq(query_start_loc_ptr, target, seq_lo, seq_hi, BLOCK_Q)
@@ -234,6 +216,21 @@ def _prefill_attention_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     first_pos = seq_len - (q_end - q_start)  # position of the sequence's first query token
+
+    # Rows of the tile: (token, query head of the group) pairs.
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = tile_start + offs_m // GROUP_PAD
+    head = kv_head * GROUP + offs_m % GROUP_PAD
+    row_ok = (tok < q_end) & (offs_m % GROUP_PAD < GROUP)
+    q_pos = first_pos + (tok - q_start)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
+    q_offs = tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = load_2d(q_ptr + q_offs, row_ok, d_ok, True, PAD_D)
+    if UPCAST:
+        q = q.to(tl.float32)
+    elif FP8:  # E4M3 widens to fp16 in one instruction (to bf16 in three): the dots run in fp16
+        q = q.to(tl.float16)
 
     # Key ranges: [lo, full_lo) masked (window edge), [full_lo, full_hi) unmasked,
     # [full_hi, hi) masked (causal diagonal). Bounds of full_* are BLOCK_N-aligned.
@@ -259,27 +256,6 @@ def _prefill_attention_kernel(
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_ch
     v_base = v_cache_ptr + kv_head * stride_ch
-    if PDL:
-        if PREFETCH_KEYS > 0:  # the cached K/V (all but this step's, which L2 takes as written) to L2
-            _prefetch_keys(k_base, v_base, block_table_ptr, lo, hi, stride_cb, stride_ct,
-                           BLOCK_SIZE, PREFETCH_KEYS, PREFETCH_LINES, HEAD_DIM_PAD)
-        gdc_wait()
-
-    # Rows of the tile: (token, query head of the group) pairs.
-    offs_m = tl.arange(0, BLOCK_M)
-    tok = tile_start + offs_m // GROUP_PAD
-    head = kv_head * GROUP + offs_m % GROUP_PAD
-    row_ok = (tok < q_end) & (offs_m % GROUP_PAD < GROUP)
-    q_pos = first_pos + (tok - q_start)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    d_ok = offs_d < HEAD_DIM
-    q_offs = tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
-    q = load_2d(q_ptr + q_offs, row_ok, d_ok, True, PAD_D)
-    if UPCAST:
-        q = q.to(tl.float32)
-    elif FP8:  # E4M3 widens to fp16 in one instruction (to bf16 in three): the dots run in fp16
-        q = q.to(tl.float16)
-
     ks_base = k_scale_ptr + kv_head  # scales: [block, slot, head], unit head stride
     vs_base = v_scale_ptr + kv_head
     kv_col = kv_head * HEAD_DIM  # column of this head in the [slots, H_kv * D] view (TMA)
@@ -335,12 +311,6 @@ PREFILL_CONFIGS_FP32 = {
     128: (64, 32, 4, 2),
     256: (32, 32, 4, 1),
 }
-# Keys of a program's range whose K and V rows a PDL-launched (uniform) program prefetches into L2
-# before it waits for the RoPE/KV write: a decode's whole short context, a long one's first tiles.
-# A power of two; 0: off (ROOFLM_ATTENTION_PREFETCH_KEYS, for the H100 comparison).
-PREFETCH_KEYS = int(os.environ.get("ROOFLM_ATTENTION_PREFETCH_KEYS", "256"))
-if PREFETCH_KEYS & (PREFETCH_KEYS - 1):
-    raise ValueError(f"ROOFLM_ATTENTION_PREFETCH_KEYS must be 0 or a power of two, got {PREFETCH_KEYS}")
 # Whether whole key tiles go through TMA when they can (+17-19% on the H100).
 TMA_BY_DEFAULT = True
 # The interpreter pays per operation, not per element: fewer, larger tiles.
@@ -516,8 +486,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         SLIDING=plan.sliding, UPCAST=upcast_dots(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
         USE_TMA=plan.use_tma, FP8=fp8, ABLATE=_ablate, UNIFORM=plan.uniform, PDL=plan.pdl, PAIRS=pairs,
-        PREFETCH_KEYS=PREFETCH_KEYS if plan.pdl and not fp8 else 0,
-        PREFETCH_LINES=max(head_dim_pad * q.element_size() // 128, 1), num_warps=num_warps,
+        num_warps=num_warps,
         num_stages=num_stages, **({"launch_pdl": True} if plan.pdl else {}),
     )
     return out

@@ -68,7 +68,9 @@ def pdl_launch(device: torch.device) -> dict:
     them at their start made batch-1 decode slower on the H100 (int8 291.8 -> 286.7, int4 282.8 ->
     263.3 tok/s with ROOFLM_PDL 0 -> 1 at da5c058): the next kernels sit resident, holding SM
     slots the GEMV's later waves need. Released after the main loop, int8 went 291.7 -> 303.5
-    (3c3577e). Measure before adding it to a kernel."""
+    (3c3577e). W4A16 with its split-K sum in the kernel releases at each program's very end: after
+    the main loop int4 batch 1 fell 296 -> 289 tok/s, at the end it rose to 313 (w4a16.py). Measure
+    before adding it to a kernel."""
     return {"PDL": True, "launch_pdl": True} if pdl_supported(device) else {}
 
 
@@ -230,17 +232,6 @@ def load_e4m3_pairs(ptrs, row_ok, MASK_ROWS: tl.constexpr, ROWS: tl.constexpr, C
     lo, hi = tl.inline_asm_elementwise("{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
                                        "=h,=h,h", [pairs], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
     return tl.reshape(tl.join(lo, hi), [ROWS, COLS])  # byte 2j (the pair's low byte) is column 2j
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """prefetch.global.L2 of the 128-byte line at each pointer: a hint, no register written and
-    nothing waits for it, so a kernel launched early (PDL) can pull in what does not depend on
-    the kernel before it (weights, cached K/V) before its gdc_wait. L2 is where writes land, so
-    a line fetched before another kernel writes it is never stale. (is_pure=False: kept though
-    its dummy result is unused.) Compiled only: no inline assembly in the interpreter."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

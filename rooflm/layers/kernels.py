@@ -5,8 +5,7 @@ None means the layer's torch code (the CPU path and the reference). On CUDA the 
 passes the Triton kernels of rooflm/kernels/: RMSNorm with the residual add fused, SiLU-mul,
 and the one-token GEMV that runs a whole decoder layer as four weight reads.
 With --deterministic (rooflm/deterministic/) the runner passes batch-invariant ones instead:
-a linear kernel whose sums do not depend on the number of rows (and the MLP's gate_up
-projection with its SiLU-mul fused, summed alike), and no GEMV.
+a linear kernel whose sums do not depend on the number of rows, and no GEMV.
 """
 
 from __future__ import annotations
@@ -23,10 +22,6 @@ class Kernels:
     # (x, weight, bias, quant) -> y for every linear layer and the LM head; None: F.linear (or the
     # layer's quantized method). Set only by --deterministic: a batch-invariant matmul.
     linear: Optional[Callable] = None
-    # (x, gate_up weight [2I, K]) -> silu(x W_gate^T) * (x W_up^T): the MLP's gate_up projection
-    # and SiLU-mul as one call. Set only by --deterministic, where it fuses them for decode-size
-    # steps with the same bits as linear then silu_mul; None: linear (or F.linear), then silu_mul.
-    gated_linear: Optional[Callable] = None
     # RMSNorm over each head of q and k ([T, H, D]; Qwen3); None: torch.
     head_norm: Optional[Callable] = None
 

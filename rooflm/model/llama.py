@@ -72,14 +72,9 @@ class LlamaMLP(torch.nn.Module):
             cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}, tp, kernels.linear)
         self.down_proj = tp_layers.row_linear(cfg.intermediate_size, cfg.hidden_size, tp, kernels.linear)
         self.act = SiluAndMul(kernels.silu_mul)
-        # --deterministic on CUDA: the gate_up projection and SiLU-mul in one kernel (float weights)
-        self.gated_linear = kernels.gated_linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj
-        if self.gated_linear is not None and gate_up.quant is None and gate_up.bias is None:
-            return self.down_proj(self.gated_linear(x, gate_up.weight))
-        return self.down_proj(self.act(gate_up(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(torch.nn.Module):

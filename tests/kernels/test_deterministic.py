@@ -8,9 +8,7 @@ import torch
 from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
 from rooflm.kernels.matmul_fixed_split import (matmul_fixed_split, matmul_fixed_split_ref, split_plan,
                                                split_size)
-from rooflm.kernels.matmul_persistent import (matmul_config, matmul_gated_ref, matmul_persistent,
-                                              matmul_persistent_gated, matmul_ref)
-from rooflm.kernels.silu_mul import silu_mul
+from rooflm.kernels.matmul_persistent import matmul_config, matmul_persistent, matmul_ref
 from rooflm.kernels.backend import TritonBackend
 from rooflm.kernels.prefill_attention import (PrefillPlan, prefill_attention, prefill_attention_ref, prefill_config,
                                               uniform_decode_config)
@@ -93,20 +91,6 @@ def test_matmul_input_checks():
     assert matmul_persistent(x[:0], torch.randn(4, 8, device=DEVICE)).shape == (0, 4)
 
 
-def test_gated_matmul_is_matmul_then_silu_mul():
-    """The fused gate_up + SiLU-mul gives silu_mul(matmul_persistent(x, W)) bit for bit, at
-    every M (the deterministic MLP fuses decode-size steps only; prefill chunks stay unfused)."""
-    x, w = exact_values(40, 80, scale=0.25), exact_values(2 * 36, 80, scale=0.25)
-    for lo, hi in [(0, 1), (7, 8), (3, 20), (0, 40)]:
-        rows = x[lo:hi].clone()
-        fused = matmul_persistent_gated(rows, w)
-        assert fused.shape == (hi - lo, 36)
-        assert rows_equal(fused, silu_mul(matmul_persistent(rows, w))), (lo, hi)
-        assert_close(fused, matmul_gated_ref(rows, w), torch.float16, "gated matmul")
-    with pytest.raises(ValueError, match="even"):
-        matmul_persistent_gated(x, exact_values(71, 80))
-
-
 def test_matmul_config_narrow_decode_tiles_only_where_they_fill_the_gpu(monkeypatch):
     import rooflm.kernels.matmul_persistent as mp
     monkeypatch.setattr(mp, "is_interpreter", lambda: False)
@@ -143,32 +127,6 @@ def test_matmul_gpu_bf16_rows_invariant(n, k):
     """The Llama-3-8B projections in bf16: one token alone, in a decode batch, in a prefill chunk."""
     check_matmul_rows(2048, n, k, torch.bfloat16, [(0, 1), (5, 6), (0, 64), (100, 356), (1000, 2048)],
                       bias=False)
-
-
-@pytest.mark.gpu
-@requires_cuda
-def test_gated_matmul_gpu_bf16_equals_unfused_rows_at_every_m(monkeypatch):
-    """Llama-3-8B's gate_up in bf16: the fused decode kernel's rows (M = 1, 5, 64) bitwise equal
-    to the unfused matmul then silu_mul, at the same M and as rows of a 2048-token prefill chunk;
-    the L2 prefetch before the PDL wait (any size, or none) changes no bit."""
-    import rooflm.kernels.matmul_persistent as mp
-    i, k = 14336, 4096
-    x = torch.randn(2048, k, device=DEVICE).to(torch.bfloat16)
-    w = (torch.randn(2 * i, k, device=DEVICE) / k ** 0.5).to(torch.bfloat16)
-    prefill = silu_mul(matmul_persistent(x, w))
-    for lo, hi in [(0, 1), (5, 6), (0, 64), (1000, 1005)]:
-        rows = x[lo:hi].clone()
-        fused = matmul_persistent_gated(rows, w)
-        assert rows_equal(fused, silu_mul(matmul_persistent(rows, w))), (lo, hi)
-        assert rows_equal(fused, prefill[lo:hi]), (lo, hi)
-        for prefetch in (0, 4096):
-            monkeypatch.setattr(mp, "PREFETCH_BYTES", prefetch)
-            assert rows_equal(matmul_persistent_gated(rows, w), fused), (lo, hi, prefetch)
-            assert rows_equal(matmul_persistent(rows, w[:i]), prefill_rows_gate(x, w[:i], lo, hi)), (lo, hi, prefetch)
-
-
-def prefill_rows_gate(x, w_gate, lo, hi):
-    return matmul_persistent(x, w_gate)[lo:hi]
 
 
 @pytest.mark.gpu
@@ -309,7 +267,7 @@ def spills(ptx):
 def build(fn, args, config):
     block_m, block_n, block_k, group_m, warps, stages = config
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, HAS_BIAS=True,
-                  DOT_PRECISION="tf32", UPCAST=False, PDL=False, PREFETCH_K=0, GATED=False)
+                  DOT_PRECISION="tf32", UPCAST=False, PDL=False)
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig = dict(args, **{k: "constexpr" for k in consts})
     names = list(sig)
@@ -482,7 +440,6 @@ def test_engine_deterministic_triton_path_matches_reference(tmp_path, split_on):
     model = llm.engine.runner.model
     assert llm.engine.runner.backend.deterministic and model.model.layers[0].gemv is None
     assert model.model.layers[0].mlp.down_proj.kernel is not None and model.linear is not None
-    assert model.model.layers[0].mlp.gated_linear is not None  # gate_up + SiLU-mul fused for decodes
     assert model.model.layers[0].self_attn.q_norm.kernel is not None  # head norms through Triton
     # The linears take the fixed-split order, and the tiny o_proj (one column tile) does split K.
     o_proj = model.model.layers[0].self_attn.o_proj.weight
