@@ -13,6 +13,8 @@
   tma:    the persistent matmul with TMA tile loads vs its pointer loads vs cuBLAS (--part tma).
   small:  decode-size tile candidates (M = 1, 16, 64) under CUDA graphs vs the bucket's and
           cuBLAS, with whether each sums like the bucket (--part small).
+  decode: the same for the batch-1 question, every projection and the LM head, BLOCK_K 128,
+          BLOCK_M 16 and two programs per SM among the candidates (--part decode).
 
 Times are triton.testing.do_bench medians (ms). Writes kernels.json under --out.
 `--part split` runs the split part alone (about a minute on an H100, by estimate).
@@ -258,15 +260,65 @@ def bench_small() -> list[dict]:
     return rows
 
 
+# Batch-1 decode (issue 21's last miss): the decode bucket's tiles at M = 1, 16 and 64 for every
+# projection and the LM head, with BLOCK_K 128 (the sweep above found it sums like 64), BLOCK_M 16
+# (Triton's mma.sync path instead of wgmma: does it sum alike?) and two programs per SM (a 7th
+# entry) for tiles too small to keep enough bytes in flight alone.
+DECODE_CONFIGS = [(64, 64, 64, 8, 4, 8), (64, 32, 64, 8, 4, 12),
+                  (64, 64, 128, 8, 4, 4), (64, 64, 128, 8, 4, 6),
+                  (64, 32, 128, 8, 4, 4), (64, 32, 128, 8, 4, 6), (64, 32, 128, 8, 4, 4, 2),
+                  (64, 16, 128, 8, 4, 4, 2), (64, 16, 128, 8, 4, 6, 2),
+                  (16, 64, 128, 8, 4, 4), (16, 64, 128, 8, 4, 8), (16, 32, 128, 8, 4, 6), (16, 32, 128, 8, 4, 6, 2),
+                  (16, 16, 256, 8, 4, 4, 2), (16, 64, 256, 8, 4, 4), (16, 32, 256, 8, 4, 4, 2)]
+M_DECODE = tuple(int(v) for v in os.environ.get("DECODE_MS", "1,16,64").split(","))
+
+
+def bench_decode() -> list[dict]:
+    """DECODE_CONFIGS under CUDA graphs per projection at decode sizes, against the table's and
+    cuBLAS, and whether each candidate's rows are bitwise the M = 2048 (prefill) run's rows."""
+    from triton.testing import do_bench_cudagraph
+    from rooflm.kernels.matmul_persistent import matmul_config
+    from rooflm.kernels.utils import num_sms
+    rows = []
+    for name, n, k, m, x, w in operands(("qkv", "o", "gate_up", "down", "lm_head"), M_DECODE):
+        big = torch.randn(2048, k, device=DEVICE, dtype=torch.bfloat16)
+        big[:m] = x
+        ref = matmul_persistent(big, w)[:m]  # the prefill bucket's rows
+        table = matmul_config(torch.bfloat16, m, n, num_sms())
+        gb = n * k * 2 / 1e6
+        t_cublas = do_bench_cudagraph(lambda: F.linear(x, w), rep=40)
+        t_table = do_bench_cudagraph(lambda: matmul_persistent(x, w, config=table), rep=40)
+        best = (t_table, table)
+        for cfg in DECODE_CONFIGS:
+            try:
+                t = do_bench_cudagraph(lambda: matmul_persistent(x, w, config=cfg), rep=40)
+                same = bool(torch.equal(matmul_persistent(x, w, config=cfg), ref))
+            except Exception as e:  # noqa: BLE001 (a tile that does not fit: say so, go on)
+                print(f"decode {name} M={m} {cfg}: {type(e).__name__}", flush=True)
+                continue
+            rows.append(dict(kernel="decode", shape=name, m=m, config=list(cfg), ms=t, table_ms=t_table,
+                             cublas_ms=t_cublas, gbs=gb / t, same_sums=same))
+            if same and t < best[0]:
+                best = (t, cfg)
+            print(f"decode {name:8s} M={m:3d} {str(cfg):32s} {t * 1e3:7.1f} us {gb / t:5.0f} GB/s"
+                  f"{'' if same else '  sums DIFFER from prefill rows'}", flush=True)
+        print(f"DECODE {name:8s} M={m:3d} cuBLAS {t_cublas * 1e3:.1f} us ({gb / t_cublas:.0f} GB/s) table "
+              f"{t_table * 1e3:.1f} us ({gb / t_table:.0f} GB/s) best {best[0] * 1e3:.1f} us "
+              f"({gb / best[0]:.0f} GB/s) {best[1]}", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--part", choices=("all", "split", "tma", "small"), default="all")
+    ap.add_argument("--part", choices=("all", "split", "tma", "small", "decode"), default="all")
     args = ap.parse_args()
     if args.part == "tma":
         rows = bench_tma()
     elif args.part == "small":
         rows = bench_small()
+    elif args.part == "decode":
+        rows = bench_decode()
     elif args.part == "split":
         rows = bench_fixed_split()
     else:

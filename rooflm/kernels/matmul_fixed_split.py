@@ -69,6 +69,7 @@ import triton
 import triton.language as tl
 
 from rooflm.kernels.matmul_persistent import _tile_coords, check_matmul_inputs, matmul_config, matmul_persistent
+from rooflm.kernels.split_k import _COUNTERS, tile_counters as _tile_counters  # noqa: F401 (tests read _COUNTERS)
 from rooflm.kernels.utils import cdiv, check_last_dim_contiguous, dot_precision, num_sms, upcast_dots
 
 
@@ -222,25 +223,6 @@ def split_size(k: int, splits: int, block_k: int) -> int:
 @functools.lru_cache(maxsize=16)
 def _device_sms(device: torch.device) -> int:
     return num_sms(device.index or 0) if device.type == "cuda" else num_sms()
-
-
-# One counter per output tile, per device, zero between launches (each launch's last programs
-# reset theirs). Allocated on first use, which the engine's eager warm-up reaches before any CUDA
-# graph capture; launches on one stream never share counters in flight.
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_MIN_COUNTERS = 4096
-
-
-def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"matmul_fixed_split needs {tiles} tile counters and has "
-                               f"{0 if counters is None else counters.numel()}: run the shape once "
-                               "eagerly before capturing a CUDA graph")
-        counters = torch.zeros(max(tiles, _MIN_COUNTERS), dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
-    return counters
 
 
 def matmul_fixed_split(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,

@@ -23,8 +23,8 @@ Layout (rooflm's runtime packing, made from AWQ/GPTQ/RTN weights by rooflm/quant
 Algorithm
 ---------
 Each program owns BLOCK_N output columns (rows of W), BLOCK_M rows of x, and one of SPLIT_K
-ranges of the packed bytes (split-K: more programs for narrow N; fp32 partials summed by
-rooflm/kernels/split_k.py). It walks its range BLOCK_K / 2 bytes at a time, one group at a time:
+ranges of the packed bytes (split-K: more programs for narrow N). It walks its range BLOCK_K / 2
+bytes at a time, one group at a time:
   - codes to fp32 without an int->float convert (those run on the SM's slow conversion pipe):
     a code shifted into the top mantissa bits of 1.0 (0x3F800000) reads as w' = 1 + code / 16,
     exact; (code - zero) = 16 (w' - (1 + zero / 16)), the subtract exact (both in [1, 2)) and
@@ -48,10 +48,21 @@ rooflm/kernels/split_k.py). It walks its range BLOCK_K / 2 bytes at a time, one 
     shared memory, or the dot falls back to mma.sync), x.T is B. BLOCK_N is wgmma's M (64 a
     warpgroup), BLOCK_M its N (16..64). The fold takes sum(x) as a row sum (fp32), not a second MMA.
 
+  - split-K: each program stores its fp32 partial in a workspace [SPLIT_K, M, N]; the last of an
+    output tile's SPLIT_K programs to finish (one atomic counter per tile, rooflm/kernels/split_k.py
+    tile_counters) reads the partials back, adds them in order of split (from 0, as split_k_reduce
+    does: the same bits) and writes y. One launch a linear, not two (the separate sum was 0.2 ms
+    of a batch-16 decode step on the H100, besides its launch gaps; matmul_fixed_split.py's
+    "programs" schedule does the same). ROOFLM_W4_FUSED_REDUCE=0: the two launches.
+  - PDL (sm_90+): x is the only input a kernel before writes; the loop waits for it (gdc_wait), and
+    each program releases the next kernel (gdc_launch_dependents) at its end: at the start or
+    after the main loop was slower (utils.pdl_launch; the end of the tensor-core path).
+
 Work
 ----
 FLOPs 2 M N K. Bytes N S (codes) + 2 * 2 N K / g (scales, zeros) + 2 M K (x) + 2 M N (y).
-At M <= 64 on an H100 the weight bytes dominate: the bound is bytes / ~3.0 TB/s.
+At M <= 64 on an H100 the weight bytes dominate: the bound is bytes / ~3.0 TB/s. Split-K adds
+8 SPLIT_K M N bytes of workspace (written, read back from L2) and a 4-byte counter a tile.
 """
 
 from __future__ import annotations
@@ -64,7 +75,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rooflm.kernels.split_k import split_for, split_k_reduce
+from rooflm.kernels.split_k import split_for, split_k_reduce, tile_counters
 from rooflm.kernels.tuned_configs import device_facts, lookup
 from rooflm.kernels.utils import gdc_launch_dependents, gdc_wait, is_interpreter, pdl_launch
 from rooflm.quant.formats import int4_split, pack_int4, unpack_int4
@@ -136,6 +147,9 @@ _NIBBLES_ASM_BF16 = tl.constexpr(_NIBBLES_ASM % dict(lo=3, hi_op="shr", hi=1, ma
 _NIBBLES_ASM_FP16 = tl.constexpr(_NIBBLES_ASM % dict(lo=6, hi_op="shl", hi=2, mask="0x03C003C0", one="0x3C003C00"))
 # ROOFLM_W4_ASM=0: Triton's own unpacking everywhere (the benchmarks' A/B switch).
 USE_ASM = os.environ.get("ROOFLM_W4_ASM", "1") != "0"
+# ROOFLM_W4_FUSED_REDUCE=0: split-K partials summed by a second launch (split_k.split_k_reduce), not
+# by each tile's last program (the benchmarks' A/B switch; the bits are the same either way).
+FUSED_REDUCE = os.environ.get("ROOFLM_W4_FUSED_REDUCE", "1") != "0"
 
 
 @triton.jit
@@ -219,13 +233,40 @@ def _gemm_tiles(qw_ptr, x_rows, s_ptr, z_ptr, b, S, K, N, rn, n_mask, m_mask,
 
 
 @triton.jit
-def _w4a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHUNK, stride_xm, stride_ym,
+def _store_partial(y_ptr, ws_ptr, count_ptr, acc, rows, cols, mask, M, N, stride_ym, FUSED: tl.constexpr):
+    """Store this program's fp32 partial (rows, cols of y) in the workspace [SPLIT_K, M, N]; FUSED:
+    the last of the tile's SPLIT_K programs to get here sums them into y and resets the tile's
+    counter."""
+    part = ws_ptr + rows.to(tl.int64) * N + cols
+    split_stride = tl.cast(M, tl.int64) * N  # (M == 1 comes as a constexpr)
+    tl.store(part + tl.program_id(2) * split_stride, acc, mask=mask)
+    if FUSED:
+        splits = tl.num_programs(2)
+        # Every thread's store happens before the counter moves (barrier, then the atomic's release
+        # at GPU scope), and the program that draws count SPLIT_K - 1 reads the partials after its
+        # acquire (CUTLASS's semaphore pattern); .cg loads read L2, never a stale L1 line. Nobody
+        # waits for anybody: the last to arrive does the sum, so no program can block on one that
+        # is not resident (nor on a PDL dependent holding its SM).
+        tl.debug_barrier()
+        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        count = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if count == splits - 1:
+            # split_k_reduce's order exactly: from 0, then + ws[s] for s = 0, 1, ..: the same bits
+            total = tl.zeros_like(acc)
+            for s in range(0, splits):
+                total += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+                part += split_stride
+            tl.store(y_ptr + rows.to(tl.int64) * stride_ym + cols, total.to(y_ptr.dtype.element_ty), mask=mask)
+            # Back to zero for the next launch, and for the next replay of a CUDA graph holding this one.
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _w4a16_kernel(y_ptr, ws_ptr, count_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHUNK, stride_xm, stride_ym,
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
                   SPLIT: tl.constexpr, EVEN: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
                   FOLD: tl.constexpr, SWAP_AB: tl.constexpr = False, PDL: tl.constexpr = False,
-                  ASM: tl.constexpr = False):
-    if PDL:  # launched early (programmatic dependent launch): wait for the kernel before's x
-        gdc_wait()
+                  ASM: tl.constexpr = False, FUSED: tl.constexpr = False):
     # BLOCK_H: bytes of a row per step (BLOCK_K / 2 codes in each nibble), a multiple of GROUP.
     # EVEN: K == 2 S and S % BLOCK_H == 0, so no step runs past the row and no mask on K is needed
     # (the GEMV steps one group at a time and needs only K == 2 S).
@@ -245,6 +286,11 @@ def _w4a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHU
         # loads a thread, which Triton's pipeliner does not turn into cp.async, and the zero is
         # needed before the first multiply. BLOCK_K / 2 / GROUP steps are unrolled into one.
         s_lo, z_lo, s_hi, z_hi = _group_pair(s_ptr, z_ptr, start, end, S, K, N, rn, n_mask, GROUP, BLOCK_N)
+        # PDL: x is all that the kernel before writes, so the wait comes only here, after the first
+        # group's scales and zeros are on their way (the loop's first codes and x are its pipeline's
+        # prologue, issued at the loop, after the wait: Triton cannot split them).
+        if PDL:
+            gdc_wait()
         # tl.range's num_stages pipelines the loop's loads through cp.async (the kernel's
         # num_stages does that only for loads that feed tl.dot): STAGES steps of bytes in flight
         # per program, what a latency-bound stream needs.
@@ -267,12 +313,12 @@ def _w4a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHU
             acc = tl.fma(w_hi, x_hi[None, :], acc)
             s_lo, z_lo, s_hi, z_hi = s_lo_n, z_lo_n, s_hi_n, z_hi_n
         acc = tl.sum(acc, axis=1)
-        if PDL:  # only now: a kernel launched at this one's start would hold SM slots its later waves need
-            gdc_launch_dependents()
         if SPLIT:
-            tl.store(ws_ptr + (pid_k * M + pid_m).to(tl.int64) * N + rn, acc, mask=n_mask)
+            _store_partial(y_ptr, ws_ptr, count_ptr, acc, pid_m, rn, n_mask, M, N, stride_ym, FUSED)
         else:
             tl.store(y_ptr + pid_m.to(tl.int64) * stride_ym + rn, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+        if PDL:  # at the end (see the end of the tensor-core path)
+            gdc_launch_dependents()
     else:
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = rm < M
@@ -281,6 +327,8 @@ def _w4a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHU
         # shared memory: the unpacked W as A goes straight to the tensor cores, x.T is B.
         acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], dtype=tl.float32)
         ones = tl.full([GROUP, BLOCK_N], 1.0, dtype=x_ptr.dtype.element_ty)
+        if PDL:  # before the pipeline's prologue, which loads x with the first codes (as above)
+            gdc_wait()
         for j0 in range(start, end, BLOCK_H):
             for gi in tl.static_range(BLOCK_H // GROUP):
                 p, x_lo, x_hi, s_lo, z_lo, s_hi, z_hi = _gemm_tiles(qw_ptr, x_rows, s_ptr, z_ptr, j0 + gi * GROUP,
@@ -322,11 +370,24 @@ def _w4a16_kernel(y_ptr, ws_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHU
             acc = tl.trans(acc)  # renames the registers' dimensions (no data moved): y's tile
         mn_mask = m_mask[:, None] & n_mask[None, :]
         if SPLIT:
-            offs = (pid_k * M + rm).to(tl.int64)[:, None] * N + rn[None, :]
-            tl.store(ws_ptr + offs, acc, mask=mn_mask)
+            _store_partial(y_ptr, ws_ptr, count_ptr, acc, rm[:, None], rn[None, :], mn_mask, M, N, stride_ym,
+                           FUSED)
         else:
             offs = rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
             tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mn_mask)
+        # PDL: the next kernel is released only at the end, in both paths. Released after the main
+        # loop, it starts while this grid's programs still hold most SMs, and so does the kernel
+        # after it when that one releases at its start (RMSNorm, SiLU-mul): the next W4 grid, one
+        # wave of 256..384 programs here, then lands on whatever slots are free, unevenly. Before
+        # the fused sum, split_k_reduce (launched without PDL) kept that from happening. H100,
+        # Llama-3-8B int4 decode at batch 1 (benchmarks/quant_decode.py): 296 tok/s with two
+        # launches, 289 with the fused sum released after the loop, 313 released here; a layer's
+        # four W4 linears alone in a CUDA graph: 80.6 us, 87.4, 78.3. Either place is safe with
+        # the split sum after it: a dependent's gdc_wait waits for this whole grid to complete and
+        # its memory to be flushed, not for the release, and no program waits for another (the
+        # last split to arrive sums), so a dependent holding an SM cannot stall this grid.
+        if PDL:
+            gdc_launch_dependents()
 
 
 # --------------------------------------------------------------------------
@@ -416,7 +477,10 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     split_k = triton.cdiv(iterations, per_split)  # no empty splits
     ws = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else y
     grid = (triton.cdiv(n, cfg.block_n), m if cfg.block_m == 1 else triton.cdiv(m, cfg.block_m), split_k)
-    _w4a16_kernel[grid](y, ws, x, qweight, scales, zeros, m, n, k, split, groups, per_split * half,
+    fused = split_k > 1 and FUSED_REDUCE
+    # one counter per output tile (zero between launches), shared with the other split-K kernels
+    counters = tile_counters(x.device, grid[0] * grid[1]) if fused else ws
+    _w4a16_kernel[grid](y, ws, counters, x, qweight, scales, zeros, m, n, k, split, groups, per_split * half,
                         x.stride(0), y.stride(0),
                         GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_H=half,
                         SPLIT=split_k > 1, EVEN=(k == 2 * split and split % half == 0),
@@ -425,9 +489,9 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                         STAGES=1 if is_interpreter() else cfg.num_stages, FOLD=bool(cfg.fold),
                         SWAP_AB=bool(cfg.swap_ab),
                         ASM=USE_ASM and not is_interpreter() and x.dtype in (torch.bfloat16, torch.float16),
-                        num_warps=cfg.num_warps, num_stages=1 if is_interpreter() else cfg.num_stages,
-                        **(pdl_launch(x.device) if cfg.block_m == 1 else {}))
-    if split_k > 1:
+                        FUSED=fused, num_warps=cfg.num_warps, num_stages=1 if is_interpreter() else cfg.num_stages,
+                        **pdl_launch(x.device))
+    if split_k > 1 and not fused:
         split_k_reduce(y, ws)
     return y
 

@@ -102,6 +102,57 @@ def test_w4a16_swap_ab_is_a_table_field_old_tables_lack():
         w4a16_linear(x, qw, s, z, 64, config=W4Config(1, 16, 128, 4, 3, swap_ab=True))
 
 
+def _two_ways(monkeypatch, *args, **kwargs):
+    """w4a16_linear with the split-K sum in the kernel (each tile's last split program) and with
+    split_k_reduce's second launch (ROOFLM_W4_FUSED_REDUCE=0)."""
+    monkeypatch.setattr(w4a16_module, "FUSED_REDUCE", True)
+    fused = w4a16_linear(*args, **kwargs)
+    monkeypatch.setattr(w4a16_module, "FUSED_REDUCE", False)
+    two = w4a16_linear(*args, **kwargs)
+    monkeypatch.setattr(w4a16_module, "FUSED_REDUCE", True)
+    return fused, two
+
+
+def _counters_are_zero(device: torch.device) -> bool:
+    """The split-K tile counters of device (a tensor's device: cuda:0, not cuda) are all zero."""
+    from rooflm.kernels.split_k import _COUNTERS
+    return int(_COUNTERS[device].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("split_k", [2, 3, 4])
+@pytest.mark.parametrize("block_m,swap_ab", [(1, False), (16, False), (16, True)], ids=["gemv", "tc", "swap"])
+def test_w4a16_fused_split_sum_is_bitwise_the_two_launches(block_m, swap_ab, split_k, monkeypatch):
+    """The last of a tile's split programs sums the partials in split_k_reduce's order: the same bits
+    as the second launch, for the GEMV and both tensor-core tiles; and it leaves the tile counters at
+    zero, so a second call (a CUDA graph's next replay) sums right again."""
+    dtype = torch.float16
+    m = 1 if block_m == 1 else 16
+    k, group = 1536, 64  # 12 steps of 64 bytes: 2, 3 and 4 splits of whole steps
+    qw, s, z, g = _w4(40, k, group, dtype, seed=split_k + block_m)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+    cfg = W4Config(block_m, 16 if block_m == 1 else 32, 2 * group, 4, 3, split_k=split_k, swap_ab=swap_ab)
+    fused, two = _two_ways(monkeypatch, x, qw, s, z, group, config=cfg)
+    assert torch.equal(fused, two), str(cfg)
+    assert_close(fused, w4a16_linear_ref(x, qw, s, z, group), dtype, str(cfg))
+    assert _counters_are_zero(x.device)
+    x2 = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+    again, two = _two_ways(monkeypatch, x2, qw, s, z, group, config=cfg)
+    assert torch.equal(again, two) and _counters_are_zero(x.device)
+    assert torch.equal(w4a16_linear(x, qw, s, z, group, config=cfg), fused)
+
+
+def test_tile_counters_grow_but_never_free_what_a_graph_may_hold():
+    """A launch with more tiles than counters gets a new, larger tensor; the old one is kept alive
+    (a captured CUDA graph still holds its address)."""
+    from rooflm.kernels import split_k
+    device = torch.zeros(1, device=DEVICE).device
+    small = split_k.tile_counters(device, 1)
+    grown = split_k.tile_counters(device, small.numel() + 1)
+    assert grown.numel() > small.numel() and int(grown.abs().sum()) == 0
+    assert any(t is small for t in split_k._RETIRED)
+    assert split_k.tile_counters(device, 1) is grown
+
+
 @triton.jit
 def _unpack_units(p_ptr, o_ptr, DT: tl.constexpr, PACKED: tl.constexpr = False):
     r = tl.arange(0, 256)
@@ -156,6 +207,41 @@ def test_w4a16_packed_unpacking_is_bitwise_the_triton_unpacking(cfg, m, monkeypa
     y_tl = w4a16_linear(x, qw, s, z, 128, config=cfg)
     assert torch.equal(y_asm, y_tl)
     assert_close(y_asm, w4a16_linear_ref(x, qw, s, z, 128), dtype, str(cfg))
+
+
+_H100 = "NVIDIA H100 80GB HBM3"
+_LLAMA3_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("n,k", _LLAMA3_8B, ids=["qkv", "o", "gate_up", "down"])
+def test_w4a16_fused_split_sum_bitwise_on_the_h100_tiles_and_in_a_cuda_graph(n, k, m, monkeypatch):
+    """The H100 table's tiles (on any GPU) for the Llama-3-8B shapes: the split sum in the kernel
+    gives the bits of the second launch, eagerly and from a CUDA graph replayed twice with new x
+    (the tile counters reset between replays), with PDL where the GPU has it."""
+    from rooflm.kernels.tuned_configs import lookup
+    dtype = torch.bfloat16
+    cfg = W4Config(**lookup("w4a16", _H100, n, k, m, 128))
+    qw, s, z, g = _w4(n, k, 128, dtype, seed=m + n + k)
+    xs = [torch.randn(m, k, generator=g).to(dtype).to(DEVICE) for _ in range(3)]
+    fused, two = _two_ways(monkeypatch, xs[0], qw, s, z, 128, config=cfg)
+    assert torch.equal(fused, two), str(cfg)
+    assert_close(fused, w4a16_linear_ref(xs[0], qw, s, z, 128), dtype, str(cfg))
+    eager = [w4a16_linear(x, qw, s, z, 128, config=cfg) for x in xs]
+    static_x = xs[0].clone()
+    w4a16_linear(static_x, qw, s, z, 128, config=cfg)  # warm-up: compiled, counters allocated
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = w4a16_linear(static_x, qw, s, z, 128, config=cfg)
+    for x, want in zip(xs[1:], eager[1:]):
+        static_x.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_y, want), f"{cfg} replay"
+    assert _counters_are_zero(static_x.device)
 
 
 def test_w4a16_fractional_zero_points_stay_exact():
@@ -351,6 +437,7 @@ import re, subprocess, tempfile
 from triton.backends.nvidia.compiler import get_ptxas
 from benchmarks.quant_gemv_sass import compile_kernel
 from rooflm.kernels import w4a16, w8a16
+from rooflm.kernels.tuned_configs import lookup
 
 def spills(ptx):
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
@@ -362,14 +449,21 @@ def spills(ptx):
     assert found, out  # ptxas -v reports the spills of every function it compiles
     return sum(int(n) for n in found)
 
-act = dict(y_ptr="bf16", x_ptr="bf16", s_ptr="bf16", z_ptr="bf16", ws_ptr="fp32")
+act = dict(y_ptr="bf16", x_ptr="bf16", s_ptr="bf16", z_ptr="bf16", ws_ptr="fp32", count_ptr="i32")
+
+def w4(c, m):
+    # as an H100 launch compiles it: PDL, the split sum in the kernel, M == 1 a constexpr
+    return compile_kernel(w4a16._w4a16_kernel, dict(act, qw_ptr="u8"),
+                          dict(GROUP=128, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_H=c.block_k // 2,
+                               SPLIT=c.split_k > 1, EVEN=True, PRECISION="tf32", STAGES=c.num_stages,
+                               FOLD=c.fold, SWAP_AB=c.swap_ab, ASM=w4a16.USE_ASM, PDL=True,
+                               FUSED=c.split_k > 1 and w4a16.FUSED_REDUCE, **({"M": 1} if m == 1 else {})),
+                          c.num_warps, c.num_stages)
+
 for m in (1, 16, 64):
     for n, k in ((4096, 4096), (4096, 14336)):
         c = w4a16.pick_config(m, n, k, 128, None, 132)
-        kern = compile_kernel(w4a16._w4a16_kernel, dict(act, qw_ptr="u8"),
-                              dict(GROUP=128, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_H=c.block_k // 2,
-                                   SPLIT=c.split_k > 1, EVEN=True, PRECISION="tf32", STAGES=c.num_stages,
-                                   FOLD=c.fold, SWAP_AB=c.swap_ab, ASM=w4a16.USE_ASM), c.num_warps, c.num_stages)
+        kern = w4(c, m)
         ptx = kern.asm["ptx"]
         assert kern.metadata.shared <= 227 * 1024, (c, kern.metadata.shared)
         assert spills(ptx) == 0, f"w4a16 {c} spills"
@@ -382,6 +476,13 @@ for m in (1, 16, 64):
         assert kern.metadata.shared <= 227 * 1024, (c, kern.metadata.shared)
         assert spills(kern.asm["ptx"]) == 0, f"w8a16 {c} spills"
         assert m > 1 or "cp.async" in kern.asm["ptx"], f"w8a16 GEMV {c} lost its load pipeline"
+# the H100 table's batch-1 tiles: the split sum's acquire-release counter is there, and no spills
+for n, k in ((4096, 4096), (28672, 4096)):
+    c = w4a16.W4Config(**lookup("w4a16", "NVIDIA H100 80GB HBM3", n, k, 1, 128))
+    ptx = w4(c, 1).asm["ptx"]
+    assert spills(ptx) == 0, f"w4a16 {c} spills"
+    assert c.split_k == 1 or "atom.global.gpu.acq_rel.add" in ptx, c
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx, c
 print("ok")
 """
 
@@ -395,13 +496,14 @@ from triton.backends.nvidia.compiler import get_ptxas
 from benchmarks.quant_gemv_sass import compile_kernel, cuobjdump
 from rooflm.kernels import w4a16
 
-act = dict(y_ptr="bf16", x_ptr="bf16", s_ptr="bf16", z_ptr="bf16", ws_ptr="fp32", qw_ptr="u8")
+act = dict(y_ptr="bf16", x_ptr="bf16", s_ptr="bf16", z_ptr="bf16", ws_ptr="fp32", qw_ptr="u8", count_ptr="i32")
 for c in (w4a16.W4Config(16, 64, 256, 4, 3, swap_ab=True),
           w4a16.W4Config(64, 64, 256, 4, 3, 2, fold=False, swap_ab=True)):
     kern = compile_kernel(w4a16._w4a16_kernel, act,
                           dict(GROUP=128, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_H=c.block_k // 2,
                                SPLIT=c.split_k > 1, EVEN=True, PRECISION="tf32", STAGES=c.num_stages,
-                               FOLD=c.fold, SWAP_AB=True, ASM=w4a16.USE_ASM), c.num_warps, c.num_stages)
+                               FOLD=c.fold, SWAP_AB=True, ASM=w4a16.USE_ASM, FUSED=c.split_k > 1),
+                          c.num_warps, c.num_stages)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(kern.asm["ptx"])
         f.flush()
