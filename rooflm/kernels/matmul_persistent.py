@@ -174,6 +174,21 @@ _BF16_BUCKETS = ((64, (64, 64, 64, 8, 4, 8)), (1024, (128, 128, 64, 8, 4, 4)), (
 # tile is half the bytes) fill them: M = 1, o 16.1 -> 13.9 us, down 54.9 -> 43.7 us (cuBLAS 10.9
 # and 44.3). BLOCK_N never changes a row's sums (the K loop is the bucket's).
 _BF16_NARROW = (64, 32, 64, 8, 4, 12)
+# Steps of at most 16 rows (batch-1 decode, issue 21's last miss) take tiles of their own, from
+# `benchmarks/deterministic_kernels.py --part decode` on the H100 (2026-11-26, M = 1, under CUDA
+# graphs, benchmarks/results/deterministic-decode-h100-20261126/): every candidate there, BLOCK_K
+# 128 and 256 and BLOCK_M 16 (Triton's mma.sync instead of wgmma) included, gave rows bitwise
+# equal to the 2048-row prefill bucket's (tests/kernels/test_deterministic.py checks rows at
+# M = 1 and 5 against M = 2048 on the GPU). The matrix units add each k16 slice into the fp32
+# accumulator in k order whatever the tile: BLOCK_K and BLOCK_M change the loop, not the sums.
+# Narrow weights (o, down): o 13.4 -> 10.9 us, down 43.6 -> 43.4 us; wide ones (at least two
+# 64-wide tiles per SM: gate_up, the LM head): gate_up 88.1 -> 83.6 us, LM head 360.1 -> 350.4.
+# qkv keeps the bucket's (20.0 us, the best measured).
+BATCH1_MAX_M = 16
+_BF16_BATCH1_NARROW = (64, 32, 128, 8, 4, 6)
+_BF16_BATCH1_WIDE = (16, 64, 256, 8, 4, 4)
+BATCH1_CONFIGS = {torch.bfloat16: (_BF16_BATCH1_NARROW, _BF16_BATCH1_WIDE),
+                  torch.float16: (_BF16_BATCH1_NARROW, _BF16_BATCH1_WIDE)}
 # TMA loads from this M up, where tma_usable: at M = 64 they were slower than the 64 x 64 pointer
 # tiles (qkv 0.040 against 0.032 ms), at 512 and 2048 faster for every projection.
 TMA_MIN_M = 65
@@ -220,6 +235,12 @@ def matmul_config(dtype: torch.dtype, m: int = 1, n: int = 0, sms: int = 0) -> t
     if not n or not sms:
         return config
     narrow = NARROW_DECODE_CONFIGS.get(dtype)
+    batch1 = BATCH1_CONFIGS.get(dtype)
+    if batch1 is not None and m <= BATCH1_MAX_M:
+        if 2 * cdiv(n, config[1]) <= sms:
+            return batch1[0]
+        if cdiv(n, config[1]) >= 2 * sms:
+            return batch1[1]
     if narrow is not None and m <= table[0][0] and 2 * cdiv(n, config[1]) <= sms:
         return narrow
     other = ALTERNATIVE_CONFIGS.get(dtype, {}).get(max_m)

@@ -96,9 +96,13 @@ def test_matmul_config_narrow_decode_tiles_only_where_they_fill_the_gpu(monkeypa
     monkeypatch.setattr(mp, "is_interpreter", lambda: False)
     bucket, narrow = mp.MATMUL_BUCKETS[torch.bfloat16][0][1], mp.NARROW_DECODE_CONFIGS[torch.bfloat16]
     assert narrow[2] == bucket[2]  # the K loop, and so every row's sums, is the bucket's
-    assert matmul_config(torch.bfloat16, 1, 4096, 132) == narrow  # o, down: 64 tiles of 64 for 132 SMs
+    batch1_narrow, batch1_wide = mp.BATCH1_CONFIGS[torch.bfloat16]
+    assert matmul_config(torch.bfloat16, 17, 4096, 132) == narrow  # o, down: 64 tiles of 64 for 132 SMs
     assert matmul_config(torch.bfloat16, 64, 4096, 132) == narrow
+    assert matmul_config(torch.bfloat16, 1, 4096, 132) == batch1_narrow  # up to 16 rows: their own tiles
+    assert matmul_config(torch.bfloat16, 16, 28672, 132) == batch1_wide  # gate_up: 448 tiles
     assert matmul_config(torch.bfloat16, 1, 6144, 132) == bucket  # qkv: 96 tiles, 192 narrow ones
+    assert matmul_config(torch.bfloat16, 17, 28672, 132) == bucket
     assert matmul_config(torch.bfloat16, 1, 4096, 100) == bucket
     assert matmul_config(torch.bfloat16, 65, 4096, 132) == mp.MATMUL_BUCKETS[torch.bfloat16][1][1]
     assert matmul_config(torch.float32, 1, 4096, 132) == mp.MATMUL_BUCKETS[torch.float32][0][1]
