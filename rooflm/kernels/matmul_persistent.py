@@ -181,12 +181,14 @@ _BF16_NARROW = (64, 32, 64, 8, 4, 12)
 # equal to the 2048-row prefill bucket's (tests/kernels/test_deterministic.py checks rows at
 # M = 1 and 5 against M = 2048 on the GPU). The matrix units add each k16 slice into the fp32
 # accumulator in k order whatever the tile: BLOCK_K and BLOCK_M change the loop, not the sums.
-# Narrow weights (o, down): o 13.4 -> 10.9 us, down 43.6 -> 43.4 us; wide ones (at least two
-# 64-wide tiles per SM: gate_up, the LM head): gate_up 88.1 -> 83.6 us, LM head 360.1 -> 350.4.
-# qkv keeps the bucket's (20.0 us, the best measured).
+# Two rounds of candidates; the second's winner, 16 x 32 tiles 256 deep in 6 stages, for the
+# narrow weights (o, down) and gate_up (at least two 64-wide tiles per SM): o 13.4 -> 9.1 us,
+# down 43.6 -> 41.9, gate_up 88.1 -> 82.0 (cuBLAS 11.0, 44.5, 81.6). qkv keeps the bucket's
+# (20.0 us, the best measured; 22.8 in these tiles). The LM head's 16 x 64 x 256 in 5 stages is
+# within 1% of them (342.8 us against 345.3): one tile for every wide weight.
 BATCH1_MAX_M = 16
-_BF16_BATCH1_NARROW = (64, 32, 128, 8, 4, 6)
-_BF16_BATCH1_WIDE = (16, 64, 256, 8, 4, 4)
+_BF16_BATCH1_NARROW = (16, 32, 256, 8, 4, 6)
+_BF16_BATCH1_WIDE = (16, 32, 256, 8, 4, 6)
 BATCH1_CONFIGS = {torch.bfloat16: (_BF16_BATCH1_NARROW, _BF16_BATCH1_WIDE),
                   torch.float16: (_BF16_BATCH1_NARROW, _BF16_BATCH1_WIDE)}
 # TMA loads from this M up, where tma_usable: at M = 64 they were slower than the 64 x 64 pointer
