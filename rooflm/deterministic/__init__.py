@@ -8,12 +8,12 @@ through is summed in an order that depends on that token's own inputs. The mode 
 the engine's existing seams (layers/kernels.py, the attention backend), kernels that do so:
 
   matmuls (every linear layer and the LM head)
-      GPU: rooflm/kernels/matmul_fixed_split.py, one K step for every M and a split-K whose
+      GPU: rooflm/kernels/matmul_fixed_split.py, k16 slices summed in k order for every M and a split-K whose
       split count follows the weight's shape, never M (cuBLAS picks tiles and split-K from M):
       each split's sum, then the splits added in order; S = 1 is matmul_persistent.py's single
-      K loop. Tile widths and the schedule (split programs + in-order reduce, or one program
-      looping over the splits) follow M, which changes which program sums an element, not the
-      order of the sum. The batch-1 fused GEMV path is off.
+      K loop. Tiles (their K step included) and the schedule (split programs + in-order reduce,
+      or one program looping over the splits) follow M, which changes which program sums an
+      element, not the order of the sum. The batch-1 fused GEMV path is off.
       CPU: one row at a time (torch's CPU matmul picks its kernel from M too).
   RMSNorm
       the Triton kernel already owns one row per program with a tile shape that follows the

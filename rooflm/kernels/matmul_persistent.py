@@ -12,20 +12,22 @@ inputs only.
 
 Algorithm
 ---------
-One BLOCK_K per dtype, for every M, and no split-K: element (m, n) is
+No split-K: element (m, n) is
 
     acc = 0 (fp32);  for k0 in 0, BLOCK_K, 2 BLOCK_K, ...:  acc += x[m, k0:k0+BK] . W[n, k0:k0+BK]
     y[m, n] = (acc + bias[n]).to(out dtype)
 
-with each step's dot one tl.dot of BLOCK_K depth. BLOCK_M, BLOCK_N, warps and
-stages only decide which program computes which elements, not the order of any
-element's sum (the matrix unit accumulates each k16 slice into the fp32 acc in
-k order whatever the tile's width): on the H100 every tile shape with BLOCK_M >= 64
-and the same BLOCK_K gave bitwise-equal outputs at M = 1 and 2048
-(benchmarks/deterministic_kernels.py, "same sums"). So the width may follow M
-(MATMUL_BUCKETS: narrow tiles that spread a decode step's weight reads over all
-SMs, wide ones for prefill chunks) while BLOCK_K, the loop and the dot precision
-never do; tests/kernels/test_deterministic.py checks rows bitwise across M on the GPU. The kernel is persistent: a grid of
+with each step's dot one tl.dot of BLOCK_K depth, which the matrix units run as k16 slices
+added into the fp32 acc in k order. BLOCK_M, BLOCK_N, warps and stages only decide which
+program computes which elements, and BLOCK_K how many slices one loop step issues, not the
+order of any element's sum: on the H100 every tile measured gave rows bitwise equal at M = 1
+and 2048 (benchmarks/deterministic_kernels.py, "same sums"; BLOCK_K 64/128/256, BLOCK_M 16,
+where Triton issues mma.sync instead of wgmma, and 64-256). So the tile may follow M
+(MATMUL_BUCKETS: narrow tiles that spread a decode step's weight reads over all SMs, wide
+ones for prefill chunks; BATCH1_CONFIGS for steps of at most 16 rows) while the dot precision
+never does; tests/kernels/test_deterministic.py checks rows bitwise across M on the GPU. The
+buckets keep one BLOCK_K per dtype anyway (check_buckets): matmul_fixed_split.py's split
+boundaries are whole steps of it. The kernel is persistent: a grid of
 min(#SMs, #tiles) programs walks the tiles (grouped along M so that neighbouring
 programs share W tiles in L2), which keeps launches cheap and the grid small.
 Rows past M and columns past N are masked loads (zeros) and masked stores.
@@ -208,7 +210,9 @@ NARROW_DECODE_CONFIGS = {torch.bfloat16: _BF16_NARROW, torch.float16: _BF16_NARR
 _BF16_ALTERNATIVES = {1024: (128, 256, 64, 8, 8, 4), None: (128, 128, 64, 8, 4, 4)}
 ALTERNATIVE_CONFIGS = {torch.bfloat16: _BF16_ALTERNATIVES, torch.float16: _BF16_ALTERNATIVES}
 SMALL_TILE_PENALTY = 1.15  # a 128 x 128 tile's MMA time per element against a 128 x 256 tile's
-MIN_BLOCK_M = 64  # below it Triton picks another MMA instruction: never measured to sum alike
+# Below it Triton picks another MMA instruction (mma.sync): measured to sum alike on the H100 only
+# in BATCH1_CONFIGS's tiles (2026-11-26), which check_buckets does not cover.
+MIN_BLOCK_M = 64
 # The interpreter pays per operation, not per element: a small fixed shape keeps tests quick.
 _INTERPRETER_CONFIG = (16, 32, 32, 4, 1, 1)
 
