@@ -12,7 +12,7 @@
 
   tma:    the persistent matmul with TMA tile loads vs its pointer loads vs cuBLAS (--part tma).
   small:  decode-size tile candidates (M = 1, 16, 64) under CUDA graphs vs the bucket's and
-          cuBLAS, with whether each sums like the bucket (--part small).
+          cuBLAS, with whether each sums like the prefill bucket (--part small).
   decode: the same for the batch-1 question, every projection and the LM head, BLOCK_K 128,
           BLOCK_M 16 and two programs per SM among the candidates (--part decode).
 
@@ -231,33 +231,8 @@ M_SMALL = (1, 16, 64)
 def bench_small() -> list[dict]:
     """Decode-size tiles under CUDA graphs (no launch gaps, no cache flush: as a captured decode
     step runs them) against the table's bucket and cuBLAS, with the bytes each moves per second,
-    and whether each candidate's rows are bitwise the bucket's (then it can replace it)."""
-    from triton.testing import do_bench_cudagraph
-    from rooflm.kernels.matmul_persistent import matmul_config
-    rows = []
-    for name, n, k, m, x, w in operands(("qkv", "o", "gate_up", "down"), M_SMALL):
-        table = matmul_config(torch.bfloat16, m)
-        ref = matmul_persistent(x, w, config=table)
-        gb = n * k * 2 / 1e6
-        t_cublas = do_bench_cudagraph(lambda: F.linear(x, w), rep=40)
-        t_table = do_bench_cudagraph(lambda: matmul_persistent(x, w, config=table), rep=40)
-        best = (t_table, table)
-        for cfg in SMALL_CONFIGS:
-            try:
-                t = do_bench_cudagraph(lambda: matmul_persistent(x, w, config=cfg), rep=40)
-            except Exception as e:  # noqa: BLE001 (a tile that does not fit: say so, go on)
-                print(f"small {name} M={m} {cfg}: {type(e).__name__}", flush=True)
-                continue
-            same = bool(torch.equal(matmul_persistent(x, w, config=cfg), ref))
-            rows.append(dict(kernel="small", shape=name, m=m, config=list(cfg), ms=t, table_ms=t_table,
-                             cublas_ms=t_cublas, gbs=gb / t, same_sums=same))
-            if same and t < best[0]:
-                best = (t, cfg)
-            if not same:
-                print(f"small {name} M={m} {cfg}: {t:.4f} ms, sums DIFFER from the bucket's", flush=True)
-        print(f"small {name:8s} M={m:3d} cuBLAS {t_cublas:.4f} ({gb / t_cublas:.0f} GB/s) table {t_table:.4f} "
-              f"({gb / t_table:.0f} GB/s) best {best[0]:.4f} ({gb / best[0]:.0f} GB/s) {best[1]}", flush=True)
-    return rows
+    and whether each candidate's rows are bitwise the prefill bucket's (then it can replace it)."""
+    return sweep_tiles("small", ("qkv", "o", "gate_up", "down"), M_SMALL, SMALL_CONFIGS)
 
 
 # Batch-1 decode (issue 21's last miss): the decode bucket's tiles at M = 1, 16 and 64 for every
@@ -281,13 +256,19 @@ M_DECODE = tuple(int(v) for v in os.environ.get("DECODE_MS", "1,16,64").split(",
 
 
 def bench_decode() -> list[dict]:
-    """DECODE_CONFIGS under CUDA graphs per projection at decode sizes, against the table's and
-    cuBLAS, and whether each candidate's rows are bitwise the M = 2048 (prefill) run's rows."""
+    """DECODE_CONFIGS under CUDA graphs per projection at decode sizes (bench_small's question for
+    the batch-1 bucket, the LM head included)."""
+    return sweep_tiles("decode", ("qkv", "o", "gate_up", "down", "lm_head"), M_DECODE, DECODE_CONFIGS)
+
+
+def sweep_tiles(label: str, shapes, ms, configs) -> list[dict]:
+    """Each config under CUDA graphs per shape and M, against the table's and cuBLAS, and whether
+    its rows are bitwise the M = 2048 (prefill bucket) run's rows."""
     from triton.testing import do_bench_cudagraph
     from rooflm.kernels.matmul_persistent import matmul_config
     from rooflm.kernels.utils import num_sms
     rows = []
-    for name, n, k, m, x, w in operands(("qkv", "o", "gate_up", "down", "lm_head"), M_DECODE):
+    for name, n, k, m, x, w in operands(shapes, ms):
         big = torch.randn(2048, k, device=DEVICE, dtype=torch.bfloat16)
         big[:m] = x
         ref = matmul_persistent(big, w)[:m]  # the prefill bucket's rows
@@ -296,20 +277,20 @@ def bench_decode() -> list[dict]:
         t_cublas = do_bench_cudagraph(lambda: F.linear(x, w), rep=40)
         t_table = do_bench_cudagraph(lambda: matmul_persistent(x, w, config=table), rep=40)
         best = (t_table, table)
-        for cfg in DECODE_CONFIGS:
+        for cfg in configs:
             try:
                 t = do_bench_cudagraph(lambda: matmul_persistent(x, w, config=cfg), rep=40)
                 same = bool(torch.equal(matmul_persistent(x, w, config=cfg), ref))
             except Exception as e:  # noqa: BLE001 (a tile that does not fit: say so, go on)
-                print(f"decode {name} M={m} {cfg}: {type(e).__name__}", flush=True)
+                print(f"{label} {name} M={m} {cfg}: {type(e).__name__}", flush=True)
                 continue
-            rows.append(dict(kernel="decode", shape=name, m=m, config=list(cfg), ms=t, table_ms=t_table,
+            rows.append(dict(kernel=label, shape=name, m=m, config=list(cfg), ms=t, table_ms=t_table,
                              cublas_ms=t_cublas, gbs=gb / t, same_sums=same))
             if same and t < best[0]:
                 best = (t, cfg)
-            print(f"decode {name:8s} M={m:3d} {str(cfg):32s} {t * 1e3:7.1f} us {gb / t:5.0f} GB/s"
+            print(f"{label} {name:8s} M={m:3d} {str(cfg):32s} {t * 1e3:7.1f} us {gb / t:5.0f} GB/s"
                   f"{'' if same else '  sums DIFFER from prefill rows'}", flush=True)
-        print(f"DECODE {name:8s} M={m:3d} cuBLAS {t_cublas * 1e3:.1f} us ({gb / t_cublas:.0f} GB/s) table "
+        print(f"{label.upper()} {name:8s} M={m:3d} cuBLAS {t_cublas * 1e3:.1f} us ({gb / t_cublas:.0f} GB/s) table "
               f"{t_table * 1e3:.1f} us ({gb / t_table:.0f} GB/s) best {best[0] * 1e3:.1f} us "
               f"({gb / best[0]:.0f} GB/s) {best[1]}", flush=True)
     return rows
