@@ -298,6 +298,10 @@ shared, ptx = build(_split_programs_kernel, dict(programs_args, **strides), conf
 print("programs", config, base, shared)
 assert shared == base, f"programs shared memory {shared} != persistent {base}"
 assert spills(ptx) == 0, "programs kernel spills registers"
+from rooflm.kernels.matmul_persistent import BATCH1_CONFIGS
+for config in set(BATCH1_CONFIGS[torch.bfloat16]):  # the batch-1 tiles: they build, without spills
+    _, batch1_ptx = build(_matmul_persistent_kernel, dict(io, num_programs="i32", **strides), config)
+    assert spills(batch1_ptx) == 0, f"batch-1 tile {config} spills registers"
 atomic = ptx.index("atom.global.gpu.acq_rel.add")
 assert "bar.sync" in ptx[ptx.rindex("st.global", 0, atomic):atomic], "no barrier between the partials and the counter"
 assert "ld.global.cg" in ptx[atomic:], "partials not read through L2"
