@@ -69,7 +69,7 @@ import triton
 import triton.language as tl
 
 from rooflm.kernels.matmul_persistent import _tile_coords, check_matmul_inputs, matmul_config, matmul_persistent
-from rooflm.kernels.split_k import _COUNTERS, tile_counters as _tile_counters  # noqa: F401 (tests read _COUNTERS)
+from rooflm.kernels.split_k import tile_counters
 from rooflm.kernels.utils import cdiv, check_last_dim_contiguous, dot_precision, num_sms, upcast_dots
 
 
@@ -273,7 +273,7 @@ def matmul_fixed_split(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     if schedule == "programs":
         tiles = cdiv(m, block_m) * cdiv(n, block_n)
         workspace = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-        counters = _tile_counters(x.device, tiles)
+        counters = tile_counters(x.device, tiles)
         _split_programs_kernel[(tiles * splits,)](
             y, workspace, counters, x2, weight, bias_arg, m, n, k, split_k, splits,
             x2.stride(0), weight.stride(0), y.stride(0), **common)

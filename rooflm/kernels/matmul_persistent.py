@@ -187,12 +187,10 @@ _BF16_NARROW = (64, 32, 64, 8, 4, 12)
 # narrow weights (o, down) and gate_up (at least two 64-wide tiles per SM): o 13.4 -> 9.1 us,
 # down 43.6 -> 41.9, gate_up 88.1 -> 82.0 (cuBLAS 11.0, 44.5, 81.6). qkv keeps the bucket's
 # (20.0 us, the best measured; 22.8 in these tiles). The LM head's 16 x 64 x 256 in 5 stages is
-# within 1% of them (342.8 us against 345.3): one tile for every wide weight.
+# within 1% of them (342.8 us against 345.3): one tile for all but the qkv-like middle.
 BATCH1_MAX_M = 16
-_BF16_BATCH1_NARROW = (16, 32, 256, 8, 4, 6)
-_BF16_BATCH1_WIDE = (16, 32, 256, 8, 4, 6)
-BATCH1_CONFIGS = {torch.bfloat16: (_BF16_BATCH1_NARROW, _BF16_BATCH1_WIDE),
-                  torch.float16: (_BF16_BATCH1_NARROW, _BF16_BATCH1_WIDE)}
+_BF16_BATCH1 = (16, 32, 256, 8, 4, 6)
+BATCH1_CONFIGS = {torch.bfloat16: _BF16_BATCH1, torch.float16: _BF16_BATCH1}
 # TMA loads from this M up, where tma_usable: at M = 64 they were slower than the 64 x 64 pointer
 # tiles (qkv 0.040 against 0.032 ms), at 512 and 2048 faster for every projection.
 TMA_MIN_M = 65
@@ -242,12 +240,10 @@ def matmul_config(dtype: torch.dtype, m: int = 1, n: int = 0, sms: int = 0) -> t
         return config
     narrow = NARROW_DECODE_CONFIGS.get(dtype)
     batch1 = BATCH1_CONFIGS.get(dtype)
-    if batch1 is not None and m <= BATCH1_MAX_M:
-        if 2 * cdiv(n, config[1]) <= sms:
-            return batch1[0]
-        if cdiv(n, config[1]) >= 2 * sms:
-            return batch1[1]
-    if narrow is not None and m <= table[0][0] and 2 * cdiv(n, config[1]) <= sms:
+    tiles = cdiv(n, config[1])
+    if batch1 is not None and m <= BATCH1_MAX_M and (2 * tiles <= sms or tiles >= 2 * sms):
+        return batch1  # narrow weights, and those with two or more 64-wide tiles per SM
+    if narrow is not None and m <= table[0][0] and 2 * tiles <= sms:
         return narrow
     other = ALTERNATIVE_CONFIGS.get(dtype, {}).get(max_m)
     if other is not None and _wave_cost(other, m, n, sms) < _wave_cost(config, m, n, sms):
