@@ -382,7 +382,7 @@ def _w4a16_kernel(y_ptr, ws_ptr, count_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K
         # the fused sum, split_k_reduce (launched without PDL) kept that from happening. H100,
         # Llama-3-8B int4 decode at batch 1 (benchmarks/quant_decode.py): 296 tok/s with two
         # launches, 289 with the fused sum released after the loop, 313 released here; a layer's
-        # four W4 linears alone in a CUDA graph: 80.6 us, 87.4, 78.3. Either place is safe with
+        # four W4 linears alone in a CUDA graph: 81.1 us, 87.6, 78.3. Either place is safe with
         # the split sum after it: a dependent's gdc_wait waits for this whole grid to complete and
         # its memory to be flushed, not for the release, and no program waits for another (the
         # last split to arrive sums), so a dependent holding an SM cannot stall this grid.
