@@ -118,15 +118,19 @@ def _attend_key_range(acc, l_i, m_i, q, q_pos,
                       BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAD_D: tl.constexpr,
                       MASKED: tl.constexpr, SLIDING: tl.constexpr, UPCAST: tl.constexpr,
                       DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, ABLATE: tl.constexpr,
-                      FP8: tl.constexpr, PAIRS: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0):
+                      FP8: tl.constexpr, PAIRS: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
+                      WARP_SPEC: tl.constexpr = False):
     """Online-softmax update of (acc, l, m) with keys lo .. hi - 1 (kv_end bounds the loads).
-    PAIRS: the FP8 caches are int16 views read as byte pairs (utils.load_e4m3_pairs)."""
+    PAIRS: the FP8 caches are int16 views read as byte pairs (utils.load_e4m3_pairs).
+    WARP_SPEC: Triton's automatic warp specialisation of the loop (loads in a producer warp,
+    dots and softmax in consumers), tried on the unmasked TMA loop only."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_pair = tl.arange(0, HEAD_DIM // 2) if PAIRS else offs_d
     # Unmasked tiles inside one cache block can come through the copy engine (TMA):
     # the tile is BLOCK_N consecutive rows of the cache seen as [slots, H_kv * D].
     TMA: tl.constexpr = USE_TMA and not MASKED and BLOCK_N <= BLOCK_SIZE
-    for start_n in range(lo, hi, BLOCK_N):
+    WS: tl.constexpr = WARP_SPEC and TMA
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k_idx = start_n + offs_n
         kv_ok = k_idx < kv_end
@@ -198,7 +202,7 @@ def _prefill_attention_kernel(
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SLIDING: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
         FP8: tl.constexpr = False, ABLATE: tl.constexpr = 0, UNIFORM: tl.constexpr = False,
-        PDL: tl.constexpr = False, PAIRS: tl.constexpr = False):
+        PDL: tl.constexpr = False, PAIRS: tl.constexpr = False, WARP_SPEC: tl.constexpr = False):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     PAD_D: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
     if PDL:  # launched while the RoPE/KV write drains (uniform plans): wait for q and the cache
@@ -272,7 +276,8 @@ def _prefill_attention_kernel(
     acc, l_i, m_i = _attend_key_range(
         acc, l_i, m_i, q, q_pos, k_base, v_base, ks_base, vs_base, k_desc, v_desc, kv_col, block_table_ptr,
         full_lo, full_hi, hi, qk_scale, sliding_window, stride_cb, stride_ct, stride_sb, stride_st, offs_d, d_ok,
-        BLOCK_SIZE, BLOCK_N, PAD_D, False, SLIDING, UPCAST, DOT_PRECISION, USE_TMA, ABLATE, FP8, PAIRS, HEAD_DIM)
+        BLOCK_SIZE, BLOCK_N, PAD_D, False, SLIDING, UPCAST, DOT_PRECISION, USE_TMA, ABLATE, FP8, PAIRS, HEAD_DIM,
+        WARP_SPEC)
     acc, l_i, m_i = _attend_key_range(
         acc, l_i, m_i, q, q_pos, k_base, v_base, ks_base, vs_base, k_desc, v_desc, kv_col, block_table_ptr,
         full_hi, hi, hi, qk_scale, sliding_window, stride_cb, stride_ct, stride_sb, stride_st, offs_d, d_ok,
@@ -428,7 +433,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       config: Optional[tuple[int, int, int, int]] = None,
                       use_tma: Optional[bool] = None, _ablate: int = 0,
                       plan: Optional[PrefillPlan] = None, k_scale: Optional[torch.Tensor] = None,
-                      v_scale: Optional[torch.Tensor] = None, uniform: bool = False) -> torch.Tensor:
+                      v_scale: Optional[torch.Tensor] = None, uniform: bool = False,
+                      _warp_spec: bool = False) -> torch.Tensor:
     """Causal attention of the queries of sequences first_seq.. against their paged K/V.
 
     q: [T, H, D]; k_cache/v_cache: [num_blocks, block_size, H_kv, D]; the K/V of
@@ -444,6 +450,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     uniform: every key tile through one (masked) loop, so a query row's result does not depend
     on the rows beside it; decodes may then run through this kernel too (--deterministic).
     FP8 caches take their k_scale / v_scale [num_blocks, block_size, H_kv] fp32.
+    _warp_spec: Triton's warp specialisation of the unmasked TMA loop (a benchmark experiment).
     """
     if out is None:
         out = torch.empty_like(q)
@@ -486,7 +493,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         SLIDING=plan.sliding, UPCAST=upcast_dots(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
         USE_TMA=plan.use_tma, FP8=fp8, ABLATE=_ablate, UNIFORM=plan.uniform, PDL=plan.pdl, PAIRS=pairs,
-        num_warps=num_warps,
+        WARP_SPEC=_warp_spec, num_warps=num_warps,
         num_stages=num_stages, **({"launch_pdl": True} if plan.pdl else {}),
     )
     return out
