@@ -26,10 +26,11 @@ from rooflm import LLM, SamplingParams
 # name -> engine options over the batch run's. Each is something that must not change a token.
 VARIANTS = {
     "alone (max_num_seqs 1)": dict(max_num_seqs=1),
-    # No growth reservation at admission: the pool fills and running requests are preempted.
-    "preempt, recompute (small KV pool)": dict(num_blocks=400, preemption_mode="recompute",
+    # No growth reservation at admission: the pool fills and running requests are preempted. Blocks of
+    # 16 (the batch run has the CUDA default, 64): also checks that the block size changes no sum.
+    "preempt, recompute (small KV pool)": dict(num_blocks=400, block_size=16, preemption_mode="recompute",
                                                reserve_new_tokens=False),
-    "preempt, swap (small KV pool)": dict(num_blocks=400, preemption_mode="swap", swap_space_gb=8.0,
+    "preempt, swap (small KV pool)": dict(num_blocks=400, block_size=16, preemption_mode="swap", swap_space_gb=8.0,
                                             reserve_new_tokens=False),
     "eager (no CUDA graphs)": dict(enforce_eager=True),
     "chunk 256, no prefix cache": dict(max_num_batched_tokens=256, enable_prefix_caching=False),

@@ -75,7 +75,7 @@ def main() -> None:
     max_len = args.ctx + decode_steps + 16
     blocks = args.batch * (-(-max_len // 16) + 1) + 64
     engine = LLMEngine.from_kwargs(model=args.model, load_format="dummy", device="cpu", dtype="float32",
-                                   max_num_seqs=args.batch, num_blocks=blocks, max_model_len=max_len,
+                                   max_num_seqs=args.batch, num_blocks=blocks, block_size=16, max_model_len=max_len,
                                    max_num_batched_tokens=max(8192, args.ctx))
     vocab = engine.info.model_config.vocab_size
     rng = random.Random(0)

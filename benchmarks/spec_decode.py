@@ -118,7 +118,7 @@ def main() -> int:
     max_batch = max(args.batches)
     blocks = max_batch * -(-(args.input_len + args.output_len + 2 * args.k) // 16) + 64
     common = dict(model=args.model, load_format="dummy", max_model_len=args.input_len + args.output_len + 64,
-                  num_blocks=blocks, max_num_seqs=max_batch, cuda_graph_max_batch=max_batch,
+                  num_blocks=blocks, block_size=16, max_num_seqs=max_batch, cuda_graph_max_batch=max_batch,
                   deterministic=args.deterministic)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     warm = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

@@ -128,33 +128,36 @@ def replica_config(args, model, gpu_key: str, tp: int, tables) -> tuple:
     from rooflm.sim.replica import ReplicaConfig
 
     max_num_seqs = args.max_num_seqs or 512  # the engine's CUDA default
+    block_size = args.block_size or 64  # the engine's CUDA default too
     max_model_len = args.max_model_len or model.max_position_embeddings
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
                             preemption_mode=args.preemption_mode, reserve_new_tokens=args.reserve_new_tokens)
     gpu = get_gpu(gpu_key)
-    measured = [t for t in tables if t.gpu == gpu.key and t.model == model and t.block_size == args.block_size]
+    measured = [t for t in tables if t.gpu == gpu.key and t.model == model]
     if args.num_blocks:
         num_blocks, source = args.num_blocks, "--num-blocks"
     elif measured and tp == 1 and args.kv_dtype == measured[0].kv_dtype:
-        num_blocks, source = measured[0].num_blocks, f"measured by the engine on {measured[0].device_name}"
+        # The measured pool in tokens, cut into this run's blocks (tables may be at another block size).
+        num_blocks = measured[0].num_blocks * measured[0].block_size // block_size
+        source = f"measured by the engine on {measured[0].device_name}"
     else:
         mem = inference_memory(model, args.weight_dtype, args.kv_dtype, context=max_model_len,
-                               gpu_mem_gb=gpu.mem_gb, tp=tp, block_size=args.block_size,
+                               gpu_mem_gb=gpu.mem_gb, tp=tp, block_size=block_size,
                                gpu_memory_utilization=args.gpu_memory_utilization,
                                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max_num_seqs)
         num_blocks, source = mem.num_blocks, f"perf/memory estimate for {gpu.mem_gb:g} GB x TP {tp}"
     # Past max_num_seqs sequences of full length, blocks only keep cached prefixes; a small model
     # on a large GPU would otherwise build millions of them (seconds per replica) for nothing.
-    cap = max_num_seqs * -(-max_model_len // args.block_size)
+    cap = max_num_seqs * -(-max_model_len // block_size)
     if num_blocks > cap:
         num_blocks, source = cap, source + f", capped at {max_num_seqs} full-length sequences"
     async_scheduling = True if args.async_scheduling is None else args.async_scheduling
     num_host_blocks = 0
     if args.preemption_mode == "swap":  # the engine's rule: swap space over one block's K/V (one GPU)
-        block_bytes = args.block_size * kv_bytes_per_token_per_gpu(model, KV_CACHE_BYTES[args.kv_dtype], tp)
+        block_bytes = block_size * kv_bytes_per_token_per_gpu(model, KV_CACHE_BYTES[args.kv_dtype], tp)
         num_host_blocks = int(args.swap_space_gb * 2**30 // block_bytes)
-    cfg = ReplicaConfig(sched, num_blocks=max(num_blocks, 0), block_size=args.block_size,
+    cfg = ReplicaConfig(sched, num_blocks=max(num_blocks, 0), block_size=block_size,
                         enable_prefix_caching=args.enable_prefix_caching, num_host_blocks=num_host_blocks,
                         max_model_len=max_model_len, async_scheduling=async_scheduling,
                         sliding_window=model.sliding_window)

@@ -64,9 +64,9 @@ def first_difference(a, b) -> str:
 
 VARIANTS = {
     "max_num_seqs 1": dict(max_num_seqs=1),
-    "preempt by recompute": dict(max_num_seqs=64, num_blocks=160, preemption_mode="recompute",
+    "preempt by recompute": dict(max_num_seqs=64, num_blocks=160, block_size=16, preemption_mode="recompute",
                                  reserve_new_tokens=False),
-    "preempt by swap": dict(max_num_seqs=64, num_blocks=160, preemption_mode="swap", swap_space_gb=4.0,
+    "preempt by swap": dict(max_num_seqs=64, num_blocks=160, block_size=16, preemption_mode="swap", swap_space_gb=4.0,
                             reserve_new_tokens=False),
     "prefix caching off": dict(max_num_seqs=64, enable_prefix_caching=False),
     "chunks of 256": dict(max_num_seqs=64, max_num_batched_tokens=256),

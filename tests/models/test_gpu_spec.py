@@ -50,7 +50,7 @@ def test_seeded_sampling_reproducible_on_gpu(tmp_path):
     outs = []
     for _ in range(2):
         llm = LLM(model=path, device="cuda", dtype="float32", speculative_method="draft", draft_model=path,
-                  speculative_max_batch_tokens=512, num_blocks=256)
+                  speculative_max_batch_tokens=512, num_blocks=256, block_size=16)
         outs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)])
         del llm
         torch.cuda.empty_cache()
