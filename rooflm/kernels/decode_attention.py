@@ -25,12 +25,10 @@ aim is to stream every K/V byte once, at full bandwidth, on every SM.
   With one split the first kernel writes the output itself and the second is
   skipped. The split count is a run-time argument (a new count compiles
   nothing) chosen from host-side sizes (the engine's: the model's context
-  length), and the kernel works out each sequence's own share of it: a
-  sequence uses active = min(num_splits, ceil(keys / MIN_SPLIT_KEYS)) splits
-  of equal length, the rest exit after writing lse = -inf (weight 0; the
-  reduce does not read their outputs). So a fixed count is correct for any
-  lengths (what CUDA graphs need), and a short context in a grid sized for a
-  long one reads and sums only the splits it fills.
+  length), and every split range is computed in the kernel from the
+  sequence's own length (whole key tiles each), so a fixed count is correct
+  for any lengths (what CUDA graphs need). Splits past a short context's end
+  write lse = -inf (weight 0) and no output, which the reduce does not read.
 * FP8 caches (layers/kv_cache.py): K/V tiles are loaded as E4M3 (half the
   bytes), widened to q's dtype for the dots, and each key's scores are
   multiplied by its K scale, each value's softmax weight by its V scale
@@ -138,8 +136,7 @@ def _decode_attention_kernel(
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
         SINGLE_SPLIT: tl.constexpr, SLIDING: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        FP8: tl.constexpr, PDL: tl.constexpr, ABLATE: tl.constexpr = 0, PAIRS: tl.constexpr = False,
-        MIN_SPLIT_KEYS: tl.constexpr = 128):
+        FP8: tl.constexpr, PDL: tl.constexpr, ABLATE: tl.constexpr = 0, PAIRS: tl.constexpr = False):
     PAD_D: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
     if PDL:  # launched early (programmatic dependent launch): wait for q and the K/V writes
         gdc_launch_dependents()
@@ -168,10 +165,7 @@ def _decode_attention_kernel(
     else:
         kv_lo = 0
     first_tile = (kv_lo // BLOCK_N) * BLOCK_N
-    # This sequence's splits: at least MIN_SPLIT_KEYS keys each, so a short context in a grid sized
-    # for a long one fills a few splits and leaves the rest empty.
-    active = tl.minimum(num_splits, tl.maximum(tl.cdiv(seq_len - first_tile, MIN_SPLIT_KEYS), 1))
-    per_split = tl.cdiv(tl.cdiv(seq_len - first_tile, active), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len - first_tile, num_splits), BLOCK_N) * BLOCK_N
     start = first_tile + split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
@@ -279,8 +273,10 @@ _INTERPRETER_CONFIG = (32, 1, 1)
 # PROGRAMS_PER_SM * num_sms programs, each of at least MIN_SPLIT_TOKENS keys
 # (1 x 8192: 16 / 32 / 64 / 128 splits gave 1195 / 1607 / 1799 / 1637 GB/s), and
 # long spans into pieces of at most LONG_SPLIT_TOKENS (1 x 131072: 64 / 128 splits
-# gave 2674 / 2839 GB/s; attention-hopper-h100-20261126). The kernel itself uses
-# fewer for a sequence shorter than the span (MIN_SPLIT_TOKENS keys a split at least).
+# gave 2674 / 2839 GB/s; attention-hopper-h100-20261126). (Giving each sequence only
+# ceil(keys / 128) of the splits, whatever the span, cost batch-1 decode 5.46 -> 5.56 ms in
+# one H100 call, and broke graphs = eager on a tiny model:
+# a short context wants its few tiles spread over many programs.)
 SPLIT_BELOW_PROGRAMS_PER_SM = 1
 PROGRAMS_PER_SM = 4
 MIN_SPLIT_TOKENS = 128
@@ -326,7 +322,6 @@ class DecodePlan:
     part_out: torch.Tensor  # [num_seqs, H, splits, D_pad] fp32 partial outputs (split-KV)
     part_lse: torch.Tensor
     pdl: bool
-    min_split_keys: int = MIN_SPLIT_TOKENS  # a sequence's splits hold at least this many keys
 
 
 def plan_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -335,8 +330,7 @@ def plan_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           num_splits: Optional[int] = None,
                           config: Optional[tuple[int, int, int]] = None,
                           k_scale: Optional[torch.Tensor] = None,
-                          v_scale: Optional[torch.Tensor] = None,
-                          min_split_keys: int = MIN_SPLIT_TOKENS) -> Optional[DecodePlan]:
+                          v_scale: Optional[torch.Tensor] = None) -> Optional[DecodePlan]:
     """Check the inputs and fix the launch for a step (see decode_attention); None: no decodes."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -359,10 +353,7 @@ def plan_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = q  # unused
-    if min_split_keys < 1:
-        raise ValueError(f"min_split_keys must be >= 1, got {min_split_keys}")
-    return DecodePlan(num_seqs, num_splits, config, sliding, part_out, part_lse, pdl_supported(q.device),
-                      min_split_keys)
+    return DecodePlan(num_seqs, num_splits, config, sliding, part_out, part_lse, pdl_supported(q.device))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -415,7 +406,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         SINGLE_SPLIT=num_splits == 1, SLIDING=plan.sliding, UPCAST=upcast_dots(q.dtype),
         DOT_PRECISION=dot_precision(q.dtype), FP8=fp8, PDL=pdl, ABLATE=_ablate, PAIRS=pairs,
-        MIN_SPLIT_KEYS=plan.min_split_keys, num_warps=num_warps,
+        num_warps=num_warps,
         num_stages=num_stages,
         **pdl_kwargs,
     )

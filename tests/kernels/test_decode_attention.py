@@ -4,26 +4,25 @@ import pytest
 import torch
 
 from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
-from rooflm.kernels.decode_attention import (MIN_SPLIT_TOKENS, decode_attention, decode_attention_ref,
-                                             decode_num_splits, plan_decode_attention)
+from rooflm.kernels.decode_attention import (decode_attention, decode_attention_ref, decode_num_splits,
+                                             plan_decode_attention)
 from rooflm.kernels.utils import random_paged_batch
 
 
-def run_case(seq_lens, num_kv_heads, group, head_dim, block_size, dtype, window, num_splits, config=None,
-             min_split_keys=MIN_SPLIT_TOKENS):
+def run_case(seq_lens, num_kv_heads, group, head_dim, block_size, dtype, window, num_splits, config=None):
     meta, k_cache, v_cache = random_paged_batch(seq_lens, [1] * len(seq_lens), num_kv_heads, head_dim,
                                                 block_size, dtype, DEVICE)
     q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, device=DEVICE).to(dtype)
     out = torch.full_like(q, float("nan"))
     scale = head_dim ** -0.5
     plan = plan_decode_attention(q, k_cache, v_cache, meta, window, out=out, num_splits=num_splits,
-                                 config=config, min_split_keys=min_split_keys)
+                                 config=config)
     if plan.num_splits > 1:  # stale partials from an earlier step: the reduce must read only filled splits
         plan.part_out.fill_(float("nan"))
         plan.part_lse.fill_(float("nan"))
     decode_attention(q, k_cache, v_cache, meta, scale, window, out=out, plan=plan)
     ref = decode_attention_ref(q, k_cache, v_cache, meta, scale, window)
-    assert_close(out, ref, dtype, f"decode {seq_lens=} {num_splits=} {min_split_keys=}")
+    assert_close(out, ref, dtype, f"decode {seq_lens=} {num_splits=}")
 
 
 # (seq_lens, H_kv, group, head_dim, block_size, dtype, sliding_window, num_splits; None = heuristic)
@@ -43,20 +42,15 @@ CASES = [
 def test_decode_matches_reference(seq_lens, num_kv_heads, group, head_dim, block_size, dtype, window,
                                   num_splits):
     torch.manual_seed(hash((tuple(seq_lens), head_dim, block_size)) % 2**31)
-    # min_split_keys 1: every split of the grid holds keys where the context allows (uneven splits,
-    # windows); the default leaves splits past a short context's share empty.
-    for min_split_keys in (1, MIN_SPLIT_TOKENS):
-        run_case(seq_lens, num_kv_heads, group, head_dim, block_size, dtype, window, num_splits,
-                 min_split_keys=min_split_keys)
+    run_case(seq_lens, num_kv_heads, group, head_dim, block_size, dtype, window, num_splits)
 
 
 def test_short_contexts_in_a_grid_sized_for_a_long_span():
-    """A graph's split count follows the model's context length; each sequence fills only the
-    splits its own length needs (at least MIN_SPLIT_TOKENS keys each), and the reduce reads no
-    split it left empty (their partials are NaN here)."""
+    """A graph's split count follows the model's context length: a short sequence fills the first
+    few splits (whole key tiles) and the reduce reads no split it left empty (NaN partials here)."""
     torch.manual_seed(5)
-    run_case([40, 700, 5, 300], 2, 4, 64, 16, torch.float16, None, 16)
-    run_case([40, 700], 2, 4, 64, 16, torch.float16, 64, 16)  # a window: the span is the window
+    run_case([40, 700, 5, 300], 2, 4, 64, 16, torch.float16, None, 48)
+    run_case([40, 700], 2, 4, 64, 16, torch.float16, 64, 48)  # a window: the span is the window
 
 
 @pytest.mark.parametrize("block_n,block_size", [(16, 32), (32, 16)])
