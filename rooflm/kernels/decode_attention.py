@@ -271,17 +271,17 @@ _INTERPRETER_CONFIG = (32, 1, 1)
 # programs is not split (a second pass costs more than it balances: 32 x 4096 ran at
 # 2963 GB/s unsplit, 2692 in 2 splits). Smaller ones are split into about
 # PROGRAMS_PER_SM * num_sms programs, each of at least MIN_SPLIT_TOKENS keys
-# (1 x 8192: 16 / 32 / 64 / 128 splits gave 1195 / 1607 / 1799 / 1637 GB/s), and
-# long spans into pieces of at most LONG_SPLIT_TOKENS (1 x 131072: 64 / 128 splits
-# gave 2674 / 2839 GB/s; attention-hopper-h100-20261126). (Giving each sequence only
-# ceil(keys / 128) of the splits, whatever the span, cost batch-1 decode 5.46 -> 5.56 ms in
-# one H100 call, and broke graphs = eager on a tiny model:
-# a short context wants its few tiles spread over many programs.)
+# (1 x 8192: 16 / 32 / 64 / 128 splits gave 1195 / 1607 / 1799 / 1637 GB/s).
+# Measured and not taken (attention-hopper-h100-20261126, H100): 128 splits for spans over
+# 64k keys lift the kernel at 1 x 131072 from 2674 to 2839 GB/s, but the engine's count
+# follows the model's context length, not the sequence's, and at a 131072-token limit it
+# cost batch-1 TPOT +2.5% at 1k keys and +1.2% at 16k. Giving each sequence only
+# ceil(keys / 128) of the splits cost batch-1 decode 5.46 -> 5.56 ms: a short context wants
+# its few tiles spread over many programs.
 SPLIT_BELOW_PROGRAMS_PER_SM = 1
 PROGRAMS_PER_SM = 4
 MIN_SPLIT_TOKENS = 128
-LONG_SPLIT_TOKENS = 1024
-MAX_SPLITS = 128
+MAX_SPLITS = 64
 
 
 def decode_config(head_dim: int, dtype: torch.dtype = torch.bfloat16,
@@ -305,7 +305,7 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
     programs = max(num_seqs * num_kv_heads, 1)
     if programs >= SPLIT_BELOW_PROGRAMS_PER_SM * num_sms():
         return 1
-    want = max(cdiv(PROGRAMS_PER_SM * num_sms(), programs), cdiv(span, LONG_SPLIT_TOKENS))
+    want = cdiv(PROGRAMS_PER_SM * num_sms(), programs)
     return max(1, min(want, cdiv(span, MIN_SPLIT_TOKENS), MAX_SPLITS))
 
 
