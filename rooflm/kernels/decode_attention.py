@@ -23,9 +23,7 @@ aim is to stream every K/V byte once, at full bandwidth, on every SM.
       M = max_j lse_j,   w_j = exp2(lse_j - M),   out = sum_j w_j o_j / sum_j w_j
 
   With one split the first kernel writes the output itself and the second is
-  skipped; with FUSED_REDUCE the last of a (sequence, KV head)'s split programs
-  to finish (an atomic counter each, split_k.tile_counters) combines them
-  itself, and there is no second launch. The split count is a run-time argument (a new count compiles
+  skipped. The split count is a run-time argument (a new count compiles
   nothing) chosen from host-side sizes (the engine's: the model's context
   length), and every split range is computed in the kernel from the
   sequence's own length (whole key tiles each), so a fixed count is correct
@@ -60,8 +58,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -69,7 +65,6 @@ import triton.language as tl
 from rooflm.kernels.utils import (check_paged_attention_inputs, config_for_head_dim, LOG2E, cdiv, dot_precision, fp8_pv, is_interpreter,
                                   fp8_pair_views, kv_tile_offsets, load_2d, load_e4m3_pairs, load_kv_scales, next_power_of_2, num_sms, upcast_dots,
                                   gdc_launch_dependents, gdc_wait, pdl_supported)
-from rooflm.kernels.split_k import tile_counters
 from rooflm.layers.attention import AttentionMetadata, paged_attention_ref
 
 _MASKED = tl.constexpr(-1.0e30)
@@ -134,15 +129,14 @@ def _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_
 
 @triton.jit(do_not_specialize=["sliding_window", "num_splits"])
 def _decode_attention_kernel(
-        out_ptr, part_out_ptr, part_lse_ptr, count_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+        out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
         block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, qk_scale, sliding_window, num_splits,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
         stride_sb, stride_st,
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
         SINGLE_SPLIT: tl.constexpr, SLIDING: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        FP8: tl.constexpr, PDL: tl.constexpr, ABLATE: tl.constexpr = 0, PAIRS: tl.constexpr = False,
-        FUSED_REDUCE: tl.constexpr = False, SPLITS_PAD: tl.constexpr = 1):
+        FP8: tl.constexpr, PDL: tl.constexpr, ABLATE: tl.constexpr = 0, PAIRS: tl.constexpr = False):
     PAD_D: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
     if PDL:  # launched early (programmatic dependent launch): wait for q and the K/V writes
         gdc_launch_dependents()
@@ -218,38 +212,6 @@ def _decode_attention_kernel(
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :], out,
                  mask=(g_ok & has_keys)[:, None])
         tl.store(part_lse_ptr + row, lse, mask=g_ok)
-        if FUSED_REDUCE:
-            # Every thread's stores happen before the counter moves (barrier, then the atomic's
-            # release at GPU scope); the program that draws num_splits - 1 reads the partials after
-            # its acquire, through L2 (.cg). Nobody waits: the last to arrive combines.
-            tl.debug_barrier()
-            counter = count_ptr + seq * tl.num_programs(1) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                for g in tl.static_range(GROUP):
-                    _combine_splits(out_ptr, part_out_ptr, part_lse_ptr, seq, kv_head * GROUP + g, tok,
-                                    stride_ot, stride_oh, num_splits, NUM_HEADS, SPLITS_PAD, HEAD_DIM,
-                                    HEAD_DIM_PAD)
-                # Back to zero for the next launch, and the next replay of a graph holding this one.
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _combine_splits(out_ptr, part_out_ptr, part_lse_ptr, seq, head, tok, stride_ot, stride_oh, num_splits,
-                    NUM_HEADS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    HEAD_DIM_PAD: tl.constexpr):
-    """out = sum_j w_j o_j / sum_j w_j over the splits of one (sequence, head)."""
-    offs_s = tl.arange(0, SPLITS_PAD)
-    s_ok = offs_s < num_splits
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    row = (seq * NUM_HEADS + head).to(tl.int64) * num_splits + offs_s
-    lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-    filled = s_ok & (lse > float("-inf"))  # empty splits wrote no output
-    o = tl.load(part_out_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=filled[:, None], other=0.0,
-                cache_modifier=".cg")
-    w = tl.math.exp2(lse - tl.max(lse, 0))  # split 0 always has keys, so the max is finite
-    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -261,9 +223,19 @@ def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_p
         gdc_launch_dependents()
         gdc_wait()
     seq = tl.program_id(0)
+    head = tl.program_id(1)
     tok = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    _combine_splits(out_ptr, part_out_ptr, part_lse_ptr, seq, tl.program_id(1), tok, stride_ot, stride_oh,
-                    num_splits, NUM_HEADS, SPLITS_PAD, HEAD_DIM, HEAD_DIM_PAD)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    s_ok = offs_s < num_splits
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    row = (seq * NUM_HEADS + head).to(tl.int64) * num_splits + offs_s
+    lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
+    filled = s_ok & (lse > float("-inf"))  # empty splits wrote no output
+    o = tl.load(part_out_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=filled[:, None], other=0.0)
+    w = tl.math.exp2(lse - tl.max(lse, 0))  # split 0 always has keys, so the max is finite
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
 
 
 # --------------------------------------------------------------------------
@@ -313,8 +285,6 @@ SPLIT_BELOW_PROGRAMS_PER_SM = 1
 PROGRAMS_PER_SM = 4
 MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 64
-# The split kernel combines its own splits (no reduce launch); ROOFLM_DECODE_FUSED_REDUCE=0: two launches.
-FUSED_REDUCE = os.environ.get("ROOFLM_DECODE_FUSED_REDUCE", "1") != "0"
 
 
 def decode_config(head_dim: int, dtype: torch.dtype = torch.bfloat16,
@@ -355,7 +325,6 @@ class DecodePlan:
     part_out: torch.Tensor  # [num_seqs, H, splits, D_pad] fp32 partial outputs (split-KV)
     part_lse: torch.Tensor
     pdl: bool
-    counters: Optional[torch.Tensor] = None  # FUSED_REDUCE: one int32 per (sequence, KV head), zero between launches
 
 
 def plan_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -387,8 +356,7 @@ def plan_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = q  # unused
-    counters = tile_counters(q.device, num_seqs * num_kv_heads) if num_splits > 1 and FUSED_REDUCE else None
-    return DecodePlan(num_seqs, num_splits, config, sliding, part_out, part_lse, pdl_supported(q.device), counters)
+    return DecodePlan(num_seqs, num_splits, config, sliding, part_out, part_lse, pdl_supported(q.device))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -429,9 +397,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     pairs = views is not None
     if pairs:
         k_cache, v_cache = views
-    fused = plan.counters is not None
     _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
-        out, plan.part_out, plan.part_lse, plan.counters if fused else plan.part_lse, q, k_cache, v_cache,
+        out, plan.part_out, plan.part_lse, q, k_cache, v_cache,
         k_scale if fp8 else q, v_scale if fp8 else q,
         meta.block_tables, meta.seq_lens, meta.query_start_loc, scale * LOG2E,
         sliding_window if plan.sliding else 0, num_splits,
@@ -442,11 +409,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         SINGLE_SPLIT=num_splits == 1, SLIDING=plan.sliding, UPCAST=upcast_dots(q.dtype),
         DOT_PRECISION=dot_precision(q.dtype), FP8=fp8, PDL=pdl, ABLATE=_ablate, PAIRS=pairs,
-        FUSED_REDUCE=fused, SPLITS_PAD=next_power_of_2(num_splits), num_warps=num_warps,
+        num_warps=num_warps,
         num_stages=num_stages,
         **pdl_kwargs,
     )
-    if num_splits > 1 and not fused:
+    if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, plan.part_out, plan.part_lse, meta.query_start_loc, out.stride(0), out.stride(1), num_splits,
             NUM_HEADS=num_heads, SPLITS_PAD=next_power_of_2(num_splits),

@@ -58,26 +58,6 @@ def test_decode_key_tile_vs_block_size(block_n, block_size):
     run_case([77, 3], 1, 4, 64, block_size, torch.float16, None, 2, config=(block_n, 4, 2))
 
 
-@pytest.mark.parametrize("seq_lens,num_splits,window", [([1000, 40, 300], 8, None), ([130, 7, 1], 4, None),
-                                                       ([50, 600], 3, 100)])
-def test_fused_reduce_is_bitwise_the_two_launches(seq_lens, num_splits, window, monkeypatch):
-    """The last split program to finish combines the splits in the reduce kernel's arithmetic,
-    so one launch gives the two launches' bits; its counters are back to zero afterwards."""
-    import rooflm.kernels.decode_attention as da
-    from rooflm.kernels.split_k import tile_counters
-
-    torch.manual_seed(3)
-    meta, k_cache, v_cache = random_paged_batch(seq_lens, [1] * len(seq_lens), 2, 64, 16, torch.float16, DEVICE)
-    q = torch.randn(len(seq_lens), 8, 64, device=DEVICE).to(torch.float16)
-    outs = []
-    for fused in (True, False):
-        monkeypatch.setattr(da, "FUSED_REDUCE", fused)
-        outs.append(decode_attention(q, k_cache, v_cache, meta, 0.125, window, num_splits=num_splits))
-    assert torch.equal(outs[0], outs[1])
-    assert int(tile_counters(q.device, 1)[:len(seq_lens) * 2].abs().sum()) == 0
-    assert_close(outs[0], decode_attention_ref(q, k_cache, v_cache, meta, 0.125, window), torch.float16)
-
-
 def test_decode_only_writes_decode_rows():
     meta, k_cache, v_cache = random_paged_batch([9, 20, 30], [1, 1, 30], 1, 64, 16, torch.float16, DEVICE)
     q = torch.randn(32, 4, 64, device=DEVICE).to(torch.float16)
