@@ -20,7 +20,8 @@ class Kernels:
     silu_mul: Optional[Callable] = None  # [T, 2I] -> [T, I]
     gemv: Optional[Callable] = None  # rooflm.kernels.gemv.gemv, for one-token steps
     # (x, weight, bias, quant) -> y for every linear layer and the LM head; None: F.linear (or the
-    # layer's quantized method). Set only by --deterministic: a batch-invariant matmul.
+    # layer's quantized method). On CUDA: small_m_linear (batch-1 tiles for 2-16 rows where they
+    # win); with --deterministic: a batch-invariant matmul.
     linear: Optional[Callable] = None
     # RMSNorm over each head of q and k ([T, H, D]; Qwen3); None: torch.
     head_norm: Optional[Callable] = None
@@ -33,5 +34,6 @@ def triton_kernels(decode_gemv: bool) -> Kernels:
     from rooflm.kernels.gemv import gemv
     from rooflm.kernels.rmsnorm import rmsnorm
     from rooflm.kernels.silu_mul import silu_mul
+    from rooflm.kernels.small_m_linear import small_m_linear
 
-    return Kernels(rmsnorm=rmsnorm, silu_mul=silu_mul, gemv=gemv if decode_gemv else None)
+    return Kernels(rmsnorm=rmsnorm, silu_mul=silu_mul, gemv=gemv if decode_gemv else None, linear=small_m_linear)

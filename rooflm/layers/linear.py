@@ -24,7 +24,8 @@ from rooflm.quant.linear_method import QuantizedLinearMethod, make_linear_method
 class Linear(torch.nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, kernel=None):
         super().__init__()
-        # Kernels.linear (layers/kernels.py): set by --deterministic, else None (F.linear).
+        # Kernels.linear (layers/kernels.py): small_m_linear on CUDA, the batch-invariant matmul with
+        # --deterministic, None on the CPU (F.linear).
         self.kernel = kernel
         self.in_features = in_features
         self.out_features = out_features

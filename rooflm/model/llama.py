@@ -160,7 +160,7 @@ class LlamaForCausalLM(torch.nn.Module):
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = tp_layers.lm_head(cfg.hidden_size, cfg.vocab_size, tp, tied)
         self.gemv = kernels.gemv  # as LlamaDecoderLayer.gemv: the LM head of one token
-        self.linear = kernels.linear  # --deterministic: the batch-invariant matmul, for the LM head
+        self.linear = kernels.linear  # the LM head's matmul (layers/kernels.py), after the GEMV's one token
         # Tied embeddings read from quantized blocks: the embedding is dequantized (a lookup reads
         # one row per token) and the LM head, which reads all of it every step, stays quantized.
         self.tied_head_quant = None
@@ -177,6 +177,8 @@ class LlamaForCausalLM(torch.nn.Module):
             head = self.lm_head
             weight = self.model.embed_tokens.weight if head is None else head.weight
             quant = self.tied_head_quant if head is None else head.quant
+            if self.gemv is not None and hidden.shape[0] == 1 and quant is None:
+                return self.gemv(hidden, weight, out_dtype=torch.float32)
             return self.linear(hidden, weight, None, quant).float()
         if self.lm_head is not None and self.lm_head.quant is not None:
             return self.lm_head(hidden).float()
