@@ -50,29 +50,8 @@ DECODE_LENGTHS = (8192, 32768, 131072)
 
 
 def prefill_row(batch: int, seq: int, block_size: int, config, use_tma, warp_spec: bool) -> dict:
-    from rooflm.kernels.prefill_attention import prefill_attention, prefill_attention_ref, plan_prefill_attention
-    from rooflm.kernels.utils import random_paged_batch, rel_error
-
-    meta, k_cache, v_cache = random_paged_batch([seq] * batch, [seq] * batch, KV_HEADS, HEAD_DIM, block_size,
-                                                torch.bfloat16, "cuda", poison_unused=False)
-    q = torch.randn(batch * seq, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    out = torch.empty_like(q)
-    scale = HEAD_DIM ** -0.5
-    plan = plan_prefill_attention(q, k_cache, v_cache, meta, out=out, config=config, use_tma=use_tma)
-
-    def fn():
-        return prefill_attention(q, k_cache, v_cache, meta, scale, out=out, plan=plan, _warp_spec=warp_spec)
-
-    fn()
-    kb.sync()
-    ms = kb.bench_ms(fn)
-    one = type(meta)(slot_mapping=meta.slot_mapping[:seq], query_start_loc=meta.query_start_loc[:2],
-                     seq_lens=meta.seq_lens[:1], block_tables=meta.block_tables[:1], max_query_len=seq,
-                     max_seq_len=seq, num_decodes=0, query_start_loc_cpu=meta.query_start_loc_cpu[:2],
-                     seq_lens_cpu=meta.seq_lens_cpu[:1])
-    err = rel_error(out[:seq], prefill_attention_ref(q[:seq], k_cache, v_cache, one, scale))
-    return {"ms": ms, "TFLOPs": kb.causal_flops(batch, HEADS, seq, HEAD_DIM) / ms / 1e9, "rel_error": err,
-            "config": list(plan.config), "use_tma": plan.use_tma}
+    return kb.rooflm_prefill(batch, HEADS, KV_HEADS, seq, HEAD_DIM, torch.bfloat16, block_size, config=config,
+                             use_tma=use_tma, warp_spec=warp_spec)
 
 
 def run_prefill(rows: list) -> None:

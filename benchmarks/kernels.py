@@ -163,7 +163,7 @@ def sdpa_prefill(batch, heads, kv_heads, seq, head_dim, dtype) -> dict:
 
 
 def rooflm_prefill(batch, heads, kv_heads, seq, head_dim, dtype, block_size, config=None, use_tma=None,
-                   check=True, ablate=0) -> dict:
+                   check=True, ablate=0, warp_spec=False) -> dict:
     from rooflm.kernels.prefill_attention import prefill_attention, prefill_attention_ref, prefill_config
     from rooflm.kernels.utils import random_paged_batch, rel_error
 
@@ -175,7 +175,7 @@ def rooflm_prefill(batch, heads, kv_heads, seq, head_dim, dtype, block_size, con
 
     def fn():
         return prefill_attention(q, k_cache, v_cache, meta, scale, out=out, config=config, use_tma=use_tma,
-                                 _ablate=ablate)
+                                 _ablate=ablate, _warp_spec=warp_spec)
 
     fn()
     sync()

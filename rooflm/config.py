@@ -133,6 +133,11 @@ class DeviceConfig:
                 f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
 
 
+# KV block sizes in tokens when none is given (CacheConfig.block_size None), by device type.
+CUDA_BLOCK_SIZE = 64
+CPU_BLOCK_SIZE = 16
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache.
@@ -300,7 +305,7 @@ def with_device_defaults(cfg: EngineConfig, device_type: str) -> EngineConfig:
 
     sched, runtime, spec, cache = cfg.scheduler, cfg.runtime, cfg.speculative, cfg.cache
     if cache.block_size is None:
-        cache = replace(cache, block_size=64 if device_type == "cuda" else 16)
+        cache = replace(cache, block_size=CUDA_BLOCK_SIZE if device_type == "cuda" else CPU_BLOCK_SIZE)
     if sched.max_num_seqs is None:
         sched = replace(sched, max_num_seqs=512 if device_type == "cuda" else 256)
     if runtime.cuda_graph_max_batch is None:

@@ -173,20 +173,15 @@ class LlamaForCausalLM(torch.nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if isinstance(self.lm_head, tp_layers.ParallelLMHead):
             return self.lm_head.logits(hidden)  # this rank's vocabulary rows, then one all-gather
-        if self.linear is not None:
-            head = self.lm_head
-            weight = self.model.embed_tokens.weight if head is None else head.weight
-            quant = self.tied_head_quant if head is None else head.quant
-            if self.gemv is not None and hidden.shape[0] == 1 and quant is None:
-                return self.gemv(hidden, weight, out_dtype=torch.float32)
-            return self.linear(hidden, weight, None, quant).float()
-        if self.lm_head is not None and self.lm_head.quant is not None:
-            return self.lm_head(hidden).float()
-        if self.lm_head is None and self.tied_head_quant is not None:
-            return self.tied_head_quant(hidden).float()
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self.gemv is not None and hidden.shape[0] == 1:
+        head = self.lm_head
+        weight = self.model.embed_tokens.weight if head is None else head.weight
+        quant = self.tied_head_quant if head is None else head.quant
+        if self.gemv is not None and hidden.shape[0] == 1 and quant is None:
             return self.gemv(hidden, weight, out_dtype=torch.float32)
+        if self.linear is not None:
+            return self.linear(hidden, weight, None, quant).float()
+        if quant is not None:
+            return quant(hidden).float()
         return torch.nn.functional.linear(hidden, weight).float()
 
     # ---- weights -------------------------------------------------------------------------

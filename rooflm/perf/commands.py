@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Optional, TextIO
 
-from rooflm.config import ModelConfig
+from rooflm.config import CUDA_BLOCK_SIZE, ModelConfig
 from rooflm.perf.gpus import GPUS, GpuSpec, get_gpu
 from rooflm.perf.memory import inference_memory, training_memory, weight_bytes
 from rooflm.perf.roofline import (
@@ -70,7 +70,8 @@ def register(subparsers) -> None:
     p.add_argument("--gpu", default=None, choices=sorted(GPUS), help="take --gpu-mem from this GPU")
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
                    help="tensor-parallel GPUs (inference: per-GPU figures)")
-    p.add_argument("--block-size", type=int, default=64, help="KV cache block size in tokens (default: 64, the engine's CUDA default)")
+    p.add_argument("--block-size", type=int, default=CUDA_BLOCK_SIZE,
+                   help=f"KV cache block size in tokens (default: {CUDA_BLOCK_SIZE}, the engine's CUDA default)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="scheduler token budget, sizes the activation reserve")

@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Optional, TextIO
 
-from rooflm.config import SchedulerConfig
+from rooflm.config import CUDA_BLOCK_SIZE, SchedulerConfig
 
 
 def register(sub) -> None:
@@ -128,7 +128,7 @@ def replica_config(args, model, gpu_key: str, tp: int, tables) -> tuple:
     from rooflm.sim.replica import ReplicaConfig
 
     max_num_seqs = args.max_num_seqs or 512  # the engine's CUDA default
-    block_size = args.block_size or 64  # the engine's CUDA default too
+    block_size = args.block_size or CUDA_BLOCK_SIZE  # the engine's CUDA default too
     max_model_len = args.max_model_len or model.max_position_embeddings
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
