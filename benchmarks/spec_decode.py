@@ -111,6 +111,10 @@ def main() -> int:
                     help="every engine with --deterministic: plain and verify forwards then break "
                          "near-ties alike, so a replay's acceptance is the set one (a check of the "
                          "mechanism, at the deterministic kernels' speed)")
+    ap.add_argument("--device-loop", default="auto", choices=("auto", "off", "both"),
+                    help="the n-gram engine's speculative_device_loop: auto (on with CUDA graphs), "
+                         "off (every verify step through the host), both (one engine each; the host "
+                         "path's rows are labelled ngram-host)")
     ap.add_argument("--out", default="benchmarks/results/spec")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -177,20 +181,26 @@ def main() -> int:
         spec.cfg = dataclasses.replace(spec.cfg, speculative_max_batch_tokens=1 << 30)
 
     # ---- n-gram engine -------------------------------------------------------------------------
-    llm = LLM(**common, speculative_method="ngram", num_speculative_tokens=args.k,
-              speculative_policy=args.policy)
-    ngram = llm.engine.spec.proposer
-    policy_cfg = llm.engine.spec.cfg
-    for b in args.batches:
-        llm.generate(prompts[b], warm)
-        real_run(llm, "ngram", b)
-        replay_runs(llm, "ngram", b, lambda r: r, ngram)
-        if b > 1:
-            forced_k(llm)
-            replay_runs(llm, "ngram-k4-forced", b, lambda r: r, ngram)
-            llm.engine.spec.cfg = policy_cfg
-    llm = ngram = None
-    release_memory()
+    loops = {"auto": [None], "off": [False], "both": [None, False]}[args.device_loop]
+    for loop in loops:
+        label = "ngram" if loop is None or args.device_loop == "off" else "ngram-host"
+        llm = LLM(**common, speculative_method="ngram", num_speculative_tokens=args.k,
+                  speculative_policy=args.policy, speculative_device_loop=loop)
+        ngram = llm.engine.spec.proposer
+        policy_cfg = llm.engine.spec.cfg
+        for b in args.batches:
+            llm.generate(prompts[b], warm)
+            real_run(llm, label, b)
+            replay_runs(llm, label, b, lambda r: r, ngram)
+            if b > 1:
+                forced_k(llm)
+                replay_runs(llm, f"{label}-k4-forced", b, lambda r: r, ngram)
+                llm.engine.spec.cfg = policy_cfg
+        if llm.engine.spec_loop is not None:
+            print(json.dumps({"variant": label, "loop_steps": llm.engine.spec_loop.num_steps,
+                              "loop_entries": llm.engine.spec_loop.num_entries}), flush=True)
+        llm = ngram = None
+        release_memory()
 
     # ---- draft-model engine --------------------------------------------------------------------
     if not args.skip_draft:

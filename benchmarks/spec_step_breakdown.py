@@ -40,11 +40,46 @@ def replay_ms(graph: torch.cuda.CUDAGraph, iters: int = 30) -> float:
     return start.elapsed_time(end) / iters
 
 
+def kernel_table(loop_graph, uniform_graph, out_dir: str, replays: int = 5) -> None:
+    """Device time per kernel name of one replay of the batch-1 loop graph against the host
+    path's width-(k+1) uniform graph (what the loop adds around the forward)."""
+    from torch.profiler import ProfilerActivity, profile
+    tables = {}
+    for name, graph in (("loop", loop_graph), ("uniform", uniform_graph)):
+        graph.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                graph.replay()
+            torch.cuda.synchronize()
+        totals = {}
+        for e in prof.events():
+            if e.device_type.name == "CUDA":
+                t = totals.setdefault(e.name[:90], [0, 0.0])
+                t[0] += 1
+                t[1] += e.device_time / 1000
+        tables[name] = {k: (n / replays, ms / replays) for k, (n, ms) in totals.items()}
+    names = sorted(set(tables["loop"]) | set(tables["uniform"]),
+                   key=lambda k: -abs(tables["loop"].get(k, (0, 0))[1] - tables["uniform"].get(k, (0, 0))[1]))
+    lines = [f"{'kernel':90s} {'loop n':>7s} {'loop ms':>8s} {'unif n':>7s} {'unif ms':>8s}"]
+    for k in names:
+        a, b = tables["loop"].get(k, (0, 0.0)), tables["uniform"].get(k, (0, 0.0))
+        lines.append(f"{k:90s} {a[0]:7.1f} {a[1]:8.4f} {b[0]:7.1f} {b[1]:8.4f}")
+    total = {n: sum(ms for _, ms in t.values()) for n, t in tables.items()}
+    lines.append(f"{'total kernel time':90s} {'':7s} {total['loop']:8.4f} {'':7s} {total['uniform']:8.4f}")
+    text = "\n".join(lines)
+    with open(os.path.join(out_dir, "loop_kernels.txt"), "w") as f:
+        f.write(text + "\n")
+    print("\n".join(lines[:25] + lines[-1:]))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-3-8b")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 48])
+    ap.add_argument("--kernels", action="store_true",
+                    help="also a per-kernel table of the batch-1 loop graph against the uniform graph")
     ap.add_argument("--out", default="benchmarks/results/spec-breakdown")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -59,6 +94,15 @@ def main() -> int:
     for size in args.batches:
         if size in runner.graphs.graphs:
             rows.append({"what": "graph replay", "batch": size, "width": 1, "ms": replay_ms(runner.graphs.graphs[size])})
+    loop = llm.engine.spec_loop
+    if loop is not None:
+        loop.active.zero_()  # empty slots: the same kernels, no K/V written, no history moved
+        for size in args.batches:
+            if size in loop.graphs:
+                rows.append({"what": "loop graph replay", "batch": size, "width": args.k + 1,
+                             "ms": replay_ms(loop.graphs[size])})
+        if args.kernels and 1 in loop.graphs and (args.k + 1, 1) in runner.uniform_graphs.graphs:
+            kernel_table(loop.graphs[1], runner.uniform_graphs.graphs[(args.k + 1, 1)], args.out)
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(0)
     plain = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)

@@ -247,6 +247,10 @@ class SpeculativeConfig:
     # measured more tokens per second than plain ones there (rooflm/spec/policy.py); budget:
     # always speculate within it.
     speculative_policy: str = "adaptive"
+    # Verify greedy sequences in a loop kept on the device (rooflm/spec/loop.py): the next step
+    # is queued before the host reads the last one's tokens. None: where CUDA graphs run it;
+    # True: also eagerly (the CPU); False: never (every verify step goes through the host).
+    speculative_device_loop: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.speculative_policy not in ("adaptive", "budget"):

@@ -49,6 +49,7 @@ class _InFlight:
     planned_at: float  # when the step's _step began (the speculation policy's clock)
     behind: bool  # launched while another step was in flight (the async pipeline was full)
     speculating: bool = False  # planned to verify drafts (the proposer may have found none)
+    loop: bool = False  # a step of speculative decoding's device loop (handle: spec.loop.LoopStep)
 
 
 class LLMEngine:
@@ -108,6 +109,7 @@ class LLMEngine:
                                                 self.max_model_len, itertools.count())
         self._num_prompt_tokens = 0
         self._num_steps = 0
+        self.spec_loop = self._make_spec_loop() if self.spec is not None else None
         self._grammar_compiler = None  # structured.compiler.GrammarCompiler, at first use
         self._compiling: list[Request] = []  # requests whose grammar has not compiled yet
         self.startup_s = time.perf_counter() - t0
@@ -116,6 +118,26 @@ class LLMEngine:
             tune_gc_for_serving()
         logger.info("ready in %.1f s (%s)", self.startup_s,
                     ", ".join(f"{k} {v:.1f} s" for k, v in self.runner.timings.items()))
+
+    def _make_spec_loop(self):
+        """Speculative decoding's device loop (spec/loop.py), where it runs: with CUDA graphs by
+        default, also eagerly with speculative_device_loop=True; never with a draft model or
+        tensor parallelism. Its graphs are captured now, in the decode graphs' memory pool."""
+        cfg = self.config.speculative
+        graphs = self.runner.graphs
+        if (cfg.speculative_device_loop is False or cfg.speculative_method == "draft"
+                or self.runner.tp.size > 1 or (cfg.speculative_device_loop is None and graphs is None)):
+            return None
+        from rooflm.engine.cuda_graph import capture_sizes
+        from rooflm.spec.loop import SpecLoop
+        loop = SpecLoop(self.runner, cfg.num_speculative_tokens, cfg.speculative_max_batch_tokens,
+                        self.config.scheduler.max_num_seqs, self.max_model_len)
+        if graphs is not None:
+            t0 = time.perf_counter()
+            loop.capture(capture_sizes(min(loop.max_batch, self.config.runtime.cuda_graph_max_batch)),
+                         graphs.pool)
+            self.runner.timings["spec_loop_capture_s"] = time.perf_counter() - t0
+        return loop
 
     def _start_workers(self):
         from rooflm.distributed.executor import TPExecutor
@@ -382,7 +404,15 @@ class LLMEngine:
         k = 0
         if self.spec is not None:
             with self.tracer.phase("plan"):
-                drained, k = self._plan_speculation()
+                k = self.spec.decide(self.scheduler)
+            loop = self.spec_loop
+            if loop is not None and (loop.active_loop or loop.wants(self.scheduler, k, self.spec.proposer)):
+                outputs, ran = self._loop_step(t0, k)
+                if ran:
+                    return failed + outputs
+                failed += outputs
+            with self.tracer.phase("plan"):
+                drained, k = self._plan_speculation(k)
             failed += drained
         with self.tracer.phase("schedule"):
             out = self.scheduler.schedule()
@@ -415,14 +445,45 @@ class LLMEngine:
             self._sample_constrained(launched.handle)
         return failed + outputs
 
-    def _plan_speculation(self) -> tuple[list[RequestOutput], int]:
-        """Decide whether the next step speculates (k > 0) and give out its draft slots.
-        Proposals read every sequence's tokens on the host, so a step in flight is finished
-        first; its outputs are returned with k. Plain steps keep async scheduling."""
-        k = self.spec.decide(self.scheduler)
+    def _plan_speculation(self, k: int) -> tuple[list[RequestOutput], int]:
+        """Give out the next step's draft slots (k > 0: it speculates, as SpecDecoder.decide
+        said). Proposals read every sequence's tokens on the host, so a step in flight is
+        finished first; its outputs are returned with k. Plain steps keep async scheduling."""
         drained = self.drain() if k and self._in_flight is not None else []
         self.spec.assign(self.scheduler, k)
         return drained, k
+
+    def _loop_step(self, t0: float, k: int) -> tuple[list[RequestOutput], bool]:
+        """A step of speculative decoding's device loop (spec/loop.py): queue step t + 1, then
+        finish step t. Entering drains the step in flight; (its outputs, False) when the batch
+        could not enter after all (the host path runs this step). The loop ends when a step cannot follow:
+        the last step in flight is finished, spare blocks go back, and the next step() is the
+        host path's."""
+        loop = self.spec_loop
+        drained = []
+        if not loop.active_loop:
+            drained = self.drain()
+            if not loop.enter(self.scheduler, self.spec.proposer):
+                return drained, False
+        launched = None
+        t1 = time.perf_counter()
+        if loop.can_continue(self.scheduler, k):
+            with self.tracer.phase("launch"):
+                handle = loop.launch(self.scheduler)
+            if handle is not None:
+                self._num_steps += 1
+                # The shape is known once the step's drafts are (_finish_step).
+                launched = _InFlight(handle.out, handle, batch_shape(SchedulerOutput()), self._num_steps,
+                                     t1 - t0, time.perf_counter() - t1, t1, t0, True, True, loop=True)
+        if launched is None:
+            loop.release_lookahead()
+        previous, self._in_flight = self._in_flight, launched
+        outputs = self._finish_step(previous) if previous is not None else []
+        if launched is None:
+            loop.exit(self.scheduler)
+        # A loop that could not even start (the pool too short for its look-ahead) leaves the
+        # step to the host path, which preempts if it must.
+        return drained + outputs, launched is not None or previous is not None
 
     def drain(self) -> list[RequestOutput]:
         """Finish the step in flight, if any (async scheduling), and return its outputs; after
@@ -434,7 +495,11 @@ class LLMEngine:
         """Read a launched step's samples back, process them, and report the step."""
         t0 = time.perf_counter()
         with self.tracer.phase("collect"):
-            result = self.runner.collect(step.handle, wait_device=self.async_scheduling)
+            if step.loop:
+                result = StepResult(self.spec_loop.collect(step.handle), {}, {})
+                step.shape = batch_shape(step.out, self.model_config.sliding_window)
+            else:
+                result = self.runner.collect(step.handle, wait_device=self.async_scheduling)
         t1 = time.perf_counter()
         if self.spec is not None:
             self.spec.observe(step.out, result.sampled, t1 - step.launched_at, step.planned_at,

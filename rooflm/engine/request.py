@@ -54,6 +54,9 @@ class Sequence:
     # Speculative decoding (rooflm/spec/): draft slots the next step may verify after this
     # sequence's last token; set before scheduling, 0 when it does not speculate.
     num_spec_slots: int = 0
+    # K/V slots past the computed tokens that a step still in flight may write (the device loop,
+    # spec/loop.py): the rollback after a verify step keeps their blocks.
+    num_lookahead_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -166,7 +166,7 @@ class Scheduler:
         if seq.finished or seq.block_table is None:
             return
         seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_known_tokens - 1)
-        self.bm.trim(seq.block_table, seq.num_computed_tokens)
+        self.bm.trim(seq.block_table, seq.num_computed_tokens + seq.num_lookahead_tokens)
 
     # ---- the step ---------------------------------------------------------------------
 

@@ -14,7 +14,8 @@ wide ones (N >= 16 K, like an LM head). At 32 layers that is about 0.12 ms a ste
 
 Numerics: a row's sums follow the tile, not the batch, so a step's rows are the same whether the
 step is replayed from a CUDA graph or run eagerly (both call this function with the same M).
-ROOFLM_SMALL_M_TILES=0 sends every shape to F.linear.
+ROOFLM_SMALL_M_TILES=0 sends every shape to F.linear; =all sends every shape to the tiles (an
+experiment: in a graph the Triton kernels chain by programmatic dependent launch, cuBLAS's do not).
 
 Reference: F.linear (torch.nn.functional.linear); tests/kernels/test_small_m_linear.py.
 """
@@ -30,12 +31,13 @@ import torch.nn.functional as F
 from rooflm.kernels.matmul_persistent import BATCH1_MAX_M, matmul_persistent
 
 SMALL_M_TILES = os.environ.get("ROOFLM_SMALL_M_TILES", "1") != "0"
+ALL_SHAPES = os.environ.get("ROOFLM_SMALL_M_TILES", "1") == "all"
 MIN_ROWS = 2  # one row takes the fused GEMV, where the model has it
 
 
 def prefers_tiles(n: int, k: int) -> bool:
     """Whether a [N, K] weight is one of the shapes the batch-1 tiles read faster than cuBLAS."""
-    return k >= 2 * n or n >= 16 * k
+    return ALL_SHAPES or k >= 2 * n or n >= 16 * k
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,

@@ -16,9 +16,10 @@ operations per sequence; `lookup` is the scan, kept as the reference the tests c
 from __future__ import annotations
 
 import numpy as np
+import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from rooflm.spec.proposer import DraftRequest, Proposal, Proposer
+from rooflm.spec.proposer import DeviceProposer, DraftRequest, Proposal, Proposer
 
 # Sequences not drafted for in this many calls lose their index (rebuilt if they come back:
 # preempted, or out of the batch policy's budget for a while).
@@ -77,6 +78,7 @@ class NgramIndex:
 
 class NgramProposer(Proposer):
     name = "ngram"
+    has_device_form = True
 
     def __init__(self, n_max: int, n_min: int):
         self.n_max = n_max
@@ -98,7 +100,30 @@ class NgramProposer(Proposer):
             self._drop_stale()
         return Proposal(drafts)
 
+    def device_proposer(self) -> "NgramDeviceProposer":
+        return NgramDeviceProposer(self.n_max, self.n_min)
+
     def _drop_stale(self) -> None:
         oldest = self._calls - STALE_CALLS
         for seq_id in [s for s, index in self._indexes.items() if index.last_call <= oldest]:
             del self._indexes[seq_id]
+
+
+class NgramDeviceProposer(DeviceProposer):
+    """The same lookup over the device loop's histories: kernels/ngram_propose.py on CUDA,
+    `lookup` row by row elsewhere (the CPU runs the loop eagerly)."""
+
+    def __init__(self, n_max: int, n_min: int):
+        self.n_max, self.n_min = n_max, n_min
+
+    def propose(self, hist, lengths, drafts, num_drafts, batch: int) -> None:
+        if hist.is_cuda:
+            from rooflm.kernels.ngram_propose import ngram_propose
+            ngram_propose(hist, lengths, drafts, num_drafts, self.n_max, self.n_min, batch)
+            return
+        k = drafts.shape[1]
+        rows = hist[:batch].numpy()
+        for b, length in enumerate(lengths[:batch].tolist()):
+            found = lookup(rows[b, :length], k, self.n_max, self.n_min)
+            drafts[b] = torch.tensor(found + [0] * (k - len(found)), dtype=torch.int64)
+            num_drafts[b] = len(found)

@@ -39,6 +39,7 @@ class Proposer:
     """Base class: a proposer without its own KV cache."""
 
     name = "proposer"
+    has_device_form = False  # device_proposer() gives one (the device loop can run it)
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of this proposer's KV pool per block of the target's (0: it keeps none)."""
@@ -48,4 +49,25 @@ class Proposer:
         """Make the KV pool, once the target's block count is known."""
 
     def propose(self, batch: list[DraftRequest]) -> Proposal:
+        raise NotImplementedError
+
+    def device_proposer(self) -> Optional["DeviceProposer"]:
+        """The same proposer over the device loop's token histories (spec/loop.py), or None
+        where it has none (then verify steps stay on the host path)."""
+        return None
+
+
+class DeviceProposer:
+    """Drafts from token histories kept on the device: no host round trip, so the device loop
+    can queue a verify step before the host has read the previous one's tokens. Point-mass
+    drafts only (the loop verifies greedy sequences)."""
+
+    def begin(self, seqs: list[tuple[Request, Sequence]], max_batch: int, device: torch.device) -> None:
+        """The loop starts with these sequences in slots 0..len-1 (a proposer that keeps
+        per-sequence device data builds it here)."""
+
+    def propose(self, hist: torch.Tensor, lengths: torch.Tensor, drafts: torch.Tensor,
+                num_drafts: torch.Tensor, batch: int) -> None:
+        """Fill drafts[:batch] [B, K] int64 and num_drafts[:batch] from hist [B, L] int32
+        (lengths[b] tokens of slot b; 0: an empty slot, which gets no drafts)."""
         raise NotImplementedError

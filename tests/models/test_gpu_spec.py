@@ -97,3 +97,55 @@ def test_verify_steps_replay_the_uniform_graphs(tmp_path):
     assert len(replays) > stats.num_drafts // (2 * len(PROMPTS))  # most verify steps replayed a graph
     eager, _, _ = run(path, "bfloat16", enforce_eager=True, speculative_method="draft", draft_model=path)
     check_greedy_close(outs, eager)
+
+
+GREEDY_PLAIN = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)  # no logprobs: the loop's
+
+
+def test_device_loop_is_exact_in_deterministic_mode(tmp_path):
+    """The device loop (spec/loop.py, CUDA graphs) with n-gram drafts and with replayed ones
+    (most accepted): tokens identical to plain decoding under --deterministic."""
+    from rooflm.spec.replay import ReplayProposer
+    path, _ = make_tiny_model(tmp_path, "llama", initializer_range=0.3)
+    common = dict(device="cuda", dtype="bfloat16", block_size=16, num_blocks=256, deterministic=True)
+    plain = LLM(model=path, **common)
+    ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY_PLAIN)]
+    del plain
+    llm = LLM(model=path, speculative_method="ngram", speculative_max_batch_tokens=512, **common)
+    loop = llm.engine.spec_loop
+    assert loop is not None and loop.graphs
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY_PLAIN)] == ref
+    ngram_steps, before = loop.num_steps, llm.engine.snapshot().spec
+    llm.engine.spec.set_proposer(ReplayProposer({tuple(p): r for p, r in zip(PROMPTS, ref)}, 0.2, 256))
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY_PLAIN)] == ref
+    stats = llm.engine.snapshot()
+    del llm
+    torch.cuda.empty_cache()
+    assert ngram_steps > 0 and loop.num_steps > ngram_steps
+    accepted = stats.spec.num_accepted_tokens - before.num_accepted_tokens
+    proposed = stats.spec.num_draft_tokens - before.num_draft_tokens
+    assert accepted > 0.5 * proposed and stats.num_free_blocks == 256
+
+
+def test_device_loop_matches_the_host_path(tmp_path):
+    """Default mode: the loop's greedy tokens are the host verify path's, or at the first
+    divergence the loop's token is in the host path's top 5 (a near-tie broken another way)."""
+    from rooflm.spec.replay import ReplayProposer
+    path, _ = make_tiny_model(tmp_path, "llama", initializer_range=0.3)
+    llm = LLM(model=path, device="cuda", dtype="bfloat16", block_size=16, num_blocks=256,
+              speculative_method="ngram", speculative_policy="budget")
+    host = llm.generate(PROMPTS, PARAMS)  # logprobs: every step on the host path
+    assert llm.engine.spec_loop.num_steps == 0
+    llm.engine.spec.set_proposer(ReplayProposer(
+        {tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS, host)}, 0.1, 256))
+    looped = llm.generate(PROMPTS, GREEDY_PLAIN)
+    steps, free = llm.engine.spec_loop.num_steps, llm.engine.snapshot().num_free_blocks
+    del llm
+    torch.cuda.empty_cache()
+    assert steps > 0 and free == 256
+    for a, b in zip(looped, host):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        assert len(ta) == 48
+        diverged = next((i for i, (p, q) in enumerate(zip(ta, tb)) if p != q), None)
+        if diverged is not None:
+            assert ta[diverged] in b.outputs[0].logprobs[diverged], f"diverged at {diverged}"

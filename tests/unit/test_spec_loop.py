@@ -1,0 +1,189 @@
+"""Speculative decoding's device loop (rooflm/spec/loop.py) on the CPU (fp32), run eagerly:
+greedy outputs identical to plain decoding, the loop actually running, stops and max_tokens
+cutting a step, the loop ending for a new request, an abort, a sampled request or a short
+pool, and every block free at the end. Tiny random models, as test_spec_decode.py."""
+
+import pytest
+
+from rooflm import LLM, SamplingParams
+from rooflm.spec.loop import plain_greedy
+from rooflm.spec.replay import ReplayProposer
+from tests.unit.test_spec_decode import BASE, GREEDY, PROMPTS, SPEC, check_all_blocks_free, prompts_of, tokens
+
+
+@pytest.fixture(scope="module")
+def loop_llm(tiny_path):
+    return LLM(model=tiny_path, speculative_method="ngram", speculative_device_loop=True, **BASE, **SPEC)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    from tests.models.tiny_models import make_tiny_model
+    path, _ = make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", initializer_range=0.3)
+    return path
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_path):
+    return LLM(model=tiny_path, **BASE)
+
+
+@pytest.fixture(scope="module")
+def reference(plain):
+    return tokens(plain.generate(PROMPTS, GREEDY))
+
+
+def loop_steps(llm):
+    return llm.engine.spec_loop.num_steps
+
+
+def use_replay(llm, ref, prompts, corrupt):
+    llm.engine.spec.set_proposer(ReplayProposer({tuple(p): o[0] for p, o in zip(prompts, ref)}, corrupt, 256, seed=3))
+
+
+def use_ngram(llm):
+    from rooflm.spec.ngram import NgramProposer
+    llm.engine.spec.set_proposer(NgramProposer(4, 1))
+
+
+def test_ngram_loop_gives_plain_greedy_outputs(loop_llm, reference):
+    use_ngram(loop_llm)
+    before = loop_steps(loop_llm)
+    assert tokens(loop_llm.generate(PROMPTS, GREEDY)) == reference
+    assert loop_steps(loop_llm) - before >= 5
+    check_all_blocks_free(loop_llm)
+
+
+@pytest.mark.parametrize("corrupt", [0.0, 0.2, 0.6])
+def test_replayed_drafts_in_the_loop(loop_llm, reference, corrupt):
+    use_replay(loop_llm, reference, PROMPTS, corrupt)
+    stats0 = loop_llm.engine.spec.stats.snapshot()
+    before = loop_steps(loop_llm)
+    assert tokens(loop_llm.generate(PROMPTS, GREEDY)) == reference
+    stats = loop_llm.engine.spec.stats.snapshot()
+    accepted = stats.num_accepted_tokens - stats0.num_accepted_tokens
+    steps = loop_steps(loop_llm) - before
+    assert steps > 0
+    if corrupt == 0.0:  # every draft right: each loop step emits k + 1 tokens a sequence
+        assert accepted >= 0.7 * sum(len(r[0]) for r in reference)
+        assert steps <= 30 // 5 + 2
+    check_all_blocks_free(loop_llm)
+    use_ngram(loop_llm)
+
+
+@pytest.mark.parametrize("max_tokens", [11, 13, 17])
+def test_max_tokens_and_stop_tokens_cut_a_loop_step(loop_llm, plain, reference, max_tokens):
+    use_replay(loop_llm, reference, PROMPTS, 0.0)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    before = loop_steps(loop_llm)
+    got = tokens(loop_llm.generate(PROMPTS, params))
+    assert got == tokens(plain.generate(PROMPTS, params))
+    assert all(len(g[0]) == max_tokens for g in got)  # the device stopped each slot exactly there
+    assert loop_steps(loop_llm) > before
+    stop = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[r[0][max_tokens]])
+            for r in reference]
+    got = tokens(loop_llm.generate(PROMPTS, stop))
+    assert got == tokens(plain.generate(PROMPTS, stop))
+    assert all(g[0][-1] == s.stop_token_ids[0] for g, s in zip(got, stop))
+    check_all_blocks_free(loop_llm)
+    use_ngram(loop_llm)
+
+
+def test_a_new_request_ends_the_loop_and_joins(loop_llm, plain, reference):
+    """Requests added while the loop runs: it ends after the step in flight, the newcomers'
+    prefill runs on the host path, and the loop comes back."""
+    use_replay(loop_llm, reference, PROMPTS, 0.1)
+    engine = loop_llm.engine
+    entries = engine.spec_loop.num_entries
+    engine.add_request("a", PROMPTS[0], GREEDY)
+    engine.add_request("b", PROMPTS[2], GREEDY)
+    done = {}
+    added = False
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        if not added and engine.spec_loop.active_loop:
+            engine.add_request("c", PROMPTS[1], GREEDY)
+            added = True
+    assert added and engine.spec_loop.num_entries - entries >= 2
+    assert [done["a"], done["b"], done["c"]] == [reference[0][0], reference[2][0], reference[1][0]]
+    check_all_blocks_free(loop_llm)
+    use_ngram(loop_llm)
+
+
+def test_abort_inside_the_loop(loop_llm, reference):
+    use_replay(loop_llm, reference, PROMPTS, 0.1)
+    engine = loop_llm.engine
+    engine.add_request("x", PROMPTS[0], GREEDY)
+    engine.add_request("y", PROMPTS[2], GREEDY)
+    done = {}
+    aborted = False
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if not aborted and engine.spec_loop.active_loop:
+            engine.abort_request("x")
+            aborted = True
+    assert aborted and "x" not in done
+    assert done["y"].outputs[0].token_ids == reference[2][0]
+    check_all_blocks_free(loop_llm)
+    use_ngram(loop_llm)
+
+
+def test_sampled_requests_stay_on_the_host_path(loop_llm, plain):
+    """A request that samples (or wants logprobs) keeps the whole batch out of the loop."""
+    sampled = SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True, seed=5)  # outlives GREEDY
+    logprobs = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    before = loop_steps(loop_llm)
+    outs = loop_llm.generate(PROMPTS[:2], [GREEDY, sampled])
+    lp = loop_llm.generate(PROMPTS[:2], logprobs)
+    assert loop_steps(loop_llm) == before
+    assert tokens([outs[0]]) == tokens(plain.generate(PROMPTS[:1], GREEDY))
+    assert tokens(lp) == tokens(plain.generate(PROMPTS[:2], logprobs))
+    check_all_blocks_free(loop_llm)
+
+
+def test_a_short_pool_ends_the_loop_and_preempts_as_usual(tiny_path):
+    prompts = prompts_of([40, 36, 44, 38], offset=5)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    small = dict(BASE, num_blocks=70)
+    plain = LLM(model=tiny_path, **small)
+    want = tokens(plain.generate(prompts, params))
+    llm = LLM(model=tiny_path, speculative_method="ngram", speculative_device_loop=True, **small, **SPEC)
+    use_replay(llm, want, prompts, 0.0)
+    assert tokens(llm.generate(prompts, params)) == want
+    assert loop_steps(llm) > 0 and llm.engine.scheduler.num_preemptions > 0
+    check_all_blocks_free(llm)
+
+
+def test_prefix_caching_with_the_loop(tiny_path, reference):
+    llm = LLM(model=tiny_path, speculative_method="ngram", speculative_device_loop=True,
+              enable_prefix_caching=True, **BASE, **SPEC)
+    use_replay(llm, reference, PROMPTS, 0.2)
+    for _ in range(2):  # the second round hits the blocks the first one cached
+        assert tokens(llm.generate(PROMPTS, GREEDY)) == reference
+    assert loop_steps(llm) > 0
+    check_all_blocks_free(llm)
+
+
+def test_the_loop_is_off_where_asked(tiny_path):
+    llm = LLM(model=tiny_path, speculative_method="ngram", speculative_device_loop=False, **BASE, **SPEC)
+    assert llm.engine.spec_loop is None
+    auto = LLM(model=tiny_path, speculative_method="ngram", **BASE, **SPEC)
+    assert auto.engine.spec_loop is None  # the CPU has no CUDA graphs: the host path by default
+
+
+def test_plain_greedy_requests(loop_llm):
+    engine = loop_llm.engine
+    req = engine.add_request("q", PROMPTS[0], GREEDY)
+    assert plain_greedy(req)
+    for i, params in enumerate([SamplingParams(temperature=0.5), SamplingParams(temperature=0, logprobs=1),
+                                SamplingParams(temperature=0, repetition_penalty=1.2),
+                                SamplingParams(temperature=0, n=2),
+                                SamplingParams(temperature=0, logit_bias={3: 1.0}),
+                                SamplingParams(temperature=0, min_tokens=5, max_tokens=10)]):
+        assert not plain_greedy(engine.add_request(f"q{i}", PROMPTS[0], params))
+    engine.abort_request(["q"] + [f"q{i}" for i in range(6)])
+    check_all_blocks_free(loop_llm)
