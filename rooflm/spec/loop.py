@@ -113,6 +113,14 @@ class SpecLoop:
     # ---- the device step -------------------------------------------------------------------
 
     def _prepare(self, b: int) -> None:
+        if self.device.type == "cuda":
+            from rooflm.kernels.spec_loop_step import prepare_step
+            prepare_step(self, b)
+        else:
+            self._prepare_torch(b)
+
+    def _prepare_torch(self, b: int) -> None:
+        """Step 2 in torch ops: the CPU path, and the reference of kernels/spec_loop_step.py."""
         w, k, bs = self.width, self.k, self.block_size
         lengths = self.lengths[:b]
         live = self.live[:b]
@@ -143,6 +151,14 @@ class SpecLoop:
             seq_lens_cpu=seq_lens_cpu)
 
     def _accept(self, b: int, logits: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            from rooflm.kernels.spec_loop_step import accept_step
+            accept_step(self, b, logits)
+        else:
+            self._accept_torch(b, logits)
+
+    def _accept_torch(self, b: int, logits: torch.Tensor) -> None:
+        """Step 4 in torch ops: the CPU path, and the reference of kernels/spec_loop_step.py."""
         w, k = self.width, self.k
         target = logits.view(b, w, -1).argmax(dim=-1)  # [B, W]
         drafts = self.drafts[:b]

@@ -9,10 +9,11 @@ from rooflm.kernels import small_m_linear as sml
 
 
 def test_shape_choice():
-    assert sml.prefers_tiles(4096, 14336)       # Llama-3-8B down
-    assert sml.prefers_tiles(128256, 4096)      # its LM head
-    assert not sml.prefers_tiles(4096, 4096)    # o: cuBLAS was faster
-    assert not sml.prefers_tiles(28672, 4096)   # gate_up: cuBLAS was faster
+    assert sml.prefers_tiles(4096, 4096) and sml.prefers_tiles(28672, 4096)  # by default every shape
+    assert sml.prefers_tiles(4096, 14336, deep_only=True)       # Llama-3-8B down
+    assert sml.prefers_tiles(128256, 4096, deep_only=True)      # its LM head
+    assert not sml.prefers_tiles(4096, 4096, deep_only=True)    # o: cuBLAS was faster alone
+    assert not sml.prefers_tiles(28672, 4096, deep_only=True)   # gate_up: cuBLAS was faster alone
 
 
 def test_cpu_and_quantized_layers_take_their_own_path():
