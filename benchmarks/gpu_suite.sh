@@ -10,7 +10,8 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee 
 
 python -m pytest -q -m gpu tests/models/test_gpu_e2e.py tests/unit/test_sampler.py tests/kernels/test_gemv.py \
   tests/kernels/test_engine_triton.py tests/kernels/test_deterministic.py tests/models/test_gpu_deterministic.py \
-  -p no:cacheprovider 2>&1 \
+  tests/models/test_gpu_spec.py tests/kernels/test_ngram_propose.py tests/kernels/test_spec_loop_step.py \
+  tests/kernels/test_small_m_linear.py -p no:cacheprovider 2>&1 \
   | tail -15 | tee "$OUT/pytest-gpu.txt"
 
 # Batch-1 decode: 128-token prompt, 256 new tokens (the gpt-fast comparison).

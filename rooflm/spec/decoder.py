@@ -5,7 +5,8 @@ Each step, around the scheduler:
      drafts it may verify next step: k, shortened by the batch policy below, by its remaining
      max_tokens and by the context length; 0 for sequences that do not speculate (a grammar,
      under min_tokens). The scheduler counts the slots as tokens to compute and allocates their
-     K/V. A step that verifies runs synchronously; plain steps keep async scheduling.
+     K/V. A step that verifies runs synchronously; plain steps keep async scheduling. (Greedy
+     batches can instead run spec/loop.py's device loop, which needs no host round trip.)
   2. propose (after scheduling): the proposer fills the slots; unused ones are given back
      (Scheduler.shrink_spec). The runner then verifies the drafts in the step's forward
      (spec/rejection.py) and the output processor appends the accepted ones and rolls the

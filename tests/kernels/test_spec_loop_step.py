@@ -20,8 +20,9 @@ def random_loop(device, seed, k=4, slots=16, max_model_len=96, block_size=16):
     loop = SpecLoop(runner, k, max_tokens=slots * (k + 1), max_seqs=slots, max_model_len=max_model_len)
     n = loop.max_batch
     loop.hist.copy_(torch.randint(0, 5, (n, max_model_len), generator=g, dtype=torch.int32))
-    loop.lengths.copy_(torch.randint(1, max_model_len - 2 * (k + 1), (n,), generator=g))
-    loop.limit.copy_(loop.lengths + torch.randint(0, 2 * k, (n,), generator=g))  # some at or near it
+    lengths = torch.randint(1, max_model_len - 2 * (k + 1), (n,), generator=g)
+    loop.lengths.copy_(lengths)
+    loop.limit.copy_(lengths + torch.randint(0, 2 * k, (n,), generator=g))  # some at or near it
     loop.active.copy_(torch.rand(n, generator=g) < 0.8)
     loop.drafts.copy_(torch.randint(0, 5, (n, k), generator=g))
     loop.num_drafts.copy_(torch.randint(0, k + 1, (n,), generator=g))
