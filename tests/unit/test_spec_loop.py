@@ -8,7 +8,8 @@ import pytest
 from rooflm import LLM, SamplingParams
 from rooflm.spec.loop import plain_greedy
 from rooflm.spec.replay import ReplayProposer
-from tests.unit.test_spec_decode import BASE, GREEDY, PROMPTS, SPEC, check_all_blocks_free, prompts_of, tokens
+from tests.unit.test_spec_decode import (BASE, GREEDY, PROMPTS, SPEC, check_all_blocks_free, plain,  # noqa: F401
+                                         prompts_of, reference, tiny_path, tokens)
 
 
 @pytest.fixture(scope="module")
@@ -16,25 +17,23 @@ def loop_llm(tiny_path):
     return LLM(model=tiny_path, speculative_method="ngram", speculative_device_loop=True, **BASE, **SPEC)
 
 
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    from tests.models.tiny_models import make_tiny_model
-    path, _ = make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", initializer_range=0.3)
-    return path
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_path):
-    return LLM(model=tiny_path, **BASE)
-
-
-@pytest.fixture(scope="module")
-def reference(plain):
-    return tokens(plain.generate(PROMPTS, GREEDY))
-
-
 def loop_steps(llm):
     return llm.engine.spec_loop.num_steps
+
+
+def run_with(engine, action):
+    """Step the engine to the end, doing `action` once, at the first step the loop is running;
+    returns the finished outputs by request id."""
+    done, acted = {}, False
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if not acted and engine.spec_loop.active_loop:
+            action()
+            acted = True
+    assert acted, "the loop never ran"
+    return done
 
 
 def use_replay(llm, ref, prompts, corrupt):
@@ -97,17 +96,9 @@ def test_a_new_request_ends_the_loop_and_joins(loop_llm, plain, reference):
     entries = engine.spec_loop.num_entries
     engine.add_request("a", PROMPTS[0], GREEDY)
     engine.add_request("b", PROMPTS[2], GREEDY)
-    done = {}
-    added = False
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        if not added and engine.spec_loop.active_loop:
-            engine.add_request("c", PROMPTS[1], GREEDY)
-            added = True
-    assert added and engine.spec_loop.num_entries - entries >= 2
-    assert [done["a"], done["b"], done["c"]] == [reference[0][0], reference[2][0], reference[1][0]]
+    done = run_with(engine, lambda: engine.add_request("c", PROMPTS[1], GREEDY))
+    assert engine.spec_loop.num_entries - entries >= 2
+    assert [done[r].outputs[0].token_ids for r in "abc"] == [reference[0][0], reference[2][0], reference[1][0]]
     check_all_blocks_free(loop_llm)
     use_ngram(loop_llm)
 
@@ -117,16 +108,8 @@ def test_abort_inside_the_loop(loop_llm, reference):
     engine = loop_llm.engine
     engine.add_request("x", PROMPTS[0], GREEDY)
     engine.add_request("y", PROMPTS[2], GREEDY)
-    done = {}
-    aborted = False
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        if not aborted and engine.spec_loop.active_loop:
-            engine.abort_request("x")
-            aborted = True
-    assert aborted and "x" not in done
+    done = run_with(engine, lambda: engine.abort_request("x"))
+    assert "x" not in done
     assert done["y"].outputs[0].token_ids == reference[2][0]
     check_all_blocks_free(loop_llm)
     use_ngram(loop_llm)
