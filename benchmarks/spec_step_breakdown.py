@@ -98,11 +98,12 @@ def main() -> int:
     if loop is not None:
         loop.active.zero_()  # empty slots: the same kernels, no K/V written, no history moved
         for size in args.batches:
-            if size in loop.graphs:
-                rows.append({"what": "loop graph replay", "batch": size, "width": args.k + 1,
-                             "ms": replay_ms(loop.graphs[size])})
-        if args.kernels and 1 in loop.graphs and (args.k + 1, 1) in runner.uniform_graphs.graphs:
-            kernel_table(loop.graphs[1], runner.uniform_graphs.graphs[(args.k + 1, 1)], args.out)
+            for sampled in (False, True):
+                if (size, sampled) in loop.graphs:
+                    rows.append({"what": "loop graph replay" + (", sampled" if sampled else ""), "batch": size,
+                                 "width": args.k + 1, "ms": replay_ms(loop.graphs[(size, sampled)])})
+        if args.kernels and (1, False) in loop.graphs and (args.k + 1, 1) in runner.uniform_graphs.graphs:
+            kernel_table(loop.graphs[(1, False)], runner.uniform_graphs.graphs[(args.k + 1, 1)], args.out)
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(0)
     plain = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)

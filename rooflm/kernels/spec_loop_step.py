@@ -13,9 +13,10 @@ prepare: live_b = active_b and length_b < limit_b; drafts beyond limit_b - lengt
   length_b - 1 + j, written to slot block_table[pos // block_size] * block_size + pos % block_size;
   seq_len_b = length_b + K. A slot that is not live computes W padding rows (id 0, positions
   0..W-1, slot -1: no K/V written) with seq_len W.
-accept (greedy, from target = argmax of each row's logits): a_b = the number of leading drafts
-  equal to the target of the row before them (within num_drafts); the emitted tokens are those
-  drafts and target[a_b]; a live slot appends its a_b + 1 tokens to its history and advances its
+accept (from target: each row's argmax, or for a sampled slot the draft where speculative
+  sampling accepts it and the token drawn there where it does not): a_b = the number of leading
+  drafts equal to the target of the row before them (within num_drafts); the emitted tokens are
+  those drafts and target[a_b]; a live slot appends its a_b + 1 tokens to its history and advances its
   length; the pack row is [emitted (W), count, drafts (K), num_drafts].
 
 Work
@@ -99,9 +100,9 @@ def prepare_step(state, b: int) -> None:
         K=k, W=w, W_PAD=next_power_of_2(w), BLOCK_SIZE=state.block_size, num_warps=1)
 
 
-def accept_step(state, b: int, logits: torch.Tensor) -> None:
-    """Accept slots [0, b)'s drafts from the step's logits [b * W, V] and advance the state."""
-    target = logits.view(b, state.width, -1).argmax(dim=-1)
+def accept_step(state, b: int, target: torch.Tensor) -> None:
+    """Accept slots [0, b)'s drafts against each row's target token [b, W] (the argmax, or for a
+    sampled slot its acceptance decision folded in: SpecLoop._targets) and advance the state."""
     w = state.width
     _accept_kernel[(b,)](
         target, state.hist, state.lengths, state.live, state.drafts, state.num_drafts, state.pack,

@@ -17,22 +17,27 @@ A step, for the B sequences in the loop's slots (K drafts, W = K + 1 rows each):
   2. prepare: slot b's W rows are its last token and its K drafts (missing drafts are computed
      and never accepted) at positions length - 1 .. length - 1 + K, slots from its block table;
   3. the verify forward and the LM head, every row;
-  4. accept (greedy): a draft stands while it is the argmax of the row before it; the accepted
-     drafts and the argmax after them are appended to the history, the length advances, and the
-     step's tokens, counts and drafts are packed for one copy to the host.
-On CUDA, 2-4 are one CUDA graph per batch size; the proposer runs just before it, outside,
+  4. accept: a greedy slot's draft stands while it is the argmax of the row before it; a sampled
+     slot's (temperature only) by speculative sampling, as spec/rejection.py does for point-mass
+     drafts: u < p(d), else a draw from p without d. The accepted drafts and the token after
+     them are appended to the history, the length advances, and the step's tokens, counts and
+     drafts are packed for one copy to the host.
+On CUDA, 2-4 are one CUDA graph per batch size (and a second one with the draws, for batches of at
+most MAX_SAMPLED_BATCH that sample); the proposer runs just before it, outside,
 because benchmarks swap proposers. The engine processes step t's tokens through its usual path
 (output processor, stop checks, spec statistics, step reports) while step t + 1 runs. Blocks are
 allocated two steps ahead (a step writes at most W more K/V), and the rollback after a verify
 step keeps them while a later step is in flight (Sequence.num_lookahead_tokens).
 
-When it runs (the engine asks each step): every running request decodes one greedy sequence
-with no logprobs, penalties, bias, grammar or pending min_tokens; nothing waits or is swapped
+When it runs (the engine asks each step): every running request decodes one sequence, greedy or
+by temperature alone (no seed, top-k, top-p, min-p), with no logprobs, penalties, bias, grammar or
+pending min_tokens (loop_sampling); nothing waits or is swapped
 out; the policy wants the full K; the step in flight cannot end any sequence at max_tokens (a
 slot stops exactly there on the device: drafts are cut to fit) and two steps fit the context;
 the proposer has a device form. Anything else (a new request, a finished or aborted sequence) ends the loop after
 the step in flight, and the engine goes on with its host path. Greedy tokens are the host
-path's: the same forward rows and the same argmax.
+path's (the same forward rows and the same argmax); sampled ones follow the same distribution
+(tests/unit/test_spec_loop.py's chi-square test).
 """
 
 from __future__ import annotations
@@ -51,17 +56,29 @@ from rooflm.spec.proposer import DeviceProposer
 logger = logging.getLogger(__name__)
 
 
-def plain_greedy(req: Request) -> bool:
-    """A request whose next tokens are argmaxes of the raw logits, one sequence, nothing read
-    per token on the host (logprobs, a grammar) and no logits processing."""
+# Sampled slots draw over [rows, vocab] fp32 tensors inside the graph: batches up to this many
+# sequences (a few hundred MB of the graph pool at 128k vocabularies beyond it).
+MAX_SAMPLED_BATCH = 16
+
+
+def loop_sampling(req: Request) -> Optional[str]:
+    """How the loop can take a request: "greedy" (argmaxes of the raw logits), "temperature"
+    (draws from softmax(logits / T): no top-k, top-p or min-p, no seed), or None: the host path
+    (n > 1, logprobs, a grammar, penalties, bias, a seed, pending min_tokens)."""
     p = req.params
-    if len(req.seqs) != 1 or p.n != 1 or not p.greedy or req.grammar is not None:
-        return False
+    if len(req.seqs) != 1 or p.n != 1 or req.grammar is not None:
+        return None
     if p.logprobs is not None or p.logit_bias or p.structured_outputs is not None:
-        return False
+        return None
     if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-        return False
-    return req.seqs[0].num_output_tokens >= p.min_tokens
+        return None
+    if req.seqs[0].num_output_tokens < p.min_tokens:
+        return None
+    if p.greedy:
+        return "greedy"
+    if p.seed is None and p.top_k in (0, -1) and p.top_p == 1.0 and p.min_p == 0.0:
+        return "temperature"
+    return None
 
 
 @dataclass
@@ -101,9 +118,11 @@ class SpecLoop:
         self.query_start = torch.arange(0, (b + 1) * w, w, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(b, self.max_blocks, dtype=torch.int32, device=dev)
         self.pack = torch.zeros(b, 2 * w + 1, dtype=torch.int64, device=dev)
+        self.inv_temp = torch.zeros(b, dtype=torch.float32, device=dev)  # 0: a greedy slot
         self.cols_w = torch.arange(w, device=dev)
         self.cols_k = torch.arange(k, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (batch, sampled)
+        self.sampled = False  # the slots' steps draw (some slot samples)
         self.slots: list[tuple[Request, Sequence]] = []
         self.size = 0  # the slots the steps run (a captured batch size >= len(slots))
         self.proposer: Optional[DeviceProposer] = None
@@ -150,17 +169,41 @@ class SpecLoop:
             max_seq_len=max_len, num_decodes=0, query_start_loc_cpu=list(range(0, (b + 1) * w, w)),
             seq_lens_cpu=seq_lens_cpu)
 
-    def _accept(self, b: int, logits: torch.Tensor) -> None:
+    def _targets(self, b: int, logits: torch.Tensor, sampled: bool) -> torch.Tensor:
+        """Each row's token to compare with its draft [B, W]: the argmax for greedy slots. For a
+        sampled slot (speculative sampling with point-mass drafts, spec/rejection.py): row j's
+        draft d_j where a uniform u_j < p_j(d_j) (accepted), else a draw from p_j without d_j
+        (the residual); rows past the drafts draw from p_j itself (the bonus token). The first
+        row that disagrees with its draft is then the first rejection, and its target is the
+        token emitted there: the accept step needs nothing else."""
+        w = self.width
+        rows = logits.view(b, w, -1)
+        target = rows.argmax(dim=-1)
+        if not sampled:
+            return target
+        inv_temp = self.inv_temp[:b]
+        probs = torch.softmax(rows * inv_temp[:, None, None], dim=-1)
+        drafts = torch.cat([self.drafts[:b], self.drafts.new_zeros(b, 1)], dim=1)
+        has = self.cols_w[None, :] < self.num_drafts[:b, None]
+        p_draft = probs.gather(2, drafts[..., None]).squeeze(2)
+        accepted = has & (torch.rand_like(p_draft) < p_draft)
+        probs.scatter_(2, drafts[..., None], torch.where(has, 0.0, p_draft)[..., None])  # the residual
+        noise = torch.empty_like(probs).exponential_().clamp_min_(torch.finfo(probs.dtype).tiny)
+        drawn = (probs / noise).argmax(dim=-1)  # sample_from_probs' race: an exact draw
+        return torch.where((inv_temp > 0)[:, None], torch.where(accepted, drafts, drawn), target)
+
+    def _accept(self, b: int, logits: torch.Tensor, sampled: bool = False) -> None:
+        target = self._targets(b, logits, sampled)
         if self.device.type == "cuda":
             from rooflm.kernels.spec_loop_step import accept_step
-            accept_step(self, b, logits)
+            accept_step(self, b, target)
         else:
-            self._accept_torch(b, logits)
+            self._accept_torch(b, target)
 
-    def _accept_torch(self, b: int, logits: torch.Tensor) -> None:
-        """Step 4 in torch ops: the CPU path, and the reference of kernels/spec_loop_step.py."""
+    def _accept_torch(self, b: int, target: torch.Tensor) -> None:
+        """Step 4 in torch ops, from _targets' [B, W]: the CPU path, and the reference of
+        kernels/spec_loop_step.py."""
         w, k = self.width, self.k
-        target = logits.view(b, w, -1).argmax(dim=-1)  # [B, W]
         drafts = self.drafts[:b]
         valid = self.cols_k[None, :] < self.num_drafts[:b, None]
         accepted = ((drafts == target[:, :k]) & valid).long().cumprod(dim=1).sum(dim=1)  # [B]
@@ -179,12 +222,12 @@ class SpecLoop:
         pack[:, w + 1:w + 1 + k] = drafts
         pack[:, -1] = self.num_drafts[:b]
 
-    def _body(self, b: int) -> None:
+    def _body(self, b: int, sampled: bool) -> None:
         self._prepare(b)
         model = self.runner.model
         hidden = model(self.input_ids[:b * self.width], self.positions[:b * self.width],
                        self.runner.kv_caches, self._meta(b))
-        self._accept(b, model.compute_logits(hidden))
+        self._accept(b, model.compute_logits(hidden), sampled)
 
     @torch.inference_mode()
     def capture(self, sizes: list[int], pool) -> None:
@@ -192,14 +235,15 @@ class SpecLoop:
         self.active.zero_()
         self.lengths.zero_()
         for size in sorted({s for s in sizes if s <= self.max_batch}, reverse=True):
-            for _ in range(2):  # warm-up: compile outside the capture
-                self._body(size)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._body(size)
-            pool = pool if pool is not None else graph.pool()
-            self.graphs[size] = graph
+            for sampled in (False, True) if size <= MAX_SAMPLED_BATCH else (False,):
+                for _ in range(2):  # warm-up: compile outside the capture
+                    self._body(size, sampled)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._body(size, sampled)
+                pool = pool if pool is not None else graph.pool()
+                self.graphs[(size, sampled)] = graph
         torch.cuda.synchronize()
 
     # ---- the host side ---------------------------------------------------------------------
@@ -208,24 +252,29 @@ class SpecLoop:
     def active_loop(self) -> bool:
         return bool(self.slots)
 
-    def _graph_size(self, batch: int) -> Optional[int]:
+    def _graph_size(self, batch: int, sampled: bool = False) -> Optional[int]:
+        if sampled and batch > MAX_SAMPLED_BATCH:
+            return None
         if self.device.type != "cuda":
             return batch
-        return min((s for s in self.graphs if s >= batch), default=None)
+        return min((s for s, with_draws in self.graphs if s >= batch and with_draws == sampled), default=None)
 
     def wants(self, scheduler: Scheduler, k: int, proposer) -> bool:
         """Whether the running batch could enter the loop (before the engine drains a step)."""
         running = scheduler.running
         if k != self.k or not running or scheduler.waiting or scheduler.swapped:
             return False
-        if len(running) > self.max_batch or self._graph_size(len(running)) is None:
+        if len(running) > self.max_batch:
             return False
         if not proposer.has_device_form:
             return False
         # The look-ahead of two steps a sequence must fit beside what the pool holds.
         if scheduler.bm.num_free_blocks < len(running) * (2 * self.width // self.block_size + 2):
             return False
-        return all(plain_greedy(req) and self._has_room(req, req.seqs[0]) for req in running)
+        modes = [loop_sampling(req) for req in running]
+        if None in modes or self._graph_size(len(running), "temperature" in modes) is None:
+            return False
+        return all(self._has_room(req, req.seqs[0]) for req in running)
 
     def _has_room(self, req: Request, seq: Sequence) -> bool:
         """Whether a step launched now is of use and fits: the step in flight (up to W tokens)
@@ -242,7 +291,13 @@ class SpecLoop:
         device_proposer = proposer.device_proposer()
         if device_proposer is None:
             return False
-        self.size = self._graph_size(len(seqs))
+        modes = [loop_sampling(req) for req, _ in seqs]
+        if None in modes:
+            return False
+        self.sampled = "temperature" in modes
+        self.size = self._graph_size(len(seqs), self.sampled)
+        if self.size is None:
+            return False
         device_proposer.begin(seqs, self.max_batch, self.device)
         self.proposer = device_proposer
         n = len(seqs)
@@ -253,6 +308,9 @@ class SpecLoop:
         lengths = torch.zeros(self.max_batch, dtype=torch.int64)
         lengths[:n] = torch.tensor([len(seq.token_ids) for _, seq in seqs])
         self.lengths.copy_(lengths)
+        inv_temp = torch.zeros(self.max_batch, dtype=torch.float32)
+        inv_temp[:n] = torch.tensor([0.0 if req.params.greedy else 1.0 / req.params.temperature for req, _ in seqs])
+        self.inv_temp.copy_(inv_temp)
         limit = torch.zeros(self.max_batch, dtype=torch.int64)
         limit[:n] = torch.tensor([min(req.num_prompt_tokens + req.max_tokens, self.max_model_len) for req, _ in seqs])
         self.limit.copy_(limit)
@@ -298,11 +356,11 @@ class SpecLoop:
         size = self.size
         self.num_steps += 1
         self.proposer.propose(self.hist, self.lengths, self.drafts, self.num_drafts, size)
-        graph = self.graphs.get(size)
+        graph = self.graphs.get((size, self.sampled))
         if graph is not None:
             graph.replay()
         else:
-            self._body(size)
+            self._body(size, self.sampled)
         out = SchedulerOutput(scheduled=[ScheduledSeq(req, seq, self.width, -1, True, num_spec_slots=self.k)
                                          for req, seq in self.slots])
         ready = None

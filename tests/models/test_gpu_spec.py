@@ -149,3 +149,29 @@ def test_device_loop_matches_the_host_path(tmp_path):
         diverged = next((i for i, (p, q) in enumerate(zip(ta, tb)) if p != q), None)
         if diverged is not None:
             assert ta[diverged] in b.outputs[0].logprobs[diverged], f"diverged at {diverged}"
+
+
+def test_device_loop_samples_beside_greedy_on_gpu(tmp_path):
+    """Temperature sampling in the loop's sampled graphs: the batch runs in the loop, the greedy
+    requests beside the sampled ones keep their tokens (deterministic mode), every block comes back."""
+    from rooflm.spec.replay import ReplayProposer
+    path, _ = make_tiny_model(tmp_path, "llama", initializer_range=0.3)
+    common = dict(device="cuda", dtype="bfloat16", block_size=16, num_blocks=256, deterministic=True)
+    plain = LLM(model=path, **common)
+    ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY_PLAIN)]
+    del plain
+    llm = LLM(model=path, speculative_method="ngram", speculative_max_batch_tokens=512, **common)
+    loop = llm.engine.spec_loop
+    assert any(sampled for _, sampled in loop.graphs)
+    llm.engine.spec.set_proposer(ReplayProposer({tuple(p): r for p, r in zip(PROMPTS, ref)}, 0.1, 256))
+    hot = SamplingParams(temperature=0.8, max_tokens=48, ignore_eos=True)
+    params = [GREEDY_PLAIN if i % 2 == 0 else hot for i in range(len(PROMPTS))]
+    outs = llm.generate(PROMPTS, params)
+    steps, free = loop.num_steps, llm.engine.snapshot().num_free_blocks
+    del llm
+    torch.cuda.empty_cache()
+    assert steps > 0 and free == 256
+    for i, o in enumerate(outs):
+        assert len(o.outputs[0].token_ids) == 48
+        if i % 2 == 0:
+            assert o.outputs[0].token_ids == ref[i]

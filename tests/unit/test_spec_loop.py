@@ -6,7 +6,7 @@ pool, and every block free at the end. Tiny random models, as test_spec_decode.p
 import pytest
 
 from rooflm import LLM, SamplingParams
-from rooflm.spec.loop import plain_greedy
+from rooflm.spec.loop import loop_sampling
 from rooflm.spec.replay import ReplayProposer
 from tests.unit.test_spec_decode import (BASE, GREEDY, PROMPTS, SPEC, check_all_blocks_free, plain,  # noqa: F401
                                          prompts_of, reference, tiny_path, tokens)
@@ -115,8 +115,9 @@ def test_abort_inside_the_loop(loop_llm, reference):
     use_ngram(loop_llm)
 
 
-def test_sampled_requests_stay_on_the_host_path(loop_llm, plain):
-    """A request that samples (or wants logprobs) keeps the whole batch out of the loop."""
+def test_seeded_and_logprob_requests_stay_on_the_host_path(loop_llm, plain):
+    """A seeded request (its own generator) or one that wants logprobs keeps the whole batch out
+    of the loop."""
     sampled = SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True, seed=5)  # outlives GREEDY
     logprobs = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
     before = loop_steps(loop_llm)
@@ -158,15 +159,62 @@ def test_the_loop_is_off_where_asked(tiny_path):
     assert auto.engine.spec_loop is None  # the CPU has no CUDA graphs: the host path by default
 
 
-def test_plain_greedy_requests(loop_llm):
+def test_which_requests_the_loop_takes(loop_llm):
     engine = loop_llm.engine
-    req = engine.add_request("q", PROMPTS[0], GREEDY)
-    assert plain_greedy(req)
-    for i, params in enumerate([SamplingParams(temperature=0.5), SamplingParams(temperature=0, logprobs=1),
-                                SamplingParams(temperature=0, repetition_penalty=1.2),
-                                SamplingParams(temperature=0, n=2),
-                                SamplingParams(temperature=0, logit_bias={3: 1.0}),
-                                SamplingParams(temperature=0, min_tokens=5, max_tokens=10)]):
-        assert not plain_greedy(engine.add_request(f"q{i}", PROMPTS[0], params))
-    engine.abort_request(["q"] + [f"q{i}" for i in range(6)])
+    cases = [(GREEDY, "greedy"), (SamplingParams(temperature=0.5), "temperature"),
+             (SamplingParams(temperature=0.5, top_k=1), "greedy"),
+             (SamplingParams(temperature=0.5, top_p=0.9), None), (SamplingParams(temperature=0.5, seed=3), None),
+             (SamplingParams(temperature=0, logprobs=1), None), (SamplingParams(temperature=0, repetition_penalty=1.2), None),
+             (SamplingParams(temperature=0, n=2), None), (SamplingParams(temperature=0, logit_bias={3: 1.0}), None),
+             (SamplingParams(temperature=0, min_tokens=5, max_tokens=10), None)]
+    for i, (params, mode) in enumerate(cases):
+        assert loop_sampling(engine.add_request(f"q{i}", PROMPTS[0], params)) == mode, params
+    engine.abort_request([f"q{i}" for i in range(len(cases))])
     check_all_blocks_free(loop_llm)
+
+
+def test_sampled_requests_run_in_the_loop(loop_llm, reference):
+    """Temperature sampling (no seed) runs in the loop beside greedy requests; the greedy ones
+    keep plain decoding's tokens."""
+    use_replay(loop_llm, reference, PROMPTS, 0.0)
+    before = loop_steps(loop_llm)
+    hot = SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True)
+    outs = loop_llm.generate(PROMPTS[:3], [GREEDY, hot, GREEDY])
+    assert loop_steps(loop_llm) > before and loop_llm.engine.spec_loop.num_entries > 0
+    assert tokens([outs[0], outs[2]]) == [reference[0], reference[2]]
+    assert all(len(o.outputs[0].token_ids) == 30 for o in outs)
+    check_all_blocks_free(loop_llm)
+    use_ngram(loop_llm)
+
+
+def test_loop_sampling_keeps_the_target_distribution():
+    """Many slots verify the same rows against fixed point-mass drafts, as in
+    test_spec_rejection.py: the first emitted token follows p_0, the second (where draft 0 was
+    accepted) p_1. Drawing a rejected row from p_j instead of its residual fails it."""
+    import types
+
+    import torch
+
+    from rooflm.spec.loop import SpecLoop
+    from tests.unit.test_spec_rejection import CHI2_CRIT_7, DRAWS, V, chi_square
+
+    torch.manual_seed(2)
+    k, temperature = 2, 0.7
+    loop = SpecLoop(types.SimpleNamespace(block_size=4, device=torch.device("cpu")), k,
+                    max_tokens=DRAWS * (k + 1), max_seqs=DRAWS, max_model_len=8)
+    rows = torch.randn(k + 1, V) * 1.5
+    p = torch.softmax(rows / temperature, dim=-1)
+    guess = torch.tensor([int(p[0].argsort(descending=True)[1]), 0])  # the second most likely, then 0
+    loop.drafts.copy_(guess.repeat(DRAWS, 1))
+    loop.num_drafts.fill_(k)
+    loop.lengths.fill_(2)
+    loop.limit.fill_(8)
+    loop.active.fill_(True)
+    loop.inv_temp.fill_(1.0 / temperature)
+    loop._prepare_torch(DRAWS)
+    loop._accept(DRAWS, rows.repeat(DRAWS, 1), sampled=True)
+    count, emitted = loop.pack[:, k + 1], loop.pack[:, :k + 1]
+    assert 1 < count.float().mean() < k + 1  # both accepting and rejecting happened
+    assert chi_square(emitted[:, 0], p[0]) < CHI2_CRIT_7
+    second = emitted[count >= 2, 1]
+    assert second.numel() > 2000 and chi_square(second, p[1]) < CHI2_CRIT_7
