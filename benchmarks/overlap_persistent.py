@@ -87,6 +87,32 @@ def _persistent_copy_kernel(dst_ptr, src_ptr, n_chunks, CHUNK: tl.constexpr):
         tl.store(dst_ptr + base + offs, tl.load(src_ptr + base + offs))
 
 
+@triton.jit
+def _persistent_read_kernel(out_ptr, src_ptr, n_chunks, CHUNK: tl.constexpr):
+    """Reads only (a sum per program, one store at the end): what attention's K/V reads need."""
+    offs = tl.arange(0, CHUNK)
+    acc = tl.zeros([CHUNK], dtype=tl.int32)
+    for c in range(tl.program_id(0), n_chunks, tl.num_programs(0)):
+        acc += tl.load(src_ptr + c * CHUNK + offs)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, 0))
+
+
+def read_rates(programs=(8, 16, 32, 66, 132), warps=(8, 16)) -> list[dict]:
+    src = torch.ones(1 << 29, dtype=torch.int32, device="cuda")  # 2 GiB
+    out = torch.empty(max(programs), dtype=torch.int32, device="cuda")
+    chunk = 8192
+    rows = []
+    for w in warps:
+        for p in programs:
+            fn = lambda: _persistent_read_kernel[(p,)](out, src, src.numel() // chunk, CHUNK=chunk, num_warps=w)  # noqa: E731
+            fn()
+            torch.cuda.synchronize()
+            ms = timed(fn)
+            gbps = src.numel() * 4 / ms / 1e6
+            rows.append({"programs": p, "warps": w, "read_GBps": gbps, "read_GBps_per_program": gbps / p})
+    return rows
+
+
 def copy_rates(programs=(8, 16, 32, 66, 132, 264), warps=(4, 8, 16)) -> list[dict]:
     """What P programs of a plain streaming copy pull from HBM: the most a kernel held to P SMs can
     read, if it does nothing else (bytes read + written, GB/s)."""
@@ -205,20 +231,24 @@ class _null:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
-    ap.add_argument("--copy-only", action="store_true", help="only the streaming copy on P programs")
+    ap.add_argument("--copy-only", action="store_true", help="only the streaming copy and read on P programs")
     args = ap.parse_args()
     copy_gbps, mm_tflops = ceilings()
     copies = copy_rates()
     print("| copy: programs | warps | GB/s | per program |")
     for c in copies:
         print(f"| {c['programs']} | {c['warps']} | {c['GBps']:.0f} | {c['GBps_per_program']:.1f} |")
+    reads = read_rates()
+    print("| read: programs | warps | GB/s read | per program |")
+    for c in reads:
+        print(f"| {c['programs']} | {c['warps']} | {c['read_GBps']:.0f} | {c['read_GBps_per_program']:.1f} |")
     if args.copy_only:
         return
     cases = [("mixed 1536 tok + 512 seqs x 330", 1536, 512, 330), ("mixed 2048 tok + 200 seqs x 1500", 2048, 200, 1500),
              ("decode 256 seqs x 1024", 256, 256, 1024)]
     rows = [run_case(n, t, s, c, copy_gbps, mm_tflops) for n, t, s, c in cases]
     result = {"gpu": torch.cuda.get_device_name(), "copy_GBps": copy_gbps, "matmul_TFLOPs": mm_tflops,
-              "persistent_copy": copies,
+              "persistent_copy": copies, "persistent_read": reads,
               "commit": os.environ.get("ROOFLM_COMMIT", "unknown"), "rows": rows}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
