@@ -144,12 +144,13 @@ def attention_sets(num_seqs: int, ctx: int, seed: int):
     plan = plan_decode_attention(q, k, v, meta)
     scale = HEAD_DIM ** -0.5
 
-    def persistent(programs: int):
+    def persistent(programs: int, config=(4, 64, 4)):
+        warps, block_n, stages = config
         _persistent_decode_kernel[(programs,)](
             out_p, q, k, v, meta.block_tables, meta.seq_lens, scale * LOG2E, num_seqs * KV_HEADS,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), meta.block_tables.stride(0),
             NUM_KV=KV_HEADS, GROUP=HEADS // KV_HEADS, ROWS=16, HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE,
-            BLOCK_N=64, DOT_PRECISION=dot_precision(DTYPE), num_warps=4, num_stages=4)
+            BLOCK_N=block_n, DOT_PRECISION=dot_precision(DTYPE), num_warps=warps, num_stages=stages)
 
     def check() -> float:
         persistent(16)
@@ -161,9 +162,14 @@ def attention_sets(num_seqs: int, ctx: int, seed: int):
 
 PROGRAMS = (8, 16, 32, 66, 132)
 CARVEOUTS = (0, 8, 16, 32)
+# Wider programs (warps, BLOCK_N, stages) on a budget of P SMs, each paired with the GEMMs with P
+# SMs carved out (--wide): a 16-warp read-only stream reads ~4x what a 4-warp attention program does.
+WIDE_CONFIGS = ((4, 64, 4), (8, 64, 4), (8, 128, 3), (16, 64, 4), (16, 128, 3))
+WIDE_PROGRAMS = (12, 16, 24, 32)
 
 
-def run_case(name: str, tokens: int, num_seqs: int, ctx: int, copy_gbps: float, mm_tflops: float) -> dict:
+def run_case(name: str, tokens: int, num_seqs: int, ctx: int, copy_gbps: float, mm_tflops: float,
+             wide: bool = False) -> dict:
     weights = layer_weights(LAYERS)
     buf = gemm_buffers(tokens)
     sets = [attention_sets(num_seqs, ctx, i) for i in range(LAYERS)]
@@ -205,6 +211,27 @@ def run_case(name: str, tokens: int, num_seqs: int, ctx: int, copy_gbps: float, 
     measure("G", g)
     measure("A", a)
     measure("serial", lambda: (g(), a()))
+    if wide:
+        for cfg in WIDE_CONFIGS:
+            tag = "w%d_n%d_s%d" % cfg
+            for p in WIDE_PROGRAMS:
+                measure(f"A_p{p}_{tag}", lambda p=p, cfg=cfg: [pers(p, cfg) for _, pers, _ in sets])
+
+                def paired(p=p, cfg=cfg):
+                    s1.wait_stream(main)
+                    s2.wait_stream(main)
+                    for w, (_, pers, _) in zip(weights, sets):
+                        with torch.cuda.stream(s1):
+                            pers(p, cfg)
+                        with torch.cuda.stream(s2):
+                            gemms(buf["x"], w, buf)
+                    main.wait_stream(s1)
+                    main.wait_stream(s2)
+                with sm_carveout(p):
+                    measure(f"G_c{p}", g)
+                    measure(f"pair_p{p}_c{p}_{tag}", paired)
+        return {"case": name, "tokens": tokens, "num_seqs": num_seqs, "ctx": ctx, "persistent_rel_error": error,
+                "us_per_layer": us}
     for p in PROGRAMS:
         measure(f"A_p{p}", a_p(p))
     for k in CARVEOUTS:
@@ -232,13 +259,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--copy-only", action="store_true", help="only the streaming copy and read on P programs")
+    ap.add_argument("--wide", action="store_true",
+                    help="wider attention programs (WIDE_CONFIGS) on 12-32 SMs, each beside the GEMMs")
     args = ap.parse_args()
     copy_gbps, mm_tflops = ceilings()
-    copies = copy_rates()
+    copies = [] if args.wide else copy_rates()
     print("| copy: programs | warps | GB/s | per program |")
     for c in copies:
         print(f"| {c['programs']} | {c['warps']} | {c['GBps']:.0f} | {c['GBps_per_program']:.1f} |")
-    reads = read_rates()
+    reads = [] if args.wide else read_rates()
     print("| read: programs | warps | GB/s read | per program |")
     for c in reads:
         print(f"| {c['programs']} | {c['warps']} | {c['read_GBps']:.0f} | {c['read_GBps_per_program']:.1f} |")
@@ -246,6 +275,23 @@ def main() -> None:
         return
     cases = [("mixed 1536 tok + 512 seqs x 330", 1536, 512, 330), ("mixed 2048 tok + 200 seqs x 1500", 2048, 200, 1500),
              ("decode 256 seqs x 1024", 256, 256, 1024)]
+    if args.wide:
+        rows = [run_case(n, t, s, c, copy_gbps, mm_tflops, wide=True) for n, t, s, c in cases[:2]]
+        for r in rows:
+            u = r["us_per_layer"]
+            print(f"\n## {r['case']}: G {u['G']:.0f}, A {u['A']:.0f}, serial {u['serial']:.0f}")
+            print("| warps, BLOCK_N, stages | " + " | ".join(f"A on {p} / pair c{p}" for p in WIDE_PROGRAMS) + " |")
+            for cfg in WIDE_CONFIGS:
+                tag = "w%d_n%d_s%d" % cfg
+                print(f"| {cfg} | " + " | ".join(f"{u[f'A_p{p}_{tag}']:.0f} / {u[f'pair_p{p}_c{p}_{tag}']:.0f}"
+                                                 for p in WIDE_PROGRAMS) + " |")
+            print("| G with P carved out | " + " | ".join(f"{u[f'G_c{p}']:.0f}" for p in WIDE_PROGRAMS) + " |")
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "overlap_persistent_wide.json"), "w") as f:
+                json.dump({"gpu": torch.cuda.get_device_name(), "commit": os.environ.get("ROOFLM_COMMIT", "unknown"),
+                           "rows": rows}, f, indent=1)
+        return
     rows = [run_case(n, t, s, c, copy_gbps, mm_tflops) for n, t, s, c in cases]
     result = {"gpu": torch.cuda.get_device_name(), "copy_GBps": copy_gbps, "matmul_TFLOPs": mm_tflops,
               "persistent_copy": copies, "persistent_read": reads,
