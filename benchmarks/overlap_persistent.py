@@ -97,38 +97,30 @@ def _persistent_read_kernel(out_ptr, src_ptr, n_chunks, CHUNK: tl.constexpr):
     tl.store(out_ptr + tl.program_id(0), tl.sum(acc, 0))
 
 
-def read_rates(programs=(8, 16, 32, 66, 132), warps=(8, 16)) -> list[dict]:
-    src = torch.ones(1 << 29, dtype=torch.int32, device="cuda")  # 2 GiB
-    out = torch.empty(max(programs), dtype=torch.int32, device="cuda")
-    chunk = 8192
-    rows = []
-    for w in warps:
-        for p in programs:
-            fn = lambda: _persistent_read_kernel[(p,)](out, src, src.numel() // chunk, CHUNK=chunk, num_warps=w)  # noqa: E731
-            fn()
-            torch.cuda.synchronize()
-            ms = timed(fn)
-            gbps = src.numel() * 4 / ms / 1e6
-            rows.append({"programs": p, "warps": w, "read_GBps": gbps, "read_GBps_per_program": gbps / p})
-    return rows
-
-
-def copy_rates(programs=(8, 16, 32, 66, 132, 264), warps=(4, 8, 16)) -> list[dict]:
-    """What P programs of a plain streaming copy pull from HBM: the most a kernel held to P SMs can
-    read, if it does nothing else (bytes read + written, GB/s)."""
-    src = torch.empty(1 << 29, dtype=torch.int32, device="cuda")  # 2 GiB
+def stream_rates(kernel, bytes_per_element: int, programs, warps) -> list[dict]:
+    """GB/s of a streaming kernel over a 2 GiB int32 buffer on P programs of each warp count."""
+    src = torch.ones(1 << 29, dtype=torch.int32, device="cuda")
     dst = torch.empty_like(src)
     chunk = 8192
     rows = []
     for w in warps:
         for p in programs:
-            fn = lambda: _persistent_copy_kernel[(p,)](dst, src, src.numel() // chunk, CHUNK=chunk, num_warps=w)  # noqa: E731
+            fn = lambda: kernel[(p,)](dst, src, src.numel() // chunk, CHUNK=chunk, num_warps=w)  # noqa: E731
             fn()
             torch.cuda.synchronize()
-            ms = timed(fn)
-            gbps = 2 * src.numel() * 4 / ms / 1e6
+            gbps = bytes_per_element * src.numel() / timed(fn) / 1e6
             rows.append({"programs": p, "warps": w, "GBps": gbps, "GBps_per_program": gbps / p})
     return rows
+
+
+def read_rates(programs=(8, 16, 32, 66, 132), warps=(8, 16)) -> list[dict]:
+    """Reads only (bytes read, GB/s): what attention's K/V reads can get from P SMs."""
+    return stream_rates(_persistent_read_kernel, 4, programs, warps)
+
+
+def copy_rates(programs=(8, 16, 32, 66, 132, 264), warps=(4, 8, 16)) -> list[dict]:
+    """What P programs of a plain streaming copy pull from HBM (bytes read + written, GB/s)."""
+    return stream_rates(_persistent_copy_kernel, 8, programs, warps)
 
 
 def attention_sets(num_seqs: int, ctx: int, seed: int):
@@ -270,7 +262,7 @@ def main() -> None:
     reads = [] if args.wide else read_rates()
     print("| read: programs | warps | GB/s read | per program |")
     for c in reads:
-        print(f"| {c['programs']} | {c['warps']} | {c['read_GBps']:.0f} | {c['read_GBps_per_program']:.1f} |")
+        print(f"| {c['programs']} | {c['warps']} | {c['GBps']:.0f} | {c['GBps_per_program']:.1f} |")
     if args.copy_only:
         return
     cases = [("mixed 1536 tok + 512 seqs x 330", 1536, 512, 330), ("mixed 2048 tok + 200 seqs x 1500", 2048, 200, 1500),

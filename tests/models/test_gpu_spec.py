@@ -102,16 +102,21 @@ def test_verify_steps_replay_the_uniform_graphs(tmp_path):
 GREEDY_PLAIN = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)  # no logprobs: the loop's
 
 
-def test_device_loop_is_exact_in_deterministic_mode(tmp_path):
-    """The device loop (spec/loop.py, CUDA graphs) with n-gram drafts and with replayed ones
-    (most accepted): tokens identical to plain decoding under --deterministic."""
-    from rooflm.spec.replay import ReplayProposer
+def plain_reference_and_loop_engine(tmp_path):
+    """A tiny model's deterministic plain greedy tokens, and an n-gram engine with the device loop."""
     path, _ = make_tiny_model(tmp_path, "llama", initializer_range=0.3)
     common = dict(device="cuda", dtype="bfloat16", block_size=16, num_blocks=256, deterministic=True)
     plain = LLM(model=path, **common)
     ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY_PLAIN)]
     del plain
-    llm = LLM(model=path, speculative_method="ngram", speculative_max_batch_tokens=512, **common)
+    return ref, LLM(model=path, speculative_method="ngram", speculative_max_batch_tokens=512, **common)
+
+
+def test_device_loop_is_exact_in_deterministic_mode(tmp_path):
+    """The device loop (spec/loop.py, CUDA graphs) with n-gram drafts and with replayed ones
+    (most accepted): tokens identical to plain decoding under --deterministic."""
+    from rooflm.spec.replay import ReplayProposer
+    ref, llm = plain_reference_and_loop_engine(tmp_path)
     loop = llm.engine.spec_loop
     assert loop is not None and loop.graphs
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY_PLAIN)] == ref
@@ -155,12 +160,7 @@ def test_device_loop_samples_beside_greedy_on_gpu(tmp_path):
     """Temperature sampling in the loop's sampled graphs: the batch runs in the loop, the greedy
     requests beside the sampled ones keep their tokens (deterministic mode), every block comes back."""
     from rooflm.spec.replay import ReplayProposer
-    path, _ = make_tiny_model(tmp_path, "llama", initializer_range=0.3)
-    common = dict(device="cuda", dtype="bfloat16", block_size=16, num_blocks=256, deterministic=True)
-    plain = LLM(model=path, **common)
-    ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY_PLAIN)]
-    del plain
-    llm = LLM(model=path, speculative_method="ngram", speculative_max_batch_tokens=512, **common)
+    ref, llm = plain_reference_and_loop_engine(tmp_path)
     loop = llm.engine.spec_loop
     assert any(sampled for _, sampled in loop.graphs)
     llm.engine.spec.set_proposer(ReplayProposer({tuple(p): r for p, r in zip(PROMPTS, ref)}, 0.1, 256))
