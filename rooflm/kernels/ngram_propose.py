@@ -26,8 +26,9 @@ Work
 ----
 No FLOPs to speak of: at most (N_MAX - N_MIN + 1) scans of length tokens, each re-reading the
 tile n times from L1; a match near the end stops a scan after one tile. One launch per step. A
-history with no match at all costs a full scan per n by one program per sequence, so the cost
-grows with the context (measured only on short ones: the H100 results use 128 + 256 tokens).
+history with no match at all costs a full scan per n by one program per sequence. H100
+(benchmarks/ngram_scan.py, 2026-11-26): ~6 us with repeats at any length; with none, 7 us at 1k
+tokens, 44 us at 16k, 456 us at 128k (7% of a batch-1 verify step; batch 16 the same).
 
 Reference: ngram_propose_ref (the same scan in numpy); tests/kernels/test_ngram_propose.py.
 """
