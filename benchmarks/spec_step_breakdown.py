@@ -85,7 +85,8 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     max_batch = max(args.batches)
     llm = LLM(model=args.model, load_format="dummy", max_model_len=512, max_num_seqs=max_batch,
-              cuda_graph_max_batch=max_batch, speculative_method="ngram", num_speculative_tokens=args.k)
+              cuda_graph_max_batch=max_batch, speculative_method="ngram", num_speculative_tokens=args.k,
+              speculative_policy="budget")  # every step verifies: the rows time verify steps
     runner = llm.engine.runner
     rows = []
     for (width, size), graph in sorted(runner.uniform_graphs.graphs.items()):
