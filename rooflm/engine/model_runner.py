@@ -791,6 +791,11 @@ class ModelRunner:
                             prompt_logprob_spans=[], pending_positions=[])
         return self._forward(inputs, StepResult({}, {}, {}), fixup, self._pick_graph(inputs, fixup))
 
+    def logits_of(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The model's forward and LM head over device tensors, every row: a caller that builds
+        its own inputs on the device and may capture the call in a CUDA graph (spec/loop.py)."""
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))
+
     def _pick_graph(self, inputs: StepInputs, fixup=None) -> Optional[tuple[int, int]]:
         """The whole-step CUDA graph that runs this step, as (tokens per sequence, graph batch),
         or None. Width 1: plain decode steps of a captured batch size or less. Wider: steps of

@@ -168,6 +168,16 @@ class Scheduler:
         seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_known_tokens - 1)
         self.bm.trim(seq.block_table, seq.num_computed_tokens + seq.num_lookahead_tokens)
 
+    def grow_ahead(self, seq: Sequence, num_tokens: int, copies: list[tuple[int, int]]) -> bool:
+        """Blocks for a running sequence's first num_tokens tokens, ahead of scheduling (the
+        device loop, spec/loop.py, writes K/V steps before the host counts them); copy-on-write
+        copies go to `copies`. False, changing nothing, when the pool is short."""
+        return self.bm.allocate(seq.block_table, seq.num_computed_tokens, num_tokens, copies)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.bm.num_free_blocks
+
     # ---- the step ---------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

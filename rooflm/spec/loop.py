@@ -224,10 +224,9 @@ class SpecLoop:
 
     def _body(self, b: int, sampled: bool) -> None:
         self._prepare(b)
-        model = self.runner.model
-        hidden = model(self.input_ids[:b * self.width], self.positions[:b * self.width],
-                       self.runner.kv_caches, self._meta(b))
-        self._accept(b, model.compute_logits(hidden), sampled)
+        logits = self.runner.logits_of(self.input_ids[:b * self.width], self.positions[:b * self.width],
+                                       self._meta(b))
+        self._accept(b, logits, sampled)
 
     @torch.inference_mode()
     def capture(self, sizes: list[int], pool) -> None:
@@ -266,10 +265,10 @@ class SpecLoop:
             return False
         if len(running) > self.max_batch:
             return False
-        if not proposer.has_device_form:
+        if proposer.device_proposer() is None:
             return False
         # The look-ahead of two steps a sequence must fit beside what the pool holds.
-        if scheduler.bm.num_free_blocks < len(running) * (2 * self.width // self.block_size + 2):
+        if scheduler.num_free_blocks < len(running) * (2 * self.width // self.block_size + 2):
             return False
         modes = [loop_sampling(req) for req in running]
         if None in modes or self._graph_size(len(running), "temperature" in modes) is None:
@@ -330,11 +329,10 @@ class SpecLoop:
 
     def _grow_tables(self, scheduler: Scheduler, keep: list) -> bool:
         """Blocks for two more steps of every slot, and their device rows where tables changed."""
-        bm = scheduler.bm
         copies: list[tuple[int, int]] = []
         for b, (_, seq) in enumerate(self.slots):
             table = seq.block_table
-            if not bm.allocate(table, seq.num_computed_tokens, seq.num_tokens + 2 * self.width, copies):
+            if not scheduler.grow_ahead(seq, seq.num_tokens + 2 * self.width, copies):
                 return False
             if table.version != self._versions[b]:
                 row = torch.tensor(table.ids, dtype=torch.int32)

@@ -78,7 +78,6 @@ class NgramIndex:
 
 class NgramProposer(Proposer):
     name = "ngram"
-    has_device_form = True
 
     def __init__(self, n_max: int, n_min: int):
         self.n_max = n_max

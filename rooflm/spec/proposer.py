@@ -39,7 +39,6 @@ class Proposer:
     """Base class: a proposer without its own KV cache."""
 
     name = "proposer"
-    has_device_form = False  # device_proposer() gives one (the device loop can run it)
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of this proposer's KV pool per block of the target's (0: it keeps none)."""

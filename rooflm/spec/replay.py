@@ -26,7 +26,6 @@ def _unit(key: int, position: int) -> float:
 
 class ReplayProposer(Proposer):
     name = "replay"
-    has_device_form = True
 
     def __init__(self, continuations: dict[tuple[int, ...], list[int]], corrupt: float,
                  vocab_size: int, seed: int = 0):
