@@ -147,7 +147,8 @@ class CacheConfig:
     On CPU, cpu_kv_cache_gb bounds it.
     """
 
-    # None: 64 on CUDA, 16 on the CPU. 64 lets the prefill kernel load whole key tiles through
+    # None: 64 on CUDA (128 where prefill runs through FlashAttention-4, RuntimeConfig.prefill_attention),
+    # 16 on the CPU. 64 lets the prefill kernel load whole key tiles through
     # TMA (a 64-key tile inside one block): on the H100, causal prefill 299 -> 427 TFLOP/s at
     # S = 2048 and a 16k prompt's TTFT 566 -> 502 ms, with decode, ShareGPT-like throughput and
     # memory unchanged (benchmarks/results/attention-hopper-h100-20261126/). The price: prefix
@@ -197,6 +198,9 @@ class SchedulerConfig:
                 f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
 
 
+PREFILL_ATTENTION_CHOICES = ("auto", "triton", "fa4")
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     """GPU runtime switches (issue: CUDA graphs, overlap)."""
@@ -216,6 +220,10 @@ class RuntimeConfig:
     # SiLU-mul and residual adds fused in (rooflm/kernels/gemv.py); False: cuBLAS + separate kernels.
     decode_gemv: bool = True
     attention_backend: str = "auto"  # auto (triton on CUDA, torch reference on CPU) | triton | reference
+    # Prefill chunks under the triton backend: auto (FlashAttention-4's SM90 kernel on compute
+    # capability 9.x when the flash-attn-4 package is installed, else the Triton kernel) | triton | fa4
+    # (kernels/fa4_prefill.py). With FA4 the CUDA default block size is 128 (one TMA load a tile).
+    prefill_attention: str = "auto"
     # Freeze the start-up heap and collect young objects every 50,000 allocations instead of 700
     # (process-wide; engine/host_gc.py): the collector took about half the host time per sequence.
     tune_gc: bool = True
@@ -223,6 +231,13 @@ class RuntimeConfig:
     # on what else is in the batch, the step's size, chunking, preemption, prefix hits or graphs.
     # Costs speed (README "Deterministic inference"); turns decode_gemv off.
     deterministic: bool = False
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ("auto", "triton", "reference"):
+            raise ValueError(f"attention_backend must be auto, triton or reference; got {self.attention_backend!r}")
+        if self.prefill_attention not in PREFILL_ATTENTION_CHOICES:
+            raise ValueError(f"prefill_attention must be one of {', '.join(PREFILL_ATTENTION_CHOICES)}; "
+                             f"got {self.prefill_attention!r}")
 
 
 @dataclass(frozen=True)
@@ -303,13 +318,15 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
-def with_device_defaults(cfg: EngineConfig, device_type: str) -> EngineConfig:
-    """The config with the defaults that depend on the device filled in (None fields)."""
+def with_device_defaults(cfg: EngineConfig, device_type: str, cuda_block_size: int = CUDA_BLOCK_SIZE) -> EngineConfig:
+    """The config with the defaults that depend on the device filled in (None fields).
+    cuda_block_size: the block size a CUDA device gets when none is set (128 where prefill
+    runs through FlashAttention-4: kernels/fa4_prefill.py)."""
     from dataclasses import replace
 
     sched, runtime, spec, cache = cfg.scheduler, cfg.runtime, cfg.speculative, cfg.cache
     if cache.block_size is None:
-        cache = replace(cache, block_size=CUDA_BLOCK_SIZE if device_type == "cuda" else CPU_BLOCK_SIZE)
+        cache = replace(cache, block_size=cuda_block_size if device_type == "cuda" else CPU_BLOCK_SIZE)
     if sched.max_num_seqs is None:
         sched = replace(sched, max_num_seqs=512 if device_type == "cuda" else 256)
     if runtime.cuda_graph_max_batch is None:

@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Optional, Union
 
 import torch
 
-from rooflm.config import EngineConfig, with_device_defaults
+from rooflm.config import CUDA_BLOCK_SIZE, EngineConfig, with_device_defaults
 from rooflm.distributed.group import SINGLE
 from rooflm.engine.block_manager import BlockManager
 from rooflm.engine.host_gc import tune_gc_for_serving
@@ -27,6 +27,7 @@ from rooflm.engine.report import (NULL_TRACER, BatchShape, EngineInfo, EngineSna
                                   SpecSnapshot, StepReport, StepTimings, batch_shape)
 from rooflm.engine.request import Request, RequestStatus, Sequence
 from rooflm.engine.scheduler import Scheduler, SchedulerOutput
+from rooflm.kernels.fa4_prefill import fa4_block_size
 from rooflm.errors import InvalidRequest
 from rooflm.sampling_params import SamplingParams, resolve_max_tokens
 
@@ -57,7 +58,8 @@ class LLMEngine:
         from rooflm.model.loader import load_model_config, resolve_model
 
         t0 = time.perf_counter()
-        config = with_device_defaults(config, resolve_device(config.device.device).type)
+        device = resolve_device(config.device.device)
+        config = with_device_defaults(config, device.type, fa4_block_size(config, device) or CUDA_BLOCK_SIZE)
         self.config = config
         self.model_path, self.load_format = resolve_model(config.load.model, config.load.load_format)
         self.model_config = load_model_config(self.model_path, self.load_format)

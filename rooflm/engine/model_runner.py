@@ -179,7 +179,9 @@ class ModelRunner:
             from rooflm.layers.cpu_attention import CpuBackend
             return CpuBackend()  # the reference math, planned once a step
         from rooflm.kernels.backend import TritonBackend
-        return TritonBackend(split_span=self.max_model_len, deterministic=deterministic)
+        from rooflm.kernels.fa4_prefill import fa4_enabled
+        return TritonBackend(split_span=self.max_model_len, deterministic=deterministic,
+                             prefill_fa4=fa4_enabled(self.config.runtime.prefill_attention, self.device))
 
     # ---- set-up ----------------------------------------------------------------------------
 

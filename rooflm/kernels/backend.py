@@ -10,7 +10,9 @@ Same semantics as ReferenceBackend (rooflm/layers/attention.py):
   through the block tables. The model runner puts decodes (one query token)
   first: the split-KV decode kernel serves the first meta.num_decodes
   sequences and the prefill kernel the rest (prefill, chunked prefill and
-  prefix-cache hits alike, since it reads all K/V from the cache). With
+  prefix-cache hits alike, since it reads all K/V from the cache). On Hopper with
+  the flash-attn-4 package, the rest goes through FlashAttention-4's SM90 kernel
+  instead where it takes the step (kernels/fa4_prefill.py). With
   deterministic=True every sequence, decodes included, goes through the prefill
   kernel's uniform path (batch-invariant rows; rooflm/deterministic/), the decodes
   in a launch of their own with shorter query tiles that sum alike.
@@ -27,6 +29,7 @@ import torch
 
 from rooflm.kernels.decode_attention import (DecodePlan, decode_attention, decode_config,
                                              decode_num_splits, plan_decode_attention)
+from rooflm.kernels.fa4_prefill import FA4Plan, fa4_prefill, fa4_supports, plan_fa4_prefill
 from rooflm.kernels.prefill_attention import (PrefillPlan, plan_prefill_attention, prefill_attention, prefill_config,
                                               uniform_decode_config)
 from rooflm.kernels.rope_kv_write import rope_kv_write, write_kv
@@ -38,7 +41,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self, decode_num_splits: Optional[int] = None, split_span: Optional[int] = None,
-                 deterministic: bool = False):
+                 deterministic: bool = False, prefill_fa4: bool = False):
         # A fixed split count keeps the decode grid constant (CUDA-graph capture);
         # None sizes it per step from the batch.
         self.decode_num_splits = decode_num_splits
@@ -55,6 +58,9 @@ class TritonBackend(AttentionBackend):
         # graph replay or eagerly, and whatever else is in the batch. No split-KV at all (the
         # split count followed the batch size), which is what it costs on long contexts.
         self.deterministic = deterministic
+        # Prefill chunks through FlashAttention-4's Hopper kernel where it takes them
+        # (kernels/fa4_prefill.py: fa4_enabled decides, fa4_supports per step).
+        self.prefill_fa4 = prefill_fa4 and not deterministic
 
     def rope_and_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                        rotary, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -89,13 +95,20 @@ class TritonBackend(AttentionBackend):
             prefill_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out, plan=decode, **scales)
         elif decode is not None:
             decode_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out, plan=decode, **scales)
-        if prefill is not None:
-            prefill_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out, plan=prefill, **scales)
+        if isinstance(prefill, FA4Plan) and sliding_window is None:
+            fa4_prefill(q, k_cache, v_cache, scale, prefill, out)
+        elif prefill is not None:
+            # (an FA4 plan made at a layer without a window, in a model that windows some layers:
+            # this layer's chunks go through the Triton kernel, planned here)
+            prefill_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out,
+                              plan=None if isinstance(prefill, FA4Plan) else prefill, first_seq=meta.num_decodes,
+                              **scales)
         return out
 
     def plan(self, q, k_cache, v_cache, meta: AttentionMetadata, sliding_window: Optional[int],
              out: torch.Tensor, k_scale: Optional[torch.Tensor] = None,
-             v_scale: Optional[torch.Tensor] = None) -> tuple[Optional[DecodePlan | PrefillPlan], Optional[PrefillPlan]]:
+             v_scale: Optional[torch.Tensor] = None) -> tuple[Optional[DecodePlan | PrefillPlan],
+                                                              Optional[PrefillPlan | FA4Plan]]:
         """The step's launches, the same for every layer: decodes first, then prefill chunks."""
         num_decodes = meta.num_decodes
         if self.deterministic:
@@ -116,7 +129,9 @@ class TritonBackend(AttentionBackend):
                                            num_seqs=num_decodes, num_splits=num_splits, config=config,
                                            k_scale=k_scale, v_scale=v_scale)
         prefill = None
-        if num_decodes < meta.num_seqs:
+        if num_decodes < meta.num_seqs and self.prefill_fa4 and fa4_supports(q, k_cache, meta, sliding_window):
+            prefill = plan_fa4_prefill(meta)
+        elif num_decodes < meta.num_seqs:
             prefill = plan_prefill_attention(q, k_cache, v_cache, meta, sliding_window, out=out,
                                              first_seq=num_decodes, k_scale=k_scale, v_scale=v_scale)
         return decode, prefill
