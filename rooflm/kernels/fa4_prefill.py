@@ -20,7 +20,11 @@ through its gathered (non-TMA) path. H100, causal, H = 32/8, D = 128, same call
 Semantics are rooflm's prefill (layers/attention.py, prefill_attention_ref): each sequence's
 query_len queries are its last tokens, causal over its seq_len keys read through its block
 table (FlashAttention aligns the causal mask to the bottom right, as a chunk over a cached
-prefix needs). FLOPs and bytes are those of prefill_attention.py.
+prefix needs). FLOPs and bytes are those of prefill_attention.py. One difference: a sequence's
+last block is loaded whole and its keys past the end are masked, not skipped, so those slots
+must hold finite values. The engine's do: the pool starts zeroed, and a reused block holds an
+earlier sequence's K/V (a model that wrote NaN/Inf K/V could leak them into the next owner of
+the block; rooflm's Triton kernels never load those slots).
 
 Where it is used (TritonBackend.plan): the prefill sequences of a step on compute capability
 9.x with a 16-bit cache (FA4's SM90 path has no FP8), no sliding window, not deterministic,
