@@ -85,8 +85,9 @@ NEAR_ROOF = 0.50
 # which are also "elementwise" or "reduce" kernels, land in sampling.
 KERNEL_CLASSES = (
     ("memcpy", ("memcpy", "memset")),
-    ("GEMM", ("gemm", "gemv", "matmul", "cutlass", "sm90_xmma", "nvjet", "splitkreduce")),
+    # Attention before GEMM: FlashAttention-4's kernels are CuTe DSL ones, named cutlass_..._flash_...
     ("attention", ("attention", "_decode_attention", "_prefill", "flash", "fmha")),
+    ("GEMM", ("gemm", "gemv", "matmul", "cutlass", "sm90_xmma", "nvjet", "splitkreduce")),
     ("sampling", ("sample", "sort", "topk", "exponential", "argmax", "softmax")),
     ("norm/elementwise", ("rms", "norm", "silu", "elementwise", "vectorized", "add", "mul",
                           "rope", "kv_write", "reduce")),
