@@ -55,6 +55,7 @@ device's copy bandwidth.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -68,6 +69,9 @@ from rooflm.kernels.utils import (check_paged_attention_inputs, config_for_head_
 from rooflm.layers.attention import AttentionMetadata, paged_attention_ref
 
 _MASKED = tl.constexpr(-1.0e30)
+# A/B switch (benchmarks only, read at import): ROOFLM_DECODE_ONE_ENTRY=0 gathers a key tile that
+# fills a whole cache block key by key, as a tile spanning blocks is, instead of from one entry.
+ONE_ENTRY_AT_EQUAL = tl.constexpr(os.environ.get("ROOFLM_DECODE_ONE_ENTRY", "1") != "0")
 
 
 # --------------------------------------------------------------------------
@@ -90,7 +94,7 @@ def _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_
         k_idx = start_n + offs_n
         kv_ok = (k_idx >= kv_lo) & (k_idx < kv_hi)
         kv_offs = kv_tile_offsets(block_table_ptr, start_n, kv_ok, stride_cb, stride_ct,
-                                  BLOCK_SIZE, BLOCK_N, MASKED)
+                                  BLOCK_SIZE, BLOCK_N, MASKED, ONE_ENTRY_AT_EQUAL)
         if PAIRS:
             k = load_e4m3_pairs(k_base + kv_offs[:, None] + offs_pair[None, :], kv_ok, MASKED, BLOCK_N, HEAD_DIM)
             v = load_e4m3_pairs(v_base + kv_offs[:, None] + offs_pair[None, :], kv_ok, MASKED, BLOCK_N, HEAD_DIM)

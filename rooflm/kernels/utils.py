@@ -154,7 +154,8 @@ def load_2d(ptrs, row_ok, col_ok, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constex
 
 @triton.jit
 def kv_tile_offsets(block_table_ptr, start_n, kv_ok, stride_b, stride_t,
-                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                    ONE_ENTRY_AT_EQUAL: tl.constexpr = True):
     """Element offsets [BLOCK_N] of keys start_n .. start_n + BLOCK_N - 1 in the paged cache.
 
     The key at position p lives in block block_table[p // BLOCK_SIZE], slot
@@ -163,7 +164,7 @@ def kv_tile_offsets(block_table_ptr, start_n, kv_ok, stride_b, stride_t,
     masks their loads.
     """
     offs_n = tl.arange(0, BLOCK_N)
-    if BLOCK_N <= BLOCK_SIZE:
+    if BLOCK_N < BLOCK_SIZE or (BLOCK_N == BLOCK_SIZE and ONE_ENTRY_AT_EQUAL):
         # The tile lies inside one cache block: one block-table entry.
         block = tl.load(block_table_ptr + start_n // BLOCK_SIZE).to(tl.int64)
         offs = block * stride_b + ((start_n % BLOCK_SIZE) + offs_n) * stride_t
