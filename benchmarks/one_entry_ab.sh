@@ -6,7 +6,7 @@
 set -uo pipefail
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 mkdir -p "$1"
-for flag in 1 0 1 0; do
+for flag in ${FLAGS:-1 0 1 0}; do
   export ROOFLM_DECODE_ONE_ENTRY=$flag
   [ -f "$1/kernel-$flag.txt" ] || python3 benchmarks/block_size_decode.py 2>&1 | grep -v -i warn > "$1/kernel-$flag.txt"
   python3 -m rooflm bench latency --model llama-3.1-8b --load-format dummy --max-model-len 32768 --batch-size 1 \

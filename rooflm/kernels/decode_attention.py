@@ -69,9 +69,14 @@ from rooflm.kernels.utils import (check_paged_attention_inputs, config_for_head_
 from rooflm.layers.attention import AttentionMetadata, paged_attention_ref
 
 _MASKED = tl.constexpr(-1.0e30)
-# A/B switch (benchmarks only, read at import): ROOFLM_DECODE_ONE_ENTRY=0 gathers a key tile that
-# fills a whole cache block key by key, as a tile spanning blocks is, instead of from one entry.
-ONE_ENTRY_AT_EQUAL = tl.constexpr(os.environ.get("ROOFLM_DECODE_ONE_ENTRY", "1") != "0")
+# A key tile that fills a whole cache block (BLOCK_N == block size, e.g. 128 and 128) has its offsets
+# from one block-table entry only with one split (kv_tile_offsets' ONE_ENTRY_AT_EQUAL), key by key
+# otherwise. Compiled for sm_90 the one-entry form holds 254 registers (2 CTAs an SM) against 131
+# (3): it streams a long key range faster (64 x 1024/256 TPOT 9.70 -> 9.58 ms on the H100) but, as
+# the short split ranges of a small batch inside the PDL-chained batch-1 layer, it cost batch-1 TPOT
+# 5.69 -> 5.77 ms (benchmarks/results/fa4-prefill-h100-20261126/one-entry/).
+# ROOFLM_DECODE_ONE_ENTRY=1|0 forces one form (benchmarks/one_entry_ab.sh).
+_ONE_ENTRY = os.environ.get("ROOFLM_DECODE_ONE_ENTRY", "auto")
 
 
 # --------------------------------------------------------------------------
@@ -84,7 +89,7 @@ def _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_
                       BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAD_D: tl.constexpr,
                       MASKED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
                       FP8: tl.constexpr, ABLATE: tl.constexpr, PAIRS: tl.constexpr = False,
-                      HEAD_DIM: tl.constexpr = 0):
+                      HEAD_DIM: tl.constexpr = 0, ONE_ENTRY: tl.constexpr = True):
     """Online-softmax update with the key tiles lo .. hi; keys outside [kv_lo, kv_hi) are masked.
     PAIRS: the FP8 caches are int16 views (strides in byte pairs), widened a pair at a time."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -94,7 +99,7 @@ def _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_
         k_idx = start_n + offs_n
         kv_ok = (k_idx >= kv_lo) & (k_idx < kv_hi)
         kv_offs = kv_tile_offsets(block_table_ptr, start_n, kv_ok, stride_cb, stride_ct,
-                                  BLOCK_SIZE, BLOCK_N, MASKED, ONE_ENTRY_AT_EQUAL)
+                                  BLOCK_SIZE, BLOCK_N, MASKED, ONE_ENTRY)
         if PAIRS:
             k = load_e4m3_pairs(k_base + kv_offs[:, None] + offs_pair[None, :], kv_ok, MASKED, BLOCK_N, HEAD_DIM)
             v = load_e4m3_pairs(v_base + kv_offs[:, None] + offs_pair[None, :], kv_ok, MASKED, BLOCK_N, HEAD_DIM)
@@ -140,7 +145,8 @@ def _decode_attention_kernel(
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
         SINGLE_SPLIT: tl.constexpr, SLIDING: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        FP8: tl.constexpr, PDL: tl.constexpr, ABLATE: tl.constexpr = 0, PAIRS: tl.constexpr = False):
+        FP8: tl.constexpr, PDL: tl.constexpr, ABLATE: tl.constexpr = 0, PAIRS: tl.constexpr = False,
+        ONE_ENTRY: tl.constexpr = True):
     PAD_D: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
     if PDL:  # launched early (programmatic dependent launch): wait for q and the K/V writes
         gdc_launch_dependents()
@@ -187,7 +193,7 @@ def _decode_attention_kernel(
                                           start, end, kv_lo, end, qk_scale, stride_cb, stride_ct,
                                           stride_sb, stride_st, offs_d, d_ok,
                                           BLOCK_SIZE, BLOCK_N, PAD_D, True, UPCAST, DOT_PRECISION, FP8, ABLATE,
-                                          PAIRS, HEAD_DIM)
+                                          PAIRS, HEAD_DIM, ONE_ENTRY)
     else:
         # Whole tiles unmasked, then the ragged tail.
         full_end = tl.maximum(start + ((end - start) // BLOCK_N) * BLOCK_N, start)
@@ -195,12 +201,12 @@ def _decode_attention_kernel(
                                           start, full_end, 0, end, qk_scale, stride_cb, stride_ct,
                                           stride_sb, stride_st, offs_d, d_ok,
                                           BLOCK_SIZE, BLOCK_N, PAD_D, False, UPCAST, DOT_PRECISION, FP8, ABLATE,
-                                          PAIRS, HEAD_DIM)
+                                          PAIRS, HEAD_DIM, ONE_ENTRY)
         acc, l_i, m_i = _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_table_ptr,
                                           full_end, end, 0, end, qk_scale, stride_cb, stride_ct,
                                           stride_sb, stride_st, offs_d, d_ok,
                                           BLOCK_SIZE, BLOCK_N, PAD_D, True, UPCAST, DOT_PRECISION, FP8, ABLATE,
-                                          PAIRS, HEAD_DIM)
+                                          PAIRS, HEAD_DIM, ONE_ENTRY)
 
     if SINGLE_SPLIT:
         out = acc / l_i[:, None]
@@ -413,6 +419,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         SINGLE_SPLIT=num_splits == 1, SLIDING=plan.sliding, UPCAST=upcast_dots(q.dtype),
         DOT_PRECISION=dot_precision(q.dtype), FP8=fp8, PDL=pdl, ABLATE=_ablate, PAIRS=pairs,
+        ONE_ENTRY=num_splits == 1 if _ONE_ENTRY == "auto" else _ONE_ENTRY != "0",
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_kwargs,

@@ -58,6 +58,12 @@ def test_decode_key_tile_vs_block_size(block_n, block_size):
     run_case([77, 3], 1, 4, 64, block_size, torch.float16, None, 2, config=(block_n, 4, 2))
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_key_tile_filling_a_block(num_splits):
+    # A tile as large as a block: offsets from one table entry with one split, key by key with more.
+    run_case([77, 130, 3], 2, 4, 64, 32, torch.float16, None, num_splits, config=(32, 4, 2))
+
+
 def test_decode_only_writes_decode_rows():
     meta, k_cache, v_cache = random_paged_batch([9, 20, 30], [1, 1, 30], 1, 64, 16, torch.float16, DEVICE)
     q = torch.randn(32, 4, 64, device=DEVICE).to(torch.float16)
