@@ -162,10 +162,17 @@ class CacheConfig:
     # auto: K/V stored in the model's dtype. fp8 (or fp8_e4m3): E4M3 with one fp32 scale per
     # token and KV head (layers/kv_cache.py): half the bytes per decode step, twice the tokens.
     kv_cache_dtype: str = "auto"
+    # FP8 caches' scales (layers/kv_cache.py). auto: the checkpoint's static per-tensor K/V scales
+    # where it has them (compressed-tensors kv_cache_scheme), else one per token and KV head.
+    # per-token: always per token. static: the checkpoint's, else 1.0 (vLLM's default); no
+    # per-key scale work in the attention kernels.
+    kv_cache_scales: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be auto, fp8 or fp8_e4m3, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_scales not in ("auto", "per-token", "static"):
+            raise ValueError(f"kv_cache_scales must be auto, per-token or static, got {self.kv_cache_scales!r}")
         if self.block_size is not None and (self.block_size < 1 or self.block_size & (self.block_size - 1)):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -142,13 +142,14 @@ class ModelRunner:
         self.backend = self._make_backend()
         self.model = None
         # The pools: [layers, 2 (K, V), blocks, block_size, H_kv, D], and for FP8 caches the
-        # scales [layers, 2, blocks, block_size, H_kv] fp32 (layers/kv_cache.py). Swaps and
-        # copy-on-write move a block of every pool.
+        # scales [layers, 2, blocks, block_size, H_kv] fp32 per token, or [layers, 2, H_kv] static
+        # (layers/kv_cache.py). Swaps and copy-on-write move a block of every pool.
         self.kv_cache: Optional[torch.Tensor] = None
         self.kv_scales: Optional[torch.Tensor] = None
         self.host_kv_cache: Optional[torch.Tensor] = None
         self.host_kv_scales: Optional[torch.Tensor] = None
         self.kv_cache_dtype = config.cache.kv_cache_dtype
+        self.kv_cache_scales = config.cache.kv_cache_scales
         self.kv_dtype = kv_format.storage_dtype(self.kv_cache_dtype, self.dtype)
         self.sampler = Sampler()
         # (rows, metadata) of the last step whose metadata may serve again (_sampling_metadata).
@@ -322,8 +323,28 @@ class ModelRunner:
         return triton_kernels(self.config.runtime.decode_gemv)
 
     def kv_bytes_per_element(self) -> float:
-        """Bytes per stored K or V element, FP8 scales included."""
-        return kv_format.bytes_per_element(self.kv_cache_dtype, self.dtype, self.model_config.head_dim)
+        """Bytes per stored K or V element, FP8 per-token scales included."""
+        return kv_format.bytes_per_element(self.kv_cache_dtype, self.dtype, self.model_config.head_dim,
+                                           self.kv_scale_mode() != "static")
+
+    def kv_scale_mode(self) -> str:
+        """'per-token' or 'static' for an FP8 cache (layers/kv_cache.py), '' for another."""
+        if not kv_format.is_fp8(self.kv_cache_dtype):
+            return ""
+        has = self.model is not None and getattr(self.model, "checkpoint_kv_scales", None) is not None
+        return kv_format.resolve_kv_scales(self.kv_cache_scales, has)
+
+    def _static_kv_scales(self, quiet: bool) -> torch.Tensor:
+        """[layers, 2, H_kv] fp32: the checkpoint's per-tensor scales for this rank's heads, or 1.0."""
+        layers = self.model_config.num_hidden_layers
+        scales = getattr(self.model, "checkpoint_kv_scales", None)
+        if scales is None:
+            if not quiet:
+                logger.warning("FP8 KV cache with static scales of 1.0 (the checkpoint has none): keys "
+                               "over 448 saturate and values under 2^-6 lose precision; --kv-cache-scales "
+                               "per-token scales each token instead")
+            scales = torch.ones(layers, 2)
+        return scales[:, :, None].expand(layers, 2, self.num_kv_heads).contiguous().to(self.device)
 
     def kv_bytes_per_block(self) -> int:
         """This rank's bytes per block: its KV heads only."""
@@ -395,12 +416,16 @@ class ModelRunner:
         shape = (cfg.num_hidden_layers, 2, num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_scales = None
-        if kv_format.is_fp8(self.kv_cache_dtype):
+        if self.kv_scale_mode() == "per-token":
             self.kv_scales = torch.zeros(shape[:-1], dtype=torch.float32, device=self.device)
+        elif self.kv_scale_mode() == "static":
+            self.kv_scales = self._static_kv_scales(quiet)
         self.kv_caches = [self._layer_cache(i) for i in range(cfg.num_hidden_layers)]
         if not quiet:
-            logger.info("KV cache: %d blocks of %d tokens, %s (%.2f GiB)", num_blocks, self.block_size,
-                        str(self.kv_dtype).replace("torch.", ""), num_blocks * self.kv_bytes_per_block() / 2**30)
+            mode = self.kv_scale_mode()
+            logger.info("KV cache: %d blocks of %d tokens, %s%s (%.2f GiB)", num_blocks, self.block_size,
+                        str(self.kv_dtype).replace("torch.", ""), f", {mode} scales" if mode else "",
+                        num_blocks * self.kv_bytes_per_block() / 2**30)
 
     def _layer_cache(self, layer: int) -> KVCache:
         k, v = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
@@ -414,13 +439,13 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         shape = (self.kv_cache.shape[0], 2, num_blocks) + tuple(self.kv_cache.shape[3:])
         self.host_kv_cache = torch.zeros(shape, dtype=self.kv_dtype, pin_memory=pin)
-        if self.kv_scales is not None:
+        if self.kv_scale_mode() == "per-token":
             self.host_kv_scales = torch.zeros(shape[:-1], dtype=torch.float32, pin_memory=pin)
 
     def _pools(self) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """(device pool, host pool) pairs whose blocks move together."""
         pools = [(self.kv_cache, self.host_kv_cache)]
-        if self.kv_scales is not None:
+        if self.kv_scale_mode() == "per-token":  # static scales belong to no block
             pools.append((self.kv_scales, self.host_kv_scales))
         return pools
 

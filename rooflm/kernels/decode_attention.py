@@ -32,7 +32,10 @@ aim is to stream every K/V byte once, at full bandwidth, on every SM.
 * FP8 caches (layers/kv_cache.py): K/V tiles are loaded as E4M3 (half the
   bytes), widened to q's dtype for the dots, and each key's scores are
   multiplied by its K scale, each value's softmax weight by its V scale
-  (p v = sum_n p_n s_n v_n): dequantized K/V never exist in memory.
+  (p v = sum_n p_n s_n v_n): dequantized K/V never exist in memory. With
+  static scales (one per KV head, [H_kv]) the K scale joins the softmax
+  scale and the V scale multiplies the output: the loop is bf16's with E4M3
+  tiles.
 * Block sizes 16 to 256: a key tile of BLOCK_N keys reads one block-table
   entry when BLOCK_N <= block_size, else one entry per key.
 
@@ -40,7 +43,7 @@ Shapes
 ------
 q, out      [T, H, D]  (the first num_seqs sequences of the batch, one token each)
 k/v cache   [num_blocks, block_size, H_kv, D]   (q's dtype, or FP8 with scales)
-k/v scale   [num_blocks, block_size, H_kv] fp32 (FP8 only)
+k/v scale   [num_blocks, block_size, H_kv] fp32 per token, or [H_kv] static (FP8 only)
 partials    o [num_seqs, H, num_splits, D] fp32, lse [num_seqs, H, num_splits] fp32
 
 Work
@@ -67,6 +70,7 @@ from rooflm.kernels.utils import (check_paged_attention_inputs, config_for_head_
                                   fp8_pair_views, kv_tile_offsets, load_2d, load_e4m3_pairs, load_kv_scales, next_power_of_2, num_sms, upcast_dots,
                                   gdc_launch_dependents, gdc_wait, pdl_supported)
 from rooflm.layers.attention import AttentionMetadata, paged_attention_ref
+from rooflm.layers.kv_cache import has_token_scales
 
 _MASKED = tl.constexpr(-1.0e30)
 # A key tile that fills a whole cache block (BLOCK_N == block size, e.g. 128 and 128) has its offsets
@@ -89,9 +93,11 @@ def _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_
                       BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAD_D: tl.constexpr,
                       MASKED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
                       FP8: tl.constexpr, ABLATE: tl.constexpr, PAIRS: tl.constexpr = False,
-                      HEAD_DIM: tl.constexpr = 0, ONE_ENTRY: tl.constexpr = True):
+                      HEAD_DIM: tl.constexpr = 0, ONE_ENTRY: tl.constexpr = True, SCALES: tl.constexpr = True):
     """Online-softmax update with the key tiles lo .. hi; keys outside [kv_lo, kv_hi) are masked.
-    PAIRS: the FP8 caches are int16 views (strides in byte pairs), widened a pair at a time."""
+    PAIRS: the FP8 caches are int16 views (strides in byte pairs), widened a pair at a time.
+    SCALES: an FP8 cache's per-token scales are applied here (False: static scales, applied by
+    the caller outside the loop)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_pair = tl.arange(0, HEAD_DIM // 2) if PAIRS else offs_d
     for start_n in range(lo, hi, BLOCK_N):
@@ -113,7 +119,7 @@ def _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        if FP8 and ABLATE != 1:  # ABLATE 1 (timing experiment, wrong results): no scales at all
+        if FP8 and SCALES and ABLATE != 1:  # ABLATE 1 (timing experiment, wrong results): no scales at all
             qk = qk * load_kv_scales(ks_base, block_table_ptr, start_n, kv_ok, stride_sb, stride_st,
                                      BLOCK_SIZE, BLOCK_N, MASKED)[None, :]
         if MASKED:
@@ -123,10 +129,10 @@ def _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if FP8 and ABLATE == 0:
+        if FP8 and SCALES and ABLATE == 0:
             acc = fp8_pv(acc, p, v, vs_base, block_table_ptr, start_n, kv_ok, stride_sb, stride_st,
                           BLOCK_SIZE, BLOCK_N, MASKED, DOT_PRECISION)
-        elif FP8 and ABLATE == 2:  # timing experiment: V scales folded into p, no normalisation
+        elif FP8 and SCALES and ABLATE == 2:  # timing experiment: V scales folded into p, no normalisation
             vs = load_kv_scales(vs_base, block_table_ptr, start_n, kv_ok, stride_sb, stride_st,
                                 BLOCK_SIZE, BLOCK_N, MASKED)
             acc = tl.dot((p * vs[None, :]).to(v.dtype), v, acc, input_precision=DOT_PRECISION)
@@ -146,7 +152,7 @@ def _decode_attention_kernel(
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
         SINGLE_SPLIT: tl.constexpr, SLIDING: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
         FP8: tl.constexpr, PDL: tl.constexpr, ABLATE: tl.constexpr = 0, PAIRS: tl.constexpr = False,
-        ONE_ENTRY: tl.constexpr = True):
+        ONE_ENTRY: tl.constexpr = True, TOKEN_SCALES: tl.constexpr = True):
     PAD_D: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
     if PDL:  # launched early (programmatic dependent launch): wait for q and the K/V writes
         gdc_launch_dependents()
@@ -184,6 +190,9 @@ def _decode_attention_kernel(
     v_base = v_cache_ptr + kv_head * stride_ch
     ks_base = k_scale_ptr + kv_head  # scales: [block, slot, head], unit head stride
     vs_base = v_scale_ptr + kv_head
+    STATIC: tl.constexpr = FP8 and not TOKEN_SCALES
+    if STATIC:  # one scale per KV head: K's joins the softmax scale, V's scales the output
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
     m_i = tl.full([ROWS], _MASKED, dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM_PAD], dtype=tl.float32)
@@ -193,7 +202,7 @@ def _decode_attention_kernel(
                                           start, end, kv_lo, end, qk_scale, stride_cb, stride_ct,
                                           stride_sb, stride_st, offs_d, d_ok,
                                           BLOCK_SIZE, BLOCK_N, PAD_D, True, UPCAST, DOT_PRECISION, FP8, ABLATE,
-                                          PAIRS, HEAD_DIM, ONE_ENTRY)
+                                          PAIRS, HEAD_DIM, ONE_ENTRY, TOKEN_SCALES)
     else:
         # Whole tiles unmasked, then the ragged tail.
         full_end = tl.maximum(start + ((end - start) // BLOCK_N) * BLOCK_N, start)
@@ -201,13 +210,15 @@ def _decode_attention_kernel(
                                           start, full_end, 0, end, qk_scale, stride_cb, stride_ct,
                                           stride_sb, stride_st, offs_d, d_ok,
                                           BLOCK_SIZE, BLOCK_N, PAD_D, False, UPCAST, DOT_PRECISION, FP8, ABLATE,
-                                          PAIRS, HEAD_DIM, ONE_ENTRY)
+                                          PAIRS, HEAD_DIM, ONE_ENTRY, TOKEN_SCALES)
         acc, l_i, m_i = _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_table_ptr,
                                           full_end, end, 0, end, qk_scale, stride_cb, stride_ct,
                                           stride_sb, stride_st, offs_d, d_ok,
                                           BLOCK_SIZE, BLOCK_N, PAD_D, True, UPCAST, DOT_PRECISION, FP8, ABLATE,
-                                          PAIRS, HEAD_DIM, ONE_ENTRY)
+                                          PAIRS, HEAD_DIM, ONE_ENTRY, TOKEN_SCALES)
 
+    if STATIC:
+        acc = acc * tl.load(v_scale_ptr + kv_head)
     if SINGLE_SPLIT:
         out = acc / l_i[:, None]
         o_ptrs = out_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
@@ -384,7 +395,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     caller, e.g. for CUDA-graph capture; config = (BLOCK_N, num_warps,
     num_stages) overrides the table. plan: from plan_decode_attention for this
     step's metadata and shapes (then num_seqs, num_splits and config are its own). FP8 caches
-    take their k_scale / v_scale [num_blocks, block_size, H_kv] fp32. _ablate (FP8 only; 1: no
+    take their k_scale / v_scale [num_blocks, block_size, H_kv] fp32 (or static [H_kv]). _ablate (FP8 only; 1: no
     scales, 2: V scales folded into p) is for the benchmark's what-limits-it experiments: wrong
     or less accurate results.
     """
@@ -403,6 +414,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_seqs, num_splits, pdl = plan.num_seqs, plan.num_splits, plan.pdl
     pdl_kwargs = {"launch_pdl": True} if pdl else {}
     fp8 = k_scale is not None
+    token_scales = has_token_scales(k_scale)
     views = fp8_pair_views(k_cache, v_cache) if fp8 else None
     pairs = views is not None
     if pairs:
@@ -414,12 +426,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         sliding_window if plan.sliding else 0, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
-        k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
+        k_scale.stride(0) if token_scales else 0, k_scale.stride(1) if token_scales else 0,
         NUM_HEADS=num_heads, GROUP=group, ROWS=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         SINGLE_SPLIT=num_splits == 1, SLIDING=plan.sliding, UPCAST=upcast_dots(q.dtype),
         DOT_PRECISION=dot_precision(q.dtype), FP8=fp8, PDL=pdl, ABLATE=_ablate, PAIRS=pairs,
-        ONE_ENTRY=num_splits == 1 if _ONE_ENTRY == "auto" else _ONE_ENTRY != "0",
+        ONE_ENTRY=num_splits == 1 if _ONE_ENTRY == "auto" else _ONE_ENTRY != "0", TOKEN_SCALES=token_scales,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_kwargs,

@@ -42,7 +42,8 @@ are the fast configuration.
 FP8 caches (layers/kv_cache.py): K/V tiles are gathered as E4M3, widened to
 q's dtype for the dots, and scaled outside them (scores by each key's K
 scale, softmax weights by each value's V scale), as in decode; TMA is not
-used for them.
+used for them. Static scales ([H_kv]) are applied outside the loop, as in
+decode: K's in the softmax scale, V's to the output.
 
 Varlen scheduling: the grid's first axis enumerates query tiles of all
 sequences; a program finds its sequence by binary search over
@@ -55,7 +56,7 @@ Shapes
 ------
 q, out      [T, H, D]                         (q may be a strided view)
 k/v cache   [num_blocks, block_size, H_kv, D]   (q's dtype, or FP8 with scales)
-k/v scale   [num_blocks, block_size, H_kv] fp32 (FP8 only)
+k/v scale   [num_blocks, block_size, H_kv] fp32 per token, or [H_kv] static (FP8 only)
 block_tables [num_seqs, max_blocks] int32, seq_lens [num_seqs] int32,
 query_start_loc [num_seqs + 1] int32
 D in {64, 80, 96, 128, 256} (80 and 96 are padded to 128 inside the tile).
@@ -85,6 +86,7 @@ from rooflm.kernels.utils import (check_paged_attention_inputs, config_for_head_
                                   fp8_pair_views, fp8_pv, kv_tile_offsets, load_2d, load_e4m3_pairs, load_kv_scales, next_power_of_2, upcast_dots,
                                   gdc_launch_dependents, gdc_wait, pdl_supported)
 from rooflm.layers.attention import AttentionMetadata, paged_attention_ref
+from rooflm.layers.kv_cache import has_token_scales
 
 # A masked score. Finite on purpose: a row whose first tile is fully masked
 # (sliding window) then gets m = -1e30 and harmless finite garbage that the
@@ -119,9 +121,10 @@ def _attend_key_range(acc, l_i, m_i, q, q_pos,
                       MASKED: tl.constexpr, SLIDING: tl.constexpr, UPCAST: tl.constexpr,
                       DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, ABLATE: tl.constexpr,
                       FP8: tl.constexpr, PAIRS: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
-                      WARP_SPEC: tl.constexpr = False):
+                      WARP_SPEC: tl.constexpr = False, SCALES: tl.constexpr = True):
     """Online-softmax update of (acc, l, m) with keys lo .. hi - 1 (kv_end bounds the loads).
     PAIRS: the FP8 caches are int16 views read as byte pairs (utils.load_e4m3_pairs).
+    SCALES: an FP8 cache's per-token scales are applied here (False: static, by the caller).
     WARP_SPEC: Triton's automatic warp specialisation of the loop (loads in a producer warp,
     dots and softmax in consumers), tried on the unmasked TMA loop only."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -152,7 +155,7 @@ def _attend_key_range(acc, l_i, m_i, q, q_pos,
         elif UPCAST:
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if FP8:
+        if FP8 and SCALES:
             qk = qk * load_kv_scales(ks_base, block_table_ptr, start_n, kv_ok, stride_sb, stride_st,
                                      BLOCK_SIZE, BLOCK_N, MASKED)[None, :]
         if MASKED:
@@ -182,7 +185,7 @@ def _attend_key_range(acc, l_i, m_i, q, q_pos,
             v = v.to(tl.float32)
         if ABLATE != 2:  # 2, timing experiment: no rescale of the accumulator (wrong results)
             acc = acc * alpha[:, None]
-        if FP8:
+        if FP8 and SCALES:
             acc = fp8_pv(acc, p, v, vs_base, block_table_ptr, start_n, kv_ok, stride_sb, stride_st,
                          BLOCK_SIZE, BLOCK_N, MASKED, DOT_PRECISION)
         else:
@@ -202,7 +205,8 @@ def _prefill_attention_kernel(
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SLIDING: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
         FP8: tl.constexpr = False, ABLATE: tl.constexpr = 0, UNIFORM: tl.constexpr = False,
-        PDL: tl.constexpr = False, PAIRS: tl.constexpr = False, WARP_SPEC: tl.constexpr = False):
+        PDL: tl.constexpr = False, PAIRS: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
+        TOKEN_SCALES: tl.constexpr = True):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     PAD_D: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
     if PDL:  # launched while the RoPE/KV write drains (uniform plans): wait for q and the cache
@@ -262,6 +266,9 @@ def _prefill_attention_kernel(
     v_base = v_cache_ptr + kv_head * stride_ch
     ks_base = k_scale_ptr + kv_head  # scales: [block, slot, head], unit head stride
     vs_base = v_scale_ptr + kv_head
+    STATIC: tl.constexpr = FP8 and not TOKEN_SCALES
+    if STATIC:  # one scale per KV head: K's joins the softmax scale, V's scales the output
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
     kv_col = kv_head * HEAD_DIM  # column of this head in the [slots, H_kv * D] view (TMA)
 
     m_i = tl.full([BLOCK_M], _MASKED, dtype=tl.float32)
@@ -272,17 +279,21 @@ def _prefill_attention_kernel(
         acc, l_i, m_i = _attend_key_range(
             acc, l_i, m_i, q, q_pos, k_base, v_base, ks_base, vs_base, k_desc, v_desc, kv_col, block_table_ptr,
             lo, full_lo, hi, qk_scale, sliding_window, stride_cb, stride_ct, stride_sb, stride_st, offs_d, d_ok,
-            BLOCK_SIZE, BLOCK_N, PAD_D, True, SLIDING, UPCAST, DOT_PRECISION, USE_TMA, ABLATE, FP8, PAIRS, HEAD_DIM)
+            BLOCK_SIZE, BLOCK_N, PAD_D, True, SLIDING, UPCAST, DOT_PRECISION, USE_TMA, ABLATE, FP8, PAIRS, HEAD_DIM,
+            SCALES=TOKEN_SCALES)
     acc, l_i, m_i = _attend_key_range(
         acc, l_i, m_i, q, q_pos, k_base, v_base, ks_base, vs_base, k_desc, v_desc, kv_col, block_table_ptr,
         full_lo, full_hi, hi, qk_scale, sliding_window, stride_cb, stride_ct, stride_sb, stride_st, offs_d, d_ok,
         BLOCK_SIZE, BLOCK_N, PAD_D, False, SLIDING, UPCAST, DOT_PRECISION, USE_TMA, ABLATE, FP8, PAIRS, HEAD_DIM,
-        WARP_SPEC)
+        WARP_SPEC, SCALES=TOKEN_SCALES)
     acc, l_i, m_i = _attend_key_range(
         acc, l_i, m_i, q, q_pos, k_base, v_base, ks_base, vs_base, k_desc, v_desc, kv_col, block_table_ptr,
         full_hi, hi, hi, qk_scale, sliding_window, stride_cb, stride_ct, stride_sb, stride_st, offs_d, d_ok,
-        BLOCK_SIZE, BLOCK_N, PAD_D, True, SLIDING, UPCAST, DOT_PRECISION, USE_TMA, ABLATE, FP8, PAIRS, HEAD_DIM)
+        BLOCK_SIZE, BLOCK_N, PAD_D, True, SLIDING, UPCAST, DOT_PRECISION, USE_TMA, ABLATE, FP8, PAIRS, HEAD_DIM,
+            SCALES=TOKEN_SCALES)
 
+    if STATIC:
+        acc = acc * tl.load(v_scale_ptr + kv_head)
     out = acc / l_i[:, None]
     o_offs = tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     if PAD_D:
@@ -449,7 +460,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     for this step's metadata and shapes (then first_seq, config and use_tma are its own).
     uniform: every key tile through one (masked) loop, so a query row's result does not depend
     on the rows beside it; decodes may then run through this kernel too (--deterministic).
-    FP8 caches take their k_scale / v_scale [num_blocks, block_size, H_kv] fp32.
+    FP8 caches take their k_scale / v_scale [num_blocks, block_size, H_kv] fp32 (or static [H_kv]).
     _warp_spec: Triton's warp specialisation of the unmasked TMA loop (a benchmark experiment).
     """
     if out is None:
@@ -477,6 +488,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
     grid = (plan.num_tiles, num_kv_heads)
     fp8 = k_scale is not None
+    token_scales = has_token_scales(k_scale)
     views = fp8_pair_views(k_cache, v_cache) if fp8 and not plan.use_tma else None
     pairs = views is not None
     if pairs:
@@ -488,12 +500,12 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         sliding_window if plan.sliding else 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
-        k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
+        k_scale.stride(0) if token_scales else 0, k_scale.stride(1) if token_scales else 0,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         SLIDING=plan.sliding, UPCAST=upcast_dots(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
         USE_TMA=plan.use_tma, FP8=fp8, ABLATE=_ablate, UNIFORM=plan.uniform, PDL=plan.pdl, PAIRS=pairs,
-        WARP_SPEC=_warp_spec, num_warps=num_warps,
+        WARP_SPEC=_warp_spec, TOKEN_SCALES=token_scales, num_warps=num_warps,
         num_stages=num_stages, **({"launch_pdl": True} if plan.pdl else {}),
     )
     return out

@@ -23,7 +23,8 @@ of the attention backend.
 
 FP8 caches (layers/kv_cache.py): each head vector of rotated k and of v is
 stored as x / s in E4M3 with s = max(|x|) / 448 written beside it (one fp32
-per token and KV head), computed from the registers that already hold x.
+per token and KV head), computed from the registers that already hold x;
+or, with static scales ([H_kv], fixed per layer), as x / s clamped to +-448.
 
 Shapes
 ------
@@ -31,7 +32,7 @@ q [T, H, D], k/v [T, H_kv, D]   (views of a fused qkv output are fine: any
                                   token and head strides, unit last stride)
 positions [T] int64, cos_sin_cache [max_pos, D] fp32 (cos | sin halves)
 k/v cache [num_blocks, block_size, H_kv, D], slot_mapping [T] int64
-k/v scale [num_blocks, block_size, H_kv] fp32 (FP8 caches only)
+k/v scale [num_blocks, block_size, H_kv] or static [H_kv] fp32 (FP8 caches only)
 
 Work
 ----
@@ -51,6 +52,7 @@ import triton.language as tl
 
 from rooflm.kernels.utils import (check_kv_scales, check_last_dim_contiguous, gdc_launch_dependents, gdc_wait,
                                   is_interpreter, next_power_of_2, pdl_supported, round_to_e4m3)
+from rooflm.layers.kv_cache import has_token_scales
 
 
 # --------------------------------------------------------------------------
@@ -75,6 +77,14 @@ def _fp8_scale(amax, scale_ptrs, mask):
 
 
 @triton.jit
+def _saturate(x, IN_RANGE: tl.constexpr):
+    """x clamped to E4M3's finite range (a static scale can leave values outside it)."""
+    if IN_RANGE:
+        return x
+    return tl.minimum(tl.maximum(x, -448.0), 448.0)
+
+
+@triton.jit
 def _rope_kv_write_kernel(
         q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
         k_scale_ptr, v_scale_ptr,
@@ -83,7 +93,7 @@ def _rope_kv_write_kernel(
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
         KV_HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, IS_NEOX: tl.constexpr, APPLY_ROPE: tl.constexpr, FP8: tl.constexpr,
-        ROUND_E4M3: tl.constexpr, PDL: tl.constexpr):
+        ROUND_E4M3: tl.constexpr, PDL: tl.constexpr, TOKEN_SCALES: tl.constexpr = True):
     if PDL:  # launched early (programmatic dependent launch): wait for q, k, v
         gdc_launch_dependents()
         gdc_wait()
@@ -132,17 +142,21 @@ def _rope_kv_write_kernel(
         v_mask = kv_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
         v = tl.load(v_ptr + t * stride_vt + kv_heads[:, None] * stride_vh + offs_d[None, :], mask=v_mask,
                     other=0.0)
-        if FP8:  # one scale per head vector, from the values already in registers
+        if FP8:
             k1 = k1.to(tl.float32)
             k2 = k2.to(tl.float32)
             v = v.to(tl.float32)
-            scale_offs = (slot // BLOCK_SIZE) * stride_sb + (slot % BLOCK_SIZE) * stride_st + kv_heads
-            k_amax = tl.maximum(tl.max(tl.abs(k1), 1), tl.max(tl.abs(k2), 1))
-            ks = _fp8_scale(k_amax, k_scale_ptr + scale_offs, kv_ok)
-            vs = _fp8_scale(tl.max(tl.abs(v), 1), v_scale_ptr + scale_offs, kv_ok)
-            k1 = k1 / ks[:, None]
-            k2 = k2 / ks[:, None]
-            v = v / vs[:, None]
+            if TOKEN_SCALES:  # one scale per head vector, from the values already in registers
+                scale_offs = (slot // BLOCK_SIZE) * stride_sb + (slot % BLOCK_SIZE) * stride_st + kv_heads
+                k_amax = tl.maximum(tl.max(tl.abs(k1), 1), tl.max(tl.abs(k2), 1))
+                ks = _fp8_scale(k_amax, k_scale_ptr + scale_offs, kv_ok)
+                vs = _fp8_scale(tl.max(tl.abs(v), 1), v_scale_ptr + scale_offs, kv_ok)
+            else:  # static scales, one per KV head: saturate what falls outside E4M3's range
+                ks = tl.load(k_scale_ptr + kv_heads, mask=kv_ok, other=1.0)
+                vs = tl.load(v_scale_ptr + kv_heads, mask=kv_ok, other=1.0)
+            k1 = _saturate(k1 / ks[:, None], TOKEN_SCALES)
+            k2 = _saturate(k2 / ks[:, None], TOKEN_SCALES)
+            v = _saturate(v / vs[:, None], TOKEN_SCALES)
             if ROUND_E4M3:
                 k1 = round_to_e4m3(k1)
                 k2 = round_to_e4m3(k2)
@@ -192,7 +206,7 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     q [T, H, D], k/v [T, H_kv, D] (strided views allowed), positions [T] int64,
     cos_sin_cache [max_pos, D] fp32 with cos in the first D/2 columns and sin
     in the last D/2, slot_mapping [T] int64 (-1: do not write). k itself is
-    not modified. FP8 caches take k_scale / v_scale [num_blocks, block_size, H_kv] fp32.
+    not modified. FP8 caches take k_scale / v_scale [num_blocks, block_size, H_kv] or static [H_kv] fp32.
     """
     _check_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
@@ -230,7 +244,8 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, i
     heads_pad = next_power_of_2(num_heads) if apply_rope else 1
     pdl = pdl_supported(q.device)
     fp8 = k_scale is not None
-    scale_strides = (k_scale.stride(0), k_scale.stride(1)) if fp8 else (0, 0)
+    token_scales = has_token_scales(k_scale)
+    scale_strides = (k_scale.stride(0), k_scale.stride(1)) if token_scales else (0, 0)
     _rope_kv_write_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
         k_scale if fp8 else k_cache, v_scale if fp8 else v_cache,
@@ -239,7 +254,7 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, i
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *scale_strides,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=heads_pad, KV_HEADS_PAD=kv_heads_pad,
         HEAD_DIM=head_dim, HALF_PAD=half_pad, BLOCK_SIZE=k_cache.shape[1], IS_NEOX=is_neox,
-        APPLY_ROPE=apply_rope, FP8=fp8, ROUND_E4M3=fp8 and is_interpreter(), PDL=pdl, num_warps=_num_warps((heads_pad + 3 * kv_heads_pad) * half_pad),
+        APPLY_ROPE=apply_rope, FP8=fp8, ROUND_E4M3=fp8 and is_interpreter(), PDL=pdl, TOKEN_SCALES=token_scales, num_warps=_num_warps((heads_pad + 3 * kv_heads_pad) * half_pad),
         **({"launch_pdl": True} if pdl else {}),
     )
 

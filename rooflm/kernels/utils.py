@@ -324,8 +324,8 @@ def config_for_head_dim(table: dict, head_dim_pad: int):
 
 def check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: Optional[torch.Tensor],
                     v_scale: Optional[torch.Tensor]) -> None:
-    """An FP8 cache comes with fp32 scales [num_blocks, block_size, H_kv] (layers/kv_cache.py);
-    any other cache with none."""
+    """An FP8 cache comes with fp32 scales, [num_blocks, block_size, H_kv] per token or [H_kv]
+    static (layers/kv_cache.py); any other cache with none."""
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     if v_cache.dtype != k_cache.dtype:
         raise TypeError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must share a dtype")
@@ -336,11 +336,12 @@ def check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: Optio
     if k_scale is None or v_scale is None:
         raise ValueError("an FP8 (E4M3) cache needs k_scale and v_scale")
     for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if t.dtype != torch.float32 or t.shape != k_cache.shape[:3] or t.stride(-1) != 1:
-            raise ValueError(f"{name} must be fp32 {tuple(k_cache.shape[:3])} with unit last stride, "
+        if t.dtype != torch.float32 or t.shape not in (k_cache.shape[:3], k_cache.shape[2:3]) or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be fp32 {tuple(k_cache.shape[:3])} (per token) or "
+                             f"{tuple(k_cache.shape[2:3])} (static) with unit last stride, "
                              f"got {t.dtype} {tuple(t.shape)}")
-    if k_scale.stride() != v_scale.stride():
-        raise ValueError("k_scale and v_scale must share strides")
+    if k_scale.shape != v_scale.shape or k_scale.stride() != v_scale.stride():
+        raise ValueError("k_scale and v_scale must share a shape and strides")
 
 
 def check_paged_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

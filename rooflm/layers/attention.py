@@ -2,7 +2,8 @@
 
 Cache layout (one KVCache per layer, views into one pool; formats in layers/kv_cache.py):
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
-    k_scale, v_scale: [num_blocks, block_size, num_kv_heads] fp32, FP8 caches only (else None)
+    k_scale, v_scale: [num_blocks, block_size, num_kv_heads] fp32 per token, or [num_kv_heads]
+                      fp32 static, FP8 caches only (else None)
 A token's slot is block_id * block_size + offset; slot_mapping gives the slot
 of every token of the step (-1 for padding tokens, which are not written).
 
@@ -23,7 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from rooflm.layers.kv_cache import KVCache, dequantize_ref, quantize_fp8_ref
+from rooflm.layers.kv_cache import KVCache, dequantize_ref, has_token_scales, quantize_fp8_ref, quantize_fp8_static_ref
 
 
 @dataclass
@@ -51,7 +52,8 @@ def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                  k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> None:
     """Store k, v [num_tokens, num_kv_heads, head_dim] into their cache slots (FP8 caches:
-    quantized with one scale per token and head, stored in k_scale / v_scale)."""
+    quantized with one scale per token and head, stored in k_scale / v_scale, or by the
+    static [num_kv_heads] scales k_scale / v_scale)."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     block_size = k_cache.shape[1]
@@ -60,6 +62,8 @@ def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         if scales is None:
             cache[blocks, offsets] = x[valid].to(cache.dtype)
+        elif not has_token_scales(scales):
+            cache[blocks, offsets] = quantize_fp8_static_ref(x[valid], scales)
         else:
             values, scale = quantize_fp8_ref(x[valid])
             cache[blocks, offsets] = values
@@ -73,7 +77,7 @@ def gather_kv_ref(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
     num_blocks = (seq_len + block_size - 1) // block_size
     table = block_table[:num_blocks].long()
     blocks = cache[table]  # [n, block_size, H_kv, D]
-    scale = None if scales is None else scales[table].reshape(-1, cache.shape[2])[:seq_len]
+    scale = scales[table].reshape(-1, cache.shape[2])[:seq_len] if has_token_scales(scales) else scales
     return dequantize_ref(blocks.reshape(-1, *cache.shape[2:])[:seq_len], scale)
 
 
@@ -145,7 +149,7 @@ def _gather_batched(cache: torch.Tensor, scales: Optional[torch.Tensor], tables:
                     max_len: int) -> torch.Tensor:
     """[n, num_blocks] block tables -> fp32 [n, H_kv, max_len, D]."""
     values = cache[tables].flatten(1, 2)[:, :max_len]
-    scale = None if scales is None else scales[tables].flatten(1, 2)[:, :max_len]
+    scale = scales[tables].flatten(1, 2)[:, :max_len] if has_token_scales(scales) else scales
     return dequantize_ref(values, scale).transpose(1, 2)
 
 
@@ -202,8 +206,9 @@ class Attention(torch.nn.Module):
 class AttentionBackend:
     """The interface a fast path implements; see ReferenceBackend for the semantics.
 
-    k_scale / v_scale are the per-(token, KV head) scales of an FP8 cache (layers/kv_cache.py),
-    passed only when the cache is FP8: a backend without FP8 support never sees them.
+    k_scale / v_scale are the scales of an FP8 cache, per (token, KV head) or static per KV head
+    (layers/kv_cache.py), passed only when the cache is FP8: a backend without FP8 support never
+    sees them.
     """
 
     name = "abstract"

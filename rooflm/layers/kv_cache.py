@@ -19,6 +19,16 @@ softmax weight by its V scale, so dequantized K/V never exist in memory.
 Layout: scales are their own pool, [num_blocks, block_size, H_kv] per layer and K/V, beside
 the data pool [num_blocks, block_size, H_kv, D], so a block's scales move with its data in
 swaps and copy-on-write, and the data pool keeps the layout TMA reads.
+
+Static scales (--kv-cache-scales static, or a checkpoint that carries them): one fixed fp32
+scale per layer and KV head, [H_kv], for K and for V, as vLLM and TensorRT-LLM keep FP8 K/V.
+Stored values are round_to_e4m3(clamp(x / scale, -448, 448)). The attention kernels fold the K
+scale into the query's softmax scale and the V scale into the output, so their inner loop has
+no per-key scale load or multiply (on the H100 the per-token scales cost ~20% of the FP8
+decode kernel's time: benchmarks/results/kv-fp8-tiles-h100-20261126/). The scales come from
+the checkpoint (compressed-tensors' kv_cache_scheme: self_attn.k_scale / v_scale, calibrated
+by llm-compressor) or are 1.0, vLLM's default, which clips |x| > 448 and rounds values under
+2^-6 coarsely: per-token scales stay the default for checkpoints without them.
 """
 
 from __future__ import annotations
@@ -35,6 +45,9 @@ SCALE_BYTES = 4
 
 # What --kv-cache-dtype accepts: "auto" stores the model's dtype.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# What --kv-cache-scales accepts (FP8 caches): auto is the checkpoint's static scales where it
+# has them, else per-token; static is the checkpoint's, else 1.0.
+KV_CACHE_SCALES = ("auto", "per-token", "static")
 
 
 class KVCache(NamedTuple):
@@ -42,8 +55,24 @@ class KVCache(NamedTuple):
 
     k: torch.Tensor  # [num_blocks, block_size, H_kv, D]
     v: torch.Tensor
-    k_scale: Optional[torch.Tensor] = None  # [num_blocks, block_size, H_kv] fp32, FP8 only
+    # FP8 only: [num_blocks, block_size, H_kv] fp32 per token, or [H_kv] fp32 static.
+    k_scale: Optional[torch.Tensor] = None
     v_scale: Optional[torch.Tensor] = None
+
+
+def has_token_scales(scale: Optional[torch.Tensor]) -> bool:
+    """Whether an FP8 cache's scales are per token ([num_blocks, block_size, H_kv]); False for
+    static [H_kv] scales and for caches without scales."""
+    return scale is not None and scale.dim() == 3
+
+
+def resolve_kv_scales(kv_cache_scales: str, checkpoint_has_scales: bool) -> str:
+    """'per-token' or 'static' for an FP8 cache, from --kv-cache-scales and the checkpoint."""
+    if kv_cache_scales not in KV_CACHE_SCALES:
+        raise ValueError(f"kv_cache_scales must be one of {', '.join(KV_CACHE_SCALES)}, got {kv_cache_scales!r}")
+    if kv_cache_scales == "auto":
+        return "static" if checkpoint_has_scales else "per-token"
+    return kv_cache_scales
 
 
 def parse_kv_cache_dtype(name: str) -> str:
@@ -61,10 +90,11 @@ def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     return FP8_DTYPE if is_fp8(kv_cache_dtype) else model_dtype
 
 
-def bytes_per_element(kv_cache_dtype: str, model_dtype: torch.dtype, head_dim: int) -> float:
-    """Bytes the pool spends per stored K or V element, the scale's share included."""
+def bytes_per_element(kv_cache_dtype: str, model_dtype: torch.dtype, head_dim: int,
+                      token_scales: bool = True) -> float:
+    """Bytes the pool spends per stored K or V element, a per-token scale's share included."""
     if is_fp8(kv_cache_dtype):
-        return 1.0 + SCALE_BYTES / head_dim
+        return 1.0 + (SCALE_BYTES / head_dim if token_scales else 0.0)
     return float(torch.empty((), dtype=model_dtype).element_size())
 
 
@@ -75,8 +105,14 @@ def quantize_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (xf / scale[..., None]).to(FP8_DTYPE), scale
 
 
+def quantize_fp8_static_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., H_kv, D] -> E4M3 values of x / scale (scale [H_kv]), saturated at +-448."""
+    return (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
 def dequantize_ref(values: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
-    """fp32 values of stored K or V: the FP8 values times their scales, or the values as they are."""
+    """fp32 values of stored K or V [..., H_kv, D]: the FP8 values times their scales (one per
+    token and head [..., H_kv], or static [H_kv]), or the values as they are."""
     if scale is None:
         return values.float()
     return values.float() * scale[..., None]

@@ -164,6 +164,9 @@ class LlamaForCausalLM(torch.nn.Module):
         # Tied embeddings read from quantized blocks: the embedding is dequantized (a lookup reads
         # one row per token) and the LM head, which reads all of it every step, stays quantized.
         self.tied_head_quant = None
+        # A checkpoint's static FP8 K/V scales, [layers, 2 (K, V)] fp32 on the host, or None
+        # (quant/checkpoint.py's kv_cache_scheme); the model runner puts them in the FP8 cache.
+        self.checkpoint_kv_scales: Optional[torch.Tensor] = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
@@ -193,6 +196,9 @@ class LlamaForCausalLM(torch.nn.Module):
         for name, tensor in weights:
             if self.cfg.tie_word_embeddings and name == "lm_head.weight":
                 continue  # some tied checkpoints still store the head; the embedding is used
+            if name.endswith(("self_attn.k_scale", "self_attn.v_scale")):
+                self._load_kv_scale(name, tensor)
+                continue
             if is_quantized_tensor(tensor) and not _fused_targets(name):
                 tensor = self._load_blocks(name, tensor)
                 if tensor is None:
@@ -223,6 +229,17 @@ class LlamaForCausalLM(torch.nn.Module):
         missing = [n for n in self._expected_weight_names() if n not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _load_kv_scale(self, name: str, tensor) -> None:
+        """'model.layers.3.self_attn.k_scale' (one fp32, per tensor) -> checkpoint_kv_scales[3, 0]."""
+        tensor = tensor.load() if hasattr(tensor, "load") else tensor  # a lazy slice (TP loading)
+        value = float(tensor.reshape(-1)[0])
+        if not (value > 0 and value < float("inf")):
+            raise ValueError(f"checkpoint tensor {name!r} is {value}: a K/V scale must be positive and finite")
+        if self.checkpoint_kv_scales is None:
+            self.checkpoint_kv_scales = torch.ones(self.cfg.num_hidden_layers, 2, dtype=torch.float32, device="cpu")
+        layer = int(name.split(".")[2])
+        self.checkpoint_kv_scales[layer, 0 if name.endswith("k_scale") else 1] = value
 
     def disable_gemv_where_quantized(self) -> None:
         """The fused batch-1 GEMV path reads float weights: layers whose linears are quantized take

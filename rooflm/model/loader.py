@@ -301,8 +301,9 @@ def _load_hf_config(model_dir: str) -> ModelConfig:
 # Weights
 # ---------------------------------------------------------------------------
 
-def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every HF parameter name the config implies, with its shape."""
+def weight_shapes(config: ModelConfig, kv_scales: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every HF parameter name the config implies, with its shape; kv_scales: the checkpoint's
+    static FP8 K/V scales too (one a layer, quant/checkpoint.py's kv_cache_scheme)."""
     hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(config.num_hidden_layers):
@@ -323,6 +324,8 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[layer + "mlp.gate_proj.weight"] = (inter, hidden)
         shapes[layer + "mlp.up_proj.weight"] = (inter, hidden)
         shapes[layer + "mlp.down_proj.weight"] = (hidden, inter)
+        if kv_scales:
+            shapes[layer + "self_attn.k_scale"] = shapes[layer + "self_attn.v_scale"] = (1,)
     shapes["model.norm.weight"] = (hidden,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (vocab, hidden)
@@ -346,6 +349,10 @@ class LazySlice:
         return self._slice[:]
 
 
+def _load_whole(tensor) -> torch.Tensor:
+    return tensor.load() if isinstance(tensor, LazySlice) else tensor
+
+
 def iter_weights(path: str, load_format: str, keep_quantized: bool = False,
                  lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF parameter name, tensor) for every weight, one tensor at a time, each
@@ -365,9 +372,11 @@ def iter_weights(path: str, load_format: str, keep_quantized: bool = False,
     if load_format == "safetensors":
         config = _load_hf_config(path)
         stream = _iter_safetensors(path, config, lazy)
-        from rooflm.quant.checkpoint import group_quantized, parse_quant_config
+        from rooflm.quant.checkpoint import group_quantized, parse_kv_cache_scheme, parse_quant_config
         config_path = os.path.join(path, "config.json")
-        scheme = parse_quant_config(_read_json(config_path), config_path)
+        raw = _read_json(config_path)
+        scheme = parse_quant_config(raw, config_path)
+        kv_scales = parse_kv_cache_scheme(raw, config_path)
         if scheme is not None:  # GPTQ/AWQ parts come grouped as one quantized '<linear>.weight'
             if lazy:
                 raise ValueError(f"{path}: {scheme.method} checkpoints do not load with "
@@ -376,6 +385,7 @@ def iter_weights(path: str, load_format: str, keep_quantized: bool = False,
     elif load_format == "gguf":
         from rooflm.model import gguf_loader
         config, stream = gguf_loader.open_gguf_weights(path, keep_quantized)
+        kv_scales = False
     elif load_format == "dummy":
         raise ModelLoadError(
             f"{path!r} has dummy weights; there are no weights to read "
@@ -383,15 +393,17 @@ def iter_weights(path: str, load_format: str, keep_quantized: bool = False,
     else:
         raise ModelLoadError(
             f"iter_weights needs a concrete format (safetensors, gguf); got {load_format!r}")
-    return _check_shapes(stream, config, path)
+    return _check_shapes(stream, config, path, kv_scales)
 
 
 def _check_shapes(stream: Iterator[tuple[str, torch.Tensor, str]], config: ModelConfig,
-                  path: str) -> Iterator[tuple[str, torch.Tensor]]:
+                  path: str, kv_scales: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Pass the stream through, checking each (name, tensor, source file) against the config."""
-    expected = weight_shapes(config)
+    expected = weight_shapes(config, kv_scales)
     seen: set[str] = set()
     for name, tensor, source in stream:
+        if kv_scales and name.endswith(("self_attn.k_scale", "self_attn.v_scale")) and len(tensor.shape) == 0:
+            tensor = _load_whole(tensor).reshape(1)  # a scalar in most exports
         if name not in expected:
             raise load_error(
                 source, f"unexpected tensor {name!r} for a {config.architecture} with "

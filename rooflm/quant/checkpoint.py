@@ -13,6 +13,10 @@ config.json's `quantization_config` names the scheme (quant_method). rooflm read
         symmetric or not, actorder with weight_g_idx; no input activations), see formats.py;
         other compressed-tensors formats (int-quantized W8A8, sparse) fail naming the format
 
+  kv_cache_scheme (compressed-tensors, llm-compressor's FP8 K/V calibration): 8-bit float,
+        strategy "tensor", static: one `self_attn.k_scale` / `v_scale` a layer, the FP8 cache's
+        static scales under --kv-cache-dtype fp8 (layers/kv_cache.py); ignored by other caches
+
 Anything else fails at load with the scheme named. A quantized linear's tensors
 (`<prefix>.qweight`, `.qzeros`, `.scales`, `.g_idx`) are collected and yielded as one
 `<prefix>.weight` in rooflm's runtime form (formats.GroupWeight / ChannelWeight), so the model's
@@ -49,6 +53,20 @@ class QuantScheme:
         method = "compressed-tensors pack-quantized" if self.method == "ct-packed" else self.method
         return (f"{method} int{self.bits} {g}" + (" act-order" if self.desc_act else "")
                 + ("" if self.sym or self.method != "ct-packed" else " asymmetric"))
+
+
+def parse_kv_cache_scheme(cfg: dict[str, Any], config_path: str) -> bool:
+    """Whether the checkpoint carries static per-tensor FP8 K/V scales (quantization_config's
+    kv_cache_scheme); another K/V scheme raises, naming it."""
+    scheme = (cfg.get("quantization_config") or {}).get("kv_cache_scheme")
+    if not scheme:
+        return False
+    if not (isinstance(scheme, dict) and scheme.get("type") == "float" and int(scheme.get("num_bits") or 0) == 8
+            and scheme.get("strategy") == "tensor" and not scheme.get("dynamic")):
+        raise load_error(config_path, f"kv_cache_scheme {scheme} is not supported; rooflm reads static "
+                                      f"per-tensor 8-bit float K/V scales (type float, num_bits 8, "
+                                      f"strategy tensor, dynamic false)")
+    return True
 
 
 def parse_quant_config(cfg: dict[str, Any], config_path: str) -> Optional[QuantScheme]:

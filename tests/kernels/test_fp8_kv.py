@@ -1,5 +1,6 @@
-"""FP8 (E4M3) KV cache with per-(token, head) scales: the format (layers/kv_cache.py), the writer
-(rope_kv_write) and both attention kernels against the paged reference reading the same bytes."""
+"""FP8 (E4M3) KV cache with per-(token, head) or static per-head scales: the format
+(layers/kv_cache.py), the writer (rope_kv_write) and both attention kernels against the paged
+reference reading the same bytes."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from rooflm.kernels.decode_attention import decode_attention, decode_attention_r
 from rooflm.kernels.prefill_attention import prefill_attention, prefill_attention_ref
 from rooflm.kernels.rope_kv_write import rope_kv_write, rope_kv_write_ref, write_kv
 from rooflm.kernels.utils import random_paged_batch
-from rooflm.layers.kv_cache import FP8_DTYPE, FP8_MAX, dequantize_ref, quantize_fp8_ref
+from rooflm.layers.kv_cache import FP8_DTYPE, FP8_MAX, dequantize_ref, quantize_fp8_ref, quantize_fp8_static_ref
 from rooflm.layers.rotary import build_cos_sin_cache
 
 
@@ -21,6 +22,18 @@ def fp8_batch(seq_lens, query_lens, num_kv_heads, head_dim, block_size):
     k8, ks = quantize_fp8_ref(k * 3.0)  # keys of a few units, like a rotated Llama key
     v8, vs = quantize_fp8_ref(v)
     return meta, k8, v8, ks.contiguous(), vs.contiguous()
+
+
+def fp8_static_batch(seq_lens, query_lens, num_kv_heads, head_dim, block_size):
+    """The same batch stored with one static scale per KV head (a calibrated checkpoint's), the
+    heads of different magnitudes; unused slots stay NaN."""
+    meta, k, v = random_paged_batch(seq_lens, query_lens, num_kv_heads, head_dim, block_size,
+                                    torch.float32, DEVICE)
+    magnitude = torch.logspace(-1, 1, num_kv_heads, device=DEVICE)[:, None]
+    k, v = k * 3.0 * magnitude, v * magnitude
+    ks = (k.nan_to_num().abs().amax((0, 1, 3)) / FP8_MAX).contiguous()
+    vs = (v.nan_to_num().abs().amax((0, 1, 3)) / FP8_MAX).contiguous()
+    return meta, quantize_fp8_static_ref(k, ks), quantize_fp8_static_ref(v, vs), ks, vs
 
 
 def test_quantize_round_trip_error_is_within_e4m3_precision():
@@ -66,6 +79,74 @@ def test_prefill_fp8_matches_reference(seq_lens, query_lens, num_kv_heads, group
     ref = prefill_attention_ref(q, k8, v8, meta, scale, window, k_scale=ks, v_scale=vs)
     rows = meta.query_start_loc_cpu[first]
     assert_close(out[rows:], ref[rows:], torch.float16, "prefill fp8")
+
+
+@pytest.mark.parametrize("seq_lens,num_kv_heads,group,head_dim,block_size,num_splits", [
+    ([1, 17, 97], 2, 4, 64, 16, None),
+    ([300], 1, 8, 128, 16, 4),   # one sequence in splits: V's scale on every partial
+])
+def test_decode_fp8_static_scales_match_reference(seq_lens, num_kv_heads, group, head_dim, block_size,
+                                                  num_splits):
+    torch.manual_seed(3)
+    meta, k8, v8, ks, vs = fp8_static_batch(seq_lens, [1] * len(seq_lens), num_kv_heads, head_dim, block_size)
+    q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, device=DEVICE).to(torch.float16)
+    out = torch.full_like(q, float("nan"))
+    scale = head_dim ** -0.5
+    decode_attention(q, k8, v8, meta, scale, out=out, num_splits=num_splits, k_scale=ks, v_scale=vs)
+    ref = decode_attention_ref(q, k8, v8, meta, scale, k_scale=ks, v_scale=vs)
+    assert_close(out, ref, torch.float16, "decode fp8 static")
+    # The scales are applied: the same bytes read as if every scale were 1 give another answer.
+    ones = torch.ones_like(ks)
+    assert (decode_attention_ref(q, k8, v8, meta, scale, k_scale=ones, v_scale=ones) - ref).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("seq_lens,query_lens,window", [
+    ([17], [17], None),
+    ([1, 1, 250, 61], [1, 1, 250, 20], 64),  # decodes, a prefill, a chunk; window
+])
+def test_prefill_fp8_static_scales_match_reference(seq_lens, query_lens, window):
+    torch.manual_seed(4)
+    meta, k8, v8, ks, vs = fp8_static_batch(seq_lens, query_lens, 2, 64, 16)
+    q = torch.randn(meta.query_start_loc_cpu[-1], 8, 64, device=DEVICE).to(torch.float16)
+    out = torch.full_like(q, float("nan"))
+    first = meta.num_decodes
+    prefill_attention(q, k8, v8, meta, 0.125, window, out=out, first_seq=first, k_scale=ks, v_scale=vs)
+    ref = prefill_attention_ref(q, k8, v8, meta, 0.125, window, k_scale=ks, v_scale=vs)
+    rows = meta.query_start_loc_cpu[first]
+    assert_close(out[rows:], ref[rows:], torch.float16, "prefill fp8 static")
+
+
+def test_rope_kv_write_fp8_static_scales_saturate_like_the_reference():
+    torch.manual_seed(5)
+    t, h, h_kv, d, bs = 7, 8, 2, 64, 16
+    table = build_cos_sin_cache(d, 4096, 10000.0, None).to(DEVICE)
+    positions = torch.randint(0, 4000, (t,), device=DEVICE)
+    q = torch.randn(t, h, d, device=DEVICE)
+    k = torch.randn(t, h_kv, d, device=DEVICE) * 5
+    v = torch.randn(t, h_kv, d, device=DEVICE)
+    slots = torch.tensor([3, 40, -1, 17, 0, 63, 21], device=DEVICE)
+    # Head 0's scales are too small for its values: they saturate at +-448 instead of overflowing.
+    ks = torch.tensor([0.005, 0.05], device=DEVICE)
+    vs = torch.tensor([0.001, 0.01], device=DEVICE)
+    shape = (4, bs, h_kv, d)
+    kc, vc, kc_ref, vc_ref = (torch.zeros(shape, dtype=FP8_DTYPE, device=DEVICE) for _ in range(4))
+    q_out = rope_kv_write(q.clone(), k, v, positions, table, kc, vc, slots, k_scale=ks, v_scale=vs)
+    q_ref = rope_kv_write_ref(q.clone(), k, v, positions, table, kc_ref, vc_ref, slots, k_scale=ks, v_scale=vs)
+    assert_close(q_out, q_ref, torch.float32, "rotated q")
+    for got, want in ((kc, kc_ref), (vc, vc_ref)):
+        assert torch.isfinite(got.float()).all()
+        assert (got.view(torch.uint8) != want.view(torch.uint8)).float().mean() < 0.01  # rounding ties only
+    assert kc[..., 0, :].float().abs().max() == FP8_MAX  # saturated
+    flat_v = dequantize_ref(vc, vs).view(-1, h_kv, d)
+    rel = (flat_v[40, 1] - v[1, 1]).abs().max() / v[1, 1].abs().max()
+    assert rel < 2 ** -4
+
+
+def test_static_scales_of_the_wrong_shape_are_refused():
+    meta, k8, v8, ks, vs = fp8_static_batch([5], [1], 2, 64, 16)
+    q = torch.randn(1, 4, 64, device=DEVICE).to(torch.float16)
+    with pytest.raises(ValueError, match=r"\(2,\) \(static\)"):
+        decode_attention(q, k8, v8, meta, 0.125, k_scale=ks[:1], v_scale=vs[:1])
 
 
 def _empty_fp8_cache(num_blocks, block_size, num_kv_heads, head_dim):

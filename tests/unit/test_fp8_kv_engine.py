@@ -86,3 +86,146 @@ def test_fp8_outputs_stay_close_to_the_full_precision_cache(tiny_path):
 def test_bad_kv_cache_dtype_names_the_choices(tiny_path):
     with pytest.raises(ValueError, match="kv_cache_dtype must be auto, fp8 or fp8_e4m3"):
         LLM(model=tiny_path, device="cpu", kv_cache_dtype="int4")
+
+
+# ---- static scales (--kv-cache-scales static, or a checkpoint's kv_cache_scheme) ----------------
+
+def test_static_scales_pool_layout_and_bytes(tiny_path):
+    llm = fp8_llm(tiny_path, num_blocks=64, kv_cache_scales="static")
+    runner = llm.engine.runner
+    cfg = llm.engine.model_config
+    assert runner.kv_scale_mode() == "static"
+    assert runner.kv_scales.shape == (cfg.num_hidden_layers, 2, cfg.num_key_value_heads)
+    assert runner.kv_scales.eq(1.0).all()  # no checkpoint scales: vLLM's 1.0
+    assert llm.engine.info.kv_dtype_bytes == 1.0  # no per-token scale in the pool
+
+
+def test_static_scales_preemption_and_prefix_hits_match_ample_pool(tiny_path):
+    lengths = [37, 21, 50, 9, 44, 30, 17, 26, 33, 12]
+    prompts = prompts_of(lengths)
+    ref = tokens(fp8_llm(tiny_path, num_blocks=512, kv_cache_scales="static").generate(prompts, GREEDY))
+    need = sum(-(-(n + GREEDY.max_tokens) // 4) for n in lengths)
+    small = fp8_llm(tiny_path, num_blocks=need // 6, preemption_mode="swap", reserve_new_tokens=False,
+                    kv_cache_scales="static")
+    assert tokens(small.generate(prompts, GREEDY)) == ref
+    assert small.engine.scheduler.num_preemptions > 0
+    ample = fp8_llm(tiny_path, kv_cache_scales="static")
+    first, second = (ample.generate([prompts[2]], GREEDY)[0] for _ in range(2))
+    assert second.num_cached_tokens == 48 and second.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def _with_kv_scales(src, dst, scales, scheme=None):
+    """A copy of the tiny checkpoint carrying static K/V scales, as llm-compressor writes them."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(f"{dst}/model.safetensors")
+    for layer, (k, v) in enumerate(scales):
+        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k)
+        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor([v])
+    save_file(tensors, f"{dst}/model.safetensors", metadata={"format": "pt"})
+    config = json.load(open(f"{dst}/config.json"))
+    config["quantization_config"]["kv_cache_scheme"] = scheme or {
+        "type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": False, "symmetric": True}
+    json.dump(config, open(f"{dst}/config.json", "w"))
+    return dst
+
+
+def _fp8_weights_copy(src, dst):
+    """The tiny checkpoint with fp8 per-channel weights in compressed-tensors' float-quantized
+    format (llm-compressor's FP8 recipe; the K/V scheme rides on a weight scheme)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from rooflm.layers.kv_cache import FP8_DTYPE, FP8_MAX
+    tensors = load_file(f"{src}/model.safetensors")
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("_proj.weight"):
+            scale = t.abs().amax(1, keepdim=True) / FP8_MAX
+            out[name] = (t / scale).to(FP8_DTYPE)
+            out[name[: -len("weight")] + "weight_scale"] = scale
+        else:
+            out[name] = t
+    save_file(out, f"{dst}/model.safetensors", metadata={"format": "pt"})
+    config = json.load(open(f"{src}/config.json"))
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "type": "float", "num_bits": 8, "strategy": "channel"}, "input_activations": None}}}
+    json.dump(config, open(f"{dst}/config.json", "w"))
+
+
+def test_checkpoint_kv_scales_reach_the_cache_and_generate(tiny_path, tmp_path):
+    layers = 2
+    base = tmp_path / "fp8"
+    import shutil
+    shutil.copytree(tiny_path, base)
+    _fp8_weights_copy(base, base)
+    prompts = prompts_of([37, 21, 50, 9])
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    # Calibrated as llm-compressor does: each layer's largest |K| and |V| over the prompts / 448,
+    # here the largest of the per-token scales a run leaves in the pool.
+    per_token_llm = fp8_llm(str(base), kv_cache_scales="per-token")
+    per_token = tokens(per_token_llm.generate(prompts, params))
+    calibrated = per_token_llm.engine.runner.kv_scales.amax(dim=(2, 3, 4))
+    assert calibrated.shape == (layers, 2) and (calibrated > 0).all()
+    scales = calibrated.tolist()
+    path = _with_kv_scales(base, tmp_path / "fp8-kv", scales)
+    llm = fp8_llm(str(path))  # --kv-cache-scales auto: the checkpoint's
+    runner = llm.engine.runner
+    assert runner.kv_scale_mode() == "static"
+    want = torch.tensor(scales)[:, :, None].expand_as(runner.kv_scales)
+    assert torch.equal(runner.kv_scales.cpu(), want)
+    static = tokens(llm.generate(prompts, params))
+    same_first = sum(a[0] == b[0] for a, b in zip(static, per_token))
+    assert same_first >= 3, (static, per_token)
+    # A bf16/fp32 cache ignores the scales.
+    full = LLM(model=str(path), device="cpu", dtype="float32", block_size=4)
+    assert full.engine.runner.kv_scale_mode() == "" and full.engine.runner.kv_scales is None
+
+
+def test_checkpoint_kv_scheme_errors_name_the_problem(tiny_path, tmp_path):
+    from rooflm.model.errors import ModelLoadError
+
+    base = tmp_path / "fp8"
+    import shutil
+    shutil.copytree(tiny_path, base)
+    _fp8_weights_copy(base, base)
+    dynamic = _with_kv_scales(base, tmp_path / "dyn", [(0.1, 0.1)] * 2,
+                              {"type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": True})
+    with pytest.raises(ModelLoadError, match="kv_cache_scheme .* is not supported"):
+        fp8_llm(str(dynamic))
+    one_layer = _with_kv_scales(base, tmp_path / "partial", [(0.1, 0.1)])
+    with pytest.raises(ModelLoadError, match="missing 2 weight"):
+        fp8_llm(str(one_layer))
+    zero = _with_kv_scales(base, tmp_path / "zero", [(0.0, 0.1), (0.1, 0.1)])
+    with pytest.raises(ValueError, match="must be positive and finite"):
+        fp8_llm(str(zero))
+
+
+def test_bad_kv_cache_scales_names_the_choices(tiny_path):
+    with pytest.raises(ValueError, match="kv_cache_scales must be auto, per-token or static"):
+        LLM(model=tiny_path, device="cpu", kv_cache_dtype="fp8", kv_cache_scales="per-block")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scales", ["per-token", "static"])
+def test_gpu_fp8_cache_matches_the_cpu_reference(tiny_path, scales):
+    """The Triton kernels (RoPE + FP8 write, decode, prefill) on the GPU against the CPU's torch
+    reference with the same cache format: same first tokens, close logprobs."""
+    prompts = prompts_of([37, 21, 50, 9, 44, 30, 17, 26])
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    cpu = fp8_llm(tiny_path, kv_cache_scales=scales).generate(prompts, params)
+    gpu = LLM(model=tiny_path, device="cuda", dtype="float16", block_size=16, num_blocks=256,
+              kv_cache_dtype="fp8", kv_cache_scales=scales).generate(prompts, params)
+    assert sum(a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0] for a, b in zip(cpu, gpu)) >= 7
+    diffs = [abs(a.outputs[0].logprobs[0][a.outputs[0].token_ids[0]].logprob
+                 - b.outputs[0].logprobs[0][a.outputs[0].token_ids[0]].logprob)
+             for a, b in zip(cpu, gpu) if a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0]]
+    assert sum(diffs) / len(diffs) < 0.3, diffs
