@@ -14,7 +14,7 @@ issues there per K/V element, the op mix and the issue-bound ceiling in GB/s of 
 format. A static count: memory latency and stalls are not in it; it says which variant cannot
 be fast, and what its instructions are spent on.
 
-Usage: python benchmarks/decode_attention_sass.py [--out FILE.json]
+Usage: python benchmarks/decode_attention_sass.py [--out FILE.json] [--only TEXT]
 """
 
 from __future__ import annotations
@@ -39,16 +39,17 @@ DIVISIBLE = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "s
              "stride_bt")
 
 
-def compile_decode(fp8: bool, block_n: int, num_warps: int, num_stages: int, ablate: int = 0, pairs: bool = False):
+def compile_decode(fp8: bool, block_n: int, num_warps: int, num_stages: int, ablate: int = 0, pairs: bool = False,
+                   static: bool = False, block_size: int = 16):
     from rooflm.kernels.decode_attention import _decode_attention_kernel as fn
 
     kv = ("i16" if pairs else "fp8e4nv") if fp8 else "bf16"
     ptrs = dict(out_ptr="bf16", part_out_ptr="fp32", part_lse_ptr="fp32", q_ptr="bf16", k_cache_ptr=kv,
                 v_cache_ptr=kv, k_scale_ptr="fp32", v_scale_ptr="fp32", block_tables_ptr="i32",
                 seq_lens_ptr="i32", query_start_loc_ptr="i32")
-    consts = dict(NUM_HEADS=32, GROUP=4, ROWS=16, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16,
+    consts = dict(NUM_HEADS=32, GROUP=4, ROWS=16, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=block_size,
                   BLOCK_N=block_n, SINGLE_SPLIT=True, SLIDING=False, UPCAST=False, DOT_PRECISION="tf32",
-                  FP8=fp8, PDL=False, ABLATE=ablate, PAIRS=pairs)
+                  FP8=fp8, PDL=False, ABLATE=ablate, PAIRS=pairs, ONE_ENTRY=True, TOKEN_SCALES=not static)
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
@@ -66,7 +67,7 @@ def compile_decode(fp8: bool, block_n: int, num_warps: int, num_stages: int, abl
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-CASES = [  # (label, fp8, BLOCK_N, warps, stages, ablate[, pairs])
+CASES = [  # (label, fp8, BLOCK_N, warps, stages, ablate[, pairs[, static scales, block size]])
     ("bf16, engine tiles (128, 4, 3)", False, 128, 4, 3, 0),
     ("bf16, short-range tiles (32, 4, 3)", False, 32, 4, 3, 0),
     ("fp8, engine tiles (128, 4, 3)", True, 128, 4, 3, 0),
@@ -83,6 +84,13 @@ CASES = [  # (label, fp8, BLOCK_N, warps, stages, ablate[, pairs])
     ("fp8 bytes, engine tiles (64, 2, 6)", True, 64, 2, 6, 0),
     ("fp8 pairs, (128, 4, 3)", True, 128, 4, 3, 0, True),
     ("fp8 pairs, (32, 4, 3) short range", True, 32, 4, 3, 0, True),
+    # Static scales (one per KV head, --kv-cache-scales static), at the engine's block size 64.
+    ("bf16, (128, 4, 3), block 64", False, 128, 4, 3, 0, False, False, 64),
+    ("fp8 pairs per-token, (64, 2, 6), block 64", True, 64, 2, 6, 0, True, False, 64),
+    ("fp8 pairs static, (64, 2, 6), block 64", True, 64, 2, 6, 0, True, True, 64),
+    ("fp8 pairs static, (128, 4, 3), block 64", True, 128, 4, 3, 0, True, True, 64),
+    ("fp8 pairs static, (32, 2, 8), block 64", True, 32, 2, 8, 0, True, True, 64),
+    ("fp8 pairs static, (64, 4, 4), block 64", True, 64, 4, 4, 0, True, True, 64),
 ]
 SM_REGISTERS, SM_SHARED, SM_MAX_WARPS = 65536, 228 * 1024, 64  # H100 per SM
 
@@ -108,13 +116,16 @@ def main(argv=None):
     ap.add_argument("--clock-ghz", type=float, default=1.98)
     ap.add_argument("--sms", type=int, default=132)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--only", default="", help="only the cases whose label contains this text")
     args = ap.parse_args(argv)
     lanes_per_s = args.sms * 4 * 32 * args.clock_ghz * 1e9
     print(f"sm_90 SASS, Triton {triton.__version__}; Llama-3-8B decode shape (GQA 32/8, D 128, block 16); "
           f"issue bound = {args.sms} SMs x 4 x 32 lanes x {args.clock_ghz} GHz / instructions per element")
     rows = []
-    for label, fp8, block_n, warps, stages, ablate, *pairs in CASES:
-        kernel = compile_decode(fp8, block_n, warps, stages, ablate, bool(pairs and pairs[0]))
+    for label, fp8, block_n, warps, stages, ablate, *extra in CASES:
+        if args.only not in label:
+            continue
+        kernel = compile_decode(fp8, block_n, warps, stages, ablate, *extra)
         count, ops = main_loop(kernel)
         elements = 2 * block_n * 128  # K and V of one key tile, one KV head
         per_element = count * warps * 32 / elements

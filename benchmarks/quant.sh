@@ -14,8 +14,8 @@
 #        linear against bf16 on the 8B shapes (benchmarks/fp8_linear.py), and decode tok/s of the
 #        8B shape in bf16 and fp8 at batch 1 (128 in / 256 out) and 64 (128 in / 128 out).
 #        OUT=dir bash benchmarks/quant.sh offline   issue 19's offline target (< 8 min on an H100):
-#        1000 x 1024/1024 with FP8 W8A8 + FP8 KV beside bf16, each with its printed bound and
-#        --breakdown (PROMPTS=n for fewer requests).
+#        1000 x 1024/1024 with FP8 W8A8 + FP8 KV (static, then per-token scales) beside bf16, each
+#        with its printed bound and --breakdown (PROMPTS=n for fewer requests).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results/quant-gpu}
@@ -23,7 +23,8 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 if [ "${1:-}" = offline ]; then
   LONG="--model llama-3-8b --load-format dummy --num-prompts ${PROMPTS:-1000} --input-len 1024 --output-len 1024 --max-model-len 2048"
-  for v in "fp8 --quantization fp8 --kv-cache-dtype fp8" "bf16"; do
+  # fp8s: static K/V scales (1.0 on dummy weights), as TensorRT-LLM's FP8 KV cache keeps them.
+  for v in "fp8s --quantization fp8 --kv-cache-dtype fp8 --kv-cache-scales static" "fp8 --quantization fp8 --kv-cache-dtype fp8" "bf16"; do
     set -- $v; name=$1; shift
     timeout 280 python -m rooflm bench throughput $LONG "$@" --breakdown --disable-tqdm \
       --output-json "$OUT/offline-$name.json" > "$OUT/offline-$name.txt" 2>&1

@@ -285,6 +285,15 @@ DECODE_CONFIGS_FP8 = {
     128: (64, 2, 6),
     256: (64, 4, 3),   # not swept on the device yet
 }
+# Static FP8 scales (no per-key scale work): bf16's tile, its registers capped at 168 so that 3
+# CTAs fit an SM (171 uncapped on sm_90, 2 CTAs; 24 bytes of spills). ROOFLM_DECODE_MAXNREG=0 drops
+# the cap (the benchmarks' A/B switch).
+DECODE_CONFIGS_FP8_STATIC = {
+    64: (128, 4, 3),   # not swept on the device yet
+    128: (128, 4, 3, 168),
+    256: (64, 4, 3),   # not swept on the device yet
+}
+_MAXNREG = os.environ.get("ROOFLM_DECODE_MAXNREG", "1") != "0"
 SHORT_RANGE_TOKENS = 512  # keys per program below which the short table applies
 DECODE_CONFIG_FP32 = (32, 4, 2)
 _INTERPRETER_CONFIG = (32, 1, 1)
@@ -309,8 +318,10 @@ MAX_SPLITS = 64
 
 
 def decode_config(head_dim: int, dtype: torch.dtype = torch.bfloat16,
-                  keys_per_program: int = 1 << 30, fp8: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for q's dtype; fp8: an FP8 cache."""
+                  keys_per_program: int = 1 << 30, fp8: bool = False,
+                  static_scales: bool = False) -> tuple[int, ...]:
+    """(BLOCK_N, num_warps, num_stages[, maxnreg]) for q's dtype; fp8: an FP8 cache, with static
+    scales or per-token ones."""
     if is_interpreter():
         return _INTERPRETER_CONFIG
     if dtype == torch.float32:
@@ -318,8 +329,9 @@ def decode_config(head_dim: int, dtype: torch.dtype = torch.bfloat16,
     if keys_per_program < SHORT_RANGE_TOKENS:
         table = DECODE_CONFIGS_SHORT
     else:
-        table = DECODE_CONFIGS_FP8 if fp8 else DECODE_CONFIGS
-    return config_for_head_dim(table, max(next_power_of_2(head_dim), 16))
+        table = (DECODE_CONFIGS_FP8_STATIC if static_scales else DECODE_CONFIGS_FP8) if fp8 else DECODE_CONFIGS
+    config = config_for_head_dim(table, max(next_power_of_2(head_dim), 16))
+    return config if _MAXNREG else config[:3]
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
@@ -341,7 +353,7 @@ class DecodePlan:
 
     num_seqs: int
     num_splits: int
-    config: tuple[int, int, int]  # BLOCK_N, num_warps, num_stages
+    config: tuple[int, ...]  # BLOCK_N, num_warps, num_stages[, maxnreg]
     sliding: bool
     part_out: torch.Tensor  # [num_seqs, H, splits, D_pad] fp32 partial outputs (split-KV)
     part_lse: torch.Tensor
@@ -352,7 +364,7 @@ def plan_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           meta: AttentionMetadata, sliding_window: Optional[int] = None, *,
                           out: Optional[torch.Tensor] = None, num_seqs: Optional[int] = None,
                           num_splits: Optional[int] = None,
-                          config: Optional[tuple[int, int, int]] = None,
+                          config: Optional[tuple[int, ...]] = None,
                           k_scale: Optional[torch.Tensor] = None,
                           v_scale: Optional[torch.Tensor] = None) -> Optional[DecodePlan]:
     """Check the inputs and fix the launch for a step (see decode_attention); None: no decodes."""
@@ -370,7 +382,8 @@ def plan_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     span = min(max_len, sliding_window) if sliding else max_len
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_len, sliding_window if sliding else None)
-    config = config or decode_config(head_dim, q.dtype, cdiv(span, num_splits), fp8=k_scale is not None)
+    config = config or decode_config(head_dim, q.dtype, cdiv(span, num_splits), fp8=k_scale is not None,
+                                     static_scales=k_scale is not None and not has_token_scales(k_scale))
     head_dim_pad = max(next_power_of_2(head_dim), 16)
     if num_splits > 1:
         part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim_pad, dtype=torch.float32, device=q.device)
@@ -384,7 +397,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      meta: AttentionMetadata, scale: float, sliding_window: Optional[int] = None,
                      *, out: Optional[torch.Tensor] = None, num_seqs: Optional[int] = None,
                      num_splits: Optional[int] = None,
-                     config: Optional[tuple[int, int, int]] = None,
+                     config: Optional[tuple[int, ...]] = None,
                      plan: Optional[DecodePlan] = None, k_scale: Optional[torch.Tensor] = None,
                      v_scale: Optional[torch.Tensor] = None, _ablate: int = 0) -> torch.Tensor:
     """Attention of the one query token of each of the first num_seqs sequences.
@@ -393,7 +406,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     query token each. Writes their rows of out (allocated when None) and
     returns it. num_splits (default: decode_num_splits) may be fixed by the
     caller, e.g. for CUDA-graph capture; config = (BLOCK_N, num_warps,
-    num_stages) overrides the table. plan: from plan_decode_attention for this
+    num_stages[, maxnreg]) overrides the table. plan: from plan_decode_attention for this
     step's metadata and shapes (then num_seqs, num_splits and config are its own). FP8 caches
     take their k_scale / v_scale [num_blocks, block_size, H_kv] fp32 (or static [H_kv]). _ablate (FP8 only; 1: no
     scales, 2: V scales folded into p) is for the benchmark's what-limits-it experiments: wrong
@@ -410,7 +423,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     head_dim_pad = max(next_power_of_2(head_dim), 16)
     group = num_heads // num_kv_heads
-    block_n, num_warps, num_stages = plan.config
+    block_n, num_warps, num_stages = plan.config[:3]
+    # A 4th entry caps the registers a thread (ptxas .maxnreg): one CTA more an SM where the
+    # compiler lands just over a multiple (static FP8 at (128, 4, 3): 171 -> 168, 2 -> 3 CTAs).
+    launch_kwargs = {"maxnreg": plan.config[3]} if len(plan.config) > 3 and not is_interpreter() else {}
     num_seqs, num_splits, pdl = plan.num_seqs, plan.num_splits, plan.pdl
     pdl_kwargs = {"launch_pdl": True} if pdl else {}
     fp8 = k_scale is not None
@@ -434,7 +450,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         ONE_ENTRY=num_splits == 1 if _ONE_ENTRY == "auto" else _ONE_ENTRY != "0", TOKEN_SCALES=token_scales,
         num_warps=num_warps,
         num_stages=num_stages,
-        **pdl_kwargs,
+        **pdl_kwargs, **launch_kwargs,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
