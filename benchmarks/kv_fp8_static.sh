@@ -4,29 +4,15 @@
 #   1. the FP8 KV tests on the GPU: every kernel test of tests/kernels/test_fp8_kv.py compiled, and
 #      the engine on a tiny model against the CPU reference with each scale format;
 #   2. benchmarks/kv_fp8.py at the engine's block size (64): bf16, per-token FP8 and static FP8
-#      decode/prefill, and the static kernel's tile sweep;
+#      decode/prefill, and the static kernel's tile sweep (with register-capped candidates);
 #   3. issue 19's offline row, 1000 x 1024/1024 with FP8 W8A8 + FP8 KV, per-token then static
 #      scales (PROMPTS=n for fewer requests), each with its printed bound and --breakdown.
 # Usage (GPU machine, repo root): OUT=dir bash benchmarks/kv_fp8_static.sh
-#        OUT=dir bash benchmarks/kv_fp8_static.sh maxnreg   the static tile with registers capped
-#        (DECODE_CONFIGS_FP8_STATIC's 4th entry): the kernel table, then the offline row
-#        (PROMPTS, default 600) with ROOFLM_DECODE_MAXNREG=0 and 1 (< 6 min).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results/kv-fp8-static}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.limit --format=csv,noheader | tee "$OUT/gpu.txt"
-if [ "${1:-}" = maxnreg ]; then
-  timeout 150 python benchmarks/kv_fp8.py --block-size 64 --out "$OUT" 2>&1 | tee "$OUT/kernels-bs64.txt"
-  LONG="--model llama-3-8b --load-format dummy --num-prompts ${PROMPTS:-600} --input-len 1024 --output-len 1024 --max-model-len 2048"
-  for cap in 0 1; do
-    ROOFLM_DECODE_MAXNREG=$cap timeout 150 python -m rooflm bench throughput $LONG --quantization fp8 \
-      --kv-cache-dtype fp8 --kv-cache-scales static --breakdown --disable-tqdm \
-      --output-json "$OUT/offline-static-maxnreg$cap.json" > "$OUT/offline-static-maxnreg$cap.txt" 2>&1
-    echo "maxnreg $cap: $(grep -E 'Output token thr|Measured / that|^decode' "$OUT/offline-static-maxnreg$cap.txt" | tr -s ' ' | tr '\n' ';')"
-  done
-  exit 0
-fi
 timeout 200 python -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_kv.py \
   "tests/unit/test_fp8_kv_engine.py::test_gpu_fp8_cache_matches_the_cpu_reference" -m "gpu or not gpu" \
   > "$OUT/gpu-tests.txt" 2>&1; tail -1 "$OUT/gpu-tests.txt"

@@ -35,7 +35,6 @@ from rooflm.kernels.prefill_attention import (PrefillPlan, plan_prefill_attentio
 from rooflm.kernels.rope_kv_write import rope_kv_write, write_kv
 from rooflm.kernels.utils import cdiv
 from rooflm.layers.attention import AttentionBackend, AttentionMetadata
-from rooflm.layers.kv_cache import has_token_scales
 
 
 class TritonBackend(AttentionBackend):
@@ -125,8 +124,7 @@ class TritonBackend(AttentionBackend):
                 # config that followed the batch's longest context would compile new kernel
                 # variants as contexts grow, mid-serving.
                 span = min(self.split_span, sliding_window) if sliding_window else self.split_span
-                config = decode_config(q.shape[-1], q.dtype, cdiv(span, num_splits), fp8=k_scale is not None,
-                                       static_scales=k_scale is not None and not has_token_scales(k_scale))
+                config = decode_config(q.shape[-1], q.dtype, cdiv(span, num_splits), fp8=k_scale is not None)
             decode = plan_decode_attention(q, k_cache, v_cache, meta, sliding_window, out=out,
                                            num_seqs=num_decodes, num_splits=num_splits, config=config,
                                            k_scale=k_scale, v_scale=v_scale)

@@ -285,15 +285,10 @@ DECODE_CONFIGS_FP8 = {
     128: (64, 2, 6),
     256: (64, 4, 3),   # not swept on the device yet
 }
-# Static FP8 scales (no per-key scale work): bf16's tile, its registers capped at 168 so that 3
-# CTAs fit an SM (171 uncapped on sm_90, 2 CTAs; 24 bytes of spills). ROOFLM_DECODE_MAXNREG=0 drops
-# the cap (the benchmarks' A/B switch).
-DECODE_CONFIGS_FP8_STATIC = {
-    64: (128, 4, 3),   # not swept on the device yet
-    128: (128, 4, 3, 168),
-    256: (64, 4, 3),   # not swept on the device yet
-}
-_MAXNREG = os.environ.get("ROOFLM_DECODE_MAXNREG", "1") != "0"
+# Static FP8 scales (no per-key scale work) take the same table: on the H100 at block 64 their
+# (64, 2, 6) streamed 300 x 1500 in 371.7 us, (32, 2, 8) 366.8, (128, 4, 3) 383.9
+# (results/kv-fp8-static-h100-20261126/). Candidate, compiled on the CPU and not yet timed:
+# (128, 4, 3, 168), registers capped so that 3 CTAs fit an SM (171 uncapped on sm_90: 2).
 SHORT_RANGE_TOKENS = 512  # keys per program below which the short table applies
 DECODE_CONFIG_FP32 = (32, 4, 2)
 _INTERPRETER_CONFIG = (32, 1, 1)
@@ -318,10 +313,8 @@ MAX_SPLITS = 64
 
 
 def decode_config(head_dim: int, dtype: torch.dtype = torch.bfloat16,
-                  keys_per_program: int = 1 << 30, fp8: bool = False,
-                  static_scales: bool = False) -> tuple[int, ...]:
-    """(BLOCK_N, num_warps, num_stages[, maxnreg]) for q's dtype; fp8: an FP8 cache, with static
-    scales or per-token ones."""
+                  keys_per_program: int = 1 << 30, fp8: bool = False) -> tuple[int, ...]:
+    """(BLOCK_N, num_warps, num_stages[, maxnreg]) for q's dtype; fp8: an FP8 cache."""
     if is_interpreter():
         return _INTERPRETER_CONFIG
     if dtype == torch.float32:
@@ -329,9 +322,8 @@ def decode_config(head_dim: int, dtype: torch.dtype = torch.bfloat16,
     if keys_per_program < SHORT_RANGE_TOKENS:
         table = DECODE_CONFIGS_SHORT
     else:
-        table = (DECODE_CONFIGS_FP8_STATIC if static_scales else DECODE_CONFIGS_FP8) if fp8 else DECODE_CONFIGS
-    config = config_for_head_dim(table, max(next_power_of_2(head_dim), 16))
-    return config if _MAXNREG else config[:3]
+        table = DECODE_CONFIGS_FP8 if fp8 else DECODE_CONFIGS
+    return config_for_head_dim(table, max(next_power_of_2(head_dim), 16))
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
@@ -382,8 +374,7 @@ def plan_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     span = min(max_len, sliding_window) if sliding else max_len
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_len, sliding_window if sliding else None)
-    config = config or decode_config(head_dim, q.dtype, cdiv(span, num_splits), fp8=k_scale is not None,
-                                     static_scales=k_scale is not None and not has_token_scales(k_scale))
+    config = config or decode_config(head_dim, q.dtype, cdiv(span, num_splits), fp8=k_scale is not None)
     head_dim_pad = max(next_power_of_2(head_dim), 16)
     if num_splits > 1:
         part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim_pad, dtype=torch.float32, device=q.device)
@@ -425,7 +416,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = num_heads // num_kv_heads
     block_n, num_warps, num_stages = plan.config[:3]
     # A 4th entry caps the registers a thread (ptxas .maxnreg): one CTA more an SM where the
-    # compiler lands just over a multiple (static FP8 at (128, 4, 3): 171 -> 168, 2 -> 3 CTAs).
+    # compiler lands just over a multiple (static FP8 at (128, 4, 3): 171 -> 168, 2 -> 3 CTAs;
+    # the sweeps' candidate, not in the tables).
     launch_kwargs = {"maxnreg": plan.config[3]} if len(plan.config) > 3 and not is_interpreter() else {}
     num_seqs, num_splits, pdl = plan.num_seqs, plan.num_splits, plan.pdl
     pdl_kwargs = {"launch_pdl": True} if pdl else {}
