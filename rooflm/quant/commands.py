@@ -58,6 +58,10 @@ def register(sub) -> None:
                    help="GPTQ / AWQ+GPTQ: calibrate each linear on the outputs of the already quantized linears "
                         "before it (true-sequential, sequential.py) instead of the float model's; default on for "
                         "gptq (+7.2%% vs +8.4%% perplexity on SmolLM2 g128), off for awq+gptq (g128 +5.46%% vs +5.37%%, g32 +4.87%% vs +3.85%%)")
+    p.add_argument("--kv-cache-scales", action="store_true",
+                   help="--scheme fp8: also calibrate static FP8 K/V scales on the calibration windows (one "
+                        "per layer for K after RoPE and one for V: max |x| / 448) and write them as "
+                        "compressed-tensors' kv_cache_scheme; `--kv-cache-dtype fp8` then uses them (kv_scales.py)")
     p.add_argument("--float-dtype", default="bfloat16", choices=tuple(_FLOAT_DTYPES),
                    help="dtype of the tensors kept in float: embeddings, LM head, norms")
     p.set_defaults(func=run_quantize)
@@ -88,6 +92,8 @@ def run_quantize(args: argparse.Namespace) -> int:
     float_dtype = getattr(torch, args.float_dtype)
     if args.scheme == "fp8":
         return _quantize_fp8(args, float_dtype)
+    if args.kv_cache_scales:
+        raise ValueError("--kv-cache-scales writes compressed-tensors' kv_cache_scheme: it goes with --scheme fp8")
     scheme = WeightScheme.parse(args.scheme)
     args.method = args.method or "gptq"
     t0 = time.perf_counter()
@@ -227,11 +233,30 @@ def _quantize_fp8(args: argparse.Namespace, float_dtype) -> int:
     t0 = time.perf_counter()
     llm = LLM(model=args.model, device="cpu", dtype="float32", quantization="none", enable_prefix_caching=False)
     tensors = fp8_state_dict(llm.engine.runner.model, float_dtype)
+    quant_config = compressed_tensors_config()
+    kv_note = ""
+    if args.kv_cache_scales:
+        from rooflm.eval.ppl import read_text, token_windows
+        from rooflm.quant.kv_scales import KV_CACHE_SCHEME, calibrate_kv_scales, kv_scale_tensors
+        if llm.tokenizer is None:
+            raise ValueError("--kv-cache-scales calibration needs a tokenizer")
+        text, path = read_text(args.calib_text)
+        windows = token_windows(llm.tokenizer.encode(text), args.calib_window,
+                                args.calib_skip_windows + args.calib_windows)[args.calib_skip_windows:]
+        if not windows:
+            raise ValueError(f"the calibration text has no windows left after skipping {args.calib_skip_windows}")
+        scales = calibrate_kv_scales(llm, windows)
+        tensors.update(kv_scale_tensors(scales))
+        quant_config["kv_cache_scheme"] = dict(KV_CACHE_SCHEME)
+        kv_note = (f" Static FP8 K/V scales (kv_cache_scheme, rooflm/quant/kv_scales.py) from {len(windows)} "
+                   f"windows of {args.calib_window} tokens of {path}: K {scales[:, 0].min():.3g}..."
+                   f"{scales[:, 0].max():.3g}, V {scales[:, 1].min():.3g}...{scales[:, 1].max():.3g}.")
+        print(f"K/V scales calibrated on {len(windows) * args.calib_window} tokens")
     note = (f"# fp8 W8A8 of {args.model or 'the embedded SmolLM2-135M-Instruct'}\n\n"
             f"Written by `rooflm quantize --scheme fp8` in compressed-tensors float-quantized (rooflm/quant/fp8.py): "
             f"per-channel e4m3 weights, dynamic per-token e4m3 activations. Embeddings, LM head and norms in "
-            f"{args.float_dtype}.")
+            f"{args.float_dtype}.{kv_note}")
     write_checkpoint(args.output, hf_config_dict(llm.engine.model_config), tensors, None, float_dtype,
-                     llm.tokenizer, note, quant_config=compressed_tensors_config())
+                     llm.tokenizer, note, quant_config=quant_config)
     print(f"wrote {args.output} (fp8) in {time.perf_counter() - t0:.1f} s")
     return 0

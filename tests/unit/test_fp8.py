@@ -118,6 +118,31 @@ def test_fp8_checkpoint_round_trip_gives_the_same_logits(tmp_path):
     assert torch.equal(_prompt_logprobs(loaded), _prompt_logprobs(_llm(src, quantization="fp8")))
 
 
+def test_kv_scales_calibrate_to_the_largest_per_token_scale_and_load_back(tmp_path):
+    """quantize --scheme fp8 --kv-cache-scales: each layer's static K/V scale is the largest of the
+    per-token scales an FP8 cache stores for the same windows (max |rotated K| or |V| / 448), and
+    the checkpoint it writes loads them into the cache (compressed-tensors kv_cache_scheme)."""
+    from rooflm.quant.fp8 import compressed_tensors_config
+    from rooflm.quant.kv_scales import KV_CACHE_SCHEME, calibrate_kv_scales, kv_scale_tensors
+    from rooflm.quant.quantize import fp8_state_dict, write_checkpoint
+    from tests.models.tiny_models import make_tiny_model
+    src, _ = make_tiny_model(tmp_path, "llama", attention="gqa")
+    llm = _llm(src, quantization="none", kv_cache_dtype="fp8", kv_cache_scales="per-token", num_blocks=64)
+    windows = [list(range(1, 40)), list(range(50, 90)), [7, 3, 9] * 10]
+    scales = calibrate_kv_scales(llm, windows)  # its prefill fills the per-token pool too
+    pool = llm.engine.runner.kv_scales  # [layers, 2, blocks, block_size, H_kv]
+    torch.testing.assert_close(scales, pool.amax(dim=(2, 3, 4)), rtol=1e-5, atol=0)
+    tensors = fp8_state_dict(llm.engine.runner.model, torch.float32) | kv_scale_tensors(scales)
+    assert tensors["model.layers.1.self_attn.v_scale"].shape == ()
+    config = compressed_tensors_config() | {"kv_cache_scheme": dict(KV_CACHE_SCHEME)}
+    out = tmp_path / "fp8-kv"
+    write_checkpoint(str(out), json.load(open(os.path.join(src, "config.json"))), tensors, None, torch.float32,
+                     quant_config=config)
+    runner = _llm(str(out), kv_cache_dtype="fp8").engine.runner
+    assert runner.kv_scale_mode() == "static"
+    torch.testing.assert_close(runner.kv_scales[:, :, 0], scales)
+
+
 def test_vllm_fp8_static_per_tensor_checkpoint_loads(tmp_path):
     """vLLM's "fp8" layout with per-tensor weight scales and static input scales: the fused q/k/v
     take the largest input scale, and every linear multiplies what the file holds."""
@@ -146,3 +171,16 @@ def test_vllm_fp8_static_per_tensor_checkpoint_loads(tmp_path):
     from rooflm.model.errors import ModelLoadError
     with pytest.raises(ModelLoadError, match="weight_block_size"):
         _llm(str(out))
+
+
+def test_kv_cache_scales_need_the_fp8_scheme(tmp_path, capsys):
+    from rooflm.cli import main
+    try:
+        rc = main(["quantize", "--scheme", "int4-g128", "--kv-cache-scales", "--output", str(tmp_path / "x")])
+    except ValueError as exc:
+        message = str(exc)
+    else:
+        assert rc != 0
+        message = capsys.readouterr().err
+    assert "--kv-cache-scales" in message and "--scheme fp8" in message
+    assert not (tmp_path / "x").exists()
