@@ -47,20 +47,25 @@ def test_quantize_round_trip_error_is_within_e4m3_precision():
     assert torch.isfinite(zscale).all() and (zscale > 0).all() and zeros.float().abs().sum() == 0
 
 
+@pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("seq_lens,num_kv_heads,group,head_dim,block_size,num_splits", [
     ([1, 17, 97], 2, 4, 64, 16, None),
-    ([300], 1, 8, 128, 16, 4),   # one sequence in splits
+    ([300], 1, 8, 128, 16, 4),   # one sequence in splits (static: V's scale on every partial)
     ([45, 12], 2, 7, 64, 32, 1),
 ])
-def test_decode_fp8_matches_reference(seq_lens, num_kv_heads, group, head_dim, block_size, num_splits):
+def test_decode_fp8_matches_reference(seq_lens, num_kv_heads, group, head_dim, block_size, num_splits, static):
     torch.manual_seed(0)
-    meta, k8, v8, ks, vs = fp8_batch(seq_lens, [1] * len(seq_lens), num_kv_heads, head_dim, block_size)
+    batch = fp8_static_batch if static else fp8_batch
+    meta, k8, v8, ks, vs = batch(seq_lens, [1] * len(seq_lens), num_kv_heads, head_dim, block_size)
     q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, device=DEVICE).to(torch.float16)
     out = torch.full_like(q, float("nan"))
     scale = head_dim ** -0.5
     decode_attention(q, k8, v8, meta, scale, out=out, num_splits=num_splits, k_scale=ks, v_scale=vs)
     ref = decode_attention_ref(q, k8, v8, meta, scale, k_scale=ks, v_scale=vs)
     assert_close(out, ref, torch.float16, "decode fp8")
+    # The scales are applied: the same bytes read as if every scale were 1 give another answer.
+    ones = torch.ones_like(ks)
+    assert (decode_attention_ref(q, k8, v8, meta, scale, k_scale=ones, v_scale=ones) - ref).abs().max() > 0.1
 
 
 @pytest.mark.parametrize("seq_lens,query_lens,num_kv_heads,group,head_dim,block_size,window", [
@@ -79,25 +84,6 @@ def test_prefill_fp8_matches_reference(seq_lens, query_lens, num_kv_heads, group
     ref = prefill_attention_ref(q, k8, v8, meta, scale, window, k_scale=ks, v_scale=vs)
     rows = meta.query_start_loc_cpu[first]
     assert_close(out[rows:], ref[rows:], torch.float16, "prefill fp8")
-
-
-@pytest.mark.parametrize("seq_lens,num_kv_heads,group,head_dim,block_size,num_splits", [
-    ([1, 17, 97], 2, 4, 64, 16, None),
-    ([300], 1, 8, 128, 16, 4),   # one sequence in splits: V's scale on every partial
-])
-def test_decode_fp8_static_scales_match_reference(seq_lens, num_kv_heads, group, head_dim, block_size,
-                                                  num_splits):
-    torch.manual_seed(3)
-    meta, k8, v8, ks, vs = fp8_static_batch(seq_lens, [1] * len(seq_lens), num_kv_heads, head_dim, block_size)
-    q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, device=DEVICE).to(torch.float16)
-    out = torch.full_like(q, float("nan"))
-    scale = head_dim ** -0.5
-    decode_attention(q, k8, v8, meta, scale, out=out, num_splits=num_splits, k_scale=ks, v_scale=vs)
-    ref = decode_attention_ref(q, k8, v8, meta, scale, k_scale=ks, v_scale=vs)
-    assert_close(out, ref, torch.float16, "decode fp8 static")
-    # The scales are applied: the same bytes read as if every scale were 1 give another answer.
-    ones = torch.ones_like(ks)
-    assert (decode_attention_ref(q, k8, v8, meta, scale, k_scale=ones, v_scale=ones) - ref).abs().max() > 0.1
 
 
 @pytest.mark.parametrize("seq_lens,query_lens,window", [
