@@ -4,7 +4,8 @@ models of every family; bad sizes fail at start; a worker that dies fails the en
 Each family runs one TP=1 and one TP=2 engine and exercises a different part of the path:
 KV heads split (llama) or replicated (qwen2, one KV head), tied heads and a vocabulary that
 does not split evenly, dummy weights, async scheduling (pending ids from the sampled-ids
-broadcast), prompt logprobs, n > 1 (copy-on-write), swap preemption. fp32, exact tokens.
+broadcast), prompt logprobs, n > 1 (copy-on-write), swap preemption of an FP8 cache with static
+scales (each rank's heads). fp32, exact tokens.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ CASES = {
     "qwen2": ("mqa", {"tied": True, "vocab_size": 250}, {}),
     "qwen3": ("mha", {}, {"load_format": "dummy"}),
     "mistral": ("gqa", {"tied": True}, {"preemption_mode": "swap", "num_blocks": 6, "block_size": 4,
-                                        "swap_space_gb": 0.01, "reserve_new_tokens": False}),
+                                        "swap_space_gb": 0.01, "reserve_new_tokens": False,
+                                        "kv_cache_dtype": "fp8", "kv_cache_scales": "static"}),
 }
 
 
