@@ -179,6 +179,12 @@ class LLMEngine:
 
     # ---- the read-only face ------------------------------------------------------------------
 
+    @property
+    def model(self):
+        """The loaded model (torch.nn.Module): for offline tools that hook or read its layers
+        (rooflm/quant/: calibration, quantized checkpoints), not for serving."""
+        return self.runner.model
+
     def snapshot(self) -> EngineSnapshot:
         """The queues and the KV pool now."""
         sched, bm = self.scheduler, self.block_manager

@@ -416,13 +416,13 @@ class ModelRunner:
         shape = (cfg.num_hidden_layers, 2, num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_scales = None
-        if self.kv_scale_mode() == "per-token":
+        mode = self.kv_scale_mode()
+        if mode == "per-token":
             self.kv_scales = torch.zeros(shape[:-1], dtype=torch.float32, device=self.device)
-        elif self.kv_scale_mode() == "static":
+        elif mode == "static":
             self.kv_scales = self._static_kv_scales(quiet)
         self.kv_caches = [self._layer_cache(i) for i in range(cfg.num_hidden_layers)]
         if not quiet:
-            mode = self.kv_scale_mode()
             logger.info("KV cache: %d blocks of %d tokens, %s%s (%.2f GiB)", num_blocks, self.block_size,
                         str(self.kv_dtype).replace("torch.", ""), f", {mode} scales" if mode else "",
                         num_blocks * self.kv_bytes_per_block() / 2**30)

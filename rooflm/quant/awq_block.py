@@ -49,7 +49,7 @@ def capture_block_inputs(llm, windows: list[list[int]]) -> list[BlockInputs]:
     """Run each window alone through the float model (one request, positions 0..T-1) and keep
     every layer's block inputs; a chunked prefill's pieces are joined in order."""
     from rooflm.sampling_params import SamplingParams
-    model = llm.engine.runner.model
+    model = llm.engine.model
     layers = model.model.layers
     seen: dict[tuple[int, str], list[torch.Tensor]] = {}
     handles = []

@@ -40,7 +40,7 @@ def sequential_awq_gptq(llm, windows: list[list[int]], config: AwqConfig, float_
     from rooflm.quant.gptq import gptq_quantize
     from rooflm.quant.quantize import decoder_linears
     from rooflm.sampling_params import SamplingParams
-    model = llm.engine.runner.model
+    model = llm.engine.model
     lengths = [len(w) for w in windows]
     total = sum(lengths)
     check_one_step(llm, windows, "sequential AWQ")

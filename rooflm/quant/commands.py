@@ -126,7 +126,7 @@ def run_quantize(args: argparse.Namespace) -> int:
         llm.shutdown()
         llm = LLM(model=args.model, device="cpu", dtype="float32", quantization="none", enable_prefix_caching=False,
                   **extra)
-    model = llm.engine.runner.model
+    model = llm.engine.model
     hessians = None
     calib = ""
     awq_note = ""
@@ -232,7 +232,7 @@ def _quantize_fp8(args: argparse.Namespace, float_dtype) -> int:
                          f"int8/int4 schemes")
     t0 = time.perf_counter()
     llm = LLM(model=args.model, device="cpu", dtype="float32", quantization="none", enable_prefix_caching=False)
-    tensors = fp8_state_dict(llm.engine.runner.model, float_dtype)
+    tensors = fp8_state_dict(llm.engine.model, float_dtype)
     quant_config = compressed_tensors_config()
     kv_note = ""
     if args.kv_cache_scales:

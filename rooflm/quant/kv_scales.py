@@ -28,7 +28,7 @@ def calibrate_kv_scales(llm, windows: list[list[int]]) -> torch.Tensor:
     prefill of `windows`, divided by 448."""
     from rooflm.sampling_params import SamplingParams
 
-    layers = llm.engine.runner.model.model.layers
+    layers = llm.engine.model.model.layers
     amax = torch.zeros(len(layers), 2)
     handles = []
     for i, layer in enumerate(layers):

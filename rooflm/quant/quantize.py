@@ -51,7 +51,7 @@ def collect_hessians(llm, windows: list[list[int]],
     """Sum of x x^T of each decoder linear's inputs over the calibration windows (prefill).
     With `abs_means`, also fills it with each linear's mean |x| per input channel (AWQ)."""
     from rooflm.sampling_params import SamplingParams
-    model = llm.engine.runner.model
+    model = llm.engine.model
     hessians: dict[str, torch.Tensor] = {}
     abs_sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}

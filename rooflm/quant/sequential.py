@@ -64,7 +64,7 @@ def sequential_gptq(llm, windows: list[list[int]], scheme: WeightScheme, act_ord
     from rooflm.quant.gptq import gptq_quantize, range_search_rows
     from rooflm.quant.quantize import decoder_linears
     from rooflm.sampling_params import SamplingParams
-    model = llm.engine.runner.model
+    model = llm.engine.model
     total = sum(len(w) for w in windows)
     check_one_step(llm, windows, "sequential GPTQ")
     quantized: dict = {}

@@ -102,15 +102,23 @@ def test_prefill_fp8_static_scales_match_reference(seq_lens, query_lens, window)
     assert_close(out[rows:], ref[rows:], torch.float16, "prefill fp8 static")
 
 
-def test_rope_kv_write_fp8_static_scales_saturate_like_the_reference():
-    torch.manual_seed(5)
-    t, h, h_kv, d, bs = 7, 8, 2, 64, 16
+def rope_write_inputs():
+    """7 tokens (one padding slot) of 8 query and 2 KV heads of 64, keys of a few units, for a
+    cache of 4 blocks of 16: (q, k, v, positions, cos_sin table, slots)."""
+    t, h, h_kv, d = 7, 8, 2, 64
     table = build_cos_sin_cache(d, 4096, 10000.0, None).to(DEVICE)
     positions = torch.randint(0, 4000, (t,), device=DEVICE)
     q = torch.randn(t, h, d, device=DEVICE)
     k = torch.randn(t, h_kv, d, device=DEVICE) * 5
     v = torch.randn(t, h_kv, d, device=DEVICE)
     slots = torch.tensor([3, 40, -1, 17, 0, 63, 21], device=DEVICE)
+    return q, k, v, positions, table, slots
+
+
+def test_rope_kv_write_fp8_static_scales_saturate_like_the_reference():
+    torch.manual_seed(5)
+    h_kv, d, bs = 2, 64, 16
+    q, k, v, positions, table, slots = rope_write_inputs()
     # Head 0's scales are too small for its values: they saturate at +-448 instead of overflowing.
     ks = torch.tensor([0.005, 0.05], device=DEVICE)
     vs = torch.tensor([0.001, 0.01], device=DEVICE)
@@ -145,13 +153,8 @@ def _empty_fp8_cache(num_blocks, block_size, num_kv_heads, head_dim):
 @pytest.mark.parametrize("is_neox", [True, False])
 def test_rope_kv_write_fp8_matches_reference(is_neox):
     torch.manual_seed(2)
-    t, h, h_kv, d, bs = 7, 8, 2, 64, 16
-    table = build_cos_sin_cache(d, 4096, 10000.0, None).to(DEVICE)
-    positions = torch.randint(0, 4000, (t,), device=DEVICE)
-    q = torch.randn(t, h, d, device=DEVICE)
-    k = torch.randn(t, h_kv, d, device=DEVICE) * 5
-    v = torch.randn(t, h_kv, d, device=DEVICE)
-    slots = torch.tensor([3, 40, -1, 17, 0, 63, 21], device=DEVICE)
+    h_kv, d, bs = 2, 64, 16
+    q, k, v, positions, table, slots = rope_write_inputs()
     (kc, vc), (ks, vs) = _empty_fp8_cache(4, bs, h_kv, d)
     (kc_ref, vc_ref), (ks_ref, vs_ref) = _empty_fp8_cache(4, bs, h_kv, d)
     q_out = rope_kv_write(q.clone(), k, v, positions, table, kc, vc, slots, is_neox,
