@@ -40,6 +40,9 @@ def main() -> None:
                         help="instead of cProfile: after --skip-steps steps, trace this many under "
                              "torch.profiler and print the GPU's busy fraction and time by kernel")
     parser.add_argument("--skip-steps", type=int, default=300)
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="instead of the whole run: after --skip-steps steps, time this many by the "
+                             "engine's phases (exclusive host time) and under cProfile")
     add_engine_args(parser)
     args = parser.parse_args()
     engine = LLMEngine.from_kwargs(**engine_kwargs(args))
@@ -53,6 +56,9 @@ def main() -> None:
                            SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True))
     if args.device_trace_steps:
         device_trace(engine, args)
+        return
+    if args.profile_steps:
+        window_profile(engine, args)
         return
     profiler = cProfile.Profile()
     t0 = time.perf_counter()
@@ -75,6 +81,39 @@ def main() -> None:
         with open(os.path.join(args.out, "host_profile.txt"), "w") as f:
             f.write(report)
     print(report)
+
+
+def window_profile(engine, args) -> None:
+    """Host time by engine phase, then cProfile, over a window of steps in the middle of the run."""
+    from rooflm.perf.profile import EngineInstrument
+
+    kinds = []
+    engine.add_observer(lambda r: kinds.append(r.kind))
+    for _ in range(args.skip_steps):
+        engine.step()
+    kinds.clear()
+    instrument = EngineInstrument(engine, None, use_nvtx=False)
+    instrument.install()
+    profiler = cProfile.Profile()
+    t0 = time.perf_counter()
+    for _ in range(args.profile_steps):
+        engine.step()
+    untraced = time.perf_counter() - t0
+    phases = dict(instrument.record.phase_s)
+    profiler.enable()
+    for _ in range(args.profile_steps):
+        engine.step()
+    profiler.disable()
+    counts = {k: kinds.count(k) for k in sorted(set(kinds))}
+    print(f"{args.profile_steps} steps after {args.skip_steps}: {untraced * 1e3 / args.profile_steps:.2f} ms/step, "
+          f"kinds {counts}")
+    for name, s in sorted(phases.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:<14}{1e3 * s / args.profile_steps:8.2f} ms/step")
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(args.top)
+    stats.sort_stats("cumulative").print_stats(args.top)
+    print(text.getvalue())
 
 
 def alloc_stats(engine) -> None:
