@@ -100,9 +100,9 @@ class ParallelLMHead(Linear):
         self.tp = tp
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # Gathered in the weights' dtype and then widened, as one device widens its logits:
-        # the same values, half the bytes on the link of an fp32 gather.
-        return self.tp.all_gather_last(F.linear(hidden, self.weight))[..., :self.vocab_size].float()
+        # Gathered in the weights' dtype (the caller widens them, as one device widens its
+        # logits): the same values, half the bytes on the link of an fp32 gather.
+        return self.tp.all_gather_last(F.linear(hidden, self.weight))[..., :self.vocab_size]
 
     def checkpoint_shard(self, param_kind: str, tensor) -> torch.Tensor:
         part = narrow(tensor, 0, self.start, self.held)

@@ -81,7 +81,10 @@ class CUDAGraphRunner:
         self.max_blocks = -(-(-(-max_model_len // block_size)) // 16) * 16
         self.buffers = GraphBuffers.allocate(self.sizes[-1], self.max_blocks, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        # One fp32 logits buffer [max_batch, vocab], outside the pool, that every graph widens its
+        # logits into: a tensor per graph, kept alive in the pool, would hold the sum of all
+        # captured batch sizes' rows (~2.4 GB for an 8B model at 512 sequences, ~8.8 at 1024).
+        self.logits: Optional[torch.Tensor] = None
         self.pool = None
 
     def _num_splits(self, batch: int) -> int | None:
@@ -93,7 +96,7 @@ class CUDAGraphRunner:
         b = self.buffers
         meta = b.meta(batch, self.max_model_len, num_splits)
         hidden = self.model(b.input_ids[:batch], b.positions[:batch], self.kv_caches, meta)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, out=None if self.logits is None else self.logits[:batch])
 
     @torch.inference_mode()
     def capture(self) -> float:
@@ -104,11 +107,14 @@ class CUDAGraphRunner:
                 self.backend.decode_num_splits = splits
             try:
                 for _ in range(2):  # warm-up: compile the kernels outside the capture
-                    self._forward(batch, splits)
+                    logits = self._forward(batch, splits)
+                if self.logits is None:  # the largest batch comes first
+                    self.logits = torch.empty_like(logits)
+                del logits
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
-                    self.logits[batch] = self._forward(batch, splits)
+                    self._forward(batch, splits)
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[batch] = graph
@@ -126,7 +132,7 @@ class CUDAGraphRunner:
         for graph in self.graphs.values():
             graph.reset()
         self.graphs.clear()
-        self.logits.clear()
+        self.logits = None
         self.pool = None
 
     def graph_size(self, batch: int) -> int | None:
@@ -153,7 +159,7 @@ class CUDAGraphRunner:
         if fixup is not None:
             b.input_ids[fixup[0]] = fixup[1]
         self.graphs[size].replay()
-        return self.logits[size][:batch]
+        return self.logits[:batch]
 
 
 # --------------------------------------------------------------------------
@@ -227,11 +233,11 @@ class UniformGraphRunner:
             query_start_loc_cpu=list(range(0, (batch + 1) * width, width)),
             seq_lens_cpu=[self.max_model_len] * batch)
 
-    def _forward(self, width: int, batch: int) -> torch.Tensor:
+    def _forward(self, width: int, batch: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         rows = batch * width
         b = self.buffers
         hidden = self.model(b.input_ids[:rows], b.positions[:rows], self.kv_caches, self._meta(width, batch))
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, out=out)
 
     @torch.inference_mode()
     def capture(self) -> float:
@@ -248,8 +254,7 @@ class UniformGraphRunner:
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
-                    logits = self._forward(width, batch)
-                    self.logits[:batch * width].copy_(logits)
+                    self._forward(width, batch, out=self.logits[:batch * width])
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[(width, batch)] = graph

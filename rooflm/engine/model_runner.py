@@ -360,16 +360,27 @@ class ModelRunner:
             peak_activations = self.profile_run()
             free, total = torch.cuda.mem_get_info(self.device)
             # What the process holds now (weights) stays; the KV pool gets the rest of the
-            # budget after the activation peak of the largest step, plus a margin for graphs.
-            budget = free - (1 - cache.gpu_memory_utilization) * total - peak_activations - 2**28
-            logger.info("KV budget %.2f GiB (free %.2f GiB, activation peak %.2f GiB)",
-                        budget / 2**30, free / 2**30, peak_activations / 2**30)
+            # budget after the activation peak of the largest step, the decode graphs' logits
+            # and a margin for the graphs' other activations.
+            graphs = self.graph_logits_bytes()
+            budget = free - (1 - cache.gpu_memory_utilization) * total - peak_activations - graphs - 2**28
+            logger.info("KV budget %.2f GiB (free %.2f GiB, activation peak %.2f GiB, graph logits %.2f GiB)",
+                        budget / 2**30, free / 2**30, peak_activations / 2**30, graphs / 2**30)
         else:
             budget = cache.cpu_kv_cache_gb * 2**30
         # No point holding more than every sequence at full length.
         cap = self.config.scheduler.max_num_seqs * -(-self.max_model_len // self.block_size)
         # Every rank's pool has the same number of blocks (one block table for all): the least.
         return self.tp.min_over_ranks(max(1, min(int(budget // per_block), cap)))
+
+    def graph_logits_bytes(self) -> int:
+        """What the decode CUDA graphs' LM head holds outside the profiled step: the fp32 logits
+        buffer of the largest captured batch (cuda_graph.py) and, in the graphs' own pool, its
+        logits in the weights' dtype before they are widened (2 bytes). 0 without graphs."""
+        if self.device.type != "cuda" or self.config.runtime.enforce_eager:
+            return 0
+        rows = min(self.config.runtime.cuda_graph_max_batch, self.config.scheduler.max_num_seqs)
+        return rows * self.model_config.vocab_size * (4 + 2)
 
     @torch.inference_mode()
     def profile_run(self) -> int:

@@ -173,7 +173,17 @@ class LlamaForCausalLM(torch.nn.Module):
         """Returns the final hidden states [T, hidden]; logits are computed only where needed."""
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[rows, hidden] -> fp32 logits [rows, vocab]. out: an fp32 buffer to widen them into
+        (a CUDA graph's output, shared by every captured batch size) instead of a new tensor."""
+        logits = self._head(hidden)
+        if out is None:
+            return logits.float()
+        out.copy_(logits)
+        return out
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head in the weights' dtype (the GEMV of one token: already fp32)."""
         if isinstance(self.lm_head, tp_layers.ParallelLMHead):
             return self.lm_head.logits(hidden)  # this rank's vocabulary rows, then one all-gather
         head = self.lm_head
@@ -182,10 +192,10 @@ class LlamaForCausalLM(torch.nn.Module):
         if self.gemv is not None and hidden.shape[0] == 1 and quant is None:
             return self.gemv(hidden, weight, out_dtype=torch.float32)
         if self.linear is not None:
-            return self.linear(hidden, weight, None, quant).float()
+            return self.linear(hidden, weight, None, quant)
         if quant is not None:
-            return quant(hidden).float()
-        return torch.nn.functional.linear(hidden, weight).float()
+            return quant(hidden)
+        return torch.nn.functional.linear(hidden, weight)
 
     # ---- weights -------------------------------------------------------------------------
 

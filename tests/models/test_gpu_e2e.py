@@ -59,6 +59,28 @@ def test_graphs_match_eager(tmp_path):
         assert [o.outputs[0].token_ids for o in graphs] == [o.outputs[0].token_ids for o in eager]
 
 
+def test_decode_graphs_share_one_logits_buffer(tmp_path):
+    """Every captured batch size widens its logits into one [max_batch, vocab] buffer: a buffer
+    per graph held the sum of all sizes' rows (~8.8 GB at 1024 sequences of an 8B model), which
+    ran an 8B engine at --max-num-seqs 1024 out of memory."""
+    path, _ = make_tiny_model(tmp_path, "llama", initializer_range=0.3, vocab_size=32000)
+    llm = LLM(model=path, device="cuda", dtype="bfloat16", max_num_seqs=512, piecewise_cuda_graphs=False,
+              num_blocks=64)
+    runner = llm.engine.runner.graphs
+    vocab = 32000
+    assert runner.logits.shape == (512, vocab) and runner.logits.dtype == torch.float32
+    # The pool holds the largest graph's activations, not one logits tensor per size (~2.4 GB
+    # here before: 4,743 rows of 32,000 fp32 over the 76 sizes).
+    pool_bytes = sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+                     if s.get("segment_pool_id") == tuple(runner.pool))
+    assert pool_bytes < 512 * vocab * 4
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    eager = generate(path, PROMPTS, "triton", True, tokens=8)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in eager]
+    del llm
+    torch.cuda.empty_cache()
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_piecewise_graphs_match_eager(tmp_path, family):
     """Chunked prompts beside decodes (mixed steps) replayed as per-layer graphs with attention
