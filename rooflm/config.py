@@ -184,8 +184,9 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    # None: 512 on CUDA (ShareGPT-like traffic on an H100: +25% over 256 with the growth
-    # reservation below; benchmarks/results/traffic-*), 256 on the CPU.
+    # None: 1024 on CUDA devices of 70 GB or more (ShareGPT-like traffic on an H100: +5.9% over
+    # 512, which was +25% over 256; benchmarks/results/traffic-*; vLLM's default on such GPUs
+    # too), 512 on smaller CUDA devices, 256 on the CPU.
     max_num_seqs: Optional[int] = None
     max_num_batched_tokens: int = 2048
     max_model_len: Optional[int] = None  # None: the model's max_position_embeddings
@@ -325,17 +326,29 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
-def with_device_defaults(cfg: EngineConfig, device_type: str, cuda_block_size: int = CUDA_BLOCK_SIZE) -> EngineConfig:
+def default_max_num_seqs(device_type: str, device_memory_gb: Optional[float] = None) -> int:
+    """SchedulerConfig.max_num_seqs when none is set: more sequences where the pool can hold them."""
+    if device_type != "cuda":
+        return 256
+    return 1024 if device_memory_gb is not None and device_memory_gb >= LARGE_GPU_GB else 512
+
+
+LARGE_GPU_GB = 70.0  # H100 / H200 class (an 80 GB H100 reports ~79.2 GiB, 85 GB)
+
+
+def with_device_defaults(cfg: EngineConfig, device_type: str, cuda_block_size: int = CUDA_BLOCK_SIZE,
+                         device_memory_gb: Optional[float] = None) -> EngineConfig:
     """The config with the defaults that depend on the device filled in (None fields).
     cuda_block_size: the block size a CUDA device gets when none is set (128 where prefill
-    runs through FlashAttention-4: kernels/fa4_prefill.py)."""
+    runs through FlashAttention-4: kernels/fa4_prefill.py). device_memory_gb: the CUDA device's
+    memory (1e9 bytes), which sets the default sequence cap."""
     from dataclasses import replace
 
     sched, runtime, spec, cache = cfg.scheduler, cfg.runtime, cfg.speculative, cfg.cache
     if cache.block_size is None:
         cache = replace(cache, block_size=cuda_block_size if device_type == "cuda" else CPU_BLOCK_SIZE)
     if sched.max_num_seqs is None:
-        sched = replace(sched, max_num_seqs=512 if device_type == "cuda" else 256)
+        sched = replace(sched, max_num_seqs=default_max_num_seqs(device_type, device_memory_gb))
     if runtime.cuda_graph_max_batch is None:
         runtime = replace(runtime, cuda_graph_max_batch=sched.max_num_seqs)
     if spec.speculative_method and spec.speculative_max_batch_tokens is None:

@@ -59,7 +59,9 @@ class LLMEngine:
 
         t0 = time.perf_counter()
         device = resolve_device(config.device.device)
-        config = with_device_defaults(config, device.type, fa4_block_size(config, device) or CUDA_BLOCK_SIZE)
+        memory_gb = torch.cuda.get_device_properties(device).total_memory / 1e9 if device.type == "cuda" else None
+        config = with_device_defaults(config, device.type, fa4_block_size(config, device) or CUDA_BLOCK_SIZE,
+                                      memory_gb)
         self.config = config
         self.model_path, self.load_format = resolve_model(config.load.model, config.load.load_format)
         self.model_config = load_model_config(self.model_path, self.load_format)

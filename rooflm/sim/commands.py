@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Optional, TextIO
 
-from rooflm.config import CUDA_BLOCK_SIZE, SchedulerConfig
+from rooflm.config import CUDA_BLOCK_SIZE, SchedulerConfig, default_max_num_seqs
 
 
 def register(sub) -> None:
@@ -127,13 +127,13 @@ def replica_config(args, model, gpu_key: str, tp: int, tables) -> tuple:
     from rooflm.perf.roofline import KV_CACHE_BYTES, kv_bytes_per_token_per_gpu
     from rooflm.sim.replica import ReplicaConfig
 
-    max_num_seqs = args.max_num_seqs or 512  # the engine's CUDA default
+    gpu = get_gpu(gpu_key)
+    max_num_seqs = args.max_num_seqs or default_max_num_seqs("cuda", gpu.mem_gb)  # the engine's default there
     block_size = args.block_size or CUDA_BLOCK_SIZE  # the engine's CUDA default too
     max_model_len = args.max_model_len or model.max_position_embeddings
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
                             preemption_mode=args.preemption_mode, reserve_new_tokens=args.reserve_new_tokens)
-    gpu = get_gpu(gpu_key)
     measured = [t for t in tables if t.gpu == gpu.key and t.model == model]
     if args.num_blocks:
         num_blocks, source = args.num_blocks, "--num-blocks"

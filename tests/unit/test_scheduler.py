@@ -318,3 +318,17 @@ def test_unresolved_sequence_cap_is_refused():
 
     with pytest.raises(ValueError, match="max_num_seqs"):
         Scheduler(SchedulerConfig(), BlockManager(4, 4))
+
+
+def test_default_sequence_cap_follows_the_device():
+    from rooflm.config import EngineConfig, default_max_num_seqs, with_device_defaults
+
+    assert default_max_num_seqs("cpu") == 256
+    assert default_max_num_seqs("cuda", 24.0) == 512
+    assert default_max_num_seqs("cuda", None) == 512
+    assert default_max_num_seqs("cuda", 85.0) == 1024  # an 80 GB H100
+    cfg = with_device_defaults(EngineConfig(), "cuda", device_memory_gb=150.0)
+    assert cfg.scheduler.max_num_seqs == 1024 and cfg.runtime.cuda_graph_max_batch == 1024
+    # A cap the user set stays.
+    cfg = with_device_defaults(EngineConfig(scheduler=SchedulerConfig(max_num_seqs=64)), "cuda", device_memory_gb=150.0)
+    assert cfg.scheduler.max_num_seqs == 64 and cfg.runtime.cuda_graph_max_batch == 64
