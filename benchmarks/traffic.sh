@@ -3,7 +3,8 @@
 # ~200 out, lengths uniform +-90%) and 1000 x 1024/1024, with the step breakdown; ShareGPT-like with
 # the defaults and with the earlier default (512 sequences) side by side, and with a static-scale
 # FP8 cache; then the latency rows that must not regress (batch 1, and 64 x 1024/256) at both caps.
-# Usage (GPU machine, repo root): OUT=dir bash benchmarks/traffic.sh [quick|diag]
+# Usage (GPU machine, repo root): OUT=dir bash benchmarks/traffic.sh [quick|diag|trace]
+# trace: device traces (time by kernel class) of a window of mixed steps and one of decode steps.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results/traffic}
@@ -18,6 +19,14 @@ run() {  # name, flags...
   python -m rooflm bench throughput $MODEL "$@" --breakdown --disable-tqdm \
     --output-json "$OUT/$name.json" 2>&1 | grep -v "^result written" | tail -24 | tee "$OUT/$name.txt"
 }
+if [ "${1:-}" = "trace" ]; then
+  for window in "mixed 60 6" "decode 300 10"; do
+    set -- $window
+    python benchmarks/host_profile.py $MODEL $SHAREGPT --device-trace-steps "$3" --skip-steps "$2" --out "$OUT" \
+      2>&1 | tail -22 | tee "$OUT/trace-$1.txt"
+  done
+  exit 0
+fi
 run sharegpt $SHAREGPT
 [ "${1:-}" = "quick" ] && exit 0
 if [ "${1:-}" = "diag" ]; then  # why: the same run without async scheduling, and the host under cProfile
