@@ -76,6 +76,10 @@ def w4_candidates(m: int, group: int):
         # Deeper splits: Nsight Compute found the small shapes' tiles under one wave (down: 256
         # programs of 4 warps at 157 registers, 3 CTAs an SM: 0.65 waves) and latency-bound.
         tensor += [W4Config(16, bn, bk, 4, 3, sk, swap_ab=True) for bn in (32, 64) for sk in (3, 6, 8)]
+        # Registers capped: 4 or 5 CTAs an SM instead of 3 (sm_90, Triton 3.9: 163 -> 128 with 48
+        # bytes of stack, 96 with 184), and the GEMV's 8 of 2 warps instead of 6.
+        tensor += [W4Config(16, 64, bk, 4, 3, sk, swap_ab=True, maxnreg=r) for sk in (2, 4) for r in (128, 96)]
+        out = [W4Config(1, 32, bk, 2, 4, 2, maxnreg=128), W4Config(1, 32, bk, 2, 4, 1, maxnreg=128)] + out
         return tensor + out
     bms = (16,) if m <= 16 else (32, 64)
     out = swap_ab_candidates(m, bk)  # first: the budget skips the end of a list
@@ -267,7 +271,8 @@ def _cfg(c: dict | None) -> str:
     return (f"m{c['block_m']} n{c['block_n']} k{c['block_k']} w{c['num_warps']} s{c['num_stages']}"
             + (f" x{c['split_k']}" if c.get("split_k", 1) > 1 else "")
             + (" nofold" if c.get("fold") is False and c["block_m"] > 1 else "")
-            + (" swap" if c.get("swap_ab") else ""))
+            + (" swap" if c.get("swap_ab") else "")
+            + (f" r{c['maxnreg']}" if c.get("maxnreg") else ""))
 
 
 def best_rows(rows, shape, m, kernel):

@@ -403,6 +403,10 @@ class W4Config(NamedTuple):
     split_k: int = 1  # programs per row block along K (fp32 partials, then one sum)
     fold: bool = True  # tensor-core tiles: exact 1 + code / 16 and the scale per group (else per weight)
     swap_ab: bool = False  # tensor-core tiles: y.T = W @ x.T, the unpacked W wgmma's A operand from registers
+    # Registers a thread may hold (ptxas .maxnreg), 0: the compiler's choice. At batch 1 the small
+    # shapes are latency-bound at 157 registers, 3 CTAs an SM (Nsight Compute,
+    # benchmarks/results/quant-w4-ncu-h100-20261127): a cap buys CTAs, so loads in flight, for spills.
+    maxnreg: int = 0
 
 
 def _pow2(v: int) -> bool:
@@ -422,6 +426,8 @@ def check_config(cfg: W4Config, group_size: int) -> None:
         problems.append(f"block_k must hold whole groups in each nibble: a multiple of 2 x {group_size}")
     if cfg.split_k < 1 or cfg.num_warps < 1 or cfg.num_stages < 1:
         problems.append("split_k, num_warps, num_stages must be >= 1")
+    if cfg.maxnreg and not 24 <= cfg.maxnreg <= 255:
+        problems.append("maxnreg must be 0 (uncapped) or 24..255 registers")
     if problems:
         raise ValueError(f"W4A16 config {cfg}: " + "; ".join(problems))
 
@@ -490,7 +496,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                         SWAP_AB=bool(cfg.swap_ab),
                         ASM=USE_ASM and not is_interpreter() and x.dtype in (torch.bfloat16, torch.float16),
                         FUSED=fused, num_warps=cfg.num_warps, num_stages=1 if is_interpreter() else cfg.num_stages,
-                        **pdl_launch(x.device))
+                        **pdl_launch(x.device), **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not is_interpreter() else {}))
     if split_k > 1 and not fused:
         split_k_reduce(y, ws)
     return y

@@ -53,7 +53,10 @@ def test_w4a16_matches_reference(m, group):
     W4Config(16, 16, 128, 4, 3, split_k=2),  # tensor cores, split-K
     W4Config(32, 32, 256, 4, 3, split_k=1),
     W4Config(16, 32, 256, 4, 3, split_k=2, fold=False),  # tensor cores, scale and zero per weight
-], ids=lambda c: f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.split_k}{'' if c.fold else 'nofold'}")
+    # swap-AB with registers capped (spills on sm_90; the interpreter ignores the cap)
+    W4Config(16, 64, 256, 4, 3, split_k=2, swap_ab=True, maxnreg=96),
+], ids=lambda c: f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.split_k}{'' if c.fold else 'nofold'}"
+                 f"{'swap' if c.swap_ab else ''}{f'r{c.maxnreg}' if c.maxnreg else ''}")
 @pytest.mark.parametrize("k", [384, 448])  # 6 groups (halves of 192: even) and 7 (the high half padded)
 def test_w4a16_configs_match_reference(cfg, k):
     """Every path of the kernel: split-K partials, steps running past the packed row (masks), an odd
@@ -276,6 +279,8 @@ def test_w4a16_rejects_configs_it_cannot_run():
         w4a16_linear(x, qw, s, z, 64, config=W4Config(1, 16, 64, 4, 3))
     with pytest.raises(ValueError, match="block_n >= 16"):
         w4a16_linear(x, qw, s, z, 64, config=W4Config(16, 8, 128, 4, 3))
+    with pytest.raises(ValueError, match="maxnreg"):
+        w4a16_linear(x, qw, s, z, 64, config=W4Config(16, 16, 128, 4, 3, maxnreg=8))
 
 
 def test_w4a16_fp32_and_strided_input():
