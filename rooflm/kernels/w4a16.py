@@ -406,6 +406,7 @@ class W4Config(NamedTuple):
     # Registers a thread may hold (ptxas .maxnreg), 0: the compiler's choice. At batch 1 the small
     # shapes are latency-bound at 157 registers, 3 CTAs an SM (Nsight Compute,
     # benchmarks/results/quant-w4-ncu-h100-20261127): a cap buys CTAs, so loads in flight, for spills.
+    # On the H100 every capped tile swept (128, 96) was slower: a sweep candidate, not in the table.
     maxnreg: int = 0
 
 
