@@ -100,11 +100,11 @@ def window_profile(engine, args) -> None:
         engine.step()
     untraced = time.perf_counter() - t0
     phases = dict(instrument.record.phase_s)
+    counts = {k: kinds.count(k) for k in sorted(set(kinds))}  # the timed window's steps, not cProfile's
     profiler.enable()
     for _ in range(args.profile_steps):
         engine.step()
     profiler.disable()
-    counts = {k: kinds.count(k) for k in sorted(set(kinds))}
     print(f"{args.profile_steps} steps after {args.skip_steps}: {untraced * 1e3 / args.profile_steps:.2f} ms/step, "
           f"kinds {counts}")
     for name, s in sorted(phases.items(), key=lambda kv: -kv[1]):

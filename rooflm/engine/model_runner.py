@@ -379,8 +379,11 @@ class ModelRunner:
         logits in the weights' dtype before they are widened (2 bytes). 0 without graphs."""
         if self.device.type != "cuda" or self.config.runtime.enforce_eager:
             return 0
-        rows = min(self.config.runtime.cuda_graph_max_batch, self.config.scheduler.max_num_seqs)
-        return rows * self.model_config.vocab_size * (4 + 2)
+        return self._graph_max_batch() * self.model_config.vocab_size * (4 + 2)
+
+    def _graph_max_batch(self) -> int:
+        """The largest decode batch captured as a CUDA graph."""
+        return min(self.config.runtime.cuda_graph_max_batch, self.config.scheduler.max_num_seqs)
 
     @torch.inference_mode()
     def profile_run(self) -> int:
@@ -909,7 +912,7 @@ class ModelRunner:
         if self.device.type != "cuda" or self.config.runtime.enforce_eager:
             return
         from rooflm.engine.cuda_graph import CUDAGraphRunner
-        max_batch = min(self.config.runtime.cuda_graph_max_batch, self.config.scheduler.max_num_seqs)
+        max_batch = self._graph_max_batch()
         self.graphs = CUDAGraphRunner(self.model, self.kv_caches, self.backend, max_batch,
                                       self.max_model_len, self.block_size, self.device)
         self.timings["capture_s"] = self.graphs.capture()

@@ -69,8 +69,8 @@ def test_decode_graphs_share_one_logits_buffer(tmp_path):
     runner = llm.engine.runner.graphs
     vocab = 32000
     assert runner.logits.shape == (512, vocab) and runner.logits.dtype == torch.float32
-    # The pool holds the largest graph's activations, not one logits tensor per size (~2.4 GB
-    # here before: 4,743 rows of 32,000 fp32 over the 76 sizes).
+    # The pool holds the largest graph's activations, not one logits tensor per size (~0.6 GB
+    # here before: 4,743 rows of 32,000 fp32 over the 27 sizes).
     pool_bytes = sum(s["total_size"] for s in torch.cuda.memory_snapshot()
                      if s.get("segment_pool_id") == tuple(runner.pool))
     assert pool_bytes < 512 * vocab * 4
