@@ -14,6 +14,8 @@
 #        int4-g128-awq-gptq-score-c128 int4-g128-awq-gptq-block-seq-c128 (128 calibration windows);
 #        int4-g128-awq-gptq-score-refit (GPTQ's scales refit, --refit);
 #        int4-g128-awq-gptq-score-skipqk (no range shrink on q/k rows, --mse-skip-qk), int4-g128-awq-gptq-score-skipqk-refit
+#        int4-g128-awq-gptq-skipqk-damp10 int4-g128-awq-gptq-skipqk-damp001 (GPTQ damping 0.1 / 0.001, --damp)
+#        int4-g128-awq-gptq-skipqk-c64 (64 calibration windows) (2026-11-27: the skip-qk row's flags, one change each)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/quant-cpu-$(date -u +%Y%m%d)}
@@ -66,6 +68,11 @@ one() {
     # GPTQ's --mse range search kept off the q/k rows (gptq.range_search_rows; AWQ's clip search skips q/k).
     int4-g128-awq-gptq-score-skipqk) run int4-g128-awq-gptq-score-skipqk --scheme int4-g128 --method awq+gptq --act-order --mse --mse-skip-qk --calib-windows 32 --awq-score gptq --no-sequential ;;
     int4-g128-awq-gptq-score-skipqk-refit) run int4-g128-awq-gptq-score-skipqk-refit --scheme int4-g128 --method awq+gptq --act-order --mse --mse-skip-qk --refit --calib-windows 32 --awq-score gptq --no-sequential ;;
+    # GPTQ's damping (--damp, percdamp / damp_percent: a fraction of the mean Hessian diagonal; default 0.01) on the skip-qk row.
+    int4-g128-awq-gptq-skipqk-damp10) run int4-g128-awq-gptq-skipqk-damp10 --scheme int4-g128 --method awq+gptq --act-order --mse --mse-skip-qk --damp 0.1 --calib-windows 32 --awq-score gptq --no-sequential ;;
+    int4-g128-awq-gptq-skipqk-damp001) run int4-g128-awq-gptq-skipqk-damp001 --scheme int4-g128 --method awq+gptq --act-order --mse --mse-skip-qk --damp 0.001 --calib-windows 32 --awq-score gptq --no-sequential ;;
+    # The skip-qk row with 64 calibration windows (32,768 tokens) instead of 32.
+    int4-g128-awq-gptq-skipqk-c64) run int4-g128-awq-gptq-skipqk-c64 --scheme int4-g128 --method awq+gptq --act-order --mse --mse-skip-qk --calib-windows 64 --awq-score gptq --no-sequential ;;
     int4-g128-awq-block) run int4-g128-awq-block --scheme int4-g128 --method awq --calib-windows 32 --awq-objective block ;;
     *) echo "unknown run $1" >&2; return 2 ;;
   esac

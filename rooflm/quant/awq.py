@@ -67,6 +67,7 @@ class AwqConfig:
     gptq_mse: bool = False
     gptq_refit: bool = False
     gptq_mse_skip_qk: bool = False  # GPTQ keeps q/k rows' full range (gptq.range_search_rows)
+    gptq_damp: float = 0.01  # GPTQ's diagonal damping (gptq_quantize's damp, the CLI's --damp)
 
     def quantizer(self, mse_rows: Optional[torch.Tensor] = None):
         """(scaled w [N, K], Hessian of the scaled inputs) -> dequantized weight, for scoring;
@@ -77,7 +78,8 @@ class AwqConfig:
             from rooflm.quant.gptq import gptq_quantize
             return lambda w, h: gptq_quantize(w, h, self.scheme.bits, self.scheme.group_size, scale_dtype=torch.float32,
                                               act_order=self.gptq_act_order, mse=self.gptq_mse,
-                                              refit=self.gptq_refit, mse_rows=mse_rows).dequantize()
+                                              refit=self.gptq_refit, mse_rows=mse_rows,
+                                              damp=self.gptq_damp).dequantize()
         raise ValueError(f"AWQ score_with must be 'rtn' or 'gptq'; got {self.score_with!r}")
     # Range shrink factors of the clip search (llm-awq: max_shrink 0.5 in 20 steps; here fewer,
     # the same spacing near 1 where the choices fall).

@@ -62,7 +62,7 @@ def sequential_awq_gptq(llm, windows: list[list[int]], config: AwqConfig, float_
     def gptq(mod, x: torch.Tensor):
         return gptq_quantize(mod.weight.detach().float(), x.T @ x, config.scheme.bits, config.scheme.group_size,
                              act_order=act_order, mse=mse, refit=refit,
-                             mse_rows=range_search_rows(mod, config.gptq_mse_skip_qk))
+                             mse_rows=range_search_rows(mod, config.gptq_mse_skip_qk), damp=config.gptq_damp)
 
     @torch.no_grad()
     def hook(mod, args, name):

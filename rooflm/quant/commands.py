@@ -54,6 +54,11 @@ def register(sub) -> None:
                    help="GPTQ (4-bit): after the codes are found, refit each row's group scales to the least output "
                         "error on the calibration Hessian (gptq.refit_group_scales); AWQ's GPTQ scoring uses it too. "
                         "SmolLM2 g128 awq+gptq: +5.52%% vs +5.37%%")
+    p.add_argument("--damp", type=float, default=0.01,
+                   help="GPTQ / AWQ+GPTQ: damping added to the Hessian's diagonal before it is inverted, as a "
+                        "fraction of its mean diagonal (GPTQ's percdamp, AutoGPTQ's damp_percent; written to "
+                        "config.json). Larger: less error pushed onto weakly seen inputs, closer to RTN. "
+                        "AWQ's GPTQ scoring uses it too")
     p.add_argument("--sequential", action=argparse.BooleanOptionalAction, default=None,
                    help="GPTQ / AWQ+GPTQ: calibrate each linear on the outputs of the already quantized linears "
                         "before it (true-sequential, sequential.py) instead of the float model's; default on for "
@@ -100,6 +105,10 @@ def run_quantize(args: argparse.Namespace) -> int:
     sequential = use_sequential(args.method, args.sequential)
     if args.mse_skip_qk and not args.mse:
         raise ValueError("--mse-skip-qk narrows GPTQ's --mse range search: give --mse too")
+    if not 0 < args.damp < 1:
+        raise ValueError(f"--damp is a fraction of the Hessian's mean diagonal: 0 < damp < 1, got {args.damp}")
+    if args.damp != 0.01 and args.method not in ("gptq", "awq+gptq"):
+        raise ValueError(f"--damp sets GPTQ's damping: it applies to --method gptq and awq+gptq, not {args.method}")
     if args.refit and args.method not in ("gptq", "awq+gptq"):
         raise ValueError(f"--refit refits GPTQ's scales: it applies to --method gptq and awq+gptq, not {args.method}")
     awq_on_quantized = args.awq_inputs == "quantized"
@@ -151,7 +160,7 @@ def run_quantize(args: argparse.Namespace) -> int:
         t1 = time.perf_counter()
         config = AwqConfig(scheme, duo_scaling=args.duo, score_with=args.awq_score,
                            gptq_act_order=args.act_order, gptq_mse=args.mse, gptq_refit=args.refit,
-                           gptq_mse_skip_qk=args.mse_skip_qk)
+                           gptq_mse_skip_qk=args.mse_skip_qk, gptq_damp=args.damp)
         # GPTQ scoring is GPTQ's column loop many times over: one thread (see below).
         threads = torch.get_num_threads()
         if args.awq_score == "gptq":
@@ -186,7 +195,7 @@ def run_quantize(args: argparse.Namespace) -> int:
             t2 = time.perf_counter()
             config = AwqConfig(scheme, duo_scaling=args.duo, score_with=args.awq_score,
                                gptq_act_order=args.act_order, gptq_mse=args.mse, gptq_refit=args.refit,
-                               gptq_mse_skip_qk=args.mse_skip_qk)
+                               gptq_mse_skip_qk=args.mse_skip_qk, gptq_damp=args.damp)
             prequantized, report = sequential_awq_gptq(llm, windows, config, hessians, act_means,
                                                        args.awq_block_windows, args.act_order, args.mse, args.refit)
             awq_note = " " + report.summary() + "."
@@ -196,16 +205,19 @@ def run_quantize(args: argparse.Namespace) -> int:
             from rooflm.quant.sequential import sequential_gptq
             t2 = time.perf_counter()
             prequantized = sequential_gptq(llm, windows, scheme, args.act_order, args.mse, refit=args.refit,
-                                           mse_skip_qk=args.mse_skip_qk)
+                                           mse_skip_qk=args.mse_skip_qk, damp=args.damp)
             print(f"sequential GPTQ: {len(prequantized)} linears in {time.perf_counter() - t2:.1f} s")
         tensors = quantized_state_dict(model, scheme, method, hessians, float_dtype, args.act_order, args.mse,
-                                       prequantized, refit=args.refit, mse_skip_qk=args.mse_skip_qk)
+                                       prequantized, refit=args.refit, mse_skip_qk=args.mse_skip_qk,
+                                       damp=args.damp)
     finally:
         torch.set_num_threads(threads)
     config = hf_config_dict(llm.engine.model_config)
     options = "".join(f" --{o.replace('_', '-')}" for o in ("act_order", "mse", "mse_skip_qk", "refit", "no_clip", "duo") if getattr(args, o))
     if args.method in ("gptq", "awq+gptq"):
         options += " --sequential" if sequential else " --no-sequential"
+        if args.damp != 0.01:
+            options += f" --damp {args.damp:g}"
     if args.method.startswith("awq"):
         options += f" --awq-score {args.awq_score} --awq-objective {args.awq_objective}"
         if args.awq_objective == "block":
@@ -214,7 +226,7 @@ def run_quantize(args: argparse.Namespace) -> int:
             f"Written by `rooflm quantize` in the GPTQ v1 layout (rooflm/quant/formats.py).{calib}{awq_note} "
             f"Embeddings, LM head and norms in {args.float_dtype}.")
     write_checkpoint(args.output, config, tensors, scheme, float_dtype, llm.tokenizer, note,
-                     args.act_order and "gptq" in args.method, sequential=sequential)
+                     args.act_order and "gptq" in args.method, sequential=sequential, damp=args.damp)
     print(f"wrote {args.output} ({args.scheme} {args.method}) in {time.perf_counter() - t0:.1f} s")
     return 0
 

@@ -37,7 +37,10 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size:
     for the smallest Hessian-weighted rounding error instead of taken as min..max; with mse_rows
     (bool [N]) only in those rows, the others keep min..max (range_search_rows). refit (4-bit):
     afterwards, the scales that minimise the layer's output error for the codes found
-    (refit_group_scales)."""
+    (refit_group_scales). damp: added to H's diagonal before inversion, as a fraction of its mean
+    diagonal (GPTQ's percdamp, AutoGPTQ's damp_percent; 0.01 in the paper and AutoGPTQ)."""
+    if not damp > 0:
+        raise ValueError(f"GPTQ damp must be > 0 (a fraction of the mean Hessian diagonal); got {damp}")
     W = w.detach().float().clone()
     n, k = W.shape
     H = hessian.detach().float().clone()

@@ -81,13 +81,14 @@ def collect_hessians(llm, windows: list[list[int]],
 
 def quantize_linear(w: torch.Tensor, scheme: WeightScheme, method: str, hessian: Optional[torch.Tensor],
                     act_order: bool = False, mse: bool = False, refit: bool = False,
-                    mse_rows: Optional[torch.Tensor] = None):
+                    mse_rows: Optional[torch.Tensor] = None, damp: float = 0.01):
     """method: rtn | gptq | awq (weights already AWQ-scaled: RTN with the clip search when a Hessian
-    is given) | awq+gptq (weights already AWQ-scaled, the Hessian rescaled to match: GPTQ)."""
+    is given) | awq+gptq (weights already AWQ-scaled, the Hessian rescaled to match: GPTQ).
+    damp: GPTQ's diagonal damping (gptq_quantize)."""
     if method in ("gptq", "awq+gptq"):
         from rooflm.quant.gptq import gptq_quantize
         return gptq_quantize(w, hessian, scheme.bits, scheme.group_size, act_order=act_order, mse=mse, refit=refit,
-                             mse_rows=mse_rows)
+                             mse_rows=mse_rows, damp=damp)
     if method == "awq" and hessian is not None and scheme.bits == 4:
         from rooflm.quant.awq import AwqConfig, clipped_rtn_int4
         return clipped_rtn_int4(w, hessian, scheme.group_size, AwqConfig(scheme).shrinks)
@@ -108,7 +109,7 @@ def _rows(weight, start: int, size: int):
 def quantized_state_dict(model, scheme: WeightScheme, method: str, hessians: Optional[dict],
                          float_dtype: torch.dtype, act_order: bool = False, mse: bool = False,
                          prequantized: Optional[dict] = None, refit: bool = False,
-                         mse_skip_qk: bool = False) -> dict[str, torch.Tensor]:
+                         mse_skip_qk: bool = False, damp: float = 0.01) -> dict[str, torch.Tensor]:
     """HF-named tensors: GPTQ parts for decoder linears, float for everything else.
     prequantized: linear name -> its already quantized weight (sequential.py), written as is."""
     out: dict[str, torch.Tensor] = {}
@@ -125,7 +126,7 @@ def quantized_state_dict(model, scheme: WeightScheme, method: str, hessians: Opt
         else:
             q = quantize_linear(module.weight.detach().float(), scheme, method,
                                 None if hessians is None else hessians[name], act_order, mse, refit,
-                                range_search_rows(module, mse_skip_qk))
+                                range_search_rows(module, mse_skip_qk), damp)
         if leaf in _SPLITS:
             _, names = _SPLITS[leaf]
             for shard, (offset, size) in module.shard_offsets.items():
@@ -167,20 +168,20 @@ def fp8_state_dict(model, float_dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return out
 
 
-def gptq_config(scheme: WeightScheme, act_order: bool = False, sequential: bool = False) -> dict:
+def gptq_config(scheme: WeightScheme, act_order: bool = False, sequential: bool = False, damp: float = 0.01) -> dict:
     return {"quant_method": "gptq", "bits": scheme.bits, "group_size": scheme.group_size,
             "desc_act": act_order and scheme.bits == 4, "sym": scheme.bits == 8, "checkpoint_format": "gptq", "lm_head": False,
-            "true_sequential": sequential, "damp_percent": 0.01}
+            "true_sequential": sequential, "damp_percent": damp}
 
 
 def write_checkpoint(out_dir: str, config_dict: dict, tensors: dict[str, torch.Tensor], scheme: Optional[WeightScheme],
                      float_dtype: torch.dtype, tokenizer=None, note: str = "", act_order: bool = False,
-                     quant_config: Optional[dict] = None, sequential: bool = False) -> None:
+                     quant_config: Optional[dict] = None, sequential: bool = False, damp: float = 0.01) -> None:
     """quant_config: config.json's quantization_config; default the GPTQ one of `scheme`."""
     from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
     cfg = dict(config_dict)
-    cfg["quantization_config"] = quant_config if quant_config is not None else gptq_config(scheme, act_order, sequential)
+    cfg["quantization_config"] = quant_config if quant_config is not None else gptq_config(scheme, act_order, sequential, damp)
     cfg["torch_dtype"] = str(float_dtype).replace("torch.", "")
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2)

@@ -56,7 +56,7 @@ def kv_cache_gb_for(info, tokens: int) -> float:
 
 def sequential_gptq(llm, windows: list[list[int]], scheme: WeightScheme, act_order: bool = False,
                     mse: bool = False, hessians: Optional[dict[str, torch.Tensor]] = None,
-                    refit: bool = False, mse_skip_qk: bool = False) -> dict:
+                    refit: bool = False, mse_skip_qk: bool = False, damp: float = 0.01) -> dict:
     """Quantize every decoder linear of `llm`'s (float) model in place, layer by layer on the
     quantized predecessors' outputs; returns {rooflm linear name: GroupWeight/ChannelWeight}.
     The model's linear weights are left as the dequantized values (what the checkpoint loads to).
@@ -86,7 +86,7 @@ def sequential_gptq(llm, windows: list[list[int]], scheme: WeightScheme, act_ord
         try:
             q = gptq_quantize(mod.weight.detach().float(), h, scheme.bits, scheme.group_size,
                               act_order=act_order, mse=mse, refit=refit,
-                              mse_rows=range_search_rows(mod, mse_skip_qk))
+                              mse_rows=range_search_rows(mod, mse_skip_qk), damp=damp)
         finally:
             torch.set_num_threads(threads)
         mod.weight.copy_(q.dequantize().to(mod.weight.dtype))

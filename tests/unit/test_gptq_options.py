@@ -52,3 +52,36 @@ def test_mse_skip_qk_keeps_the_q_and_k_rows_at_their_full_range(tmp_path):
     assert torch.equal(skip.scales[:, :v_offset], plain.scales[:, :v_offset])
     assert torch.equal(skip.scales[:, v_offset:], full.scales[:, v_offset:])
     assert not torch.equal(full.scales[:, :v_offset], plain.scales[:, :v_offset])  # mse did shrink some q/k groups
+
+
+def test_damp_is_gptq_percdamp_and_the_cli_default_is_unchanged():
+    """damp adds damp * mean(diag H) to H's diagonal: the default is 0.01 (the paper's, AutoGPTQ's);
+    a larger one gives other codes, passing damp * mean(diag H) * I oneself with damp ~0 the
+    same ones; damp <= 0 is refused. `rooflm quantize --damp` defaults to 0.01 and is written
+    to config.json's damp_percent."""
+    import argparse
+
+    from rooflm.quant.commands import register
+    from rooflm.quant.quantize import gptq_config
+    from rooflm.quant.rtn import WeightScheme
+    g = torch.Generator().manual_seed(2)
+    k, n = 128, 32
+    x = torch.randn(64, k, generator=g) * torch.linspace(0.05, 3.0, k)  # few tokens: H badly conditioned
+    w = torch.randn(n, k, generator=g)
+    h = x.T @ x
+    default = gptq_quantize(w, h, 4, 32, act_order=True)
+    assert torch.equal(default.codes, gptq_quantize(w, h, 4, 32, act_order=True, damp=0.01).codes)
+    strong = gptq_quantize(w, h, 4, 32, act_order=True, damp=0.1)
+    assert not torch.equal(default.codes, strong.codes)
+    # damp is relative to the diagonal: folding 0.1's worth into H by hand with damp 1e-9 ~ damp 0.1
+    # (act-order sorts by the undamped diagonal either way: a constant shift keeps the order)
+    by_hand = gptq_quantize(w, h + 0.1 * torch.diag(h).mean() * torch.eye(k), 4, 32, act_order=True, damp=1e-9)
+    assert (by_hand.codes != strong.codes).float().mean() < 0.01
+    with pytest.raises(ValueError, match="damp"):
+        gptq_quantize(w, h, 4, 32, damp=0.0)
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    assert parser.parse_args(["quantize", "--output", "o"]).damp == 0.01
+    assert parser.parse_args(["quantize", "--output", "o", "--damp", "0.1"]).damp == 0.1
+    assert gptq_config(WeightScheme.parse("int4-g128"))["damp_percent"] == 0.01
+    assert gptq_config(WeightScheme.parse("int4-g128"), damp=0.1)["damp_percent"] == 0.1
