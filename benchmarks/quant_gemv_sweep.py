@@ -31,7 +31,9 @@ import statistics
 import sys
 import time
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096)}  # the int4 LM head (decode quantizes it): --shapes only
+DEFAULT_SHAPES = ("qkv", "o", "gate_up", "down")
 BATCHES = (1, 4, 16, 64)
 GROUP = 128
 SMOKE_SHAPES = {"tiny_even": (48, 256), "tiny_odd": (40, 448)}  # 448 / 64: an odd group count
@@ -47,7 +49,9 @@ def parse_args(argv=None):
                     help="merge the best configs into this tile table (default: rooflm's weight_only.json)")
     ap.add_argument("--budget-s", type=float, default=200.0, help="wall-clock budget for the whole sweep")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,4,16,64)")
-    ap.add_argument("--shapes", default=None, help="comma-separated layer names (default all four)")
+    ap.add_argument("--shapes", default=None, help="comma-separated layer names (default the four of a "
+                    "decoder layer; lm_head: the 128256 x 4096 head)")
+    ap.add_argument("--kernels", default="w4a16,w8a16", help="which weight-only kernels to sweep")
     ap.add_argument("--replays", type=int, default=20, help="CUDA-graph replays per timing")
     ap.add_argument("--max-candidates", type=int, default=None, help="the first N candidates of each list")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes (plumbing check)")
@@ -62,25 +66,23 @@ def w4_candidates(m: int, group: int):
     from rooflm.kernels.w4a16 import W4Config
     bk = 2 * max(group, 128)  # one group (or 128 codes) of each nibble per step
     if m == 1:
-        out = [W4Config(1, bn, kk, 4, 3, sk) for bn in (8, 16, 32) for kk in (bk, 2 * bk) for sk in (1, 2, 4)]
-        out += [W4Config(1, 16, bk, 2, 3, 2), W4Config(1, 16, 2 * bk, 8, 3, 2), W4Config(1, 32, 2 * bk, 8, 4, 1),
-                W4Config(1, 64, bk, 8, 3, 1), W4Config(1, 16, 4 * bk, 8, 2, 1), W4Config(1, 16, bk, 4, 5, 2),
-                W4Config(1, 32, bk, 2, 4, 2), W4Config(1, 64, bk, 4, 4, 1)]
-        # The tensor-core path with the row padded to 16 (Marlin's batch-1 choice): the multiply-adds
-        # leave the CUDA cores, only the unpack stays on them (4.5 instructions a weight with the
-        # packed unpacking at 16 x 64, sm_90, against the GEMV's ~6.5). First: the budget skips
-        # the end of a list.
-        tensor = [W4Config(16, bn, bk, 4, 3, sk) for bn in (32, 64) for sk in (1, 2, 4)]
-        tensor += [W4Config(16, 64, bk, 4, 3, 2, fold=False), W4Config(16, 128, bk, 4, 3, 2)]
-        tensor += [W4Config(16, 64, bk, 4, 3, sk, swap_ab=True) for sk in (1, 2, 4)]
-        # Deeper splits: Nsight Compute found the small shapes' tiles under one wave (down: 256
-        # programs of 4 warps at 157 registers, 3 CTAs an SM: 0.65 waves) and latency-bound.
-        tensor += [W4Config(16, bn, bk, 4, 3, sk, swap_ab=True) for bn in (32, 64) for sk in (3, 6, 8)]
-        # Registers capped: 4 or 5 CTAs an SM instead of 3 (sm_90, Triton 3.9: 163 -> 128 with 48
-        # bytes of stack, 96 with 184), and the GEMV's 8 of 2 warps instead of 6.
-        tensor += [W4Config(16, 64, bk, 4, 3, sk, swap_ab=True, maxnreg=r) for sk in (2, 4) for r in (128, 96)]
-        out = [W4Config(1, 32, bk, 2, 4, 2, maxnreg=128), W4Config(1, 32, bk, 2, 4, 1, maxnreg=128)] + out
-        return tensor + out
+        # The folded GEMV (fold=True at block_m 1, 2026-11-27: 4.0-5.4 instructions a weight and
+        # 95-128 registers in sm_90 SASS, against 6.6 and 128-167 for the per-weight GEMV). First:
+        # the budget skips the end of a list.
+        gemv = [W4Config(1, bn, bk, w, 4, sk) for bn, w in ((32, 2), (64, 2), (32, 4), (64, 4), (128, 4))
+                for sk in (1, 2, 4)]
+        gemv += [W4Config(1, 64, bk, 2, 6, 2), W4Config(1, 32, bk, 2, 6, 2), W4Config(1, 64, 2 * bk, 2, 3, 2),
+                 W4Config(1, 16, bk, 2, 4, 4), W4Config(1, 128, bk, 8, 4, 1), W4Config(1, 64, bk, 2, 4, 8)]
+        # What the table held before it, side by side: swap-AB m16 n64 split 4 (qkv, o, down) and the
+        # per-weight GEMV n32 2 warps split 2 (gate_up), then the rest of the earlier lists.
+        before = [W4Config(16, 64, bk, 4, 3, 4, swap_ab=True), W4Config(1, 32, bk, 2, 4, 2, fold=False)]
+        tensor = [W4Config(16, 64, bk, 4, 3, sk, swap_ab=True) for sk in (1, 2, 3, 6)]
+        tensor += [W4Config(16, 32, bk, 4, 3, sk, swap_ab=True) for sk in (3, 6, 8)]
+        tensor += [W4Config(16, bn, bk, 4, 3, sk) for bn in (32, 64) for sk in (1, 2, 4)]
+        # The per-weight GEMV's earlier candidates (register caps: all slower on the H100, 2026-11-27).
+        old = [W4Config(1, bn, kk, 4, 3, sk, fold=False) for bn in (16, 32) for kk in (bk, 2 * bk) for sk in (1, 2, 4)]
+        old += [W4Config(1, 64, bk, 4, 4, 1, fold=False), W4Config(1, 32, bk, 2, 4, 2, fold=False, maxnreg=128)]
+        return gemv + before + tensor + old
     bms = (16,) if m <= 16 else (32, 64)
     out = swap_ab_candidates(m, bk)  # first: the budget skips the end of a list
     out += [W4Config(bm, bn, bk, 4, 3, sk) for bm in bms for bn in (32, 64, 128) for sk in (1, 2)]
@@ -178,9 +180,10 @@ def run(args) -> dict:
     cuda = torch.cuda.is_available()  # --smoke on a GPU: tiny shapes, compiled and graphed
     dev = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float16  # bf16 tl.dot is wrong only in the interpreter
-    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    shapes = SMOKE_SHAPES if args.smoke else {k: SHAPES[k] for k in DEFAULT_SHAPES}
     if args.shapes:
-        shapes = {k: shapes[k] for k in args.shapes.split(",")}
+        shapes = {k: (SMOKE_SHAPES if args.smoke else SHAPES)[k] for k in args.shapes.split(",")}
+    kernels = set(args.kernels.split(","))
     batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else (
         SMOKE_BATCHES if args.smoke else BATCHES)
     group = SMOKE_GROUP if args.smoke else GROUP
@@ -229,19 +232,22 @@ def run(args) -> dict:
 
             measure(case, "bf16", "F.linear", None, [lambda w=w: F.linear(x, w) for w in w16],
                     lambda: F.linear(x, w16[0]).float(), (x.float() @ w16[0].float().T), b16)
-            measure(case, "w8a16", "old", old8.pick_config(m, n, k), [lambda q=q: old8.w8a16_linear(x, q, s8) for q in q8],
-                    lambda: old8.w8a16_linear(x, q8[0], s8), ref8, b8)
+            if "w8a16" in kernels:
+                measure(case, "w8a16", "old", old8.pick_config(m, n, k), [lambda q=q: old8.w8a16_linear(x, q, s8) for q in q8],
+                        lambda: old8.w8a16_linear(x, q8[0], s8), ref8, b8)
             measure(case, "w4a16", "old", old4.pick_config(m, n, k, group),
                     [lambda q=q: old4.w4a16_linear(x, q, s4, z4, group) for q in q4_old],
                     lambda: old4.w4a16_linear(x, q4_old[0], s4, z4, group), ref4, b4)
             heur8, heur4 = new8.pick_config(m, n, k, None, sms), new4.pick_config(m, n, k, group, None, sms)
             todo = [("w8a16", "heur", heur8)] + [("w4a16", "heur", heur4)]
+            todo = [t for t in todo if t[0] in kernels]
             cap = args.max_candidates
             cands4 = w4_candidates(m, group)[:cap]
             if heur4.block_m > 1:  # the heuristic's tile swapped: its split-K is sized for this shape
                 cands4 = [heur4._replace(swap_ab=True)] + [c for c in cands4 if c != heur4._replace(swap_ab=True)]
             todo += [("w4a16", "cand", c) for c in cands4 if c != heur4]
-            todo += [("w8a16", "cand", c) for c in w8_candidates(m)[:cap] if c != heur8]
+            if "w8a16" in kernels:
+                todo += [("w8a16", "cand", c) for c in w8_candidates(m)[:cap] if c != heur8]
             for kernel, variant, cfg in todo:
                 if variant == "cand" and time.perf_counter() > deadline:
                     skipped.append(dict(case, kernel=kernel, config=cfg._asdict()))
@@ -270,7 +276,7 @@ def _cfg(c: dict | None) -> str:
         return ""
     return (f"m{c['block_m']} n{c['block_n']} k{c['block_k']} w{c['num_warps']} s{c['num_stages']}"
             + (f" x{c['split_k']}" if c.get("split_k", 1) > 1 else "")
-            + (" nofold" if c.get("fold") is False and c["block_m"] > 1 else "")
+            + (" nofold" if c.get("fold") is False else "")
             + (" swap" if c.get("swap_ab") else "")
             + (f" r{c['maxnreg']}" if c.get("maxnreg") else ""))
 

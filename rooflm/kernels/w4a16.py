@@ -163,6 +163,91 @@ def _unit_nibbles_packed(p, dtype: tl.constexpr):
                                          dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
 
+# Four code bytes in one register -> eight fp32 values for the folded GEMV: one shift of the
+# register puts byte j's low nibble at mantissa bits 15..18 and its high nibble at 19..22, and one
+# lop3 each masks a nibble and ors in 1.0's bits: (1 + low / 256) and (1 + high / 16), exact.
+# 12 instructions for 8 weights (Triton's own code extracts each byte first). $0..$3: the low
+# values of bytes 0..3, $4..$7 the high ones, $8 the four bytes.
+_WIDE_ASM = tl.constexpr("""
+{
+.reg .b32 t;
+shl.b32 t, $8, 15;
+lop3.b32 $0, t, 0x00078000, 0x3F800000, 0xEA;
+lop3.b32 $4, t, 0x00780000, 0x3F800000, 0xEA;
+shl.b32 t, $8, 7;
+lop3.b32 $1, t, 0x00078000, 0x3F800000, 0xEA;
+lop3.b32 $5, t, 0x00780000, 0x3F800000, 0xEA;
+shr.b32 t, $8, 1;
+lop3.b32 $2, t, 0x00078000, 0x3F800000, 0xEA;
+lop3.b32 $6, t, 0x00780000, 0x3F800000, 0xEA;
+shr.b32 t, $8, 9;
+lop3.b32 $3, t, 0x00078000, 0x3F800000, 0xEA;
+lop3.b32 $7, t, 0x00780000, 0x3F800000, 0xEA;
+}
+""")
+
+
+@triton.jit
+def _unit_nibbles_wide(p, ASM: tl.constexpr):
+    """uint8 bytes -> fp32 (1 + low code / 256, 1 + high code / 16), exact: the byte shifted left by
+    15 has its low nibble at mantissa bits 15..18 and its high one at 19..22 (one shift, a mask
+    and an or each; ASM: the same bits, four bytes at a time in inline PTX)."""
+    if ASM:
+        return tl.inline_asm_elementwise(_WIDE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [p],
+                                         dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+    b = p.to(tl.int32) << 15
+    low = ((b & 0x00078000) | ONE_BITS).to(tl.float32, bitcast=True)
+    high = ((b & CODE_BITS) | ONE_BITS).to(tl.float32, bitcast=True)
+    return low, high
+
+
+@triton.jit
+def _gemv_folded(x_row, qw_ptr, s_ptr, z_ptr, start, end, S, K, N, rn, n_mask,
+                 GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
+                 EVEN: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+    """y[rn] over bytes start..end of one row of x (the GEMV path, fold): each thread's 16
+    consecutive codes of a row (one 16-byte load) are summed against x unscaled, t = sum(w' x)
+    with w' = 1 + code / U, one FMA a weight; per row, group and thread then
+    sum((code - z) s x) = (U s) t - s (U + z) sum(x) (two FMAs a 16 weights), into an [BLOCK_N,
+    GROUP / 16] accumulator reduced across threads once, at the end. The per-weight FMA of the
+    scale and zero (fold=False) and its extraction of each byte are gone: ~half the instructions a
+    weight (benchmarks/quant_gemv_sass.py). The fp32 sums lose log2(U) bits to the 1 in w'
+    (U = 256 for the low nibble: 16 of 24 left), far under the bf16 result's 8."""
+    C: tl.constexpr = GROUP // 16
+    kk = (tl.arange(0, C) * 16)[:, None] + tl.arange(0, 16)[None, :]  # a group's bytes: [C, 16]
+    w_ptrs = qw_ptr + tl.expand_dims(rn[:, None] * S, 2) + tl.expand_dims(kk, 0)
+    kk2 = tl.expand_dims(kk, 2) + tl.expand_dims(tl.expand_dims(tl.arange(0, 2) * S, 0), 0)  # [C, 16, 2]
+    acc = tl.zeros([BLOCK_N, C], dtype=tl.float32)
+    s_lo, z_lo, s_hi, z_hi = _group_pair(s_ptr, z_ptr, start, end, S, K, N, rn, n_mask, GROUP, BLOCK_N)
+    if PDL:  # x is all that the kernel before writes (see the GEMV path)
+        gdc_wait()
+    for b in tl.range(start, end, GROUP, num_stages=STAGES, loop_unroll_factor=BLOCK_H // GROUP):
+        s_lo_n, z_lo_n, s_hi_n, z_hi_n = _group_pair(s_ptr, z_ptr, b + GROUP, end, S, K, N, rn, n_mask,
+                                                     GROUP, BLOCK_N)
+        p = tl.load(w_ptrs + b, mask=tl.expand_dims(n_mask[:, None], 2), other=0)
+        # both halves of x in one [C, 16, 2] load: two elements a thread even at 4 warps, 4 bytes,
+        # which Triton's pipeliner takes into cp.async (a 2-byte load it leaves out of the pipeline)
+        if EVEN:
+            xx = tl.load(x_row + b + kk2)
+        else:
+            xx = tl.load(x_row + b + kk2, mask=(b + kk2) < K, other=0.0)
+        x_lo, x_hi = tl.split(xx.to(tl.float32))
+        x_lo = tl.expand_dims(x_lo, 0)
+        x_hi = tl.expand_dims(x_hi, 0)
+        u_lo, u_hi = _unit_nibbles_wide(p, ASM)
+        # sums over each thread's 16 codes; x's sums land in the same [., C] layout as t
+        t_lo = tl.sum(u_lo * x_lo, axis=2)
+        t_hi = tl.sum(u_hi * x_hi, axis=2)
+        xs_lo = tl.sum(x_lo, axis=2)
+        xs_hi = tl.sum(x_hi, axis=2)
+        acc = tl.fma(t_lo, (256.0 * s_lo)[:, None], acc)
+        acc = tl.fma(xs_lo, (-s_lo * (256.0 + z_lo))[:, None], acc)
+        acc = tl.fma(t_hi, (16.0 * s_hi)[:, None], acc)
+        acc = tl.fma(xs_hi, (-s_hi * (16.0 + z_hi))[:, None], acc)
+        s_lo, z_lo, s_hi, z_hi = s_lo_n, z_lo_n, s_hi_n, z_hi_n
+    return tl.sum(acc, axis=1)
+
+
 @triton.jit
 def _fold_group(acc, x, w, ones, s, z, PRECISION: tl.constexpr):
     """acc + x @ ((code - z) s).T for one group, from w = 1 + code / 16:
@@ -278,7 +363,16 @@ def _w4a16_kernel(y_ptr, ws_ptr, count_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K
     rg = tl.arange(0, GROUP)
     start = pid_k * CHUNK
     end = tl.minimum(start + CHUNK, S)
-    if BLOCK_M == 1:
+    if BLOCK_M == 1 and FOLD:
+        acc = _gemv_folded(x_ptr + pid_m.to(tl.int64) * stride_xm, qw_ptr, s_ptr, z_ptr, start, end, S, K, N,
+                           rn, n_mask, GROUP, BLOCK_N, BLOCK_H, STAGES, EVEN, ASM, PDL)
+        if SPLIT:
+            _store_partial(y_ptr, ws_ptr, count_ptr, acc, pid_m, rn, n_mask, M, N, stride_ym, FUSED)
+        else:
+            tl.store(y_ptr + pid_m.to(tl.int64) * stride_ym + rn, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+        if PDL:  # at the end (see the end of the tensor-core path)
+            gdc_launch_dependents()
+    elif BLOCK_M == 1:  # fold=False: the scale and zero applied to each weight (the GEMV before the fold)
         x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
         acc = tl.zeros([BLOCK_N, GROUP], dtype=tl.float32)
         # One group of each nibble a step (S and the ranges are whole groups: no mask on the low

@@ -7,7 +7,7 @@ import triton.language as tl
 
 from tests.kernels.conftest import DEVICE, KERNEL_TESTS, assert_close, requires_cuda
 from rooflm.kernels import w4a16 as w4a16_module
-from rooflm.kernels.w4a16 import (W4Config, _unit_nibbles_as, _unit_nibbles_packed, pack_int4, pick_config, unpack_int4, w4a16_linear,
+from rooflm.kernels.w4a16 import (W4Config, _unit_nibbles_as, _unit_nibbles_packed, _unit_nibbles_wide, pack_int4, pick_config, unpack_int4, w4a16_linear,
                                   w4a16_linear_ref)
 from rooflm.kernels.w8a16 import W8Config, w8a16_linear, w8a16_linear_ref
 
@@ -50,6 +50,8 @@ def test_w4a16_matches_reference(m, group):
     W4Config(1, 16, 128, 4, 3, split_k=1),   # GEMV, K steps of 2 groups
     W4Config(1, 8, 256, 4, 3, split_k=3),    # GEMV, split-K over 3 byte ranges (the last one short)
     W4Config(1, 32, 512, 4, 3, split_k=2),   # one step holds 4 groups a nibble; the step runs past S
+    W4Config(1, 16, 128, 4, 3, split_k=2, fold=False),  # the GEMV with the scale and zero per weight
+    W4Config(1, 8, 256, 2, 3, split_k=1, fold=False),
     W4Config(16, 16, 128, 4, 3, split_k=2),  # tensor cores, split-K
     W4Config(32, 32, 256, 4, 3, split_k=1),
     W4Config(16, 32, 256, 4, 3, split_k=2, fold=False),  # tensor cores, scale and zero per weight
@@ -178,6 +180,33 @@ def test_unit_nibbles_are_exact_in_each_activation_dtype(dtype):
     assert torch.equal(out, expected)
 
 
+@triton.jit
+def _unpack_wide(p_ptr, o_ptr, ASM: tl.constexpr):
+    r = tl.arange(0, 256)
+    low, high = _unit_nibbles_wide(tl.load(p_ptr + r), ASM)
+    tl.store(o_ptr + r, low)
+    tl.store(o_ptr + 256 + r, high)
+
+
+def test_wide_unit_nibbles_put_the_low_code_at_a_256th_and_the_high_at_a_16th():
+    """The folded GEMV's values: 1 + low / 256 and 1 + high / 16 in fp32, exact, for every byte."""
+    p = torch.arange(256, dtype=torch.uint8).to(DEVICE)
+    out = torch.zeros(512, device=DEVICE)
+    _unpack_wide[(1,)](p, out, ASM=False)
+    assert torch.equal(out, torch.cat([1 + (p & 15).float() / 256, 1 + (p >> 4).float() / 16]))
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_wide_packed_unit_nibbles_match_the_triton_ones_for_every_byte():
+    """The inline-PTX wide unpacking (a shift and two lop3 a byte, four bytes a register) gives
+    each byte's two values in its own place (compiled only)."""
+    p = torch.arange(256, dtype=torch.uint8).flip(0).contiguous().to(DEVICE)
+    out = torch.zeros(512, device=DEVICE)
+    _unpack_wide[(1,)](p, out, ASM=True)
+    assert torch.equal(out, torch.cat([1 + (p & 15).float() / 256, 1 + (p >> 4).float() / 16]))
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -197,6 +226,7 @@ def test_packed_unit_nibbles_match_the_triton_ones_for_every_byte(dtype):
 @pytest.mark.parametrize("cfg", [
     W4Config(16, 64, 256, 4, 3, split_k=2), W4Config(16, 64, 256, 4, 3, split_k=3, swap_ab=True),
     W4Config(64, 128, 256, 8, 3, swap_ab=True), W4Config(32, 64, 256, 4, 3),
+    W4Config(1, 64, 256, 2, 4, split_k=2), W4Config(1, 32, 256, 4, 4, split_k=4),  # the folded GEMV
 ], ids=lambda c: f"m{c.block_m}n{c.block_n}w{c.num_warps}s{c.split_k}{'swap' if c.swap_ab else ''}")
 @pytest.mark.parametrize("m", [1, 16, 64])
 def test_w4a16_packed_unpacking_is_bitwise_the_triton_unpacking(cfg, m, monkeypatch):
