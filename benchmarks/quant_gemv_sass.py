@@ -91,7 +91,7 @@ def cases(group: int = 128):
     """(label, kernel fn, pointer types, constexprs, warps, stages, weights a step, bytes a weight)."""
     from legacy import w4a16_b1dc42d as old4, w8a16_b1dc42d as old8
     from rooflm.kernels import w4a16 as new4, w8a16 as new8
-    act = dict(y_ptr="bf16", x_ptr="bf16", s_ptr="bf16", z_ptr="bf16", ws_ptr="fp32", count_ptr="i32")
+    act = dict(y_ptr="bf16", x_ptr="bf16", xs_ptr="fp32", s_ptr="bf16", z_ptr="bf16", ws_ptr="fp32", count_ptr="i32")
     out = []
     for m, n, k in ((1, 4096, 4096), (16, 4096, 4096)):
         c = old4.pick_config(m, n, k, group)
@@ -113,7 +113,8 @@ def cases(group: int = 128):
             out.append((f"w4a16 new M={m} {c}", new4._w4a16_kernel, dict(act, qw_ptr="u8"),
                         dict(GROUP=group, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_H=c.block_k // 2,
                              SPLIT=c.split_k > 1, EVEN=True, PRECISION="tf32", STAGES=c.num_stages,
-                             FOLD=bool(c.fold), FUSED=c.split_k > 1 and new4.FUSED_REDUCE),
+                             FOLD=bool(c.fold), SWAP_AB=bool(c.swap_ab), XS=bool(c.x_sums),
+                             FUSED=c.split_k > 1 and new4.FUSED_REDUCE),
                         c.num_warps, c.num_stages, c.block_n * c.block_k, 0.5))
         for c in [new8.pick_config(m, 4096, 4096)] + w8_candidates(m):
             key = ("w8", c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages)

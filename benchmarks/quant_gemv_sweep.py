@@ -69,8 +69,12 @@ def w4_candidates(m: int, group: int):
         # The folded GEMV (fold=True at block_m 1, 2026-11-27: 4.0-5.4 instructions a weight and
         # 95-128 registers in sm_90 SASS, against 6.6 and 128-167 for the per-weight GEMV). First:
         # the budget skips the end of a list.
-        gemv = [W4Config(1, bn, bk, w, 4, sk) for bn, w in ((32, 2), (64, 2), (32, 4), (64, 4), (128, 4))
-                for sk in (1, 2, 4)]
+        # x_sums: x's group sums from one small launch, not a cross-thread sum in every step.
+        xs = [W4Config(1, bn, bk, w, 4, sk, x_sums=True) for bn, w, sk in
+              ((16, 2, 4), (32, 2, 2), (32, 2, 1), (64, 2, 2), (64, 2, 1), (32, 4, 2), (64, 2, 4))]
+        xs += [W4Config(16, 64, bk, 4, 3, sk, swap_ab=True, x_sums=True) for sk in (1, 2, 4)]
+        gemv = xs + [W4Config(1, bn, bk, w, 4, sk) for bn, w in ((32, 2), (64, 2), (32, 4), (64, 4), (128, 4))
+                     for sk in (1, 2, 4)]
         gemv += [W4Config(1, 64, bk, 2, 6, 2), W4Config(1, 32, bk, 2, 6, 2), W4Config(1, 64, 2 * bk, 2, 3, 2),
                  W4Config(1, 16, bk, 2, 4, 4), W4Config(1, 128, bk, 8, 4, 1), W4Config(1, 64, bk, 2, 4, 8)]
         # What the table held before it, side by side: swap-AB m16 n64 split 4 (qkv, o, down) and the
@@ -100,10 +104,14 @@ def swap_ab_candidates(m: int, bk: int):
     spills (benchmarks/quant_gemv_sass.py; 4 warps with block_n 128 spill), fold and per-weight."""
     from rooflm.kernels.w4a16 import W4Config
     if m <= 16:
-        out = [W4Config(16, 64, bk, 4, 3, sk, fold) for sk in (1, 2, 4) for fold in (True, False)]
+        out = [W4Config(16, 64, bk, 4, 3, sk, x_sums=True) for sk in (1, 2, 4)]
+        out += [W4Config(16, 64, bk, 4, 3, sk, fold) for sk in (1, 2, 4) for fold in (True, False)]
         out += [W4Config(16, 128, bk, 8, 3, sk) for sk in (1, 2)] + [W4Config(16, 64, bk, 4, 4, 1)]
     else:
-        out = [W4Config(64, 64, bk, 4, 3, sk, fold) for sk in (1, 2) for fold in (True, False)]
+        # x_sums first: the fold's row sums of x were as costly as the unpacking at 64 rows
+        out = [W4Config(64, 64, bk, 4, 3, sk, x_sums=True) for sk in (1, 2)]
+        out += [W4Config(64, 128, bk, 8, 3, 1, x_sums=True), W4Config(32, 64, bk, 4, 3, 1, x_sums=True)]
+        out += [W4Config(64, 64, bk, 4, 3, sk, fold) for sk in (1, 2) for fold in (True, False)]
         out += [W4Config(64, 128, bk, 8, 3, 1, fold) for fold in (True, False)]
         out += [W4Config(32, 64, bk, 4, 3, 1, fold) for fold in (True, False)]
     return [c._replace(swap_ab=True) for c in out]
@@ -278,7 +286,8 @@ def _cfg(c: dict | None) -> str:
             + (f" x{c['split_k']}" if c.get("split_k", 1) > 1 else "")
             + (" nofold" if c.get("fold") is False else "")
             + (" swap" if c.get("swap_ab") else "")
-            + (f" r{c['maxnreg']}" if c.get("maxnreg") else ""))
+            + (f" r{c['maxnreg']}" if c.get("maxnreg") else "")
+            + (" xs" if c.get("x_sums") else ""))
 
 
 def best_rows(rows, shape, m, kernel):

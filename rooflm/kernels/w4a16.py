@@ -202,9 +202,9 @@ def _unit_nibbles_wide(p, ASM: tl.constexpr):
 
 
 @triton.jit
-def _gemv_folded(x_row, qw_ptr, s_ptr, z_ptr, start, end, S, K, N, rn, n_mask,
+def _gemv_folded(x_row, xs_row, qw_ptr, s_ptr, z_ptr, start, end, S, K, N, rn, n_mask,
                  GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
-                 EVEN: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+                 EVEN: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, XS: tl.constexpr):
     """y[rn] over bytes start..end of one row of x (the GEMV path, fold): each thread's 16
     consecutive codes of a row (one 16-byte load) are summed against x unscaled, t = sum(w' x)
     with w' = 1 + code / U, one FMA a weight; per row, group and thread then
@@ -212,14 +212,17 @@ def _gemv_folded(x_row, qw_ptr, s_ptr, z_ptr, start, end, S, K, N, rn, n_mask,
     GROUP / 16] accumulator reduced across threads once, at the end. The per-weight FMA of the
     scale and zero (fold=False) and its extraction of each byte are gone: ~half the instructions a
     weight (benchmarks/quant_gemv_sass.py). The fp32 sums lose log2(U) bits to the 1 in w'
-    (U = 256 for the low nibble: 16 of 24 left), far under the bf16 result's 8."""
+    (U = 256 for the low nibble: 16 of 24 left), far under the bf16 result's 8.
+    XS: the groups' sums of x come from xs_row (x_group_sums, once a call) instead of being summed
+    here every step (their cross-thread reduction puts barriers in the loop)."""
     C: tl.constexpr = GROUP // 16
     kk = (tl.arange(0, C) * 16)[:, None] + tl.arange(0, 16)[None, :]  # a group's bytes: [C, 16]
     w_ptrs = qw_ptr + tl.expand_dims(rn[:, None] * S, 2) + tl.expand_dims(kk, 0)
     kk2 = tl.expand_dims(kk, 2) + tl.expand_dims(tl.expand_dims(tl.arange(0, 2) * S, 0), 0)  # [C, 16, 2]
     acc = tl.zeros([BLOCK_N, C], dtype=tl.float32)
+    acc_z = tl.zeros([BLOCK_N], dtype=tl.float32)  # XS: sum of s (U + z) sum(x) over the groups
     s_lo, z_lo, s_hi, z_hi = _group_pair(s_ptr, z_ptr, start, end, S, K, N, rn, n_mask, GROUP, BLOCK_N)
-    if PDL:  # x is all that the kernel before writes (see the GEMV path)
+    if PDL:  # x (and its sums) are all that the kernels before write (see the GEMV path)
         gdc_wait()
     for b in tl.range(start, end, GROUP, num_stages=STAGES, loop_unroll_factor=BLOCK_H // GROUP):
         s_lo_n, z_lo_n, s_hi_n, z_hi_n = _group_pair(s_ptr, z_ptr, b + GROUP, end, S, K, N, rn, n_mask,
@@ -238,14 +241,18 @@ def _gemv_folded(x_row, qw_ptr, s_ptr, z_ptr, start, end, S, K, N, rn, n_mask,
         # sums over each thread's 16 codes; x's sums land in the same [., C] layout as t
         t_lo = tl.sum(u_lo * x_lo, axis=2)
         t_hi = tl.sum(u_hi * x_hi, axis=2)
-        xs_lo = tl.sum(x_lo, axis=2)
-        xs_hi = tl.sum(x_hi, axis=2)
         acc = tl.fma(t_lo, (256.0 * s_lo)[:, None], acc)
-        acc = tl.fma(xs_lo, (-s_lo * (256.0 + z_lo))[:, None], acc)
         acc = tl.fma(t_hi, (16.0 * s_hi)[:, None], acc)
-        acc = tl.fma(xs_hi, (-s_hi * (16.0 + z_hi))[:, None], acc)
+        if XS:
+            sum_lo = tl.load(xs_row + b // GROUP)
+            sum_hi = tl.load(xs_row + (S + b) // GROUP, mask=(S + b) < K, other=0.0)
+            acc_z = tl.fma(s_lo * (256.0 + z_lo), sum_lo, acc_z)
+            acc_z = tl.fma(s_hi * (16.0 + z_hi), sum_hi, acc_z)
+        else:
+            acc = tl.fma(tl.sum(x_lo, axis=2), (-s_lo * (256.0 + z_lo))[:, None], acc)
+            acc = tl.fma(tl.sum(x_hi, axis=2), (-s_hi * (16.0 + z_hi))[:, None], acc)
         s_lo, z_lo, s_hi, z_hi = s_lo_n, z_lo_n, s_hi_n, z_hi_n
-    return tl.sum(acc, axis=1)
+    return tl.sum(acc, axis=1) - acc_z
 
 
 @triton.jit
@@ -260,15 +267,24 @@ def _fold_group(acc, x, w, ones, s, z, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _fold_group_t(acc, w, x, s, z, PRECISION: tl.constexpr):
+def _fold_group_t(acc, w, x, s, z, xs, PRECISION: tl.constexpr):
     """_fold_group swapped (acc is [BLOCK_N, BLOCK_M]): acc + ((code - z) s) @ x.T =
-    (16 s) (w @ x.T) - s (16 + z) sum(x), the row sums of x in fp32 as the dot with ones sums
-    them, without a second MMA of the first one's size."""
+    (16 s) (w @ x.T) - s (16 + z) sum(x), the row sums of x (xs, fp32: _row_sums, or loaded from
+    x_group_sums' output) in place of a second MMA of the first one's size."""
     d1 = tl.dot(w, tl.trans(x), input_precision=PRECISION)
-    xs = tl.sum(x.to(tl.float32), axis=1)
     a = 16.0 * s
     c = s * (16.0 + z)
     return acc + a[:, None] * d1 - c[:, None] * xs[None, :]
+
+
+@triton.jit
+def _row_sums(x, xs_ptr, k0, K, G, rm, m_mask, GROUP: tl.constexpr, XS: tl.constexpr):
+    """Each row's sum of x over the group starting at k0, fp32: from x_group_sums' [M, G] output
+    (XS), else summed here from the tile."""
+    if XS:
+        kk = tl.zeros_like(rm) + k0  # a tensor: the interpreter's masks must be
+        return tl.load(xs_ptr + rm.to(tl.int64) * G + k0 // GROUP, mask=m_mask & (kk < K), other=0.0)
+    return tl.sum(x.to(tl.float32), axis=1)
 
 
 @triton.jit
@@ -347,11 +363,11 @@ def _store_partial(y_ptr, ws_ptr, count_ptr, acc, rows, cols, mask, M, N, stride
 
 
 @triton.jit
-def _w4a16_kernel(y_ptr, ws_ptr, count_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHUNK, stride_xm, stride_ym,
+def _w4a16_kernel(y_ptr, ws_ptr, count_ptr, x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHUNK, stride_xm, stride_ym,
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
                   SPLIT: tl.constexpr, EVEN: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
                   FOLD: tl.constexpr, SWAP_AB: tl.constexpr = False, PDL: tl.constexpr = False,
-                  ASM: tl.constexpr = False, FUSED: tl.constexpr = False):
+                  ASM: tl.constexpr = False, FUSED: tl.constexpr = False, XS: tl.constexpr = False):
     # BLOCK_H: bytes of a row per step (BLOCK_K / 2 codes in each nibble), a multiple of GROUP.
     # EVEN: K == 2 S and S % BLOCK_H == 0, so no step runs past the row and no mask on K is needed
     # (the GEMV steps one group at a time and needs only K == 2 S).
@@ -364,8 +380,8 @@ def _w4a16_kernel(y_ptr, ws_ptr, count_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K
     start = pid_k * CHUNK
     end = tl.minimum(start + CHUNK, S)
     if BLOCK_M == 1 and FOLD:
-        acc = _gemv_folded(x_ptr + pid_m.to(tl.int64) * stride_xm, qw_ptr, s_ptr, z_ptr, start, end, S, K, N,
-                           rn, n_mask, GROUP, BLOCK_N, BLOCK_H, STAGES, EVEN, ASM, PDL)
+        acc = _gemv_folded(x_ptr + pid_m.to(tl.int64) * stride_xm, xs_ptr + pid_m.to(tl.int64) * G, qw_ptr, s_ptr,
+                           z_ptr, start, end, S, K, N, rn, n_mask, GROUP, BLOCK_N, BLOCK_H, STAGES, EVEN, ASM, PDL, XS)
         if SPLIT:
             _store_partial(y_ptr, ws_ptr, count_ptr, acc, pid_m, rn, n_mask, M, N, stride_ym, FUSED)
         else:
@@ -438,8 +454,11 @@ def _w4a16_kernel(y_ptr, ws_ptr, count_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K
                     else:
                         w_lo, w_hi = _unit_nibbles_as(p, x_lo.dtype)
                     if SWAP_AB:
-                        acc = _fold_group_t(acc, w_lo, x_lo, s_lo, z_lo, PRECISION)
-                        acc = _fold_group_t(acc, w_hi, x_hi, s_hi, z_hi, PRECISION)
+                        b = j0 + gi * GROUP
+                        acc = _fold_group_t(acc, w_lo, x_lo, s_lo, z_lo,
+                                            _row_sums(x_lo, xs_ptr, b, K, G, rm, m_mask, GROUP, XS), PRECISION)
+                        acc = _fold_group_t(acc, w_hi, x_hi, s_hi, z_hi,
+                                            _row_sums(x_hi, xs_ptr, S + b, K, G, rm, m_mask, GROUP, XS), PRECISION)
                     else:
                         acc = _fold_group(acc, x_lo, w_lo, ones, s_lo, z_lo, PRECISION)
                         acc = _fold_group(acc, x_hi, w_hi, ones, s_hi, z_hi, PRECISION)
@@ -502,6 +521,10 @@ class W4Config(NamedTuple):
     # benchmarks/results/quant-w4-ncu-h100-20261127): a cap buys CTAs, so loads in flight, for spills.
     # On the H100 every capped tile swept (128, 96) was slower: a sweep candidate, not in the table.
     maxnreg: int = 0
+    # The fold's per-group sums of x (GEMV fold and swap-AB fold) computed once a call by
+    # x_group_sums (one small launch) instead of in every program: at M = 64 the row sums cost about
+    # as much as the unpacking, recomputed by each of the N / block_n programs of a K range.
+    x_sums: bool = False
 
 
 def _pow2(v: int) -> bool:
@@ -521,6 +544,8 @@ def check_config(cfg: W4Config, group_size: int) -> None:
         problems.append(f"block_k must hold whole groups in each nibble: a multiple of 2 x {group_size}")
     if cfg.split_k < 1 or cfg.num_warps < 1 or cfg.num_stages < 1:
         problems.append("split_k, num_warps, num_stages must be >= 1")
+    if cfg.x_sums and not (cfg.fold and (cfg.block_m == 1 or cfg.swap_ab)):
+        problems.append("x_sums is for the folded GEMV (block_m 1) and folded swap-AB tiles")
     if cfg.maxnreg and not 24 <= cfg.maxnreg <= 255:
         problems.append("maxnreg must be 0 (uncapped) or 24..255 registers")
     if problems:
@@ -581,7 +606,8 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     fused = split_k > 1 and FUSED_REDUCE
     # one counter per output tile (zero between launches), shared with the other split-K kernels
     counters = tile_counters(x.device, grid[0] * grid[1]) if fused else ws
-    _w4a16_kernel[grid](y, ws, counters, x, qweight, scales, zeros, m, n, k, split, groups, per_split * half,
+    xs = x_group_sums(x, group_size) if cfg.x_sums else x
+    _w4a16_kernel[grid](y, ws, counters, x, xs, qweight, scales, zeros, m, n, k, split, groups, per_split * half,
                         x.stride(0), y.stride(0),
                         GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_H=half,
                         SPLIT=split_k > 1, EVEN=(k == 2 * split and split % half == 0),
@@ -590,11 +616,36 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                         STAGES=1 if is_interpreter() else cfg.num_stages, FOLD=bool(cfg.fold),
                         SWAP_AB=bool(cfg.swap_ab),
                         ASM=USE_ASM and not is_interpreter() and x.dtype in (torch.bfloat16, torch.float16),
-                        FUSED=fused, num_warps=cfg.num_warps, num_stages=1 if is_interpreter() else cfg.num_stages,
+                        FUSED=fused, XS=bool(cfg.x_sums), num_warps=cfg.num_warps, num_stages=1 if is_interpreter() else cfg.num_stages,
                         **pdl_launch(x.device), **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not is_interpreter() else {}))
     if split_k > 1 and not fused:
         split_k_reduce(y, ws)
     return y
+
+
+@triton.jit
+def _x_group_sums_kernel(x_ptr, out_ptr, G, stride_xm, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    row = tl.program_id(0).to(tl.int64)
+    rg = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    if PDL:  # x is what the kernel before writes
+        gdc_wait()
+    x = tl.load(x_ptr + row * stride_xm + rg[:, None] * GROUP + tl.arange(0, GROUP)[None, :],
+                mask=(rg < G)[:, None], other=0.0)
+    tl.store(out_ptr + row * G + rg, tl.sum(x.to(tl.float32), axis=1), mask=rg < G)
+    if PDL:
+        gdc_launch_dependents()
+
+
+def x_group_sums(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[M, K / g] fp32: each row's sum of x over each group of g columns (W4Config.x_sums)."""
+    m, k = x.shape
+    groups = k // group_size
+    out = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    block_g = max(1, min(triton.next_power_of_2(groups), 8192 // group_size))
+    _x_group_sums_kernel[(m, triton.cdiv(groups, block_g))](x, out, groups, x.stride(0), GROUP=group_size,
+                                                              BLOCK_G=block_g, **pdl_launch(x.device))
+    return out
 
 
 # --------------------------------------------------------------------------

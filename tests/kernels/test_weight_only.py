@@ -52,13 +52,15 @@ def test_w4a16_matches_reference(m, group):
     W4Config(1, 32, 512, 4, 3, split_k=2),   # one step holds 4 groups a nibble; the step runs past S
     W4Config(1, 16, 128, 4, 3, split_k=2, fold=False),  # the GEMV with the scale and zero per weight
     W4Config(1, 8, 256, 2, 3, split_k=1, fold=False),
+    W4Config(1, 16, 128, 4, 3, split_k=2, x_sums=True),  # the folded GEMV, x's group sums precomputed
+    W4Config(16, 32, 256, 4, 3, split_k=2, swap_ab=True, x_sums=True),  # swap-AB fold, the same
     W4Config(16, 16, 128, 4, 3, split_k=2),  # tensor cores, split-K
     W4Config(32, 32, 256, 4, 3, split_k=1),
     W4Config(16, 32, 256, 4, 3, split_k=2, fold=False),  # tensor cores, scale and zero per weight
     # swap-AB with registers capped (spills on sm_90; the interpreter ignores the cap)
     W4Config(16, 64, 256, 4, 3, split_k=2, swap_ab=True, maxnreg=96),
 ], ids=lambda c: f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.split_k}{'' if c.fold else 'nofold'}"
-                 f"{'swap' if c.swap_ab else ''}{f'r{c.maxnreg}' if c.maxnreg else ''}")
+                 f"{'swap' if c.swap_ab else ''}{f'r{c.maxnreg}' if c.maxnreg else ''}{'xs' if c.x_sums else ''}")
 @pytest.mark.parametrize("k", [384, 448])  # 6 groups (halves of 192: even) and 7 (the high half padded)
 def test_w4a16_configs_match_reference(cfg, k):
     """Every path of the kernel: split-K partials, steps running past the packed row (masks), an odd
@@ -70,17 +72,19 @@ def test_w4a16_configs_match_reference(cfg, k):
     assert_close(w4a16_linear(x, qw, s, z, 64, config=cfg), w4a16_linear_ref(x, qw, s, z, 64), dtype, str(cfg))
 
 
-@pytest.mark.parametrize("fold", [True, False], ids=["fold", "nofold"])
+@pytest.mark.parametrize("fold", ["fold", "nofold", "xsums"])
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("m,block_m", [(2, 16), (16, 16), (33, 32), (64, 64)])
 @pytest.mark.parametrize("k,group", [(384, 64), (448, 64), (512, 128)])  # even; the high half padded; g 128
 def test_w4a16_swap_ab_matches_reference(m, block_m, split_k, fold, k, group):
     """The swapped tensor-core tiles (y.T = W @ x.T, W the MMA's A operand): rows of x past M and
-    of W past N masked (N = 40), split-K partials, both the per-group fold and the per-weight scale."""
+    of W past N masked (N = 40), split-K partials, the per-group fold (x's group sums in the kernel
+    or precomputed) and the per-weight scale."""
     dtype = torch.float16
     qw, s, z, g = _w4(40, k, group, dtype, seed=k + m + split_k)
     x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
-    cfg = W4Config(block_m, 32, 2 * group, 4, 3, split_k=split_k, fold=fold, swap_ab=True)
+    cfg = W4Config(block_m, 32, 2 * group, 4, 3, split_k=split_k, fold=fold != "nofold", swap_ab=True,
+                   x_sums=fold == "xsums")
     assert_close(w4a16_linear(x, qw, s, z, group, config=cfg), w4a16_linear_ref(x, qw, s, z, group), dtype, str(cfg))
 
 
@@ -144,6 +148,19 @@ def test_w4a16_fused_split_sum_is_bitwise_the_two_launches(block_m, swap_ab, spl
     again, two = _two_ways(monkeypatch, x2, qw, s, z, group, config=cfg)
     assert torch.equal(again, two) and _counters_are_zero(x.device)
     assert torch.equal(w4a16_linear(x, qw, s, z, group, config=cfg), fused)
+
+
+def test_x_group_sums_and_the_configs_that_may_use_them():
+    """x_group_sums: each row's fp32 sum over each group (rows strided); x_sums only with the fold
+    on the GEMV or the swapped tiles."""
+    from rooflm.kernels.w4a16 import x_group_sums
+    x = torch.randn(3, 2 * 448, dtype=torch.float16).to(DEVICE)[:, :448]  # 7 groups of 64, a row stride
+    assert torch.allclose(x_group_sums(x, 64).cpu(), x.float().cpu().view(3, 7, 64).sum(-1), atol=1e-4)
+    qw, s, z, g = _w4(16, 256, 64, torch.float16)
+    xx = torch.randn(2, 256, generator=g).to(torch.float16).to(DEVICE)
+    for bad in (W4Config(16, 32, 128, 4, 3, x_sums=True), W4Config(1, 16, 128, 4, 3, fold=False, x_sums=True)):
+        with pytest.raises(ValueError, match="x_sums"):
+            w4a16_linear(xx, qw, s, z, 64, config=bad)
 
 
 def test_tile_counters_grow_but_never_free_what_a_graph_may_hold():
@@ -484,7 +501,7 @@ def spills(ptx):
     assert found, out  # ptxas -v reports the spills of every function it compiles
     return sum(int(n) for n in found)
 
-act = dict(y_ptr="bf16", x_ptr="bf16", s_ptr="bf16", z_ptr="bf16", ws_ptr="fp32", count_ptr="i32")
+act = dict(y_ptr="bf16", x_ptr="bf16", xs_ptr="fp32", s_ptr="bf16", z_ptr="bf16", ws_ptr="fp32", count_ptr="i32")
 
 def w4(c, m):
     # as an H100 launch compiles it: PDL, the split sum in the kernel, M == 1 a constexpr
@@ -531,7 +548,7 @@ from triton.backends.nvidia.compiler import get_ptxas
 from benchmarks.quant_gemv_sass import compile_kernel, cuobjdump
 from rooflm.kernels import w4a16
 
-act = dict(y_ptr="bf16", x_ptr="bf16", s_ptr="bf16", z_ptr="bf16", ws_ptr="fp32", qw_ptr="u8", count_ptr="i32")
+act = dict(y_ptr="bf16", x_ptr="bf16", xs_ptr="fp32", s_ptr="bf16", z_ptr="bf16", ws_ptr="fp32", qw_ptr="u8", count_ptr="i32")
 for c in (w4a16.W4Config(16, 64, 256, 4, 3, swap_ab=True),
           w4a16.W4Config(64, 64, 256, 4, 3, 2, fold=False, swap_ab=True)):
     kern = compile_kernel(w4a16._w4a16_kernel, act,
