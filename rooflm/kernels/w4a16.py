@@ -33,7 +33,13 @@ bytes at a time, one group at a time:
   - M == 1 (GEMV, CUDA cores): (code - z) s = w' (16 s) - s (16 + z), one FMA with per-row
     constants of the group, and one FMA into an elementwise [BLOCK_N, g] accumulator reduced once
     at the end: 2 float ops a weight (tl.fma spelled out; left to the compiler, (a + b c) + d e
-    fused only in part). Both nibbles of a byte land in the same accumulator tile. The loop is a tl.range with num_stages: Triton pipelines every load of it (bytes, x, scales)
+    fused only in part). Both nibbles of a byte land in the same accumulator tile (fold=False).
+  - M == 1 with fold=True (_gemv_folded): each thread sums its 16 codes of a row against x
+    unscaled (one FMA a weight) and applies the scale and zero once per 16; ~30% fewer
+    instructions, yet slower on the H100's 8B shapes (it stalls on x's layout change and the
+    group sums' barriers): a sweep candidate, not the heuristic's choice.
+  - x_sums (fold): the groups' sums of x from one small launch (x_group_sums) instead of in every
+    program; at M = 64 the swapped tiles' row sums cost about as much as the unpacking. The loop is a tl.range with num_stages: Triton pipelines every load of it (bytes, x, scales)
     through cp.async, which the kernel-level num_stages does only for loads that feed tl.dot;
     a GEMV stream is latency-bound without it.
   - M > 1 (GEMM, tensor cores; also a candidate at M == 1 with the row padded to 16, Marlin's
@@ -514,7 +520,9 @@ class W4Config(NamedTuple):
     num_warps: int
     num_stages: int
     split_k: int = 1  # programs per row block along K (fp32 partials, then one sum)
-    fold: bool = True  # tensor-core tiles: exact 1 + code / 16 and the scale per group (else per weight)
+    # Tensor-core tiles: exact 1 + code / 16 and the scale per group (else per weight). GEMV
+    # (block_m 1): _gemv_folded's per-thread sums (else the scale and zero applied to each weight).
+    fold: bool = True
     swap_ab: bool = False  # tensor-core tiles: y.T = W @ x.T, the unpacked W wgmma's A operand from registers
     # Registers a thread may hold (ptxas .maxnreg), 0: the compiler's choice. At batch 1 the small
     # shapes are latency-bound at 157 registers, 3 CTAs an SM (Nsight Compute,
@@ -564,8 +572,10 @@ def pick_config(m: int, n: int, k: int, group: int, device_name: Optional[str] =
         return cfg
     block_k = 2 * max(group, 128)
     iterations = -(-int4_split(k, group) // (block_k // 2))
-    if m == 1:  # 32 rows a program: fewer instructions a weight than 16 (sm_90 SASS counts)
-        return W4Config(1, 32, block_k, 4, 4, split_for(-(-n // 32), iterations, sms))
+    if m == 1:  # 32 rows a program: fewer instructions a weight than 16 (sm_90 SASS counts). The
+        # per-weight GEMV: the folded one, with ~30% fewer instructions, was slower on every 8B
+        # shape on the H100 (gate_up 45.4 against 38.4 us; benchmarks/results/quant-w4-fold-h100-20261127)
+        return W4Config(1, 32, block_k, 4, 4, split_for(-(-n // 32), iterations, sms), fold=False)
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     block_n = 64
     programs = -(-n // block_n) * -(-m // block_m)
