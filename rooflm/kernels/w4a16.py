@@ -156,9 +156,6 @@ USE_ASM = os.environ.get("ROOFLM_W4_ASM", "1") != "0"
 # ROOFLM_W4_FUSED_REDUCE=0: split-K partials summed by a second launch (split_k.split_k_reduce), not
 # by each tile's last program (the benchmarks' A/B switch; the bits are the same either way).
 FUSED_REDUCE = os.environ.get("ROOFLM_W4_FUSED_REDUCE", "1") != "0"
-# ROOFLM_W4_FOLD_NORM=gemv (default) | all | none: where W4A16Linear.fused_gemv folds the RMSNorm
-# into the kernel (folds_norm_cheaply) instead of running the rmsnorm kernel first.
-FOLD_NORM = os.environ.get("ROOFLM_W4_FOLD_NORM", "gemv")
 
 
 @triton.jit
@@ -432,8 +429,7 @@ def _w4a16_kernel(y_ptr, ws_ptr, count_ptr, x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr,
                   SPLIT: tl.constexpr, EVEN: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
                   FOLD: tl.constexpr, SWAP_AB: tl.constexpr = False, PDL: tl.constexpr = False,
                   ASM: tl.constexpr = False, FUSED: tl.constexpr = False, XS: tl.constexpr = False,
-                  NORM: tl.constexpr = False, GATED: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
-                  NORM_CH: tl.constexpr = 1024):
+                  NORM: tl.constexpr = False, GATED: tl.constexpr = False, RESIDUAL: tl.constexpr = False):
     # BLOCK_H: bytes of a row per step (BLOCK_K / 2 codes in each nibble), a multiple of GROUP.
     # EVEN: K == 2 S and S % BLOCK_H == 0, so no step runs past the row and no mask on K is needed
     # (the GEMV steps one group at a time and needs only K == 2 S).
@@ -471,7 +467,7 @@ def _w4a16_kernel(y_ptr, ws_ptr, count_ptr, x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr,
         # prologue, issued at the loop, after the wait: Triton cannot split them).
         if PDL:
             gdc_wait()
-        rstd = _rstd_row(x_row, K, eps, NORM_CH) if NORM else 1.0
+        rstd = _rstd_row(x_row, K, eps, 1024) if NORM else 1.0
         # tl.range's num_stages pipelines the loop's loads through cp.async (the kernel's
         # num_stages does that only for loads that feed tl.dot): STAGES steps of bytes in flight
         # per program, what a latency-bound stream needs.
@@ -516,7 +512,7 @@ def _w4a16_kernel(y_ptr, ws_ptr, count_ptr, x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr,
         ones = tl.full([GROUP, BLOCK_N], 1.0, dtype=x_ptr.dtype.element_ty)
         if PDL:  # before the pipeline's prologue, which loads x with the first codes (as above)
             gdc_wait()
-        rstd = _rstd_rows(x_rows, m_mask, K, eps, BLOCK_M, NORM_CH // BLOCK_M) if NORM else 1.0
+        rstd = _rstd_rows(x_rows, m_mask, K, eps, BLOCK_M, 256) if NORM else 1.0
         for j0 in range(start, end, BLOCK_H):
             for gi in tl.static_range(BLOCK_H // GROUP):
                 p, x_lo, x_hi, s_lo, z_lo, s_hi, z_hi = _gemm_tiles(qw_ptr, x_rows, s_ptr, z_ptr, j0 + gi * GROUP,
@@ -721,26 +717,11 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                         SWAP_AB=bool(cfg.swap_ab),
                         ASM=USE_ASM and not is_interpreter() and x.dtype in (torch.bfloat16, torch.float16),
                         FUSED=fused_sum, XS=bool(cfg.x_sums), NORM=norm_weight is not None, GATED=gated,
-                        RESIDUAL=residual is not None, num_warps=cfg.num_warps,
-                        # the norm's sum of squares in one load round where K allows (each program
-                        # does it before its loop: a chain of round trips there is its latency)
-                        NORM_CH=min(triton.next_power_of_2(k), 8192), num_stages=1 if is_interpreter() else cfg.num_stages,
+                        RESIDUAL=residual is not None, num_warps=cfg.num_warps, num_stages=1 if is_interpreter() else cfg.num_stages,
                         **pdl_launch(x.device), **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not is_interpreter() else {}))
     if split_k > 1 and not fused_sum:
         split_k_reduce(y, ws)
     return y
-
-
-def folds_norm_cheaply(m: int, n: int, k: int, group: int, device: torch.device, gated: bool = False) -> bool:
-    """Whether w4a16_linear's tiles for this call are the per-weight GEMV, where a folded RMSNorm
-    costs each program one pass over x: in the swapped tiles it normalises 16-row tiles of x every
-    step (15 rows of padding at batch 1). ROOFLM_W4_FOLD_NORM=all / none overrides (A/B)."""
-    if FOLD_NORM in ("all", "none"):
-        return FOLD_NORM == "all"
-    if gated:  # always the per-weight GEMV (_fusable)
-        return True
-    cfg = pick_config(m, n, k, group, *device_facts(device))
-    return cfg.block_m == 1 and not cfg.fold
 
 
 def _fusable(cfg: W4Config, m: int, n: int, k: int, group: int, gated: bool, sms: int) -> W4Config:

@@ -218,14 +218,9 @@ class W4A16Linear(QuantizedLinearMethod):
     def fused_gemv(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None,
                    residual: Optional[torch.Tensor] = None, norm_weight: Optional[torch.Tensor] = None,
                    eps: float = 1e-6, gated: bool = False) -> torch.Tensor:
-        """The one-token decode layer's GEMV (rooflm.kernels.gemv.gemv's arguments): SiLU-mul and
-        the residual add after folded into the W4A16 kernel, the RMSNorm before too where its
-        tiles are the per-weight GEMV (w4a16.folds_norm_cheaply), else the rmsnorm kernel first."""
-        from rooflm.kernels.rmsnorm import rmsnorm
-        from rooflm.kernels.w4a16 import folds_norm_cheaply, w4a16_linear
-        if norm_weight is not None and not folds_norm_cheaply(x.shape[0], self.out_features, self.in_features,
-                                                              self.group_size, x.device, gated):
-            x, norm_weight = rmsnorm(x, norm_weight, eps), None
+        """The one-token decode layer's GEMV (rooflm.kernels.gemv.gemv's arguments): the RMSNorm
+        before, SiLU-mul and the residual add after, folded into the W4A16 kernel."""
+        from rooflm.kernels.w4a16 import w4a16_linear
         y = w4a16_linear(x, self.qweight, self.scales, self.zeros, self.group_size, norm_weight=norm_weight,
                          eps=eps, residual=residual, gated=gated)
         return y if bias is None else y + bias
