@@ -51,8 +51,6 @@ def compile_kernel(fn, pointer_types: dict, constexprs: dict, num_warps: int, nu
         elif name.endswith("_ptr"):
             sig[name] = "*" + pointer_types[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name == "eps":
-            sig[name] = "fp32"
         else:
             sig[name] = "i32"
             if name in DIVISIBLE:
@@ -93,7 +91,7 @@ def cases(group: int = 128):
     """(label, kernel fn, pointer types, constexprs, warps, stages, weights a step, bytes a weight)."""
     from legacy import w4a16_b1dc42d as old4, w8a16_b1dc42d as old8
     from rooflm.kernels import w4a16 as new4, w8a16 as new8
-    act = dict(y_ptr="bf16", x_ptr="bf16", xs_ptr="fp32", nw_ptr="bf16", res_ptr="bf16", s_ptr="bf16", z_ptr="bf16", ws_ptr="fp32", count_ptr="i32")
+    act = dict(y_ptr="bf16", x_ptr="bf16", xs_ptr="fp32", s_ptr="bf16", z_ptr="bf16", ws_ptr="fp32", count_ptr="i32")
     out = []
     for m, n, k in ((1, 4096, 4096), (16, 4096, 4096)):
         c = old4.pick_config(m, n, k, group)

@@ -340,61 +340,7 @@ def _gemm_tiles(qw_ptr, x_rows, s_ptr, z_ptr, b, S, K, N, rn, n_mask, m_mask,
 
 
 @triton.jit
-def _finish(y_ptr, res_ptr, y, rows, cols, mask, stride_ym, stride_rm, HALF: tl.constexpr,
-            GATED: tl.constexpr, RESIDUAL: tl.constexpr):
-    """Write y (fp32 sums) at (rows, cols) in y's dtype. GATED (the GEMV, its rows interleaved
-    gate, up, gate, ...; HALF of them each): silu(gate) * up into column cols / 2, with
-    silu_mul's casts. RESIDUAL: rounded to the dtype, + residual[rows, cols], rounded again (torch's
-    x + residual after the matmul)."""
-    dtype = y_ptr.dtype.element_ty
-    if GATED:
-        gate, up = tl.split(tl.reshape(y, [HALF, 2]))
-        cols, _ = tl.split(tl.reshape(cols, [HALF, 2]))
-        mask, _ = tl.split(tl.reshape(mask.to(tl.int32), [HALF, 2]))
-        cols = cols // 2
-        mask = mask != 0
-        gate = gate.to(dtype).to(tl.float32)
-        up = up.to(dtype).to(tl.float32)
-        y = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
-    if RESIDUAL:
-        r = tl.load(res_ptr + rows.to(tl.int64) * stride_rm + cols, mask=mask, other=0.0).to(tl.float32)
-        y = y.to(dtype).to(tl.float32) + r
-    tl.store(y_ptr + rows.to(tl.int64) * stride_ym + cols, y.to(dtype), mask=mask)
-
-
-@triton.jit
-def _rstd_row(x_row, K, eps, CH: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) of one row of x, fp32 (RMSNorm's, as kernels/gemv.py's NORM)."""
-    rk = tl.arange(0, CH)
-    sq = tl.zeros([CH], dtype=tl.float32)
-    for k0 in range(0, K, CH):
-        xv = tl.load(x_row + k0 + rk, mask=(k0 + rk) < K, other=0.0).to(tl.float32)
-        sq += xv * xv
-    return 1.0 / tl.sqrt(tl.sum(sq, 0) / K + eps)
-
-
-@triton.jit
-def _rstd_rows(x_rows, m_mask, K, eps, BLOCK_M: tl.constexpr, CH: tl.constexpr):
-    """_rstd_row for the BLOCK_M rows x_rows ([BLOCK_M, 1] pointers)."""
-    rk = tl.arange(0, CH)
-    sq = tl.zeros([BLOCK_M, CH], dtype=tl.float32)
-    for k0 in range(0, K, CH):
-        xv = tl.load(x_rows + (k0 + rk)[None, :], mask=m_mask[:, None] & ((k0 + rk) < K)[None, :],
-                     other=0.0).to(tl.float32)
-        sq += xv * xv
-    return 1.0 / tl.sqrt(tl.sum(sq, 1) / K + eps)
-
-
-@triton.jit
-def _normed(x, rstd, nw, dtype: tl.constexpr):
-    """x (fp32) RMS-normalised with HF's casts: (x rstd) rounded to the dtype, times the norm
-    weight nw, rounded again; fp32 out."""
-    return ((x * rstd).to(dtype).to(tl.float32) * nw).to(dtype).to(tl.float32)
-
-
-@triton.jit
-def _store_partial(y_ptr, ws_ptr, count_ptr, acc, rows, cols, mask, M, N, stride_ym, FUSED: tl.constexpr,
-                   res_ptr, stride_rm, HALF: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
+def _store_partial(y_ptr, ws_ptr, count_ptr, acc, rows, cols, mask, M, N, stride_ym, FUSED: tl.constexpr):
     """Store this program's fp32 partial (rows, cols of y) in the workspace [SPLIT_K, M, N]; FUSED:
     the last of the tile's SPLIT_K programs to get here sums them into y and resets the tile's
     counter."""
@@ -417,19 +363,17 @@ def _store_partial(y_ptr, ws_ptr, count_ptr, acc, rows, cols, mask, M, N, stride
             for s in range(0, splits):
                 total += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
                 part += split_stride
-            _finish(y_ptr, res_ptr, total, rows, cols, mask, stride_ym, stride_rm, HALF, GATED, RESIDUAL)
+            tl.store(y_ptr + rows.to(tl.int64) * stride_ym + cols, total.to(y_ptr.dtype.element_ty), mask=mask)
             # Back to zero for the next launch, and for the next replay of a CUDA graph holding this one.
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _w4a16_kernel(y_ptr, ws_ptr, count_ptr, x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, nw_ptr, res_ptr, M, N, K, S, G, CHUNK,
-                  stride_xm, stride_ym, stride_rm, eps,
+def _w4a16_kernel(y_ptr, ws_ptr, count_ptr, x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHUNK, stride_xm, stride_ym,
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
                   SPLIT: tl.constexpr, EVEN: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
                   FOLD: tl.constexpr, SWAP_AB: tl.constexpr = False, PDL: tl.constexpr = False,
-                  ASM: tl.constexpr = False, FUSED: tl.constexpr = False, XS: tl.constexpr = False,
-                  NORM: tl.constexpr = False, GATED: tl.constexpr = False, RESIDUAL: tl.constexpr = False):
+                  ASM: tl.constexpr = False, FUSED: tl.constexpr = False, XS: tl.constexpr = False):
     # BLOCK_H: bytes of a row per step (BLOCK_K / 2 codes in each nibble), a multiple of GROUP.
     # EVEN: K == 2 S and S % BLOCK_H == 0, so no step runs past the row and no mask on K is needed
     # (the GEMV steps one group at a time and needs only K == 2 S).
@@ -445,46 +389,36 @@ def _w4a16_kernel(y_ptr, ws_ptr, count_ptr, x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr,
         acc = _gemv_folded(x_ptr + pid_m.to(tl.int64) * stride_xm, xs_ptr + pid_m.to(tl.int64) * G, qw_ptr, s_ptr,
                            z_ptr, start, end, S, K, N, rn, n_mask, GROUP, BLOCK_N, BLOCK_H, STAGES, EVEN, ASM, PDL, XS)
         if SPLIT:
-            _store_partial(y_ptr, ws_ptr, count_ptr, acc, pid_m, rn, n_mask, M, N, stride_ym, FUSED,
-                           res_ptr, stride_rm, 1, False, False)
+            _store_partial(y_ptr, ws_ptr, count_ptr, acc, pid_m, rn, n_mask, M, N, stride_ym, FUSED)
         else:
-            _finish(y_ptr, res_ptr, acc, pid_m, rn, n_mask, stride_ym, stride_rm, 1, False, False)
+            tl.store(y_ptr + pid_m.to(tl.int64) * stride_ym + rn, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
         if PDL:  # at the end (see the end of the tensor-core path)
             gdc_launch_dependents()
     elif BLOCK_M == 1:  # fold=False: the scale and zero applied to each weight (the GEMV before the fold)
         x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
         acc = tl.zeros([BLOCK_N, GROUP], dtype=tl.float32)
-        # GATED: output row v of the program's tile is weight row v / 2 (gate) when v is even,
-        # N / 2 + v / 2 (up) when odd, so each tile holds matching gate and up rows.
-        rw = (rn // 2) + (rn % 2) * (N // 2) if GATED else rn
         # One group of each nibble a step (S and the ranges are whole groups: no mask on the low
         # half; the high half stops at K). Its scales and zeros are loaded a step ahead: 2-byte
         # loads a thread, which Triton's pipeliner does not turn into cp.async, and the zero is
         # needed before the first multiply. BLOCK_K / 2 / GROUP steps are unrolled into one.
-        s_lo, z_lo, s_hi, z_hi = _group_pair(s_ptr, z_ptr, start, end, S, K, N, rw, n_mask, GROUP, BLOCK_N)
+        s_lo, z_lo, s_hi, z_hi = _group_pair(s_ptr, z_ptr, start, end, S, K, N, rn, n_mask, GROUP, BLOCK_N)
         # PDL: x is all that the kernel before writes, so the wait comes only here, after the first
         # group's scales and zeros are on their way (the loop's first codes and x are its pipeline's
         # prologue, issued at the loop, after the wait: Triton cannot split them).
         if PDL:
             gdc_wait()
-        rstd = _rstd_row(x_row, K, eps, 1024) if NORM else 1.0
         # tl.range's num_stages pipelines the loop's loads through cp.async (the kernel's
         # num_stages does that only for loads that feed tl.dot): STAGES steps of bytes in flight
         # per program, what a latency-bound stream needs.
         for b in tl.range(start, end, GROUP, num_stages=STAGES, loop_unroll_factor=BLOCK_H // GROUP):
-            s_lo_n, z_lo_n, s_hi_n, z_hi_n = _group_pair(s_ptr, z_ptr, b + GROUP, end, S, K, N, rw, n_mask,
+            s_lo_n, z_lo_n, s_hi_n, z_hi_n = _group_pair(s_ptr, z_ptr, b + GROUP, end, S, K, N, rn, n_mask,
                                                          GROUP, BLOCK_N)
-            p = tl.load(qw_ptr + rw[:, None] * S + (b + rg)[None, :], mask=n_mask[:, None], other=0)
+            p = tl.load(qw_ptr + rn[:, None] * S + (b + rg)[None, :], mask=n_mask[:, None], other=0)
             x_lo = tl.load(x_row + b + rg).to(tl.float32)
             if EVEN:
                 x_hi = tl.load(x_row + (S + b) + rg).to(tl.float32)
             else:
                 x_hi = tl.load(x_row + (S + b) + rg, mask=(S + b + rg) < K, other=0.0).to(tl.float32)
-            if NORM:  # RMSNorm folded in: x normalised as it is loaded
-                dtype: tl.constexpr = x_ptr.dtype.element_ty
-                x_lo = _normed(x_lo, rstd, tl.load(nw_ptr + b + rg).to(tl.float32), dtype)
-                x_hi = _normed(x_hi, rstd, tl.load(nw_ptr + (S + b) + rg, mask=(S + b + rg) < K,
-                                                   other=0.0).to(tl.float32), dtype)
             u_lo, u_hi = _unit_nibbles(p)
             # (code - zero) s = w' (16 s) - s (16 + zero): one FMA a weight with per-row constants,
             # then one FMA into an elementwise accumulator: no reduction until the end
@@ -496,10 +430,9 @@ def _w4a16_kernel(y_ptr, ws_ptr, count_ptr, x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr,
             s_lo, z_lo, s_hi, z_hi = s_lo_n, z_lo_n, s_hi_n, z_hi_n
         acc = tl.sum(acc, axis=1)
         if SPLIT:
-            _store_partial(y_ptr, ws_ptr, count_ptr, acc, pid_m, rn, n_mask, M, N, stride_ym, FUSED,
-                           res_ptr, stride_rm, BLOCK_N // 2, GATED, RESIDUAL)
+            _store_partial(y_ptr, ws_ptr, count_ptr, acc, pid_m, rn, n_mask, M, N, stride_ym, FUSED)
         else:
-            _finish(y_ptr, res_ptr, acc, pid_m, rn, n_mask, stride_ym, stride_rm, BLOCK_N // 2, GATED, RESIDUAL)
+            tl.store(y_ptr + pid_m.to(tl.int64) * stride_ym + rn, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
         if PDL:  # at the end (see the end of the tensor-core path)
             gdc_launch_dependents()
     else:
@@ -512,17 +445,10 @@ def _w4a16_kernel(y_ptr, ws_ptr, count_ptr, x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr,
         ones = tl.full([GROUP, BLOCK_N], 1.0, dtype=x_ptr.dtype.element_ty)
         if PDL:  # before the pipeline's prologue, which loads x with the first codes (as above)
             gdc_wait()
-        rstd = _rstd_rows(x_rows, m_mask, K, eps, BLOCK_M, 256) if NORM else 1.0
         for j0 in range(start, end, BLOCK_H):
             for gi in tl.static_range(BLOCK_H // GROUP):
                 p, x_lo, x_hi, s_lo, z_lo, s_hi, z_hi = _gemm_tiles(qw_ptr, x_rows, s_ptr, z_ptr, j0 + gi * GROUP,
                                                                     S, K, N, rn, n_mask, m_mask, GROUP, BLOCK_N, EVEN)
-                if NORM:  # RMSNorm folded in: each x tile normalised as it is loaded
-                    kb = j0 + gi * GROUP + rg
-                    x_lo = _normed(x_lo.to(tl.float32), rstd[:, None], tl.load(nw_ptr + kb, mask=kb < K, other=0.0)
-                                   .to(tl.float32)[None, :], x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
-                    x_hi = _normed(x_hi.to(tl.float32), rstd[:, None], tl.load(nw_ptr + S + kb, mask=(S + kb) < K,
-                                   other=0.0).to(tl.float32)[None, :], x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
                 if FOLD:
                     # w' = 1 + code / 16 made in x's dtype by bits alone (exact in bf16/fp16/fp32)
                     # and multiplied as it is; per group and row, sum((code - zero) x) =
@@ -564,9 +490,10 @@ def _w4a16_kernel(y_ptr, ws_ptr, count_ptr, x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr,
         mn_mask = m_mask[:, None] & n_mask[None, :]
         if SPLIT:
             _store_partial(y_ptr, ws_ptr, count_ptr, acc, rm[:, None], rn[None, :], mn_mask, M, N, stride_ym,
-                           FUSED, res_ptr, stride_rm, 1, False, RESIDUAL)
+                           FUSED)
         else:
-            _finish(y_ptr, res_ptr, acc, rm[:, None], rn[None, :], mn_mask, stride_ym, stride_rm, 1, False, RESIDUAL)
+            offs = rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+            tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mn_mask)
         # PDL: the next kernel is released only at the end, in both paths. Released after the main
         # loop, it starts while this grid's programs still hold most SMs, and so does the kernel
         # after it when that one releases at its start (RMSNorm, SiLU-mul): the next W4 grid, one
@@ -656,15 +583,9 @@ def pick_config(m: int, n: int, k: int, group: int, device_name: Optional[str] =
 
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 group_size: int, config: Optional[W4Config] = None, *, norm_weight: Optional[torch.Tensor] = None,
-                 eps: float = 1e-6, residual: Optional[torch.Tensor] = None, gated: bool = False) -> torch.Tensor:
+                 group_size: int, config: Optional[W4Config] = None) -> torch.Tensor:
     """x [M, K] (fp16/bf16/fp32) @ W.T for W in the layout above; returns [M, N] in x's dtype.
-    config: tiles to use instead of pick_config's (benchmarks sweep them).
-    The decode layer's neighbours folded in (as rooflm/kernels/gemv.py's, the same casts):
-    norm_weight: x RMS-normalised first (eps); gated: W is [2I, K] (gate rows, then up rows) and the
-    result silu(gate) * up [M, I]; residual [M, N]: y + residual. They take the per-weight GEMV
-    (block_m 1, fold=False) or the swapped tiles (no gated); another config is replaced by the
-    per-weight GEMV."""
+    config: tiles to use instead of pick_config's (benchmarks sweep them)."""
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
     m, k = x.shape
@@ -681,19 +602,10 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                          f"{tuple(scales.shape)} and {tuple(zeros.shape)}")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if gated and n % 2:
-        raise ValueError(f"gated needs W's rows as gate then up halves: an even N, got {n}")
-    fused = norm_weight is not None or residual is not None or gated
-    if norm_weight is not None and norm_weight.shape != (k,):
-        raise ValueError(f"norm_weight must be [K] = [{k}], got {tuple(norm_weight.shape)}")
-    if residual is not None and residual.shape != (m, n // 2 if gated else n):
-        raise ValueError(f"residual must be [M, N] = [{m}, {n}], got {tuple(residual.shape)}")
-    y = torch.empty(m, n // 2 if gated else n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
     cfg = config or pick_config(m, n, k, group_size, *device_facts(x.device))
-    if fused:
-        cfg = _fusable(cfg, m, n, k, group_size, gated, device_facts(x.device)[1])
     check_config(cfg, group_size)
     half = cfg.block_k // 2
     iterations = triton.cdiv(split, half)
@@ -701,14 +613,12 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     split_k = triton.cdiv(iterations, per_split)  # no empty splits
     ws = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else y
     grid = (triton.cdiv(n, cfg.block_n), m if cfg.block_m == 1 else triton.cdiv(m, cfg.block_m), split_k)
-    fused_sum = split_k > 1 and (FUSED_REDUCE or fused)  # the epilogues need the in-kernel sum
+    fused = split_k > 1 and FUSED_REDUCE
     # one counter per output tile (zero between launches), shared with the other split-K kernels
-    counters = tile_counters(x.device, grid[0] * grid[1]) if fused_sum else ws
+    counters = tile_counters(x.device, grid[0] * grid[1]) if fused else ws
     xs = x_group_sums(x, group_size) if cfg.x_sums else x
-    _w4a16_kernel[grid](y, ws, counters, x, xs, qweight, scales, zeros,
-                        x if norm_weight is None else norm_weight, y if residual is None else residual,
-                        m, n, k, split, groups, per_split * half,
-                        x.stride(0), y.stride(0), 0 if residual is None else residual.stride(0), eps,
+    _w4a16_kernel[grid](y, ws, counters, x, xs, qweight, scales, zeros, m, n, k, split, groups, per_split * half,
+                        x.stride(0), y.stride(0),
                         GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_H=half,
                         SPLIT=split_k > 1, EVEN=(k == 2 * split and split % half == 0),
                         # fp32 activations multiply in full precision (tl.dot would take tf32)
@@ -716,23 +626,11 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                         STAGES=1 if is_interpreter() else cfg.num_stages, FOLD=bool(cfg.fold),
                         SWAP_AB=bool(cfg.swap_ab),
                         ASM=USE_ASM and not is_interpreter() and x.dtype in (torch.bfloat16, torch.float16),
-                        FUSED=fused_sum, XS=bool(cfg.x_sums), NORM=norm_weight is not None, GATED=gated,
-                        RESIDUAL=residual is not None, num_warps=cfg.num_warps, num_stages=1 if is_interpreter() else cfg.num_stages,
+                        FUSED=fused, XS=bool(cfg.x_sums), num_warps=cfg.num_warps, num_stages=1 if is_interpreter() else cfg.num_stages,
                         **pdl_launch(x.device), **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not is_interpreter() else {}))
-    if split_k > 1 and not fused_sum:
+    if split_k > 1 and not fused:
         split_k_reduce(y, ws)
     return y
-
-
-def _fusable(cfg: W4Config, m: int, n: int, k: int, group: int, gated: bool, sms: int) -> W4Config:
-    """cfg, or the per-weight GEMV where cfg's path cannot take the folded-in norm, gate or residual
-    (the folded GEMV, unswapped tensor-core tiles; gated: anything but the per-weight GEMV). x_sums
-    off: its sums are of x before the norm."""
-    if (cfg.block_m == 1 and not cfg.fold) or (cfg.swap_ab and not gated):
-        return cfg._replace(x_sums=False)
-    block_k = 2 * max(group, 128)
-    iterations = -(-int4_split(k, group) // (block_k // 2))
-    return W4Config(1, 32, block_k, 2, 4, split_for(-(-n // 32), iterations, sms), fold=False)
 
 
 @triton.jit

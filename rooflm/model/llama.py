@@ -108,9 +108,9 @@ class LlamaDecoderLayer(torch.nn.Module):
         gemv, attn, mlp = self.gemv, self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         h = x if residual is None else x + residual
-        qkv = _layer_gemv(gemv, h, attn.qkv_proj, bias=attn.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps)
+        qkv = gemv(h, attn.qkv_proj.weight, bias=attn.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps)
         h = _row_gemv(gemv, attn.attend(positions, qkv, kv_cache, meta), attn.o_proj, h)
-        act = _layer_gemv(gemv, h, mlp.gate_up_proj, norm_weight=ln2.weight, eps=ln2.eps, gated=True)
+        act = gemv(h, mlp.gate_up_proj.weight, norm_weight=ln2.weight, eps=ln2.eps, gated=True)
         return _row_gemv(gemv, act, mlp.down_proj, h), None
 
 
@@ -252,15 +252,10 @@ class LlamaForCausalLM(torch.nn.Module):
         self.checkpoint_kv_scales[layer, 0 if name.endswith("k_scale") else 1] = value
 
     def disable_gemv_where_quantized(self) -> None:
-        """The fused batch-1 GEMV path: a layer keeps it where each linear is float or quantized in
-        a format whose kernel folds the norm, SiLU-mul and residual in (W4A16:
-        fuses_decode_neighbours), on one rank; the others take the plain path, whose Linear calls
-        the quantized kernel."""
+        """The fused batch-1 GEMV path reads float weights: layers whose linears are quantized take
+        the plain path, whose Linear calls the quantized kernel."""
         for layer in self.model.layers:
-            linears = [m for m in layer.modules() if isinstance(m, Linear)]
-            quantized = [m.quant for m in linears if m.quant is not None]
-            if quantized and (any(isinstance(m, tp_layers.RowParallelLinear) for m in linears)
-                              or not all(getattr(q, "fuses_decode_neighbours", False) for q in quantized)):
+            if any(m.quant is not None for m in layer.modules() if isinstance(m, Linear)):
                 layer.gemv = None
         if self.lm_head is not None and self.lm_head.quant is not None:
             self.gemv = None
@@ -328,20 +323,12 @@ def _dummy_fill(name: str, tensor: torch.Tensor, gen: torch.Generator) -> None:
             tensor.normal_(0.0, 0.02, generator=gen)
 
 
-def _layer_gemv(gemv, x: torch.Tensor, linear: Linear, **fused) -> torch.Tensor:
-    """One GEMV of the one-token layer (gemv's norm_weight, eps, gated, bias, residual): a float
-    weight through rooflm.kernels.gemv, a quantized one through its own kernel's fused_gemv."""
-    if linear.quant is not None:
-        return linear.quant.fused_gemv(x, **fused)
-    return gemv(x, linear.weight, **fused)
-
-
 def _row_gemv(gemv, x: torch.Tensor, linear: Linear, residual: torch.Tensor) -> torch.Tensor:
     """residual + x @ W^T in one GEMV. A row-parallel layer holds a slice of W's columns: rank 0
     adds the residual to its partial sum, the others add nothing, and one all-reduce sums them."""
     if isinstance(linear, tp_layers.RowParallelLinear):
         return linear.tp.all_reduce(gemv(x, linear.weight, residual=linear.partial_with_residual(residual)))
-    return _layer_gemv(gemv, x, linear, residual=residual)
+    return gemv(x, linear.weight, residual=residual)
 
 
 _FUSED = {

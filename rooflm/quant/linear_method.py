@@ -209,22 +209,6 @@ class W4A16Linear(QuantizedLinearMethod):
         y = w4a16_linear(flat, self.qweight, self.scales, self.zeros, self.group_size)
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    @property
-    def fuses_decode_neighbours(self) -> bool:
-        """Whether fused_gemv can fold the decode layer's norm, SiLU-mul and residual in: not with
-        an act-order permutation (x's columns reordered, the norm's weight with them)."""
-        return self.perm is None
-
-    def fused_gemv(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                   residual: Optional[torch.Tensor] = None, norm_weight: Optional[torch.Tensor] = None,
-                   eps: float = 1e-6, gated: bool = False) -> torch.Tensor:
-        """The one-token decode layer's GEMV (rooflm.kernels.gemv.gemv's arguments): the RMSNorm
-        before, SiLU-mul and the residual add after, folded into the W4A16 kernel."""
-        from rooflm.kernels.w4a16 import w4a16_linear
-        y = w4a16_linear(x, self.qweight, self.scales, self.zeros, self.group_size, norm_weight=norm_weight,
-                         eps=eps, residual=residual, gated=gated)
-        return y if bias is None else y + bias
-
 
 class W8A16Linear(QuantizedLinearMethod):
     """int8 weights: a ChannelWeight (one scale a row) or an 8-bit GroupWeight (GGUF Q8_0: one scale

@@ -150,46 +150,6 @@ def test_w4a16_fused_split_sum_is_bitwise_the_two_launches(block_m, swap_ab, spl
     assert torch.equal(w4a16_linear(x, qw, s, z, group, config=cfg), fused)
 
 
-def _rmsnorm_hf(x, w, eps):
-    xf = x.float()
-    return (w.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype).float()).to(x.dtype)
-
-
-@pytest.mark.parametrize("cfg", [
-    None,  # pick_config's
-    W4Config(1, 16, 128, 4, 3, split_k=2, fold=False),  # the per-weight GEMV, split-K summed in the kernel
-    W4Config(1, 8, 256, 2, 3, split_k=1, fold=False),
-    W4Config(16, 32, 128, 4, 3, split_k=2, swap_ab=True),  # swapped tiles (gated: the GEMV instead)
-    W4Config(16, 32, 256, 4, 3, split_k=1, fold=False, swap_ab=True),
-    W4Config(1, 16, 128, 2, 4, split_k=2, x_sums=True),  # the folded GEMV: replaced by the per-weight one
-], ids=lambda c: "pick" if c is None else f"m{c.block_m}n{c.block_n}s{c.split_k}{'swap' if c.swap_ab else ''}"
-                                           f"{'' if c.fold else 'nofold'}{'xs' if c.x_sums else ''}")
-@pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("k", [384, 448])  # 448: the high half padded past K
-def test_w4a16_folds_the_decode_layers_norm_gate_and_residual(cfg, m, k):
-    """norm_weight / gated / residual give what the unfused ops give (HF RMSNorm's casts, the
-    linear, silu_mul's casts, + residual rounded), as rooflm.kernels.gemv does for float weights."""
-    from rooflm.kernels.silu_mul import silu_mul_ref
-    dtype, group, n = torch.float16, 64, 48
-    qw, s, z, g = _w4(n, k, group, dtype, seed=k + m)
-    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
-    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(DEVICE)
-    res = torch.randn(m, n, generator=g).to(dtype).to(DEVICE)
-    normed = _rmsnorm_hf(x, nw, 1e-5)
-    y = w4a16_linear(x, qw, s, z, group, config=cfg, norm_weight=nw, eps=1e-5, residual=res)
-    ref = (w4a16_linear_ref(normed, qw, s, z, group).float() + res.float()).to(dtype)
-    assert_close(y, ref, dtype, f"norm+residual {cfg}")
-    gated = w4a16_linear(x, qw, s, z, group, config=cfg, norm_weight=nw, eps=1e-5, gated=True)
-    assert gated.shape == (m, n // 2)
-    assert_close(gated, silu_mul_ref(w4a16_linear_ref(normed, qw, s, z, group)), dtype, f"gated {cfg}")
-    plain = w4a16_linear(x, qw, s, z, group, config=cfg, residual=res)
-    assert_close(plain, (w4a16_linear_ref(x, qw, s, z, group).float() + res.float()).to(dtype), dtype, str(cfg))
-    with pytest.raises(ValueError, match="residual"):
-        w4a16_linear(x, qw, s, z, group, config=cfg, residual=res[:, :8])
-    with pytest.raises(ValueError, match="norm_weight"):
-        w4a16_linear(x, qw, s, z, group, config=cfg, norm_weight=nw[:8])
-
-
 def test_x_group_sums_and_the_configs_that_may_use_them():
     """x_group_sums: each row's fp32 sum over each group (rows strided); x_sums only with the fold
     on the GEMV or the swapped tiles."""
@@ -541,7 +501,7 @@ def spills(ptx):
     assert found, out  # ptxas -v reports the spills of every function it compiles
     return sum(int(n) for n in found)
 
-act = dict(y_ptr="bf16", x_ptr="bf16", xs_ptr="fp32", nw_ptr="bf16", res_ptr="bf16", s_ptr="bf16", z_ptr="bf16", ws_ptr="fp32", count_ptr="i32")
+act = dict(y_ptr="bf16", x_ptr="bf16", xs_ptr="fp32", s_ptr="bf16", z_ptr="bf16", ws_ptr="fp32", count_ptr="i32")
 
 def w4(c, m):
     # as an H100 launch compiles it: PDL, the split sum in the kernel, M == 1 a constexpr
@@ -588,7 +548,7 @@ from triton.backends.nvidia.compiler import get_ptxas
 from benchmarks.quant_gemv_sass import compile_kernel, cuobjdump
 from rooflm.kernels import w4a16
 
-act = dict(y_ptr="bf16", x_ptr="bf16", xs_ptr="fp32", nw_ptr="bf16", res_ptr="bf16", s_ptr="bf16", z_ptr="bf16", ws_ptr="fp32", qw_ptr="u8", count_ptr="i32")
+act = dict(y_ptr="bf16", x_ptr="bf16", xs_ptr="fp32", s_ptr="bf16", z_ptr="bf16", ws_ptr="fp32", qw_ptr="u8", count_ptr="i32")
 for c in (w4a16.W4Config(16, 64, 256, 4, 3, swap_ab=True),
           w4a16.W4Config(64, 64, 256, 4, 3, 2, fold=False, swap_ab=True)):
     kern = compile_kernel(w4a16._w4a16_kernel, act,

@@ -55,22 +55,3 @@ def test_dummy_rtn_quantization_runs_with_cuda_graphs():
         assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
         del llm
         torch.cuda.empty_cache()
-
-
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_int4_batch1_decode_folds_norm_gate_and_residual_into_the_w4_kernels(tmp_path, dtype):
-    """One sequence at a time, int4 layers take the fused one-token path (the RMSNorm, SiLU-mul and
-    residual adds folded into the W4A16 kernels, as the float GEMV path does) and generate what the
-    unfused path (decode_gemv=False) generates."""
-    src, _ = make_tiny_model(tmp_path, "llama", hidden_size=128, intermediate_size=256)
-    _write_quantized_copy(src, str(tmp_path / "q"), "awq", WeightScheme.parse("int4-g64"))
-    outs = {}
-    for fused in (True, False):
-        llm = LLM(model=str(tmp_path / "q"), device="cuda", dtype=dtype, max_num_seqs=1, max_model_len=256,
-                  decode_gemv=fused)
-        layers = llm.engine.runner.model.model.layers
-        assert all((layer.gemv is not None) == fused for layer in layers)
-        outs[fused] = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5))
-        del llm
-        torch.cuda.empty_cache()
-    check_greedy_close(outs[True], outs[False])
