@@ -34,14 +34,16 @@ bytes at a time, one group at a time:
     constants of the group, and one FMA into an elementwise [BLOCK_N, g] accumulator reduced once
     at the end: 2 float ops a weight (tl.fma spelled out; left to the compiler, (a + b c) + d e
     fused only in part). Both nibbles of a byte land in the same accumulator tile (fold=False).
-  - M == 1 with fold=True (_gemv_folded): each thread sums its 16 codes of a row against x
-    unscaled (one FMA a weight) and applies the scale and zero once per 16; ~30% fewer
-    instructions, yet slower on the H100's 8B shapes (it stalls on x's layout change and the
-    group sums' barriers): a sweep candidate, not the heuristic's choice.
-  - x_sums (fold): the groups' sums of x from one small launch (x_group_sums) instead of in every
-    program; at M = 64 the swapped tiles' row sums cost about as much as the unpacking. The loop is a tl.range with num_stages: Triton pipelines every load of it (bytes, x, scales)
+    The loop is a tl.range with num_stages: Triton pipelines every load of it (bytes, x, scales)
     through cp.async, which the kernel-level num_stages does only for loads that feed tl.dot;
     a GEMV stream is latency-bound without it.
+  - M == 1 with fold=True (_gemv_folded): each thread sums its 16 codes of a row against x
+    unscaled (one FMA a weight) and applies the scale and zero once per 16: ~25% fewer
+    instructions and half the registers, yet slower on the H100's 8B shapes (its warps stall
+    longer and L2 is busier: benchmarks/results/quant-w4-fold-h100-20261127). A sweep candidate,
+    not the heuristic's choice.
+  - x_sums (fold): the groups' sums of x from one small launch (x_group_sums) instead of in every
+    program; at M = 64 the swapped tiles' row sums cost about as much as the unpacking.
   - M > 1 (GEMM, tensor cores; also a candidate at M == 1 with the row padded to 16, Marlin's
     choice): w' = 1 + code / 16 is built by bits directly in the activation dtype (exact in
     bf16/fp16: four mantissa bits) and multiplied as it is, the scale and zero applied per group
@@ -174,23 +176,11 @@ def _unit_nibbles_packed(p, dtype: tl.constexpr):
 # lop3 each masks a nibble and ors in 1.0's bits: (1 + low / 256) and (1 + high / 16), exact.
 # 12 instructions for 8 weights (Triton's own code extracts each byte first). $0..$3: the low
 # values of bytes 0..3, $4..$7 the high ones, $8 the four bytes.
-_WIDE_ASM = tl.constexpr("""
-{
-.reg .b32 t;
-shl.b32 t, $8, 15;
-lop3.b32 $0, t, 0x00078000, 0x3F800000, 0xEA;
-lop3.b32 $4, t, 0x00780000, 0x3F800000, 0xEA;
-shl.b32 t, $8, 7;
-lop3.b32 $1, t, 0x00078000, 0x3F800000, 0xEA;
-lop3.b32 $5, t, 0x00780000, 0x3F800000, 0xEA;
-shr.b32 t, $8, 1;
-lop3.b32 $2, t, 0x00078000, 0x3F800000, 0xEA;
-lop3.b32 $6, t, 0x00780000, 0x3F800000, 0xEA;
-shr.b32 t, $8, 9;
-lop3.b32 $3, t, 0x00078000, 0x3F800000, 0xEA;
-lop3.b32 $7, t, 0x00780000, 0x3F800000, 0xEA;
-}
-""")
+# (byte j: shifted left by 15 - 8 j, so its low nibble lands at bits 15..18)
+_WIDE_SHIFTS = (("shl", 15), ("shl", 7), ("shr", 1), ("shr", 9))
+_WIDE_ASM = tl.constexpr("\n{\n.reg .b32 t;\n" + "".join(
+    f"{op}.b32 t, $8, {n};\nlop3.b32 ${j}, t, 0x00078000, 0x3F800000, 0xEA;\n"
+    f"lop3.b32 ${j + 4}, t, 0x00780000, 0x3F800000, 0xEA;\n" for j, (op, n) in enumerate(_WIDE_SHIFTS)) + "}\n")
 
 
 @triton.jit
@@ -369,7 +359,8 @@ def _store_partial(y_ptr, ws_ptr, count_ptr, acc, rows, cols, mask, M, N, stride
 
 
 @triton.jit
-def _w4a16_kernel(y_ptr, ws_ptr, count_ptr, x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHUNK, stride_xm, stride_ym,
+def _w4a16_kernel(y_ptr, ws_ptr, count_ptr, x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, S, G, CHUNK,
+                  stride_xm, stride_ym,
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
                   SPLIT: tl.constexpr, EVEN: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
                   FOLD: tl.constexpr, SWAP_AB: tl.constexpr = False, PDL: tl.constexpr = False,
@@ -385,50 +376,46 @@ def _w4a16_kernel(y_ptr, ws_ptr, count_ptr, x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr,
     rg = tl.arange(0, GROUP)
     start = pid_k * CHUNK
     end = tl.minimum(start + CHUNK, S)
-    if BLOCK_M == 1 and FOLD:
-        acc = _gemv_folded(x_ptr + pid_m.to(tl.int64) * stride_xm, xs_ptr + pid_m.to(tl.int64) * G, qw_ptr, s_ptr,
-                           z_ptr, start, end, S, K, N, rn, n_mask, GROUP, BLOCK_N, BLOCK_H, STAGES, EVEN, ASM, PDL, XS)
-        if SPLIT:
-            _store_partial(y_ptr, ws_ptr, count_ptr, acc, pid_m, rn, n_mask, M, N, stride_ym, FUSED)
-        else:
-            tl.store(y_ptr + pid_m.to(tl.int64) * stride_ym + rn, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
-        if PDL:  # at the end (see the end of the tensor-core path)
-            gdc_launch_dependents()
-    elif BLOCK_M == 1:  # fold=False: the scale and zero applied to each weight (the GEMV before the fold)
-        x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
-        acc = tl.zeros([BLOCK_N, GROUP], dtype=tl.float32)
-        # One group of each nibble a step (S and the ranges are whole groups: no mask on the low
-        # half; the high half stops at K). Its scales and zeros are loaded a step ahead: 2-byte
-        # loads a thread, which Triton's pipeliner does not turn into cp.async, and the zero is
-        # needed before the first multiply. BLOCK_K / 2 / GROUP steps are unrolled into one.
-        s_lo, z_lo, s_hi, z_hi = _group_pair(s_ptr, z_ptr, start, end, S, K, N, rn, n_mask, GROUP, BLOCK_N)
-        # PDL: x is all that the kernel before writes, so the wait comes only here, after the first
-        # group's scales and zeros are on their way (the loop's first codes and x are its pipeline's
-        # prologue, issued at the loop, after the wait: Triton cannot split them).
-        if PDL:
-            gdc_wait()
-        # tl.range's num_stages pipelines the loop's loads through cp.async (the kernel's
-        # num_stages does that only for loads that feed tl.dot): STAGES steps of bytes in flight
-        # per program, what a latency-bound stream needs.
-        for b in tl.range(start, end, GROUP, num_stages=STAGES, loop_unroll_factor=BLOCK_H // GROUP):
-            s_lo_n, z_lo_n, s_hi_n, z_hi_n = _group_pair(s_ptr, z_ptr, b + GROUP, end, S, K, N, rn, n_mask,
-                                                         GROUP, BLOCK_N)
-            p = tl.load(qw_ptr + rn[:, None] * S + (b + rg)[None, :], mask=n_mask[:, None], other=0)
-            x_lo = tl.load(x_row + b + rg).to(tl.float32)
-            if EVEN:
-                x_hi = tl.load(x_row + (S + b) + rg).to(tl.float32)
-            else:
-                x_hi = tl.load(x_row + (S + b) + rg, mask=(S + b + rg) < K, other=0.0).to(tl.float32)
-            u_lo, u_hi = _unit_nibbles(p)
-            # (code - zero) s = w' (16 s) - s (16 + zero): one FMA a weight with per-row constants,
-            # then one FMA into an elementwise accumulator: no reduction until the end
-            # (tl.fma spelled out: the compiler fuses (a + b * c) + d * e only in part)
-            w_lo = tl.fma(u_lo, (16.0 * s_lo)[:, None], (-s_lo * (16.0 + z_lo))[:, None])
-            w_hi = tl.fma(u_hi, (16.0 * s_hi)[:, None], (-s_hi * (16.0 + z_hi))[:, None])
-            acc = tl.fma(w_lo, x_lo[None, :], acc)
-            acc = tl.fma(w_hi, x_hi[None, :], acc)
-            s_lo, z_lo, s_hi, z_hi = s_lo_n, z_lo_n, s_hi_n, z_hi_n
-        acc = tl.sum(acc, axis=1)
+    if BLOCK_M == 1:
+        if FOLD:
+            acc = _gemv_folded(x_ptr + pid_m.to(tl.int64) * stride_xm, xs_ptr + pid_m.to(tl.int64) * G,
+                               qw_ptr, s_ptr, z_ptr, start, end, S, K, N, rn, n_mask,
+                               GROUP, BLOCK_N, BLOCK_H, STAGES, EVEN, ASM, PDL, XS)
+        else:  # the scale and zero applied to each weight
+            x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
+            acc = tl.zeros([BLOCK_N, GROUP], dtype=tl.float32)
+            # One group of each nibble a step (S and the ranges are whole groups: no mask on the low
+            # half; the high half stops at K). Its scales and zeros are loaded a step ahead: 2-byte
+            # loads a thread, which Triton's pipeliner does not turn into cp.async, and the zero is
+            # needed before the first multiply. BLOCK_K / 2 / GROUP steps are unrolled into one.
+            s_lo, z_lo, s_hi, z_hi = _group_pair(s_ptr, z_ptr, start, end, S, K, N, rn, n_mask, GROUP, BLOCK_N)
+            # PDL: x is all that the kernel before writes, so the wait comes only here, after the first
+            # group's scales and zeros are on their way (the loop's first codes and x are its pipeline's
+            # prologue, issued at the loop, after the wait: Triton cannot split them).
+            if PDL:
+                gdc_wait()
+            # tl.range's num_stages pipelines the loop's loads through cp.async (the kernel's
+            # num_stages does that only for loads that feed tl.dot): STAGES steps of bytes in flight
+            # per program, what a latency-bound stream needs.
+            for b in tl.range(start, end, GROUP, num_stages=STAGES, loop_unroll_factor=BLOCK_H // GROUP):
+                s_lo_n, z_lo_n, s_hi_n, z_hi_n = _group_pair(s_ptr, z_ptr, b + GROUP, end, S, K, N, rn, n_mask,
+                                                             GROUP, BLOCK_N)
+                p = tl.load(qw_ptr + rn[:, None] * S + (b + rg)[None, :], mask=n_mask[:, None], other=0)
+                x_lo = tl.load(x_row + b + rg).to(tl.float32)
+                if EVEN:
+                    x_hi = tl.load(x_row + (S + b) + rg).to(tl.float32)
+                else:
+                    x_hi = tl.load(x_row + (S + b) + rg, mask=(S + b + rg) < K, other=0.0).to(tl.float32)
+                u_lo, u_hi = _unit_nibbles(p)
+                # (code - zero) s = w' (16 s) - s (16 + zero): one FMA a weight with per-row constants,
+                # then one FMA into an elementwise accumulator: no reduction until the end
+                # (tl.fma spelled out: the compiler fuses (a + b * c) + d * e only in part)
+                w_lo = tl.fma(u_lo, (16.0 * s_lo)[:, None], (-s_lo * (16.0 + z_lo))[:, None])
+                w_hi = tl.fma(u_hi, (16.0 * s_hi)[:, None], (-s_hi * (16.0 + z_hi))[:, None])
+                acc = tl.fma(w_lo, x_lo[None, :], acc)
+                acc = tl.fma(w_hi, x_hi[None, :], acc)
+                s_lo, z_lo, s_hi, z_hi = s_lo_n, z_lo_n, s_hi_n, z_hi_n
+            acc = tl.sum(acc, axis=1)
         if SPLIT:
             _store_partial(y_ptr, ws_ptr, count_ptr, acc, pid_m, rn, n_mask, M, N, stride_ym, FUSED)
         else:
@@ -626,7 +613,8 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                         STAGES=1 if is_interpreter() else cfg.num_stages, FOLD=bool(cfg.fold),
                         SWAP_AB=bool(cfg.swap_ab),
                         ASM=USE_ASM and not is_interpreter() and x.dtype in (torch.bfloat16, torch.float16),
-                        FUSED=fused, XS=bool(cfg.x_sums), num_warps=cfg.num_warps, num_stages=1 if is_interpreter() else cfg.num_stages,
+                        FUSED=fused, XS=bool(cfg.x_sums),
+                        num_warps=cfg.num_warps, num_stages=1 if is_interpreter() else cfg.num_stages,
                         **pdl_launch(x.device), **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not is_interpreter() else {}))
     if split_k > 1 and not fused:
         split_k_reduce(y, ws)
