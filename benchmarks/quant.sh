@@ -8,7 +8,7 @@
 #      each beside the bytes a decode step reads and the bound they give at 3.0 TB/s.
 # Usage (GPU machine, repo root): OUT=dir bash benchmarks/quant.sh
 #        OUT=dir bash benchmarks/quant.sh sweep  the W4A16/W8A16 tile sweep (< 4 min): bf16, the kernels
-#        before s9-w4 and the new ones' candidate tiles on the 8B shapes at batch 1/4/16/64; writes
+#        before s9-w4 and the new ones' candidate tiles on the 8B shapes and LM head at batch 1/4/16/64; writes
 #        the best tiles into rooflm/kernels/tuned/weight_only.json for this GPU (commit it).
 #        OUT=dir bash benchmarks/quant.sh fp8   FP8 W8A8 instead (< 6 min): its GPU tests, the fp8
 #        linear against bf16 on the 8B shapes (benchmarks/fp8_linear.py), and decode tok/s of the
@@ -34,7 +34,8 @@ if [ "${1:-}" = offline ]; then
 fi
 if [ "${1:-}" = sweep ]; then
   export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}
-  timeout 230 python benchmarks/quant_gemv_sweep.py --out "$OUT" --table --budget-s 190 2>&1 | tee "$OUT/gemv-sweep.txt"
+  timeout 230 python benchmarks/quant_gemv_sweep.py --out "$OUT" --table --budget-s 190 \
+    --shapes qkv,o,gate_up,down,lm_head 2>&1 | tee "$OUT/gemv-sweep.txt"
   cp rooflm/kernels/tuned/weight_only.json "$OUT/"
   exit 0
 fi
