@@ -206,8 +206,8 @@ def _gemv_folded(x_row, xs_row, qw_ptr, s_ptr, z_ptr, start, end, S, K, N, rn, n
     with w' = 1 + code / U, one FMA a weight; per row, group and thread then
     sum((code - z) s x) = (U s) t - s (U + z) sum(x) (two FMAs a 16 weights), into an [BLOCK_N,
     GROUP / 16] accumulator reduced across threads once, at the end. The per-weight FMA of the
-    scale and zero (fold=False) and its extraction of each byte are gone: ~half the instructions a
-    weight (benchmarks/quant_gemv_sass.py). The fp32 sums lose log2(U) bits to the 1 in w'
+    scale and zero (fold=False) and its extraction of each byte are gone: ~25% fewer instructions
+    a weight under the H100 machine's Triton 3.6 (benchmarks/quant_gemv_sass.py). The fp32 sums lose log2(U) bits to the 1 in w'
     (U = 256 for the low nibble: 16 of 24 left), far under the bf16 result's 8.
     XS: the groups' sums of x come from xs_row (x_group_sums, once a call) instead of being summed
     here every step (their cross-thread reduction puts barriers in the loop)."""
@@ -560,7 +560,7 @@ def pick_config(m: int, n: int, k: int, group: int, device_name: Optional[str] =
     block_k = 2 * max(group, 128)
     iterations = -(-int4_split(k, group) // (block_k // 2))
     if m == 1:  # 32 rows a program: fewer instructions a weight than 16 (sm_90 SASS counts). The
-        # per-weight GEMV: the folded one, with ~30% fewer instructions, was slower on every 8B
+        # per-weight GEMV: the folded one, with ~25% fewer instructions, was slower on every 8B
         # shape on the H100 (gate_up 45.4 against 38.4 us; benchmarks/results/quant-w4-fold-h100-20261127)
         return W4Config(1, 32, block_k, 4, 4, split_for(-(-n // 32), iterations, sms), fold=False)
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)

@@ -43,7 +43,7 @@ from typing import Callable, Optional
 import torch
 
 from rooflm.quant.formats import GroupWeight
-from rooflm.quant.gptq import range_search_rows
+from rooflm.quant.gptq import DEFAULT_DAMP, range_search_rows
 from rooflm.quant.rtn import WeightScheme, int4_params, quantize_int4_codes, quantize_weight
 
 
@@ -67,7 +67,7 @@ class AwqConfig:
     gptq_mse: bool = False
     gptq_refit: bool = False
     gptq_mse_skip_qk: bool = False  # GPTQ keeps q/k rows' full range (gptq.range_search_rows)
-    gptq_damp: float = 0.01  # GPTQ's diagonal damping (gptq_quantize's damp, the CLI's --damp)
+    gptq_damp: float = DEFAULT_DAMP  # GPTQ's diagonal damping (gptq_quantize's damp, the CLI's --damp)
 
     def quantizer(self, mse_rows: Optional[torch.Tensor] = None):
         """(scaled w [N, K], Hessian of the scaled inputs) -> dequantized weight, for scoring;

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import time
 
+# rooflm.quant.gptq.DEFAULT_DAMP, repeated so that building the CLI imports no torch
+GPTQ_DAMP = 0.01
+
 _FLOAT_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 
 
@@ -54,7 +57,7 @@ def register(sub) -> None:
                    help="GPTQ (4-bit): after the codes are found, refit each row's group scales to the least output "
                         "error on the calibration Hessian (gptq.refit_group_scales); AWQ's GPTQ scoring uses it too. "
                         "SmolLM2 g128 awq+gptq: +5.52%% vs +5.37%%")
-    p.add_argument("--damp", type=float, default=0.01,
+    p.add_argument("--damp", type=float, default=GPTQ_DAMP,
                    help="GPTQ / AWQ+GPTQ: damping added to the Hessian's diagonal before it is inverted, as a "
                         "fraction of its mean diagonal (GPTQ's percdamp, AutoGPTQ's damp_percent; written to "
                         "config.json). Larger: less error pushed onto weakly seen inputs, closer to RTN. "
@@ -107,7 +110,7 @@ def run_quantize(args: argparse.Namespace) -> int:
         raise ValueError("--mse-skip-qk narrows GPTQ's --mse range search: give --mse too")
     if not 0 < args.damp < 1:
         raise ValueError(f"--damp is a fraction of the Hessian's mean diagonal: 0 < damp < 1, got {args.damp}")
-    if args.damp != 0.01 and args.method not in ("gptq", "awq+gptq"):
+    if args.damp != GPTQ_DAMP and args.method not in ("gptq", "awq+gptq"):
         raise ValueError(f"--damp sets GPTQ's damping: it applies to --method gptq and awq+gptq, not {args.method}")
     if args.refit and args.method not in ("gptq", "awq+gptq"):
         raise ValueError(f"--refit refits GPTQ's scales: it applies to --method gptq and awq+gptq, not {args.method}")
@@ -216,7 +219,7 @@ def run_quantize(args: argparse.Namespace) -> int:
     options = "".join(f" --{o.replace('_', '-')}" for o in ("act_order", "mse", "mse_skip_qk", "refit", "no_clip", "duo") if getattr(args, o))
     if args.method in ("gptq", "awq+gptq"):
         options += " --sequential" if sequential else " --no-sequential"
-        if args.damp != 0.01:
+        if args.damp != GPTQ_DAMP:
             options += f" --damp {args.damp:g}"
     if args.method.startswith("awq"):
         options += f" --awq-score {args.awq_score} --awq-objective {args.awq_objective}"

@@ -24,9 +24,12 @@ import torch
 from rooflm.quant.formats import ChannelWeight, GroupWeight
 from rooflm.quant.rtn import int4_params, int4_params_mse
 
+# GPTQ's diagonal damping, a fraction of the Hessian's mean diagonal (the paper's and AutoGPTQ's).
+DEFAULT_DAMP = 0.01
+
 
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int,
-                  damp: float = 0.01, block: int = 128, scale_dtype: torch.dtype = torch.float16,
+                  damp: float = DEFAULT_DAMP, block: int = 128, scale_dtype: torch.dtype = torch.float16,
                   act_order: bool = False, mse: bool = False, refit: bool = False,
                   mse_rows: Optional[torch.Tensor] = None):
     """w [N, K], hessian [K, K] (sum of x x^T) -> GroupWeight (4-bit) or ChannelWeight (8-bit).

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from rooflm.quant.formats import to_gptq
-from rooflm.quant.gptq import range_search_rows
+from rooflm.quant.gptq import DEFAULT_DAMP, range_search_rows
 from rooflm.quant.rtn import WeightScheme, quantize_weight
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def collect_hessians(llm, windows: list[list[int]],
 
 def quantize_linear(w: torch.Tensor, scheme: WeightScheme, method: str, hessian: Optional[torch.Tensor],
                     act_order: bool = False, mse: bool = False, refit: bool = False,
-                    mse_rows: Optional[torch.Tensor] = None, damp: float = 0.01):
+                    mse_rows: Optional[torch.Tensor] = None, damp: float = DEFAULT_DAMP):
     """method: rtn | gptq | awq (weights already AWQ-scaled: RTN with the clip search when a Hessian
     is given) | awq+gptq (weights already AWQ-scaled, the Hessian rescaled to match: GPTQ).
     damp: GPTQ's diagonal damping (gptq_quantize)."""
@@ -109,7 +109,7 @@ def _rows(weight, start: int, size: int):
 def quantized_state_dict(model, scheme: WeightScheme, method: str, hessians: Optional[dict],
                          float_dtype: torch.dtype, act_order: bool = False, mse: bool = False,
                          prequantized: Optional[dict] = None, refit: bool = False,
-                         mse_skip_qk: bool = False, damp: float = 0.01) -> dict[str, torch.Tensor]:
+                         mse_skip_qk: bool = False, damp: float = DEFAULT_DAMP) -> dict[str, torch.Tensor]:
     """HF-named tensors: GPTQ parts for decoder linears, float for everything else.
     prequantized: linear name -> its already quantized weight (sequential.py), written as is."""
     out: dict[str, torch.Tensor] = {}
@@ -168,7 +168,8 @@ def fp8_state_dict(model, float_dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return out
 
 
-def gptq_config(scheme: WeightScheme, act_order: bool = False, sequential: bool = False, damp: float = 0.01) -> dict:
+def gptq_config(scheme: WeightScheme, act_order: bool = False, sequential: bool = False,
+                damp: float = DEFAULT_DAMP) -> dict:
     return {"quant_method": "gptq", "bits": scheme.bits, "group_size": scheme.group_size,
             "desc_act": act_order and scheme.bits == 4, "sym": scheme.bits == 8, "checkpoint_format": "gptq", "lm_head": False,
             "true_sequential": sequential, "damp_percent": damp}
@@ -176,7 +177,8 @@ def gptq_config(scheme: WeightScheme, act_order: bool = False, sequential: bool 
 
 def write_checkpoint(out_dir: str, config_dict: dict, tensors: dict[str, torch.Tensor], scheme: Optional[WeightScheme],
                      float_dtype: torch.dtype, tokenizer=None, note: str = "", act_order: bool = False,
-                     quant_config: Optional[dict] = None, sequential: bool = False, damp: float = 0.01) -> None:
+                     quant_config: Optional[dict] = None, sequential: bool = False,
+                     damp: float = DEFAULT_DAMP) -> None:
     """quant_config: config.json's quantization_config; default the GPTQ one of `scheme`."""
     from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)

@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from rooflm.quant.gptq import DEFAULT_DAMP
 from rooflm.quant.rtn import WeightScheme
 
 
@@ -56,7 +57,7 @@ def kv_cache_gb_for(info, tokens: int) -> float:
 
 def sequential_gptq(llm, windows: list[list[int]], scheme: WeightScheme, act_order: bool = False,
                     mse: bool = False, hessians: Optional[dict[str, torch.Tensor]] = None,
-                    refit: bool = False, mse_skip_qk: bool = False, damp: float = 0.01) -> dict:
+                    refit: bool = False, mse_skip_qk: bool = False, damp: float = DEFAULT_DAMP) -> dict:
     """Quantize every decoder linear of `llm`'s (float) model in place, layer by layer on the
     quantized predecessors' outputs; returns {rooflm linear name: GroupWeight/ChannelWeight}.
     The model's linear weights are left as the dequantized values (what the checkpoint loads to).

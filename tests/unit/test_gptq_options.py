@@ -85,3 +85,9 @@ def test_damp_is_gptq_percdamp_and_the_cli_default_is_unchanged():
     assert parser.parse_args(["quantize", "--output", "o", "--damp", "0.1"]).damp == 0.1
     assert gptq_config(WeightScheme.parse("int4-g128"))["damp_percent"] == 0.01
     assert gptq_config(WeightScheme.parse("int4-g128"), damp=0.1)["damp_percent"] == 0.1
+
+
+def test_the_cli_default_damping_is_gptqs():
+    from rooflm.quant.commands import GPTQ_DAMP
+    from rooflm.quant.gptq import DEFAULT_DAMP
+    assert GPTQ_DAMP == DEFAULT_DAMP
