@@ -83,9 +83,10 @@ import torch
 import triton
 import triton.language as tl
 
+from rooflm.kernels import w4a16_mma
 from rooflm.kernels.split_k import split_for, split_k_reduce, tile_counters
 from rooflm.kernels.tuned_configs import device_facts, lookup
-from rooflm.kernels.utils import gdc_launch_dependents, gdc_wait, is_interpreter, pdl_launch
+from rooflm.kernels.utils import gdc_launch_dependents, gdc_wait, is_interpreter, pdl_launch, pdl_supported
 from rooflm.quant.formats import int4_split, pack_int4, unpack_int4
 
 __all__ = ["W4Config", "pick_config", "w4a16_linear", "w4a16_linear_ref", "dequantize_w4", "w4a16_bytes",
@@ -158,6 +159,9 @@ USE_ASM = os.environ.get("ROOFLM_W4_ASM", "1") != "0"
 # ROOFLM_W4_FUSED_REDUCE=0: split-K partials summed by a second launch (split_k.split_k_reduce), not
 # by each tile's last program (the benchmarks' A/B switch; the bits are the same either way).
 FUSED_REDUCE = os.environ.get("ROOFLM_W4_FUSED_REDUCE", "1") != "0"
+# M <= 8 goes through the hand-written mma.sync kernel (w4a16_mma.py) where it applies; ROOFLM_W4_MMA=0:
+# these Triton kernels for every M (the benchmarks' A/B switch).
+USE_MMA = os.environ.get("ROOFLM_W4_MMA", "1") != "0"
 
 
 @triton.jit
@@ -589,6 +593,9 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                          f"{tuple(scales.shape)} and {tuple(zeros.shape)}")
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if USE_MMA and config is None and 0 < m <= w4a16_mma.MAX_M and w4a16_mma.supported(x, qweight, k, group_size):
+        mma_cfg = w4a16_mma.pick_config(m, n, k, group_size, device_facts(x.device)[0])
+        return w4a16_mma.w4a16_mma(x, qweight, scales, zeros, group_size, mma_cfg, pdl=pdl_supported(x.device))
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y

@@ -1,0 +1,153 @@
+"""W4A16 at M <= 8 on mma.sync: the hand-written CUDA kernel csrc/w4a16_mma.cu, compiled by NVRTC.
+
+Why
+---
+At batch 1 the Triton W4 kernels (w4a16.py) stream the 8B shapes at 1.0-1.6 TB/s against the
+H100's ~3 TB/s (benchmarks/results/quant-w4-ncu-h100-20261127): the per-weight GEMV issues ~7
+instructions a weight and is issue-bound; the swap-AB tensor-core tiles hold 157 registers a
+thread, 3 CTAs an SM, and are latency-bound. Neither is fixed by tiles, split-K, register caps or
+fusion (all measured). Both need control of register layouts that Triton does not give. This
+kernel takes it:
+  - the weight is the A operand of mma.sync.m16n8k16 and x is B (its first M of 8 columns), so
+    the multiply-adds cost one tensor instruction for 256 weights;
+  - a shift and one lop3 turn two codes into two 16-bit (1 + code / 16), exact, straight into A's
+    registers (~1 instruction a weight with x's prmt), because the k order inside an MMA is free:
+    x's B fragment is built in the order the codes come in (csrc/w4a16_mma.cu's header);
+  - one block owns 16 rows of W; its warps split K by whole groups and each keeps DEPTH groups of
+    codes in flight in registers (16-byte loads that skip L1); the warps' partials are summed in
+    shared memory in a fixed order: no workspace, no atomics, one launch.
+  - scale and zero apply once per group and row to the fp32 MMA results:
+    16 s sum(w' x) - s (16 + z) sum(x), sum(x) from an MMA with an A of ones.
+
+Work: as w4a16.py (the same layout and bytes). Reference: w4a16.w4a16_linear_ref.
+
+Limits (else the caller uses w4a16.py): CUDA sm_80+, bf16/fp16 x, M <= 8, K == 2 S (no padded
+groups), the group a multiple of 64, 16-byte aligned rows. NVRTC compiles a variant in ~1 s on
+first use (torch.cuda._compile_kernel: no nvcc, no C++ toolchain needed).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+import torch
+
+from rooflm.kernels.tuned_configs import lookup
+from rooflm.quant.formats import int4_split
+
+SOURCE = Path(__file__).with_name("csrc") / "w4a16_mma.cu"
+MAX_M = 8  # the MMA's N: columns of B
+# CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h): the launch may start while the
+# kernel before drains; the kernel waits (griddepcontrol.wait) before it reads x.
+_PDL_ATTRIBUTE = 6
+
+
+class MmaConfig(NamedTuple):
+    warps: int = 4   # a block's warps: they split the block's rows' K by whole groups
+    depth: int = 2   # groups of codes each warp keeps in flight
+    tiles: int = 1   # 16-row tiles a warp multiplies (x's loads and B fragments shared by them)
+    stages: int = 0  # 0: depth groups in flight in registers; >= 2: cp.async through shared memory,
+    #                  stages - 1 groups in flight a warp (needs N % (16 tiles) == 0, else 0 is used)
+
+
+def shared_bytes(config: MmaConfig, group: int) -> int:
+    """Dynamic shared memory of a launch: per warp and stage, each lane's 2 tiles x group / 64
+    16-byte code chunks and 8 tiles chunks of scales and zeros (csrc/w4a16_mma.cu)."""
+    if not config.stages:
+        return 0
+    return config.warps * config.stages * (2 * config.tiles * (group // 64) * 32 + 8 * config.tiles) * 16
+
+
+def supported(x: torch.Tensor, qweight: torch.Tensor, k: int, group_size: int) -> bool:
+    """Whether this kernel takes the call (else w4a16.py's Triton kernels do)."""
+    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2):
+        return False
+    if x.shape[0] > MAX_M or group_size % 64 or k != 2 * int4_split(k, group_size):
+        return False
+    if x.stride(-1) != 1 or (x.stride(0) * 2) % 16 or x.data_ptr() % 16 or qweight.data_ptr() % 16:
+        return False
+    if not hasattr(torch.cuda, "_compile_kernel"):
+        return False
+    return torch.cuda.get_device_capability(x.device)[0] >= 8
+
+
+@functools.lru_cache(maxsize=256)
+def pick_config(m: int, n: int, k: int, group: int, device_name: Optional[str] = None) -> MmaConfig:
+    """The measured config of rooflm/kernels/tuned/weight_only.json ("w4a16_mma", written by
+    benchmarks/w4_mma_sweep.py --table) for this GPU and shape, else a heuristic from the H100's
+    first sweep: wide N (>= 1024 tiles) two tiles a warp; N <= 4096 eight warps splitting K."""
+    tabled = lookup("w4a16_mma", device_name, n, k, m, group)
+    if tabled is not None:
+        return MmaConfig(**tabled)
+    if n // 16 >= 1024:
+        return MmaConfig(4, 1, 2)
+    if n <= 4096:
+        return MmaConfig(8, 1, 1)
+    return MmaConfig(4, 2, 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(config: MmaConfig, group: int, fp16: bool, pdl: bool, device_index: int):
+    options = [f"-DWARPS={config.warps}", f"-DGROUP={group}", f"-DDEPTH={config.depth}", f"-DTILES={config.tiles}",
+               f"-DSTAGES={config.stages}", f"-DFP16={int(fp16)}", f"-DPDL={int(pdl)}", "-std=c++17"]
+    with torch.cuda.device(device_index):
+        kernel = torch.cuda._compile_kernel(SOURCE.read_text(), "w4a16_mma", nvcc_options=options)
+    smem = shared_bytes(config, group)
+    if smem > 48 * 1024:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: above 48 KB only on request
+        status = torch.cuda._utils._get_gpu_runtime_library().cuFuncSetAttribute(kernel.func, 8, ctypes.c_int(smem))
+        if status != 0:
+            raise RuntimeError(f"w4a16_mma: {smem} bytes of shared memory refused (CUresult {status})")
+    return kernel
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, pad to 8, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+def _launch(kernel, grid: int, block: int, smem: int, args: list, pdl: bool) -> None:
+    """cuLaunchKernelEx on the current stream (capturable), with programmatic stream serialization
+    when pdl (the kernel then waits for the kernel before with griddepcontrol.wait)."""
+    values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a) for a in args]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
+    attr = _LaunchAttribute(id=_PDL_ATTRIBUTE)
+    attr.value = (1).to_bytes(4, "little") + bytes(60)
+    cfg = _LaunchConfig((grid, 1, 1), (block, 1, 1), smem, torch.cuda.current_stream().cuda_stream,
+                        ctypes.pointer(attr), 1 if pdl else 0)
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    status = lib.cuLaunchKernelEx(ctypes.byref(cfg), kernel.func, params, None)
+    if status != 0:
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {status}")
+
+
+def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+              group_size: int, config: MmaConfig = MmaConfig(), pdl: bool = False) -> torch.Tensor:
+    """x [M <= 8, K] @ W.T for W in w4a16.py's layout, [M, N] in x's dtype. The caller checks
+    supported(); shapes are checked here."""
+    m, k = x.shape
+    n, split = qweight.shape
+    if m > MAX_M:
+        raise ValueError(f"w4a16_mma takes M <= {MAX_M}, got M={m}")
+    if k != 2 * split or scales.shape != (k // group_size, n) or zeros.shape != scales.shape:
+        raise ValueError(f"w4a16_mma: K={k} needs qweight [N, K/2] and scales/zeros [K/g, N], got "
+                         f"{tuple(qweight.shape)}, {tuple(scales.shape)}, {tuple(zeros.shape)}")
+    if scales.dtype != x.dtype or zeros.dtype != x.dtype:
+        scales, zeros = scales.to(x.dtype), zeros.to(x.dtype)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    if config.stages and (n % (16 * config.tiles) or scales.data_ptr() % 16 or zeros.data_ptr() % 16):
+        config = config._replace(stages=0)  # the staged copy of scales reads whole aligned 16-row tiles
+    kernel = _compiled(config, group_size, x.dtype == torch.float16, pdl,
+                       x.device.index if x.device.index is not None else torch.cuda.current_device())
+    args = [y, x, qweight, scales.contiguous(), zeros.contiguous(), m, n, split, x.stride(0), y.stride(0)]
+    grid, block = -(-n // (16 * config.tiles)), 32 * config.warps
+    _launch(kernel, grid, block, shared_bytes(config, group_size), args, pdl)
+    return y

@@ -1,0 +1,102 @@
+"""The mma.sync W4A16 kernel (rooflm/kernels/w4a16_mma.py, csrc/w4a16_mma.cu) against
+dequantize-then-fp32, and its dispatch from w4a16_linear."""
+
+import ctypes
+
+import pytest
+import torch
+
+from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
+from rooflm.kernels import w4a16 as w4a16_module
+from rooflm.kernels import w4a16_mma as mm
+from rooflm.kernels.w4a16 import pack_int4, w4a16_linear, w4a16_linear_ref
+
+
+def _w4(n, k, group, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scales = (0.01 + 0.02 * torch.rand(k // group, n, generator=g)).to(dtype)
+    zeros = torch.randint(0, 16, (k // group, n), generator=g).to(dtype)
+    x = torch.randn(1, k, generator=g)
+    return pack_int4(codes, group).to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE), x
+
+
+def test_the_launch_structs_have_cuda_h_sizes():
+    # CUlaunchAttribute: a 4-byte id padded to 8, then a 64-byte union; CUlaunchConfig: 7 uints,
+    # the stream, the attribute pointer and their count, as cuda.h lays them out on 64-bit hosts
+    assert ctypes.sizeof(mm._LaunchAttribute) == 72
+    assert ctypes.sizeof(mm._LaunchConfig) == 56
+    assert mm._LaunchConfig.stream.offset == 32 and mm._LaunchConfig.num_attrs.offset == 48
+
+
+def test_shared_memory_counts_codes_and_scales_per_warp_and_stage():
+    assert mm.shared_bytes(mm.MmaConfig(8, 1, 1, 0), 128) == 0
+    # per warp and stage: 2 rows x 2 spans x 32 lanes code chunks + 8 scale chunks, 16 bytes each
+    assert mm.shared_bytes(mm.MmaConfig(8, 1, 1, 4), 128) == 8 * 4 * (2 * 2 * 32 + 8) * 16
+    assert mm.shared_bytes(mm.MmaConfig(4, 1, 2, 3), 64) == 4 * 3 * (4 * 1 * 32 + 16) * 16
+
+
+def test_pick_config_reads_the_table_before_the_heuristic():
+    table = {"GPU X": {"w4a16_mma": [{"n": 64, "k": 256, "m": 1, "group": 64,
+                                      "config": {"warps": 2, "depth": 3, "tiles": 1, "stages": 4}}]}}
+    from rooflm.kernels import tuned_configs
+    assert tuned_configs.lookup("w4a16_mma", "GPU X", 64, 256, 1, 64, table=table) == table["GPU X"]["w4a16_mma"][0]["config"]
+    mm.pick_config.cache_clear()
+    assert mm.pick_config(1, 28672, 4096, 128, None) == mm.MmaConfig(4, 1, 2)  # >= 1024 tiles: two a warp
+    assert mm.pick_config(1, 4096, 14336, 128, None) == mm.MmaConfig(8, 1, 1)
+    assert mm.pick_config(1, 6144, 4096, 128, None) == mm.MmaConfig(4, 2, 1)
+
+
+def test_off_cuda_the_kernel_declines_and_w4a16_linear_uses_triton():
+    qw, s, z, x = _w4(32, 256, 64, torch.float32)
+    x = x.to(DEVICE)
+    if DEVICE == "cpu":
+        assert not mm.supported(x.to(torch.bfloat16), qw.cpu(), 256, 64)
+    assert not mm.supported(x.float(), qw, 256, 64)  # fp32 activations: Triton's kernels
+    assert not mm.supported(torch.zeros(9, 256, dtype=torch.bfloat16, device=DEVICE), qw, 256, 64)  # M > 8
+
+
+CONFIGS = [mm.MmaConfig(4, 2, 1, 0), mm.MmaConfig(8, 1, 2, 0), mm.MmaConfig(2, 4, 1, 0),
+           mm.MmaConfig(4, 1, 1, 3), mm.MmaConfig(8, 1, 2, 4), mm.MmaConfig(1, 1, 2, 2)]
+
+
+@requires_cuda
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "w{}d{}t{}s{}".format(*c))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 5, 8])
+@pytest.mark.parametrize("n,k,group", [(48, 256, 64), (96, 1024, 128), (6144, 4096, 128), (40, 640, 64)])
+def test_mma_kernel_matches_the_reference(config, dtype, m, n, k, group):
+    qw, s, z, _ = _w4(n, k, group, dtype, seed=m)
+    x = torch.randn(m, k, device=DEVICE, dtype=dtype)
+    for pdl in (False, True):
+        out = mm.w4a16_mma(x, qw, s, z, group, config, pdl=pdl)
+        assert_close(out, w4a16_linear_ref(x, qw, s, z, group), dtype, f"{config} pdl={pdl}")
+
+
+@requires_cuda
+def test_mma_kernel_replays_in_a_cuda_graph_and_is_deterministic():
+    qw, s, z, _ = _w4(4096, 4096, 128, torch.bfloat16)
+    x = torch.randn(1, 4096, device=DEVICE, dtype=torch.bfloat16)
+    cfg = mm.MmaConfig(8, 1, 1, 4)
+    eager = mm.w4a16_mma(x, qw, s, z, 128, cfg, pdl=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mm.w4a16_mma(x, qw, s, z, 128, cfg, pdl=True)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, mm.w4a16_mma(x, qw, s, z, 128, cfg, pdl=True))  # fixed order: same bits
+    assert not torch.equal(out, eager)
+
+
+@requires_cuda
+@pytest.mark.parametrize("m", [1, 8, 9])
+def test_w4a16_linear_takes_the_mma_kernel_up_to_m8(m, monkeypatch):
+    qw, s, z, _ = _w4(256, 512, 128, torch.bfloat16)
+    x = torch.randn(m, 512, device=DEVICE, dtype=torch.bfloat16)
+    calls = []
+    real = mm.w4a16_mma
+    monkeypatch.setattr(mm, "w4a16_mma", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    out = w4a16_linear(x, qw, s, z, 128)
+    assert len(calls) == (1 if m <= 8 and w4a16_module.USE_MMA else 0)
+    assert_close(out, w4a16_linear_ref(x, qw, s, z, 128), torch.bfloat16)
