@@ -3,7 +3,10 @@
 # against quantized variants, perplexity and drift on pydoc_data/topics.py (16 windows of 512
 # tokens; GPTQ and AWQ calibrate on windows 32.. of the same file, never on the scored ones).
 # Writes OUT/{ppl-*.json,*.txt,drift-*.txt}.
-# Usage: OUT=dir bash benchmarks/quant_cpu.sh [RUN...]   (~1 h on a loaded 2-core machine for all)
+# WINDOWS=N (default 16) scores the first N windows (`eval ppl --max-windows N`; at most 32, where the
+# calibration starts: eval ppl refuses more); with N other than 16 every ppl/drift/quantize file,
+# the fp32 reference's included, is named with -Nw, so 16- and N-window results never mix.
+# Usage: OUT=dir [WINDOWS=32] bash benchmarks/quant_cpu.sh [RUN...]   (~1 h on a loaded 2-core machine for all)
 #   RUN: int8-rtn int4-g128-rtn int4-g128-gptq int4-g128-gptq-ao-mse (the default set, 2026-11-23)
 #        fp8 int4-g128-awq int4-g128-awq-gptq int4-g32-awq-gptq int4-g128-awq-gptq-duo
 #        int4-g128-awq-gptq-score int4-g32-awq-gptq-score (2026-11-25; -score: AWQ scored with GPTQ,
@@ -20,20 +23,23 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/quant-cpu-$(date -u +%Y%m%d)}
 PY=${PY:-.venv/bin/python}
+WINDOWS=${WINDOWS:-16}
+W=""; [ "$WINDOWS" != 16 ] && W="-${WINDOWS}w"  # file-name suffix
 mkdir -p "$OUT"
-uptime | tee -a "$OUT/load-start.txt"
-if [ ! -f "$OUT/ppl-fp32.json" ]; then
-  $PY -m rooflm eval ppl --quantization none --dtype float32 --device cpu --output-json "$OUT/ppl-fp32.json" > "$OUT/ppl-fp32.txt" 2>&1
+uptime | tee -a "$OUT/load-start$W.txt"
+if [ ! -f "$OUT/ppl-fp32$W.json" ]; then
+  $PY -m rooflm eval ppl --quantization none --dtype float32 --device cpu --max-windows "$WINDOWS" \
+    --output-json "$OUT/ppl-fp32$W.json" > "$OUT/ppl-fp32$W.txt" 2>&1 || { cat "$OUT/ppl-fp32$W.txt" >&2; exit 1; }
 fi
 score() {  # name, eval ppl flags...
   local name=$1; shift
-  $PY -m rooflm eval ppl "$@" --dtype float32 --device cpu --output-json "$OUT/ppl-$name.json" > "$OUT/ppl-$name.txt" 2>&1
-  $PY -m rooflm eval drift "$OUT/ppl-fp32.json" "$OUT/ppl-$name.json" > "$OUT/drift-$name.txt"
-  echo "$name: $(grep perplexity "$OUT/drift-$name.txt")"
+  $PY -m rooflm eval ppl "$@" --dtype float32 --device cpu --max-windows "$WINDOWS" --output-json "$OUT/ppl-$name$W.json" > "$OUT/ppl-$name$W.txt" 2>&1
+  $PY -m rooflm eval drift "$OUT/ppl-fp32$W.json" "$OUT/ppl-$name$W.json" > "$OUT/drift-$name$W.txt"
+  echo "$name: $(grep perplexity "$OUT/drift-$name$W.txt")"
 }
 run() {  # name, quantize flags...
   local name=$1; shift
-  $PY -m rooflm quantize --output "$OUT/$name" "$@" > "$OUT/quantize-$name.txt" 2>&1
+  $PY -m rooflm quantize --output "$OUT/$name" "$@" > "$OUT/quantize-$name$W.txt" 2>&1
   score "$name" --model "$OUT/$name"
   rm -rf "${OUT:?}/$name"  # the checkpoint itself (~100 MB) is not kept
 }
@@ -80,4 +86,4 @@ one() {
 RUNS=("$@")
 [ ${#RUNS[@]} -eq 0 ] && RUNS=(int8-rtn int4-g128-rtn int4-g128-gptq int4-g128-gptq-ao-mse)
 for r in "${RUNS[@]}"; do one "$r"; done
-uptime | tee -a "$OUT/load-end.txt"
+uptime | tee -a "$OUT/load-end$W.txt"

@@ -9,13 +9,17 @@ import json
 
 def register(sub) -> None:
     from rooflm.cli import add_engine_args
+    from rooflm.eval.ppl import CALIB_SKIP_WINDOWS, WINDOW
 
     ev = sub.add_parser("eval", help="perplexity of a model on a text, and drift between two runs")
     eval_sub = ev.add_subparsers(dest="eval_command", required=True)
     ppl = eval_sub.add_parser("ppl", help="perplexity on a text (default: Python's pydoc_data/topics.py)")
     ppl.add_argument("--text", default=None, help="a UTF-8 text file (default: pydoc_data/topics.py)")
-    ppl.add_argument("--window", type=int, default=512, help="tokens per window (non-overlapping)")
-    ppl.add_argument("--max-windows", type=int, default=16, help="score at most this many windows")
+    ppl.add_argument("--window", type=int, default=WINDOW, help="tokens per window (non-overlapping)")
+    ppl.add_argument("--max-windows", type=int, default=16,
+                     help="score at most this many windows, from the start of the text. On the default text "
+                          f"refused past window {CALIB_SKIP_WINDOWS} of {WINDOW} tokens, where `rooflm quantize` "
+                          "calibration starts")
     ppl.add_argument("--top-k", type=int, default=20, help="top tokens kept per position, for drift")
     ppl.add_argument("--output-json", default=None, help="write the result with every position (for drift)")
     add_engine_args(ppl)
@@ -28,10 +32,14 @@ def register(sub) -> None:
 
 def run_ppl(args: argparse.Namespace) -> int:
     from rooflm.cli import engine_kwargs
-    from rooflm.eval.ppl import perplexity, read_text, token_windows
+    import os
+
+    from rooflm.eval.ppl import check_held_out, default_text_path, perplexity, read_text, token_windows
     from rooflm.llm import LLM
 
     text, path = read_text(args.text)
+    if os.path.realpath(path) == os.path.realpath(default_text_path()):
+        check_held_out(args.window, args.max_windows)
     kwargs = engine_kwargs(args)
     # Prefix caching would skip the scored tokens of a repeated window.
     kwargs["enable_prefix_caching"] = False

@@ -20,6 +20,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+# The default text is cut into windows of WINDOW tokens for both uses: `rooflm eval ppl` scores
+# windows from the start, `rooflm quantize` (GPTQ, AWQ, FP8 KV scales) calibrates on windows from
+# CALIB_SKIP_WINDOWS on (its --calib-skip-windows default), so every window before that one is
+# held out and may be scored.
+WINDOW = 512
+CALIB_SKIP_WINDOWS = 32
+
 
 def default_text_path() -> str:
     import pydoc_data.topics as topics
@@ -60,6 +67,20 @@ def token_windows(token_ids: list[int], window: int, max_windows: Optional[int])
     if count == 0:
         raise ValueError(f"the text has {len(token_ids)} tokens, fewer than one window of {window}")
     return [token_ids[i * window:(i + 1) * window] for i in range(count)]
+
+
+def check_held_out(window: int, max_windows: int) -> None:
+    """Refuse a scored range of the default text that reaches `rooflm quantize`'s default
+    calibration windows (tokens CALIB_SKIP_WINDOWS * WINDOW on): a checkpoint calibrated on the
+    tokens it is scored on would measure better than it is."""
+    end = window * max_windows
+    calib_start = CALIB_SKIP_WINDOWS * WINDOW
+    if end > calib_start:
+        raise ValueError(
+            f"--max-windows {max_windows} of {window} tokens scores tokens 0..{end - 1} of the default text, which "
+            f"overlaps tokens {calib_start}..{end - 1} of the windows `rooflm quantize` calibrates on (window "
+            f"{CALIB_SKIP_WINDOWS} of {WINDOW} tokens on, --calib-skip-windows): score at most "
+            f"{calib_start // window} windows of {window}, or pass another --text")
 
 
 def perplexity(llm, token_windows_: list[list[int]], top_k: int = 20, model: str = "", text: str = "",

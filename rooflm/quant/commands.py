@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from rooflm.eval.ppl import CALIB_SKIP_WINDOWS, WINDOW
+
 # rooflm.quant.gptq.DEFAULT_DAMP, repeated so that building the CLI imports no torch
 GPTQ_DAMP = 0.01
 
@@ -42,10 +44,10 @@ def register(sub) -> None:
                         "(awq_sequential.py; GPTQ then runs sequentially too). SmolLM2 g128: +6.77%%, KL 0.040")
     p.add_argument("--duo", action="store_true",
                    help="AWQ: also search AutoAWQ's scales mean|x|^alpha / mean|w|^(1-alpha) beside mean|x|^alpha")
-    p.add_argument("--calib-window", type=int, default=512, help="tokens per calibration window")
-    p.add_argument("--calib-skip-windows", type=int, default=32,
-                   help="windows skipped at the start of the text (`eval ppl` scores the first 16 by default: "
-                        "calibration must not see them)")
+    p.add_argument("--calib-window", type=int, default=WINDOW, help="tokens per calibration window")
+    p.add_argument("--calib-skip-windows", type=int, default=CALIB_SKIP_WINDOWS,
+                   help="windows skipped at the start of the text (`eval ppl` scores the first 16 by default and "
+                        f"refuses to score past {CALIB_SKIP_WINDOWS} of {WINDOW} tokens: calibration must not see them)")
     p.add_argument("--act-order", action="store_true",
                    help="GPTQ: quantize inputs by decreasing Hessian diagonal (desc_act, g_idx in the checkpoint)")
     p.add_argument("--mse", action="store_true",

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from rooflm import LLM
-from rooflm.cli import main
+from rooflm.cli import build_parser, main
 from rooflm.eval.drift import compare, kl_lower_bound
-from rooflm.eval.ppl import perplexity, token_windows
+from rooflm.eval.ppl import CALIB_SKIP_WINDOWS, WINDOW, check_held_out, perplexity, token_windows
 from tests.models.tiny_models import make_tiny_model
 
 
@@ -39,6 +39,29 @@ def test_window_errors_name_the_problem():
         token_windows([1, 2, 3], 1, None)
     with pytest.raises(ValueError, match="fewer than one window"):
         token_windows([1, 2, 3], 8, None)
+
+
+def test_scored_windows_stay_before_the_calibration_windows(tiny, tmp_path, capsys):
+    # quantize calibrates from the constant's window on; eval ppl scores from the start.
+    quantize = build_parser().parse_args(["quantize", "--output", "x"])
+    assert (quantize.calib_skip_windows, quantize.calib_window) == (CALIB_SKIP_WINDOWS, WINDOW)
+    ppl = build_parser().parse_args(["eval", "ppl"])
+    assert (ppl.max_windows, ppl.window) == (16, WINDOW)  # the default is unchanged
+    check_held_out(WINDOW, 16)
+    check_held_out(WINDOW, CALIB_SKIP_WINDOWS)  # every held-out window: 0 .. CALIB_SKIP_WINDOWS - 1
+    check_held_out(2 * WINDOW, CALIB_SKIP_WINDOWS // 2)
+    end = (CALIB_SKIP_WINDOWS + 1) * WINDOW
+    with pytest.raises(ValueError, match=f"overlaps tokens {CALIB_SKIP_WINDOWS * WINDOW}..{end - 1} "):
+        check_held_out(WINDOW, CALIB_SKIP_WINDOWS + 1)
+    with pytest.raises(ValueError, match="overlaps"):
+        check_held_out(2 * WINDOW, CALIB_SKIP_WINDOWS // 2 + 1)
+    # The CLI refuses before it loads a model, on the default text only.
+    rc = main(["eval", "ppl", "--device", "cpu", "--max-windows", str(CALIB_SKIP_WINDOWS + 1)])
+    assert rc == 2 and f"--max-windows {CALIB_SKIP_WINDOWS + 1} of {WINDOW} tokens" in capsys.readouterr().err
+    other = tmp_path / "other.txt"
+    other.write_text("another text")
+    rc = main(["eval", "ppl", "--model", tiny[0], "--device", "cpu", "--text", str(other), "--max-windows", "99"])
+    assert rc == 2 and "needs a tokenizer" in capsys.readouterr().err  # past the check, to the model
 
 
 def test_kl_lower_bound_is_exact_on_full_supports_and_below_the_true_kl():
