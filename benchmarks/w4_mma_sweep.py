@@ -42,6 +42,9 @@ def parse_args(argv=None):
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--candidates", default=None,
+                    help="'w,d,t,s;...' (warps, depth, tiles, stages) instead of CANDIDATES")
+    ap.add_argument("--no-check", action="store_true", help="skip the correctness checks")
     return ap.parse_args(argv)
 
 
@@ -84,7 +87,9 @@ def run(args) -> dict:
     from rooflm.kernels.w4a16 import pick_config, w4a16_bytes, w4a16_linear
     device = torch.device("cuda")
     t0 = time.time()
-    checks = check(device)
+    checks = [] if args.no_check else check(device)
+    candidates = ([tuple(int(v) for v in c.split(",")) for c in args.candidates.split(";")]
+                  if args.candidates else CANDIDATES)
     bad = [r for r in checks if not r["ok"]]
     print(f"correctness: {len(checks)} checks, {len(bad)} failed ({time.time() - t0:.0f} s)", flush=True)
     for r in bad[:5]:
@@ -104,7 +109,7 @@ def run(args) -> dict:
             tri = pick_config(m, n, k, GROUP, name, sms)
             us = timer([lambda w=w: w4a16_linear(x, *w, GROUP, config=tri) for w in ws])
             rows.append(dict(shape=shape, n=n, k=k, m=m, kernel="triton", config=tri._asdict(), us=us, gbs=nbytes / us / 1e3))
-            for c in CANDIDATES:
+            for c in candidates:
                 cfg = mm.MmaConfig(*c)
                 try:
                     us = timer([lambda w=w: mm.w4a16_mma(x, *w, GROUP, cfg, pdl=True) for w in ws])

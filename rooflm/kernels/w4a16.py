@@ -22,6 +22,11 @@ Layout (rooflm's runtime packing, made from AWQ/GPTQ/RTN weights by rooflm/quant
 
 Algorithm
 ---------
+M <= 8 on a CUDA GPU with NVRTC: w4a16_linear hands the call to the hand-written mma.sync kernel
+(w4a16_mma.py, csrc/w4a16_mma.cu; the same layout), 1.2-1.9x faster than the Triton tiles below on the
+H100's 8B shapes (benchmarks/results/quant-w4-mma-h100-20261127). The Triton kernels serve M > 8,
+fp32 x, padded groups, the CPU interpreter and a machine without NVRTC.
+
 Each program owns BLOCK_N output columns (rows of W), BLOCK_M rows of x, and one of SPLIT_K
 ranges of the packed bytes (split-K: more programs for narrow N). It walks its range BLOCK_K / 2
 bytes at a time, one group at a time:

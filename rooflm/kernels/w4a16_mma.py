@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
+import os
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -38,11 +40,15 @@ import torch
 from rooflm.kernels.tuned_configs import lookup
 from rooflm.quant.formats import int4_split
 
+log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "w4a16_mma.cu"
 MAX_M = 8  # the MMA's N: columns of B
 # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h): the launch may start while the
 # kernel before drains; the kernel waits (griddepcontrol.wait) before it reads x.
 _PDL_ATTRIBUTE = 6
+# Where a block releases the next kernel (csrc/w4a16_mma.cu RELEASE): 0 its end, 1 its start, 2 after
+# its main loop. ROOFLM_W4_MMA_RELEASE: the benchmarks' switch.
+RELEASE = int(os.environ.get("ROOFLM_W4_MMA_RELEASE", "0"))
 
 
 class MmaConfig(NamedTuple):
@@ -69,9 +75,22 @@ def supported(x: torch.Tensor, qweight: torch.Tensor, k: int, group_size: int) -
         return False
     if x.stride(-1) != 1 or (x.stride(0) * 2) % 16 or x.data_ptr() % 16 or qweight.data_ptr() % 16:
         return False
-    if not hasattr(torch.cuda, "_compile_kernel"):
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return _compiles(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiles(device_index: int) -> bool:
+    """sm_80+ and NVRTC at hand (torch.cuda._compile_kernel, a private torch API): one small variant
+    compiles, once a device. Otherwise w4a16.py's Triton kernels serve every M, with one warning."""
+    if not hasattr(torch.cuda, "_compile_kernel") or torch.cuda.get_device_capability(device_index)[0] < 8:
         return False
-    return torch.cuda.get_device_capability(x.device)[0] >= 8
+    try:
+        _compiled(MmaConfig(), 64, False, False, RELEASE, device_index)
+    except Exception as e:  # noqa: BLE001 - any NVRTC/driver failure means: use Triton
+        log.warning("w4a16_mma: NVRTC could not build the kernel (%s); int4 at M <= 8 uses the Triton kernels", e)
+        return False
+    return True
 
 
 @functools.lru_cache(maxsize=256)
@@ -90,8 +109,8 @@ def pick_config(m: int, n: int, k: int, group: int, device_name: Optional[str] =
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(config: MmaConfig, group: int, fp16: bool, pdl: bool, device_index: int):
-    options = [f"-DWARPS={config.warps}", f"-DGROUP={group}", f"-DDEPTH={config.depth}", f"-DTILES={config.tiles}",
+def _compiled(config: MmaConfig, group: int, fp16: bool, pdl: bool, release: int, device_index: int):
+    options = [f"-DRELEASE={release}", f"-DWARPS={config.warps}", f"-DGROUP={group}", f"-DDEPTH={config.depth}", f"-DTILES={config.tiles}",
                f"-DSTAGES={config.stages}", f"-DFP16={int(fp16)}", f"-DPDL={int(pdl)}", "-std=c++17"]
     with torch.cuda.device(device_index):
         kernel = torch.cuda._compile_kernel(SOURCE.read_text(), "w4a16_mma", nvcc_options=options)
@@ -145,7 +164,7 @@ def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         return y
     if config.stages and (n % (16 * config.tiles) or scales.data_ptr() % 16 or zeros.data_ptr() % 16):
         config = config._replace(stages=0)  # the staged copy of scales reads whole aligned 16-row tiles
-    kernel = _compiled(config, group_size, x.dtype == torch.float16, pdl,
+    kernel = _compiled(config, group_size, x.dtype == torch.float16, pdl, RELEASE,
                        x.device.index if x.device.index is not None else torch.cuda.current_device())
     args = [y, x, qweight, scales.contiguous(), zeros.contiguous(), m, n, split, x.stride(0), y.stride(0)]
     grid, block = -(-n // (16 * config.tiles)), 32 * config.warps

@@ -10,6 +10,8 @@
 //               (Marlin's pipeline); needs N % (16 TILES) == 0 (the wrapper checks)
 //   -DFP16=0|1  the activation dtype: bf16 or fp16
 //   -DPDL=0|1   launched as a programmatic dependent (sm_90): codes and scales load before the wait
+//   -DRELEASE=0|1|2  where each block lets the next kernel launch (griddepcontrol.launch_dependents):
+//               0 at its end, 1 at its start (after the first loads), 2 after its main loop
 //
 // The runtime layout (rooflm/quant/formats.py pack_int4): qweight uint8 [N, S], S = K / 2; byte j
 // of a row holds code k = j in its low nibble and k = S + j in its high one. scales and zeros
@@ -97,6 +99,9 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
 #endif
 #ifndef STAGES
 #define STAGES 0
+#endif
+#ifndef RELEASE
+#define RELEASE 0
 #endif
 #define ROWS (2 * TILES)        // rows a thread holds: r + 8 i, i < ROWS
 
@@ -221,6 +226,9 @@ w4a16_mma(u16* __restrict__ y, const u16* __restrict__ x, const u8* __restrict__
 #pragma unroll
   for (int j = 0; j < STAGES - 1; ++j) issue(j);
 #if PDL
+#if RELEASE == 1
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
   asm volatile("griddepcontrol.wait;" ::: "memory");  // x is what the kernel before writes
 #endif
   for (int j = 0; j < nb; ++j) {
@@ -247,6 +255,9 @@ w4a16_mma(u16* __restrict__ y, const u16* __restrict__ x, const u8* __restrict__
   for (int d = 0; d < DEPTH; ++d)
     if (g_begin + d < g_end) load_group(ring[d], qrow, scales, zeros, g_begin + d, half_groups, N, row);
 #if PDL
+#if RELEASE == 1
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
   asm volatile("griddepcontrol.wait;" ::: "memory");  // x is what the kernel before writes
 #endif
   for (int g = g_begin; g < g_end; g += DEPTH) {
@@ -259,6 +270,9 @@ w4a16_mma(u16* __restrict__ y, const u16* __restrict__ x, const u8* __restrict__
       }
     }
   }
+#endif
+#if PDL && RELEASE == 2
+  asm volatile("griddepcontrol.launch_dependents;");
 #endif
 #pragma unroll
   for (int t = 0; t < TILES; ++t) {
@@ -275,7 +289,7 @@ w4a16_mma(u16* __restrict__ y, const u16* __restrict__ x, const u8* __restrict__
     for (int w = 0; w < WARPS; ++w) s += red[w][rr][col];   // in order of warp: fixed bits
     if (n0 + rr < N) y[(size_t)col * stride_ym + n0 + rr] = from_f32(s);
   }
-#if PDL
+#if PDL && RELEASE == 0
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
 }
