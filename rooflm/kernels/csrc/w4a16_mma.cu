@@ -88,6 +88,16 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
 }
 
+// PDL: x is what the kernel before writes; codes and scales (weights) may load before this.
+__device__ __forceinline__ void wait_for_x() {
+#if PDL
+#if RELEASE == 1
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm("mma.sync.aligned.m16n8k16.row.col." MMA_TYPES " {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -225,12 +235,7 @@ w4a16_mma(u16* __restrict__ y, const u16* __restrict__ x, const u8* __restrict__
   };
 #pragma unroll
   for (int j = 0; j < STAGES - 1; ++j) issue(j);
-#if PDL
-#if RELEASE == 1
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // x is what the kernel before writes
-#endif
+  wait_for_x();
   for (int j = 0; j < nb; ++j) {
     cp_async_wait<STAGES - 2>();            // group j has landed (this lane's copies)
     __syncwarp();                           // ... and every lane's; stage (j - 1) % STAGES is free
@@ -254,12 +259,7 @@ w4a16_mma(u16* __restrict__ y, const u16* __restrict__ x, const u8* __restrict__
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d)
     if (g_begin + d < g_end) load_group(ring[d], qrow, scales, zeros, g_begin + d, half_groups, N, row);
-#if PDL
-#if RELEASE == 1
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // x is what the kernel before writes
-#endif
+  wait_for_x();
   for (int g = g_begin; g < g_end; g += DEPTH) {
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) {
