@@ -100,3 +100,45 @@ def test_w4a16_linear_takes_the_mma_kernel_up_to_m8(m, monkeypatch):
     out = w4a16_linear(x, qw, s, z, 128)
     assert len(calls) == (1 if m <= 8 and w4a16_module.USE_MMA else 0)
     assert_close(out, w4a16_linear_ref(x, qw, s, z, 128), torch.bfloat16)
+
+
+def test_only_a_quantized_single_rank_linear_takes_gate_up_as_it_is():
+    from rooflm.distributed.layers import RowParallelLinear
+    from rooflm.layers.linear import Linear
+    gate_up = torch.randn(1, 64)
+    assert Linear(32, 16).forward_silu_mul(gate_up) is None  # float weight: SiLU-mul, then F.linear
+    assert RowParallelLinear.forward_silu_mul(None, gate_up) is None  # its all-reduce is in forward
+
+
+def test_staged_silu_mul_bytes_per_warp_cover_its_most_groups():
+    # 56 groups of 128 in each half over 8 warps: 7 each; M rows x 2 halves x 7 x 128 bf16 a warp
+    assert mm.staged_x_bytes(mm.MmaConfig(8, 1, 1, 2), 128, 1, 7168) == 8 * 1 * 2 * 7 * 128 * 2
+    assert mm.staged_x_bytes(mm.MmaConfig(3, 1, 1, 0), 64, 2, 640) == 3 * 2 * 2 * 4 * 64 * 2  # 10 groups / 3
+
+
+@requires_cuda
+@pytest.mark.parametrize("config", CONFIGS[:5], ids=lambda c: "w{}d{}t{}s{}".format(*c))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("n,k,group", [(48, 256, 64), (96, 1024, 128), (4096, 14336, 128)])
+def test_gated_kernel_matches_silu_mul_then_the_reference(config, dtype, m, n, k, group):
+    from rooflm.kernels.silu_mul import silu_mul
+    qw, s, z, _ = _w4(n, k, group, dtype, seed=m)
+    gate_up = torch.randn(m, 2 * k, device=DEVICE, dtype=dtype) * 2
+    ref = w4a16_linear_ref(silu_mul(gate_up), qw, s, z, group)
+    for pdl in (False, True):
+        out = mm.w4a16_mma(gate_up, qw, s, z, group, config, pdl=pdl, gated=True)
+        assert_close(out, ref, dtype, f"{config} pdl={pdl}")
+
+
+@requires_cuda
+def test_silu_mul_linear_declines_what_the_gated_kernel_cannot_take():
+    from rooflm.kernels.w4a16 import FUSE_SILU_MUL, w4a16_silu_mul_linear
+    from rooflm.kernels.silu_mul import silu_mul
+    qw, s, z, _ = _w4(256, 1024, 128, torch.bfloat16)
+    assert w4a16_silu_mul_linear(torch.randn(9, 2048, device=DEVICE, dtype=torch.bfloat16), qw, s, z, 128) is None
+    assert w4a16_silu_mul_linear(torch.randn(2, 2048, device=DEVICE), qw, s, z, 128) is None  # fp32
+    gate_up = torch.randn(2, 2048, device=DEVICE, dtype=torch.bfloat16)
+    out = w4a16_silu_mul_linear(gate_up, qw, s, z, 128)
+    if FUSE_SILU_MUL and w4a16_module.USE_MMA:
+        assert_close(out, w4a16_linear_ref(silu_mul(gate_up), qw, s, z, 128), torch.bfloat16)
