@@ -59,9 +59,6 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(F.linear(x, self.weight))
 
-    def forward_silu_mul(self, gate_up: torch.Tensor) -> Optional[torch.Tensor]:
-        return None  # the all-reduce belongs to forward
-
     def partial_with_residual(self, residual: torch.Tensor) -> Optional[torch.Tensor]:
         """For a kernel that fuses `x @ W^T + residual` (the decode GEMV): rank 0 adds the
         residual, the others add nothing, and the all-reduce sums them once."""

@@ -167,8 +167,6 @@ FUSED_REDUCE = os.environ.get("ROOFLM_W4_FUSED_REDUCE", "1") != "0"
 # M <= 8 goes through the hand-written mma.sync kernel (w4a16_mma.py) where it applies; ROOFLM_W4_MMA=0:
 # these Triton kernels for every M (the benchmarks' A/B switch).
 USE_MMA = os.environ.get("ROOFLM_W4_MMA", "1") != "0"
-# ROOFLM_W4_SILU_MUL=0: the gated MLP's SiLU-mul stays its own kernel before down (w4a16_silu_mul_linear).
-FUSE_SILU_MUL = os.environ.get("ROOFLM_W4_SILU_MUL", "1") != "0"
 
 
 @triton.jit
@@ -633,26 +631,6 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if split_k > 1 and not fused:
         split_k_reduce(y, ws)
     return y
-
-
-def w4a16_silu_mul_linear(gate_up: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                          group_size: int) -> Optional[torch.Tensor]:
-    """silu(gate) * up @ W.T for gate_up [M, 2K] (the gated MLP's down projection) without writing
-    silu(gate) * up: the mma kernel stages it in shared memory, one launch fewer a layer. None where
-    that kernel does not take the call (the caller runs silu_mul, then w4a16_linear)."""
-    if not (USE_MMA and FUSE_SILU_MUL) or gate_up.dim() != 2 or not 0 < gate_up.shape[0] <= w4a16_mma.MAX_M:
-        return None
-    m, two_k = gate_up.shape
-    k = two_k // 2
-    if two_k % 2 or qweight.shape[1] * 2 != k or not w4a16_mma.supported(gate_up, qweight, k, group_size):
-        return None
-    n = qweight.shape[0]
-    cfg = w4a16_mma.pick_config(m, n, k, group_size, device_facts(gate_up.device)[0])
-    smem = w4a16_mma.shared_bytes(cfg, group_size) + w4a16_mma.staged_x_bytes(cfg, group_size, m, k // 2)
-    if smem > w4a16_mma.MAX_GATED_SHARED:
-        return None
-    return w4a16_mma.w4a16_mma(gate_up, qweight, scales, zeros, group_size, cfg, pdl=pdl_supported(gate_up.device),
-                               gated=True)
 
 
 @triton.jit

@@ -67,18 +67,6 @@ def shared_bytes(config: MmaConfig, group: int) -> int:
     return config.warps * config.stages * (2 * config.tiles * (group // 64) * 32 + 8 * config.tiles) * 16
 
 
-def staged_x_bytes(config: MmaConfig, group: int, m: int, split: int) -> int:
-    """Shared memory of the gated kernel's staged silu(gate) * up: per warp, M rows x both halves
-    x its groups (the most any warp gets)."""
-    most = -(-(split // group) // config.warps)
-    return config.warps * m * 2 * most * group * 2
-
-
-# The gated kernel's shared memory stays under this (the H100 gives a block up to 227 KB; less
-# leaves room for a second block an SM).
-MAX_GATED_SHARED = 160 * 1024
-
-
 def supported(x: torch.Tensor, qweight: torch.Tensor, k: int, group_size: int) -> bool:
     """Whether this kernel takes the call (else w4a16.py's Triton kernels do)."""
     if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2):
@@ -121,13 +109,12 @@ def pick_config(m: int, n: int, k: int, group: int, device_name: Optional[str] =
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(config: MmaConfig, group: int, fp16: bool, pdl: bool, release: int, device_index: int,
-              gated: bool = False, smem: int = 0):
-    options = [f"-DRELEASE={release}", f"-DGATED={int(gated)}", f"-DWARPS={config.warps}", f"-DGROUP={group}", f"-DDEPTH={config.depth}", f"-DTILES={config.tiles}",
+def _compiled(config: MmaConfig, group: int, fp16: bool, pdl: bool, release: int, device_index: int):
+    options = [f"-DRELEASE={release}", f"-DWARPS={config.warps}", f"-DGROUP={group}", f"-DDEPTH={config.depth}", f"-DTILES={config.tiles}",
                f"-DSTAGES={config.stages}", f"-DFP16={int(fp16)}", f"-DPDL={int(pdl)}", "-std=c++17"]
     with torch.cuda.device(device_index):
         kernel = torch.cuda._compile_kernel(SOURCE.read_text(), "w4a16_mma", nvcc_options=options)
-    smem = max(smem, shared_bytes(config, group))
+    smem = shared_bytes(config, group)
     if smem > 48 * 1024:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: above 48 KB only on request
         status = torch.cuda._utils._get_gpu_runtime_library().cuFuncSetAttribute(kernel.func, 8, ctypes.c_int(smem))
         if status != 0:
@@ -160,17 +147,14 @@ def _launch(kernel, grid: int, block: int, smem: int, args: list, pdl: bool) -> 
 
 
 def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-              group_size: int, config: MmaConfig = MmaConfig(), pdl: bool = False, gated: bool = False) -> torch.Tensor:
-    """x [M <= 8, K] @ W.T for W in w4a16.py's layout, [M, N] in x's dtype. gated: x is the gated
-    MLP's gate_up [M, 2K] and the kernel multiplies silu(gate) * up (silu_mul.py's casts) without
-    writing it. The caller checks supported(); shapes are checked here."""
+              group_size: int, config: MmaConfig = MmaConfig(), pdl: bool = False) -> torch.Tensor:
+    """x [M <= 8, K] @ W.T for W in w4a16.py's layout, [M, N] in x's dtype. The caller checks
+    supported(); shapes are checked here."""
     m, k = x.shape
     n, split = qweight.shape
-    if gated:
-        k //= 2
     if m > MAX_M:
         raise ValueError(f"w4a16_mma takes M <= {MAX_M}, got M={m}")
-    if x.shape[1] != (2 * k if gated else k) or k != 2 * split or scales.shape != (k // group_size, n) or zeros.shape != scales.shape:
+    if k != 2 * split or scales.shape != (k // group_size, n) or zeros.shape != scales.shape:
         raise ValueError(f"w4a16_mma: K={k} needs qweight [N, K/2] and scales/zeros [K/g, N], got "
                          f"{tuple(qweight.shape)}, {tuple(scales.shape)}, {tuple(zeros.shape)}")
     if scales.dtype != x.dtype or zeros.dtype != x.dtype:
@@ -180,11 +164,9 @@ def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         return y
     if config.stages and (n % (16 * config.tiles) or scales.data_ptr() % 16 or zeros.data_ptr() % 16):
         config = config._replace(stages=0)  # the staged copy of scales reads whole aligned 16-row tiles
-    smem = shared_bytes(config, group_size) + (staged_x_bytes(config, group_size, m, split) if gated else 0)
     kernel = _compiled(config, group_size, x.dtype == torch.float16, pdl, RELEASE,
-                       x.device.index if x.device.index is not None else torch.cuda.current_device(),
-                       gated, smem if gated else 0)
+                       x.device.index if x.device.index is not None else torch.cuda.current_device())
     args = [y, x, qweight, scales.contiguous(), zeros.contiguous(), m, n, split, x.stride(0), y.stride(0)]
     grid, block = -(-n // (16 * config.tiles)), 32 * config.warps
-    _launch(kernel, grid, block, smem, args, pdl)
+    _launch(kernel, grid, block, shared_bytes(config, group_size), args, pdl)
     return y

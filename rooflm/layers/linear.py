@@ -41,13 +41,6 @@ class Linear(torch.nn.Module):
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 
-    def forward_silu_mul(self, gate_up: torch.Tensor) -> Optional[torch.Tensor]:
-        """This linear of silu(gate) * up from the gated MLP's gate_up [T, 2K] in one kernel, or None
-        where the weight's method has none (the MLP then runs SiLU-mul and forward)."""
-        if self.quant is None or self.bias is not None:
-            return None
-        return self.quant.silu_mul_input(gate_up)
-
     def stored_weight_bytes(self) -> int:
         """Bytes the weight holds in memory: the quantized blocks and scales, or the floats."""
         if self.quant is not None:

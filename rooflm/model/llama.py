@@ -74,11 +74,7 @@ class LlamaMLP(torch.nn.Module):
         self.act = SiluAndMul(kernels.silu_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        # A quantized down projection may take gate_up as it is (W4A16 at small M: SiLU-mul inside
-        # its kernel, one launch fewer); None: the two ops.
-        y = self.down_proj.forward_silu_mul(gate_up)
-        return y if y is not None else self.down_proj(self.act(gate_up))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(torch.nn.Module):

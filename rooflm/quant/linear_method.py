@@ -64,11 +64,6 @@ class QuantizedLinearMethod(torch.nn.Module):
     def weight_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
-    def silu_mul_input(self, gate_up: torch.Tensor) -> Optional[torch.Tensor]:
-        """silu(gate) * up @ W.T for the gated MLP's gate_up [.., 2K], silu(gate) * up never written,
-        or None where this method has no such kernel (the caller runs SiLU-mul, then the linear)."""
-        return None
-
 
 class Int4GroupLinear(QuantizedLinearMethod):
     def __init__(self, blocks: BlockTensor):
@@ -213,12 +208,6 @@ class W4A16Linear(QuantizedLinearMethod):
             flat = flat.index_select(1, self.perm)
         y = w4a16_linear(flat, self.qweight, self.scales, self.zeros, self.group_size)
         return y.reshape(*x.shape[:-1], self.out_features)
-
-    def silu_mul_input(self, gate_up: torch.Tensor) -> Optional[torch.Tensor]:
-        from rooflm.kernels.w4a16 import w4a16_silu_mul_linear
-        if self.perm is not None or gate_up.dim() != 2:  # act-order: the permutation needs x written
-            return None
-        return w4a16_silu_mul_linear(gate_up, self.qweight, self.scales, self.zeros, self.group_size)
 
 
 class W8A16Linear(QuantizedLinearMethod):

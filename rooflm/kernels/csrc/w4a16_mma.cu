@@ -10,8 +10,6 @@
 //               (Marlin's pipeline); needs N % (16 TILES) == 0 (the wrapper checks)
 //   -DFP16=0|1  the activation dtype: bf16 or fp16
 //   -DPDL=0|1   launched as a programmatic dependent (sm_90): codes and scales load before the wait
-//   -DGATED=0|1 x is the gated MLP's gate_up [M, 2K]: the kernel multiplies silu(gate) * up (HF's
-//               casts, silu_mul.py's), each warp staging its K range of it in shared memory once
 //   -DRELEASE=0|1|2  where each block lets the next kernel launch (griddepcontrol.launch_dependents):
 //               0 at its end, 1 at its start (after the first loads), 2 after its main loop
 //
@@ -74,41 +72,11 @@ __device__ __forceinline__ uint4 ld_codes(const u8* p) {
   return v;
 }
 
-// x is read by every block: keep it in L1 (GATED: x was staged in this warp's shared memory).
+// x is read by every block: keep it in L1.
 __device__ __forceinline__ uint4 ld_x(const u16* p) {
-#if GATED
-  return *(const uint4*)p;
-#else
   uint4 v;
   asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
-#endif
-}
-
-// silu(g) * u with silu_mul.py's casts: silu in fp32, rounded to the dtype, the product rounded again.
-__device__ __forceinline__ u16 silu_mul1(u16 g, u16 u) {
-  const float gf = to_f32(g);
-  return from_f32(to_f32(from_f32(gf / (1.f + __expf(-gf)))) * to_f32(u));
-}
-
-// GATED: this warp's K range of silu(gate) * up, both halves, into xw [M][2][nbmax GROUP] (u16), from
-// gate_up [M, 2K] (gate at k, up at K + k), 8 elements (16 bytes) a lane at a time.
-__device__ __forceinline__ void stage_silu_mul(u16* xw, const u16* x, int M, int stride_xm, int S, int g_begin,
-                                               int nb, int nbmax, int lane) {
-  const int span = nb * GROUP, chunks = M * 2 * span / 8;   // a chunk never crosses a half
-  for (int ci = lane; ci < chunks; ci += 32) {
-    const int e = ci * 8, m = e / (2 * span), rem = e % (2 * span), h = rem / span, kk = rem % span;
-    const u16* src = x + (size_t)m * stride_xm + h * S + g_begin * GROUP + kk;
-    const uint4 gv = *(const uint4*)src, uv = *(const uint4*)(src + 2 * S);
-    const u32 gw[4] = {gv.x, gv.y, gv.z, gv.w}, uw[4] = {uv.x, uv.y, uv.z, uv.w};
-    u32 out[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      out[j] = (u32)silu_mul1((u16)(gw[j] & 0xFFFF), (u16)(uw[j] & 0xFFFF)) |
-               ((u32)silu_mul1((u16)(gw[j] >> 16), (u16)(uw[j] >> 16)) << 16);
-    *(uint4*)(xw + (size_t)(m * 2 + h) * nbmax * GROUP + kk) = make_uint4(out[0], out[1], out[2], out[3]);
-  }
-  __syncwarp();
 }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -144,9 +112,6 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
 #endif
 #ifndef RELEASE
 #define RELEASE 0
-#endif
-#ifndef GATED
-#define GATED 0
 #endif
 #define ROWS (2 * TILES)        // rows a thread holds: r + 8 i, i < ROWS
 
@@ -236,19 +201,8 @@ w4a16_mma(u16* __restrict__ y, const u16* __restrict__ x, const u8* __restrict__
   const int half_groups = S / GROUP;
   const int g_begin = warp * half_groups / WARPS, g_end = (warp + 1) * half_groups / WARPS;
   const bool has_x = r < M;                // this thread holds x's row r in the B fragment
-  extern __shared__ uint4 dyn[];           // STAGES: the copy stages; GATED: then the staged x
-#if GATED
-  // silu(gate) * up of this warp's groups: [M][low / high half][nbmax GROUP], after the stages
-  const int nbmax = (half_groups + WARPS - 1) / WARPS;
-  u16* xw = (u16*)(dyn + WARPS * STAGES * (ROWS * SPANS * 32 + 8 * TILES)) + (size_t)warp * M * 2 * nbmax * GROUP;
-  const u16* xlo = xw + (size_t)(has_x ? r : 0) * 2 * nbmax * GROUP + 16 * c - g_begin * GROUP;
-  const u16* xhi = xlo + nbmax * GROUP;
-#define WAIT_FOR_X() do { wait_for_x(); stage_silu_mul(xw, x, M, stride_xm, S, g_begin, g_end - g_begin, nbmax, lane); } while (0)
-#else
   const u16* xlo = x + (size_t)(has_x ? r : 0) * stride_xm + 16 * c;
   const u16* xhi = xlo + S;
-#define WAIT_FOR_X() wait_for_x()
-#endif
   float acc[TILES][4];
 #pragma unroll
   for (int t = 0; t < TILES; ++t)
@@ -260,7 +214,8 @@ w4a16_mma(u16* __restrict__ y, const u16* __restrict__ x, const u8* __restrict__
   // accesses are consecutive), then the block rows' scales and zeros of the group's two halves
   // (s_lo, z_lo, s_hi, z_hi: 16 TILES u16 each, copied by the first 8 TILES lanes).
   constexpr int CHUNKS = ROWS * SPANS * 32, STAGE = CHUNKS + 8 * TILES;  // uint4s a stage
-  uint4* mine = dyn + warp * STAGES * STAGE;
+  extern __shared__ uint4 stages[];
+  uint4* mine = stages + warp * STAGES * STAGE;
   const int nb = g_end - g_begin;
   auto issue = [&](int j) {                 // group g_begin + j into stage j % STAGES
     if (j < nb) {
@@ -280,7 +235,7 @@ w4a16_mma(u16* __restrict__ y, const u16* __restrict__ x, const u8* __restrict__
   };
 #pragma unroll
   for (int j = 0; j < STAGES - 1; ++j) issue(j);
-  WAIT_FOR_X();
+  wait_for_x();
   for (int j = 0; j < nb; ++j) {
     cp_async_wait<STAGES - 2>();            // group j has landed (this lane's copies)
     __syncwarp();                           // ... and every lane's; stage (j - 1) % STAGES is free
@@ -304,7 +259,7 @@ w4a16_mma(u16* __restrict__ y, const u16* __restrict__ x, const u8* __restrict__
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d)
     if (g_begin + d < g_end) load_group(ring[d], qrow, scales, zeros, g_begin + d, half_groups, N, row);
-  WAIT_FOR_X();
+  wait_for_x();
   for (int g = g_begin; g < g_end; g += DEPTH) {
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) {
