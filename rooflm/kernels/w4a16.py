@@ -167,6 +167,8 @@ FUSED_REDUCE = os.environ.get("ROOFLM_W4_FUSED_REDUCE", "1") != "0"
 # M <= 8 goes through the hand-written mma.sync kernel (w4a16_mma.py) where it applies; ROOFLM_W4_MMA=0:
 # these Triton kernels for every M (the benchmarks' A/B switch).
 USE_MMA = os.environ.get("ROOFLM_W4_MMA", "1") != "0"
+# ROOFLM_W4_SILU_MUL=0: the gated MLP's SiLU-mul stays its own kernel after gate_up (w4a16_gate_up_silu_mul).
+FUSE_SILU_MUL = os.environ.get("ROOFLM_W4_SILU_MUL", "1") != "0"
 
 
 @triton.jit
@@ -631,6 +633,24 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if split_k > 1 and not fused:
         split_k_reduce(y, ws)
     return y
+
+
+def w4a16_gate_up_silu_mul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                           group_size: int) -> Optional[torch.Tensor]:
+    """silu(gate) * up [M, I] for the gated MLP's gate_up weight [2I, K] (gate rows, then up rows) in
+    one launch: the mma kernel's blocks pair each gate row with its up row and apply SiLU-mul in
+    their epilogue, so gate_up is never written and silu_mul is not launched. None where that kernel
+    does not take the call (the caller runs w4a16_linear, then silu_mul)."""
+    if not (USE_MMA and FUSE_SILU_MUL) or x.dim() != 2 or not 0 < x.shape[0] <= w4a16_mma.MAX_M:
+        return None
+    m, k = x.shape
+    n = qweight.shape[0]
+    if n % 2 or not w4a16_mma.supported(x, qweight, k, group_size):
+        return None
+    cfg = w4a16_mma.pick_config(m, n, k, group_size, device_facts(x.device)[0])
+    if n % (16 * cfg.tiles):
+        return None
+    return w4a16_mma.w4a16_mma(x, qweight, scales, zeros, group_size, cfg, pdl=pdl_supported(x.device), gated=True)
 
 
 @triton.jit

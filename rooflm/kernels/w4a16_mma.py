@@ -109,8 +109,9 @@ def pick_config(m: int, n: int, k: int, group: int, device_name: Optional[str] =
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(config: MmaConfig, group: int, fp16: bool, pdl: bool, release: int, device_index: int):
-    options = [f"-DRELEASE={release}", f"-DWARPS={config.warps}", f"-DGROUP={group}", f"-DDEPTH={config.depth}", f"-DTILES={config.tiles}",
+def _compiled(config: MmaConfig, group: int, fp16: bool, pdl: bool, release: int, device_index: int,
+              gated: bool = False):
+    options = [f"-DRELEASE={release}", f"-DGATED={int(gated)}", f"-DWARPS={config.warps}", f"-DGROUP={group}", f"-DDEPTH={config.depth}", f"-DTILES={config.tiles}",
                f"-DSTAGES={config.stages}", f"-DFP16={int(fp16)}", f"-DPDL={int(pdl)}", "-std=c++17"]
     with torch.cuda.device(device_index):
         kernel = torch.cuda._compile_kernel(SOURCE.read_text(), "w4a16_mma", nvcc_options=options)
@@ -147,9 +148,11 @@ def _launch(kernel, grid: int, block: int, smem: int, args: list, pdl: bool) -> 
 
 
 def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-              group_size: int, config: MmaConfig = MmaConfig(), pdl: bool = False) -> torch.Tensor:
-    """x [M <= 8, K] @ W.T for W in w4a16.py's layout, [M, N] in x's dtype. The caller checks
-    supported(); shapes are checked here."""
+              group_size: int, config: MmaConfig = MmaConfig(), pdl: bool = False, gated: bool = False) -> torch.Tensor:
+    """x [M <= 8, K] @ W.T for W in w4a16.py's layout, [M, N] in x's dtype. gated: W is the gated
+    MLP's gate_up [2I, K] (gate rows, then up rows) and the result is silu(gate) * up [M, I]
+    (silu_mul.py's casts), gate_up never written; I must be a multiple of 8 tiles. The caller
+    checks supported(); shapes are checked here."""
     m, k = x.shape
     n, split = qweight.shape
     if m > MAX_M:
@@ -157,16 +160,20 @@ def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     if k != 2 * split or scales.shape != (k // group_size, n) or zeros.shape != scales.shape:
         raise ValueError(f"w4a16_mma: K={k} needs qweight [N, K/2] and scales/zeros [K/g, N], got "
                          f"{tuple(qweight.shape)}, {tuple(scales.shape)}, {tuple(zeros.shape)}")
+    rows_a_block = 16 * config.tiles  # of W; gated: half gate, half up
+    if gated and n % (2 * 8 * config.tiles):
+        raise ValueError(f"w4a16_mma gated: gate_up's {n} rows must be 2 x a multiple of {8 * config.tiles}")
     if scales.dtype != x.dtype or zeros.dtype != x.dtype:
         scales, zeros = scales.to(x.dtype), zeros.to(x.dtype)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = n // 2 if gated else n
+    y = torch.empty(m, out, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    if config.stages and (n % (16 * config.tiles) or scales.data_ptr() % 16 or zeros.data_ptr() % 16):
-        config = config._replace(stages=0)  # the staged copy of scales reads whole aligned 16-row tiles
+    if config.stages and (n % rows_a_block or scales.data_ptr() % 16 or zeros.data_ptr() % 16):
+        config = config._replace(stages=0)  # the staged copy of scales reads whole aligned 8-row runs
     kernel = _compiled(config, group_size, x.dtype == torch.float16, pdl, RELEASE,
-                       x.device.index if x.device.index is not None else torch.cuda.current_device())
+                       x.device.index if x.device.index is not None else torch.cuda.current_device(), gated)
     args = [y, x, qweight, scales.contiguous(), zeros.contiguous(), m, n, split, x.stride(0), y.stride(0)]
-    grid, block = -(-n // (16 * config.tiles)), 32 * config.warps
+    grid, block = -(-n // rows_a_block), 32 * config.warps
     _launch(kernel, grid, block, shared_bytes(config, group_size), args, pdl)
     return y

@@ -93,6 +93,15 @@ class FusedLinear(Linear):
         with torch.no_grad():
             target[offset:offset + size].copy_(tensor)
 
+    def forward_silu_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """silu(gate) * up in one kernel when this is the gated MLP's {"gate", "up"} (each rank's
+        rows of both, in that order) held quantized, or None (the MLP runs forward, then SiLU-mul)."""
+        if self.quant is None or self.bias is not None or list(self.shard_offsets) != ["gate", "up"]:
+            return None
+        if self.shard_offsets["gate"][1] != self.shard_offsets["up"][1]:
+            return None
+        return self.quant.gate_up_silu_mul(x)
+
     def finish_loading(self) -> None:
         """Fuse the quantized shards into one quantized weight when every shard came in one
         block format; otherwise (a mixed checkpoint) dequantize them into the float weight."""

@@ -74,7 +74,10 @@ class LlamaMLP(torch.nn.Module):
         self.act = SiluAndMul(kernels.silu_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        # A quantized gate_up may apply SiLU-mul in its own kernel (W4A16 at small M: one launch
+        # fewer, gate_up never written); None: the two ops.
+        h = self.gate_up_proj.forward_silu_mul(x)
+        return self.down_proj(h if h is not None else self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(torch.nn.Module):

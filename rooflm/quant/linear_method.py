@@ -64,6 +64,12 @@ class QuantizedLinearMethod(torch.nn.Module):
     def weight_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
+    def gate_up_silu_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """silu(gate) * up from this weight when it is a gated MLP's gate_up [2I, K] (gate rows, then
+        up rows) in one kernel, or None where the method has none (the caller runs the linear, then
+        SiLU-mul)."""
+        return None
+
 
 class Int4GroupLinear(QuantizedLinearMethod):
     def __init__(self, blocks: BlockTensor):
@@ -208,6 +214,14 @@ class W4A16Linear(QuantizedLinearMethod):
             flat = flat.index_select(1, self.perm)
         y = w4a16_linear(flat, self.qweight, self.scales, self.zeros, self.group_size)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def gate_up_silu_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        from rooflm.kernels.w4a16 import w4a16_gate_up_silu_mul
+        if x.dim() != 2:
+            return None
+        if self.perm is not None:  # act-order: K's permutation, the same for every row
+            x = x.index_select(1, self.perm)
+        return w4a16_gate_up_silu_mul(x, self.qweight, self.scales, self.zeros, self.group_size)
 
 
 class W8A16Linear(QuantizedLinearMethod):

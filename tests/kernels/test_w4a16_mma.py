@@ -100,3 +100,47 @@ def test_w4a16_linear_takes_the_mma_kernel_up_to_m8(m, monkeypatch):
     out = w4a16_linear(x, qw, s, z, 128)
     assert len(calls) == (1 if m <= 8 and w4a16_module.USE_MMA else 0)
     assert_close(out, w4a16_linear_ref(x, qw, s, z, 128), torch.bfloat16)
+
+
+def test_only_a_quantized_gate_up_takes_the_fused_silu_mul():
+    from rooflm.layers.linear import FusedLinear
+    from rooflm.quant.linear_method import QuantizedLinearMethod
+    x = torch.randn(1, 32)
+    assert FusedLinear(32, {"gate": 16, "up": 16}).forward_silu_mul(x) is None  # float weight
+    assert QuantizedLinearMethod().gate_up_silu_mul(x) is None  # a method without the kernel
+    qkv = FusedLinear(32, {"q": 16, "k": 8, "v": 8})
+    qkv.quant = QuantizedLinearMethod()
+    assert qkv.forward_silu_mul(x) is None  # not a gate/up pair
+
+
+GATED_CONFIGS = [mm.MmaConfig(4, 2, 1, 0), mm.MmaConfig(8, 1, 2, 0), mm.MmaConfig(4, 1, 1, 3),
+                 mm.MmaConfig(8, 1, 2, 4), mm.MmaConfig(1, 1, 2, 2)]
+
+
+@requires_cuda
+@pytest.mark.parametrize("config", GATED_CONFIGS, ids=lambda c: "w{}d{}t{}s{}".format(*c))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("inter,k,group", [(32, 256, 64), (96, 1024, 128), (14336, 4096, 128)])
+def test_gated_kernel_is_silu_mul_of_the_gate_up_reference(config, dtype, m, inter, k, group):
+    from rooflm.kernels.silu_mul import silu_mul
+    qw, s, z, _ = _w4(2 * inter, k, group, dtype, seed=m)
+    x = torch.randn(m, k, device=DEVICE, dtype=dtype)
+    ref = silu_mul(w4a16_linear_ref(x, qw, s, z, group))
+    for pdl in (False, True):
+        out = mm.w4a16_mma(x, qw, s, z, group, config, pdl=pdl, gated=True)
+        assert out.shape == (m, inter)
+        assert_close(out, ref, dtype, f"{config} pdl={pdl}")
+
+
+@requires_cuda
+def test_gate_up_silu_mul_declines_what_the_gated_kernel_cannot_take():
+    from rooflm.kernels.silu_mul import silu_mul
+    from rooflm.kernels.w4a16 import FUSE_SILU_MUL, w4a16_gate_up_silu_mul
+    qw, s, z, _ = _w4(512, 1024, 128, torch.bfloat16)
+    assert w4a16_gate_up_silu_mul(torch.randn(9, 1024, device=DEVICE, dtype=torch.bfloat16), qw, s, z, 128) is None
+    assert w4a16_gate_up_silu_mul(torch.randn(2, 1024, device=DEVICE), qw, s, z, 128) is None  # fp32 x
+    x = torch.randn(2, 1024, device=DEVICE, dtype=torch.bfloat16)
+    out = w4a16_gate_up_silu_mul(x, qw, s, z, 128)
+    if FUSE_SILU_MUL and w4a16_module.USE_MMA:
+        assert_close(out, silu_mul(w4a16_linear_ref(x, qw, s, z, 128)), torch.bfloat16)

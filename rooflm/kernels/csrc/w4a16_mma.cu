@@ -10,6 +10,10 @@
 //               (Marlin's pipeline); needs N % (16 TILES) == 0 (the wrapper checks)
 //   -DFP16=0|1  the activation dtype: bf16 or fp16
 //   -DPDL=0|1   launched as a programmatic dependent (sm_90): codes and scales load before the wait
+//   -DGATED=0|1 W is the gated MLP's gate_up [2I, K] (gate rows, then up rows) and y is
+//               silu(gate) * up [M, I] (silu_mul.py's casts): a block's 16 TILES rows are 8 TILES gate
+//               rows and the same 8 TILES up rows, so a thread's two rows of a tile are a gate and its
+//               up, and the SiLU-mul is the block's epilogue. N is 2I.
 //   -DRELEASE=0|1|2  where each block lets the next kernel launch (griddepcontrol.launch_dependents):
 //               0 at its end, 1 at its start (after the first loads), 2 after its main loop
 //
@@ -98,6 +102,12 @@ __device__ __forceinline__ void wait_for_x() {
 #endif
 }
 
+// silu(g) * u with silu_mul.py's casts: silu in fp32, rounded to the dtype, the product rounded again.
+__device__ __forceinline__ u16 silu_mul1(u16 g, u16 u) {
+  const float gf = to_f32(g);
+  return from_f32(to_f32(from_f32(gf / (1.f + __expf(-gf)))) * to_f32(u));
+}
+
 __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm("mma.sync.aligned.m16n8k16.row.col." MMA_TYPES " {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -113,7 +123,16 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
 #ifndef RELEASE
 #define RELEASE 0
 #endif
-#define ROWS (2 * TILES)        // rows a thread holds: r + 8 i, i < ROWS
+#ifndef GATED
+#define GATED 0
+#endif
+#define ROWS (2 * TILES)        // rows a thread holds, i < ROWS: block rows r + 8 i (GATED: see LOCAL)
+#if GATED
+// Block row of a thread's row i: gate rows (i even) first, their up rows (i odd) 8 TILES later.
+#define LOCAL(i) (((i) & 1) * 8 * TILES + ((i) >> 1) * 8 + r)
+#else
+#define LOCAL(i) (r + 8 * (i))
+#endif
 
 struct Group {                      // one group's codes of the thread's rows, their scales and zeros
   uint4 q[ROWS][SPANS];
@@ -190,12 +209,18 @@ w4a16_mma(u16* __restrict__ y, const u16* __restrict__ x, const u8* __restrict__
   __shared__ float red[WARPS][16 * TILES][8];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int r = lane >> 2, c = lane & 3;   // the MMA's groupID and thread-in-group
+#if GATED
+  const int n0 = blockIdx.x * 8 * TILES;   // this block's outputs (and gate rows); up rows at N / 2 + ..
+#define BLOCK_ROW(L) ((L) < 8 * TILES ? n0 + (L) : N / 2 + n0 + (L) - 8 * TILES)
+#else
   const int n0 = blockIdx.x * 16 * TILES;
+#define BLOCK_ROW(L) (n0 + (L))
+#endif
   int row[ROWS];
   const u8* qrow[ROWS];
 #pragma unroll
   for (int i = 0; i < ROWS; ++i) {
-    row[i] = min(n0 + r + 8 * i, N - 1);   // rows past N: read, not stored
+    row[i] = min(BLOCK_ROW(LOCAL(i)), N - 1);   // rows past N: read, not stored
     qrow[i] = qw + (size_t)row[i] * S + 16 * c;
   }
   const int half_groups = S / GROUP;
@@ -227,7 +252,7 @@ w4a16_mma(u16* __restrict__ y, const u16* __restrict__ x, const u8* __restrict__
         for (int p = 0; p < SPANS; ++p) cp_async16(st + (i * SPANS + p) * 32 + lane, qrow[i] + g * GROUP + p * 64);
       if (lane < 8 * TILES) {
         const int which = lane / (2 * TILES), part = lane % (2 * TILES);   // which: s_lo z_lo s_hi z_hi
-        const u16* src = ((which & 1) ? zeros : scales) + (size_t)(g + (which >> 1) * half_groups) * N + n0 + 8 * part;
+        const u16* src = ((which & 1) ? zeros : scales) + (size_t)(g + (which >> 1) * half_groups) * N + BLOCK_ROW(8 * part);
         cp_async16(st + CHUNKS + lane, src);
       }
     }
@@ -249,8 +274,8 @@ w4a16_mma(u16* __restrict__ y, const u16* __restrict__ x, const u8* __restrict__
     const u16* sz = (const u16*)(st + CHUNKS);
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
-      cur.s[0][i] = sz[r + 8 * i]; cur.z[0][i] = sz[16 * TILES + r + 8 * i];
-      cur.s[1][i] = sz[32 * TILES + r + 8 * i]; cur.z[1][i] = sz[48 * TILES + r + 8 * i];
+      cur.s[0][i] = sz[LOCAL(i)]; cur.z[0][i] = sz[16 * TILES + LOCAL(i)];
+      cur.s[1][i] = sz[32 * TILES + LOCAL(i)]; cur.z[1][i] = sz[48 * TILES + LOCAL(i)];
     }
     multiply_group(acc, cur, xlo, xhi, has_x, g_begin + j);
   }
@@ -276,12 +301,22 @@ w4a16_mma(u16* __restrict__ y, const u16* __restrict__ x, const u8* __restrict__
 #endif
 #pragma unroll
   for (int t = 0; t < TILES; ++t) {
-    red[warp][16 * t + r][2 * c] = acc[t][0];
-    red[warp][16 * t + r][2 * c + 1] = acc[t][1];
-    red[warp][16 * t + r + 8][2 * c] = acc[t][2];
-    red[warp][16 * t + r + 8][2 * c + 1] = acc[t][3];
+    red[warp][LOCAL(2 * t)][2 * c] = acc[t][0];
+    red[warp][LOCAL(2 * t)][2 * c + 1] = acc[t][1];
+    red[warp][LOCAL(2 * t + 1)][2 * c] = acc[t][2];
+    red[warp][LOCAL(2 * t + 1)][2 * c + 1] = acc[t][3];
   }
   __syncthreads();
+#if GATED
+  for (int idx = threadIdx.x; idx < 8 * TILES * M; idx += WARPS * 32) {
+    const int o = idx % (8 * TILES), col = idx / (8 * TILES);
+    float g = 0.f, u = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) { g += red[w][o][col]; u += red[w][8 * TILES + o][col]; }
+    // gate and up rounded to the dtype first, as gate_up's output is before silu_mul reads it
+    if (n0 + o < N / 2) y[(size_t)col * stride_ym + n0 + o] = silu_mul1(from_f32(g), from_f32(u));
+  }
+#else
   for (int idx = threadIdx.x; idx < 16 * TILES * M; idx += WARPS * 32) {
     const int rr = idx % (16 * TILES), col = idx / (16 * TILES);
     float s = 0.f;
@@ -289,6 +324,7 @@ w4a16_mma(u16* __restrict__ y, const u16* __restrict__ x, const u8* __restrict__
     for (int w = 0; w < WARPS; ++w) s += red[w][rr][col];   // in order of warp: fixed bits
     if (n0 + rr < N) y[(size_t)col * stride_ym + n0 + rr] = from_f32(s);
   }
+#endif
 #if PDL && RELEASE == 0
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
