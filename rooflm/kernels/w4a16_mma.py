@@ -47,8 +47,11 @@ MAX_M = 8  # the MMA's N: columns of B
 # kernel before drains; the kernel waits (griddepcontrol.wait) before it reads x.
 _PDL_ATTRIBUTE = 6
 # Where a block releases the next kernel (csrc/w4a16_mma.cu RELEASE): 0 its end, 1 its start, 2 after
-# its main loop. ROOFLM_W4_MMA_RELEASE: the benchmarks' switch.
-RELEASE = int(os.environ.get("ROOFLM_W4_MMA_RELEASE", "0"))
+# its main loop (before the warps' sum and the store). H100 int4 batch-1 decode, with SiLU-mul in
+# gate_up's epilogue (so gate_up -> down is W4 to W4): 416.8 / 410.7 tok/s at 0, 415.4 / 415.0 at 1,
+# 419.2 / 418.6 at 2 (benchmarks/results/quant-w4-mma-h100-20261127/release-call8).
+# ROOFLM_W4_MMA_RELEASE: the benchmarks' switch.
+RELEASE = int(os.environ.get("ROOFLM_W4_MMA_RELEASE", "2"))
 
 
 class MmaConfig(NamedTuple):
