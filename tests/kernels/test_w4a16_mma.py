@@ -144,3 +144,32 @@ def test_gate_up_silu_mul_declines_what_the_gated_kernel_cannot_take():
     out = w4a16_gate_up_silu_mul(x, qw, s, z, 128)
     if FUSE_SILU_MUL and w4a16_module.USE_MMA:
         assert_close(out, silu_mul(w4a16_linear_ref(x, qw, s, z, 128)), torch.bfloat16)
+
+
+def test_llama_mlp_takes_the_fused_silu_mul_when_gate_up_offers_it():
+    from rooflm.config import ModelConfig
+    from rooflm.layers.activation import silu_and_mul_torch
+    from rooflm.model.llama import LlamaMLP
+    from rooflm.quant.linear_method import QuantizedLinearMethod
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=120, hidden_size=16, intermediate_size=32,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    mlp = LlamaMLP(cfg)
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p)
+    x = torch.randn(3, 16)
+    plain = mlp(x)
+    assert torch.allclose(plain, mlp.down_proj(silu_and_mul_torch(mlp.gate_up_proj(x))))
+
+    class Fused(QuantizedLinearMethod):  # stands in for W4A16Linear: the same product, fused
+        def __init__(self, weight):
+            super().__init__()
+            self.weight = weight
+
+        def forward(self, x):
+            raise AssertionError("the MLP should not run gate_up unfused when the fused op answers")
+
+        def gate_up_silu_mul(self, x):
+            return silu_and_mul_torch(x @ self.weight.T)
+
+    mlp.gate_up_proj.quant = Fused(mlp.gate_up_proj.weight.detach().clone())
+    assert torch.allclose(mlp(x), plain)
