@@ -3,10 +3,16 @@
 # against quantized variants, perplexity and drift on pydoc_data/topics.py (16 windows of 512
 # tokens; GPTQ and AWQ calibrate on windows 32.. of the same file, never on the scored ones).
 # Writes OUT/{ppl-*.json,*.txt,drift-*.txt}.
-# WINDOWS=N (default 16) scores the first N windows (`eval ppl --max-windows N`; at most 32, where the
+# WINDOWS=N (default 16) scores the first N windows (`eval ppl --max-windows N`; from window 0 at most 32, where the
 # calibration starts: eval ppl refuses more); with N other than 16 every ppl/drift/quantize file,
 # the fp32 reference's included, is named with -Nw, so 16- and N-window results never mix.
-# Usage: OUT=dir [WINDOWS=32] bash benchmarks/quant_cpu.sh [RUN...]   (~1 h on a loaded 2-core machine for all)
+# FIRST_WINDOW=F (default 0) scores windows F..F+N-1 instead (`eval ppl --first-window F`; eval ppl refuses a
+# range that overlaps quantize's default calibration windows, 32..39); with F other than 0 every file is named
+# -wF-L (L = F+N-1, the last window), e.g. FIRST_WINDOW=64 WINDOWS=271 -> -w64-334, the text's last 271 windows,
+# clear of the --calib-windows 32 rows' calibration (windows 32..63).
+# KEEP=1 keeps each quantized checkpoint (OUT/RUN) and reuses one already there instead of quantizing again
+# (to score one checkpoint on two window ranges); without it the checkpoint is deleted after scoring.
+# Usage: OUT=dir [WINDOWS=32] [FIRST_WINDOW=64] [KEEP=1] bash benchmarks/quant_cpu.sh [RUN...]   (~1 h on a loaded 2-core machine for all)
 #   RUN: int8-rtn int4-g128-rtn int4-g128-gptq int4-g128-gptq-ao-mse (the default set, 2026-11-23)
 #        fp8 int4-g128-awq int4-g128-awq-gptq int4-g32-awq-gptq int4-g128-awq-gptq-duo
 #        int4-g128-awq-gptq-score int4-g32-awq-gptq-score (2026-11-25; -score: AWQ scored with GPTQ,
@@ -24,24 +30,32 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/quant-cpu-$(date -u +%Y%m%d)}
 PY=${PY:-.venv/bin/python}
 WINDOWS=${WINDOWS:-16}
+FIRST_WINDOW=${FIRST_WINDOW:-0}
+KEEP=${KEEP:-0}
 W=""; [ "$WINDOWS" != 16 ] && W="-${WINDOWS}w"  # file-name suffix
+[ "$FIRST_WINDOW" != 0 ] && W="-w${FIRST_WINDOW}-$((FIRST_WINDOW + WINDOWS - 1))"
+RANGE=(--max-windows "$WINDOWS"); [ "$FIRST_WINDOW" != 0 ] && RANGE+=(--first-window "$FIRST_WINDOW")
 mkdir -p "$OUT"
 uptime | tee -a "$OUT/load-start$W.txt"
 if [ ! -f "$OUT/ppl-fp32$W.json" ]; then
-  $PY -m rooflm eval ppl --quantization none --dtype float32 --device cpu --max-windows "$WINDOWS" \
+  $PY -m rooflm eval ppl --quantization none --dtype float32 --device cpu "${RANGE[@]}" \
     --output-json "$OUT/ppl-fp32$W.json" > "$OUT/ppl-fp32$W.txt" 2>&1 || { cat "$OUT/ppl-fp32$W.txt" >&2; exit 1; }
 fi
 score() {  # name, eval ppl flags...
   local name=$1; shift
-  $PY -m rooflm eval ppl "$@" --dtype float32 --device cpu --max-windows "$WINDOWS" --output-json "$OUT/ppl-$name$W.json" > "$OUT/ppl-$name$W.txt" 2>&1
+  $PY -m rooflm eval ppl "$@" --dtype float32 --device cpu "${RANGE[@]}" --output-json "$OUT/ppl-$name$W.json" > "$OUT/ppl-$name$W.txt" 2>&1
   $PY -m rooflm eval drift "$OUT/ppl-fp32$W.json" "$OUT/ppl-$name$W.json" > "$OUT/drift-$name$W.txt"
   echo "$name: $(grep perplexity "$OUT/drift-$name$W.txt")"
 }
 run() {  # name, quantize flags...
   local name=$1; shift
-  $PY -m rooflm quantize --output "$OUT/$name" "$@" > "$OUT/quantize-$name$W.txt" 2>&1
+  if [ "$KEEP" = 1 ] && [ -f "$OUT/$name/config.json" ]; then
+    echo "reusing the kept checkpoint $OUT/$name (KEEP=1; see its quantize log)" > "$OUT/quantize-$name$W.txt"
+  else
+    $PY -m rooflm quantize --output "$OUT/$name" "$@" > "$OUT/quantize-$name$W.txt" 2>&1
+  fi
   score "$name" --model "$OUT/$name"
-  rm -rf "${OUT:?}/$name"  # the checkpoint itself (~100 MB) is not kept
+  [ "$KEEP" = 1 ] || rm -rf "${OUT:?}/$name"  # the checkpoint itself (~100 MB) is not kept
 }
 one() {
   case $1 in

@@ -9,7 +9,7 @@ import json
 
 def register(sub) -> None:
     from rooflm.cli import add_engine_args
-    from rooflm.eval.ppl import CALIB_SKIP_WINDOWS, WINDOW
+    from rooflm.eval.ppl import CALIB_SKIP_WINDOWS, CALIB_WINDOWS, WINDOW
 
     ev = sub.add_parser("eval", help="perplexity of a model on a text, and drift between two runs")
     eval_sub = ev.add_subparsers(dest="eval_command", required=True)
@@ -17,9 +17,13 @@ def register(sub) -> None:
     ppl.add_argument("--text", default=None, help="a UTF-8 text file (default: pydoc_data/topics.py)")
     ppl.add_argument("--window", type=int, default=WINDOW, help="tokens per window (non-overlapping)")
     ppl.add_argument("--max-windows", type=int, default=16,
-                     help="score at most this many windows, from the start of the text. On the default text "
-                          f"refused past window {CALIB_SKIP_WINDOWS} of {WINDOW} tokens, where `rooflm quantize` "
-                          "calibration starts")
+                     help="score at most this many windows, from --first-window on. On the default text a range "
+                          f"that overlaps windows {CALIB_SKIP_WINDOWS}..{CALIB_SKIP_WINDOWS + CALIB_WINDOWS - 1} of "
+                          f"{WINDOW} tokens, those `rooflm quantize` calibrates on by default, is refused")
+    ppl.add_argument("--first-window", type=int, default=0,
+                     help="index of the first window scored (default 0, the start of the text); e.g. "
+                          f"--first-window {CALIB_SKIP_WINDOWS + 32} scores past the windows a --calib-windows 32 "
+                          "quantize calibrated on")
     ppl.add_argument("--top-k", type=int, default=20, help="top tokens kept per position, for drift")
     ppl.add_argument("--output-json", default=None, help="write the result with every position (for drift)")
     add_engine_args(ppl)
@@ -39,7 +43,7 @@ def run_ppl(args: argparse.Namespace) -> int:
 
     text, path = read_text(args.text)
     if os.path.realpath(path) == os.path.realpath(default_text_path()):
-        check_held_out(args.window, args.max_windows)
+        check_held_out(args.window, args.max_windows, args.first_window)
     kwargs = engine_kwargs(args)
     # Prefix caching would skip the scored tokens of a repeated window.
     kwargs["enable_prefix_caching"] = False
@@ -47,12 +51,14 @@ def run_ppl(args: argparse.Namespace) -> int:
     if llm.tokenizer is None:
         raise ValueError("eval ppl needs a tokenizer: pass a model directory or GGUF with one, or --tokenizer")
     ids = llm.tokenizer.encode(text)
-    windows = token_windows(ids, args.window, args.max_windows)
+    windows = token_windows(ids, args.window, args.max_windows, args.first_window)
     engine = {k: v for k, v in kwargs.items() if v is not None}
     result = perplexity(llm, windows, args.top_k, model=str(kwargs.get("model") or "default"), text=path,
-                        engine=engine)
+                        engine=engine, first_window=args.first_window)
+    span = "" if args.first_window == 0 else \
+        f" ({args.first_window}..{args.first_window + result.num_windows - 1})"
     print(f"perplexity {result.ppl:.4f} (NLL {result.nll:.4f} nats/token) over {result.num_scored} tokens "
-          f"in {result.num_windows} windows of {result.window}; text {path}")
+          f"in {result.num_windows} windows{span} of {result.window}; text {path}")
     if args.output_json:
         data = result.summary()
         data["positions"] = [dataclasses.asdict(p) for p in result.positions]

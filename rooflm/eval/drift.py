@@ -50,6 +50,9 @@ def compare(a: dict, b: dict) -> Drift:
     for key in ("window", "num_windows", "num_scored"):
         if a[key] != b[key]:
             raise ValueError(f"the runs scored different windows: {key} {a[key]} vs {b[key]}")
+    if a.get("first_window", 0) != b.get("first_window", 0):  # absent from results before --first-window
+        raise ValueError(f"the runs scored different windows: first_window {a.get('first_window', 0)} vs "
+                         f"{b.get('first_window', 0)}")
     pa, pb = a["positions"], b["positions"]
     agree = sum(1 for x, y in zip(pa, pb) if max(x["top"], key=x["top"].get) == max(y["top"], key=y["top"].get))
     delta = sum(abs(x["logprob"] - y["logprob"]) for x, y in zip(pa, pb))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from rooflm.eval.ppl import CALIB_SKIP_WINDOWS, WINDOW
+from rooflm.eval.ppl import CALIB_SKIP_WINDOWS, CALIB_WINDOWS, WINDOW
 
 # rooflm.quant.gptq.DEFAULT_DAMP, repeated so that building the CLI imports no torch
 GPTQ_DAMP = 0.01
@@ -25,7 +25,7 @@ def register(sub) -> None:
                         "awq: activation-aware per-channel scales (folded into the norms) then RTN with a "
                         "clipped range; awq+gptq: AWQ scales then GPTQ (default gptq; fp8: rtn, the only one)")
     p.add_argument("--calib-text", default=None, help="calibration text (default: pydoc_data/topics.py)")
-    p.add_argument("--calib-windows", type=int, default=8, help="calibration windows (GPTQ, AWQ)")
+    p.add_argument("--calib-windows", type=int, default=CALIB_WINDOWS, help="calibration windows (GPTQ, AWQ)")
     p.add_argument("--no-clip", action="store_true", help="AWQ: skip the weight-range (clip) search")
     p.add_argument("--awq-score", default=None, choices=("rtn", "gptq"),
                    help="AWQ: quantizer used to score each alpha: rtn (llm-awq's; the default of --method awq) or "
@@ -47,7 +47,8 @@ def register(sub) -> None:
     p.add_argument("--calib-window", type=int, default=WINDOW, help="tokens per calibration window")
     p.add_argument("--calib-skip-windows", type=int, default=CALIB_SKIP_WINDOWS,
                    help="windows skipped at the start of the text (`eval ppl` scores the first 16 by default and "
-                        f"refuses to score past {CALIB_SKIP_WINDOWS} of {WINDOW} tokens: calibration must not see them)")
+                        f"refuses ranges that overlap windows {CALIB_SKIP_WINDOWS}..{CALIB_SKIP_WINDOWS + CALIB_WINDOWS - 1} "
+                        f"of {WINDOW} tokens, these defaults' calibration: it must not see scored text)")
     p.add_argument("--act-order", action="store_true",
                    help="GPTQ: quantize inputs by decreasing Hessian diagonal (desc_act, g_idx in the checkpoint)")
     p.add_argument("--mse", action="store_true",

@@ -9,7 +9,8 @@ import torch
 from rooflm import LLM
 from rooflm.cli import build_parser, main
 from rooflm.eval.drift import compare, kl_lower_bound
-from rooflm.eval.ppl import CALIB_SKIP_WINDOWS, WINDOW, check_held_out, perplexity, token_windows
+from rooflm.eval.ppl import (CALIB_SKIP_WINDOWS, CALIB_WINDOWS, WINDOW, check_held_out, perplexity,
+                             token_windows)
 from tests.models.tiny_models import make_tiny_model
 
 
@@ -64,6 +65,36 @@ def test_scored_windows_stay_before_the_calibration_windows(tiny, tmp_path, caps
     assert rc == 2 and "needs a tokenizer" in capsys.readouterr().err  # past the check, to the model
 
 
+def test_first_window_scores_a_later_range_clear_of_the_calibration(tiny, capsys):
+    ids = list(range(1, 41))
+    assert token_windows(ids, 8, None, 0) == token_windows(ids, 8, None)  # the default is unchanged
+    assert token_windows(ids, 8, 2, 1) == [ids[8:16], ids[16:24]]
+    assert token_windows(ids, 8, None, 3) == [ids[24:32], ids[32:40]]  # to the end of the text
+    with pytest.raises(ValueError, match="first window 5: the text has 5 windows of 8 tokens"):
+        token_windows(ids, 8, None, 5)
+    # quantize's default --calib-windows is the constant the guard uses.
+    assert build_parser().parse_args(["quantize", "--output", "x"]).calib_windows == CALIB_WINDOWS
+    assert build_parser().parse_args(["eval", "ppl"]).first_window == 0
+    calib_end = CALIB_SKIP_WINDOWS + CALIB_WINDOWS  # the first window after the default calibration
+    check_held_out(WINDOW, 1000, calib_end)  # from there to the end of any text
+    check_held_out(WINDOW, 271, 64)  # the windows past a --calib-windows 32 quantize's
+    check_held_out(2 * WINDOW, 5, calib_end // 2)
+    check_held_out(WINDOW, CALIB_SKIP_WINDOWS - 4, 4)  # ends just before the calibration
+    # A range that starts or ends inside the calibration windows, or spans them, is refused, naming the overlap.
+    lo, hi = CALIB_SKIP_WINDOWS * WINDOW, calib_end * WINDOW
+    for first, count, overlap in ((calib_end - 1, 10, (hi - WINDOW, hi - 1)),
+                                  (CALIB_SKIP_WINDOWS - 2, 3, (lo, lo + WINDOW - 1)),
+                                  (10, 100, (lo, hi - 1))):
+        with pytest.raises(ValueError, match=f"--first-window {first} --max-windows {count} of {WINDOW} tokens "
+                                             f"scores tokens {first * WINDOW}..{(first + count) * WINDOW - 1} .* "
+                                             f"overlaps tokens {overlap[0]}..{overlap[1]} "):
+            check_held_out(WINDOW, count, first)
+    # The CLI refuses before it loads a model.
+    rc = main(["eval", "ppl", "--device", "cpu", "--first-window", str(calib_end - 1), "--max-windows", "4"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"overlaps tokens {hi - WINDOW}..{hi - 1}" in err and f"from window {calib_end} on" in err
+
+
 def test_kl_lower_bound_is_exact_on_full_supports_and_below_the_true_kl():
     p = torch.tensor([0.5, 0.3, 0.15, 0.05])
     q = torch.tensor([0.4, 0.4, 0.1, 0.1])
@@ -94,3 +125,5 @@ def test_eval_cli_runs_and_drift_compares(tiny, tmp_path, capsys):
     assert "top-1 agreement:             50.00%" in capsys.readouterr().out
     with pytest.raises(ValueError, match="different windows"):
         compare(a, dict(b, num_scored=3))
+    with pytest.raises(ValueError, match="different windows: first_window 0 vs 64"):
+        compare(a, dict(b, first_window=64))  # a result from before --first-window has none: 0
