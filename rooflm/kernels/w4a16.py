@@ -600,7 +600,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                          f"{tuple(scales.shape)} and {tuple(zeros.shape)}")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if USE_MMA and config is None and 0 < m <= w4a16_mma.MAX_M and w4a16_mma.supported(x, qweight, k, group_size):
+    if USE_MMA and config is None and 0 < m <= w4a16_mma.MAX_M and w4a16_mma.supported(x, qweight, scales, zeros, k, group_size):
         mma_cfg = w4a16_mma.pick_config(m, n, k, group_size, device_facts(x.device)[0])
         return w4a16_mma.w4a16_mma(x, qweight, scales, zeros, group_size, mma_cfg, pdl=pdl_supported(x.device))
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -645,7 +645,7 @@ def w4a16_gate_up_silu_mul(x: torch.Tensor, qweight: torch.Tensor, scales: torch
         return None
     m, k = x.shape
     n = qweight.shape[0]
-    if n % 2 or not w4a16_mma.supported(x, qweight, k, group_size):
+    if n % 2 or not w4a16_mma.supported(x, qweight, scales, zeros, k, group_size):
         return None
     cfg = w4a16_mma.pick_config(m, n, k, group_size, device_facts(x.device)[0])
     if n % (16 * cfg.tiles):

@@ -78,9 +78,14 @@ def shared_bytes(config: MmaConfig, group: int) -> int:
     return config.warps * config.stages * (2 * config.tiles * (group // 64) * 32 + 8 * config.tiles) * 16
 
 
-def supported(x: torch.Tensor, qweight: torch.Tensor, k: int, group_size: int) -> bool:
-    """Whether this kernel takes the call (else w4a16.py's Triton kernels do)."""
+def supported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, k: int,
+              group_size: int) -> bool:
+    """Whether this kernel takes the call (else w4a16.py's Triton kernels do). Scales and zeros must
+    come in x's dtype: GGUF's fp16/fp32 ones (kept exact at load) go to Triton, which reads any float,
+    rather than being rounded and copied on every call."""
     if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2):
+        return False
+    if scales.dtype != x.dtype or zeros.dtype != x.dtype:
         return False
     if x.shape[0] > MAX_M or group_size % 64 or k != 2 * int4_split(k, group_size):
         return False
@@ -175,7 +180,7 @@ def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     if gated and n % (2 * 8 * config.tiles):
         raise ValueError(f"w4a16_mma gated: gate_up's {n} rows must be 2 x a multiple of {8 * config.tiles}")
     if scales.dtype != x.dtype or zeros.dtype != x.dtype:
-        scales, zeros = scales.to(x.dtype), zeros.to(x.dtype)
+        raise ValueError(f"w4a16_mma: scales and zeros must be in x's dtype {x.dtype}, got {scales.dtype}, {zeros.dtype}")
     out = n // 2 if gated else n
     y = torch.empty(m, out, dtype=x.dtype, device=x.device)
     if m == 0:

@@ -47,13 +47,16 @@ def test_pick_config_reads_the_table_before_the_heuristic():
     assert mm.pick_config(1, 6144, 4096, 128, None) == mm.MmaConfig(4, 2, 1)
 
 
-def test_off_cuda_the_kernel_declines_and_w4a16_linear_uses_triton():
-    qw, s, z, x = _w4(32, 256, 64, torch.float32)
+def test_the_kernel_declines_what_it_cannot_take():
+    qw, s, z, x = _w4(32, 256, 64, torch.float32)  # fp32 scales and zeros
     x = x.to(DEVICE)
     if DEVICE == "cpu":
-        assert not mm.supported(x.to(torch.bfloat16), qw.cpu(), 256, 64)
-    assert not mm.supported(x.float(), qw, 256, 64)  # fp32 activations: Triton's kernels
-    assert not mm.supported(torch.zeros(9, 256, dtype=torch.bfloat16, device=DEVICE), qw, 256, 64)  # M > 8
+        assert not mm.supported(x.to(torch.bfloat16), qw.cpu(), s, z, 256, 64)
+    assert not mm.supported(x.float(), qw, s, z, 256, 64)  # fp32 activations: Triton's kernels
+    assert not mm.supported(torch.zeros(9, 256, dtype=torch.bfloat16, device=DEVICE), qw, s.bfloat16(), z.bfloat16(),
+                            256, 64)  # M > 8
+    # GGUF keeps fp16/fp32 scales exact: Triton reads them as they are
+    assert not mm.supported(x.to(torch.bfloat16), qw, s, z, 256, 64)
 
 
 CONFIGS = [mm.MmaConfig(4, 2, 1, 0), mm.MmaConfig(8, 1, 2, 0), mm.MmaConfig(2, 4, 1, 0),
