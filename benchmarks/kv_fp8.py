@@ -3,6 +3,10 @@ per token and KV head (fp8) and with static per-head scales (fp8s), same shapes,
 and GB/s of K/V bytes each format must read.
 
 Usage (GPU): python benchmarks/kv_fp8.py [--out DIR] [--block-size 16] [--sweep-per-token]
+            [--mma-configs "4,2,1;8,2,1"] [--mma-only]
+
+Static FP8 (fp8s) runs on the CUDA kernel (kernels/fp8_decode_mma.py); "fp8s tri" is the Triton
+kernel it replaces, same shapes and call.
 
 Decode reads every visible key once: bytes = 2 * keys * H_kv * D * e, with e = 2 for bf16,
 1 + 4 / D for per-token FP8 (the scales) and 1 for static FP8. At equal GB/s the FP8 kernel takes
@@ -23,12 +27,15 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from rooflm.kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
+from rooflm.kernels.fp8_decode_mma import Fp8DecodeConfig  # noqa: E402
 from rooflm.kernels.prefill_attention import prefill_attention, prefill_flops  # noqa: E402
 from rooflm.kernels.utils import random_paged_batch  # noqa: E402
 from rooflm.layers.kv_cache import FP8_MAX, quantize_fp8_ref, quantize_fp8_static_ref  # noqa: E402
 
 H, H_KV, D = 32, 8, 128  # Llama-3-8B
 BLOCK = 16  # --block-size
+# The FP8 offline workload's decode step: 323 sequences spread over 1024..2047 keys.
+MIXED_LENS = [1024 + (i * 1021) % 1024 for i in range(323)]
 FORMATS = (("bf16", 2.0), ("fp8", 1 + 4 / D), ("fp8s", 1.0))  # bytes per K/V element
 
 
@@ -60,7 +67,32 @@ def decode_row(name, seq_lens):
         ms = bench(lambda: decode_attention(q, k, v, meta, D ** -0.5, out=out, **scales))
         row[f"{label}_us"] = ms * 1e3
         row[f"{label}_gbs"] = 2 * keys * H_KV * D * elem / (ms * 1e-3) / 1e9
+    # Static FP8 runs on the CUDA kernel (kernels/fp8_decode_mma.py) where it applies; the Triton
+    # kernel it replaces, same call, for the side-by-side.
+    k, v, scales = formats["fp8s"]
+    ms = bench(lambda: decode_attention(q, k, v, meta, D ** -0.5, out=out, _mma=False, **scales))
+    row["fp8s_triton_us"] = ms * 1e3
+    row["fp8s_triton_gbs"] = 2 * keys * H_KV * D / (ms * 1e-3) / 1e9
     return row
+
+
+def decode_sweep_mma(seq_lens, configs, num_splits=1):
+    """Static FP8 decode on the CUDA kernel with each Fp8DecodeConfig (warps, depth, minb), checked
+    against the reference."""
+    meta, formats = caches(seq_lens, [1] * len(seq_lens))
+    k, v, scales = formats["fp8s"]
+    q = torch.randn(len(seq_lens), H, D, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    ref = decode_attention_ref(q, k, v, meta, D ** -0.5, **scales).float()
+    timed = {}
+    for c in configs:
+        cfg = Fp8DecodeConfig(*c)
+        timed[str(c)] = bench(lambda: decode_attention(q, k, v, meta, D ** -0.5, out=out, num_splits=num_splits,
+                                                       _mma_config=cfg, _mma=True, **scales)) * 1e3
+        err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+        if not err < 0.05:
+            raise SystemExit(f"fp8s mma decode with {c}: max error {err:.3g} of the largest output")
+    return timed
 
 
 def decode_sweep(seq_lens, configs, label="fp8"):
@@ -113,6 +145,9 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16, help="KV block size (the engine's CUDA default: 64)")
     parser.add_argument("--sweep-per-token", action="store_true",
                         help="also the per-token FP8 tile sweep and scale ablations (results/kv-fp8-tiles-*)")
+    parser.add_argument("--mma-configs", default="4,2,1;4,3,1;8,2,1;8,1,1;2,2,1;4,1,1",
+                        help="Fp8DecodeConfig candidates 'warps,depth,minb;...' for the CUDA kernel's sweep")
+    parser.add_argument("--mma-only", action="store_true", help="skip the Triton static-FP8 tile sweep")
     args = parser.parse_args()
     BLOCK = args.block_size
     torch.manual_seed(0)
@@ -122,18 +157,30 @@ def main() -> None:
             prefill_row("8 x 2048", [2048] * 8)]
     print(f"block size {BLOCK}; us (rate: GB/s of K/V for decode, TFLOP/s for prefill)")
     print(f"{'kind':<8}{'shape':<12}" + "".join(f"{f + ' us':>10}{f + ' rate':>11}" for f, _ in FORMATS)
-          + f"{'fp8/bf16':>10}{'fp8s/bf16':>10}")
+          + f"{'fp8/bf16':>10}{'fp8s/bf16':>10}{'fp8s tri us':>12}{'rate':>7}")
     for r in rows:
         unit = "gbs" if r["kind"] == "decode" else "tflops"
         print(f"{r['kind']:<8}{r['shape']:<12}" + "".join(f"{r[f + '_us']:>10.1f}{r[f + '_' + unit]:>11.0f}"
                                                            for f, _ in FORMATS)
-              + f"{r['bf16_us'] / r['fp8_us']:>9.2f}x{r['bf16_us'] / r['fp8s_us']:>9.2f}x")
+              + f"{r['bf16_us'] / r['fp8_us']:>9.2f}x{r['bf16_us'] / r['fp8s_us']:>9.2f}x"
+              + (f"{r['fp8s_triton_us']:>12.1f}{r['fp8s_triton_gbs']:>7.0f}" if "fp8s_triton_us" in r else ""))
     ablate, sweep = {}, {}
     # Static scales leave the per-token path's register pressure behind: its tiles may differ.
     # A 4th entry caps registers (maxnreg): at 171 (Triton 3.9, sm_90) the (128, 4, 3) static tile
     # fits 2 CTAs an SM, at 168 3 (bf16's 217 KB of tiles in flight), for 24 bytes of spills.
     static_configs = [(128, 4, 3), (128, 4, 3, 168), (128, 4, 4, 168), (64, 2, 6), (32, 2, 8), (64, 2, 6, 168)]
-    plans = [("fp8s", static_configs)]
+    plans = [] if args.mma_only else [("fp8s", static_configs)]
+    mma_sweep = {}
+    for name, lens, splits in (("512 x 330", [330] * 512, 1), ("200 x 430", [430] * 200, 1),
+                               ("300 x 1500", [1500] * 300, 1),
+                               ("330 x 1500", [1500] * 330, 1), ("323 x 1024-2047", MIXED_LENS, 1),
+                               ("1 x 8192", [8192], 64)):
+        kv_bytes = 2 * sum(lens) * H_KV * D
+        timed = decode_sweep_mma(lens, [tuple(int(x) for x in c.split(",")) for c in args.mma_configs.split(";")],
+                                 splits)
+        mma_sweep[name] = timed
+        print(f"fp8s mma decode {name} ({splits} splits) by (warps, depth, minb), us (GB/s): "
+              + ", ".join(f"{c} {us:.1f} ({kv_bytes / (us * 1e-6) / 1e9:.0f})" for c, us in timed.items()))
     if args.sweep_per_token:
         ablate = decode_ablation([330] * 512) | decode_ablation([1280] * 64, "64 x 1280")
         print("fp8 decode ablations, us: " + ", ".join(f"{k} {us:.1f}" for k, us in ablate.items()))
@@ -153,7 +200,7 @@ def main() -> None:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"kv_fp8_kernels_bs{BLOCK}.json"), "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "block_size": BLOCK, "rows": rows,
-                       "decode_sweep_us": sweep, "fp8_decode_ablation_us": ablate,
+                       "decode_sweep_us": sweep, "fp8_decode_ablation_us": ablate, "mma_sweep_us": mma_sweep,
                        "commit": os.environ.get("ROOFLM_COMMIT")}, f, indent=1)
 
 

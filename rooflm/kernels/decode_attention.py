@@ -66,6 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rooflm.kernels import fp8_decode_mma
 from rooflm.kernels.utils import (check_paged_attention_inputs, config_for_head_dim, LOG2E, cdiv, dot_precision, fp8_pv, is_interpreter,
                                   fp8_pair_views, kv_tile_offsets, load_2d, load_e4m3_pairs, load_kv_scales, next_power_of_2, num_sms, upcast_dots,
                                   gdc_launch_dependents, gdc_wait, pdl_supported)
@@ -350,6 +351,7 @@ class DecodePlan:
     part_out: torch.Tensor  # [num_seqs, H, splits, D_pad] fp32 partial outputs (split-KV)
     part_lse: torch.Tensor
     pdl: bool
+    mma: bool = False  # static FP8 on fp8_decode_mma.py's CUDA kernel (else the Triton kernel)
 
 
 def plan_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -358,8 +360,13 @@ def plan_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           num_splits: Optional[int] = None,
                           config: Optional[tuple[int, ...]] = None,
                           k_scale: Optional[torch.Tensor] = None,
-                          v_scale: Optional[torch.Tensor] = None) -> Optional[DecodePlan]:
-    """Check the inputs and fix the launch for a step (see decode_attention); None: no decodes."""
+                          v_scale: Optional[torch.Tensor] = None,
+                          mma: Optional[bool] = None) -> Optional[DecodePlan]:
+    """Check the inputs and fix the launch for a step (see decode_attention); None: no decodes.
+    mma: whether static FP8 runs on fp8_decode_mma.py's CUDA kernel where it can; None: with one
+    split only (split ranges are short, and there the Triton kernel was faster on the H100: 1 x 8192
+    in 64 splits 86 against 53 us; one split: 300 x 1500 345 against 370 us, 512 x 330 147 against
+    185, benchmarks/results/kv-fp8-mma-h100-20261127)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     check_paged_attention_inputs(q, k_cache, v_cache, meta, out if out is not None else q, k_scale, v_scale)
@@ -381,7 +388,8 @@ def plan_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = q  # unused
-    return DecodePlan(num_seqs, num_splits, config, sliding, part_out, part_lse, pdl_supported(q.device))
+    mma = (num_splits == 1 if mma is None else mma) and fp8_decode_mma.supported(q, k_cache, v_cache, k_scale, sliding)
+    return DecodePlan(num_seqs, num_splits, config, sliding, part_out, part_lse, pdl_supported(q.device), mma)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -390,7 +398,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      num_splits: Optional[int] = None,
                      config: Optional[tuple[int, ...]] = None,
                      plan: Optional[DecodePlan] = None, k_scale: Optional[torch.Tensor] = None,
-                     v_scale: Optional[torch.Tensor] = None, _ablate: int = 0) -> torch.Tensor:
+                     v_scale: Optional[torch.Tensor] = None, _ablate: int = 0, _mma: Optional[bool] = None,
+                     _mma_config=None) -> torch.Tensor:
     """Attention of the one query token of each of the first num_seqs sequences.
 
     num_seqs defaults to meta.num_decodes; those sequences must have exactly one
@@ -401,13 +410,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     step's metadata and shapes (then num_seqs, num_splits and config are its own). FP8 caches
     take their k_scale / v_scale [num_blocks, block_size, H_kv] fp32 (or static [H_kv]). _ablate (FP8 only; 1: no
     scales, 2: V scales folded into p) is for the benchmark's what-limits-it experiments: wrong
-    or less accurate results.
+    or less accurate results. Static FP8 runs on fp8_decode_mma.py's CUDA kernel where it takes the
+    call (plan.mma: one split by default); _mma=False forces the Triton kernel, _mma=True the CUDA one
+    wherever it can run (also split), and _mma_config sets its Fp8DecodeConfig (the benchmarks' A/B).
     """
     if out is None:
         out = torch.empty_like(q)
     if plan is None:
         plan = plan_decode_attention(q, k_cache, v_cache, meta, sliding_window, out=out, num_seqs=num_seqs,
-                                     num_splits=num_splits, config=config, k_scale=k_scale, v_scale=v_scale)
+                                     num_splits=num_splits, config=config, k_scale=k_scale, v_scale=v_scale,
+                                     mma=_mma)
         if plan is None:
             return out
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -423,27 +435,33 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     pdl_kwargs = {"launch_pdl": True} if pdl else {}
     fp8 = k_scale is not None
     token_scales = has_token_scales(k_scale)
-    views = fp8_pair_views(k_cache, v_cache) if fp8 else None
-    pairs = views is not None
-    if pairs:
-        k_cache, v_cache = views
-    _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
-        out, plan.part_out, plan.part_lse, q, k_cache, v_cache,
-        k_scale if fp8 else q, v_scale if fp8 else q,
-        meta.block_tables, meta.seq_lens, meta.query_start_loc, scale * LOG2E,
-        sliding_window if plan.sliding else 0, num_splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
-        k_scale.stride(0) if token_scales else 0, k_scale.stride(1) if token_scales else 0,
-        NUM_HEADS=num_heads, GROUP=group, ROWS=max(16, next_power_of_2(group)),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        SINGLE_SPLIT=num_splits == 1, SLIDING=plan.sliding, UPCAST=upcast_dots(q.dtype),
-        DOT_PRECISION=dot_precision(q.dtype), FP8=fp8, PDL=pdl, ABLATE=_ablate, PAIRS=pairs,
-        ONE_ENTRY=num_splits == 1 if _ONE_ENTRY == "auto" else _ONE_ENTRY != "0", TOKEN_SCALES=token_scales,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        **pdl_kwargs, **launch_kwargs,
-    )
+    if plan.mma and _mma is not False:
+        fp8_decode_mma.fp8_decode_attention_mma(
+            out, q, k_cache, v_cache, k_scale, v_scale, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            scale * LOG2E, num_seqs, num_splits, plan.part_out, plan.part_lse, pdl,
+            **({"config": _mma_config} if _mma_config is not None else {}))
+    else:
+        views = fp8_pair_views(k_cache, v_cache) if fp8 else None
+        pairs = views is not None
+        if pairs:
+            k_cache, v_cache = views
+        _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
+            out, plan.part_out, plan.part_lse, q, k_cache, v_cache,
+            k_scale if fp8 else q, v_scale if fp8 else q,
+            meta.block_tables, meta.seq_lens, meta.query_start_loc, scale * LOG2E,
+            sliding_window if plan.sliding else 0, num_splits,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+            k_scale.stride(0) if token_scales else 0, k_scale.stride(1) if token_scales else 0,
+            NUM_HEADS=num_heads, GROUP=group, ROWS=max(16, next_power_of_2(group)),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+            SINGLE_SPLIT=num_splits == 1, SLIDING=plan.sliding, UPCAST=upcast_dots(q.dtype),
+            DOT_PRECISION=dot_precision(q.dtype), FP8=fp8, PDL=pdl, ABLATE=_ablate, PAIRS=pairs,
+            ONE_ENTRY=num_splits == 1 if _ONE_ENTRY == "auto" else _ONE_ENTRY != "0", TOKEN_SCALES=token_scales,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            **pdl_kwargs, **launch_kwargs,
+        )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, plan.part_out, plan.part_lse, meta.query_start_loc, out.stride(0), out.stride(1), num_splits,

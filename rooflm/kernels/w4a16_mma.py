@@ -36,24 +36,19 @@ first use (torch.cuda._compile_kernel: no nvcc, no C++ toolchain needed).
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import os
-from pathlib import Path
 from typing import NamedTuple, Optional
 
 import torch
 
+from rooflm.kernels import nvrtc
 from rooflm.kernels.tuned_configs import lookup
 from rooflm.quant.formats import int4_split
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("csrc") / "w4a16_mma.cu"
 MAX_M = 8  # the MMA's N: columns of B
-# CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h): the launch may start while the
-# kernel before drains; the kernel waits (griddepcontrol.wait) before it reads x.
-_PDL_ATTRIBUTE = 6
 # Where a block releases the next kernel (csrc/w4a16_mma.cu RELEASE): 0 its end, 1 its start, 2 after
 # its main loop (before the warps' sum and the store). H100 int4 batch-1 decode, with SiLU-mul in
 # gate_up's epilogue (so gate_up -> down is W4 to W4): 416.8 / 410.7 tok/s at 0, 415.4 / 415.0 at 1,
@@ -99,7 +94,7 @@ def supported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
 def _compiles(device_index: int) -> bool:
     """sm_80+ and NVRTC at hand (torch.cuda._compile_kernel, a private torch API): one small variant
     compiles, once a device. Otherwise w4a16.py's Triton kernels serve every M, with one warning."""
-    if not hasattr(torch.cuda, "_compile_kernel") or torch.cuda.get_device_capability(device_index)[0] < 8:
+    if not nvrtc.available(device_index):
         return False
     try:
         _compiled(MmaConfig(), 64, False, False, RELEASE, device_index)
@@ -127,40 +122,9 @@ def pick_config(m: int, n: int, k: int, group: int, device_name: Optional[str] =
 @functools.lru_cache(maxsize=None)
 def _compiled(config: MmaConfig, group: int, fp16: bool, pdl: bool, release: int, device_index: int,
               gated: bool = False):
-    options = [f"-DRELEASE={release}", f"-DGATED={int(gated)}", f"-DWARPS={config.warps}", f"-DGROUP={group}", f"-DDEPTH={config.depth}", f"-DTILES={config.tiles}",
-               f"-DSTAGES={config.stages}", f"-DFP16={int(fp16)}", f"-DPDL={int(pdl)}", "-std=c++17"]
-    with torch.cuda.device(device_index):
-        kernel = torch.cuda._compile_kernel(SOURCE.read_text(), "w4a16_mma", nvcc_options=options)
-    smem = shared_bytes(config, group)
-    if smem > 48 * 1024:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: above 48 KB only on request
-        status = torch.cuda._utils._get_gpu_runtime_library().cuFuncSetAttribute(kernel.func, 8, ctypes.c_int(smem))
-        if status != 0:
-            raise RuntimeError(f"w4a16_mma: {smem} bytes of shared memory refused (CUresult {status})")
-    return kernel
-
-
-class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, pad to 8, a 64-byte value union
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
-
-
-class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
-                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
-
-
-def _launch(kernel, grid: int, block: int, smem: int, args: list, pdl: bool) -> None:
-    """cuLaunchKernelEx on the current stream (capturable), with programmatic stream serialization
-    when pdl (the kernel then waits for the kernel before with griddepcontrol.wait)."""
-    values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a) for a in args]
-    params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
-    attr = _LaunchAttribute(id=_PDL_ATTRIBUTE)
-    attr.value = (1).to_bytes(4, "little") + bytes(60)
-    cfg = _LaunchConfig((grid, 1, 1), (block, 1, 1), smem, torch.cuda.current_stream().cuda_stream,
-                        ctypes.pointer(attr), 1 if pdl else 0)
-    lib = torch.cuda._utils._get_gpu_runtime_library()
-    status = lib.cuLaunchKernelEx(ctypes.byref(cfg), kernel.func, params, None)
-    if status != 0:
-        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {status}")
+    defines = {"RELEASE": release, "GATED": gated, "WARPS": config.warps, "GROUP": group, "DEPTH": config.depth,
+               "TILES": config.tiles, "STAGES": config.stages, "FP16": fp16, "PDL": pdl}
+    return nvrtc.compile_kernel("w4a16_mma.cu", "w4a16_mma", defines, device_index, shared_bytes(config, group))
 
 
 def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -191,5 +155,5 @@ def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
                        x.device.index if x.device.index is not None else torch.cuda.current_device(), gated)
     args = [y, x, qweight, scales.contiguous(), zeros.contiguous(), m, n, split, x.stride(0), y.stride(0)]
     grid, block = -(-n // rows_a_block), 32 * config.warps
-    _launch(kernel, grid, block, shared_bytes(config, group_size), args, pdl)
+    nvrtc.launch(kernel, grid, block, shared_bytes(config, group_size), args, pdl)
     return y

@@ -1,8 +1,6 @@
 """The mma.sync W4A16 kernel (rooflm/kernels/w4a16_mma.py, csrc/w4a16_mma.cu) against
 dequantize-then-fp32, and its dispatch from w4a16_linear."""
 
-import ctypes
-
 import pytest
 import torch
 
@@ -19,14 +17,6 @@ def _w4(n, k, group, dtype, seed=0):
     zeros = torch.randint(0, 16, (k // group, n), generator=g).to(dtype)
     x = torch.randn(1, k, generator=g)
     return pack_int4(codes, group).to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE), x
-
-
-def test_the_launch_structs_have_cuda_h_sizes():
-    # CUlaunchAttribute: a 4-byte id padded to 8, then a 64-byte union; CUlaunchConfig: 7 uints,
-    # the stream, the attribute pointer and their count, as cuda.h lays them out on 64-bit hosts
-    assert ctypes.sizeof(mm._LaunchAttribute) == 72
-    assert ctypes.sizeof(mm._LaunchConfig) == 56
-    assert mm._LaunchConfig.stream.offset == 32 and mm._LaunchConfig.num_attrs.offset == 48
 
 
 def test_shared_memory_counts_codes_and_scales_per_warp_and_stage():

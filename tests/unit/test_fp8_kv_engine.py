@@ -229,3 +229,37 @@ def test_gpu_fp8_cache_matches_the_cpu_reference(tiny_path, scales):
                  - b.outputs[0].logprobs[0][a.outputs[0].token_ids[0]].logprob)
              for a, b in zip(cpu, gpu) if a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0]]
     assert sum(diffs) / len(diffs) < 0.3, diffs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_static_fp8_decode_on_the_cuda_kernel_matches_triton(tmp_path, monkeypatch):
+    """head_dim 128 and enough sequences for one split: static FP8 decode runs on
+    kernels/fp8_decode_mma.py's CUDA kernel; against the Triton kernel (ROOFLM_FP8_DECODE_MMA=0's
+    path) the greedy tokens and their logprobs agree."""
+    from rooflm.kernels import fp8_decode_mma
+
+    path, _ = make_tiny_model(tmp_path, "llama", initializer_range=0.3, hidden_size=512, num_attention_heads=4)
+    prompts = prompts_of([9 + (5 * i) % 60 for i in range(72)])  # 72 x 2 KV heads >= 132 SMs: one split
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    launches = []
+    kernel = fp8_decode_mma.fp8_decode_attention_mma
+    monkeypatch.setattr(fp8_decode_mma, "fp8_decode_attention_mma",
+                        lambda *a, **k: (launches.append(1), kernel(*a, **k))[1])
+
+    def run():
+        return LLM(model=path, device="cuda", dtype="bfloat16", block_size=16, num_blocks=512,
+                   kv_cache_dtype="fp8", kv_cache_scales="static").generate(prompts, params)
+
+    mma = run()
+    assert launches, "the CUDA kernel never ran"
+    monkeypatch.setattr(fp8_decode_mma, "ENABLED", False)
+    del launches[:]
+    triton = run()
+    assert not launches
+    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(mma, triton))
+    assert same >= 0.9 * len(prompts), same
+    diffs = [abs(a.outputs[0].logprobs[i][t].logprob - b.outputs[0].logprobs[i][t].logprob)
+             for a, b in zip(mma, triton) if a.outputs[0].token_ids == b.outputs[0].token_ids
+             for i, t in enumerate(a.outputs[0].token_ids)]
+    assert sum(diffs) / len(diffs) < 0.02, max(diffs)
