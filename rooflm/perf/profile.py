@@ -293,7 +293,7 @@ def analyse_device_trace(trace: dict) -> Optional[dict]:
                   for e in events if e.get("ph") == "X" and "synchronize" in e.get("name", "").lower()
                   and e.get("cat", "").lower() == "cuda_runtime"
                   and float(e["ts"]) < w1 and float(e["ts"]) + float(e.get("dur", 0)) > w0)
-    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:8]
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:16]
     return {"window_us": window, "busy_us": busy, "busy_fraction": busy / window,
             "by_class_us": dict(by_class), "top_kernels_us": top, "sync_us": sync_us}
 

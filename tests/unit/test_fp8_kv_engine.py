@@ -241,7 +241,9 @@ def test_gpu_static_fp8_decode_on_the_cuda_kernel_matches_triton(tmp_path, monke
 
     path, _ = make_tiny_model(tmp_path, "llama", initializer_range=0.3, hidden_size=512, num_attention_heads=4)
     prompts = prompts_of([9 + (5 * i) % 60 for i in range(72)])  # 72 x 2 KV heads >= 132 SMs: one split
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    # Two decode steps: the first reads caches both runs wrote alike (the same prefill), so the
+    # kernels' rounding is all that differs.
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
     launches = []
     kernel = fp8_decode_mma.fp8_decode_attention_mma
     monkeypatch.setattr(fp8_decode_mma, "fp8_decode_attention_mma",
@@ -257,9 +259,17 @@ def test_gpu_static_fp8_decode_on_the_cuda_kernel_matches_triton(tmp_path, monke
     del launches[:]
     triton = run()
     assert not launches
-    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(mma, triton))
-    assert same >= 0.9 * len(prompts), same
-    diffs = [abs(a.outputs[0].logprobs[i][t].logprob - b.outputs[0].logprobs[i][t].logprob)
-             for a, b in zip(mma, triton) if a.outputs[0].token_ids == b.outputs[0].token_ids
-             for i, t in enumerate(a.outputs[0].token_ids)]
-    assert sum(diffs) / len(diffs) < 0.02, max(diffs)
+    # Same tokens until the kernels' rounding splits a near-tie: there the Triton run's top two hold
+    # both choices, within a small logprob of each other; before it, the logprobs agree closely.
+    diffs, splits = [], []
+    for a, b in zip(mma, triton):
+        for i, (x, y) in enumerate(zip(a.outputs[0].token_ids, b.outputs[0].token_ids)):
+            la, lb = a.outputs[0].logprobs[i], b.outputs[0].logprobs[i]
+            if x != y:
+                splits.append((i, x, y, {t: round(p.logprob, 4) for t, p in la.items()},
+                               {t: round(p.logprob, 4) for t, p in lb.items()}))
+                break
+            diffs.append(abs(la[x].logprob - lb[x].logprob))
+    assert all(x in lb and lb[y] - lb[x] < 0.1 for _, x, y, _, lb in splits), splits
+    assert len(splits) <= 0.1 * len(prompts), splits
+    assert sum(diffs) / len(diffs) < 0.01, (max(diffs), sum(diffs) / len(diffs))
