@@ -59,6 +59,10 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(F.linear(x, self.weight))
 
+    def forward_folded(self, x: torch.Tensor, **_) -> None:
+        """Never folded: a partial sum must be all-reduced before any residual add."""
+        return None
+
     def partial_with_residual(self, residual: torch.Tensor) -> Optional[torch.Tensor]:
         """For a kernel that fuses `x @ W^T + residual` (the decode GEMV): rank 0 adds the
         residual, the others add nothing, and the all-reduce sums them once."""

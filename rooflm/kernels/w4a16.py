@@ -169,6 +169,8 @@ FUSED_REDUCE = os.environ.get("ROOFLM_W4_FUSED_REDUCE", "1") != "0"
 USE_MMA = os.environ.get("ROOFLM_W4_MMA", "1") != "0"
 # ROOFLM_W4_SILU_MUL=0: the gated MLP's SiLU-mul stays its own kernel after gate_up (w4a16_gate_up_silu_mul).
 FUSE_SILU_MUL = os.environ.get("ROOFLM_W4_SILU_MUL", "1") != "0"
+# ROOFLM_W4_FOLD=0: the one-token layer keeps its RMSNorm launches (w4a16_folded declines).
+FOLD = os.environ.get("ROOFLM_W4_FOLD", "1") != "0"
 
 
 @triton.jit
@@ -651,6 +653,35 @@ def w4a16_gate_up_silu_mul(x: torch.Tensor, qweight: torch.Tensor, scales: torch
     if n % (16 * cfg.tiles):
         return None
     return w4a16_mma.w4a16_mma(x, qweight, scales, zeros, group_size, cfg, pdl=pdl_supported(x.device), gated=True)
+
+
+def w4a16_folded(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int, *, norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                 residual: Optional[torch.Tensor] = None, gated: bool = False) -> Optional[torch.Tensor]:
+    """One token's W4 linear with the layer's neighbours folded into the mma kernel, as gemv.py does
+    for float weights: W @ rmsnorm(x) with norm_weight (x the residual stream; gated: silu(gate) *
+    up of it), residual + W x with residual [1, N]. None where that kernel does not take the call
+    (the caller runs the norm, the linear and the add as separate kernels)."""
+    if not (USE_MMA and FOLD) or (gated and not FUSE_SILU_MUL) or x.dim() != 2 or x.shape[0] != 1:
+        return None
+    m, k = x.shape
+    n = qweight.shape[0]
+    if gated and (n % 2 or residual is not None):
+        return None
+    if norm_weight is not None and (norm_weight.dtype != x.dtype or not norm_weight.is_contiguous()
+                                    or norm_weight.numel() != k or norm_weight.data_ptr() % 16 or k % 8):
+        return None
+    out = n // 2 if gated else n
+    if residual is not None and (residual.dtype != x.dtype or residual.numel() != out or residual.stride(-1) != 1):
+        return None
+    if not w4a16_mma.supported(x, qweight, scales, zeros, k, group_size):
+        return None
+    cfg = w4a16_mma.pick_config(m, n, k, group_size, device_facts(x.device)[0])
+    if gated and n % (16 * cfg.tiles):
+        return None
+    return w4a16_mma.w4a16_mma(x, qweight, scales, zeros, group_size, cfg, pdl=pdl_supported(x.device), gated=gated,
+                               norm_weight=norm_weight.reshape(k) if norm_weight is not None else None, eps=eps,
+                               residual=residual.reshape(1, out) if residual is not None else None)
 
 
 @triton.jit

@@ -65,12 +65,12 @@ class MmaConfig(NamedTuple):
     #                  stages - 1 groups in flight a warp (needs N % (16 tiles) == 0, else 0 is used)
 
 
-def shared_bytes(config: MmaConfig, group: int) -> int:
+def shared_bytes(config: MmaConfig, group: int, norm_k: int = 0) -> int:
     """Dynamic shared memory of a launch: per warp and stage, each lane's 2 tiles x group / 64
-    16-byte code chunks and 8 tiles chunks of scales and zeros (csrc/w4a16_mma.cu)."""
-    if not config.stages:
-        return 0
-    return config.warps * config.stages * (2 * config.tiles * (group // 64) * 32 + 8 * config.tiles) * 16
+    16-byte code chunks and 8 tiles chunks of scales and zeros (csrc/w4a16_mma.cu); norm_k: the
+    normalized row of a NORM launch after them (K 16-bit values)."""
+    stages = config.warps * config.stages * (2 * config.tiles * (group // 64) * 32 + 8 * config.tiles) * 16
+    return stages + 2 * norm_k
 
 
 def supported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, k: int,
@@ -121,18 +121,24 @@ def pick_config(m: int, n: int, k: int, group: int, device_name: Optional[str] =
 
 @functools.lru_cache(maxsize=None)
 def _compiled(config: MmaConfig, group: int, fp16: bool, pdl: bool, release: int, device_index: int,
-              gated: bool = False):
+              gated: bool = False, norm_k: int = 0, residual: bool = False):
     defines = {"RELEASE": release, "GATED": gated, "WARPS": config.warps, "GROUP": group, "DEPTH": config.depth,
-               "TILES": config.tiles, "STAGES": config.stages, "FP16": fp16, "PDL": pdl}
-    return nvrtc.compile_kernel("w4a16_mma.cu", "w4a16_mma", defines, device_index, shared_bytes(config, group))
+               "TILES": config.tiles, "STAGES": config.stages, "FP16": fp16, "PDL": pdl, "NORM": norm_k > 0,
+               "NORM_K": norm_k, "RESIDUAL": residual}
+    return nvrtc.compile_kernel("w4a16_mma.cu", "w4a16_mma", defines, device_index,
+                                shared_bytes(config, group, norm_k))
 
 
 def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-              group_size: int, config: MmaConfig = MmaConfig(), pdl: bool = False, gated: bool = False) -> torch.Tensor:
+              group_size: int, config: MmaConfig = MmaConfig(), pdl: bool = False, gated: bool = False,
+              norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+              residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M <= 8, K] @ W.T for W in w4a16.py's layout, [M, N] in x's dtype. gated: W is the gated
     MLP's gate_up [2I, K] (gate rows, then up rows) and the result is silu(gate) * up [M, I]
-    (silu_mul.py's casts), gate_up never written; I must be a multiple of 8 tiles. The caller
-    checks supported(); shapes are checked here."""
+    (silu_mul.py's casts), gate_up never written; I must be a multiple of 8 tiles. norm_weight [K]
+    (M = 1 only): x is the residual stream and the product is W @ rmsnorm(x) (rmsnorm_ref's casts).
+    residual [M, N] (not gated): residual + W x, the product rounded first. The caller checks
+    supported(); shapes are checked here."""
     m, k = x.shape
     n, split = qweight.shape
     if m > MAX_M:
@@ -146,14 +152,26 @@ def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     if scales.dtype != x.dtype or zeros.dtype != x.dtype:
         raise ValueError(f"w4a16_mma: scales and zeros must be in x's dtype {x.dtype}, got {scales.dtype}, {zeros.dtype}")
     out = n // 2 if gated else n
+    if norm_weight is not None and (m != 1 or norm_weight.shape != (k,) or norm_weight.dtype != x.dtype
+                                    or not norm_weight.is_contiguous() or norm_weight.data_ptr() % 16 or k % 8):
+        raise ValueError(f"w4a16_mma norm: one row, a contiguous [{k}] weight in {x.dtype} and K % 8 == 0, got "
+                         f"M={m}, {tuple(norm_weight.shape)} {norm_weight.dtype}")
+    if residual is not None and (gated or residual.shape != (m, out) or residual.dtype != x.dtype
+                                 or residual.stride(-1) != 1):
+        raise ValueError(f"w4a16_mma residual: [{m}, {out}] in {x.dtype}, last dim contiguous, not gated; got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
     y = torch.empty(m, out, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
     if config.stages and (n % rows_a_block or scales.data_ptr() % 16 or zeros.data_ptr() % 16):
         config = config._replace(stages=0)  # the staged copy of scales reads whole aligned 8-row runs
+    norm_k = k if norm_weight is not None else 0
     kernel = _compiled(config, group_size, x.dtype == torch.float16, pdl, RELEASE,
-                       x.device.index if x.device.index is not None else torch.cuda.current_device(), gated)
-    args = [y, x, qweight, scales.contiguous(), zeros.contiguous(), m, n, split, x.stride(0), y.stride(0)]
+                       x.device.index if x.device.index is not None else torch.cuda.current_device(), gated,
+                       norm_k, residual is not None)
+    args = [y, x, qweight, scales.contiguous(), zeros.contiguous(), m, n, split, x.stride(0), y.stride(0),
+            norm_weight if norm_weight is not None else x, float(eps),
+            residual if residual is not None else y, residual.stride(0) if residual is not None else 0]
     grid, block = -(-n // rows_a_block), 32 * config.warps
-    nvrtc.launch(kernel, grid, block, shared_bytes(config, group_size), args, pdl)
+    nvrtc.launch(kernel, grid, block, shared_bytes(config, group_size, norm_k), args, pdl)
     return y

@@ -41,6 +41,14 @@ class Linear(torch.nn.Module):
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 
+    def forward_folded(self, x: torch.Tensor, *, norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                       residual: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """One token's W @ rmsnorm(x) (norm_weight) or residual + W x in one kernel where the
+        quantized method has one (W4A16 on CUDA), else None: the caller runs them apart."""
+        if self.quant is None or self.bias is not None:
+            return None
+        return self.quant.folded(x, norm_weight=norm_weight, eps=eps, residual=residual)
+
     def stored_weight_bytes(self) -> int:
         """Bytes the weight holds in memory: the quantized blocks and scales, or the floats."""
         if self.quant is not None:
@@ -93,13 +101,17 @@ class FusedLinear(Linear):
         with torch.no_grad():
             target[offset:offset + size].copy_(tensor)
 
-    def forward_silu_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+    def forward_silu_mul(self, x: torch.Tensor, norm_weight: Optional[torch.Tensor] = None,
+                         eps: float = 1e-6) -> Optional[torch.Tensor]:
         """silu(gate) * up in one kernel when this is the gated MLP's {"gate", "up"} (each rank's
-        rows of both, in that order) held quantized, or None (the MLP runs forward, then SiLU-mul)."""
+        rows of both, in that order) held quantized, or None (the MLP runs forward, then SiLU-mul).
+        norm_weight: of rmsnorm(x), folded in too (one token; None where the method cannot)."""
         if self.quant is None or self.bias is not None or list(self.shard_offsets) != ["gate", "up"]:
             return None
         if self.shard_offsets["gate"][1] != self.shard_offsets["up"][1]:
             return None
+        if norm_weight is not None:
+            return self.quant.folded(x, norm_weight=norm_weight, eps=eps, gated=True)
         return self.quant.gate_up_silu_mul(x)
 
     def finish_loading(self) -> None:

@@ -91,10 +91,17 @@ class LlamaDecoderLayer(torch.nn.Module):
         # On CUDA (rooflm.kernels.gemv.gemv): one-token steps run the layer as four weight
         # GEMVs with the norms, SiLU-mul and residual adds folded in.
         self.gemv = kernels.gemv
+        # Quantized linears may fold the same neighbours into their own kernels (one rank only:
+        # a row-parallel layer's partial sums must be reduced before the residual add).
+        self.fold = tp.size == 1
 
     def forward(self, positions, x, residual, kv_cache, meta):
         if self.gemv is not None and x.shape[0] == 1:
             return self._forward_gemv(positions, x, residual, kv_cache, meta)
+        if self.fold and x.shape[0] == 1:
+            folded = self._forward_folded(positions, x, residual, kv_cache, meta)
+            if folded is not None:
+                return folded
         # The residual stream is carried separately so each norm can fuse the add before it.
         if residual is None:
             residual = x
@@ -115,6 +122,29 @@ class LlamaDecoderLayer(torch.nn.Module):
         h = _row_gemv(gemv, attn.attend(positions, qkv, kv_cache, meta), attn.o_proj, h)
         act = gemv(h, mlp.gate_up_proj.weight, norm_weight=ln2.weight, eps=ln2.eps, gated=True)
         return _row_gemv(gemv, act, mlp.down_proj, h), None
+
+
+    def _forward_folded(self, positions, x, residual, kv_cache, meta):
+        """One token through quantized linears that take the norms and residual adds into their
+        kernels (W4A16's mma kernel: NORM, RESIDUAL, GATED): forward's math and casts, no norm
+        launches; the residual stream h is returned whole (residual None), as _forward_gemv does.
+        None, with nothing computed, where qkv's method cannot fold; a later linear that cannot
+        runs its neighbours apart."""
+        attn, mlp = self.self_attn, self.mlp
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        h = x if residual is None else x + residual
+        qkv = attn.qkv_proj.forward_folded(h, norm_weight=ln1.weight, eps=ln1.eps)
+        if qkv is None:
+            return None
+        a = attn.attend(positions, qkv, kv_cache, meta)
+        h_attn = attn.o_proj.forward_folded(a, residual=h)
+        if h_attn is None:
+            h_attn = attn.o_proj(a) + h
+        act = mlp.gate_up_proj.forward_silu_mul(h_attn, norm_weight=ln2.weight, eps=ln2.eps)
+        if act is None:
+            return mlp(ln2(h_attn)) + h_attn, None
+        h_mlp = mlp.down_proj.forward_folded(act, residual=h_attn)
+        return (h_mlp if h_mlp is not None else mlp.down_proj(act) + h_attn), None
 
 
 class LlamaModel(torch.nn.Module):

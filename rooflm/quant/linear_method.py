@@ -70,6 +70,13 @@ class QuantizedLinearMethod(torch.nn.Module):
         SiLU-mul)."""
         return None
 
+    def folded(self, x: torch.Tensor, *, norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+               residual: Optional[torch.Tensor] = None, gated: bool = False) -> Optional[torch.Tensor]:
+        """One token through this weight with the layer's neighbours in the same kernel: W @
+        rmsnorm(x) (norm_weight; gated: silu(gate) * up of it) or residual + W x; None where the
+        method has no such kernel (the caller runs them apart)."""
+        return None
+
 
 class Int4GroupLinear(QuantizedLinearMethod):
     def __init__(self, blocks: BlockTensor):
@@ -222,6 +229,14 @@ class W4A16Linear(QuantizedLinearMethod):
         if self.perm is not None:  # act-order: K's permutation, the same for every row
             x = x.index_select(1, self.perm)
         return w4a16_gate_up_silu_mul(x, self.qweight, self.scales, self.zeros, self.group_size)
+
+    def folded(self, x: torch.Tensor, *, norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+               residual: Optional[torch.Tensor] = None, gated: bool = False) -> Optional[torch.Tensor]:
+        from rooflm.kernels.w4a16 import w4a16_folded
+        if self.perm is not None:  # act-order permutes x's K: the norm's weight would need it too
+            return None
+        return w4a16_folded(x, self.qweight, self.scales, self.zeros, self.group_size, norm_weight=norm_weight,
+                            eps=eps, residual=residual, gated=gated)
 
 
 class W8A16Linear(QuantizedLinearMethod):

@@ -166,3 +166,101 @@ def test_llama_mlp_takes_the_fused_silu_mul_when_gate_up_offers_it():
 
     mlp.gate_up_proj.quant = Fused(mlp.gate_up_proj.weight.detach().clone())
     assert torch.allclose(mlp(x), plain)
+
+
+FOLD_CONFIGS = [mm.MmaConfig(4, 2, 1, 0), mm.MmaConfig(8, 1, 1, 0), mm.MmaConfig(4, 1, 2, 3), mm.MmaConfig(8, 1, 2, 4)]
+
+
+@requires_cuda
+@pytest.mark.parametrize("config", FOLD_CONFIGS, ids=lambda c: "w{}d{}t{}s{}".format(*c))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,group", [(64, 256, 64), (6144, 4096, 128), (2 * 14336, 4096, 128)])
+def test_norm_prologue_is_the_linear_of_rmsnorm(config, dtype, n, k, group):
+    from rooflm.kernels.rmsnorm import rmsnorm_ref
+    from rooflm.kernels.silu_mul import silu_mul
+    qw, s, z, _ = _w4(n, k, group, dtype, seed=n)
+    h = torch.randn(1, k, device=DEVICE, dtype=dtype) * 3
+    w = torch.randn(k, device=DEVICE, dtype=dtype)
+    ref = w4a16_linear_ref(rmsnorm_ref(h, w, 1e-5), qw, s, z, group)
+    for pdl in (False, True):
+        assert_close(mm.w4a16_mma(h, qw, s, z, group, config, pdl=pdl, norm_weight=w, eps=1e-5), ref, dtype,
+                     f"norm {config} pdl={pdl}")
+    assert_close(mm.w4a16_mma(h, qw, s, z, group, config, gated=True, norm_weight=w, eps=1e-5), silu_mul(ref),
+                 dtype, f"norm + gated {config}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("config", FOLD_CONFIGS, ids=lambda c: "w{}d{}t{}s{}".format(*c))
+@pytest.mark.parametrize("m,n,k", [(1, 64, 256), (1, 4096, 14336), (5, 4096, 4096)])
+def test_residual_epilogue_adds_after_rounding(config, m, n, k):
+    qw, s, z, _ = _w4(n, k, 128 if k % 128 == 0 else 64, torch.bfloat16, seed=k)
+    group = 128 if k % 128 == 0 else 64
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+    r = torch.randn(m, n, device=DEVICE, dtype=torch.bfloat16) * 4
+    ref = w4a16_linear_ref(x, qw, s, z, group) + r  # bf16 + bf16: the product rounded, then the sum
+    out = mm.w4a16_mma(x, qw, s, z, group, config, pdl=True, residual=r)
+    assert_close(out, ref, torch.bfloat16, f"residual {config}")
+
+
+@requires_cuda
+def test_folded_declines_what_the_kernel_cannot_take():
+    from rooflm.kernels.w4a16 import FOLD, w4a16_folded
+    qw, s, z, _ = _w4(512, 1024, 128, torch.bfloat16)
+    w = torch.randn(1024, device=DEVICE, dtype=torch.bfloat16)
+    assert w4a16_folded(torch.randn(2, 1024, device=DEVICE, dtype=torch.bfloat16), qw, s, z, 128, norm_weight=w) is None
+    assert w4a16_folded(torch.randn(1, 1024, device=DEVICE, dtype=torch.bfloat16), qw, s, z, 128,
+                        norm_weight=w.float()) is None  # the norm weight in another dtype
+    x = torch.randn(1, 1024, device=DEVICE, dtype=torch.bfloat16)
+    out = w4a16_folded(x, qw, s, z, 128, norm_weight=w, gated=True)
+    if FOLD and w4a16_module.USE_MMA and w4a16_module.FUSE_SILU_MUL:
+        assert out is not None and out.shape == (1, 256)
+
+
+def test_shared_memory_holds_the_normalized_row_after_the_stages():
+    assert mm.shared_bytes(mm.MmaConfig(8, 1, 1, 0), 128, 4096) == 2 * 4096
+    assert mm.shared_bytes(mm.MmaConfig(8, 1, 1, 4), 128, 4096) == 8 * 4 * (2 * 2 * 32 + 8) * 16 + 2 * 4096
+
+
+def test_llama_layer_folds_norms_and_residual_adds_into_quantized_linears():
+    """The one-token layer with linears whose method folds (as W4A16Linear's mma kernel does) gives
+    the unfolded layer's result, and falls back whole where qkv's method cannot fold."""
+    from rooflm.config import ModelConfig
+    from rooflm.kernels.rmsnorm import rmsnorm_ref
+    from rooflm.layers.activation import silu_and_mul_torch
+    from rooflm.model.llama import LlamaDecoderLayer
+    from rooflm.quant.linear_method import QuantizedLinearMethod
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=120, hidden_size=16, intermediate_size=32,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    layer = LlamaDecoderLayer(cfg, None, None)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p)
+    layer.self_attn.attend = lambda positions, qkv, kv_cache, meta: torch.tanh(qkv[:, :16])  # attention's stand-in
+    x, residual = torch.randn(1, 16), torch.randn(1, 16)
+    out, res = layer(None, x, residual, None, None)
+    plain = out + res  # the residual stream after the layer
+
+    class Folding(QuantizedLinearMethod):  # W4A16Linear's contract, in torch
+        def __init__(self, weight):
+            super().__init__()
+            self.weight = weight
+            self.calls = []
+
+        def forward(self, x):
+            return x @ self.weight.T
+
+        def folded(self, x, *, norm_weight=None, eps=1e-6, residual=None, gated=False):
+            self.calls.append((norm_weight is not None, residual is not None, gated))
+            y = (rmsnorm_ref(x, norm_weight, eps) if norm_weight is not None else x) @ self.weight.T
+            y = silu_and_mul_torch(y) if gated else y
+            return y + residual if residual is not None else y
+
+    linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    for lin in linears:
+        lin.quant = Folding(lin.weight.detach().clone())
+    h, none = layer(None, x, residual, None, None)
+    assert none is None and torch.allclose(h, plain, atol=1e-5)
+    assert [lin.quant.calls for lin in linears] == [[(True, False, False)], [(False, True, False)],
+                                                    [(True, False, True)], [(False, True, False)]]
+    layer.self_attn.qkv_proj.quant.folded = lambda *a, **k: None  # qkv cannot: the unfolded layer runs
+    out2, res2 = layer(None, x, residual, None, None)
+    assert res2 is not None and torch.allclose(out2 + res2, plain, atol=1e-5)

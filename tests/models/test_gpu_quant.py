@@ -55,3 +55,34 @@ def test_dummy_rtn_quantization_runs_with_cuda_graphs():
         assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
         del llm
         torch.cuda.empty_cache()
+
+
+def test_one_token_layers_fold_norms_and_residual_adds_into_the_w4_kernel(tmp_path, monkeypatch):
+    """Batch-1 decode with int4 linears: the mma kernel takes each layer's RMSNorms (NORM) and residual
+    adds (RESIDUAL), and generates what the same model with those ops apart (ROOFLM_W4_FOLD=0's path)
+    generates: identical greedy tokens up to a near-tie, with CUDA graphs and eager."""
+    from rooflm.kernels import w4a16
+    src, _ = make_tiny_model(tmp_path, "llama", hidden_size=128, intermediate_size=256)
+    _write_quantized_copy(src, str(tmp_path / "q"), "awq", WeightScheme.parse("int4-g64"))
+    folds = []
+    real = w4a16.w4a16_folded
+    monkeypatch.setattr(w4a16, "w4a16_folded", lambda *a, **k: (lambda y: (folds.append(y is not None), y)[1])(
+        real(*a, **k)))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+
+    def run(eager):
+        llm = LLM(model=str(tmp_path / "q"), device="cuda", dtype="bfloat16", max_num_seqs=1, max_model_len=256,
+                  enforce_eager=eager)
+        outs = [llm.generate([p], params)[0] for p in PROMPTS[:4]]
+        del llm
+        torch.cuda.empty_cache()
+        return outs
+
+    for eager in (True, False):
+        del folds[:]
+        folded = run(eager)
+        assert folds and all(folds), "every one-token layer should fold into the W4 kernel"
+        monkeypatch.setattr(w4a16, "FOLD", False)
+        apart = run(eager)
+        monkeypatch.setattr(w4a16, "FOLD", True)
+        check_greedy_close(folded, apart)

@@ -16,6 +16,12 @@
 //               up, and the SiLU-mul is the block's epilogue. N is 2I.
 //   -DRELEASE=0|1|2  where each block lets the next kernel launch (griddepcontrol.launch_dependents):
 //               0 at its end, 1 at its start (after the first loads), 2 after its main loop
+//   -DNORM=0|1  (with -DNORM_K=K) x is the residual stream h (M = 1) and the kernel multiplies
+//               rmsnorm(h) (HF's casts:
+//               h * rstd rounded to the dtype, times the norm weight, rounded again): each block
+//               reduces sum(h^2) over K itself (from L2) and keeps the normalized row in shared
+//               memory, so the norm is not a launch of its own (the batch-1 layer, gemv.py's NORM)
+//   -DRESIDUAL=0|1  y = residual + W x, the product rounded to the dtype first (torch's x + r)
 //
 // The runtime layout (rooflm/quant/formats.py pack_int4): qweight uint8 [N, S], S = K / 2; byte j
 // of a row holds code k = j in its low nibble and k = S + j in its high one. scales and zeros
@@ -76,11 +82,22 @@ __device__ __forceinline__ uint4 ld_codes(const u8* p) {
   return v;
 }
 
-// x is read by every block: keep it in L1.
+#ifndef NORM
+#define NORM 0
+#endif
+#ifndef RESIDUAL
+#define RESIDUAL 0
+#endif
+
+// x is read by every block: keep it in L1. (NORM: the block's normalized row, in shared memory.)
 __device__ __forceinline__ uint4 ld_x(const u16* p) {
+#if NORM
+  return *(const uint4*)p;
+#else
   uint4 v;
   asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
+#endif
 }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -108,6 +125,65 @@ __device__ __forceinline__ u16 silu_mul1(u16 g, u16 u) {
   return from_f32(to_f32(from_f32(gf / (1.f + __expf(-gf)))) * to_f32(u));
 }
 
+#if NORM
+// rmsnorm(h) of the block's one row into shared memory xs [NORM_K], HF's casts. The norm weight is a
+// weight: its loads go before the wait for h (load_norm_weight); h is read once (from L2) into
+// registers, sum(h^2) reduced over the block (warp shuffles, then the warps' sums), then each element.
+#define NORM_VECS ((NORM_K + 8 * WARPS * 32 - 1) / (8 * WARPS * 32))   // 8-value vectors a thread
+__device__ __forceinline__ void load_norm_weight(uint4* wv, const u16* w) {
+#pragma unroll
+  for (int i = 0; i < NORM_VECS; ++i) {
+    const int k = 8 * (threadIdx.x + i * WARPS * 32);
+    wv[i] = k < NORM_K ? *(const uint4*)(w + k) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+__device__ __forceinline__ void normalize_row(u16* xs, const u16* h, const uint4* wv, float eps) {
+  __shared__ float warp_sums[WARPS];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint4 hv[NORM_VECS];
+  float sq = 0.f;
+#pragma unroll
+  for (int i = 0; i < NORM_VECS; ++i) {
+    const int k = 8 * (threadIdx.x + i * WARPS * 32);
+    hv[i] = k < NORM_K ? *(const uint4*)(h + k) : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int i = 0; i < NORM_VECS; ++i) {
+    const u32 words[4] = {hv[i].x, hv[i].y, hv[i].z, hv[i].w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float a = to_f32((u16)(words[j] & 0xFFFFu)), b = to_f32((u16)(words[j] >> 16));
+      sq = fmaf(a, a, fmaf(b, b, sq));
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);
+  if (lane == 0) warp_sums[warp] = sq;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int i = 0; i < WARPS; ++i) total += warp_sums[i];
+  const float rstd = 1.f / sqrtf(total / NORM_K + eps);
+#pragma unroll
+  for (int i = 0; i < NORM_VECS; ++i) {
+    const int k = 8 * (threadIdx.x + i * WARPS * 32);
+    if (k < NORM_K) {
+      const u32 hw[4] = {hv[i].x, hv[i].y, hv[i].z, hv[i].w}, ww[4] = {wv[i].x, wv[i].y, wv[i].z, wv[i].w};
+      u32 o[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const u16 lo = from_f32(to_f32(from_f32(to_f32((u16)(hw[j] & 0xFFFFu)) * rstd)) * to_f32((u16)(ww[j] & 0xFFFFu)));
+        const u16 hi = from_f32(to_f32(from_f32(to_f32((u16)(hw[j] >> 16)) * rstd)) * to_f32((u16)(ww[j] >> 16)));
+        o[j] = (u32)lo | ((u32)hi << 16);
+      }
+      *(uint4*)(xs + k) = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+  }
+  __syncthreads();
+}
+#endif
+
 __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm("mma.sync.aligned.m16n8k16.row.col." MMA_TYPES " {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -132,6 +208,13 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
 #define LOCAL(i) (((i) & 1) * 8 * TILES + ((i) >> 1) * 8 + r)
 #else
 #define LOCAL(i) (r + 8 * (i))
+#endif
+
+// uint4s of dynamic shared memory the cp.async stages take (the NORM row follows them)
+#if STAGES
+#define STAGE_UINT4S (WARPS * STAGES * (ROWS * SPANS * 32 + 8 * TILES))
+#else
+#define STAGE_UINT4S 0
 #endif
 
 struct Group {                      // one group's codes of the thread's rows, their scales and zeros
@@ -205,7 +288,8 @@ __device__ __forceinline__ void multiply_group(float (*acc)[4], const Group& G, 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)
 w4a16_mma(u16* __restrict__ y, const u16* __restrict__ x, const u8* __restrict__ qw,
           const u16* __restrict__ scales, const u16* __restrict__ zeros,
-          int M, int N, int S, int stride_xm, int stride_ym) {
+          int M, int N, int S, int stride_xm, int stride_ym,
+          const u16* __restrict__ norm_w, float eps, const u16* __restrict__ residual, int stride_rm) {
   __shared__ float red[WARPS][16 * TILES][8];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int r = lane >> 2, c = lane & 3;   // the MMA's groupID and thread-in-group
@@ -226,7 +310,14 @@ w4a16_mma(u16* __restrict__ y, const u16* __restrict__ x, const u8* __restrict__
   const int half_groups = S / GROUP;
   const int g_begin = warp * half_groups / WARPS, g_end = (warp + 1) * half_groups / WARPS;
   const bool has_x = r < M;                // this thread holds x's row r in the B fragment
+#if NORM
+  // M == 1: the normalized row, after the stage buffers (wait_for_x below fills it)
+  extern __shared__ uint4 dynamic_smem[];
+  u16* xs = (u16*)(dynamic_smem + STAGE_UINT4S);
+  const u16* xlo = xs + 16 * c;
+#else
   const u16* xlo = x + (size_t)(has_x ? r : 0) * stride_xm + 16 * c;
+#endif
   const u16* xhi = xlo + S;
   float acc[TILES][4];
 #pragma unroll
@@ -260,7 +351,14 @@ w4a16_mma(u16* __restrict__ y, const u16* __restrict__ x, const u8* __restrict__
   };
 #pragma unroll
   for (int j = 0; j < STAGES - 1; ++j) issue(j);
+#if NORM
+  uint4 norm_wv[NORM_VECS];
+  load_norm_weight(norm_wv, norm_w);
+#endif
   wait_for_x();
+#if NORM
+  normalize_row(xs, x, norm_wv, eps);
+#endif
   for (int j = 0; j < nb; ++j) {
     cp_async_wait<STAGES - 2>();            // group j has landed (this lane's copies)
     __syncwarp();                           // ... and every lane's; stage (j - 1) % STAGES is free
@@ -284,7 +382,14 @@ w4a16_mma(u16* __restrict__ y, const u16* __restrict__ x, const u8* __restrict__
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d)
     if (g_begin + d < g_end) load_group(ring[d], qrow, scales, zeros, g_begin + d, half_groups, N, row);
+#if NORM
+  uint4 norm_wv[NORM_VECS];
+  load_norm_weight(norm_wv, norm_w);
+#endif
   wait_for_x();
+#if NORM
+  normalize_row(xs, x, norm_wv, eps);
+#endif
   for (int g = g_begin; g < g_end; g += DEPTH) {
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) {
@@ -322,7 +427,12 @@ w4a16_mma(u16* __restrict__ y, const u16* __restrict__ x, const u8* __restrict__
     float s = 0.f;
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) s += red[w][rr][col];   // in order of warp: fixed bits
+#if RESIDUAL
+    if (n0 + rr < N) y[(size_t)col * stride_ym + n0 + rr] =
+        from_f32(to_f32(from_f32(s)) + to_f32(residual[(size_t)col * stride_rm + n0 + rr]));
+#else
     if (n0 + rr < N) y[(size_t)col * stride_ym + n0 + rr] = from_f32(s);
+#endif
   }
 #endif
 #if PDL && RELEASE == 0
