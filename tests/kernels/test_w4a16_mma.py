@@ -264,3 +264,57 @@ def test_llama_layer_folds_norms_and_residual_adds_into_quantized_linears():
     layer.self_attn.qkv_proj.quant.folded = lambda *a, **k: None  # qkv cannot: the unfolded layer runs
     out2, res2 = layer(None, x, residual, None, None)
     assert res2 is not None and torch.allclose(out2 + res2, plain, atol=1e-5)
+
+
+def _w8(n, k, dtype, asym, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    s = (0.001 + 0.004 * torch.rand(n, generator=g)).to(dtype)
+    z = torch.randint(-8, 8, (n,), generator=g).to(dtype) if asym else None
+    return q.to(DEVICE), s.to(DEVICE), (z.to(DEVICE) if asym else None)
+
+
+def test_w8_group_params_split_each_byte_into_two_nibble_groups():
+    s, z = torch.tensor([0.5, 2.0]), torch.tensor([3.0, -4.0])
+    gs, gz = mm.w8_group_params(s, z, 512, 256, torch.bfloat16)
+    assert gs.shape == gz.shape == (4, 2)
+    assert gs[:2].tolist() == [[0.5, 2.0]] * 2 and gs[2:].tolist() == [[8.0, 32.0]] * 2
+    assert gz[:2].tolist() == [[131.0, 124.0]] * 2 and gz[2:].tolist() == [[0.0, 0.0]] * 2
+    # s (lo - 128 - z) + 16 s hi = s (q - z) for every byte q (lo, hi: the nibbles of q + 128)
+    q = torch.arange(-128, 128)
+    u = q + 128
+    assert torch.equal(0.5 * ((u % 16) - 131) + 8.0 * (u // 16), 0.5 * (q - 3.0))
+    assert mm.w8_group(4096) == 256 and mm.w8_group(14336) == 256 and mm.w8_group(192) == 64 and mm.w8_group(100) == 0
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("asym", [False, True])
+@pytest.mark.parametrize("m,n,k", [(1, 64, 256), (3, 6144, 4096), (8, 4096, 14336), (1, 1000, 192)])
+def test_int8_on_the_mma_kernel_matches_the_reference(dtype, asym, m, n, k):
+    from rooflm.kernels.w8a16 import w8a16_linear_ref, w8a16_small_m
+    q, s, z = _w8(n, k, dtype, asym, seed=k + m)
+    group = mm.w8_group(k)
+    gs, gz = mm.w8_group_params(s, z, k, group, dtype)
+    x = torch.randn(m, k, device=DEVICE, dtype=dtype)
+    out = w8a16_small_m(x, q, gs, gz, group)
+    assert out is not None
+    assert_close(out, w8a16_linear_ref(x, q, s, z), dtype, f"w8 mma m={m} n={n} k={k}")
+
+
+@requires_cuda
+def test_int8_folds_like_int4():
+    from rooflm.kernels.rmsnorm import rmsnorm_ref
+    from rooflm.kernels.silu_mul import silu_mul
+    from rooflm.kernels.w8a16 import w8a16_linear_ref, w8a16_small_m
+    dtype, k = torch.bfloat16, 4096
+    q, s, z = _w8(2 * 1024, k, dtype, False, seed=5)
+    gs, gz = mm.w8_group_params(s, z, k, 256, dtype)
+    h = torch.randn(1, k, device=DEVICE, dtype=dtype) * 3
+    w = torch.randn(k, device=DEVICE, dtype=dtype)
+    ref = w8a16_linear_ref(rmsnorm_ref(h, w, 1e-5), q, s, z)
+    assert_close(w8a16_small_m(h, q, gs, gz, 256, norm_weight=w, eps=1e-5), ref, dtype, "w8 norm")
+    assert_close(w8a16_small_m(h, q, gs, gz, 256, norm_weight=w, eps=1e-5, gated=True), silu_mul(ref), dtype,
+                 "w8 norm gated")
+    r = torch.randn(1, 2 * 1024, device=DEVICE, dtype=dtype)
+    assert_close(w8a16_small_m(h, q, gs, gz, 256, residual=r), w8a16_linear_ref(h, q, s, z) + r, dtype, "w8 residual")
