@@ -668,9 +668,12 @@ def w4a16_folded(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     n = qweight.shape[0]
     if gated and (n % 2 or residual is not None):
         return None
-    if not w4a16_mma.fold_inputs_ok(x, n // 2 if gated else n, norm_weight, residual):
+    if norm_weight is not None and (norm_weight.dtype != x.dtype or not norm_weight.is_contiguous()
+                                    or norm_weight.numel() != k or norm_weight.data_ptr() % 16 or k % 8):
         return None
     out = n // 2 if gated else n
+    if residual is not None and (residual.dtype != x.dtype or residual.numel() != out or residual.stride(-1) != 1):
+        return None
     if not w4a16_mma.supported(x, qweight, scales, zeros, k, group_size):
         return None
     cfg = w4a16_mma.pick_config(m, n, k, group_size, device_facts(x.device)[0])

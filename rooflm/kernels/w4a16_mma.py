@@ -90,52 +90,6 @@ def supported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     return _compiles(index)
 
 
-def w8_group(k: int) -> int:
-    """The group the int8 path runs with: the largest of 256, 128, 64 dividing K (0: none). Each group
-    of each half carries a scale and a zero in x's dtype: 8 / g bytes a weight (3% at 256)."""
-    return next((g for g in (256, 128, 64) if k % g == 0), 0)
-
-
-def w8_group_params(scales: torch.Tensor, zeros: Optional[torch.Tensor], k: int, group: int,
-                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel int8 scales s [N] (zeros z [N] or None) as the W8 kernel's [2K/g, N] scales and
-    zeros: low-half groups (s, 128 + z), high-half groups (16 s, 0). 16 s is exact, and 128 + z an
-    integer below 256, exact in bf16."""
-    n = scales.shape[0]
-    s = scales.to(torch.float32)
-    z = zeros.to(torch.float32) if zeros is not None else torch.zeros_like(s)
-    groups = k // group
-    out_s = torch.cat([s.expand(groups, n), (16 * s).expand(groups, n)]).to(dtype).contiguous()
-    out_z = torch.cat([(128 + z).expand(groups, n), torch.zeros(groups, n, device=s.device)]).to(dtype).contiguous()
-    return out_s, out_z
-
-
-def supported_w8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int) -> bool:
-    """Whether the int8 call (w8_group_params' scales in x's dtype) runs here (else w8a16.py's Triton)."""
-    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2 and qweight.dtype == torch.int8):
-        return False
-    if scales.dtype != x.dtype or x.shape[0] > MAX_M or not group or qweight.shape[1] % group:
-        return False
-    if x.stride(-1) != 1 or (x.stride(0) * 2) % 16 or x.data_ptr() % 16 or qweight.data_ptr() % 16:
-        return False
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return _compiles(index)
-
-
-def fold_inputs_ok(x: torch.Tensor, out_features: int, norm_weight: Optional[torch.Tensor],
-                   residual: Optional[torch.Tensor]) -> bool:
-    """Whether a one-token call's norm weight [K] and residual [1, N] suit the NORM / RESIDUAL
-    variants (x's dtype, contiguous, aligned)."""
-    k = x.shape[-1]
-    if (norm_weight is not None or residual is not None) and x.shape[0] != 1:
-        return False
-    if norm_weight is not None and (norm_weight.dtype != x.dtype or not norm_weight.is_contiguous()
-                                    or norm_weight.numel() != k or norm_weight.data_ptr() % 16 or k % 8):
-        return False
-    return residual is None or (residual.dtype == x.dtype and residual.numel() == out_features
-                                and residual.stride(-1) == 1)
-
-
 @functools.lru_cache(maxsize=None)
 def _compiles(device_index: int) -> bool:
     """sm_80+ and NVRTC at hand (torch.cuda._compile_kernel, a private torch API): one small variant
@@ -167,10 +121,10 @@ def pick_config(m: int, n: int, k: int, group: int, device_name: Optional[str] =
 
 @functools.lru_cache(maxsize=None)
 def _compiled(config: MmaConfig, group: int, fp16: bool, pdl: bool, release: int, device_index: int,
-              gated: bool = False, norm_k: int = 0, residual: bool = False, w8: bool = False):
+              gated: bool = False, norm_k: int = 0, residual: bool = False):
     defines = {"RELEASE": release, "GATED": gated, "WARPS": config.warps, "GROUP": group, "DEPTH": config.depth,
                "TILES": config.tiles, "STAGES": config.stages, "FP16": fp16, "PDL": pdl, "NORM": norm_k > 0,
-               "NORM_K": norm_k, "RESIDUAL": residual, "W8": w8}
+               "NORM_K": norm_k, "RESIDUAL": residual}
     return nvrtc.compile_kernel("w4a16_mma.cu", "w4a16_mma", defines, device_index,
                                 shared_bytes(config, group, norm_k))
 
@@ -178,22 +132,20 @@ def _compiled(config: MmaConfig, group: int, fp16: bool, pdl: bool, release: int
 def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
               group_size: int, config: MmaConfig = MmaConfig(), pdl: bool = False, gated: bool = False,
               norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
-              residual: Optional[torch.Tensor] = None, w8: bool = False) -> torch.Tensor:
+              residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M <= 8, K] @ W.T for W in w4a16.py's layout, [M, N] in x's dtype. gated: W is the gated
     MLP's gate_up [2I, K] (gate rows, then up rows) and the result is silu(gate) * up [M, I]
     (silu_mul.py's casts), gate_up never written; I must be a multiple of 8 tiles. norm_weight [K]
     (M = 1 only): x is the residual stream and the product is W @ rmsnorm(x) (rmsnorm_ref's casts).
-    residual [M, N] (not gated): residual + W x, the product rounded first. w8: qweight is int8
-    [N, K] and scales / zeros [2K/g, N] are w8_group_params' (csrc/w4a16_mma.cu's W8). The caller
-    checks supported() / supported_w8(); shapes are checked here."""
+    residual [M, N] (not gated): residual + W x, the product rounded first. The caller checks
+    supported(); shapes are checked here."""
     m, k = x.shape
     n, split = qweight.shape
     if m > MAX_M:
         raise ValueError(f"w4a16_mma takes M <= {MAX_M}, got M={m}")
-    if k != (split if w8 else 2 * split) or scales.shape != (2 * split // group_size, n) or zeros.shape != scales.shape:
-        raise ValueError(f"w4a16_mma: K={k} needs qweight [N, {'K' if w8 else 'K/2'}] and scales/zeros "
-                         f"[{'2K' if w8 else 'K'}/g, N], got {tuple(qweight.shape)}, {tuple(scales.shape)}, "
-                         f"{tuple(zeros.shape)}")
+    if k != 2 * split or scales.shape != (k // group_size, n) or zeros.shape != scales.shape:
+        raise ValueError(f"w4a16_mma: K={k} needs qweight [N, K/2] and scales/zeros [K/g, N], got "
+                         f"{tuple(qweight.shape)}, {tuple(scales.shape)}, {tuple(zeros.shape)}")
     rows_a_block = 16 * config.tiles  # of W; gated: half gate, half up
     if gated and n % (2 * 8 * config.tiles):
         raise ValueError(f"w4a16_mma gated: gate_up's {n} rows must be 2 x a multiple of {8 * config.tiles}")
@@ -216,7 +168,7 @@ def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     norm_k = k if norm_weight is not None else 0
     kernel = _compiled(config, group_size, x.dtype == torch.float16, pdl, RELEASE,
                        x.device.index if x.device.index is not None else torch.cuda.current_device(), gated,
-                       norm_k, residual is not None, w8)
+                       norm_k, residual is not None)
     args = [y, x, qweight, scales.contiguous(), zeros.contiguous(), m, n, split, x.stride(0), y.stride(0),
             norm_weight if norm_weight is not None else x, float(eps),
             residual if residual is not None else y, residual.stride(0) if residual is not None else 0]

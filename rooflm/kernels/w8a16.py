@@ -43,7 +43,6 @@ dominate at decode batch sizes.
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -52,12 +51,7 @@ import triton.language as tl
 
 from rooflm.kernels.split_k import split_for, split_k_reduce
 from rooflm.kernels.tuned_configs import device_facts, lookup
-from rooflm.kernels.utils import gdc_launch_dependents, gdc_wait, is_interpreter, pdl_launch, pdl_supported
-
-# M <= 8 with per-channel scales runs the W4 mma kernel's int8 mode (w4a16_mma.py, W8) where it applies:
-# each byte's two nibbles as two 4-bit codes of the same input. ROOFLM_W8_MMA=0: this file's Triton
-# kernels for every M (the benchmarks' A/B switch).
-USE_MMA = os.environ.get("ROOFLM_W8_MMA", "1") != "0"
+from rooflm.kernels.utils import gdc_launch_dependents, gdc_wait, is_interpreter, pdl_launch
 
 # The bits of the float 2^23 + 128: an int8 code q added to them reads as 2^23 + 128 + q.
 MAGIC_BITS_Q8 = tl.constexpr(0x4B000080)
@@ -306,36 +300,6 @@ def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if split_k > 1:
         split_k_reduce(y, ws)
     return y
-
-
-def w8a16_small_m(x: torch.Tensor, qweight: torch.Tensor, mma_scales: Optional[torch.Tensor],
-                  mma_zeros: Optional[torch.Tensor], group: int, *, norm_weight: Optional[torch.Tensor] = None,
-                  eps: float = 1e-6, residual: Optional[torch.Tensor] = None,
-                  gated: bool = False) -> Optional[torch.Tensor]:
-    """x [M <= 8, K] @ W.T for per-channel int8 W on the mma kernel (w4a16_mma.py's W8 mode, scales and
-    zeros from w8_group_params), with w4a16.w4a16_folded's folds (norm_weight, residual, gated) at one
-    token. None where that kernel does not take the call (w8a16_linear's Triton kernels do)."""
-    from rooflm.kernels import w4a16_mma
-    from rooflm.kernels.w4a16 import FOLD, FUSE_SILU_MUL
-    if not USE_MMA or mma_scales is None or x.dim() != 2 or not 0 < x.shape[0] <= w4a16_mma.MAX_M:
-        return None
-    folds = norm_weight is not None or residual is not None or gated
-    if folds and not (FOLD and (FUSE_SILU_MUL or not gated)):
-        return None
-    m, k = x.shape
-    n = qweight.shape[0]
-    if gated and (n % 2 or residual is not None or m != 1):
-        return None
-    if not (w4a16_mma.fold_inputs_ok(x, n // 2 if gated else n, norm_weight, residual)
-            and w4a16_mma.supported_w8(x, qweight, mma_scales, group)):
-        return None
-    cfg = w4a16_mma.pick_config(m, n, 2 * k, group, device_facts(x.device)[0])
-    if gated and n % (16 * cfg.tiles):
-        return None
-    out = n // 2 if gated else n
-    return w4a16_mma.w4a16_mma(x, qweight, mma_scales, mma_zeros, group, cfg, pdl=pdl_supported(x.device),
-                               gated=gated, norm_weight=norm_weight.reshape(k) if norm_weight is not None else None,
-                               eps=eps, residual=residual.reshape(1, out) if residual is not None else None, w8=True)
 
 
 # --------------------------------------------------------------------------

@@ -257,34 +257,12 @@ class W8A16Linear(QuantizedLinearMethod):
         has_zero = bool((weight.zeros != 0).any())
         self.register_buffer("zeros", weight.zeros.to(device=device, dtype=param_dtype).contiguous()
                              if has_zero else None)
-        # Per-channel weights on CUDA also run M <= 8 on the mma kernel's int8 mode, which takes a
-        # scale and zero per group of each nibble half ([2K/g, N], 3% of the codes' bytes at g 256).
-        from rooflm.kernels.w4a16_mma import w8_group, w8_group_params
-        self.mma_group = w8_group(self.in_features) if device.type == "cuda" and not self.group_size else 0
-        mma = (w8_group_params(self.scales, self.zeros, self.in_features, self.mma_group, act_dtype)
-               if self.mma_group else (None, None))
-        self.register_buffer("mma_scales", mma[0])
-        self.register_buffer("mma_zeros", mma[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from rooflm.kernels.w8a16 import w8a16_linear, w8a16_small_m
-        flat = x.reshape(-1, self.in_features)
-        y = w8a16_small_m(flat, self.qweight, self.mma_scales, self.mma_zeros, self.mma_group)
-        if y is None:
-            y = w8a16_linear(flat, self.qweight, self.scales, self.zeros, group_size=self.group_size)
+        from rooflm.kernels.w8a16 import w8a16_linear
+        y = w8a16_linear(x.reshape(-1, self.in_features), self.qweight, self.scales, self.zeros,
+                         group_size=self.group_size)
         return y.reshape(*x.shape[:-1], self.out_features)
-
-    def gate_up_silu_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        from rooflm.kernels.w8a16 import w8a16_small_m
-        if x.dim() != 2:
-            return None
-        return w8a16_small_m(x, self.qweight, self.mma_scales, self.mma_zeros, self.mma_group, gated=True)
-
-    def folded(self, x: torch.Tensor, *, norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
-               residual: Optional[torch.Tensor] = None, gated: bool = False) -> Optional[torch.Tensor]:
-        from rooflm.kernels.w8a16 import w8a16_small_m
-        return w8a16_small_m(x, self.qweight, self.mma_scales, self.mma_zeros, self.mma_group,
-                             norm_weight=norm_weight, eps=eps, residual=residual, gated=gated)
 
 
 # ---------------------------------------------------------------------------

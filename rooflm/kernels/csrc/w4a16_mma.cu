@@ -22,10 +22,6 @@
 //               reduces sum(h^2) over K itself (from L2) and keeps the normalized row in shared
 //               memory, so the norm is not a launch of its own (the batch-1 layer, gemv.py's NORM)
 //   -DRESIDUAL=0|1  y = residual + W x, the product rounded to the dtype first (torch's x + r)
-//   -DW8=0|1    the codes are int8 weights [N, K] (S = K): byte j, flipped to j's unsigned code
-//               q + 128 = 16 hi + lo, is two 4-bit codes of the same k, so both nibbles meet x[j]
-//               (xhi = xlo) and the caller's scales and zeros make them one weight: low-half groups
-//               (s, 128 + z), high-half groups (16 s, 0): s (lo - 128 - z) + 16 s hi = s (q - z)
 //
 // The runtime layout (rooflm/quant/formats.py pack_int4): qweight uint8 [N, S], S = K / 2; byte j
 // of a row holds code k = j in its low nibble and k = S + j in its high one. scales and zeros
@@ -92,10 +88,6 @@ __device__ __forceinline__ uint4 ld_codes(const u8* p) {
 #ifndef RESIDUAL
 #define RESIDUAL 0
 #endif
-#ifndef W8
-#define W8 0
-#endif
-#define FLIP (W8 ? 0x80808080u : 0u)   // int8 -> its unsigned code q + 128, byte-wise
 
 // x is read by every block: keep it in L1. (NORM: the block's normalized row, in shared memory.)
 __device__ __forceinline__ uint4 ld_x(const u16* p) {
@@ -272,7 +264,7 @@ __device__ __forceinline__ void multiply_group(float (*acc)[4], const Group& G, 
       const u32 bh1 = __byte_perm(xh[2 * w], xh[2 * w + 1], 0x7632);
 #pragma unroll
       for (int t = 0; t < TILES; ++t) {
-        const u32 qa = ((const u32*)&G.q[2 * t][p])[w] ^ FLIP, qb = ((const u32*)&G.q[2 * t + 1][p])[w] ^ FLIP;
+        const u32 qa = ((const u32*)&G.q[2 * t][p])[w], qb = ((const u32*)&G.q[2 * t + 1][p])[w];
         mma(cl[t], UNIT(qa, SH0), UNIT(qb, SH0), UNIT(qa, SH2), UNIT(qb, SH2), bl0, bl1);
         mma(ch[t], UNIT(qa, SH1), UNIT(qb, SH1), UNIT(qa, SH3), UNIT(qb, SH3), bh0, bh1);
       }
@@ -326,7 +318,7 @@ w4a16_mma(u16* __restrict__ y, const u16* __restrict__ x, const u8* __restrict__
 #else
   const u16* xlo = x + (size_t)(has_x ? r : 0) * stride_xm + 16 * c;
 #endif
-  const u16* xhi = xlo + (W8 ? 0 : S);     // W8: both nibbles of a byte belong to the same k
+  const u16* xhi = xlo + S;
   float acc[TILES][4];
 #pragma unroll
   for (int t = 0; t < TILES; ++t)
