@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import re
 import struct
 from pathlib import Path
 from typing import Sequence, Union
@@ -40,12 +41,21 @@ def available(device_index: int, major: int = 8) -> bool:
     return hasattr(torch.cuda, "_compile_kernel") and torch.cuda.get_device_capability(device_index)[0] >= major
 
 
+_INCLUDE = re.compile(r'^#include "([\w.]+)"$', re.MULTILINE)
+
+
+def source_text(source: str) -> str:
+    """csrc/<source> with its local #include "x.cuh" lines replaced by csrc/x.cuh (NVRTC gets one
+    string and no include path); nvcc reads the same file with the includes as they are."""
+    return _INCLUDE.sub(lambda m: (CSRC / m.group(1)).read_text(), (CSRC / source).read_text())
+
+
 def compile_kernel(source: str, name: str, defines: dict, device_index: int, dynamic_smem: int = 0):
     """csrc/<source> compiled with -D<key>=<value> for each define; dynamic_smem above 48 KB is
     requested from the driver (a launch above 48 KB fails otherwise)."""
     options = [f"-D{key}={int(value)}" for key, value in defines.items()] + ["-std=c++17"]
     with torch.cuda.device(device_index):
-        kernel = torch.cuda._compile_kernel((CSRC / source).read_text(), name, nvcc_options=options)
+        kernel = torch.cuda._compile_kernel(source_text(source), name, nvcc_options=options)
     if dynamic_smem > 48 * 1024:
         status = _driver().cuFuncSetAttribute(
             kernel.func, _MAX_DYNAMIC_SHARED, ctypes.c_int(dynamic_smem))

@@ -31,3 +31,10 @@ def test_arguments_pack_as_a_c_struct_of_them():
 
 def test_every_csrc_kernel_ships_as_package_data():
     assert {p.name for p in nvrtc.CSRC.glob("*.cu")} >= {"w4a16_mma.cu", "fp8_decode_attention.cu"}
+    assert (nvrtc.CSRC / "cp_async.cuh").exists()
+
+
+def test_local_includes_are_inlined_for_nvrtc():
+    for source in ("w4a16_mma.cu", "fp8_decode_attention.cu"):
+        text = nvrtc.source_text(source)
+        assert "#include" not in text and "cp.async.commit_group" in text and "cp_async_wait" in text

@@ -135,14 +135,7 @@ __device__ __forceinline__ void load_chunk(Chunk& ch, const u8* k_head, const u8
 #endif
 #define STAGE_BYTES (2 * CHUNK * D)   // a chunk's K then V rows, 128 bytes each
 
-__device__ __forceinline__ void cp_async16(u8* smem, const u8* gmem) {
-  const u32 dst = (u32)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
-}
+#include "cp_async.cuh"
 
 // Bank-conflict-free 16-byte pieces of a stage (8 a 128-byte row): the readers of one LDS.128 phase
 // (8 lanes) take K rows g, g+1 at pieces c (0..3), and V rows 2c + r0 (c = 0..3) at pieces g, g+1.

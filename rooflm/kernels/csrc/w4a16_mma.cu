@@ -100,14 +100,7 @@ __device__ __forceinline__ uint4 ld_x(const u16* p) {
 #endif
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const u32 dst = (u32)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
-}
+#include "cp_async.cuh"
 
 // PDL: x is what the kernel before writes; codes and scales (weights) may load before this.
 __device__ __forceinline__ void wait_for_x() {
