@@ -131,6 +131,8 @@ class LlamaDecoderLayer(torch.nn.Module):
         None, with nothing computed, where qkv's method cannot fold; a later linear that cannot
         runs its neighbours apart."""
         attn, mlp = self.self_attn, self.mlp
+        if not getattr(attn.qkv_proj.quant, "can_fold", False):
+            return None
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         h = x if residual is None else x + residual
         qkv = attn.qkv_proj.forward_folded(h, norm_weight=ln1.weight, eps=ln1.eps)

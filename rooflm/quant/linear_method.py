@@ -70,6 +70,9 @@ class QuantizedLinearMethod(torch.nn.Module):
         SiLU-mul)."""
         return None
 
+    # Whether folded() may answer at all: the layer asks before it prepares anything for it.
+    can_fold = False
+
     def folded(self, x: torch.Tensor, *, norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
                residual: Optional[torch.Tensor] = None, gated: bool = False) -> Optional[torch.Tensor]:
         """One token through this weight with the layer's neighbours in the same kernel: W @
@@ -213,6 +216,8 @@ class W4A16Linear(QuantizedLinearMethod):
         self.register_buffer("scales", weight.scales.to(device=device, dtype=param_dtype).contiguous())
         self.register_buffer("zeros", weight.zeros.to(device=device, dtype=param_dtype).contiguous())
         self.register_buffer("perm", None if weight.perm is None else weight.perm.to(device))
+        # The mma kernel folds on CUDA; act-order permutes x's K, which the norm's weight would need too.
+        self.can_fold = device.type == "cuda" and weight.perm is None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from rooflm.kernels.w4a16 import w4a16_linear
