@@ -256,21 +256,31 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
 def analyse_device_trace(trace: dict) -> Optional[dict]:
     """GPU busy fraction and time by kernel class from a Chrome trace (times in us).
 
-    The window is from the start of the first profiled step to the end of the
-    last ("rooflm.step" ranges); the busy time is the union of kernel, memcpy and
-    memset intervals inside it. None when the trace has no device events.
+    The window is the device time of the work the profiled steps launched: the GPU-side
+    mirror of their launch ranges ("rooflm.launch" as gpu_user_annotation: from the first
+    kernel they launched to the end of the last). With async scheduling a step's kernels run
+    after its host range has ended (the host launches step N+1 before it collects step N), so
+    the host ranges would cut the last step's kernels off and count the previous, untraced
+    step's as idle (an H100 FP8 decode step: 15.9 ms by host ranges, 21.2 ms on the device).
+    Without the mirror: from the start of the first profiled step to the end of the last
+    ("rooflm.step" host ranges). The busy time is the union of kernel, memcpy and memset
+    intervals inside the window. None when the trace has no device events.
     """
     events = trace.get("traceEvents", [])
-    # The host-side ranges; the profiler also mirrors them onto the GPU timeline
-    # ("gpu_user_annotation"), which would stretch the window to the last kernel.
     steps = [e for e in events if e.get("ph") == "X" and e.get("name") == RANGE_PREFIX + "step"
              and e.get("cat") != "gpu_user_annotation"]
+    launched = [e for e in events if e.get("ph") == "X" and e.get("name") == RANGE_PREFIX + "launch"
+                and e.get("cat") == "gpu_user_annotation"]
     device = [e for e in events if e.get("ph") == "X"
               and e.get("cat", "").lower() in ("kernel", "gpu_memcpy", "gpu_memset")]
     if not device or not steps:
         return None
-    w0 = min(float(e["ts"]) for e in steps)
-    w1 = max(float(e["ts"]) + float(e.get("dur", 0)) for e in steps)
+    h0 = min(float(e["ts"]) for e in steps)
+    h1 = max(float(e["ts"]) + float(e.get("dur", 0)) for e in steps)
+    w0, w1 = h0, h1
+    if launched:
+        w0 = min(float(e["ts"]) for e in launched)
+        w1 = max(float(e["ts"]) + float(e.get("dur", 0)) for e in launched)
     window = max(w1 - w0, 1e-9)
     intervals = []
     by_class: dict[str, float] = defaultdict(float)
@@ -289,10 +299,10 @@ def analyse_device_trace(trace: dict) -> Optional[dict]:
     by_class["idle gaps"] = window - busy
     # The host blocked on the device (cudaStreamSynchronize, .item(), a blocking copy): time
     # the host cannot prepare the next launch in.
-    sync_us = sum(min(float(e["ts"]) + float(e.get("dur", 0)), w1) - max(float(e["ts"]), w0)
+    sync_us = sum(min(float(e["ts"]) + float(e.get("dur", 0)), h1) - max(float(e["ts"]), h0)
                   for e in events if e.get("ph") == "X" and "synchronize" in e.get("name", "").lower()
                   and e.get("cat", "").lower() == "cuda_runtime"
-                  and float(e["ts"]) < w1 and float(e["ts"]) + float(e.get("dur", 0)) > w0)
+                  and float(e["ts"]) < h1 and float(e["ts"]) + float(e.get("dur", 0)) > h0)
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:16]
     return {"window_us": window, "busy_us": busy, "busy_fraction": busy / window,
             "by_class_us": dict(by_class), "top_kernels_us": top, "sync_us": sync_us}

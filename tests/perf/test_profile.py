@@ -159,6 +159,27 @@ def test_device_trace_busy_fraction_is_the_union_of_kernels_over_the_step_window
     assert profile.analyse_device_trace({"traceEvents": us[:2]}) is None
 
 
+def test_device_window_follows_the_launched_work_under_async_scheduling():
+    """Async scheduling: each host step launches the next step's kernels and returns after collecting
+    the previous one's, so the profiled steps' kernels run after their host ranges. The window is
+    the GPU-side mirror of the launch ranges, not the host steps."""
+    us = [
+        {"ph": "X", "cat": "user_annotation", "name": "rooflm.step", "ts": 1000, "dur": 100},
+        {"ph": "X", "cat": "user_annotation", "name": "rooflm.step", "ts": 1100, "dur": 100},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "rooflm.launch", "ts": 1050, "dur": 100},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "rooflm.launch", "ts": 1150, "dur": 120},
+        {"ph": "X", "cat": "kernel", "name": "fp8_decode_attention", "ts": 1050, "dur": 90},
+        {"ph": "X", "cat": "kernel", "name": "fp8_decode_attention", "ts": 1150, "dur": 90},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_gemm", "ts": 1240, "dur": 30},  # past the host steps
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 1180, "dur": 40},
+    ]
+    dev = profile.analyse_device_trace({"traceEvents": us})
+    assert dev["window_us"] == 220
+    assert dev["by_class_us"]["attention"] == 180 and dev["by_class_us"]["GEMM"] == 30
+    assert dev["by_class_us"]["idle gaps"] == 10
+    assert dev["sync_us"] == 20  # host syncs still count inside the host steps only
+
+
 def gpu_summary(busy, mbu, mfu, preemptions=0, gemm_share=None):
     """A GPU run's summary as _summarise builds it, for a window of 1000 us over 10 steps."""
     window = 1000.0
