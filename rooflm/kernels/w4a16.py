@@ -643,16 +643,9 @@ def w4a16_gate_up_silu_mul(x: torch.Tensor, qweight: torch.Tensor, scales: torch
     one launch: the mma kernel's blocks pair each gate row with its up row and apply SiLU-mul in
     their epilogue, so gate_up is never written and silu_mul is not launched. None where that kernel
     does not take the call (the caller runs w4a16_linear, then silu_mul)."""
-    if not (USE_MMA and FUSE_SILU_MUL) or x.dim() != 2 or not 0 < x.shape[0] <= w4a16_mma.MAX_M:
+    if not (USE_MMA and FUSE_SILU_MUL):
         return None
-    m, k = x.shape
-    n = qweight.shape[0]
-    if n % 2 or not w4a16_mma.supported(x, qweight, scales, zeros, k, group_size):
-        return None
-    cfg = w4a16_mma.pick_config(m, n, k, group_size, device_facts(x.device)[0])
-    if n % (16 * cfg.tiles):
-        return None
-    return w4a16_mma.w4a16_mma(x, qweight, scales, zeros, group_size, cfg, pdl=pdl_supported(x.device), gated=True)
+    return _mma_fused(x, qweight, scales, zeros, group_size, gated=True)
 
 
 def w4a16_folded(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -664,9 +657,22 @@ def w4a16_folded(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     (the caller runs the norm, the linear and the add as separate kernels)."""
     if not (USE_MMA and FOLD) or (gated and not FUSE_SILU_MUL) or x.dim() != 2 or x.shape[0] != 1:
         return None
+    return _mma_fused(x, qweight, scales, zeros, group_size, norm_weight=norm_weight, eps=eps, residual=residual,
+                      gated=gated)
+
+
+def _mma_fused(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+               *, norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+               residual: Optional[torch.Tensor] = None, gated: bool = False) -> Optional[torch.Tensor]:
+    """The mma kernel with its epilogue / prologue variants (gated SiLU-mul, NORM, RESIDUAL) where it
+    takes the call, else None. NORM and RESIDUAL need one row."""
+    if x.dim() != 2 or not 0 < x.shape[0] <= w4a16_mma.MAX_M:
+        return None
     m, k = x.shape
     n = qweight.shape[0]
     if gated and (n % 2 or residual is not None):
+        return None
+    if (norm_weight is not None or residual is not None) and m != 1:
         return None
     if norm_weight is not None and (norm_weight.dtype != x.dtype or not norm_weight.is_contiguous()
                                     or norm_weight.numel() != k or norm_weight.data_ptr() % 16 or k % 8):

@@ -123,7 +123,6 @@ class LlamaDecoderLayer(torch.nn.Module):
         act = gemv(h, mlp.gate_up_proj.weight, norm_weight=ln2.weight, eps=ln2.eps, gated=True)
         return _row_gemv(gemv, act, mlp.down_proj, h), None
 
-
     def _forward_folded(self, positions, x, residual, kv_cache, meta):
         """One token through quantized linears that take the norms and residual adds into their
         kernels (W4A16's mma kernel: NORM, RESIDUAL, GATED): forward's math and casts, no norm
