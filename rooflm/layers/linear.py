@@ -49,6 +49,17 @@ class Linear(torch.nn.Module):
             return None
         return self.quant.folded(x, norm_weight=norm_weight, eps=eps, residual=residual)
 
+    def fp8_input(self):
+        """This layer's quantized method when it takes E4M3 codes from the op before it
+        (QuantizedLinearMethod.takes_fp8_input: FP8 W8A8 on fp8 tensor cores), else None."""
+        quant = self.quant
+        return quant if quant is not None and quant.takes_fp8_input else None
+
+    def forward_fp8(self, qx: torch.Tensor, sx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """y = (qx * sx) @ W.T (+ bias) in `dtype`, for a layer whose fp8_input() answers."""
+        y = self.quant.forward_fp8(qx, sx).to(dtype)
+        return y if self.bias is None else y + self.bias
+
     def stored_weight_bytes(self) -> int:
         """Bytes the weight holds in memory: the quantized blocks and scales, or the floats."""
         if self.quant is not None:

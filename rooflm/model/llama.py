@@ -102,6 +102,8 @@ class LlamaDecoderLayer(torch.nn.Module):
             folded = self._forward_folded(positions, x, residual, kv_cache, meta)
             if folded is not None:
                 return folded
+        if self.fold and self._fp8_inputs():
+            return self._forward_fp8(positions, x, residual, kv_cache, meta)
         # The residual stream is carried separately so each norm can fuse the add before it.
         if residual is None:
             residual = x
@@ -122,6 +124,32 @@ class LlamaDecoderLayer(torch.nn.Module):
         h = _row_gemv(gemv, attn.attend(positions, qkv, kv_cache, meta), attn.o_proj, h)
         act = gemv(h, mlp.gate_up_proj.weight, norm_weight=ln2.weight, eps=ln2.eps, gated=True)
         return _row_gemv(gemv, act, mlp.down_proj, h), None
+
+    def _fp8_inputs(self) -> bool:
+        """Whether qkv, gate_up and down take E4M3 codes from the norm / SiLU-mul before them."""
+        attn, mlp = self.self_attn, self.mlp
+        return all(lin.fp8_input() is not None for lin in (attn.qkv_proj, mlp.gate_up_proj, mlp.down_proj))
+
+    def _forward_fp8(self, positions, x, residual, kv_cache, meta):
+        """forward for FP8 W8A8 linears: the norms and the SiLU-mul write E4M3 codes and scales
+        (per token, or the linear's static input scale) in their own kernels, so the bf16 inputs
+        of qkv, gate_up and down are never written and no quantization pass reads them. The same
+        codes as forward's (kernels/norm_act_fp8.py: bit for bit). o_proj quantizes its own input."""
+        from rooflm.kernels.norm_act_fp8 import rmsnorm_fp8, silu_mul_fp8  # Triton: imported where used
+        attn, mlp = self.self_attn, self.mlp
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        qkv_q, down_q = attn.qkv_proj.fp8_input(), mlp.down_proj.fp8_input()
+        if residual is None:
+            residual = x
+            qx, sx = rmsnorm_fp8(x, ln1.weight, ln1.eps, static_scale=qkv_q.input_scale)
+        else:
+            qx, sx, residual = rmsnorm_fp8(x, ln1.weight, ln1.eps, residual, static_scale=qkv_q.input_scale)
+        qkv = attn.qkv_proj.forward_fp8(qx, sx, x.dtype)
+        x = attn.o_proj(attn.attend(positions, qkv, kv_cache, meta))
+        qx, sx, residual = rmsnorm_fp8(x, ln2.weight, ln2.eps, residual,
+                                       static_scale=mlp.gate_up_proj.fp8_input().input_scale)
+        qa, sa = silu_mul_fp8(mlp.gate_up_proj.forward_fp8(qx, sx, x.dtype), static_scale=down_q.input_scale)
+        return mlp.down_proj.forward_fp8(qa, sa, x.dtype), residual
 
     def _forward_folded(self, positions, x, residual, kv_cache, meta):
         """One token through quantized linears that take the norms and residual adds into their

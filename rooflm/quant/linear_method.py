@@ -34,6 +34,7 @@ exact dequantized float path.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 import torch
@@ -44,6 +45,9 @@ from rooflm.quant.gguf_blocks import BLOCK, BlockTensor
 logger = logging.getLogger(__name__)
 
 ACT_DTYPE = torch.bfloat16
+# ROOFLM_FP8_FUSED_QUANT=0: FP8 W8A8 linears quantize their own float input (a kernel of its own
+# after each norm and SiLU-mul) instead of taking the codes those ops write (kernels/norm_act_fp8.py).
+FP8_FUSED_QUANT = os.environ.get("ROOFLM_FP8_FUSED_QUANT", "1") != "0"
 
 
 def cpu_kernels_available() -> bool:
@@ -79,6 +83,17 @@ class QuantizedLinearMethod(torch.nn.Module):
         rmsnorm(x) (norm_weight; gated: silu(gate) * up of it) or residual + W x; None where the
         method has no such kernel (the caller runs them apart)."""
         return None
+
+    # FP8 W8A8 methods that take their activations already quantized (forward_fp8): the norm or
+    # SiLU-mul before them writes E4M3 codes and scales in its own kernel (kernels/norm_act_fp8.py).
+    # False: the method takes floats only.
+    # Such a method also has `input_scale`: the checkpoint's static per-tensor activation scale
+    # [1, 1] fp32 the codes must use, or None (per-token scales).
+    takes_fp8_input = False
+
+    def forward_fp8(self, qx: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
+        """y = (qx * sx) @ W.T for E4M3 codes qx [M, K] and fp32 scales sx [M, 1] (takes_fp8_input)."""
+        raise NotImplementedError(f"{type(self).__name__} takes float activations only")
 
 
 class Int4GroupLinear(QuantizedLinearMethod):
@@ -298,6 +313,12 @@ class Fp8Linear(QuantizedLinearMethod):
         self.use_scaled_mm = (scaled_mm_supported(device) and self.activations != "none"
                               and self.in_features % 16 == 0 and self.out_features % 16 == 0)
 
+    @property
+    def takes_fp8_input(self) -> bool:
+        """Codes from the op before are taken where they are multiplied as codes (_scaled_mm); the
+        emulation quantizes floats itself. ROOFLM_FP8_FUSED_QUANT=0: never (the A/B switch)."""
+        return self.use_scaled_mm and FP8_FUSED_QUANT
+
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes [M, K] e4m3, scale [M, 1] fp32) of the activations."""
         from rooflm.kernels.fp8_quant import per_token_fp8, static_fp8
@@ -310,25 +331,28 @@ class Fp8Linear(QuantizedLinearMethod):
         if self.activations == "none":  # weight-only fp8: weights dequantized into x's dtype
             w = (self.qweight.to(torch.float32) * self.weight_scale[:, None]).to(x.dtype)
             y = flat @ w.T
-        elif self.use_scaled_mm:
-            qx, sx = self.quantize_input(flat)
+        else:
+            y = self.forward_fp8(*self.quantize_input(flat)).to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def forward_fp8(self, qx: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
+        """bf16 (fp32 emulated) y [M, N] of codes qx [M, K] with scales sx [M, 1]."""
+        if self.use_scaled_mm:
+            from rooflm.kernels.fp8_matmul import fp8_matmul, fp8_matmul_usable
+            if fp8_matmul_usable(qx, self.qweight):  # Hopper, M >= 256: tiles that fit the shape
+                return fp8_matmul(qx, sx, self.qweight, self.weight_scale)
             try:
                 # Row-wise scaling takes a row-major A, a column-major B (W.T of the row-major
                 # [N, K] weight is one) and returns bf16.
-                y = torch._scaled_mm(qx, self.qweight.t(), scale_a=sx.contiguous(),
-                                     scale_b=self.weight_scale.reshape(1, -1), out_dtype=torch.bfloat16)
+                return torch._scaled_mm(qx, self.qweight.t(), scale_a=sx.contiguous(),
+                                        scale_b=self.weight_scale.reshape(1, -1), out_dtype=torch.bfloat16)
             except RuntimeError as exc:
                 # A torch build or shape without row-wise fp8 GEMMs: found at the first (eager,
                 # warm-up) call, before any CUDA graph is captured; the emulation is slower, not wrong.
                 logger.warning("torch._scaled_mm failed for fp8 linear %dx%d (%s); using the fp32 emulation",
                                self.out_features, self.in_features, exc)
                 self.use_scaled_mm = False
-                y = fp8_matmul_emulated(qx, sx, self.qweight, self.weight_scale)
-            y = y.to(x.dtype)
-        else:
-            qx, sx = self.quantize_input(flat)
-            y = fp8_matmul_emulated(qx, sx, self.qweight, self.weight_scale).to(x.dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return fp8_matmul_emulated(qx, sx, self.qweight, self.weight_scale)
 
 
 def fp8_matmul_emulated(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:

@@ -78,3 +78,92 @@ def test_engine_runs_fp8_under_cuda_graphs(tmp_path):
     assert fp8.engine.info.matmul_dtype == "fp8"
     got = fp8.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids
     assert len(got) == 4
+
+
+@pytest.mark.skipif(not _sm89(), reason="torch._scaled_mm needs fp8 tensor cores (sm89+)")
+@pytest.mark.parametrize("activations", ["dynamic", "static"])
+def test_engine_fused_norm_quant_gives_the_unfused_logits(tmp_path, monkeypatch, activations):
+    """The decoder layers' norms and SiLU-mul writing the FP8 codes themselves (LlamaDecoderLayer.
+    _forward_fp8) against the same engine with a quantizer pass per linear (ROOFLM_FP8_FUSED_QUANT=0's
+    path): the same codes go to the same _scaled_mm, so prompt logprobs and greedy tokens are equal,
+    eager and under CUDA graphs, with per-token and with a checkpoint's static input scales."""
+    from rooflm.kernels import norm_act_fp8
+    from rooflm.llm import LLM
+    from rooflm.quant import linear_method
+    from rooflm.sampling_params import SamplingParams
+    from tests.models.tiny_models import make_tiny_model
+    from tests.unit.test_fp8 import write_vllm_fp8_static
+    src, _ = make_tiny_model(tmp_path, "llama", attention="gqa", hidden_size=256, intermediate_size=512)
+    model, kw = (src, {"quantization": "fp8"}) if activations == "dynamic" else \
+        (str(write_vllm_fp8_static(tmp_path, src, input_scale=0.02)[0]), {})
+    calls = []
+    real = norm_act_fp8.rmsnorm_fp8
+    monkeypatch.setattr(norm_act_fp8, "rmsnorm_fp8", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    prompts = [[5, 9, 17, 33, 2, 71, 14, 88], [7, 3, 120, 44, 9, 1], [11] * 40]
+    params = SamplingParams(max_tokens=12, temperature=0.0, prompt_logprobs=1, logprobs=1, ignore_eos=True)
+
+    def run(fused, eager):
+        monkeypatch.setattr(linear_method, "FP8_FUSED_QUANT", fused)
+        llm = LLM(model=model, device="cuda", dtype="bfloat16", enforce_eager=eager, max_model_len=256, **kw)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        del llm
+        torch.cuda.empty_cache()
+        return [([e[t].logprob for e, t in zip(o.prompt_logprobs[1:], p[1:])], o.outputs[0].token_ids,
+                 [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]) for o, p in zip(outs, prompts)]
+
+    for eager in (True, False):
+        del calls[:]
+        fused = run(True, eager)
+        assert calls, "the fused path should run"
+        n = len(calls)
+        apart = run(False, eager)
+        assert len(calls) == n, "ROOFLM_FP8_FUSED_QUANT=0's path should not call the fused kernels"
+        assert fused == apart
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Triton FP8 matmul takes TMA and fp8 wgmma (Hopper)")
+@pytest.mark.parametrize("m", [256, 323, 1000, 2048])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (1536, 576)])
+def test_triton_fp8_matmul_is_as_exact_as_scaled_mm(m, n, k):
+    """kernels/fp8_matmul.py against the exact fp32 sum of the same codes, in both tiles: its error
+    is bf16's output rounding plus the fp8 wgmma's accumulation, no more than _scaled_mm's with the
+    same fast accumulation; promoted sums are as exact as _scaled_mm's default."""
+    from rooflm.kernels.fp8_matmul import SQUARE, WIDE, fp8_matmul, fp8_matmul_ref
+    from rooflm.quant.fp8 import quantize_fp8_weight
+    g = torch.Generator(device="cuda").manual_seed(m + n)
+    w = quantize_fp8_weight(torch.randn(n, k, device="cuda", generator=g) * 0.02)
+    qw, sw = w.codes.cuda(), w.scales.cuda().float()
+    qx, sx = per_token_fp8(torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16) + 0.5)
+    ref = fp8_matmul_ref(qx, sx, qw, sw)
+
+    def err(y):
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        return ((y.float() - ref).norm() / ref.norm()).item()
+
+    def scaled_mm(fast):
+        return err(torch._scaled_mm(qx, qw.t(), scale_a=sx, scale_b=sw.reshape(1, -1), out_dtype=torch.bfloat16,
+                                    use_fast_accum=fast))
+
+    exact, fast = scaled_mm(False), scaled_mm(True)
+    for cfg in (WIDE, SQUARE):
+        got = err(fp8_matmul(qx, sx, qw, sw, config=cfg))
+        assert got < 5e-3 and got < 1.25 * max(fast, exact) + 1e-4, (cfg, got, fast, exact)
+    assert err(fp8_matmul(qx, sx, qw, sw, promote=True)) < 1.1 * exact + 1e-5
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Triton FP8 matmul takes TMA and fp8 wgmma (Hopper)")
+def test_fp8_linear_takes_the_triton_matmul_from_256_rows(monkeypatch):
+    from rooflm.kernels import fp8_matmul as module
+    from rooflm.quant.fp8 import quantize_fp8_weight
+    from rooflm.quant.linear_method import Fp8Linear
+    lin = Fp8Linear(quantize_fp8_weight(torch.randn(512, 256, device="cuda") * 0.02), torch.device("cuda"))
+    calls = []
+    real = module.fp8_matmul
+    monkeypatch.setattr(module, "fp8_matmul", lambda *a, **k: (calls.append(a[0].shape[0]), real(*a, **k))[1])
+    for m in (1, 255, 256, 700):
+        lin(torch.randn(m, 256, device="cuda", dtype=torch.bfloat16))
+    assert calls == [256, 700]

@@ -143,25 +143,32 @@ def test_kv_scales_calibrate_to_the_largest_per_token_scale_and_load_back(tmp_pa
     torch.testing.assert_close(runner.kv_scales[:, :, 0], scales)
 
 
-def test_vllm_fp8_static_per_tensor_checkpoint_loads(tmp_path):
-    """vLLM's "fp8" layout with per-tensor weight scales and static input scales: the fused q/k/v
-    take the largest input scale, and every linear multiplies what the file holds."""
+def write_vllm_fp8_static(tmp_path, src: str, input_scale: float = 0.05):
+    """A copy of the float model at `src` in vLLM's "fp8" layout: per-tensor weight scales and one
+    static input scale for every linear. Returns (directory, its config.json as a dict)."""
     from safetensors.torch import load_file, save_file
-    from tests.models.tiny_models import make_tiny_model
-    src, _ = make_tiny_model(tmp_path, "llama", attention="gqa")
     tensors = load_file(os.path.join(src, "model.safetensors"))
     for name in [n for n in tensors if n.startswith("model.layers.") and n.endswith("proj.weight")]:
         w = tensors[name].float()
         scale = w.abs().max() / FP8_MAX
         tensors[name] = (w / scale).to(FP8_DTYPE)
         tensors[name.replace(".weight", ".weight_scale")] = scale.reshape(())
-        tensors[name.replace(".weight", ".input_scale")] = torch.tensor(0.05)
+        tensors[name.replace(".weight", ".input_scale")] = torch.tensor(input_scale)
     out = tmp_path / "vllm-fp8"
     os.makedirs(out)
     save_file(tensors, str(out / "model.safetensors"))
     cfg = json.load(open(os.path.join(src, "config.json")))
     cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
     json.dump(cfg, open(out / "config.json", "w"))
+    return out, cfg
+
+
+def test_vllm_fp8_static_per_tensor_checkpoint_loads(tmp_path):
+    """vLLM's "fp8" layout with per-tensor weight scales and static input scales: the fused q/k/v
+    take the largest input scale, and every linear multiplies what the file holds."""
+    from tests.models.tiny_models import make_tiny_model
+    src, _ = make_tiny_model(tmp_path, "llama", attention="gqa")
+    out, cfg = write_vllm_fp8_static(tmp_path, src)
     llm = _llm(str(out))
     lin = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.quant
     assert lin.activations == "static" and float(lin.input_scale) == pytest.approx(0.05)
@@ -184,3 +191,24 @@ def test_kv_cache_scales_need_the_fp8_scheme(tmp_path, capsys):
         message = capsys.readouterr().err
     assert "--kv-cache-scales" in message and "--scheme fp8" in message
     assert not (tmp_path / "x").exists()
+
+
+def test_layers_pass_codes_from_the_norms_and_silu_mul_to_the_fp8_linears(tmp_path, monkeypatch):
+    """LlamaDecoderLayer._forward_fp8: the norms and SiLU-mul quantize their own output
+    (kernels/norm_act_fp8.py) and qkv, gate_up and down take the codes. The codes are the unfused
+    path's exactly, so the logits are too (here the fp32 emulation stands in for _scaled_mm, which
+    the CPU lacks; tests/kernels/test_norm_act_fp8.py checks the kernels bit for bit on the GPU)."""
+    from rooflm.kernels import norm_act_fp8
+    from tests.models.tiny_models import make_tiny_model
+    src, _ = make_tiny_model(tmp_path, "qwen2")  # biases: forward_fp8 adds them after the product
+    llm = _llm(src, quantization="fp8")
+    apart = _prompt_logprobs(llm)
+    calls = []
+    for name in ("rmsnorm_fp8", "silu_mul_fp8"):
+        real = getattr(norm_act_fp8, name)
+        monkeypatch.setattr(norm_act_fp8, name, lambda *a, _real=real, _n=name, **k: (calls.append(_n), _real(*a, **k))[1])
+    monkeypatch.setattr(Fp8Linear, "takes_fp8_input", True)
+    fused = _prompt_logprobs(llm)
+    layers = len(llm.engine.runner.model.model.layers)
+    assert calls.count("rmsnorm_fp8") >= 2 * layers and calls.count("silu_mul_fp8") >= layers
+    assert torch.equal(fused, apart)
