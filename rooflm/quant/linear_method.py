@@ -48,6 +48,8 @@ ACT_DTYPE = torch.bfloat16
 # ROOFLM_FP8_FUSED_QUANT=0: FP8 W8A8 linears quantize their own float input (a kernel of its own
 # after each norm and SiLU-mul) instead of taking the codes those ops write (kernels/norm_act_fp8.py).
 FP8_FUSED_QUANT = os.environ.get("ROOFLM_FP8_FUSED_QUANT", "1") != "0"
+# ROOFLM_FP8_FAST_ACCUM=0: FP8 products promote their partial sums to fp32 (_scaled_mm's default; slower).
+FP8_FAST_ACCUM = os.environ.get("ROOFLM_FP8_FAST_ACCUM", "1") != "0"
 
 
 def cpu_kernels_available() -> bool:
@@ -338,14 +340,12 @@ class Fp8Linear(QuantizedLinearMethod):
     def forward_fp8(self, qx: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
         """bf16 (fp32 emulated) y [M, N] of codes qx [M, K] with scales sx [M, 1]."""
         if self.use_scaled_mm:
-            from rooflm.kernels.fp8_matmul import fp8_matmul, fp8_matmul_usable
-            if fp8_matmul_usable(qx, self.qweight):  # Hopper, M >= 256: tiles that fit the shape
-                return fp8_matmul(qx, sx, self.qweight, self.weight_scale)
             try:
                 # Row-wise scaling takes a row-major A, a column-major B (W.T of the row-major
-                # [N, K] weight is one) and returns bf16.
+                # [N, K] weight is one) and returns bf16. Fast accumulation: quant/fp8.py's header.
                 return torch._scaled_mm(qx, self.qweight.t(), scale_a=sx.contiguous(),
-                                        scale_b=self.weight_scale.reshape(1, -1), out_dtype=torch.bfloat16)
+                                        scale_b=self.weight_scale.reshape(1, -1), out_dtype=torch.bfloat16,
+                                        use_fast_accum=FP8_FAST_ACCUM)
             except RuntimeError as exc:
                 # A torch build or shape without row-wise fp8 GEMMs: found at the first (eager,
                 # warm-up) call, before any CUDA graph is captured; the emulation is slower, not wrong.

@@ -121,49 +121,26 @@ def test_engine_fused_norm_quant_gives_the_unfused_logits(tmp_path, monkeypatch,
         assert fused == apart
 
 
-def _hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
-
-@pytest.mark.skipif(not _hopper(), reason="the Triton FP8 matmul takes TMA and fp8 wgmma (Hopper)")
-@pytest.mark.parametrize("m", [256, 323, 1000, 2048])
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (1536, 576)])
-def test_triton_fp8_matmul_is_as_exact_as_scaled_mm(m, n, k):
-    """kernels/fp8_matmul.py against the exact fp32 sum of the same codes, in both tiles: its error
-    is bf16's output rounding plus the fp8 wgmma's accumulation, no more than _scaled_mm's with the
-    same fast accumulation; promoted sums are as exact as _scaled_mm's default."""
-    from rooflm.kernels.fp8_matmul import SQUARE, WIDE, fp8_matmul, fp8_matmul_ref
+@pytest.mark.skipif(not _sm89(), reason="torch._scaled_mm needs fp8 tensor cores (sm89+)")
+@pytest.mark.parametrize("m", [256, 323, 2048])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
+def test_fp8_linear_fast_accumulation_error_against_the_exact_sum(m, n, k):
+    """Fp8Linear's products (fast accumulation, quant/fp8.py's header) against the exact fp32 sum of
+    the same codes: within bf16's output rounding plus the fp8 chain's, at most 2.5x the promoted
+    product's error (measured on the H100: 2.1e-3 and 3.3e-3 against 1.7e-3)."""
     from rooflm.quant.fp8 import quantize_fp8_weight
+    from rooflm.quant.linear_method import FP8_FAST_ACCUM, Fp8Linear, fp8_matmul_emulated
     g = torch.Generator(device="cuda").manual_seed(m + n)
-    w = quantize_fp8_weight(torch.randn(n, k, device="cuda", generator=g) * 0.02)
-    qw, sw = w.codes.cuda(), w.scales.cuda().float()
-    qx, sx = per_token_fp8(torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16) + 0.5)
-    ref = fp8_matmul_ref(qx, sx, qw, sw)
+    lin = Fp8Linear(quantize_fp8_weight(torch.randn(n, k, device="cuda", generator=g) * 0.02), torch.device("cuda"))
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16) + 0.5  # sums that do not cancel
+    qx, sx = per_token_fp8(x)
+    ref = fp8_matmul_emulated(qx, sx, lin.qweight, lin.weight_scale)
 
     def err(y):
-        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
         return ((y.float() - ref).norm() / ref.norm()).item()
 
-    def scaled_mm(fast):
-        return err(torch._scaled_mm(qx, qw.t(), scale_a=sx, scale_b=sw.reshape(1, -1), out_dtype=torch.bfloat16,
-                                    use_fast_accum=fast))
-
-    exact, fast = scaled_mm(False), scaled_mm(True)
-    for cfg in (WIDE, SQUARE):
-        got = err(fp8_matmul(qx, sx, qw, sw, config=cfg))
-        assert got < 5e-3 and got < 1.25 * max(fast, exact) + 1e-4, (cfg, got, fast, exact)
-    assert err(fp8_matmul(qx, sx, qw, sw, promote=True)) < 1.1 * exact + 1e-5
-
-
-@pytest.mark.skipif(not _hopper(), reason="the Triton FP8 matmul takes TMA and fp8 wgmma (Hopper)")
-def test_fp8_linear_takes_the_triton_matmul_from_256_rows(monkeypatch):
-    from rooflm.kernels import fp8_matmul as module
-    from rooflm.quant.fp8 import quantize_fp8_weight
-    from rooflm.quant.linear_method import Fp8Linear
-    lin = Fp8Linear(quantize_fp8_weight(torch.randn(512, 256, device="cuda") * 0.02), torch.device("cuda"))
-    calls = []
-    real = module.fp8_matmul
-    monkeypatch.setattr(module, "fp8_matmul", lambda *a, **k: (calls.append(a[0].shape[0]), real(*a, **k))[1])
-    for m in (1, 255, 256, 700):
-        lin(torch.randn(m, 256, device="cuda", dtype=torch.bfloat16))
-    assert calls == [256, 700]
+    promoted = err(torch._scaled_mm(qx, lin.qweight.t(), scale_a=sx, scale_b=lin.weight_scale.reshape(1, -1),
+                                    out_dtype=torch.bfloat16))
+    got = err(lin(x))
+    assert FP8_FAST_ACCUM and promoted < 2e-3 and got < 5e-3 and got < 2.5 * promoted, (got, promoted)
