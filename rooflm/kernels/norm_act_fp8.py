@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 from rooflm.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, per_token_fp8_ref, static_fp8
+from rooflm.kernels.rmsnorm import rmsnorm_row
 from rooflm.kernels.utils import check_last_dim_contiguous, gdc_launch_dependents, gdc_wait, next_power_of_2, pdl_launch
 
 
@@ -81,16 +82,9 @@ def _rmsnorm_fp8_kernel(q_ptr, s_ptr, x_ptr, residual_ptr, residual_out_ptr, wei
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
-    dtype = x_ptr.dtype.element_ty
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)  # torch's x + residual
-        tl.store(residual_out_ptr + row * stride_ro + offs, x, mask=mask)
-    h = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, 0) / N + eps)
-    y = ((h * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+    y = rmsnorm_row(x_ptr, residual_ptr, residual_out_ptr, weight_ptr, row, stride_x, stride_r, stride_ro,
+                    offs, mask, N, eps, HAS_RESIDUAL)
+    y = y.to(x_ptr.dtype.element_ty).to(tl.float32)  # the value rmsnorm.py writes
     scale = _row_scale(y, s_ptr, row, STATIC, FP8_MAX_C, MIN_SCALE_C)
     q = tl.clamp(tl.math.div_rn(y, scale), -FP8_MAX_C, FP8_MAX_C)
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)

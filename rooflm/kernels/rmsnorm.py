@@ -42,15 +42,10 @@ from rooflm.kernels.utils import check_last_dim_contiguous, gdc_launch_dependent
 # --------------------------------------------------------------------------
 
 @triton.jit
-def _rmsnorm_kernel(out_ptr, x_ptr, residual_ptr, residual_out_ptr, weight_ptr,
-                    stride_x, stride_r, stride_o, stride_ro, N, eps,
-                    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # launched while the kernel before drains (utils.pdl_supported): wait for its x
-        gdc_launch_dependents()
-        gdc_wait()
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < N
+def rmsnorm_row(x_ptr, residual_ptr, residual_out_ptr, weight_ptr, row, stride_x, stride_r, stride_ro,
+                offs, mask, N, eps, HAS_RESIDUAL: tl.constexpr):
+    """One row's weight * normalised value in fp32 (HF's cast of the normalised value applied; the
+    product not yet rounded), storing x + residual first when HAS_RESIDUAL. norm_act_fp8.py shares it."""
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
@@ -60,8 +55,22 @@ def _rmsnorm_kernel(out_ptr, x_ptr, residual_ptr, residual_out_ptr, weight_ptr,
     h = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, 0) / N + eps)
     normed = (h * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    return normed * tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rmsnorm_kernel(out_ptr, x_ptr, residual_ptr, residual_out_ptr, weight_ptr,
+                    stride_x, stride_r, stride_o, stride_ro, N, eps,
+                    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched while the kernel before drains (utils.pdl_supported): wait for its x
+        gdc_launch_dependents()
+        gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    y = rmsnorm_row(x_ptr, residual_ptr, residual_out_ptr, weight_ptr, row, stride_x, stride_r, stride_ro,
+                    offs, mask, N, eps, HAS_RESIDUAL)
+    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------
