@@ -241,12 +241,3 @@ def silu_mul_fp8_ref(x: torch.Tensor, static_scale: Optional[torch.Tensor] = Non
     from rooflm.kernels.silu_mul import silu_mul_ref
     return _quantize_ref(silu_mul_ref(x), static_scale)
 
-
-def norm_act_fp8_bytes(rows: int, n: int, elem_bytes: int, kind: str, has_residual: bool = False) -> int:
-    """Bytes the fused kernel must move (its header's Work): kind "rmsnorm" ([T, N]) or "silu_mul"
-    (n = I, input [T, 2I]); the codes 1 byte a value, a 4-byte scale a row."""
-    if kind == "rmsnorm":
-        reads = (2 if has_residual else 1) * rows * n * elem_bytes + n * elem_bytes
-        writes = rows * n + 4 * rows + (rows * n * elem_bytes if has_residual else 0)
-        return reads + writes
-    return 2 * rows * n * elem_bytes + rows * n + 4 * rows
