@@ -10,8 +10,9 @@
 #        OUT=dir bash benchmarks/quant.sh sweep  the W4A16/W8A16 tile sweep (< 4 min): bf16, the kernels
 #        before s9-w4 and the new ones' candidate tiles on the 8B shapes and LM head at batch 1/4/16/64; writes
 #        the best tiles into rooflm/kernels/tuned/weight_only.json for this GPU (commit it).
-#        OUT=dir bash benchmarks/quant.sh fp8   FP8 W8A8 instead (< 6 min): its GPU tests, the fp8
-#        linear against bf16 on the 8B shapes (benchmarks/fp8_linear.py), and decode tok/s of the
+#        OUT=dir bash benchmarks/quant.sh fp8   FP8 W8A8 instead (< 8 min): its GPU tests, the fp8
+#        linear against bf16 on the 8B shapes (benchmarks/fp8_linear.py), the products' accumulation
+#        modes at decode and prefill M (benchmarks/fp8_matmul.py), and decode tok/s of the
 #        8B shape in bf16 and fp8 at batch 1 (128 in / 256 out) and 64 (128 in / 128 out).
 #        OUT=dir bash benchmarks/quant.sh offline   issue 19's offline target (< 8 min on an H100):
 #        1000 x 1024/1024 with FP8 W8A8 + FP8 KV (static, then per-token scales) beside bf16, each
@@ -40,9 +41,11 @@ if [ "${1:-}" = sweep ]; then
   exit 0
 fi
 if [ "${1:-}" = fp8 ]; then
-  timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8_w8a8.py > "$OUT/gpu-tests-fp8.txt" 2>&1
+  timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8_w8a8.py \
+    tests/kernels/test_norm_act_fp8.py > "$OUT/gpu-tests-fp8.txt" 2>&1
   tail -3 "$OUT/gpu-tests-fp8.txt"
   timeout 120 python benchmarks/fp8_linear.py --out "$OUT" 2>&1 | tee "$OUT/fp8-linear.txt"
+  timeout 120 python benchmarks/fp8_matmul.py --out "$OUT" 2>&1 | tee "$OUT/fp8-matmul.txt"
   timeout 200 python benchmarks/quant_decode.py --formats bf16,fp8 --batches 1,64 --out "$OUT/fp8" \
     > "$OUT/decode-fp8.txt" 2>&1 || tail -5 "$OUT/decode-fp8.txt"
   grep -h '^|' "$OUT/decode-fp8.txt"
