@@ -121,7 +121,6 @@ def test_engine_fused_norm_quant_gives_the_unfused_logits(tmp_path, monkeypatch,
         assert fused == apart
 
 
-
 @pytest.mark.skipif(not _sm89(), reason="torch._scaled_mm needs fp8 tensor cores (sm89+)")
 @pytest.mark.parametrize("m", [256, 323, 2048])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
