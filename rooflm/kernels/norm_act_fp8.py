@@ -22,9 +22,10 @@ kernels/rmsnorm.py and kernels/silu_mul.py:
     then          s  = max(max|y| / 448, MIN_SCALE) per row      (dynamic; static: the given scale)
                   q  = e4m3(clamp(y / s, -448, 448))              IEEE divides (div_rn), as torch's
 
-RMSNorm holds its row in registers (one program a row, as kernels/rmsnorm.py). SiLU-mul rows are
-longer (14336 on Llama-3-8B): pass one computes y chunk by chunk for max|y|, pass two computes it
-again (gate/up re-read from L2) and stores the codes; a static scale needs one pass.
+RMSNorm holds its row in registers (one program a row, as kernels/rmsnorm.py). So does SiLU-mul up
+to SILU_ROW_MAX columns (14336 on Llama-3-8B: 16 warps, 32 values a thread). Longer rows take two
+passes: pass one computes y chunk by chunk for max|y|, pass two computes it again (gate/up re-read,
+from L2 if they are still there) and stores the codes; a static scale needs one pass.
 
 Shapes
 ------
@@ -34,7 +35,8 @@ silu_mul_fp8: x [T, 2I] (gate, then up) -> q [T, I] e4m3, s [T, 1] fp32
 Work
 ----
 FLOPs ~6 a value, negligible. Bytes per row (e = 2 for bf16): rmsnorm_fp8 N e read (+ N e residual
-read and N e written) + N written + 4; silu_mul_fp8 2 I e read (twice, the second from L2) + I + 4.
+read and N e written) + N written + 4; silu_mul_fp8 2 I e read + I + 4 (rows past SILU_ROW_MAX: the
+2 I e read twice).
 Memory-bound: the yardstick is GB/s against the copy bandwidth.
 
 The references below are the definition: the unfused torch references, composed. Triton's 1/sqrt
@@ -102,7 +104,7 @@ def _silu_mul_chunk(x_row, k0, cols, I, dtype: tl.constexpr):
 
 @triton.jit
 def _silu_mul_fp8_kernel(q_ptr, s_ptr, x_ptr, stride_x, stride_q, I,
-                         BLOCK: tl.constexpr, STATIC: tl.constexpr,
+                         BLOCK: tl.constexpr, STATIC: tl.constexpr, ONE_PASS: tl.constexpr,
                          FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, PDL: tl.constexpr = False):
     if PDL:
         gdc_launch_dependents()
@@ -111,6 +113,12 @@ def _silu_mul_fp8_kernel(q_ptr, s_ptr, x_ptr, stride_x, stride_q, I,
     cols = tl.arange(0, BLOCK)
     dtype = x_ptr.dtype.element_ty
     x_row = x_ptr + row * stride_x
+    if ONE_PASS:  # BLOCK >= I: the whole row in registers, gate/up read once
+        y, mask = _silu_mul_chunk(x_row, 0, cols, I, dtype)
+        scale = _row_scale(y, s_ptr, row, STATIC, FP8_MAX_C, MIN_SCALE_C)
+        q = tl.clamp(tl.math.div_rn(y, scale), -FP8_MAX_C, FP8_MAX_C)
+        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        return
     if STATIC:
         scale = tl.load(s_ptr)
     else:
@@ -131,7 +139,11 @@ def _silu_mul_fp8_kernel(q_ptr, s_ptr, x_ptr, stride_x, stride_q, I,
 # --------------------------------------------------------------------------
 
 MAX_HIDDEN = 65536  # rmsnorm_fp8 holds a row in registers
-SILU_BLOCK = 4096  # columns a silu_mul_fp8 program takes per loop step
+SILU_BLOCK = 4096  # columns a silu_mul_fp8 program takes per loop step (rows longer than SILU_ROW_MAX)
+# Rows up to this many columns are held whole in registers (one pass; 16 warps, 32 fp32 values a
+# thread at 16384). The two-pass loop re-read gate/up: at 2048 x 14336 its second pass missed L2
+# (2048 rows x 57 KB) and the kernel moved ~1.5 TB/s.
+SILU_ROW_MAX = 16384
 
 
 def triton_fp8_usable(x: torch.Tensor) -> bool:
@@ -204,12 +216,13 @@ def silu_mul_fp8(x: torch.Tensor, static_scale: Optional[torch.Tensor] = None) -
     q = torch.empty((rows, inter), dtype=FP8_DTYPE, device=x.device)
     s = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows and inter:
-        block = min(SILU_BLOCK, next_power_of_2(inter))
+        one_pass = next_power_of_2(inter) <= SILU_ROW_MAX
+        block = next_power_of_2(inter) if one_pass else SILU_BLOCK
         _silu_mul_fp8_kernel[(rows,)](
             q, static_scale.reshape(1).float() if static_scale is not None else s, x,
-            x.stride(0), q.stride(0), inter, BLOCK=block, STATIC=static_scale is not None,
-            FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE, num_warps=8 if block >= 2048 else 4,
-            **pdl_launch(x.device))
+            x.stride(0), q.stride(0), inter, BLOCK=block, STATIC=static_scale is not None, ONE_PASS=one_pass,
+            FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
+            num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4, **pdl_launch(x.device))
     if static_scale is not None:
         s = static_scale.reshape(1, 1).float().expand(rows, 1)
     return q, s

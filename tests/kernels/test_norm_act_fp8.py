@@ -100,10 +100,11 @@ def test_rmsnorm_fp8_writes_the_unfused_codes(m, n, dtype, residual, static):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm89(), reason="the Triton e4m3 kernels run on sm89+ only")
-@pytest.mark.parametrize("m,inter", [(1, 14336), (33, 14336), (4, 100), (257, 5000)])
+@pytest.mark.parametrize("m,inter", [(1, 14336), (33, 14336), (4, 100), (257, 5000), (3, 20000)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("static", [False, True])
 def test_silu_mul_fp8_writes_the_unfused_codes(m, inter, dtype, static):
+    """Rows up to SILU_ROW_MAX columns in one pass, longer ones (20000) in the two-pass loop."""
     x, _ = _rows(m, 2 * inter, dtype, m + inter)
     x = x.clamp(-60, 60)  # fp16's silu * up stays finite
     # A static scale that saturates the largest values (rows span six decades).
