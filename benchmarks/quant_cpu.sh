@@ -25,6 +25,8 @@
 #        int4-g128-awq-gptq-score-skipqk (no range shrink on q/k rows, --mse-skip-qk), int4-g128-awq-gptq-score-skipqk-refit
 #        int4-g128-awq-gptq-skipqk-damp10 int4-g128-awq-gptq-skipqk-damp001 (GPTQ damping 0.1 / 0.001, --damp)
 #        int4-g128-awq-gptq-skipqk-c64 (64 calibration windows) (2026-11-27: the skip-qk row's flags, one change each)
+#        int4-g128-gptq-ao-mse-v2 int4-g128-gptq-ao-mse-v2a1 int4-g128-gptq-ao-mse-skipqk-v2 int4-g128-awq-gptq-skipqk-v2 int4-g128-awq-gptq-skipqk-v2a1
+#        (GPTQv2's asymmetric calibration, --gptq-v2, alpha 0.25 / 1; 2026-11-27 s25)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/quant-cpu-$(date -u +%Y%m%d)}
@@ -93,6 +95,13 @@ one() {
     int4-g128-awq-gptq-skipqk-damp001) run int4-g128-awq-gptq-skipqk-damp001 --scheme int4-g128 --method awq+gptq --act-order --mse --mse-skip-qk --damp 0.001 --calib-windows 32 --awq-score gptq --no-sequential ;;
     # The skip-qk row with 64 calibration windows (32,768 tokens) instead of 32.
     int4-g128-awq-gptq-skipqk-c64) run int4-g128-awq-gptq-skipqk-c64 --scheme int4-g128 --method awq+gptq --act-order --mse --mse-skip-qk --calib-windows 64 --awq-score gptq --no-sequential ;;
+    # GPTQv2's asymmetric calibration (--gptq-v2: each linear fitted to the float model's outputs, fed the quantized
+    # model's inputs; gptq.asymmetric_target), alpha 0.25 (GPTQModel's default) and 1 (the full least-squares target).
+    int4-g128-gptq-ao-mse-v2) run int4-g128-gptq-ao-mse-v2 --scheme int4-g128 --method gptq --act-order --mse --calib-windows 32 --gptq-v2 ;;
+    int4-g128-gptq-ao-mse-v2a1) run int4-g128-gptq-ao-mse-v2a1 --scheme int4-g128 --method gptq --act-order --mse --calib-windows 32 --gptq-v2 --gptq-v2-alpha 1 ;;
+    int4-g128-gptq-ao-mse-skipqk-v2) run int4-g128-gptq-ao-mse-skipqk-v2 --scheme int4-g128 --method gptq --act-order --mse --mse-skip-qk --calib-windows 32 --gptq-v2 ;;
+    int4-g128-awq-gptq-skipqk-v2) run int4-g128-awq-gptq-skipqk-v2 --scheme int4-g128 --method awq+gptq --act-order --mse --mse-skip-qk --calib-windows 32 --awq-score gptq --gptq-v2 ;;
+    int4-g128-awq-gptq-skipqk-v2a1) run int4-g128-awq-gptq-skipqk-v2a1 --scheme int4-g128 --method awq+gptq --act-order --mse --mse-skip-qk --calib-windows 32 --awq-score gptq --gptq-v2 --gptq-v2-alpha 1 ;;
     int4-g128-awq-block) run int4-g128-awq-block --scheme int4-g128 --method awq --calib-windows 32 --awq-objective block ;;
     *) echo "unknown run $1" >&2; return 2 ;;
   esac

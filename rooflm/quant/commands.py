@@ -9,6 +9,7 @@ from rooflm.eval.ppl import CALIB_SKIP_WINDOWS, CALIB_WINDOWS, WINDOW
 
 # rooflm.quant.gptq.DEFAULT_DAMP, repeated so that building the CLI imports no torch
 GPTQ_DAMP = 0.01
+GPTQ_V2_ALPHA = 0.25
 
 _FLOAT_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 
@@ -69,6 +70,14 @@ def register(sub) -> None:
                    help="GPTQ / AWQ+GPTQ: calibrate each linear on the outputs of the already quantized linears "
                         "before it (true-sequential, sequential.py) instead of the float model's; default on for "
                         "gptq (+7.2%% vs +8.4%% perplexity on SmolLM2 g128), off for awq+gptq (g128 +5.46%% vs +5.37%%, g32 +4.87%% vs +3.85%%)")
+    p.add_argument("--gptq-v2", action="store_true",
+                   help="GPTQ / AWQ+GPTQ: GPTQv2's asymmetric calibration (GPTQModel's v2=True): each linear is "
+                        "fitted to the float model's outputs on the float model's inputs while fed the quantized "
+                        "predecessors' (gptq.asymmetric_target); implies --sequential and one more calibration "
+                        "prefill whose inputs are held in memory (~6.4 GB for SmolLM2 at 32 windows)")
+    p.add_argument("--gptq-v2-alpha", type=float, default=GPTQ_V2_ALPHA,
+                   help="--gptq-v2: how much of the asymmetric correction to apply, 0..1 (0 is plain sequential "
+                        "GPTQ; GPTQv2's and GPTQModel's default 0.25)")
     p.add_argument("--kv-cache-scales", action="store_true",
                    help="--scheme fp8: also calibrate static FP8 K/V scales on the calibration windows (one "
                         "per layer for K after RoPE and one for V: max |x| / 448) and write them as "
@@ -117,6 +126,18 @@ def run_quantize(args: argparse.Namespace) -> int:
         raise ValueError(f"--damp sets GPTQ's damping: it applies to --method gptq and awq+gptq, not {args.method}")
     if args.refit and args.method not in ("gptq", "awq+gptq"):
         raise ValueError(f"--refit refits GPTQ's scales: it applies to --method gptq and awq+gptq, not {args.method}")
+    if args.gptq_v2:
+        if args.method not in ("gptq", "awq+gptq"):
+            raise ValueError(f"--gptq-v2 changes GPTQ's calibration: it applies to --method gptq and awq+gptq, not {args.method}")
+        if args.awq_inputs == "quantized":
+            raise ValueError("--gptq-v2 is not implemented for --awq-inputs quantized (awq_sequential.py's own pass)")
+        if args.sequential is False:
+            raise ValueError("--gptq-v2 calibrates on the quantized predecessors' inputs: it cannot be --no-sequential")
+        if not 0 <= args.gptq_v2_alpha <= 1:
+            raise ValueError(f"--gptq-v2-alpha is a fraction of the asymmetric correction: 0..1, got {args.gptq_v2_alpha}")
+        sequential = True
+    elif args.gptq_v2_alpha != GPTQ_V2_ALPHA:
+        raise ValueError("--gptq-v2-alpha sets --gptq-v2's correction: give --gptq-v2 too")
     awq_on_quantized = args.awq_inputs == "quantized"
     if awq_on_quantized:
         if args.method != "awq+gptq" or args.awq_objective != "block":
@@ -211,8 +232,9 @@ def run_quantize(args: argparse.Namespace) -> int:
             from rooflm.quant.sequential import sequential_gptq
             t2 = time.perf_counter()
             prequantized = sequential_gptq(llm, windows, scheme, args.act_order, args.mse, refit=args.refit,
-                                           mse_skip_qk=args.mse_skip_qk, damp=args.damp)
-            print(f"sequential GPTQ: {len(prequantized)} linears in {time.perf_counter() - t2:.1f} s")
+                                           mse_skip_qk=args.mse_skip_qk, damp=args.damp,
+                                           v2_alpha=args.gptq_v2_alpha if args.gptq_v2 else None)
+            print(f"sequential GPTQ{'v2' if args.gptq_v2 else ''}: {len(prequantized)} linears in {time.perf_counter() - t2:.1f} s")
         tensors = quantized_state_dict(model, scheme, method, hessians, float_dtype, args.act_order, args.mse,
                                        prequantized, refit=args.refit, mse_skip_qk=args.mse_skip_qk,
                                        damp=args.damp)
@@ -224,6 +246,8 @@ def run_quantize(args: argparse.Namespace) -> int:
         options += " --sequential" if sequential else " --no-sequential"
         if args.damp != GPTQ_DAMP:
             options += f" --damp {args.damp:g}"
+        if args.gptq_v2:
+            options += f" --gptq-v2 --gptq-v2-alpha {args.gptq_v2_alpha:g}"
     if args.method.startswith("awq"):
         options += f" --awq-score {args.awq_score} --awq-objective {args.awq_objective}"
         if args.awq_objective == "block":

@@ -108,6 +108,34 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size:
     return q
 
 
+def asymmetric_target(w: torch.Tensor, hessian: torch.Tensor, cross: torch.Tensor, alpha: float,
+                      damp: float = DEFAULT_DAMP) -> torch.Tensor:
+    """GPTQv2's asymmetric calibration (Li et al. 2025, "GPTQv2: Efficient Finetuning-Free
+    Quantization with Asymmetric Calibration"; GPTQModel's `v2=True`): the weight GPTQ should
+    quantize when the quantized layer, fed the quantized model's inputs X~, is to reproduce the
+    float layer's output on the float model's inputs X.
+
+    ||W X - Q X~||^2 = ||(W' - Q) X~||^2 + (a constant in Q), W' = W X X~^T H~^-1 = W + W dX X~^T H~^-1
+    with H~ = X~ X~^T and dX = X - X~: W' is the least-squares fit of the float outputs from X~,
+    and the remainder lies outside X~'s row space, so GPTQ on (W', H~) minimises the asymmetric
+    loss exactly. Here w [N, K], hessian = H~ [K, K], cross = dX X~^T [K, K] (both sums over the
+    calibration tokens), and W' = W + alpha W cross (H~ + damp)^-1. alpha < 1 shrinks the
+    correction toward plain sequential GPTQ (alpha 0): the fit has K x K parameters from the
+    calibration tokens (GPTQv2 and GPTQModel default to 0.25). The ridge is GPTQ's own damping."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"GPTQv2 alpha must be in [0, 1] (0: plain GPTQ, 1: the full least-squares target); got {alpha}")
+    W = w.detach().float()
+    H = hessian.detach().float().clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    H += damp * torch.diag(H).mean() * torch.eye(H.shape[0])
+    c = cross.detach().float().clone()
+    c[:, dead] = 0.0
+    # (W c) H^-1 = solve(H, (W c)^T)^T; H is symmetric positive definite.
+    correction = torch.cholesky_solve((W @ c).T, torch.linalg.cholesky(H)).T
+    return W + alpha * correction
+
+
 def range_search_rows(linear, skip_qk: bool) -> Optional[torch.Tensor]:
     """The rows of `linear` whose group range GPTQ's `mse` may shrink: all (None) unless skip_qk,
     which keeps the q and k rows of a fused qkv_proj at their full min..max range.

@@ -55,19 +55,47 @@ def kv_cache_gb_for(info, tokens: int) -> float:
     return 1.1 * tokens * info.model_config.kv_bytes_per_token(info.kv_dtype_bytes) / 2**30
 
 
+def capture_inputs(llm, windows: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Every decoder linear's input over the calibration windows, [tokens, in_features] fp32, from
+    one prefill of the model as it is now (the float model, for GPTQv2's targets). SmolLM2-135M
+    at 32 windows of 512 tokens: ~6.4 GB."""
+    from rooflm.quant.quantize import decoder_linears
+    from rooflm.sampling_params import SamplingParams
+    check_one_step(llm, windows, "GPTQv2's float pass")
+    inputs: dict[str, torch.Tensor] = {}
+
+    def hook(mod, args, name):
+        if name in inputs:
+            raise RuntimeError(f"GPTQv2: {name} ran twice; the calibration must be one prefill step")
+        inputs[name] = args[0].reshape(-1, mod.in_features).detach().float().clone()
+
+    handles = [m.register_forward_pre_hook(lambda mod, args, name=name: hook(mod, args, name))
+               for name, m in decoder_linears(llm.engine.model).items()]
+    try:
+        llm.generate(windows, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return inputs
+
+
 def sequential_gptq(llm, windows: list[list[int]], scheme: WeightScheme, act_order: bool = False,
                     mse: bool = False, hessians: Optional[dict[str, torch.Tensor]] = None,
-                    refit: bool = False, mse_skip_qk: bool = False, damp: float = DEFAULT_DAMP) -> dict:
+                    refit: bool = False, mse_skip_qk: bool = False, damp: float = DEFAULT_DAMP,
+                    v2_alpha: Optional[float] = None) -> dict:
     """Quantize every decoder linear of `llm`'s (float) model in place, layer by layer on the
     quantized predecessors' outputs; returns {rooflm linear name: GroupWeight/ChannelWeight}.
     The model's linear weights are left as the dequantized values (what the checkpoint loads to).
-    `hessians`, if given, is filled with the Hessian each linear was quantized with."""
-    from rooflm.quant.gptq import gptq_quantize, range_search_rows
+    `hessians`, if given, is filled with the Hessian each linear was quantized with.
+    v2_alpha: GPTQv2's asymmetric calibration (gptq.asymmetric_target): each linear is fitted to
+    the float model's outputs on the float model's inputs, captured first in one more prefill."""
+    from rooflm.quant.gptq import asymmetric_target, gptq_quantize, range_search_rows
     from rooflm.quant.quantize import decoder_linears
     from rooflm.sampling_params import SamplingParams
     model = llm.engine.model
     total = sum(len(w) for w in windows)
     check_one_step(llm, windows, "sequential GPTQ")
+    float_inputs = capture_inputs(llm, windows) if v2_alpha is not None else None
     quantized: dict = {}
 
     @torch.no_grad()
@@ -81,11 +109,19 @@ def sequential_gptq(llm, windows: list[list[int]], scheme: WeightScheme, act_ord
         h = x.T @ x
         if hessians is not None:
             hessians[name] = h
+        w = mod.weight.detach().float()
+        if float_inputs is not None:
+            x_float = float_inputs.pop(name)
+            if x_float.shape != x.shape:
+                raise RuntimeError(f"GPTQv2: {name}'s float pass saw {tuple(x_float.shape)} inputs, the quantized "
+                                   f"pass {tuple(x.shape)}: the two prefills must batch the same tokens")
+            w = asymmetric_target(w, h, (x_float - x).T @ x, v2_alpha, damp)
+            del x_float
         # GPTQ's column loop is thousands of tiny ops: one thread (see commands.py).
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            q = gptq_quantize(mod.weight.detach().float(), h, scheme.bits, scheme.group_size,
+            q = gptq_quantize(w, h, scheme.bits, scheme.group_size,
                               act_order=act_order, mse=mse, refit=refit,
                               mse_rows=range_search_rows(mod, mse_skip_qk), damp=damp)
         finally:

@@ -91,3 +91,20 @@ def test_the_cli_default_damping_is_gptqs():
     from rooflm.quant.commands import GPTQ_DAMP
     from rooflm.quant.gptq import DEFAULT_DAMP
     assert GPTQ_DAMP == DEFAULT_DAMP
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--gptq-v2", "--no-sequential"], "cannot be --no-sequential"),
+    (["--gptq-v2", "--method", "rtn"], "applies to --method gptq"),
+    (["--gptq-v2", "--gptq-v2-alpha", "2"], "0..1"),
+    (["--gptq-v2-alpha", "0.5"], "give --gptq-v2 too"),
+])
+def test_gptq_v2_flags_are_checked_before_anything_loads(flags, message, tmp_path):
+    import argparse
+
+    from rooflm.quant.commands import register
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["quantize", "--model", str(tmp_path / "absent"), "--output", str(tmp_path / "o")] + flags)
+    with pytest.raises(ValueError, match=message):
+        args.func(args)

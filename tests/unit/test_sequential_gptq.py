@@ -78,3 +78,51 @@ def test_sequential_needs_the_kv_cache_to_hold_every_window(tmp_path):
     total = sum(map(len, WINDOWS))
     with pytest.raises(ValueError, match="cpu_kv_cache_gb"):
         sequential_gptq(_llm(src, max_num_batched_tokens=total, num_blocks=20), WINDOWS, SCHEME)
+
+
+def test_asymmetric_target_is_the_least_squares_fit_of_the_float_outputs():
+    """GPTQv2's target W' (alpha 1, no ridge) is the least-squares map from the quantized inputs
+    X~ to the float outputs W X; alpha 0 is W itself, and alpha scales the correction."""
+    from rooflm.quant.gptq import asymmetric_target
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2000, 64, generator=g, dtype=torch.float64).float()
+    xq = x + 0.1 * torch.randn(2000, 64, generator=g)
+    w = torch.randn(16, 64, generator=g)
+    h, cross = xq.T @ xq, (x - xq).T @ xq
+    fit = torch.linalg.lstsq(xq, x @ w.T).solution.T
+    full = asymmetric_target(w, h, cross, 1.0, damp=1e-9)
+    assert torch.allclose(full, fit, atol=1e-4), (full - fit).abs().max()
+    assert (w - fit).abs().max() > 0.02  # the inputs differ enough for the fit to move
+    assert torch.equal(asymmetric_target(w, h, cross, 0.0), w)
+    half = asymmetric_target(w, h, cross, 0.5, damp=1e-9)
+    assert torch.allclose(half, w + 0.5 * (full - w), atol=1e-5)
+    with pytest.raises(ValueError, match="alpha"):
+        asymmetric_target(w, h, cross, 1.5)
+
+
+def test_gptq_v2_fits_each_linear_to_the_float_outputs(tmp_path):
+    """With --gptq-v2 the first linear (fed by the embeddings: nothing quantized before it) is
+    quantized as plain sequential GPTQ quantizes it; a later one is fitted to the float model's
+    outputs, so its asymmetric loss ||X W^T - X~ Q^T|| is below that of plain GPTQ on the same
+    quantized inputs X~ (which aims at X~ W^T instead)."""
+    from rooflm.quant.gptq import gptq_quantize
+    from rooflm.quant.sequential import capture_inputs, sequential_gptq
+    from tests.models.tiny_models import make_tiny_model
+    src, _ = make_tiny_model(tmp_path, "llama", attention="gqa")
+    total = sum(map(len, WINDOWS))
+    float_llm = _llm(src, max_num_batched_tokens=total)
+    x_float = capture_inputs(float_llm, WINDOWS)
+    plain = sequential_gptq(_llm(src, max_num_batched_tokens=total), WINDOWS, SCHEME)
+    llm = _llm(src, max_num_batched_tokens=total)
+    v2 = sequential_gptq(llm, WINDOWS, SCHEME, v2_alpha=1.0)
+    first = "model.layers.0.self_attn.qkv_proj"
+    assert torch.equal(v2[first].codes, plain[first].codes)
+    x_quant = capture_inputs(llm, WINDOWS)  # the inputs each linear was quantized with
+    name = "model.layers.1.mlp.down_proj"
+    w = float_llm.engine.runner.model.get_submodule(name).weight.detach().float()
+    target = x_float[name] @ w.T
+    q_plain = gptq_quantize(w, x_quant[name].T @ x_quant[name], SCHEME.bits, SCHEME.group_size)
+
+    def loss(q):
+        return (target - x_quant[name] @ q.dequantize().T).square().sum()
+    assert loss(v2[name]) < 0.9 * loss(q_plain), (loss(v2[name]), loss(q_plain))
