@@ -5,7 +5,10 @@ presence penalties -> logit_bias -> suppressed tokens -> the grammar's token
 bitmask (structured outputs) -> greedy rows take the argmax; the
 other rows go through temperature -> top-k -> top-p -> min-p and are sampled
 with the exponential race (gpt-fast): argmax(probs / q), q ~ Exponential(1),
-which draws from `probs` without a device-host sync (no multinomial).
+which draws from `probs` without a device-host sync (no multinomial). On CUDA,
+a batch whose rows ask for nothing but a temperature (temperature_only) takes
+one kernel instead, the same race as a Gumbel-max over the logits
+(kernels/gumbel_sample.py).
 
 Logprobs are of the model's own distribution, log_softmax of the logits
 before penalties and temperature (vLLM's default "raw_logprobs"): they say how
@@ -24,6 +27,7 @@ CUDA). The engine syncs when it reads the sampled ids back (.tolist()).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -337,8 +341,28 @@ def sample_from_probs(
     return torch.argmax(probs / q, dim=-1)
 
 
+# ROOFLM_FUSED_SAMPLING=0: temperature-only batches on CUDA take the torch path too (the A/B switch).
+FUSED_SAMPLING = os.environ.get("ROOFLM_FUSED_SAMPLING", "1") != "0"
+
+
+def temperature_only(meta: SamplingMetadata) -> bool:
+    """Whether every row is greedy or plain temperature sampling from the global RNG: no
+    penalty, bias, suppressed id, grammar mask, top-k/p, min-p or per-request generator."""
+    return (not meta.all_greedy and meta.top_k is None and meta.top_p is None and meta.min_p is None
+            and meta.repetition_penalty is None and meta.frequency_penalty is None and meta.suppress_rows is None
+            and meta.bias_rows is None and meta.token_bitmask is None and not meta.generators)
+
+
 class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        if FUSED_SAMPLING and logits.is_cuda and temperature_only(meta):
+            # One pass over the logits (kernels/gumbel_sample.py): the same distribution.
+            from rooflm.kernels.gumbel_sample import gumbel_sample
+            scale = meta.temperature[:, 0]
+            if meta.greedy_mask is not None:
+                scale = scale.masked_fill(meta.greedy_mask, 0.0)
+            sampled = gumbel_sample(logits, scale)
+            return self.with_logprobs(logits.float() if meta.max_num_logprobs is not None else logits, sampled, meta)
         logits = logits.float()
         raw_logits = logits
         logits = self.process_logits(logits, meta)

@@ -67,12 +67,14 @@ def test_top_k_1_equals_greedy():
     assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
 
 
-def test_mixed_greedy_and_random_rows():
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_greedy_and_random_rows(device):
+    """On CUDA a temperature-only batch takes the fused kernel: its greedy rows too."""
     torch.manual_seed(2)
-    logits = torch.randn(6, 32)
+    logits = torch.randn(6, 32, device=device)
     rows = [row(SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0)) for i in range(6)]
     out = sample(logits, rows)
-    greedy_rows = torch.tensor([0, 2, 4])
+    greedy_rows = torch.tensor([0, 2, 4], device=device)
     assert torch.equal(out.sampled_token_ids[greedy_rows], logits.argmax(-1)[greedy_rows])
 
 
@@ -111,12 +113,14 @@ def test_min_p():
     assert abs(counts[0].item() / 6000 - 0.625) < 0.03
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
-def test_temperature_matches_softmax(temperature):
+def test_temperature_matches_softmax(temperature, device):
+    """On CUDA through the fused Gumbel-max kernel (temperature-only rows)."""
     logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0, 2.0])
     num_draws = 20000
     torch.manual_seed(7)
-    counts = draw_counts(logits, SamplingParams(temperature=temperature), num_draws).double()
+    counts = draw_counts(logits, SamplingParams(temperature=temperature), num_draws, device=device).double()
     expected = torch.softmax(logits.double() / temperature, dim=0) * num_draws
     chi_square = ((counts - expected) ** 2 / expected).sum().item()
     # 5 degrees of freedom: P(chi2 > 20.5) = 0.001.
@@ -321,3 +325,39 @@ def test_forward_does_not_sync_on_cuda():
         torch.cuda.set_sync_debug_mode("default")
     assert out.sampled_token_ids.shape == (6,)
     assert out.sampled_token_ids[0].item() == logits[0].argmax().item()
+
+
+def test_temperature_only_batches_are_the_fused_kernels():
+    from rooflm.layers.sampler import temperature_only
+    vocab = 100
+
+    def meta(*params):
+        return SamplingMetadata.build([row(p) for p in params], vocab, "cpu")
+    assert temperature_only(meta(SamplingParams(temperature=0.7), SamplingParams(temperature=0.0)))
+    assert temperature_only(meta(SamplingParams(temperature=1.0, logprobs=3)))  # logprobs come from the raw logits
+    assert not temperature_only(meta(SamplingParams(temperature=0.0)))  # all greedy: argmax already
+    for other in (dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1), dict(repetition_penalty=1.1),
+                  dict(frequency_penalty=0.5), dict(logit_bias={3: 1.0})):
+        assert not temperature_only(meta(SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, **other)))
+    seeded = SamplingMetadata.build([row(SamplingParams(temperature=1.0, seed=1), seed=1)], vocab, "cpu")
+    assert not temperature_only(seeded)
+    suppressed = SamplingMetadata.build([row(SamplingParams(temperature=1.0), suppress=[2])], vocab, "cpu")
+    assert not temperature_only(suppressed)
+
+
+@pytest.mark.gpu
+def test_fused_sampling_does_not_sync_and_keeps_logprobs():
+    """The temperature-only path: no device-host sync, and logprobs still of the raw logits."""
+    torch.manual_seed(13)
+    logits = torch.randn(5, 3000, device="cuda", dtype=torch.bfloat16)
+    rows = [row(SamplingParams(temperature=0.0, logprobs=2))] + [row(SamplingParams(temperature=0.9)) for _ in range(4)]
+    meta = SamplingMetadata.build(rows, 3000, "cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = Sampler()(logits, meta)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.sampled_token_ids[0].item() == logits[0].float().argmax().item()
+    want = torch.log_softmax(logits.float(), dim=-1).gather(1, out.sampled_token_ids[:, None])[:, 0]
+    assert torch.allclose(out.logprobs[:, 0], want, atol=1e-5)
