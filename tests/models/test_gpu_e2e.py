@@ -109,3 +109,30 @@ def test_async_scheduling_matches_sync(tmp_path):
     sync = generate(path, PROMPTS, "triton", False, async_scheduling=False)
     async_ = generate(path, PROMPTS, "triton", False, async_scheduling=True)
     assert [o.outputs[0].token_ids for o in async_] == [o.outputs[0].token_ids for o in sync]
+
+
+def test_temperature_rows_take_the_fused_sampler(tmp_path, monkeypatch):
+    """A batch of greedy and plain-temperature requests samples through kernels/gumbel_sample.py
+    (CUDA graphs, async scheduling): the greedy rows keep the all-greedy run's tokens, and
+    torch.manual_seed makes the sampled rows repeat."""
+    import rooflm.kernels.gumbel_sample as gumbel
+    calls = []
+    real = gumbel.gumbel_sample
+    monkeypatch.setattr(gumbel, "gumbel_sample", lambda *a: calls.append(1) or real(*a))
+    path, _ = make_tiny_model(tmp_path, "llama", initializer_range=0.3)
+    llm = LLM(model=path, device="cuda", dtype="bfloat16")
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    hot = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
+    assert not calls  # all-greedy batches take the plain argmax
+    params = [greedy if i % 2 == 0 else hot for i in range(len(PROMPTS))]
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)])
+    del llm
+    torch.cuda.empty_cache()
+    assert calls and runs[0] == runs[1]
+    assert all(len(t) == 24 for t in runs[0])
+    assert [runs[0][i] for i in range(0, len(PROMPTS), 2)] == [ref[i] for i in range(0, len(PROMPTS), 2)]
+    assert [runs[0][i] for i in range(1, len(PROMPTS), 2)] != [ref[i] for i in range(1, len(PROMPTS), 2)]
