@@ -128,13 +128,15 @@ def run_quantize(args: argparse.Namespace) -> int:
         raise ValueError(f"--refit refits GPTQ's scales: it applies to --method gptq and awq+gptq, not {args.method}")
     if args.gptq_v2:
         if args.method not in ("gptq", "awq+gptq"):
-            raise ValueError(f"--gptq-v2 changes GPTQ's calibration: it applies to --method gptq and awq+gptq, not {args.method}")
+            raise ValueError(f"--gptq-v2 changes GPTQ's calibration: it applies to --method gptq and awq+gptq, "
+                             f"not {args.method}")
         if args.awq_inputs == "quantized":
             raise ValueError("--gptq-v2 is not implemented for --awq-inputs quantized (awq_sequential.py's own pass)")
         if args.sequential is False:
             raise ValueError("--gptq-v2 calibrates on the quantized predecessors' inputs: it cannot be --no-sequential")
         if not 0 <= args.gptq_v2_alpha <= 1:
-            raise ValueError(f"--gptq-v2-alpha is a fraction of the asymmetric correction: 0..1, got {args.gptq_v2_alpha}")
+            raise ValueError(f"--gptq-v2-alpha is a fraction of the asymmetric correction: 0..1, "
+                             f"got {args.gptq_v2_alpha}")
         sequential = True
     elif args.gptq_v2_alpha != GPTQ_V2_ALPHA:
         raise ValueError("--gptq-v2-alpha sets --gptq-v2's correction: give --gptq-v2 too")

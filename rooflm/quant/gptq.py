@@ -123,7 +123,8 @@ def asymmetric_target(w: torch.Tensor, hessian: torch.Tensor, cross: torch.Tenso
     correction toward plain sequential GPTQ (alpha 0): the fit has K x K parameters from the
     calibration tokens (GPTQv2 and GPTQModel default to 0.25). The ridge is GPTQ's own damping."""
     if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"GPTQv2 alpha must be in [0, 1] (0: plain GPTQ, 1: the full least-squares target); got {alpha}")
+        raise ValueError(f"GPTQv2 alpha must be in [0, 1] (0: plain GPTQ, 1: the full least-squares target); "
+                         f"got {alpha}")
     W = w.detach().float()
     H = hessian.detach().float().clone()
     dead = torch.diag(H) == 0
