@@ -12,7 +12,7 @@ row 88.2 -> 38.7 (benchmarks/sampling.py, benchmarks/results/sampling-h100-20261
 
 Algorithm
 ---------
-    token = argmax_i  l_i + T g_i,   g_i = -log(-log u_i),  u_i ~ U(0, 1)   (Philox: tl.rand)
+    token = argmax_i  l_i + T g_i,   g_i = -log(-log u_i),  u_i ~ U(0, 1)   (Philox: tl.rand4x)
 with T the row's temperature, and T = 0 on greedy rows (the plain argmax). This is the
 distribution the sampler's exponential race draws from: argmax p_i / q_i with q_i = -log u_i
 ~ Exponential(1) and p = softmax(l / T) is argmax l_i / T - log q_i = argmax l_i / T + g_i, and
