@@ -31,7 +31,7 @@ def host_us(fn, calls: int = 200) -> float:
 
 
 def main() -> None:
-    from rooflm.kernels.backend import TritonBackend
+    from rooflm.layers.cuda_attention import TritonBackend
     from rooflm.kernels.decode_attention import decode_attention
     from rooflm.kernels.prefill_attention import prefill_attention
     from rooflm.kernels.utils import random_paged_batch

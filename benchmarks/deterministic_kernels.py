@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from rooflm.kernels.backend import TritonBackend
+from rooflm.layers.cuda_attention import TritonBackend
 from rooflm.kernels.matmul_fixed_split import SCHEDULES, loop_config, matmul_fixed_split, split_plan
 from rooflm.kernels.matmul_persistent import matmul_bytes, matmul_flops, matmul_persistent
 from rooflm.kernels.prefill_attention import plan_prefill_attention, prefill_attention

@@ -101,7 +101,7 @@ def host_us(fn, calls: int = 300) -> float:
 def host_rows() -> list:
     """Launch cost per layer of each prefill path on a small mixed step (64 decodes + one 128-token
     chunk): the engine runs attention eagerly between graph pieces, once a layer."""
-    from rooflm.kernels.backend import TritonBackend
+    from rooflm.layers.cuda_attention import TritonBackend
     from rooflm.kernels.utils import random_paged_batch
 
     meta, k_cache, v_cache = random_paged_batch([1000] * 64 + [600], [1] * 64 + [128], KV_HEADS, HEAD_DIM, 128,

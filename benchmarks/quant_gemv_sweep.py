@@ -183,7 +183,7 @@ def run(args) -> dict:
     from legacy import w4a16_b1dc42d as old4, w8a16_b1dc42d as old8
     from rooflm.kernels import w4a16 as new4, w8a16 as new8
     from rooflm.kernels.utils import REL_TOL, rel_error
-    from rooflm.quant.formats import pack_int4
+    from rooflm.kernels.int4_pack import pack_int4
 
     cuda = torch.cuda.is_available()  # --smoke on a GPU: tiny shapes, compiled and graphed
     dev = "cuda" if cuda else "cpu"

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rooflm.layers.attention import AttentionMetadata, ReferenceBackend, gather_kv_ref
+from rooflm.kernels.paged_attention_ref import gather_kv_ref
+from rooflm.layers.attention import AttentionMetadata, ReferenceBackend
 
 
 class RowwiseReferenceBackend(ReferenceBackend):

@@ -179,7 +179,7 @@ class ModelRunner:
                 return ReferenceBackend()
             from rooflm.layers.cpu_attention import CpuBackend
             return CpuBackend()  # the reference math, planned once a step
-        from rooflm.kernels.backend import TritonBackend
+        from rooflm.layers.cuda_attention import TritonBackend
         from rooflm.kernels.fa4_prefill import fa4_enabled
         return TritonBackend(split_span=self.max_model_len, deterministic=deterministic,
                              prefill_fa4=fa4_enabled(self.config.runtime.prefill_attention, self.device))

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import triton
@@ -70,8 +70,10 @@ from rooflm.kernels import fp8_decode_mma
 from rooflm.kernels.utils import (check_paged_attention_inputs, config_for_head_dim, LOG2E, cdiv, dot_precision, fp8_pv, is_interpreter,
                                   fp8_pair_views, kv_tile_offsets, load_2d, load_e4m3_pairs, load_kv_scales, next_power_of_2, num_sms, upcast_dots,
                                   gdc_launch_dependents, gdc_wait, pdl_supported)
-from rooflm.layers.attention import AttentionMetadata, paged_attention_ref
-from rooflm.layers.kv_cache import has_token_scales
+from rooflm.kernels.paged_attention_ref import has_token_scales, paged_attention_ref
+
+if TYPE_CHECKING:  # the paged-KV contract is the layers' (layers/attention.py); kernels read its fields
+    from rooflm.layers.attention import AttentionMetadata
 
 _MASKED = tl.constexpr(-1.0e30)
 # A key tile that fills a whole cache block (BLOCK_N == block size, e.g. 128 and 128) has its offsets

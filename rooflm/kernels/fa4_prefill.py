@@ -40,12 +40,14 @@ import importlib.util
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from rooflm.config import PREFILL_ATTENTION_CHOICES
-from rooflm.layers.attention import AttentionMetadata
+
+if TYPE_CHECKING:  # the paged-KV contract is the layers' (layers/attention.py); kernels read its fields
+    from rooflm.layers.attention import AttentionMetadata
 
 # Below this longest query span in a step, the Triton kernel (a 128-row FA4 tile is mostly idle).
 MIN_QUERY_LEN = 64

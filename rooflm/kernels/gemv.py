@@ -218,11 +218,11 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tens
              config: Optional[GemvConfig] = None) -> torch.Tensor:
     """The unfused layers gemv replaces (RMSNorm, F.linear, SiLU-and-mul, residual add),
     with their casts; same contract as gemv. config is accepted and ignored."""
-    from rooflm.layers.norm import rms_norm_torch
+    from rooflm.kernels.rmsnorm import rmsnorm_ref
 
     x = x.reshape(1, -1)
     if norm_weight is not None:
-        x = rms_norm_torch(x, norm_weight, eps)
+        x = rmsnorm_ref(x, norm_weight, eps)
     y = F.linear(x, weight, bias)
     if gated:
         gate, up = y.chunk(2, dim=-1)

@@ -75,7 +75,7 @@ Bytes  >= (q + out) T * H * D * e + (k + v) 2 * sum_s(seq_len_s) * H_kv * D * e
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import triton
@@ -85,8 +85,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from rooflm.kernels.utils import (check_paged_attention_inputs, config_for_head_dim, LOG2E, dot_precision, is_interpreter,
                                   fp8_pair_views, fp8_pv, kv_tile_offsets, load_2d, load_e4m3_pairs, load_kv_scales, next_power_of_2, upcast_dots,
                                   gdc_launch_dependents, gdc_wait, pdl_supported)
-from rooflm.layers.attention import AttentionMetadata, paged_attention_ref
-from rooflm.layers.kv_cache import has_token_scales
+from rooflm.kernels.paged_attention_ref import has_token_scales, paged_attention_ref
+
+if TYPE_CHECKING:  # the paged-KV contract is the layers' (layers/attention.py); kernels read its fields
+    from rooflm.layers.attention import AttentionMetadata
 
 # A masked score. Finite on purpose: a row whose first tile is fully masked
 # (sliding window) then gets m = -1e30 and harmless finite garbage that the

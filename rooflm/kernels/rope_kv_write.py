@@ -52,7 +52,7 @@ import triton.language as tl
 
 from rooflm.kernels.utils import (check_kv_scales, check_last_dim_contiguous, gdc_launch_dependents, gdc_wait,
                                   is_interpreter, next_power_of_2, pdl_supported, round_to_e4m3)
-from rooflm.layers.kv_cache import has_token_scales
+from rooflm.kernels.paged_attention_ref import has_token_scales
 
 
 # --------------------------------------------------------------------------
@@ -286,7 +286,7 @@ def rope_kv_write_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
                       slot_mapping: torch.Tensor, is_neox: bool = True, k_scale: Optional[torch.Tensor] = None,
                       v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Same contract as rope_kv_write, in torch: rotates q in place, writes the cache, returns q."""
-    from rooflm.layers.attention import write_kv_ref
+    from rooflm.kernels.paged_attention_ref import write_kv_ref
 
     q.copy_(rotate_ref(q, positions, cos_sin_cache, is_neox))
     # The kernel quantizes the rotated k before rounding it to k's dtype: so does the reference.

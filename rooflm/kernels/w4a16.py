@@ -92,7 +92,7 @@ from rooflm.kernels import w4a16_mma
 from rooflm.kernels.split_k import split_for, split_k_reduce, tile_counters
 from rooflm.kernels.tuned_configs import device_facts, lookup
 from rooflm.kernels.utils import gdc_launch_dependents, gdc_wait, is_interpreter, pdl_launch, pdl_supported
-from rooflm.quant.formats import int4_split, pack_int4, unpack_int4
+from rooflm.kernels.int4_pack import int4_split, pack_int4, unpack_int4
 
 __all__ = ["W4Config", "pick_config", "w4a16_linear", "w4a16_linear_ref", "dequantize_w4", "w4a16_bytes",
            "pack_int4", "unpack_int4", "int4_split"]

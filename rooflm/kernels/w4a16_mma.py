@@ -45,7 +45,7 @@ import torch
 
 from rooflm.kernels import nvrtc
 from rooflm.kernels.tuned_configs import lookup
-from rooflm.quant.formats import int4_split
+from rooflm.kernels.int4_pack import int4_split
 
 log = logging.getLogger(__name__)
 MAX_M = 8  # the MMA's N: columns of B

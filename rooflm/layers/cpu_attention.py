@@ -29,7 +29,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from rooflm.layers.attention import AttentionMetadata, ReferenceBackend, write_kv_ref
+from rooflm.kernels.paged_attention_ref import write_kv_ref
+from rooflm.layers.attention import AttentionMetadata, ReferenceBackend
 
 
 @dataclass

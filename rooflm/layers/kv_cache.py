@@ -37,10 +37,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
-# A head vector of zeros still gets a finite, positive scale (x / scale stays 0, never NaN).
-SCALE_FLOOR = 1e-12
+from rooflm.kernels.fp8_quant import FP8_DTYPE
+
 SCALE_BYTES = 4
 
 # What --kv-cache-dtype accepts: "auto" stores the model's dtype.
@@ -58,12 +56,6 @@ class KVCache(NamedTuple):
     # FP8 only: [num_blocks, block_size, H_kv] fp32 per token, or [H_kv] fp32 static.
     k_scale: Optional[torch.Tensor] = None
     v_scale: Optional[torch.Tensor] = None
-
-
-def has_token_scales(scale: Optional[torch.Tensor]) -> bool:
-    """Whether an FP8 cache's scales are per token ([num_blocks, block_size, H_kv]); False for
-    static [H_kv] scales and for caches without scales."""
-    return scale is not None and scale.dim() == 3
 
 
 def resolve_kv_scales(kv_cache_scales: str, checkpoint_has_scales: bool) -> str:
@@ -96,23 +88,3 @@ def bytes_per_element(kv_cache_dtype: str, model_dtype: torch.dtype, head_dim: i
     if is_fp8(kv_cache_dtype):
         return 1.0 + (SCALE_BYTES / head_dim if token_scales else 0.0)
     return float(torch.empty((), dtype=model_dtype).element_size())
-
-
-def quantize_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> (E4M3 values [..., D], fp32 scale [...]) with one scale per last-dim row."""
-    xf = x.float()
-    scale = (xf.abs().amax(dim=-1) / FP8_MAX).clamp_min(SCALE_FLOOR)
-    return (xf / scale[..., None]).to(FP8_DTYPE), scale
-
-
-def quantize_fp8_static_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [..., H_kv, D] -> E4M3 values of x / scale (scale [H_kv]), saturated at +-448."""
-    return (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-
-
-def dequantize_ref(values: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
-    """fp32 values of stored K or V [..., H_kv, D]: the FP8 values times their scales (one per
-    token and head [..., H_kv], or static [H_kv]), or the values as they are."""
-    if scale is None:
-        return values.float()
-    return values.float() * scale[..., None]

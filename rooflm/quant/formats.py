@@ -42,7 +42,7 @@ Checkpoint layouts (W is nn.Linear's [N = out, K = in]; all packed tensors are i
 `rooflm quantize` writes GPTQ (it also holds 8-bit per-channel, group_size -1).
 
 The W4A16 kernel's packing (rooflm/kernels/w4a16.py), made here from a GroupWeight whatever its
-checkpoint (AWQ, GPTQ, RTN, rooflm quantize): pack_int4 / unpack_int4 below.
+checkpoint (AWQ, GPTQ, RTN, rooflm quantize): pack_int4 / unpack_int4 (rooflm/kernels/int4_pack.py).
     qweight uint8 [N, S], S = int4_split(K, g) = g * ceil(K / g / 2) (K / 2 when K / g is even)
     byte j of row n: code k = j in the low nibble, code k = S + j in the high one (0 past K)
   The two halves of K sit in the two nibbles, so a tile of bytes unpacks with one mask each into
@@ -220,33 +220,6 @@ def pack_cols(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def _to_int32(word: torch.Tensor) -> torch.Tensor:
     # Words with the top bit set are negative int32s (the checkpoints' dtype).
     return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
-
-
-# ---------------------------------------------------------------------------
-# The W4A16 kernel's runtime packing (module header)
-# ---------------------------------------------------------------------------
-
-def int4_split(k: int, group_size: int) -> int:
-    """S, the first input of the high nibbles: half of K rounded up to whole groups, so both
-    halves start on a group boundary (K / g odd pads the high half with zero codes)."""
-    if k % group_size:
-        raise ValueError(f"K={k} must be a multiple of the group size {group_size} to pack int4")
-    return group_size * -(-(k // group_size) // 2)
-
-
-def pack_int4(codes: torch.Tensor, group_size: int) -> torch.Tensor:
-    """uint8 codes [N, K] in 0..15 -> uint8 [N, S]: byte j holds code j (low) and S + j (high)."""
-    n, k = codes.shape
-    split = int4_split(k, group_size)
-    codes = codes.to(torch.uint8)
-    high = torch.zeros(n, split, dtype=torch.uint8, device=codes.device)
-    high[:, :k - split] = codes[:, split:]
-    return (codes[:, :split] | (high << 4)).contiguous()
-
-
-def unpack_int4(qweight: torch.Tensor, k: int) -> torch.Tensor:
-    """The inverse of pack_int4: uint8 [N, S] -> codes uint8 [N, K]."""
-    return torch.cat([qweight & 0xF, qweight >> 4], dim=1)[:, :k].contiguous()
 
 
 # ---------------------------------------------------------------------------

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from rooflm.layers.kv_cache import FP8_MAX, SCALE_FLOOR
+from rooflm.kernels.fp8_quant import FP8_MAX
+from rooflm.kernels.paged_attention_ref import SCALE_FLOOR
 
 # config.json's quantization_config.kv_cache_scheme, as llm-compressor writes it.
 KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}

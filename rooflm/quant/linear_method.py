@@ -223,7 +223,7 @@ class W4A16Linear(QuantizedLinearMethod):
 
     def __init__(self, weight, device: torch.device, act_dtype: torch.dtype):
         super().__init__()
-        from rooflm.quant.formats import pack_int4
+        from rooflm.kernels.int4_pack import pack_int4
         self.out_features, self.in_features = weight.shape
         self.format, self.group_size = weight.format, weight.group_size
         self.register_buffer("qweight", pack_int4(weight.codes, weight.group_size).to(device))

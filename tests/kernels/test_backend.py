@@ -1,10 +1,10 @@
-"""TritonBackend (rooflm/kernels/backend.py) against ReferenceBackend, call for call."""
+"""TritonBackend (rooflm/layers/cuda_attention.py) against ReferenceBackend, call for call."""
 
 import pytest
 import torch
 
 from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
-from rooflm.kernels.backend import TritonBackend
+from rooflm.layers.cuda_attention import TritonBackend
 from rooflm.kernels.utils import random_paged_batch
 from rooflm.layers.attention import AttentionBackend, ReferenceBackend
 

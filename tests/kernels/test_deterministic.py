@@ -9,7 +9,7 @@ from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
 from rooflm.kernels.matmul_fixed_split import (matmul_fixed_split, matmul_fixed_split_ref, split_plan,
                                                split_size)
 from rooflm.kernels.matmul_persistent import matmul_config, matmul_persistent, matmul_ref
-from rooflm.kernels.backend import TritonBackend
+from rooflm.layers.cuda_attention import TritonBackend
 from rooflm.kernels.prefill_attention import (PrefillPlan, prefill_attention, prefill_attention_ref, prefill_config,
                                               uniform_decode_config)
 from rooflm.kernels.rmsnorm import rmsnorm

@@ -12,7 +12,7 @@ import torch
 
 from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
 from rooflm.config import EngineConfig, RuntimeConfig
-from rooflm.kernels.backend import TritonBackend
+from rooflm.layers.cuda_attention import TritonBackend
 from rooflm.kernels.fa4_prefill import (FA4_BLOCK_SIZE, FA4Plan, MIN_QUERY_LEN, fa4_block_size, fa4_enabled,
                                         fa4_supports, plan_fa4_prefill)
 from rooflm.kernels.utils import random_paged_batch

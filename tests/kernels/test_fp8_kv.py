@@ -10,7 +10,8 @@ from rooflm.kernels.decode_attention import decode_attention, decode_attention_r
 from rooflm.kernels.prefill_attention import prefill_attention, prefill_attention_ref
 from rooflm.kernels.rope_kv_write import rope_kv_write, rope_kv_write_ref, write_kv
 from rooflm.kernels.utils import random_paged_batch
-from rooflm.layers.kv_cache import FP8_DTYPE, FP8_MAX, dequantize_ref, quantize_fp8_ref, quantize_fp8_static_ref
+from rooflm.kernels.fp8_quant import FP8_DTYPE, FP8_MAX
+from rooflm.kernels.paged_attention_ref import dequantize_ref, quantize_fp8_ref, quantize_fp8_static_ref
 from rooflm.layers.rotary import build_cos_sin_cache
 
 

@@ -7,7 +7,7 @@ import torch
 
 from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
 from rooflm.kernels.rope_kv_write import rope_kv_write, rope_kv_write_ref, rotate_ref, write_kv
-from rooflm.layers.attention import write_kv_ref
+from rooflm.kernels.paged_attention_ref import write_kv_ref
 
 
 def cos_sin_table(head_dim, max_pos, theta=10000.0, llama3=False):

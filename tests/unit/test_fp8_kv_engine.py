@@ -141,7 +141,7 @@ def _fp8_weights_copy(src, dst):
 
     from safetensors.torch import load_file, save_file
 
-    from rooflm.layers.kv_cache import FP8_DTYPE, FP8_MAX
+    from rooflm.kernels.fp8_quant import FP8_DTYPE, FP8_MAX
     tensors = load_file(f"{src}/model.safetensors")
     out = {}
     for name, t in tensors.items():
