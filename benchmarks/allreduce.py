@@ -211,7 +211,7 @@ def main() -> None:
     args = parser.parse_args()
     if torch.cuda.device_count() < args.ranks:
         raise SystemExit(f"needs {args.ranks} GPUs, found {torch.cuda.device_count()}")
-    from rooflm.distributed.executor import _free_port
+    from rooflm.engine.executor import _free_port
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     ctx = torch.multiprocessing.get_context("spawn")
     queue = ctx.Queue()

@@ -32,7 +32,7 @@ HOST_PHASES = ("schedule", "block_ops", "prepare", "to_device", "launch", "colle
 
 def make_model(out_dir: str) -> None:
     """A 2-layer, hidden-64 Llama config beside the SmolLM2 tokenizer."""
-    from rooflm.model.dummy_dir import make_dummy_model_dir
+    from rooflm.tokenizer.dummy_model_dir import make_dummy_model_dir
 
     make_dummy_model_dir("smollm2-135m", out_dir, "default", max_position_embeddings=8192)
     path = os.path.join(out_dir, "config.json")

@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rooflm.model.dummy_dir import make_dummy_model_dir  # noqa: E402
+from rooflm.tokenizer.dummy_model_dir import make_dummy_model_dir  # noqa: E402
 from rooflm.model.presets import PRESETS  # noqa: E402
 
 

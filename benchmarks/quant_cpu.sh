@@ -75,11 +75,11 @@ one() {
     int4-g32-awq-gptq-score) run int4-g32-awq-gptq-score --scheme int4-g32 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score gptq --no-sequential ;;
     int4-g128-awq-gptq-duo) run int4-g128-awq-gptq-duo --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 --duo --awq-score rtn --no-sequential ;;
     # Sequential GPTQ (2026-11-25, --method gptq's default since): each linear calibrated on the quantized
-    # predecessors' outputs (rooflm/quant/sequential.py).
+    # predecessors' outputs (rooflm/quantize/sequential.py).
     int4-g128-gptq-ao-mse-seq) run int4-g128-gptq-ao-mse-seq --scheme int4-g128 --method gptq --act-order --mse --calib-windows 32 --sequential ;;
     int4-g128-awq-gptq-score-seq) run int4-g128-awq-gptq-score-seq --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score gptq --sequential ;;
     int4-g32-awq-gptq-score-seq) run int4-g32-awq-gptq-score-seq --scheme int4-g32 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score gptq --sequential ;;
-    # AWQ scored on the block's output (llm-awq's objective, rooflm/quant/awq_block.py; 2026-11-25 s9).
+    # AWQ scored on the block's output (llm-awq's objective, rooflm/quantize/awq_block.py; 2026-11-25 s9).
     int4-g128-awq-gptq-block) run int4-g128-awq-gptq-block --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score gptq --awq-objective block --no-sequential ;;
     int4-g128-awq-gptq-block-seq) run int4-g128-awq-gptq-block-seq --scheme int4-g128 --method awq+gptq --act-order --mse --calib-windows 32 --awq-score gptq --awq-objective block --awq-inputs quantized ;;
     # More calibration text: 128 windows (65,536 tokens) instead of 32.

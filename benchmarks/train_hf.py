@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from rooflm.model.dummy_dir import hf_config_dict
+from rooflm.model.hf_config import hf_config_dict
 from rooflm.model.presets import get_preset
 from rooflm.perf.gpus import get_gpu, measure_gpu
 from rooflm.train.measure import train_flops_per_sequence

@@ -212,7 +212,7 @@ def _register_optional(sub) -> None:
     import importlib
     for module in ("rooflm.perf.commands", "rooflm.server.commands", "rooflm.bench.commands",
                    "rooflm.eval.commands", "rooflm.sim.commands", "rooflm.train.commands",
-                   "rooflm.quant.commands"):
+                   "rooflm.quantize.commands"):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:

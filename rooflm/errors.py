@@ -1,4 +1,4 @@
-"""Errors that cross the engine's face.
+"""Errors that cross the engine's face, and the one a model loader raises.
 
 InvalidRequest is the one way the engine and SamplingParams refuse a request as
 given: nothing was queued, and the caller can fix it. `param` names the field
@@ -23,3 +23,12 @@ class InvalidRequest(ValueError):
         super().__init__(message)
         self.message = message
         self.param = param
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint could not be used; the message names the file and the problem. Every loader
+    (safetensors, GGUF, quantized checkpoints) raises it, so they need not import each other."""
+
+
+def load_error(path: str, problem: str) -> ModelLoadError:
+    return ModelLoadError(f"{path}: {problem}")

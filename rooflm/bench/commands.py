@@ -24,8 +24,8 @@ def register(subparsers) -> None:
     bench_subparsers = bench.add_subparsers(dest="bench_command", required=True)
     latency.register(bench_subparsers)
     throughput.register(bench_subparsers)
-    # DP lives in rooflm/dp/offline.py, which reuses throughput's helpers: dispatching here
-    # keeps bench.throughput -> dp.offline -> bench.throughput from being an import cycle.
+    # DP lives in rooflm/bench/dp_offline.py, which reuses throughput's helpers: dispatching here
+    # keeps bench.throughput -> bench.dp_offline -> bench.throughput from being an import cycle.
     bench_subparsers.choices["throughput"].set_defaults(func=run_throughput_command)
     serve.register(bench_subparsers)
     from rooflm.train import bench as train_bench  # `rooflm bench train`: the training knob sweep
@@ -36,7 +36,7 @@ def run_throughput_command(args: argparse.Namespace, out: TextIO = None) -> int:
     """`rooflm bench throughput`: one engine, or N data-parallel engines with -dp N."""
     from rooflm.bench.throughput import _check_args, run_throughput
     if args.data_parallel_size > 1:
-        from rooflm.dp.offline import run_data_parallel
+        from rooflm.bench.dp_offline import run_data_parallel
         _check_args(args)
         return run_data_parallel(args, out or sys.stdout)
     return run_throughput(args, out)

@@ -144,7 +144,7 @@ class LLMEngine:
         return loop
 
     def _start_workers(self):
-        from rooflm.distributed.executor import TPExecutor
+        from rooflm.engine.executor import TPExecutor
         if self.config.speculative.speculative_method:
             raise ValueError("speculative decoding does not run with tensor_parallel_size > 1 yet")
         if self.config.runtime.deterministic:  # the parallel layers' matmuls are not the batch-invariant one

@@ -268,11 +268,11 @@ class ModelRunner:
             # Quantized blocks only where a kernel takes them: the CPU (rooflm/quant/).
             model.load_weights(iter_weights(path, load_format, keep_quantized=self.keeps_quantized()))
         if self.config.load.quantization.startswith("int"):
-            from rooflm.quant.rtn import quantize_model
-            quantize_model(model, self.config.load.quantization)
+            from rooflm.model.quantize_on_load import quantize_int
+            quantize_int(model, self.config.load.quantization)
         elif self.config.load.quantization == "fp8":
-            from rooflm.quant import fp8
-            fp8.quantize_model(model)
+            from rooflm.model.quantize_on_load import quantize_fp8
+            quantize_fp8(model)
         self.model = model.eval()
         self.timings["load_s"] = time.perf_counter() - t0
 

@@ -30,7 +30,7 @@ from typing import Optional
 # defaults.)
 WINDOW = 512
 CALIB_SKIP_WINDOWS = 32
-CALIB_WINDOWS = 8  # `rooflm quantize --calib-windows`'s default (rooflm/quant/commands.py reads it here)
+CALIB_WINDOWS = 8  # `rooflm quantize --calib-windows`'s default (rooflm/quantize/commands.py reads it here)
 
 
 def default_text_path() -> str:

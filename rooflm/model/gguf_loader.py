@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from rooflm.config import ModelConfig, RopeScaling
-from rooflm.model.errors import load_error
+from rooflm.errors import load_error
 from rooflm.model.registry import GGUF_ARCHITECTURES
 
 # GGUF architectures whose attn_q / attn_k rows were permuted by llama.cpp's converter.

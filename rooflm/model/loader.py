@@ -20,7 +20,7 @@ import torch
 
 from rooflm.config import ModelConfig, RopeScaling
 from rooflm.model import presets
-from rooflm.model.errors import ModelLoadError, load_error  # noqa: F401 (ModelLoadError is re-exported)
+from rooflm.errors import ModelLoadError, load_error  # noqa: F401 (ModelLoadError is re-exported)
 from rooflm.model.registry import SUPPORTED_ARCHITECTURES
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")

@@ -30,7 +30,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from rooflm.model.errors import load_error
+from rooflm.errors import load_error
 from rooflm.quant import formats
 
 _PARTS = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales")}

@@ -46,7 +46,6 @@ import torch
 
 from rooflm.kernels.fp8_quant import FP8_DTYPE, FP8_MAX
 from rooflm.quant.formats import Fp8Weight
-from rooflm.quant.linear_method import Fp8Linear
 
 
 def quantize_fp8_weight(w: torch.Tensor, activations: str = "dynamic") -> Fp8Weight:
@@ -93,21 +92,3 @@ def compressed_tensors_config() -> dict:
             "output_activations": None}},
         "ignore": ["lm_head"], "kv_cache_scheme": None,
     }
-
-
-@torch.no_grad()
-def quantize_model(model: torch.nn.Module) -> None:
-    """`--quantization fp8`: every decoder-layer linear of a loaded float model becomes an
-    Fp8Linear (per-channel weights, dynamic per-token activations), on the weights' own device.
-    The LM head and embeddings stay in float."""
-    from rooflm.layers.linear import Linear
-
-    for module in model.model.layers.modules():
-        if not isinstance(module, Linear) or module.quant is not None:
-            continue
-        weight = module.weight
-        module.quant = Fp8Linear(quantize_fp8_weight(weight), weight.device)
-        module.weight = torch.nn.Parameter(weight.new_empty(0), requires_grad=False)
-    model.disable_gemv_where_quantized()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # the freed float weights, before the KV pool is sized

@@ -6,9 +6,9 @@
       The zero is kept >= 1 because GPTQ's v1 layout stores zero - 1 in four bits (formats.py):
       a group whose weights are all positive loses at most one step of its range.
 
-`quantize_model` swaps the decoder layers' (and an untied LM head's) linear weights for quantized ones after a float load
-(dummy weights for speed runs, or a float checkpoint quantized on the fly); `rooflm quantize`
-uses the same functions offline (and GPTQ, quant/gptq.py).
+rooflm/model/quantize_on_load.py swaps a loaded float model's linears for these (dummy weights for
+speed runs, or a float checkpoint quantized on the fly); `rooflm quantize` (rooflm/quantize/)
+uses the same functions offline, with GPTQ.
 """
 
 from __future__ import annotations
@@ -99,32 +99,3 @@ def rtn_int8(w: torch.Tensor, scale_dtype: torch.dtype = torch.float16) -> Chann
 
 def quantize_weight(w: torch.Tensor, scheme: WeightScheme, scale_dtype: torch.dtype = torch.float16):
     return rtn_int8(w, scale_dtype) if scheme.bits == 8 else rtn_int4(w, scheme.group_size, scale_dtype)
-
-
-@torch.no_grad()
-def quantize_model(model: torch.nn.Module, scheme_name: str) -> None:
-    """RTN-quantize every decoder-layer linear and an untied LM head of a loaded float model in
-    place (as gpt-fast's int8/int4 modes do; embeddings, and a head tied to them, stay in float),
-    on the weights' own device; those layers then run the quantized kernels."""
-    from rooflm.layers.linear import Linear
-    from rooflm.quant.linear_method import make_linear_method
-
-    scheme = WeightScheme.parse(scheme_name)
-    linears = list(model.model.layers.modules())
-    if getattr(model, "lm_head", None) is not None:
-        linears.append(model.lm_head)
-    for module in linears:
-        if not isinstance(module, Linear) or module.quant is not None:
-            continue
-        weight = module.weight
-        method = make_linear_method(quantize_weight(weight, scheme, weight.dtype), weight.device, weight.dtype)
-        if method is None:  # no kernel on this device: keep the RTN error, in float
-            weight.copy_(quantize_weight(weight, scheme, weight.dtype).dequantize().to(weight.dtype))
-            continue
-        module.quant = method
-        module.weight = torch.nn.Parameter(weight.new_empty(0), requires_grad=False)
-    model.disable_gemv_where_quantized()
-    if torch.cuda.is_available():
-        # The freed float weights stay in torch's cache otherwise, and the KV pool is sized from
-        # what the device reports free.
-        torch.cuda.empty_cache()

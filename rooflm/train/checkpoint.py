@@ -1,7 +1,7 @@
 """Checkpoints a run can resume from, and that rooflm and transformers can load as a model.
 
 A checkpoint directory holds:
-  config.json         the model's shape (rooflm.model.dummy_dir.hf_config_dict)
+  config.json         the model's shape (rooflm.model.hf_config.hf_config_dict)
   model.safetensors   the weights under HF's names, q/k/v and gate/up split back apart
   trainer_state.pt    step, optimizer, LR scheduler, loss scaler, RNG states and the losses so far
 
@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from rooflm.model.dummy_dir import hf_config_dict
+from rooflm.model.hf_config import hf_config_dict
 from rooflm.train.causal import CausalLM, hf_state_dict
 
 WEIGHTS_FILE = "model.safetensors"

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from rooflm import LLM
-from rooflm.distributed.executor import WorkerDied, check_tensor_parallel
+from rooflm.engine.executor import WorkerDied, check_tensor_parallel
 from rooflm.engine.llm_engine import LLMEngine
 from rooflm.sampling_params import SamplingParams
 from tests.models.tiny_models import make_tiny_model

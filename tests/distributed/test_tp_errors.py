@@ -19,7 +19,7 @@ import torch
 from rooflm import LLM
 from rooflm.config import ParallelConfig
 from rooflm.distributed.allreduce import make_symm_all_reduce, reference_all_reduce
-from rooflm.distributed.executor import WorkerDied, _free_port
+from rooflm.engine.executor import WorkerDied, _free_port
 from rooflm.distributed.group import destroy_group, init_group
 from rooflm.sampling_params import SamplingParams
 from tests.models.tiny_models import make_tiny_model
@@ -60,7 +60,7 @@ def test_a_worker_that_raises_names_its_rank_and_traceback_fast(tmp_path, monkey
 
 
 def test_the_fault_hook_rejects_a_malformed_value(monkeypatch):
-    from rooflm.distributed.worker import fault_step_from_env
+    from rooflm.engine.worker import fault_step_from_env
     monkeypatch.setenv("ROOFLM_TP_FAULT_INJECT", "3")
     with pytest.raises(ValueError, match="ROOFLM_TP_FAULT_INJECT must be RANK:STEP"):
         fault_step_from_env(1)

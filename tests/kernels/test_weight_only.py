@@ -458,7 +458,7 @@ def test_linear_methods_match_dequantized_weights(act_order):
     """W4A16Linear / W8A16Linear (what a Linear holds on CUDA) against x @ W.T with W decoded from the
     GPTQ tensors: act-order's permutation of the inputs included."""
     from rooflm.quant import formats
-    from rooflm.quant.gptq import gptq_quantize
+    from rooflm.quantize.gptq import gptq_quantize
     from rooflm.quant.linear_method import W4A16Linear, W8A16Linear
     from rooflm.quant.rtn import rtn_int8
     g = torch.Generator().manual_seed(7)

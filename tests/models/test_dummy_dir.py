@@ -7,7 +7,8 @@ import os
 import pytest
 
 from rooflm.model import loader
-from rooflm.model.dummy_dir import hf_config_dict, make_dummy_model_dir
+from rooflm.model.hf_config import hf_config_dict
+from rooflm.tokenizer.dummy_model_dir import make_dummy_model_dir
 from rooflm.model.presets import PRESETS
 from rooflm.tokenizer.tokenizer import load_model_tokenizer
 

@@ -36,7 +36,7 @@ def test_bench_serve_on_a_dummy_model_directory(tmp_path, capsys):
     text streams per token, so TTFT/TPOT/ITL are all measured, at two request rates."""
     import httpx
 
-    from rooflm.model.dummy_dir import make_dummy_model_dir
+    from rooflm.tokenizer.dummy_model_dir import make_dummy_model_dir
     from tests.server.server_utils import SMALL_ENGINE_ARGS, start_server
 
     model_dir = tmp_path / "smollm2-dummy"

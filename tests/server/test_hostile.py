@@ -40,7 +40,7 @@ TINY_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """One server for the whole corpus: the main server's flags, a tiny random model."""
-    from rooflm.model.dummy_dir import make_dummy_model_dir
+    from rooflm.tokenizer.dummy_model_dir import make_dummy_model_dir
 
     tmp = tmp_path_factory.mktemp("hostile")
     model_dir = tmp / "tiny-smollm2"

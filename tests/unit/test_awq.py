@@ -1,4 +1,4 @@
-"""AWQ (rooflm/quant/awq.py): the scale fold is exact in float, the searched scales lower the
+"""AWQ (rooflm/quantize/awq.py): the scale fold is exact in float, the searched scales lower the
 quantization error against RTN, and `rooflm quantize --method awq|awq+gptq` writes a GPTQ-layout
 checkpoint rooflm loads."""
 
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from rooflm.quant.awq import AwqConfig, apply_awq, clipped_rtn_int4, fold_scales, search_scale
+from rooflm.quantize.awq import AwqConfig, apply_awq, clipped_rtn_int4, fold_scales, search_scale
 from rooflm.quant.rtn import WeightScheme, rtn_int4
 
 PROMPTS = [[5, 9, 17, 33, 2, 71, 14, 88], [7, 3, 120, 44]]
@@ -93,7 +93,7 @@ def test_searched_scales_lower_the_output_error_against_rtn():
 def test_awq_lowers_a_tiny_models_quantization_error(tmp_path):
     """On a tiny model, calibrated on random tokens: AWQ (scales + clip) then int4 leaves the
     logits closer to the float model's than RTN int4 does."""
-    from rooflm.quant.quantize import collect_hessians, quantize_linear
+    from rooflm.quantize.quantize import collect_hessians, quantize_linear
     src = _salient_model(tmp_path)
     g = torch.Generator().manual_seed(0)
     windows = [torch.randint(3, 250, (64,), generator=g).tolist() for _ in range(6)]
@@ -107,7 +107,7 @@ def test_awq_lowers_a_tiny_models_quantization_error(tmp_path):
         hessians = collect_hessians(llm, windows, means)
         if method == "awq":
             apply_awq(model, hessians, means, AwqConfig(scheme))
-        from rooflm.quant.quantize import decoder_linears
+        from rooflm.quantize.quantize import decoder_linears
         with torch.no_grad():
             for name, linear in decoder_linears(model).items():
                 q = quantize_linear(linear.weight.detach().float(), scheme, method, hessians[name])
@@ -124,7 +124,7 @@ def test_awq_checkpoint_loads_with_the_folded_norms(tmp_path, method):
     """`rooflm quantize --method awq|awq+gptq`'s steps on a tiny model: the written GPTQ v1
     directory loads to the folded norms and the scaled weights' quantized values; AWQ's logits
     are closer to the float model's than RTN's checkpoint."""
-    from rooflm.quant.quantize import collect_hessians, quantize_linear, quantized_state_dict, write_checkpoint
+    from rooflm.quantize.quantize import collect_hessians, quantize_linear, quantized_state_dict, write_checkpoint
     src = _salient_model(tmp_path)
     g = torch.Generator().manual_seed(0)
     windows = [torch.randint(3, 250, (64,), generator=g).tolist() for _ in range(6)]
@@ -159,8 +159,8 @@ def test_awq_checkpoint_loads_with_the_folded_norms(tmp_path, method):
 def test_gptq_scored_search_is_best_for_gptq_on_its_grid():
     """score_with="gptq" picks, on the same alpha grid, a scale whose GPTQ output error is no
     larger than that of the scale the RTN-scored search picks, once both are quantized by GPTQ."""
-    from rooflm.quant.awq import output_error
-    from rooflm.quant.gptq import gptq_quantize
+    from rooflm.quantize.awq import output_error
+    from rooflm.quantize.gptq import gptq_quantize
     g = torch.Generator().manual_seed(7)
     k, n, group = 128, 32, 32
     channel = torch.ones(k)

@@ -1,12 +1,12 @@
-"""AWQ with the block-output objective (rooflm/quant/awq_block.py): the torch block forwards
+"""AWQ with the block-output objective (rooflm/quantize/awq_block.py): the torch block forwards
 reproduce the engine's, the fold leaves the float model unchanged, and the searched qkv / gate_up
 scales give a smaller block output error than the per-linear objective's choices."""
 
 import pytest
 import torch
 
-from rooflm.quant.awq import AwqConfig, apply_awq
-from rooflm.quant.awq_block import apply_awq_block, attention_block, capture_block_inputs, mlp_block
+from rooflm.quantize.awq import AwqConfig, apply_awq
+from rooflm.quantize.awq_block import apply_awq_block, attention_block, capture_block_inputs, mlp_block
 from rooflm.quant.rtn import WeightScheme
 
 WINDOWS = [torch.randint(3, 250, (48,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(4)]
@@ -76,7 +76,7 @@ def test_block_objective_beats_the_per_linear_choice_on_the_block_error(tmp_path
     pick gives a block output error (every linear quantized as written) no larger than the
     per-linear pick's in every layer, and smaller in at least one. The float model's outputs do
     not change with the fold."""
-    from rooflm.quant.quantize import collect_hessians
+    from rooflm.quantize.quantize import collect_hessians
     src = _salient_model(tmp_path)
     config = AwqConfig(SCHEME, alphas=GRID)
     quantize = config.quantizer()
@@ -126,8 +126,8 @@ def test_sequential_awq_searches_on_the_quantized_models_inputs(tmp_path):
     weights); layer 0's qkv scale, whose input no quantized linear precedes, is the one the
     float-input block search picks, and later scales are searched on other (quantized) inputs;
     the result is closer to the float model than RTN int4."""
-    from rooflm.quant.awq_sequential import sequential_awq_gptq
-    from rooflm.quant.quantize import collect_hessians, decoder_linears
+    from rooflm.quantize.awq_sequential import sequential_awq_gptq
+    from rooflm.quantize.quantize import collect_hessians, decoder_linears
     src = _salient_model(tmp_path)
     config = AwqConfig(SCHEME, alphas=GRID)
     total = sum(map(len, WINDOWS))
@@ -156,7 +156,7 @@ def test_sequential_awq_searches_on_the_quantized_models_inputs(tmp_path):
     # The model as left (folded norms, written weights) is what the checkpoint holds: it must be
     # closer to the float model than RTN int4 (a missing norm fold would put it far off).
     rtn = _llm(src)
-    from rooflm.quant.quantize import quantize_linear
+    from rooflm.quantize.quantize import quantize_linear
     with torch.no_grad():
         for name, linear in decoder_linears(rtn.engine.runner.model).items():
             linear.weight.copy_(quantize_linear(linear.weight.detach().float(), SCHEME, "rtn", None).dequantize())
@@ -185,7 +185,7 @@ def _prompt_logprobs(llm) -> torch.Tensor:
 def test_quantize_rejects_flag_combinations_it_cannot_honour(argv, message):
     """Checked before the model loads: each error names the flags."""
     import argparse
-    from rooflm.quant.commands import register
+    from rooflm.quantize.commands import register
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
     args = parser.parse_args(["quantize", "--output", "unused"] + argv)

@@ -104,7 +104,7 @@ def test_fp8_checkpoint_round_trip_gives_the_same_logits(tmp_path):
     """quantize --scheme fp8 writes compressed-tensors; loading it gives the logits of the model
     quantized at load (same codes, same scales, same per-token activations)."""
     from rooflm.quant.fp8 import compressed_tensors_config
-    from rooflm.quant.quantize import fp8_state_dict, write_checkpoint
+    from rooflm.quantize.quantize import fp8_state_dict, write_checkpoint
     from tests.models.tiny_models import make_tiny_model
     src, _ = make_tiny_model(tmp_path, "llama", attention="gqa")
     tensors = fp8_state_dict(_llm(src, quantization="none").engine.runner.model, torch.float32)
@@ -123,8 +123,8 @@ def test_kv_scales_calibrate_to_the_largest_per_token_scale_and_load_back(tmp_pa
     per-token scales an FP8 cache stores for the same windows (max |rotated K| or |V| / 448), and
     the checkpoint it writes loads them into the cache (compressed-tensors kv_cache_scheme)."""
     from rooflm.quant.fp8 import compressed_tensors_config
-    from rooflm.quant.kv_scales import KV_CACHE_SCHEME, calibrate_kv_scales, kv_scale_tensors
-    from rooflm.quant.quantize import fp8_state_dict, write_checkpoint
+    from rooflm.quantize.kv_scales import KV_CACHE_SCHEME, calibrate_kv_scales, kv_scale_tensors
+    from rooflm.quantize.quantize import fp8_state_dict, write_checkpoint
     from tests.models.tiny_models import make_tiny_model
     src, _ = make_tiny_model(tmp_path, "llama", attention="gqa")
     llm = _llm(src, quantization="none", kv_cache_dtype="fp8", kv_cache_scales="per-token", num_blocks=64)
@@ -175,7 +175,7 @@ def test_vllm_fp8_static_per_tensor_checkpoint_loads(tmp_path):
     assert torch.isfinite(_prompt_logprobs(llm)).all()
     cfg["quantization_config"]["weight_block_size"] = [128, 128]
     json.dump(cfg, open(out / "config.json", "w"))
-    from rooflm.model.errors import ModelLoadError
+    from rooflm.errors import ModelLoadError
     with pytest.raises(ModelLoadError, match="weight_block_size"):
         _llm(str(out))
 

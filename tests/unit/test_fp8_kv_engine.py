@@ -190,7 +190,7 @@ def test_checkpoint_kv_scales_reach_the_cache_and_generate(tiny_path, tmp_path):
 
 
 def test_checkpoint_kv_scheme_errors_name_the_problem(tiny_path, tmp_path):
-    from rooflm.model.errors import ModelLoadError
+    from rooflm.errors import ModelLoadError
 
     base = tmp_path / "fp8"
     import shutil

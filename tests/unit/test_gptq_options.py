@@ -1,10 +1,10 @@
-"""GPTQ's options in rooflm/quant/gptq.py: the scale refit (same codes, lower output error) and the
+"""GPTQ's options in rooflm/quantize/gptq.py: the scale refit (same codes, lower output error) and the
 range search kept off the q/k rows."""
 
 import pytest
 import torch
 
-from rooflm.quant.gptq import gptq_quantize, group_output_error
+from rooflm.quantize.gptq import gptq_quantize, group_output_error
 
 
 @pytest.mark.parametrize("act_order", [False, True])
@@ -31,7 +31,7 @@ def test_mse_skip_qk_keeps_the_q_and_k_rows_at_their_full_range(tmp_path):
     """range_search_rows marks a fused qkv_proj's v rows only; GPTQ --mse then leaves the q/k
     rows' group scales at min..max (as plain GPTQ picks them) and searches the v rows'."""
     from rooflm.llm import LLM
-    from rooflm.quant.gptq import range_search_rows
+    from rooflm.quantize.gptq import range_search_rows
     from tests.models.tiny_models import make_tiny_model
     src, _ = make_tiny_model(tmp_path, "llama", attention="gqa")
     llm = LLM(model=src, dtype="float32", device="cpu", block_size=4, quantization="none")
@@ -61,8 +61,8 @@ def test_damp_is_gptq_percdamp_and_the_cli_default_is_unchanged():
     to config.json's damp_percent."""
     import argparse
 
-    from rooflm.quant.commands import register
-    from rooflm.quant.quantize import gptq_config
+    from rooflm.quantize.commands import register
+    from rooflm.quantize.quantize import gptq_config
     from rooflm.quant.rtn import WeightScheme
     g = torch.Generator().manual_seed(2)
     k, n = 128, 32
@@ -88,8 +88,8 @@ def test_damp_is_gptq_percdamp_and_the_cli_default_is_unchanged():
 
 
 def test_the_cli_default_damping_is_gptqs():
-    from rooflm.quant.commands import GPTQ_DAMP
-    from rooflm.quant.gptq import DEFAULT_DAMP
+    from rooflm.quantize.commands import GPTQ_DAMP
+    from rooflm.quantize.gptq import DEFAULT_DAMP
     assert GPTQ_DAMP == DEFAULT_DAMP
 
 
@@ -102,7 +102,7 @@ def test_the_cli_default_damping_is_gptqs():
 def test_gptq_v2_flags_are_checked_before_anything_loads(flags, message, tmp_path):
     import argparse
 
-    from rooflm.quant.commands import register
+    from rooflm.quantize.commands import register
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
     args = parser.parse_args(["quantize", "--model", str(tmp_path / "absent"), "--output", str(tmp_path / "o")] + flags)

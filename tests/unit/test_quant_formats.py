@@ -15,10 +15,10 @@ import os
 import pytest
 import torch
 
-from rooflm.model.errors import ModelLoadError
+from rooflm.errors import ModelLoadError
 from rooflm.quant import formats
 from rooflm.quant.checkpoint import QuantScheme, group_quantized, parse_quant_config
-from rooflm.quant.gptq import gptq_quantize
+from rooflm.quantize.gptq import gptq_quantize
 from rooflm.quant.rtn import WeightScheme, rtn_int4, rtn_int8
 
 
@@ -321,7 +321,7 @@ def test_quantize_pipeline_writes_a_checkpoint_rooflm_loads(tmp_path):
     GPTQ per fused linear, split back to HF names, GPTQ files that load to the same weights."""
     from safetensors.torch import load_file
     from rooflm.llm import LLM
-    from rooflm.quant.quantize import collect_hessians, quantized_state_dict, write_checkpoint
+    from rooflm.quantize.quantize import collect_hessians, quantized_state_dict, write_checkpoint
     from tests.models.tiny_models import make_tiny_model
 
     src, _ = make_tiny_model(tmp_path, "qwen2")

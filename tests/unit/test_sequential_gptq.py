@@ -1,4 +1,4 @@
-"""Sequential GPTQ (rooflm/quant/sequential.py): each linear is calibrated on the outputs of the
+"""Sequential GPTQ (rooflm/quantize/sequential.py): each linear is calibrated on the outputs of the
 already quantized linears before it, in one prefill."""
 
 import pytest
@@ -26,8 +26,8 @@ def _ppl_logprobs(llm, prompts) -> torch.Tensor:
 def test_each_hessian_comes_from_the_quantized_predecessors(tmp_path):
     """The Hessian each linear was quantized with is the one the finished (all quantized) model
     feeds it, and not the float model's after the first linear."""
-    from rooflm.quant.quantize import collect_hessians
-    from rooflm.quant.sequential import sequential_gptq
+    from rooflm.quantize.quantize import collect_hessians
+    from rooflm.quantize.sequential import sequential_gptq
     from tests.models.tiny_models import make_tiny_model
     src, _ = make_tiny_model(tmp_path, "llama", attention="gqa")
     total = sum(map(len, WINDOWS))
@@ -53,7 +53,7 @@ def test_each_hessian_comes_from_the_quantized_predecessors(tmp_path):
 
 
 def test_sequential_needs_one_prefill_step(tmp_path):
-    from rooflm.quant.sequential import sequential_gptq
+    from rooflm.quantize.sequential import sequential_gptq
     from tests.models.tiny_models import make_tiny_model
     src, _ = make_tiny_model(tmp_path, "llama", attention="gqa")
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
@@ -61,7 +61,7 @@ def test_sequential_needs_one_prefill_step(tmp_path):
 
 
 def test_sequential_defaults():
-    from rooflm.quant.commands import use_sequential
+    from rooflm.quantize.commands import use_sequential
     assert use_sequential("gptq", None) and not use_sequential("gptq", False)
     assert not use_sequential("awq+gptq", None) and use_sequential("awq+gptq", True)
     assert not use_sequential("rtn", None)
@@ -72,7 +72,7 @@ def test_sequential_defaults():
 def test_sequential_needs_the_kv_cache_to_hold_every_window(tmp_path):
     """A KV pool smaller than the calibration splits the prefill as surely as a small token
     budget (seen at 128 windows: 23,040 of 65,536 tokens in the step); it is refused up front."""
-    from rooflm.quant.sequential import sequential_gptq
+    from rooflm.quantize.sequential import sequential_gptq
     from tests.models.tiny_models import make_tiny_model
     src, _ = make_tiny_model(tmp_path, "llama", attention="gqa")
     total = sum(map(len, WINDOWS))
@@ -83,7 +83,7 @@ def test_sequential_needs_the_kv_cache_to_hold_every_window(tmp_path):
 def test_asymmetric_target_is_the_least_squares_fit_of_the_float_outputs():
     """GPTQv2's target W' (alpha 1, no ridge) is the least-squares map from the quantized inputs
     X~ to the float outputs W X; alpha 0 is W itself, and alpha scales the correction."""
-    from rooflm.quant.gptq import asymmetric_target
+    from rooflm.quantize.gptq import asymmetric_target
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2000, 64, generator=g, dtype=torch.float64).float()
     xq = x + 0.1 * torch.randn(2000, 64, generator=g)
@@ -105,8 +105,8 @@ def test_gptq_v2_fits_each_linear_to_the_float_outputs(tmp_path):
     quantized as plain sequential GPTQ quantizes it; a later one is fitted to the float model's
     outputs, so its asymmetric loss ||X W^T - X~ Q^T|| is below that of plain GPTQ on the same
     quantized inputs X~ (which aims at X~ W^T instead)."""
-    from rooflm.quant.gptq import gptq_quantize
-    from rooflm.quant.sequential import capture_inputs, sequential_gptq
+    from rooflm.quantize.gptq import gptq_quantize
+    from rooflm.quantize.sequential import capture_inputs, sequential_gptq
     from tests.models.tiny_models import make_tiny_model
     src, _ = make_tiny_model(tmp_path, "llama", attention="gqa")
     total = sum(map(len, WINDOWS))

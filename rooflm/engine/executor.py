@@ -94,7 +94,7 @@ class TPExecutor:
     def start(cls, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
               model_path: str, load_format: str) -> "TPExecutor":
         """Start ranks 1..N-1 and join the group as rank 0 (blocks until every rank has)."""
-        from rooflm.distributed.worker import rank_device, run_worker
+        from rooflm.engine.worker import rank_device, run_worker
         from rooflm.engine.model_runner import resolve_device
 
         size = config.parallel.tensor_parallel_size

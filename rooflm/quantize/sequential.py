@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from rooflm.quant.gptq import DEFAULT_DAMP
+from rooflm.quantize.gptq import DEFAULT_DAMP
 from rooflm.quant.rtn import WeightScheme
 
 
@@ -59,7 +59,7 @@ def capture_inputs(llm, windows: list[list[int]]) -> dict[str, torch.Tensor]:
     """Every decoder linear's input over the calibration windows, [tokens, in_features] fp32, from
     one prefill of the model as it is now (the float model, for GPTQv2's targets). SmolLM2-135M
     at 32 windows of 512 tokens: ~6.4 GB."""
-    from rooflm.quant.quantize import decoder_linears
+    from rooflm.quantize.quantize import decoder_linears
     from rooflm.sampling_params import SamplingParams
     check_one_step(llm, windows, "GPTQv2's float pass")
     inputs: dict[str, torch.Tensor] = {}
@@ -89,8 +89,8 @@ def sequential_gptq(llm, windows: list[list[int]], scheme: WeightScheme, act_ord
     `hessians`, if given, is filled with the Hessian each linear was quantized with.
     v2_alpha: GPTQv2's asymmetric calibration (gptq.asymmetric_target): each linear is fitted to
     the float model's outputs on the float model's inputs, captured first in one more prefill."""
-    from rooflm.quant.gptq import asymmetric_target, gptq_quantize, range_search_rows
-    from rooflm.quant.quantize import decoder_linears
+    from rooflm.quantize.gptq import asymmetric_target, gptq_quantize, range_search_rows
+    from rooflm.quantize.quantize import decoder_linears
     from rooflm.sampling_params import SamplingParams
     model = llm.engine.model
     total = sum(len(w) for w in windows)

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from rooflm.quant.formats import to_gptq
-from rooflm.quant.gptq import DEFAULT_DAMP, range_search_rows
+from rooflm.quantize.gptq import DEFAULT_DAMP, range_search_rows
 from rooflm.quant.rtn import WeightScheme, quantize_weight
 
 logger = logging.getLogger(__name__)
@@ -86,11 +86,11 @@ def quantize_linear(w: torch.Tensor, scheme: WeightScheme, method: str, hessian:
     is given) | awq+gptq (weights already AWQ-scaled, the Hessian rescaled to match: GPTQ).
     damp: GPTQ's diagonal damping (gptq_quantize)."""
     if method in ("gptq", "awq+gptq"):
-        from rooflm.quant.gptq import gptq_quantize
+        from rooflm.quantize.gptq import gptq_quantize
         return gptq_quantize(w, hessian, scheme.bits, scheme.group_size, act_order=act_order, mse=mse, refit=refit,
                              mse_rows=mse_rows, damp=damp)
     if method == "awq" and hessian is not None and scheme.bits == 4:
-        from rooflm.quant.awq import AwqConfig, clipped_rtn_int4
+        from rooflm.quantize.awq import AwqConfig, clipped_rtn_int4
         return clipped_rtn_int4(w, hessian, scheme.group_size, AwqConfig(scheme).shrinks)
     return quantize_weight(w, scheme)
 
@@ -190,9 +190,9 @@ def write_checkpoint(out_dir: str, config_dict: dict, tensors: dict[str, torch.T
         f.write("\n")
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     if tokenizer is not None:
-        from rooflm.model.dummy_dir import _embed_chat_template
+        from rooflm.tokenizer.dummy_model_dir import embed_chat_template
         tokenizer.hf.save_pretrained(out_dir)
-        _embed_chat_template(out_dir, tokenizer.chat_template)
+        embed_chat_template(out_dir, tokenizer.chat_template)
     if note:
         with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as f:
             f.write(note + "\n")

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rooflm.quant.awq import AwqConfig, AwqReport, _layer_groups, fold_scales, search_scale
-from rooflm.quant.gptq import range_search_rows
+from rooflm.quantize.awq import AwqConfig, AwqReport, _layer_groups, fold_scales, search_scale
+from rooflm.quantize.gptq import range_search_rows
 
 
 @dataclass(frozen=True)

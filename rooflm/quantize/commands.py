@@ -7,7 +7,7 @@ import time
 
 from rooflm.eval.ppl import CALIB_SKIP_WINDOWS, CALIB_WINDOWS, WINDOW
 
-# rooflm.quant.gptq.DEFAULT_DAMP, repeated so that building the CLI imports no torch
+# rooflm.quantize.gptq.DEFAULT_DAMP, repeated so that building the CLI imports no torch
 GPTQ_DAMP = 0.01
 GPTQ_V2_ALPHA = 0.25
 
@@ -105,8 +105,8 @@ def run_quantize(args: argparse.Namespace) -> int:
 
     from rooflm.eval.ppl import read_text, token_windows
     from rooflm.llm import LLM
-    from rooflm.model.dummy_dir import hf_config_dict
-    from rooflm.quant.quantize import collect_hessians, quantized_state_dict, write_checkpoint
+    from rooflm.model.hf_config import hf_config_dict
+    from rooflm.quantize.quantize import collect_hessians, quantized_state_dict, write_checkpoint
     from rooflm.quant.rtn import WeightScheme
 
     float_dtype = getattr(torch, args.float_dtype)
@@ -158,7 +158,7 @@ def run_quantize(args: argparse.Namespace) -> int:
     if sequential and (info.kv_capacity_tokens < slots or info.max_num_seqs < args.calib_windows):
         # ... so also every window as a sequence of the step and all their KV at once: the
         # default pool (cpu_kv_cache_gb) holds ~23k SmolLM2 tokens in fp32. Rebuilt once.
-        from rooflm.quant.sequential import kv_cache_gb_for
+        from rooflm.quantize.sequential import kv_cache_gb_for
         extra["cpu_kv_cache_gb"] = max(1.0, kv_cache_gb_for(info, slots))
         extra["max_num_seqs"] = max(info.max_num_seqs, args.calib_windows)
         llm.shutdown()
@@ -184,7 +184,7 @@ def run_quantize(args: argparse.Namespace) -> int:
         calib = f" Calibration: {len(windows)} windows of {args.calib_window} tokens of {path}, after skipping {args.calib_skip_windows}."
         print(f"calibration: {len(windows) * args.calib_window} tokens in {time.perf_counter() - t0:.1f} s")
     if args.method.startswith("awq") and not awq_on_quantized:
-        from rooflm.quant.awq import AwqConfig, apply_awq
+        from rooflm.quantize.awq import AwqConfig, apply_awq
         args.awq_score = args.awq_score or ("gptq" if args.method == "awq+gptq" else "rtn")
         t1 = time.perf_counter()
         config = AwqConfig(scheme, duo_scaling=args.duo, score_with=args.awq_score,
@@ -196,7 +196,7 @@ def run_quantize(args: argparse.Namespace) -> int:
             torch.set_num_threads(1)
         try:
             if args.awq_objective == "block":
-                from rooflm.quant.awq_block import apply_awq_block, capture_block_inputs
+                from rooflm.quantize.awq_block import apply_awq_block, capture_block_inputs
                 if args.awq_block_windows < 1:
                     raise ValueError(f"--awq-block-windows must be >= 1, got {args.awq_block_windows}")
                 inputs = capture_block_inputs(llm, windows[:args.awq_block_windows])
@@ -218,8 +218,8 @@ def run_quantize(args: argparse.Namespace) -> int:
     prequantized = None
     try:
         if awq_on_quantized:
-            from rooflm.quant.awq import AwqConfig
-            from rooflm.quant.awq_sequential import sequential_awq_gptq
+            from rooflm.quantize.awq import AwqConfig
+            from rooflm.quantize.awq_sequential import sequential_awq_gptq
             args.awq_score = args.awq_score or "gptq"
             t2 = time.perf_counter()
             config = AwqConfig(scheme, duo_scaling=args.duo, score_with=args.awq_score,
@@ -231,7 +231,7 @@ def run_quantize(args: argparse.Namespace) -> int:
             print(f"{report.summary()}; sequential AWQ+GPTQ: {len(prequantized)} linears in "
                   f"{time.perf_counter() - t2:.1f} s")
         elif sequential:
-            from rooflm.quant.sequential import sequential_gptq
+            from rooflm.quantize.sequential import sequential_gptq
             t2 = time.perf_counter()
             prequantized = sequential_gptq(llm, windows, scheme, args.act_order, args.mse, refit=args.refit,
                                            mse_skip_qk=args.mse_skip_qk, damp=args.damp,
@@ -267,9 +267,9 @@ def _quantize_fp8(args: argparse.Namespace, float_dtype) -> int:
     """--scheme fp8: round each decoder linear to per-channel e4m3 (no calibration: activations
     are quantized per token at run time) and write compressed-tensors."""
     from rooflm.llm import LLM
-    from rooflm.model.dummy_dir import hf_config_dict
+    from rooflm.model.hf_config import hf_config_dict
     from rooflm.quant.fp8 import compressed_tensors_config
-    from rooflm.quant.quantize import fp8_state_dict, write_checkpoint
+    from rooflm.quantize.quantize import fp8_state_dict, write_checkpoint
 
     if args.method not in (None, "rtn"):
         raise ValueError(f"--scheme fp8 rounds to nearest per channel; --method {args.method} applies to the "
@@ -281,7 +281,7 @@ def _quantize_fp8(args: argparse.Namespace, float_dtype) -> int:
     kv_note = ""
     if args.kv_cache_scales:
         from rooflm.eval.ppl import read_text, token_windows
-        from rooflm.quant.kv_scales import KV_CACHE_SCHEME, calibrate_kv_scales, kv_scale_tensors
+        from rooflm.quantize.kv_scales import KV_CACHE_SCHEME, calibrate_kv_scales, kv_scale_tensors
         if llm.tokenizer is None:
             raise ValueError("--kv-cache-scales calibration needs a tokenizer")
         text, path = read_text(args.calib_text)
@@ -292,7 +292,7 @@ def _quantize_fp8(args: argparse.Namespace, float_dtype) -> int:
         scales = calibrate_kv_scales(llm, windows)
         tensors.update(kv_scale_tensors(scales))
         quant_config["kv_cache_scheme"] = dict(KV_CACHE_SCHEME)
-        kv_note = (f" Static FP8 K/V scales (kv_cache_scheme, rooflm/quant/kv_scales.py) from {len(windows)} "
+        kv_note = (f" Static FP8 K/V scales (kv_cache_scheme, rooflm/quantize/kv_scales.py) from {len(windows)} "
                    f"windows of {args.calib_window} tokens of {path}: K {scales[:, 0].min():.3g}..."
                    f"{scales[:, 0].max():.3g}, V {scales[:, 1].min():.3g}...{scales[:, 1].max():.3g}.")
         print(f"K/V scales calibrated on {len(windows) * args.calib_window} tokens")

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from rooflm.quant.awq import AwqConfig, AwqReport, _layer_groups, fold_scales, search_scale
-from rooflm.quant.awq_block import _block_error, attention_block, mlp_block
-from rooflm.quant.gptq import range_search_rows
-from rooflm.quant.sequential import check_one_step
+from rooflm.quantize.awq import AwqConfig, AwqReport, _layer_groups, fold_scales, search_scale
+from rooflm.quantize.awq_block import _block_error, attention_block, mlp_block
+from rooflm.quantize.gptq import range_search_rows
+from rooflm.quantize.sequential import check_one_step
 
 
 def sequential_awq_gptq(llm, windows: list[list[int]], config: AwqConfig, float_hessians: dict[str, torch.Tensor],
@@ -37,8 +37,8 @@ def sequential_awq_gptq(llm, windows: list[list[int]], config: AwqConfig, float_
     docstring); returns ({rooflm linear name: GroupWeight/ChannelWeight}, the AWQ report).
     float_hessians / float_act_means: the float model's statistics (quantize.collect_hessians),
     used for o_proj's and down_proj's scales only."""
-    from rooflm.quant.gptq import gptq_quantize
-    from rooflm.quant.quantize import decoder_linears
+    from rooflm.quantize.gptq import gptq_quantize
+    from rooflm.quantize.quantize import decoder_linears
     from rooflm.sampling_params import SamplingParams
     model = llm.engine.model
     lengths = [len(w) for w in windows]

@@ -43,7 +43,7 @@ from typing import Callable, Optional
 import torch
 
 from rooflm.quant.formats import GroupWeight
-from rooflm.quant.gptq import DEFAULT_DAMP, range_search_rows
+from rooflm.quantize.gptq import DEFAULT_DAMP, range_search_rows
 from rooflm.quant.rtn import WeightScheme, int4_params, quantize_int4_codes, quantize_weight
 
 
@@ -75,7 +75,7 @@ class AwqConfig:
         if self.score_with == "rtn":
             return lambda w, h: fake_quantize(w, self.scheme)
         if self.score_with == "gptq":
-            from rooflm.quant.gptq import gptq_quantize
+            from rooflm.quantize.gptq import gptq_quantize
             return lambda w, h: gptq_quantize(w, h, self.scheme.bits, self.scheme.group_size, scale_dtype=torch.float32,
                                               act_order=self.gptq_act_order, mse=self.gptq_mse,
                                               refit=self.gptq_refit, mse_rows=mse_rows,

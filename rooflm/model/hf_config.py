@@ -1,0 +1,53 @@
+"""A ModelConfig written as an HF config.json dict, in the dialect rooflm's loader and
+transformers' AutoConfig both read: dummy model directories (rooflm/tokenizer/dummy_model_dir.py),
+training checkpoints and `rooflm quantize`'s output directories carry it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rooflm.config import ModelConfig
+
+# transformers' model_type per architecture, for a config.json AutoConfig can read too.
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
+
+def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
+    """The config.json of a ModelConfig, in the dialect rooflm's loader and transformers read
+    (transformers < 5: top-level rope_theta and rope_scaling)."""
+    cfg: dict[str, Any] = {
+        "architectures": [config.architecture],
+        "model_type": _MODEL_TYPES.get(config.architecture, "llama"),
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "torch_dtype": "bfloat16",
+    }
+    if config.rope_scaling is not None:
+        cfg["rope_scaling"] = {
+            "rope_type": config.rope_scaling.rope_type, "factor": config.rope_scaling.factor,
+            "low_freq_factor": config.rope_scaling.low_freq_factor,
+            "high_freq_factor": config.rope_scaling.high_freq_factor,
+            "original_max_position_embeddings": config.rope_scaling.original_max_position_embeddings}
+    # Qwen2 has q/k/v bias by architecture and Qwen3 its q/k norm: neither is a config field.
+    if config.architecture == "MistralForCausalLM":
+        cfg["sliding_window"] = config.sliding_window
+    elif config.sliding_window is not None:
+        cfg.update(use_sliding_window=True, sliding_window=config.sliding_window,
+                   max_window_layers=0)
+    if config.bos_token_id is not None:
+        cfg["bos_token_id"] = config.bos_token_id
+    if config.eos_token_ids:
+        cfg["eos_token_id"] = (config.eos_token_ids[0] if len(config.eos_token_ids) == 1
+                               else list(config.eos_token_ids))
+    return cfg
