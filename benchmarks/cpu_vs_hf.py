@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from rooflm.bench.results import markdown_table, stamp, write_json, write_markdown  # noqa: E402
+from rooflm.perf.results import markdown_table, stamp, write_json, write_markdown  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

@@ -106,7 +106,7 @@ def main() -> int:
         rows.append(row("offline (bench throughput)", "steps", offline.get("num_steps"),
                         sim["sim"]["steps"], TARGETS["throughput"]))
 
-    from rooflm.bench.results import markdown_table
+    from rooflm.perf.results import markdown_table
 
     headers = ["workload", "figure", "measured", "simulated", "error", "target"]
     shown = [[r[0], r[1], r[2], r[3], None if r[4] is None else f"{r[4]:+.1%}", r[5]] for r in rows]

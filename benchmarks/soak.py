@@ -315,7 +315,7 @@ def summarise(args, samples, traffic, idle_after, exit_code, model) -> dict:
         return _mb(values[-1] - values[0]) if len(values) >= 2 else None
     lat = sorted(traffic.latencies)
     pct = lambda q: round(lat[min(len(lat) - 1, int(q * len(lat)))], 3) if lat else None  # noqa: E731
-    from rooflm.bench.results import git_commit
+    from rooflm.perf.results import git_commit
     commit = git_commit()  # ROOFLM_COMMIT where the tree is a copy (the device machine)
     gpu = None
     try:

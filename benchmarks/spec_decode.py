@@ -38,7 +38,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rooflm import LLM, SamplingParams  # noqa: E402
-from rooflm.bench.results import git_commit  # noqa: E402
+from rooflm.perf.results import git_commit  # noqa: E402
 from rooflm.spec.proposer import Proposal, Proposer  # noqa: E402
 from rooflm.spec.replay import ReplayProposer  # noqa: E402
 

@@ -1,6 +1,7 @@
 """rooflm: an LLM inference engine that runs at the hardware roofline and says where it stands."""
 
 from rooflm.sampling_params import SamplingParams
+from rooflm.version import __version__
 
 
 def __getattr__(name):
@@ -14,16 +15,4 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams"]
-
-
-def _version() -> str:
-    # One source of truth: pyproject.toml's version, as installed.
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("rooflm")
-    except PackageNotFoundError:  # run from a checkout that was never installed
-        return "0+unknown"
-
-
-__version__ = _version()
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "__version__"]

@@ -13,6 +13,7 @@ import sys
 import typing
 
 from rooflm import config as cfg
+from rooflm.version import __version__
 
 
 def _flag_type(field: dataclasses.Field):
@@ -171,18 +172,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("rooflm")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "unknown (not installed)"
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rooflm", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="WARNING")
-    parser.add_argument("--version", action="version", version=f"rooflm {_version()}")
+    parser.add_argument("--version", action="version", version=f"rooflm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for prompts with the offline engine")
@@ -219,7 +212,12 @@ def _register_optional(sub) -> None:
             if e.name and e.name.startswith("rooflm"):
                 continue  # subsystem not present in this build
             raise
-        mod.register(sub)
+        group = mod.register(sub)
+        if module == "rooflm.bench.commands":
+            # `rooflm bench train`, the training knob sweep, is the training lab's: cli joins the two
+            # tools, which do not import each other.
+            from rooflm.train import bench as train_bench
+            train_bench.register(group)
 
 
 def main(argv: typing.Optional[list[str]] = None) -> int:

@@ -10,8 +10,9 @@ import sys
 from typing import TextIO
 
 
-def register(subparsers) -> None:
-    """Add `bench` with its subcommands latency, throughput and serve."""
+def register(subparsers):
+    """Add `bench` with its subcommands latency, throughput and serve; return its subparsers, where
+    the training lab adds `bench train` (rooflm/cli.py: the tools do not import each other)."""
     # Imported here, not at module level: rooflm.cli imports this module while
     # it builds its parser, and latency/throughput import rooflm.cli back.
     from rooflm.bench import latency, serve, throughput
@@ -28,8 +29,7 @@ def register(subparsers) -> None:
     # keeps bench.throughput -> bench.dp_offline -> bench.throughput from being an import cycle.
     bench_subparsers.choices["throughput"].set_defaults(func=run_throughput_command)
     serve.register(bench_subparsers)
-    from rooflm.train import bench as train_bench  # `rooflm bench train`: the training knob sweep
-    train_bench.register(bench_subparsers)
+    return bench_subparsers
 
 
 def run_throughput_command(args: argparse.Namespace, out: TextIO = None) -> int:

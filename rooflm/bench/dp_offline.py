@@ -28,7 +28,7 @@ START_TIMEOUT_S = 1800.0
 
 def run_data_parallel(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
     from rooflm.bench.throughput import format_summary
-    from rooflm.bench.results import write_json
+    from rooflm.perf.results import write_json
     from rooflm.cli import engine_kwargs
     from rooflm.config import engine_config_from_kwargs
     from rooflm.dp.replicas import replica_gpus

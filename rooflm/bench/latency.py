@@ -118,7 +118,7 @@ def random_prompts(rng: random.Random, batch_size: int, input_len: int,
 
 def run_iteration(engine, prompts: list[list[int]], params, tag: str) -> IterationResult:
     """Submit the batch at once, step until every request is done, and time it."""
-    from rooflm.bench.results import synchronize
+    from rooflm.perf.results import synchronize
 
     device = torch.device(engine.info.device)
     synchronize(device)
@@ -158,7 +158,7 @@ def run_iteration(engine, prompts: list[list[int]], params, tag: str) -> Iterati
 
 def decode_step_cost(engine, batch_size: int, input_len: int, output_len: int):
     """FLOPs and bytes of the mean decode step: B sequences at context P + N/2."""
-    from rooflm.bench.results import compute_dtype_name
+    from rooflm.perf.results import compute_dtype_name
     from rooflm.perf.roofline import step_cost
 
     info = engine.info
@@ -198,7 +198,7 @@ def mbu_fields(step, tpot_s: Optional[float], gpu) -> dict:
 def prefill_floor_s(engine, batch_size: int, input_len: int, gpu) -> Optional[float]:
     """The batch's prefill at the device's roofs, chunk by chunk as the scheduler cuts it
     (see the module docstring); None without FLOP rates."""
-    from rooflm.bench.results import compute_dtype_name
+    from rooflm.perf.results import compute_dtype_name
     from rooflm.perf.roofline import causal_pairs, step_cost
 
     info = engine.info
@@ -291,7 +291,7 @@ def summarize(iterations: list[IterationResult]) -> dict:
 
 
 def run_latency(args: argparse.Namespace, out: TextIO = None) -> int:
-    from rooflm.bench.results import resolve_gpu, stamp, write_json, write_markdown
+    from rooflm.perf.results import resolve_gpu, stamp, write_json, write_markdown
     from rooflm.cli import engine_kwargs
     from rooflm.engine.llm_engine import LLMEngine
     from rooflm.sampling_params import SamplingParams

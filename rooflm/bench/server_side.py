@@ -16,6 +16,8 @@ import math
 import urllib.request
 from typing import Optional
 
+from rooflm.perf.serving_metrics import histogram_quantile
+
 TTFT_BUCKETS = "vllm:time_to_first_token_seconds_bucket"
 
 
@@ -36,26 +38,6 @@ def scrape_ttft_buckets(base_url: str, timeout: float = 5.0) -> Optional[dict[fl
                 le = float(sample.labels["le"])
                 counts[le] = counts.get(le, 0.0) + sample.value
     return counts or None
-
-
-def histogram_quantile(q: float, buckets: dict[float, float]) -> Optional[float]:
-    """The q-quantile of a cumulative histogram {upper bound: count}, linear within the bucket
-    it falls in (Prometheus' rule; the +Inf bucket answers with the largest finite bound)."""
-    bounds = sorted(buckets)
-    total = buckets[bounds[-1]] if bounds else 0.0
-    if total <= 0:
-        return None
-    rank = q * total
-    lower, below = 0.0, 0.0
-    for le in bounds:
-        count = buckets[le]
-        if count >= rank:
-            if math.isinf(le):
-                return lower
-            width = count - below
-            return le if width <= 0 else lower + (le - lower) * (rank - below) / width
-        lower, below = le, count
-    return lower
 
 
 def run_ttft_ms(before: Optional[dict[float, float]], after: Optional[dict[float, float]]) -> Optional[dict]:

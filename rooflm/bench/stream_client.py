@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Union
+
+from rooflm.perf.serving_metrics import RequestOutput
 
 
 @dataclass
@@ -20,24 +22,6 @@ class SampleRequest:
     prompt: Union[str, list[int]]
     prompt_len: int
     output_len: int
-
-
-@dataclass
-class RequestOutput:
-    """What one streamed request measured. Times are seconds; `start` and `chunk_times` are
-    relative to the start of the benchmark."""
-
-    success: bool = False
-    error: str = ""
-    prompt_len: int = 0
-    output_tokens: int = 0
-    ttft: Optional[float] = 0.0  # None: not measurable, every token came in one chunk
-    chunks: int = 0  # chunks that carried output tokens
-    latency: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    start: float = 0.0
-    chunk_times: list[float] = field(default_factory=list)
-    generated_text: str = ""
 
 
 def _is_chat(endpoint: str) -> bool:

@@ -179,7 +179,7 @@ def run_requests(engine, requests: list[BenchRequest], tag: str, disable_tqdm: b
     """Submit every request at once, step until all are done, and time it."""
     from tqdm import tqdm
 
-    from rooflm.bench.results import synchronize
+    from rooflm.perf.results import synchronize
     from rooflm.sampling_params import SamplingParams
 
     device = torch.device(engine.info.device)
@@ -219,7 +219,7 @@ def run_requests(engine, requests: list[BenchRequest], tag: str, disable_tqdm: b
 
 def throughput_bound(engine, gpu, requests: list[BenchRequest]) -> dict:
     """The analytic ceiling on output tokens/s of this workload (see the module docstring)."""
-    from rooflm.bench.results import compute_dtype_name
+    from rooflm.perf.results import compute_dtype_name
     from rooflm.perf.roofline import causal_pairs, step_cost
 
     info = engine.info
@@ -302,7 +302,7 @@ def _want_bound(device, gpu_name: Optional[str]) -> bool:
 def prepare_run(args: argparse.Namespace, engine) -> tuple:
     """What a run needs once its engine is built: the device, the GPU peaks for the bound (None:
     no bound), the stamp and the requests."""
-    from rooflm.bench.results import resolve_gpu, stamp
+    from rooflm.perf.results import resolve_gpu, stamp
 
     device = torch.device(engine.info.device)
     gpu = None
@@ -322,7 +322,7 @@ def prepare_run(args: argparse.Namespace, engine) -> tuple:
 
 def run_throughput(args: argparse.Namespace, out: TextIO = None) -> int:
     from rooflm.bench.breakdown import StepBreakdown
-    from rooflm.bench.results import write_json, write_markdown
+    from rooflm.perf.results import write_json, write_markdown
     from rooflm.perf.live import StepMeter
     from rooflm.cli import engine_kwargs
     from rooflm.engine.llm_engine import LLMEngine

@@ -9,7 +9,7 @@ import json
 
 def register(sub) -> None:
     from rooflm.cli import add_engine_args
-    from rooflm.eval.ppl import CALIB_SKIP_WINDOWS, CALIB_WINDOWS, WINDOW
+    from rooflm.tokenizer.text_windows import CALIB_SKIP_WINDOWS, CALIB_WINDOWS, WINDOW
 
     ev = sub.add_parser("eval", help="perplexity of a model on a text, and drift between two runs")
     eval_sub = ev.add_subparsers(dest="eval_command", required=True)
@@ -38,7 +38,8 @@ def run_ppl(args: argparse.Namespace) -> int:
     from rooflm.cli import engine_kwargs
     import os
 
-    from rooflm.eval.ppl import check_held_out, default_text_path, perplexity, read_text, token_windows
+    from rooflm.eval.ppl import perplexity
+    from rooflm.tokenizer.text_windows import check_held_out, default_text_path, read_text, token_windows
     from rooflm.llm import LLM
 
     text, path = read_text(args.text)

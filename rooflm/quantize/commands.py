@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from rooflm.eval.ppl import CALIB_SKIP_WINDOWS, CALIB_WINDOWS, WINDOW
+from rooflm.tokenizer.text_windows import CALIB_SKIP_WINDOWS, CALIB_WINDOWS, WINDOW
 
 # rooflm.quantize.gptq.DEFAULT_DAMP, repeated so that building the CLI imports no torch
 GPTQ_DAMP = 0.01
@@ -103,7 +103,7 @@ def use_sequential(method: str, flag) -> bool:
 def run_quantize(args: argparse.Namespace) -> int:
     import torch
 
-    from rooflm.eval.ppl import read_text, token_windows
+    from rooflm.tokenizer.text_windows import read_text, token_windows
     from rooflm.llm import LLM
     from rooflm.model.hf_config import hf_config_dict
     from rooflm.quantize.quantize import collect_hessians, quantized_state_dict, write_checkpoint
@@ -280,7 +280,7 @@ def _quantize_fp8(args: argparse.Namespace, float_dtype) -> int:
     quant_config = compressed_tensors_config()
     kv_note = ""
     if args.kv_cache_scales:
-        from rooflm.eval.ppl import read_text, token_windows
+        from rooflm.tokenizer.text_windows import read_text, token_windows
         from rooflm.quantize.kv_scales import KV_CACHE_SCHEME, calibrate_kv_scales, kv_scale_tensors
         if llm.tokenizer is None:
             raise ValueError("--kv-cache-scales calibration needs a tokenizer")

@@ -41,7 +41,6 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import rooflm
 from rooflm.engine.async_engine import AsyncLLMEngine
 from rooflm.server import protocol as p
 from rooflm.server.body import read_body_in_time
@@ -57,6 +56,7 @@ from rooflm.server.request_id import RequestIdMiddleware, request_id
 from rooflm.server.responses import create_response
 from rooflm.server.tokenize import detokenize, tokenize, version
 from rooflm.server.state import ServerState
+from rooflm.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def create_app(engine_kwargs: Optional[dict] = None, config: Optional[ServerConf
             await state.stop()
 
     # /docs is FastAPI's own page (Swagger UI over /openapi.json), as vLLM serves it.
-    app = FastAPI(title="rooflm", version=rooflm.__version__, lifespan=lifespan,
+    app = FastAPI(title="rooflm", version=__version__, lifespan=lifespan,
                   docs_url=DOCS_PATH, redoc_url=None, openapi_url=OPENAPI_PATH)
     # A trailing slash is another path (404), not a 307 to a Location built from the
     # client's own Host header.

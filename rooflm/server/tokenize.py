@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from pydantic import BaseModel
 
-import rooflm
 from rooflm.server import protocol as p
 from rooflm.server.prompts import chat_prompt
+from rooflm.version import __version__
 from rooflm.server.tools import check_tools
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ class VersionResponse(BaseModel):
 
 
 def version() -> VersionResponse:
-    return VersionResponse(version=rooflm.__version__)
+    return VersionResponse(version=__version__)
 
 
 def _tokenizer(state: "ServerState", param: str):

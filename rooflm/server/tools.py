@@ -4,7 +4,7 @@ model's output read back as OpenAI tool_calls, whole or as streamed deltas.
 tool_choice:
   "none"      tools are not given to the template; the reply is text (also without tools)
   "auto"      (the default with tools) the template gets the tools; the template family's
-              parser (rooflm/tools/parsers.py) finds calls in the reply, else it is content
+              parser (rooflm/server/tool_parsers.py) finds calls in the reply, else it is content
   "required"  the reply is a JSON array of {"name", "parameters"}, enforced by a JSON schema
   {"type": "function", "function": {"name": ...}}  the reply is that function's arguments,
               enforced by its parameters' schema
@@ -18,8 +18,8 @@ from typing import Any, Optional
 
 from rooflm.sampling_params import StructuredOutputsParams
 from rooflm.server import protocol as p
-from rooflm.tools.choice import named_function_schema, parse_named, parse_required, required_schema
-from rooflm.tools.parsers import (CallDelta, JsonArrayToolParser, ToolCall, ToolParser,
+from rooflm.server.tool_choice import named_function_schema, parse_named, parse_required, required_schema
+from rooflm.server.tool_parsers import (CallDelta, JsonArrayToolParser, ToolCall, ToolParser,
                                   parser_for_template)
 
 

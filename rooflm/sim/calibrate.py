@@ -50,7 +50,7 @@ def _run_batch(engine, batch: int, context: int, output_tokens: int, rng: random
 
 def calibrate(engine_kwargs: dict, gpu_key: Optional[str] = None, grid=DEFAULT_GRID,
               output_tokens: int = OUTPUT_TOKENS, seed: int = 0, out: TextIO = None) -> CalibrationTable:
-    from rooflm.bench.results import stamp
+    from rooflm.perf.results import stamp
     from rooflm.engine.llm_engine import LLMEngine
     from rooflm.perf.gpus import _match_table_entry, get_gpu
 
@@ -113,6 +113,6 @@ def calibrate(engine_kwargs: dict, gpu_key: Optional[str] = None, grid=DEFAULT_G
 def _device_name(device: str) -> str:
     import torch
 
-    from rooflm.bench.results import device_name
+    from rooflm.perf.results import device_name
 
     return device_name(torch.device(device))

@@ -221,7 +221,7 @@ def run_simulate(args: argparse.Namespace, out: TextIO = None) -> int:
 
 
 def _run(args, out: TextIO) -> int:
-    from rooflm.bench.serve import format_report, format_sweep, parse_goodput
+    from rooflm.perf.serving_metrics import format_report, format_sweep, parse_goodput
     from rooflm.sim.metrics import sim_metrics
     from rooflm.sim.simulator import SimConfig, simulate
 
@@ -267,7 +267,7 @@ def _run(args, out: TextIO) -> int:
         out.write(" Sweep over request rates (simulated) ".center(50, "=") + "\n")
         out.write(format_sweep(rates, sweep))
     if args.result_file:
-        from rooflm.bench.results import stamp, write_json
+        from rooflm.perf.results import stamp, write_json
 
         write_json(args.result_file, {
             "simulated": True, **stamp(), "model": name, "gpu": gpu_key, "tp": args.tp, "dp": args.dp,

@@ -1,7 +1,7 @@
 """A simulation's figures, computed by the very code `rooflm bench serve` computes them with.
 
 Each simulated request becomes a bench-serve RequestOutput (send time, first-token time,
-one chunk per token, end), and bench.serve.compute_metrics makes throughput, goodput and
+one chunk per token, end), and perf.serving_metrics.compute_metrics makes throughput, goodput and
 the TTFT/TPOT/ITL/E2EL percentiles from them: a simulated and a measured run are compared
 figure for figure. The simulator adds what only it sees: time queued before the first
 schedule, preemptions, and the KV pool's usage and the queues over time.
@@ -13,8 +13,7 @@ import bisect
 import math
 from typing import Optional
 
-from rooflm.bench.serve import RequestOutput, _stats, compute_metrics
-from rooflm.bench.server_side import histogram_quantile
+from rooflm.perf.serving_metrics import RequestOutput, compute_metrics, histogram_quantile, stats
 from rooflm.server.buckets import TTFT_BUCKETS
 from rooflm.sim.simulator import SimResult
 
@@ -83,7 +82,7 @@ def sim_metrics(result: SimResult, goodput_slos: Optional[dict[str, float]] = No
         })
     metrics["sim"] = {
         "steps": result.num_steps, "preemptions": result.num_preemptions,
-        "queue_ms": _stats(queued),
+        "queue_ms": stats(queued),
         "requests_preempted": sum(1 for r in result.records if r.num_preemptions),
         "cached_prompt_tokens": sum(r.num_cached_tokens for r in result.records),
         "replicas": per_replica,

@@ -12,11 +12,11 @@ from rooflm.sim.simulator import SimResult
 def plot_simulation(result: SimResult, metrics: dict, path: str, title: str = "") -> None:
     """Two files: `path` (latency distributions, throughput over time, as `bench serve --plot`)
     and `path` with -kv before the extension (KV usage, running and waiting requests)."""
-    from rooflm.bench.serve import _tpot_s
+    from rooflm.perf.serving_metrics import tpot_s
     from rooflm.perf.plot import _pyplot, plot_serving
 
     ok = [o for o in bench_outputs(result) if o.success]
-    tpots = [t * 1e3 for t in (_tpot_s(o) for o in ok) if t is not None]
+    tpots = [t * 1e3 for t in (tpot_s(o) for o in ok) if t is not None]
     token_times = [t for o in ok for t in o.chunk_times]
     plot_serving([o.ttft * 1e3 for o in ok], tpots, [g * 1e3 for o in ok for g in o.itl],
                  [o.latency * 1e3 for o in ok], token_times, result.duration_s, path, title=title)

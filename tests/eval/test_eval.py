@@ -9,8 +9,8 @@ import torch
 from rooflm import LLM
 from rooflm.cli import build_parser, main
 from rooflm.eval.drift import compare, kl_lower_bound
-from rooflm.eval.ppl import (CALIB_SKIP_WINDOWS, CALIB_WINDOWS, WINDOW, check_held_out, perplexity,
-                             token_windows)
+from rooflm.eval.ppl import perplexity
+from rooflm.tokenizer.text_windows import CALIB_SKIP_WINDOWS, CALIB_WINDOWS, WINDOW, check_held_out, token_windows
 from tests.models.tiny_models import make_tiny_model
 
 

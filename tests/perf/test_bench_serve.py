@@ -23,6 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from rooflm.bench import serve
+from rooflm.perf import serving_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -231,13 +232,13 @@ def test_poisson_and_gamma_arrivals_have_the_configured_mean_rate():
 
 def test_metrics_by_hand():
     def out(ttft, latency, tokens, itl, ok=True, error=""):
-        return serve.RequestOutput(success=ok, error=error, prompt_len=10, output_tokens=tokens,
+        return serving_metrics.RequestOutput(success=ok, error=error, prompt_len=10, output_tokens=tokens,
                                    ttft=ttft, latency=latency, itl=itl, start=0.0, chunks=tokens,
                                    chunk_times=[ttft + sum(itl[:i]) for i in range(tokens)])
 
     outputs = [out(0.1, 0.5, 5, [0.1] * 4), out(0.3, 0.7, 5, [0.1] * 4),
                out(0, 0.01, 0, [], ok=False, error="HTTP 500: boom")]
-    m = serve.compute_metrics(outputs, duration=2.0, goodput_slos=serve.parse_goodput(["ttft:200"]))
+    m = serving_metrics.compute_metrics(outputs, duration=2.0, goodput_slos=serving_metrics.parse_goodput(["ttft:200"]))
     assert m["completed"] == 2 and m["failed"] == 1
     assert m["ttft_ms"]["mean"] == pytest.approx(200.0)
     assert m["tpot_ms"]["mean"] == pytest.approx(100.0)  # (0.5 - 0.1) / 4 and (0.7 - 0.3) / 4
@@ -247,7 +248,7 @@ def test_metrics_by_hand():
     assert m["errors"] == {"HTTP 500: boom": 1}
     assert m["peak_concurrent_requests"] == 3
     with pytest.raises(ValueError):
-        serve.parse_goodput(["latency:5"])
+        serving_metrics.parse_goodput(["latency:5"])
 
 
 def test_tokens_without_text_are_still_timed(stub):

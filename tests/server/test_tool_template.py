@@ -9,7 +9,7 @@ import pytest
 from rooflm.server import protocol as p
 from rooflm.server.prompts import chat_prompt
 from rooflm.server.tools import ToolCalling
-from rooflm.tools.parsers import HermesToolParser
+from rooflm.server.tool_parsers import HermesToolParser
 
 # The shape of Qwen 2.5's tool template, cut down: tools as JSON in the system turn, calls as
 # <tool_call> blocks, tool answers in <tool_response>.

@@ -1,5 +1,5 @@
-"""The tree's layering, checked from the source: what may import what, and who may read the
-engine's internals. The engine's face is rooflm/engine/report.py (EngineInfo, snapshot(),
+"""The tree's layering, checked from the source: the package order (lazy imports included), and
+who may read the engine's internals. The engine's face is rooflm/engine/report.py (EngineInfo, snapshot(),
 StepReport observers, the PhaseTracer hook); everything outside rooflm/engine/ uses only that."""
 
 import ast
@@ -15,6 +15,11 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _is_module(dotted: str) -> bool:
+    candidate = PACKAGE.parent / Path(*dotted.split("."))
+    return candidate.with_suffix(".py").exists() or (candidate / "__init__.py").exists()
+
+
 def imports_of(path: Path) -> set[str]:
     """rooflm modules a file imports, at the top or inside functions (lazy imports count)."""
     found = set()
@@ -28,7 +33,9 @@ def imports_of(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("rooflm"))
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rooflm"):
-            found.add(node.module)
+            # `from rooflm import config` imports the module rooflm.config, not the root's names
+            if node.module != "rooflm" or not all(_is_module(f"rooflm.{a.name}") for a in node.names):
+                found.add(node.module)
             # `from rooflm.model import gguf_loader` imports a module, not a name
             for alias in node.names:
                 candidate = PACKAGE.parent / Path(*f"{node.module}.{alias.name}".split("."))
@@ -64,12 +71,77 @@ def test_the_module_import_graph_has_no_cycle():
             visit(node, [node])
 
 
-def test_the_engine_imports_nothing_above_it():
-    above = ("rooflm.server", "rooflm.perf", "rooflm.bench", "rooflm.cli", "rooflm.llm")
+# The packages bottom to top (docs/architecture.md, "Layers"). A package imports only from its
+# own level or below, and never from another package of its own level: the tools stand side by
+# side on the layers below them. Top-level modules (rooflm/config.py, ...) are packages here.
+LEVELS = [
+    ("errors", "envs", "version"),           # typed errors, the one registry of environment switches
+    ("config", "sampling_params"),           # frozen configuration; a request's sampling parameters
+    ("engine_args",),                        # the engine's command-line flags, generated from the config
+    ("kernels", "structured"),               # Triton kernels + references; grammars and token bitmasks
+    ("quant",),                              # quantized weight formats and the linear methods that multiply them
+    ("layers",),                             # model parts, the paged-KV contract, attention backends, sampler
+    ("deterministic", "distributed"),        # batch-invariant kernels; TP groups, all-reduce, sharded linears
+    ("model",),                              # families: config -> parts, weight names, loaders
+    ("tokenizer",),                          # tokenizers, detokenizer, text windows, the dummy model directory
+    ("engine",),                             # scheduler, block manager, runner, core process, TP workers
+    ("spec", "dp", "perf"),                  # speculative decoding, data-parallel replicas, the roofline model
+    ("server", "llm"),                       # the OpenAI server; the offline LLM class
+    ("bench", "sim", "train", "quantize", "eval"),  # tools
+    ("rooflm",),                             # the package's public names (LLM, LLMEngine, SamplingParams)
+    ("cli",),                                # entry points
+    ("__main__",),
+]
+
+# Imports that run against the order, each with its reason. Nothing else may.
+ALLOWED_UPWARD = {
+}
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "rooflm"
+
+
+def level_of(package: str) -> int:
+    for i, level in enumerate(LEVELS):
+        if package in level:
+            return i
+    raise AssertionError(f"package rooflm.{package} is not in LEVELS: give it a level")
+
+
+def test_every_package_has_a_level():
+    for name in import_graph():
+        level_of(package_of(name))
+
+
+def test_packages_import_only_downward():
+    offenders = []
+    for name, deps in sorted(import_graph().items()):
+        src = package_of(name)
+        for dep in sorted(deps):
+            dst = package_of(dep)
+            if dst == src or (name, dep) in ALLOWED_UPWARD:
+                continue
+            if level_of(dst) >= level_of(src):
+                offenders.append(f"{name} -> {dep} ({src} is level {level_of(src)}, {dst} level {level_of(dst)})")
+    assert not offenders, "imports against the declared layers:\n" + "\n".join(offenders)
+
+
+def test_the_allowed_upward_imports_exist_and_are_few():
+    graph = import_graph()
+    for (name, dep), reason in ALLOWED_UPWARD.items():
+        assert dep in graph.get(name, ()), f"{name} no longer imports {dep}: drop it from ALLOWED_UPWARD"
+        assert reason
+    assert len(ALLOWED_UPWARD) <= 6
+
+
+def test_no_two_packages_import_each_other():
+    pairs = set()
     for name, deps in import_graph().items():
-        if name.startswith("rooflm.engine"):
-            upward = sorted(d for d in deps if d.startswith(above))
-            assert not upward, f"{name} imports {upward}"
+        pairs.update((package_of(name), package_of(d)) for d in deps if package_of(d) != package_of(name))
+    two_way = sorted(f"{a} <-> {b}" for a, b in pairs if (b, a) in pairs and a < b)
+    assert not two_way, "packages that import each other: " + ", ".join(two_way)
 
 
 PRIVATE_READ = re.compile(r"\b(engine|llm|self\.engine|runner|scheduler|block_manager|bm)\._[a-z]\w*")

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from rooflm.bench.server_side import histogram_quantile, run_ttft_ms
+from rooflm.bench.server_side import run_ttft_ms
+from rooflm.perf.serving_metrics import histogram_quantile
 
 INF = math.inf
 

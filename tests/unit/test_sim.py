@@ -327,7 +327,7 @@ def test_server_ttft_is_the_histogram_quantile_without_the_streaming():
     with the first token, counted into the server's buckets and read back as Prometheus would."""
     import math
 
-    from rooflm.bench.server_side import histogram_quantile
+    from rooflm.perf.serving_metrics import histogram_quantile
     from rooflm.server.buckets import TTFT_BUCKETS
     from rooflm.sim.metrics import server_ttft_ms
 

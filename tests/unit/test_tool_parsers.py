@@ -6,8 +6,8 @@ import json
 import jsonschema
 import pytest
 
-from rooflm.tools.choice import parse_named, parse_required, required_schema
-from rooflm.tools.parsers import (CallScanner, HermesToolParser, JsonArrayToolParser,
+from rooflm.server.tool_choice import parse_named, parse_required, required_schema
+from rooflm.server.tool_parsers import (CallScanner, HermesToolParser, JsonArrayToolParser,
                                   Llama3JsonToolParser, parser_for_template)
 
 HERMES = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from rooflm.tools.parsers import JsonArrayToolParser, ToolCall
+from rooflm.server.tool_parsers import JsonArrayToolParser, ToolCall
 
 # A function without "parameters" takes an object with any keys.
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
