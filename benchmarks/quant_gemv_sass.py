@@ -5,8 +5,8 @@ Why
 At batch 1 a 4-bit GEMV reads ~6e12 weights/s at 3 TB/s; an H100 issues 4 warp-instructions a
 clock per SM, 132 SMs x 4 x 32 lanes x ~1.98 GHz = ~33e12 lane-instructions/s, so a kernel that
 spends more than ~5 instructions of a thread per weight cannot reach the bandwidth whatever its
-tiles. Triton compiles to a cubin without a GPU (its bundled ptxas); this tool compiles the main
-branch's kernels (benchmarks/legacy) and the new ones for sm_90, finds each kernel's main loop
+tiles. Triton compiles to a cubin without a GPU (its bundled ptxas); this tool compiles the
+weight-only kernels and their sweep candidates for sm_90, finds each kernel's main loop
 (its largest backward branch) in the SASS, and prints the instructions a thread issues per weight
 it handles there, the op mix, shared memory, and the issue-bound ceiling that count implies
 (bytes of the format per second). A static count, not a timing: latency, memory stalls and the
@@ -89,19 +89,9 @@ def main_loop(kernel) -> tuple[int, collections.Counter]:
 
 def cases(group: int = 128):
     """(label, kernel fn, pointer types, constexprs, warps, stages, weights a step, bytes a weight)."""
-    from legacy import w4a16_b1dc42d as old4, w8a16_b1dc42d as old8
     from rooflm.kernels import w4a16 as new4, w8a16 as new8
     act = dict(y_ptr="bf16", x_ptr="bf16", xs_ptr="fp32", s_ptr="bf16", z_ptr="bf16", ws_ptr="fp32", count_ptr="i32")
     out = []
-    for m, n, k in ((1, 4096, 4096), (16, 4096, 4096)):
-        c = old4.pick_config(m, n, k, group)
-        out.append((f"w4a16 old M={m} {c}", old4._w4a16_kernel, dict(act, qw_ptr="u8"),
-                    dict(GROUP=group, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, PRECISION="tf32"),
-                    c.num_warps, c.num_stages, c.block_n * c.block_k, 0.5))
-        c = old8.pick_config(m, n, k)
-        out.append((f"w8a16 old M={m} {c}", old8._w8a16_kernel, dict(act, qw_ptr="i8"),
-                    dict(HAS_ZERO=False, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, PRECISION="tf32"),
-                    c.num_warps, c.num_stages, c.block_n * c.block_k, 1.0))
     from quant_gemv_sweep import w4_candidates, w8_candidates
     seen = set()
     for m in (1, 16, 64):

@@ -2,8 +2,6 @@
 
 For each layer shape and batch, on the same GPU and the same random codes:
   bf16    F.linear on a bf16 weight of the shape;
-  old     the kernels as they were on main before the s9-w4 rewrite (benchmarks/legacy/*_b1dc42d.py,
-          their own pick_config and even/odd int4 packing);
   heur    the new kernels with pick_config's heuristic (no table);
   cand    the new kernels' candidate configs (W4Config / W8Config fields in the rows).
 Each: microseconds per call (median of CUDA-graph replays, a replay calling the op on R weight copies
@@ -28,7 +26,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
@@ -179,8 +176,6 @@ def run(args) -> dict:
     import torch
     import torch.nn.functional as F
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from legacy import w4a16_b1dc42d as old4, w8a16_b1dc42d as old8
     from rooflm.kernels import w4a16 as new4, w8a16 as new8
     from rooflm.kernels.utils import REL_TOL, rel_error
     from rooflm.kernels.int4_pack import pack_int4
@@ -224,7 +219,6 @@ def run(args) -> dict:
             reps = 1 if not cuda else min(32, max(2, -(-L2_FLUSH_BYTES // (n * k // 2))))
             codes = [torch.randint(0, 16, (n, k), device=dev, dtype=torch.uint8, generator=gen) for _ in range(reps)]
             q4 = [pack_int4(c, group) for c in codes]
-            q4_old = [old4.pack_int4(c) for c in codes]
             del codes
             s4 = (torch.rand(k // group, n, device=dev, generator=gen) * 0.01 + 0.001).to(dtype)
             z4 = torch.randint(0, 16, (k // group, n), device=dev, generator=gen).to(dtype)
@@ -240,12 +234,6 @@ def run(args) -> dict:
 
             measure(case, "bf16", "F.linear", None, [lambda w=w: F.linear(x, w) for w in w16],
                     lambda: F.linear(x, w16[0]).float(), (x.float() @ w16[0].float().T), b16)
-            if "w8a16" in kernels:
-                measure(case, "w8a16", "old", old8.pick_config(m, n, k), [lambda q=q: old8.w8a16_linear(x, q, s8) for q in q8],
-                        lambda: old8.w8a16_linear(x, q8[0], s8), ref8, b8)
-            measure(case, "w4a16", "old", old4.pick_config(m, n, k, group),
-                    [lambda q=q: old4.w4a16_linear(x, q, s4, z4, group) for q in q4_old],
-                    lambda: old4.w4a16_linear(x, q4_old[0], s4, z4, group), ref4, b4)
             heur8, heur4 = new8.pick_config(m, n, k, None, sms), new4.pick_config(m, n, k, group, None, sms)
             todo = [("w8a16", "heur", heur8)] + [("w4a16", "heur", heur4)]
             todo = [t for t in todo if t[0] in kernels]
@@ -269,7 +257,7 @@ def run(args) -> dict:
                             [lambda q=q, c=cfg: new8.w8a16_linear(x, q, s8, config=c) for q in q8],
                             lambda c=cfg: new8.w8a16_linear(x, q8[0], s8, config=c), ref8, b8)
             print_case(rows, name, m)
-            del q4, q4_old, q8, w16
+            del q4, q8, w16
             if cuda:
                 torch.cuda.empty_cache()
     if skipped:
@@ -309,7 +297,6 @@ def print_case(rows, shape, m):
     bf16 = next(r for r in rows if r["shape"] == shape and r["m"] == m and r["kernel"] == "bf16")
     print(f"\n{shape} M={m}: bf16 {one('bf16', 'F.linear')}")
     for kernel in ("w8a16", "w4a16"):
-        print(f"  {kernel} old  {one(kernel, 'old')}")
         print(f"  {kernel} heur {one(kernel, 'heur')}")
         for r in best_rows(rows, shape, m, kernel)[:3]:
             print(f"  {kernel} best {r['us']:7.1f} us {r['gbs']:5.0f} GB/s err {r['rel_err']:.1e}  "

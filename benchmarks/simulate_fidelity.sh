@@ -6,7 +6,7 @@
 #      near saturation, overloaded (as benchmarks/serving.sh runs serving);
 #   4. the simulator on exactly those workloads (the result files' send times and lengths), and a
 #      table of simulated vs measured throughput and median/P99 TTFT and TPOT with the errors;
-#   5. if time is left, the README's 1000 req/s plan priced with this calibration.
+#   5. if time is left, docs/simulate.md's 1000 req/s plan priced with this calibration.
 # The table $OUT/calibration-h100-llama-3-8b.json is what rooflm/sim/calibrations/ ships (copy it
 # there to make it the default for h100, and the closest measured correction for other GPUs).
 # Usage (GPU machine, repo root): OUT=dir bash benchmarks/simulate_fidelity.sh
@@ -85,7 +85,7 @@ for pass in $(seq 2 ${PASSES:-1}); do
 done
 echo "fidelity done at +$(( $(date +%s) - T0 )) s"
 
-# (5) If time is left: the README's plan beyond one machine, priced with this calibration.
+# (5) If time is left: docs/simulate.md's plan beyond one machine, priced with this calibration.
 if [ $(( $(date +%s) - T0 )) -lt ${PLAN_BEFORE_S:-380} ]; then
   timeout ${PLAN_TIMEOUT_S:-150} python3 -m rooflm simulate --plan --model llama-3-8b --calibration "$CAL" --rate 1000 \
     --slo ttft_p99=500ms,tpot_p50=30ms --gpus h100,h200 --tp-options 1,2 --num-prompts 500 \

@@ -5,7 +5,7 @@ answered with a 5xx or not in OpenAI's error shape (or not answered), host RSS g
 server's processes, device memory growth, KV blocks still held and requests still running
 once the traffic stops. Writes soak.json and soak.md under --out.
 
-    # against a server it starts (the GPU command: see README, "Serve")
+    # against a server it starts (the GPU command: benchmarks/soak.sh, docs/serving.md)
     python benchmarks/soak.py --out benchmarks/results/soak --minutes 10 --rate 8 \\
         --serve-args "--model benchmarks/models/llama-3-8b-dummy --load-format dummy --max-model-len 4096"
     # against a running one

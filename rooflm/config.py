@@ -237,7 +237,7 @@ class RuntimeConfig:
     tune_gc: bool = True
     # Batch-invariant kernels (rooflm/deterministic/): a request's tokens and logprobs do not depend
     # on what else is in the batch, the step's size, chunking, preemption, prefix hits or graphs.
-    # Costs speed (README "Deterministic inference"); turns decode_gemv off.
+    # Costs speed (docs/deterministic.md); turns decode_gemv off.
     deterministic: bool = False
 
     def __post_init__(self) -> None:

@@ -27,7 +27,7 @@ the engine's existing seams (layers/kernels.py, the attention backend), kernels 
   elementwise ops, embedding, RoPE, the sampler
       already row-wise; seeded requests sample from their own generator.
 
-What it costs is measured by benchmarks/deterministic.sh (README "Deterministic inference").
+What it costs is measured by benchmarks/deterministic.sh (docs/deterministic.md).
 """
 
 from rooflm.deterministic.kernels import deterministic_kernels, rowwise_linear, triton_linear

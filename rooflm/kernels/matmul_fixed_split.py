@@ -41,7 +41,7 @@ split_plan(): S = ceil(#SMs / number of 64-wide column tiles), capped at MAX_SPL
 number of K steps, so that a decode step's grid fills the SMs: on the H100 and Llama-3-8B,
 o (4096 x 4096) and down (4096 x 14336) get S = 3, qkv (6144 x 4096) S = 2, gate_up and the LM
 head S = 1 (they have 448 and 2004 tiles already). The SM count makes S, and so the bits, a
-property of the GPU model as well, as the choice of kernels already is (README: "other GPUs
+property of the GPU model as well, as the choice of kernels already is (docs/deterministic.md: "other GPUs
 ... not covered").
 
 Work

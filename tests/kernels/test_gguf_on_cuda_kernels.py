@@ -83,7 +83,7 @@ def test_linears_match_ggufs_weights(fmt, m):
 
 
 def test_activation_dtype_rounding_of_scales_and_zeros_is_what_keep_dtype_avoids():
-    """What rounding Q4_1/Q4_K scales and zeros to bf16 would cost (the README's figure): relative
+    """What rounding Q4_1/Q4_K scales and zeros to bf16 would cost (docs/quantization.md's figure): relative
     weight error well above the fp32 rounding kept here."""
     for fmt in ("Q4_1", "Q4_K"):
         raw, ref = gguf_weight(fmt, 64, 1024, seed=17)

@@ -15,15 +15,14 @@ def test_sweep_fills_the_tile_table_that_pick_config_reads(tmp_path):
     result = main(argv)
     rows = result["rows"]
     assert {(r["kernel"], r["variant"]) for r in rows} == {
-        ("bf16", "F.linear"), ("w8a16", "old"), ("w4a16", "old"), ("w8a16", "heur"), ("w4a16", "heur"),
-        ("w8a16", "cand"), ("w4a16", "cand")}
+        ("bf16", "F.linear"), ("w8a16", "heur"), ("w4a16", "heur"), ("w8a16", "cand"), ("w4a16", "cand")}
     failed = [(r["kernel"], r["variant"], r["config"], r.get("error", r.get("rel_err"))) for r in rows
               if "error" in r or not r["ok"]]
     assert not failed
     table = json.loads(table_path.read_text())
     n, k, group = 40, 448, 64
     for m in (1, 5):
-        mine = [r for r in rows if r["kernel"] == "w4a16" and r["m"] == m and r["variant"] != "old"]
+        mine = [r for r in rows if r["kernel"] == "w4a16" and r["m"] == m]
         best = min(mine, key=lambda r: r["us"])
         tabled = lookup("w4a16", result["device"], n, k, m, group, table=table)
         assert tabled == best["config"]
