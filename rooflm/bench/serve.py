@@ -40,14 +40,13 @@ import os
 import random
 import sys
 import time
-from collections import Counter
 from dataclasses import asdict
 from datetime import datetime
 from typing import Optional, Sequence, TextIO
 
 from rooflm.bench.stream_client import SampleRequest, _is_chat, _payload, send_request
 from rooflm.perf.serving_metrics import (RequestOutput, compute_metrics, format_report, format_sweep, parse_goodput,
-                                        tpot_s)
+                                        rate_label, tpot_s)
 
 # Common English words, each about one token for BPE tokenizers, for text
 # prompts of a chosen length when the endpoint cannot take token ids (chat).
@@ -293,10 +292,6 @@ def build_requests(args: argparse.Namespace) -> list[SampleRequest]:
                              tokenizer)
 
 
-def _rate_label(rate: float) -> str:
-    return "inf" if math.isinf(rate) else f"{rate:g}"
-
-
 def _result_path(args: argparse.Namespace, rate: float, several: bool) -> str:
     """Where one rate's result goes: --result-file (suffixed per rate when there are several),
     else a dated name in --result-dir."""
@@ -304,9 +299,9 @@ def _result_path(args: argparse.Namespace, rate: float, several: bool) -> str:
         if not several:
             return args.result_file
         stem, ext = os.path.splitext(args.result_file)
-        return f"{stem}-rate{_rate_label(rate)}{ext or '.json'}"
+        return f"{stem}-rate{rate_label(rate)}{ext or '.json'}"
     return os.path.join(args.result_dir, f"serve-{args.model.replace('/', '_')}-rate"
-                                         f"{_rate_label(rate)}-"
+                                         f"{rate_label(rate)}-"
                                          f"{datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
 
 

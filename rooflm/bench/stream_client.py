@@ -10,7 +10,7 @@ import argparse
 import json
 import time
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Union
 
 from rooflm.perf.serving_metrics import RequestOutput
 

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
-from rooflm.kernels.paged_attention_ref import gather_kv_ref, paged_attention_ref, write_kv_ref
+from rooflm.kernels.paged_attention_ref import paged_attention_ref, write_kv_ref
 from rooflm.layers.kv_cache import KVCache
 
 

@@ -221,6 +221,10 @@ def format_report(metrics: dict, args: argparse.Namespace) -> str:
 # ---------------------------------------------------------------- the command
 
 
+def rate_label(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
 def format_sweep(rates: Sequence[float], sweep: Sequence[dict]) -> str:
     """One line per rate: the figures users compare across load, n/a where not measured."""
     def ms(stats: Optional[dict], key: str) -> str:
@@ -230,7 +234,7 @@ def format_sweep(rates: Sequence[float], sweep: Sequence[dict]) -> str:
              f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}"]
     for rate, m in zip(rates, sweep):
         good = "n/a" if m["request_goodput"] is None else f"{m['request_goodput']:.2f}"
-        lines.append(f"{_rate_label(rate):>6} {m['completed']:>5} {m['failed']:>5} "
+        lines.append(f"{rate_label(rate):>6} {m['completed']:>5} {m['failed']:>5} "
                      f"{m['request_throughput']:>7.2f} {good:>7} {m['output_throughput']:>8.1f} "
                      f"{ms(m['ttft_ms'], 'median'):>9} {ms(m['ttft_ms'], 'p99'):>9} "
                      f"{ms(m['tpot_ms'], 'median'):>9} {ms(m['tpot_ms'], 'p99'):>9}")
