@@ -20,7 +20,7 @@ the engine's existing seams (layers/kernels.py, the attention backend), kernels 
       hidden size only; q/k head norms (Qwen3) go through it too.
   attention
       GPU: every query row, decodes included, through the prefill kernel with one masked loop
-      over key tiles from position 0 (kernels/backend.py, deterministic=True): no split-KV
+      over key tiles from position 0 (layers/cuda_attention.py, deterministic=True): no split-KV
       whose count followed the batch, no decode kernel with its own tile order, no unmasked
       fast loop whose rounding differed from the masked one.
       CPU: attention one query token at a time (attention.py here).

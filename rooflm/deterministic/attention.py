@@ -6,7 +6,7 @@ move in their last bits between batchings without this mode): a token's
 attention output then depends on the chunk it was computed in. Here every query token is its
 own SDPA call against exactly the keys it sees, so a token gets the same numbers in a decode
 step, in any prefill chunk, beside any other sequences. (On the GPU the Triton backend does the
-same with its uniform prefill path: kernels/backend.py.)
+same with its uniform prefill path: layers/cuda_attention.py.)
 """
 
 from __future__ import annotations
