@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from rooflm.kernels.fp8_quant import FP8_DTYPE, per_token_fp8, per_token_fp8_ref
-from tests.kernels.conftest import requires_cuda
+from tests.kernels.helpers import cuda_capability_at_least
 
-pytestmark = [pytest.mark.gpu, requires_cuda]
+pytestmark = pytest.mark.gpu
 
 
 def _sm89() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+    return cuda_capability_at_least((8, 9))
 
 
 @pytest.mark.skipif(not _sm89(), reason="the Triton e4m3 kernel runs on sm89+ only")
