@@ -34,7 +34,7 @@ def main() -> None:
     from rooflm.layers.cuda_attention import TritonBackend
     from rooflm.kernels.decode_attention import decode_attention
     from rooflm.kernels.prefill_attention import prefill_attention
-    from rooflm.kernels.utils import random_paged_batch
+    from tests.kernels.helpers import random_paged_batch
 
     seq_lens = [330] * 255 + [400]
     query_lens = [1] * 255 + [400]

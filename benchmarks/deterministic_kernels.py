@@ -34,7 +34,7 @@ from rooflm.layers.cuda_attention import TritonBackend
 from rooflm.kernels.matmul_fixed_split import SCHEDULES, loop_config, matmul_fixed_split, split_plan
 from rooflm.kernels.matmul_persistent import matmul_bytes, matmul_flops, matmul_persistent
 from rooflm.kernels.prefill_attention import plan_prefill_attention, prefill_attention
-from rooflm.kernels.utils import random_paged_batch
+from tests.kernels.helpers import random_paged_batch
 
 DEVICE = "cuda"
 PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),

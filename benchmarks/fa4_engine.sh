@@ -15,7 +15,7 @@ mkdir -p "$OUT"
 { date -Is; echo "commit ${ROOFLM_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; } > "$OUT/env.txt"
 if [ "$PART" = kernels ]; then
-  python3 -m pytest -q -m gpu tests/kernels/test_fa4_prefill.py tests/kernels/test_backend.py 2>&1 | tail -5 | tee "$OUT/gpu-tests.txt"
+  python3 -m pytest -q tests/kernels/test_fa4_prefill.py tests/kernels/test_backend.py 2>&1 | tail -5 | tee "$OUT/gpu-tests.txt"
   python3 benchmarks/fa4_prefill.py --out "$OUT" 2>&1 | grep -v -i "warn\|^  " > "$OUT/kernels.txt"
   cat "$OUT/kernels.txt"
 fi

@@ -39,7 +39,7 @@ def chunk_flops(context: int, queries: int) -> float:
 def fa4_row(seq_lens, query_lens, block_size, flops, tile_mn=None) -> dict:
     from flash_attn.cute.interface import _flash_attn_fwd
     from rooflm.kernels.prefill_attention import prefill_attention, prefill_attention_ref
-    from rooflm.kernels.utils import random_paged_batch, rel_error
+    from tests.kernels.helpers import random_paged_batch, rel_error
 
     meta, k_cache, v_cache = random_paged_batch(seq_lens, query_lens, KV_HEADS, HEAD_DIM, block_size,
                                                 torch.bfloat16, "cuda", poison_unused=False)
@@ -102,7 +102,7 @@ def host_rows() -> list:
     """Launch cost per layer of each prefill path on a small mixed step (64 decodes + one 128-token
     chunk): the engine runs attention eagerly between graph pieces, once a layer."""
     from rooflm.layers.cuda_attention import TritonBackend
-    from rooflm.kernels.utils import random_paged_batch
+    from tests.kernels.helpers import random_paged_batch
 
     meta, k_cache, v_cache = random_paged_batch([1000] * 64 + [600], [1] * 64 + [128], KV_HEADS, HEAD_DIM, 128,
                                                 torch.bfloat16, "cuda", poison_unused=False)

@@ -8,7 +8,7 @@ mkdir -p "$OUT"
 MODEL="--model llama-3-8b --load-format dummy"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 
-python -m pytest -q -m gpu tests/models/test_gpu_e2e.py tests/unit/test_sampler.py tests/kernels/test_gemv.py \
+python -m pytest -q tests/models/test_gpu_e2e.py tests/unit/test_sampler.py tests/kernels/test_gemv.py \
   tests/kernels/test_engine_triton.py tests/kernels/test_deterministic.py tests/models/test_gpu_deterministic.py \
   tests/models/test_gpu_spec.py tests/kernels/test_ngram_propose.py tests/kernels/test_spec_loop_step.py \
   tests/kernels/test_small_m_linear.py -p no:cacheprovider 2>&1 \

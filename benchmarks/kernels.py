@@ -165,7 +165,7 @@ def sdpa_prefill(batch, heads, kv_heads, seq, head_dim, dtype) -> dict:
 def rooflm_prefill(batch, heads, kv_heads, seq, head_dim, dtype, block_size, config=None, use_tma=None,
                    check=True, ablate=0, warp_spec=False) -> dict:
     from rooflm.kernels.prefill_attention import prefill_attention, prefill_attention_ref, prefill_config
-    from rooflm.kernels.utils import random_paged_batch, rel_error
+    from tests.kernels.helpers import random_paged_batch, rel_error
 
     meta, k_cache, v_cache = random_paged_batch([seq] * batch, [seq] * batch, kv_heads, head_dim, block_size,
                                                 dtype, DEVICE, poison_unused=False)
@@ -224,7 +224,7 @@ def rooflm_decode(seq_lens, heads, kv_heads, head_dim, dtype, block_size, config
     """Decode over a paged cache; timed as CUDA-graph replays over enough copies to miss L2."""
     from rooflm.kernels.decode_attention import (decode_attention, decode_attention_ref, decode_config,
                                                  decode_kv_bytes, decode_num_splits)
-    from rooflm.kernels.utils import random_paged_batch, rel_error
+    from tests.kernels.helpers import random_paged_batch, rel_error
 
     scale = head_dim ** -0.5
     batches = []
@@ -264,7 +264,7 @@ def rooflm_elementwise(dtype, tokens: int = 16384, hidden: int = 4096, tokens_ml
     from rooflm.kernels.rmsnorm import rmsnorm, rmsnorm_bytes, rmsnorm_ref
     from rooflm.kernels.rope_kv_write import rope_kv_write, rope_kv_write_bytes, rotate_ref
     from rooflm.kernels.silu_mul import silu_mul, silu_mul_bytes, silu_mul_ref
-    from rooflm.kernels.utils import rel_error
+    from tests.kernels.helpers import rel_error
 
     rows = []
     x = torch.randn(tokens, hidden, dtype=dtype, device=DEVICE)

@@ -29,7 +29,7 @@ import triton  # noqa: E402
 from rooflm.kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
 from rooflm.kernels.fp8_decode_mma import Fp8DecodeConfig  # noqa: E402
 from rooflm.kernels.prefill_attention import prefill_attention, prefill_flops  # noqa: E402
-from rooflm.kernels.utils import random_paged_batch  # noqa: E402
+from tests.kernels.helpers import random_paged_batch  # noqa: E402
 from rooflm.kernels.fp8_quant import FP8_MAX  # noqa: E402
 from rooflm.kernels.paged_attention_ref import quantize_fp8_ref, quantize_fp8_static_ref  # noqa: E402
 

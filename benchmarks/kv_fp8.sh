@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader | tee "$O
 # quick: the FP8 tests and the backend's only (the full kernel suite: tests/kernels, 2 min more).
 TESTS="tests/kernels/test_fp8_kv.py tests/kernels/test_backend.py"
 [ "${1:-}" = "quick" ] || TESTS="$TESTS tests/kernels/test_decode_attention.py tests/kernels/test_prefill_attention.py tests/kernels/test_rope_kv_write.py"
-timeout 240 python -m pytest -q -p no:cacheprovider -m gpu $TESTS > "$OUT/gpu-tests.txt" 2>&1; tail -2 "$OUT/gpu-tests.txt"
+timeout 240 python -m pytest -q -p no:cacheprovider $TESTS > "$OUT/gpu-tests.txt" 2>&1; tail -2 "$OUT/gpu-tests.txt"
 timeout 120 python benchmarks/kv_fp8.py --out "$OUT" 2>&1 | tee "$OUT/kernels.txt"
 run() {  # name, flags...
   local name=$1; shift

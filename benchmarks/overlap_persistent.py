@@ -126,7 +126,7 @@ def copy_rates(programs=(8, 16, 32, 66, 132, 264), warps=(4, 8, 16)) -> list[dic
 def attention_sets(num_seqs: int, ctx: int, seed: int):
     """(rooflm's decode attention, the persistent one on P programs) over one random paged batch."""
     from rooflm.kernels.decode_attention import decode_attention, decode_attention_ref, plan_decode_attention
-    from rooflm.kernels.utils import random_paged_batch
+    from tests.kernels.helpers import random_paged_batch
 
     torch.manual_seed(seed)
     meta, k, v = random_paged_batch([ctx] * num_seqs, [1] * num_seqs, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE,

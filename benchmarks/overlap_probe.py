@@ -59,7 +59,7 @@ def gemm_buffers(t: int) -> dict:
 
 def attention_set(num_seqs: int, ctx: int, seed: int):
     from rooflm.kernels.decode_attention import decode_attention, plan_decode_attention
-    from rooflm.kernels.utils import random_paged_batch
+    from tests.kernels.helpers import random_paged_batch
 
     torch.manual_seed(seed)
     meta, k, v = random_paged_batch([ctx] * num_seqs, [1] * num_seqs, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE,

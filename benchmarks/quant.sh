@@ -41,7 +41,7 @@ if [ "${1:-}" = sweep ]; then
   exit 0
 fi
 if [ "${1:-}" = fp8 ]; then
-  timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8_w8a8.py \
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_w8a8.py \
     tests/kernels/test_norm_act_fp8.py > "$OUT/gpu-tests-fp8.txt" 2>&1
   tail -3 "$OUT/gpu-tests-fp8.txt"
   timeout 120 python benchmarks/fp8_linear.py --out "$OUT" 2>&1 | tee "$OUT/fp8-linear.txt"
@@ -51,7 +51,7 @@ if [ "${1:-}" = fp8 ]; then
   grep -h '^|' "$OUT/decode-fp8.txt"
   exit 0
 fi
-timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_weight_only.py tests/models/test_gpu_quant.py \
+timeout 150 python -m pytest -q -p no:cacheprovider tests/kernels/test_weight_only.py tests/models/test_gpu_quant.py \
   > "$OUT/gpu-tests.txt" 2>&1; tail -3 "$OUT/gpu-tests.txt"
 timeout 120 python benchmarks/quant_kernels.py --out "$OUT" 2>&1 | tee "$OUT/kernels.txt"
 timeout 150 python benchmarks/quant_decode.py --formats bf16,int8,int4-g128 --batches 1 --out "$OUT/b1" \

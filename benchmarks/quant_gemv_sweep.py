@@ -7,7 +7,7 @@ For each layer shape and batch, on the same GPU and the same random codes:
 Each: microseconds per call (median of CUDA-graph replays, a replay calling the op on R weight copies
 in turn, R x the int4 weight >= 256 MB, so no copy is still in the 50 MB L2), GB/s of the bytes the
 format moves (codes + scales/zeros + x + y; bf16: its 2 N K + x + y), and the error against
-dequantize-then-fp32 (rooflm.kernels.utils.rel_error, and the max abs error).
+dequantize-then-fp32 (tests.kernels.helpers.rel_error, and the max abs error).
 
 Writes OUT/quant_gemv_sweep.json (every row) and, with --table, the fastest config within the dtype's
 tolerance per (kernel, N, K, group, M) into rooflm/kernels/tuned/weight_only.json under this GPU's
@@ -177,7 +177,7 @@ def run(args) -> dict:
     import torch.nn.functional as F
 
     from rooflm.kernels import w4a16 as new4, w8a16 as new8
-    from rooflm.kernels.utils import REL_TOL, rel_error
+    from tests.kernels.helpers import REL_TOL, rel_error
     from rooflm.kernels.int4_pack import pack_int4
 
     cuda = torch.cuda.is_available()  # --smoke on a GPU: tiny shapes, compiled and graphed

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from rooflm.kernels.utils import rel_error
+from tests.kernels.helpers import rel_error
 from rooflm.kernels.w4a16 import pack_int4, w4a16_bytes, w4a16_linear, w4a16_linear_ref
 from rooflm.kernels.w8a16 import w8a16_bytes, w8a16_linear, w8a16_linear_ref
 

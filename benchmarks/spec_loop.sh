@@ -9,7 +9,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results/spec-loop}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-python -m pytest -q -m gpu tests/models/test_gpu_spec.py tests/kernels/test_ngram_propose.py \
+python -m pytest -q tests/models/test_gpu_spec.py tests/kernels/test_ngram_propose.py \
   tests/kernels/test_spec_loop_step.py tests/kernels/test_small_m_linear.py -p no:cacheprovider 2>&1 \
   | tail -5 | tee "$OUT/gpu-tests.txt"
 python benchmarks/spec_step_breakdown.py --batches 1 --kernels --out "$OUT/breakdown" 2>&1 | grep -E "replay|total"

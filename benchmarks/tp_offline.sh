@@ -51,7 +51,7 @@ profile() {  # tp, gpus
     > "$LOGS/profile-prefill-tp$1.txt" 2>&1
   echo "- profile prefill TP=$1: rc $? at ${SECONDS} s" | tee -a "$SUMMARY"
 }
-CUDA_VISIBLE_DEVICES=1 timeout "$(lim 150)" python -m pytest -q -p no:cacheprovider -m gpu -rs $GPU1_TESTS \
+CUDA_VISIBLE_DEVICES=1 timeout "$(lim 150)" python -m pytest -q -p no:cacheprovider -rs $GPU1_TESTS \
   > "$LOGS/gguf-gpu-tests.txt" 2>&1 &
 GGUF=$!
 throughput 1 0

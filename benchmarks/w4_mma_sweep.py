@@ -60,7 +60,7 @@ def random_w4(n, k, g, dtype, seed, device):
 def check(device) -> list:
     import torch
     from rooflm.kernels import w4a16_mma as mm
-    from rooflm.kernels.utils import rel_error
+    from tests.kernels.helpers import rel_error
     from rooflm.kernels.w4a16 import w4a16_linear_ref
     rows = []
     shapes = [(48, 256, 64), (40, 1024, 128), (96, 640, 64), (6144, 4096, 128), (4096, 14336, 128)]

@@ -336,6 +336,33 @@ def default_max_num_seqs(device_type: str, device_memory_gb: Optional[float] = N
 LARGE_GPU_GB = 70.0  # H100 / H200 class (an 80 GB H100 reports ~79.2 GiB, 85 GB)
 
 
+def resolve_max_num_seqs(max_num_seqs: Optional[int], device_type: str,
+                         device_memory_gb: Optional[float] = None) -> int:
+    """The sequence cap a replica runs with: the one set, else the device's default. The engine
+    (with_device_defaults), `rooflm simulate` and `rooflm memory` all take it from here, so a
+    plan or a simulation of a GPU uses the cap the engine would pick on it."""
+    if max_num_seqs is not None:
+        return max_num_seqs
+    return default_max_num_seqs(device_type, device_memory_gb)
+
+
+def kv_blocks_cap(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+    """The most KV blocks a pool can use: every sequence at full length. Past it, blocks only
+    keep cached prefixes (and a small model on a large GPU would build millions of them)."""
+    return max_num_seqs * -(-max_model_len // block_size)
+
+
+def step_activation_bytes(config: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int,
+                          act_bytes: float, tp: int = 1) -> float:
+    """The widest live set of one step at the scheduler's budgets: inside the MLP, the residual
+    and its norm output (2h), gate/up (2I) and SiLU-mul (I) for every batched token, the MLP split
+    over tp ranks, plus fp32 logits of the sampled rows. The engine checks a load against it
+    before allocating (on CUDA its profiling pass then measures the real figure); `rooflm memory`
+    and the simulator reserve it."""
+    per_token = (2 * config.hidden_size + 3 * (config.intermediate_size // tp)) * act_bytes
+    return max_num_batched_tokens * per_token + max_num_seqs * config.vocab_size * 4
+
+
 def with_device_defaults(cfg: EngineConfig, device_type: str, cuda_block_size: int = CUDA_BLOCK_SIZE,
                          device_memory_gb: Optional[float] = None) -> EngineConfig:
     """The config with the defaults that depend on the device filled in (None fields).
@@ -348,7 +375,7 @@ def with_device_defaults(cfg: EngineConfig, device_type: str, cuda_block_size: i
     if cache.block_size is None:
         cache = replace(cache, block_size=cuda_block_size if device_type == "cuda" else CPU_BLOCK_SIZE)
     if sched.max_num_seqs is None:
-        sched = replace(sched, max_num_seqs=default_max_num_seqs(device_type, device_memory_gb))
+        sched = replace(sched, max_num_seqs=resolve_max_num_seqs(None, device_type, device_memory_gb))
     if runtime.cuda_graph_max_batch is None:
         runtime = replace(runtime, cuda_graph_max_batch=sched.max_num_seqs)
     if spec.speculative_method and spec.speculative_max_batch_tokens is None:

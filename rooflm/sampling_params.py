@@ -18,6 +18,11 @@ from rooflm.errors import InvalidRequest
 # vLLM's and OpenAI's cap on the number of alternatives returned per position.
 MAX_LOGPROBS = 20
 
+# A temperature below this is greedy (vLLM's _SAMPLING_EPS): dividing the logits by it would
+# overflow them to inf. SamplingParams.greedy is the one place that decides; the sampler, the
+# speculative paths and the server ask it, so every path divides only by temperatures >= this.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
 # torch.Generator.manual_seed accepts any value that fits a signed or an
 # unsigned 64-bit integer.
 _SEED_MIN = -(2**63)
@@ -131,9 +136,9 @@ class SamplingParams:
     # How many independent samples to return for the prompt.
     n: int = 1
 
-    # The distribution: temperature 0 means greedy (argmax). top_k 0 or -1
-    # disables top-k; top_p 1 disables nucleus sampling; min_p drops tokens
-    # whose probability is below min_p times the most likely token's.
+    # The distribution: temperature 0 (any below GREEDY_TEMPERATURE_EPS) means greedy
+    # (argmax). top_k 0 or -1 disables top-k; top_p 1 disables nucleus sampling; min_p
+    # drops tokens whose probability is below min_p times the most likely token's.
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -302,7 +307,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Argmax: a temperature too small to divide by, or a top-k of one."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
 
 
 def resolve_max_tokens(max_tokens: Optional[int], prompt_len: int, max_model_len: int) -> int:

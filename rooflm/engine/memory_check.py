@@ -16,8 +16,6 @@ from typing import Optional
 
 import torch
 
-from rooflm.config import ModelConfig
-
 GB = 1e9
 
 
@@ -35,15 +33,6 @@ class MemoryNeed:
 
 class InsufficientMemoryError(ValueError):
     """The load would not fit; raised before anything is allocated."""
-
-
-def activation_bytes(config: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int,
-                     act_bytes: int) -> int:
-    """The widest live set of one step (inside the MLP: residual and norm output 2h, gate/up 2I,
-    SiLU-mul I per token) plus fp32 logits of the sampled rows; the estimate rooflm memory
-    uses too. On CUDA a profiling pass measures the real figure afterwards."""
-    per_token = (2 * config.hidden_size + 3 * config.intermediate_size) * act_bytes
-    return max_num_batched_tokens * per_token + max_num_seqs * config.vocab_size * 4
 
 
 def available_bytes(device: torch.device) -> Optional[int]:

@@ -16,7 +16,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from rooflm.config import EngineConfig, ModelConfig
+from rooflm.config import EngineConfig, ModelConfig, kv_blocks_cap, step_activation_bytes
 from rooflm.distributed.group import SINGLE, TPGroup
 from rooflm.engine.block_manager import slot_mapping
 from rooflm.engine.block_table_array import BlockTableArray, block_table_array
@@ -221,7 +221,7 @@ class ModelRunner:
         """Refuse a load that cannot fit, before anything is allocated (engine/memory_check.py)."""
         import os
 
-        from rooflm.engine.memory_check import MemoryNeed, activation_bytes, available_bytes, check_fits
+        from rooflm.engine.memory_check import MemoryNeed, available_bytes, check_fits
 
         cfg, sched = self.model_config, self.config.scheduler
         elem = self.dtype.itemsize
@@ -236,7 +236,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             kv = (self.determine_num_blocks() + self.num_host_blocks()) * self.kv_bytes_per_block()
         tokens = min(sched.max_num_batched_tokens, self.max_model_len * sched.max_num_seqs)
-        need = MemoryNeed(weights, kv, activation_bytes(cfg, tokens, sched.max_num_seqs, elem),
+        need = MemoryNeed(weights, kv, step_activation_bytes(cfg, tokens, sched.max_num_seqs, elem),
                           self.device.type)
         check_fits(need, available_bytes(self.device), self.config.load.model or "the default model",
                    self.dtype)
@@ -369,7 +369,7 @@ class ModelRunner:
         else:
             budget = cache.cpu_kv_cache_gb * 2**30
         # No point holding more than every sequence at full length.
-        cap = self.config.scheduler.max_num_seqs * -(-self.max_model_len // self.block_size)
+        cap = kv_blocks_cap(self.config.scheduler.max_num_seqs, self.max_model_len, self.block_size)
         # Every rank's pool has the same number of blocks (one block table for all): the least.
         return self.tp.min_over_ranks(max(1, min(int(budget // per_block), cap)))
 

@@ -1,4 +1,4 @@
-"""Small helpers shared by the Triton kernels and their tests.
+"""Small helpers shared by the Triton kernels.
 
 Nothing here launches a kernel. The kernels run compiled on CUDA and under
 Triton's interpreter (TRITON_INTERPRET=1) on the CPU; the few places where the
@@ -121,17 +121,6 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
 
 
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in fp64; NaN anywhere in out gives NaN (never passes a < check)."""
-    out64 = out.double()
-    ref64 = ref.double()
-    return ((out64 - ref64).norm() / ref64.norm().clamp_min(1e-30)).item()
-
-
-# Tolerances of the issue: relative error ||out - ref|| / ||ref|| per input dtype.
-REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
-
-
 # --------------------------------------------------------------------------
 # Paged-cache addressing shared by the two attention kernels
 # --------------------------------------------------------------------------
@@ -248,69 +237,6 @@ def fp8_pv(acc, p, v, vs_base, block_table_ptr, start_n, kv_ok, stride_sb, strid
     vs_max = tl.where(vs_max > 0, vs_max, 1.0)
     pv = tl.dot((p * (vs / vs_max)[None, :]).to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc + pv * vs_max
-
-
-def random_paged_batch(seq_lens: list[int], query_lens: list[int], num_kv_heads: int, head_dim: int,
-                       block_size: int, dtype: torch.dtype, device: torch.device | str,
-                       spare_blocks: int = 3, poison_unused: bool = True):
-    """A random packed batch over a paged cache, for tests and benchmarks.
-
-    Sequence s has seq_lens[s] tokens of context, the last query_lens[s] of
-    which are this step's queries; sequences with one query token must come
-    first (the model runner's order), and they are counted as decodes. Blocks
-    are handed out in a random order so block tables are not contiguous. The
-    cache holds random K/V in every slot a sequence owns; with poison_unused,
-    every other slot is NaN, so a kernel that reads past a sequence's end
-    fails the test. Returns (meta, k_cache, v_cache).
-    """
-    # Imported here so that utils stays importable from the attention module's dependencies.
-    from rooflm.engine.block_manager import slot_mapping
-    from rooflm.layers.attention import AttentionMetadata
-
-    if len(seq_lens) != len(query_lens):
-        raise ValueError("seq_lens and query_lens differ in length")
-    blocks_per_seq = [cdiv(n, block_size) for n in seq_lens]
-    num_blocks = sum(blocks_per_seq) + spare_blocks
-    perm = torch.randperm(num_blocks).tolist()
-    max_blocks = max(blocks_per_seq)
-    block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, dtype=dtype, device=device)
-    v_cache = torch.randn(shape, dtype=dtype, device=device)
-    slots = []
-    next_block = 0
-    for s, (n, q) in enumerate(zip(seq_lens, query_lens)):
-        if not 1 <= q <= n:
-            raise ValueError(f"sequence {s}: query_len {q} must be in [1, seq_len {n}]")
-        ids = perm[next_block:next_block + blocks_per_seq[s]]
-        next_block += blocks_per_seq[s]
-        block_tables[s, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
-        if poison_unused and n % block_size:
-            k_cache[ids[-1], n % block_size:] = float("nan")
-            v_cache[ids[-1], n % block_size:] = float("nan")
-        slots += slot_mapping(ids, n - q, q, block_size)
-    if poison_unused and next_block < num_blocks:
-        unused = torch.tensor(perm[next_block:], device=device)
-        k_cache[unused] = float("nan")
-        v_cache[unused] = float("nan")
-    num_decodes = 0
-    while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
-        num_decodes += 1
-    starts = [0]
-    for q in query_lens:
-        starts.append(starts[-1] + q)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=block_tables.to(device),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        num_decodes=num_decodes,
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=list(seq_lens),
-    )
-    return meta, k_cache, v_cache
 
 
 def config_for_head_dim(table: dict, head_dim_pad: int):

@@ -34,7 +34,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from rooflm.sampling_params import SamplingParams
+from rooflm.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 from rooflm.structured.bitmask import apply_token_bitmask
 
 
@@ -52,12 +52,13 @@ class SamplingRow:
 
 
 # The largest logit a penalty may produce. Finite after division by the
-# smallest temperature the sampler divides by (MIN_TEMPERATURE,
-# 1e-5: 1e30 / 1e-5 = 1e35 < float32's 3.4e38), so softmax never sees inf.
+# smallest temperature the sampler divides by (GREEDY_TEMPERATURE_EPS: smaller
+# ones are greedy; 1e30 / 1e-5 = 1e35 < float32's 3.4e38), so softmax never sees inf.
 LOGIT_LIMIT = 1e30
 
-# The smallest temperature the sampler divides by (vLLM's _SAMPLING_EPS).
-MIN_TEMPERATURE = 1e-5
+# spec/draft.py still clamps its temperatures to this; SamplingParams.greedy already keeps
+# every non-greedy temperature at or above it.
+MIN_TEMPERATURE = GREEDY_TEMPERATURE_EPS
 
 # The repetition penalty as the sampler applies it: float32 holds neither
 # 1e-300 (it rounds to 0, and x / 0 is inf, 0 * inf NaN) nor 1e300 (inf). Past
@@ -146,10 +147,9 @@ class SamplingMetadata:
         if not all_greedy:
             # One comprehension per column rather than a loop of appends: built every step for
             # every row (hundreds at a large batch). Greedy rows take the argmax; neutral values
-            # keep the batched math of the random path well defined for them. A temperature
-            # below MIN_TEMPERATURE is greedy in effect; dividing by a smaller one overflows the
-            # logits to inf (SamplingParams takes any temperature > 0).
-            temperatures = [1.0 if g else max(p.temperature, MIN_TEMPERATURE) for p, g in zip(params, greedy)]
+            # keep the batched math of the random path well defined for them. Temperatures too
+            # small to divide by are greedy (SamplingParams.greedy), so the rest divide safely.
+            temperatures = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
             top_ks = [vocab_size if g or p.top_k <= 0 else p.top_k for p, g in zip(params, greedy)]
             top_ps = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
             min_ps = [0.0 if g else p.min_p for p, g in zip(params, greedy)]

@@ -75,7 +75,9 @@ def register(subparsers) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="scheduler token budget, sizes the activation reserve")
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequence cap, sizes the logits in the activation reserve (default: the "
+                        "engine's default on a GPU of --gpu-mem)")
     p.add_argument("--train", action="store_true", help="training memory instead of inference")
     p.add_argument("--num-gpus", type=int, default=8, help="GPUs for DDP / FSDP (with --train)")
     p.add_argument("--batch-size", type=int, default=1, help="micro-batch per GPU (with --train)")
@@ -288,7 +290,7 @@ def _format_inference(args: argparse.Namespace, config: ModelConfig) -> str:
         "",
         f"{'weights':<34} {plan.weights / GB:>10.2f} GB",
         f"{'activation reserve (estimate)':<34} {plan.activation_reserve / GB:>10.2f} GB"
-        f"   ({args.max_num_batched_tokens} batched tokens, {args.max_num_seqs} seqs of logits)",
+        f"   ({args.max_num_batched_tokens} batched tokens, {plan.max_num_seqs} seqs of logits)",
         f"{'KV cache pool':<34} {plan.kv_pool / GB:>10.2f} GB"
         f"   (= {plan.usable / GB:.2f} usable - weights - reserve)",
         "",

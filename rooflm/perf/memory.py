@@ -48,7 +48,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from rooflm.config import ModelConfig
+from rooflm.config import ModelConfig, resolve_max_num_seqs, step_activation_bytes
 from rooflm.perf.roofline import KV_CACHE_BYTES, WEIGHT_FORMATS, kv_bytes_per_token_per_gpu
 
 
@@ -106,6 +106,7 @@ class InferenceMemory:
     usable: float  # gpu_mem x gpu_memory_utilization
     weights: float
     activation_reserve: float
+    max_num_seqs: int  # the sequence cap the reserve holds logits for
     kv_pool: float  # what is left for the KV cache
     kv_bytes_per_token: float
     kv_bytes_per_seq: float  # at `context` tokens
@@ -118,33 +119,20 @@ class InferenceMemory:
     max_cached_tokens: int
 
 
-def activation_reserve_bytes(config: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int,
-                             act_bytes: float = 2.0, tp: int = 1) -> float:
-    """Peak transient memory of one forward step at the scheduler's token budget (estimate).
-
-    The widest live set is inside the MLP: the residual stream and its norm
-    output (2h), the gate/up output (2I) and the SiLU-and-mul output (I) for
-    every batched token, plus fp32 logits of the sampled rows. The engine's
-    profiling pass measures the real figure on a GPU; this is its estimate.
-    """
-    inter = config.intermediate_size // tp
-    per_token = (2 * config.hidden_size + 3 * inter) * act_bytes
-    logits = max_num_seqs * config.vocab_size * 4
-    return max_num_batched_tokens * per_token + logits
-
-
 def inference_memory(config: ModelConfig, weight_dtype: str = "bf16", kv_dtype: str = "bf16",
                      context: int = 4096, gpu_mem_gb: float = 80.0, tp: int = 1,
                      block_size: int = 16, gpu_memory_utilization: float = 0.9,
-                     max_num_batched_tokens: int = 2048, max_num_seqs: int = 256) -> InferenceMemory:
-    """Plan one GPU's memory: weights, an activation reserve, and KV blocks in what remains."""
+                     max_num_batched_tokens: int = 2048, max_num_seqs: Optional[int] = None) -> InferenceMemory:
+    """Plan one GPU's memory: weights, an activation reserve, and KV blocks in what remains.
+    max_num_seqs: None is the engine's default on a GPU of gpu_mem_gb."""
+    max_num_seqs = resolve_max_num_seqs(max_num_seqs, "cuda", gpu_mem_gb)
     if kv_dtype not in KV_CACHE_BYTES:
         raise ValueError(f"unknown KV dtype {kv_dtype!r}; known: {', '.join(KV_CACHE_BYTES)}")
     gpu_mem = gpu_mem_gb * 1e9
     usable = gpu_mem * gpu_memory_utilization
     weights = weight_bytes(config, weight_dtype, tp)
     act_bytes = 4.0 if weight_dtype == "fp32" else 2.0
-    reserve = activation_reserve_bytes(config, max_num_batched_tokens, max_num_seqs, act_bytes, tp)
+    reserve = step_activation_bytes(config, max_num_batched_tokens, max_num_seqs, act_bytes, tp)
     kv_pool = max(usable - weights - reserve, 0.0)
     per_token = kv_bytes_per_token_per_gpu(config, KV_CACHE_BYTES[kv_dtype], tp)
     block_bytes = block_size * per_token
@@ -152,7 +140,7 @@ def inference_memory(config: ModelConfig, weight_dtype: str = "bf16", kv_dtype: 
     blocks_per_seq = math.ceil(context / block_size)
     return InferenceMemory(
         num_params=config.num_params(), gpu_mem=gpu_mem, usable=usable, weights=weights,
-        activation_reserve=reserve, kv_pool=kv_pool, kv_bytes_per_token=per_token,
+        activation_reserve=reserve, max_num_seqs=max_num_seqs, kv_pool=kv_pool, kv_bytes_per_token=per_token,
         kv_bytes_per_seq=context * per_token, block_size=block_size, block_bytes=block_bytes,
         num_blocks=num_blocks, context=context, blocks_per_seq=blocks_per_seq,
         max_concurrent_seqs=num_blocks // blocks_per_seq,

@@ -50,10 +50,6 @@ MAX_CACHE_SALT_CHARS = 256
 # OpenAI accepts up to 300 biased tokens; each costs one sparse add per step.
 MAX_LOGIT_BIAS_TOKENS = 1024
 
-# Below this temperature, dividing the logits overflows to inf; vLLM treats such
-# temperatures as greedy, and so do we.
-GREEDY_TEMPERATURE_EPS = 1e-5
-
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
 
@@ -296,12 +292,10 @@ class SamplingRequest(OpenAIModel):
 
         SamplingParams checks everything again; its InvalidRequest names the field.
         """
-        temperature = 1.0 if self.temperature is None else self.temperature
-        if temperature < GREEDY_TEMPERATURE_EPS:
-            temperature = 0.0
+        # A temperature too small to divide by is greedy: SamplingParams.greedy decides.
         return SamplingParams(
             n=self.num_samples,
-            temperature=temperature,
+            temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else self.top_k,
             min_p=0.0 if self.min_p is None else self.min_p,

@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Optional, TextIO
 
-from rooflm.config import CUDA_BLOCK_SIZE, SchedulerConfig, default_max_num_seqs
+from rooflm.config import CUDA_BLOCK_SIZE, SchedulerConfig, kv_blocks_cap, resolve_max_num_seqs
 
 
 def register(sub) -> None:
@@ -128,7 +128,7 @@ def replica_config(args, model, gpu_key: str, tp: int, tables) -> tuple:
     from rooflm.sim.replica import ReplicaConfig
 
     gpu = get_gpu(gpu_key)
-    max_num_seqs = args.max_num_seqs or default_max_num_seqs("cuda", gpu.mem_gb)  # the engine's default there
+    max_num_seqs = resolve_max_num_seqs(args.max_num_seqs, "cuda", gpu.mem_gb)
     block_size = args.block_size or CUDA_BLOCK_SIZE  # the engine's CUDA default too
     max_model_len = args.max_model_len or model.max_position_embeddings
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -147,9 +147,8 @@ def replica_config(args, model, gpu_key: str, tp: int, tables) -> tuple:
                                gpu_memory_utilization=args.gpu_memory_utilization,
                                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max_num_seqs)
         num_blocks, source = mem.num_blocks, f"perf/memory estimate for {gpu.mem_gb:g} GB x TP {tp}"
-    # Past max_num_seqs sequences of full length, blocks only keep cached prefixes; a small model
-    # on a large GPU would otherwise build millions of them (seconds per replica) for nothing.
-    cap = max_num_seqs * -(-max_model_len // block_size)
+    # Millions of blocks would take seconds per replica to build, for nothing.
+    cap = kv_blocks_cap(max_num_seqs, max_model_len, block_size)
     if num_blocks > cap:
         num_blocks, source = cap, source + f", capped at {max_num_seqs} full-length sequences"
     async_scheduling = True if args.async_scheduling is None else args.async_scheduling

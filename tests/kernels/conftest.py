@@ -2,25 +2,19 @@
 
 TRITON_INTERPRET must be set before any kernel module is imported, so it is
 set here, when pytest loads this directory, and only when there is no GPU.
-
-On a CUDA machine every test of this directory is also marked `gpu`, so that
-`pytest -m gpu tests/kernels` runs the small interpreter cases compiled plus
-the GPU-only ones (bf16, large shapes). On the CPU the default `-m 'not gpu'`
-runs the small cases and deselects the GPU-only ones.
+Tests that only a GPU can run (bf16 tensor-core kernels, large shapes) are
+marked `gpu`; tests/conftest.py skips them without CUDA. What the tests share
+is in helpers.py.
 """
 
 import os
 
-import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from rooflm.kernels.utils import REL_TOL, rel_error  # noqa: E402  (after TRITON_INTERPRET)
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-KERNEL_TESTS = os.path.dirname(os.path.abspath(__file__))
+import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -32,23 +26,3 @@ def exact_fp32_references():
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    # tryfirst: runs before pytest's own -m deselection.
-    if not torch.cuda.is_available():
-        return
-    for item in items:
-        if str(item.path).startswith(KERNEL_TESTS):
-            item.add_marker(pytest.mark.gpu)
-
-
-def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:
-    """||out - ref|| / ||ref|| within the issue's tolerance for dtype; NaN never passes."""
-    err = rel_error(out, ref)
-    tol = REL_TOL[dtype]
-    assert err < tol, f"{what} relative error {err:.3e} >= {tol:.0e} ({dtype})"
-
-
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
+from tests.kernels.helpers import DEVICE, assert_close, random_paged_batch
 from rooflm.layers.cuda_attention import TritonBackend
-from rooflm.kernels.utils import random_paged_batch
 from rooflm.layers.attention import AttentionBackend, ReferenceBackend
 
 
@@ -71,7 +70,6 @@ def test_backend_rope_and_write_matches_reference():
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_backend_gpu_bf16(block_size):
     lens = [3000] * 4 + [17, 1000, 2048]

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from rooflm.kernels.utils import random_paged_batch
 from rooflm.layers.attention import Attention, ReferenceBackend
 from rooflm.layers.cpu_attention import CpuBackend
 from rooflm.layers.rotary import RotaryEmbedding
+from tests.kernels.helpers import random_paged_batch
 
 
 def run_layers(seq_lens, query_lens, consecutive=False, hole=None, window=None, layers=2,

@@ -3,10 +3,9 @@
 import pytest
 import torch
 
-from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
+from tests.kernels.helpers import DEVICE, assert_close, random_paged_batch
 from rooflm.kernels.decode_attention import (decode_attention, decode_attention_ref, decode_num_splits,
                                              plan_decode_attention)
-from rooflm.kernels.utils import random_paged_batch
 
 
 def run_case(seq_lens, num_kv_heads, group, head_dim, block_size, dtype, window, num_splits, config=None):
@@ -100,14 +99,12 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("seq_lens,num_kv_heads,group,head_dim,block_size,dtype,window,num_splits", GPU_CASES)
 def test_decode_gpu(seq_lens, num_kv_heads, group, head_dim, block_size, dtype, window, num_splits):
     run_case(seq_lens, num_kv_heads, group, head_dim, block_size, dtype, window, num_splits)
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("case", CASES)
 def test_decode_gpu_bf16(case):
     seq_lens, num_kv_heads, group, head_dim, block_size, _, window, num_splits = case

@@ -5,7 +5,7 @@ shapes, fp16/fp32); compiled, with bf16 and model-sized shapes, on a GPU."""
 import pytest
 import torch
 
-from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
+from tests.kernels.helpers import DEVICE, assert_close, random_paged_batch
 from rooflm.kernels.matmul_fixed_split import (matmul_fixed_split, matmul_fixed_split_ref, split_plan,
                                                split_size)
 from rooflm.kernels.matmul_persistent import matmul_config, matmul_persistent, matmul_ref
@@ -13,7 +13,7 @@ from rooflm.layers.cuda_attention import TritonBackend
 from rooflm.kernels.prefill_attention import (PrefillPlan, prefill_attention, prefill_attention_ref, prefill_config,
                                               uniform_decode_config)
 from rooflm.kernels.rmsnorm import rmsnorm
-from rooflm.kernels.utils import num_sms, random_paged_batch
+from rooflm.kernels.utils import num_sms
 from rooflm.layers.attention import AttentionMetadata
 
 
@@ -125,7 +125,6 @@ def test_matmul_config_prefill_tiles_follow_the_waves(monkeypatch):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (28672, 4096), (4096, 4096)])
 def test_matmul_gpu_bf16_rows_invariant(n, k):
     """The Llama-3-8B projections in bf16: one token alone, in a decode batch, in a prefill chunk."""
@@ -134,7 +133,6 @@ def test_matmul_gpu_bf16_rows_invariant(n, k):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
 def test_matmul_gpu_tma_rows_equal_pointer_rows(n, k):
     """TMA loads change how tiles arrive, not the sums: rows bitwise equal to the pointer
@@ -225,7 +223,6 @@ def test_fixed_split_default_plan_and_checks(split_on):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 14336), (6144, 4096)])
 def test_fixed_split_gpu_bf16_rows_invariant(n, k, split_on):
     """The Llama-3-8B projections that split on the H100 (o, down, qkv), bf16: both schedules,
@@ -409,7 +406,6 @@ def test_deterministic_backend_runs_decodes_in_short_uniform_tiles():
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_uniform_attention_gpu_bf16_decode_equals_prefill_row():
     """Llama-3-8B attention shape (32 heads, 8 KV heads, D 128) in bf16, block size 16; the
     deterministic backend runs decodes in 64-row tiles and chunks in the table's 128."""

@@ -7,7 +7,7 @@ On the CPU this runs under Triton's interpreter (see conftest.py), so shapes sta
 import pytest
 
 from rooflm import LLM, SamplingParams
-from tests.kernels.conftest import DEVICE
+from tests.kernels.helpers import DEVICE
 from tests.models.tiny_models import make_tiny_model
 
 

@@ -10,12 +10,11 @@ machine it comes from benchmarks/fa4_setup.sh.
 import pytest
 import torch
 
-from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
+from tests.kernels.helpers import DEVICE, assert_close, random_paged_batch
 from rooflm.config import EngineConfig, RuntimeConfig
 from rooflm.layers.cuda_attention import TritonBackend
 from rooflm.kernels.fa4_prefill import (FA4_BLOCK_SIZE, FA4Plan, MIN_QUERY_LEN, fa4_block_size, fa4_enabled,
                                         fa4_supports, plan_fa4_prefill)
-from rooflm.kernels.utils import random_paged_batch
 from rooflm.layers.attention import ReferenceBackend
 
 
@@ -88,7 +87,6 @@ def run_step(seq_lens, query_lens, block_size, heads=32, kv_heads=8, head_dim=12
 
 
 @pytest.mark.gpu
-@requires_cuda
 @requires_fa4
 @pytest.mark.parametrize("block_size", [64, FA4_BLOCK_SIZE])
 def test_fa4_mixed_step_matches_reference(block_size):
@@ -97,14 +95,12 @@ def test_fa4_mixed_step_matches_reference(block_size):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @requires_fa4
 def test_fa4_head_dim_64_fp16_all_prefill():
     run_step([129, 64, 1000], [129, 64, 1000], FA4_BLOCK_SIZE, heads=8, kv_heads=2, head_dim=64, dtype=torch.float16)
 
 
 @pytest.mark.gpu
-@requires_cuda
 @requires_fa4
 def test_engine_with_fa4_prefill_matches_triton_prefill(tmp_path):
     """Greedy tokens of a tiny bf16 model, chunked prefill over prefix hits included, the same

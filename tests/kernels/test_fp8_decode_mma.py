@@ -4,7 +4,7 @@ fp32 reference and the Triton kernel it replaces, its dispatch, CUDA-graph captu
 import pytest
 import torch
 
-from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
+from tests.kernels.helpers import DEVICE, assert_close
 from tests.kernels.test_fp8_kv import fp8_batch, fp8_static_batch
 from rooflm.kernels import fp8_decode_mma
 from rooflm.kernels.decode_attention import decode_attention, decode_attention_ref, plan_decode_attention
@@ -38,7 +38,7 @@ def test_shared_memory_holds_the_stages_and_the_combine_record():
     assert fp8_decode_mma.shared_bytes(Fp8DecodeConfig(2, 1, 1, 2), 8) == 2 * 2 * 4096
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seq_lens,num_kv_heads,group,block_size,num_splits", [
     ([1, 15, 16, 17, 33, 130], 2, 4, 16, 1),       # partial chunks, one key
@@ -66,7 +66,7 @@ def test_static_fp8_decode_on_mma_matches_reference_and_triton(seq_lens, num_kv_
     assert_close(out, tri, torch.float16, "fp8 decode mma vs triton")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", [Fp8DecodeConfig(2, 1, 1), Fp8DecodeConfig(8, 3, 1), Fp8DecodeConfig(4, 2, 3),
                                     Fp8DecodeConfig(4, 1, 4, 3), Fp8DecodeConfig(8, 1, 2, 2), Fp8DecodeConfig(2, 1, 1, 4)])
 def test_every_config_gives_the_reference(config):
@@ -77,7 +77,7 @@ def test_every_config_gives_the_reference(config):
                  torch.float16, f"fp8 decode mma {config}")
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_bits_repeat_and_a_graph_replays_new_lengths():
     meta, q, k8, v8, ks, vs = _static_call([200, 900, 64], 8, 4, 64)
     scale = 128 ** -0.5
@@ -99,7 +99,7 @@ def test_bits_repeat_and_a_graph_replays_new_lengths():
                  "fp8 decode mma graph replay")
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_per_token_scales_keep_the_triton_kernel():
     torch.manual_seed(0)
     meta, k8, v8, ks, vs = fp8_batch([40, 300], [1, 1], 2, 128, 16)

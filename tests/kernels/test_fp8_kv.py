@@ -5,11 +5,10 @@ reference reading the same bytes."""
 import pytest
 import torch
 
-from tests.kernels.conftest import DEVICE, assert_close
+from tests.kernels.helpers import DEVICE, assert_close, cuda_capability_at_least, random_paged_batch
 from rooflm.kernels.decode_attention import decode_attention, decode_attention_ref
 from rooflm.kernels.prefill_attention import prefill_attention, prefill_attention_ref
 from rooflm.kernels.rope_kv_write import rope_kv_write, rope_kv_write_ref, write_kv
-from rooflm.kernels.utils import random_paged_batch
 from rooflm.kernels.fp8_quant import FP8_DTYPE, FP8_MAX
 from rooflm.kernels.paged_attention_ref import dequantize_ref, quantize_fp8_ref, quantize_fp8_static_ref
 from rooflm.layers.rotary import build_cos_sin_cache
@@ -198,8 +197,7 @@ def test_fp8_cache_without_scales_is_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-                    reason="the byte-pair widening needs sm_89+")
+@pytest.mark.skipif(not cuda_capability_at_least((8, 9)), reason="the byte-pair widening needs sm_89+")
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
 def test_fp8_byte_pairs_match_bytewise_loads(kind, monkeypatch):
     """The Llama-3-8B shape through the byte-pair loads (utils.load_e4m3_pairs, what the engine

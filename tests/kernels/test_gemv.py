@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
+from tests.kernels.helpers import DEVICE, assert_close
 from rooflm.kernels.gemv import GemvConfig, gemv, gemv_ref
 
 
@@ -58,7 +58,6 @@ def test_gemv_rejects_bad_shapes():
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("n,k,gated", [(6144, 4096, False), (4096, 4096, False), (14336, 4096, True),
                                        (4096, 14336, False), (128256, 4096, False), (1000, 1000, True)])
 @pytest.mark.parametrize("config", [None, GemvConfig(16, 1024, 8, 3), GemvConfig(4, 256, 4, 1)])

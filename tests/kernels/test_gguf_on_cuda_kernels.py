@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
+from tests.kernels.helpers import DEVICE, assert_close
 from tests.unit.gguf_q4k import encode_q4_k
 from rooflm.quant.formats import from_gguf_blocks
 from rooflm.quant.gguf_blocks import decode
@@ -96,7 +96,6 @@ def test_activation_dtype_rounding_of_scales_and_zeros_is_what_keep_dtype_avoids
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_make_linear_method_routes_gguf_to_triton_on_cuda(fmt):
     n, k = 4096, 4096

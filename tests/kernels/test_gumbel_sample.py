@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from rooflm.kernels.gumbel_sample import gumbel_sample, gumbel_sample_ref
-from tests.kernels.conftest import DEVICE
+from tests.kernels.helpers import DEVICE
 
 # The interpreter runs a program in ~30 ms: the statistical tests (a program per draw) are GPU-only.
-GPU_ONLY = pytest.mark.skipif(DEVICE != "cuda", reason="too slow under the interpreter")
+GPU_ONLY = pytest.mark.gpu
 DRAWS = 20000
 
 

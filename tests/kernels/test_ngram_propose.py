@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.kernels.conftest import DEVICE
+from tests.kernels.helpers import DEVICE
 from rooflm.kernels.ngram_propose import ngram_propose, ngram_propose_ref
 from rooflm.spec.ngram import lookup
 

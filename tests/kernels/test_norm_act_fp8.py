@@ -10,11 +10,11 @@ import torch
 
 from rooflm.kernels.fp8_quant import FP8_DTYPE
 from rooflm.kernels.norm_act_fp8 import rmsnorm_fp8, rmsnorm_fp8_ref, silu_mul_fp8, silu_mul_fp8_ref
-from tests.kernels.conftest import DEVICE
+from tests.kernels.helpers import DEVICE, cuda_capability_at_least
 
 
 def _sm89() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+    return cuda_capability_at_least((8, 9))
 
 
 def _dequantized(q, s):

@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
+from tests.kernels.helpers import DEVICE, assert_close, random_paged_batch
 from rooflm.kernels.prefill_attention import prefill_attention, prefill_attention_ref, visible_pairs
-from rooflm.kernels.utils import random_paged_batch
 
 
 def run_case(seq_lens, query_lens, num_kv_heads, group, head_dim, block_size, dtype, window,
@@ -89,14 +88,12 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("seq_lens,query_lens,num_kv_heads,group,head_dim,block_size,dtype,window", GPU_CASES)
 def test_prefill_gpu(seq_lens, query_lens, num_kv_heads, group, head_dim, block_size, dtype, window):
     run_case(seq_lens, query_lens, num_kv_heads, group, head_dim, block_size, dtype, window)
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("case", CASES)
 def test_prefill_gpu_bf16(case):
     seq_lens, query_lens, num_kv_heads, group, head_dim, block_size, _, window = case

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
+from tests.kernels.helpers import DEVICE, assert_close
 from rooflm.kernels.rmsnorm import rmsnorm, rmsnorm_ref
 
 
@@ -47,7 +47,6 @@ def test_rmsnorm_fp16_matches_hf_exactly():
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("num_rows,hidden", [(1, 4096), (4096, 4096), (333, 8192), (64, 576), (8, 16384)])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rmsnorm_gpu_bf16(num_rows, hidden, with_residual):

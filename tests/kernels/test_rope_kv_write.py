@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
+from tests.kernels.helpers import DEVICE, assert_close
 from rooflm.kernels.rope_kv_write import rope_kv_write, rope_kv_write_ref, rotate_ref, write_kv
 from rooflm.kernels.paged_attention_ref import write_kv_ref
 
@@ -112,7 +112,6 @@ def test_write_kv_matches_reference():
 # -- GPU only: bf16 and large shapes -----------------------------------------------------------
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("is_neox", [True, False])
 @pytest.mark.parametrize("num_tokens,num_heads,num_kv_heads,head_dim,block_size",
                          [(4096, 32, 8, 128, 16), (1000, 14, 2, 64, 256), (333, 16, 16, 256, 32),

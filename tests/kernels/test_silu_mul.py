@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
+from tests.kernels.helpers import DEVICE, assert_close
 from rooflm.kernels.silu_mul import silu_mul, silu_mul_ref
 
 
@@ -28,7 +28,6 @@ def test_silu_mul_extreme_gates():
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("num_rows,inter", [(1, 14336), (4096, 14336), (77, 1536), (2048, 8192)])
 def test_silu_mul_gpu_bf16(num_rows, inter):
     x = 3 * torch.randn(num_rows, 2 * inter, device=DEVICE).to(torch.bfloat16)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.kernels.conftest import DEVICE, requires_cuda
+from tests.kernels.helpers import DEVICE
 from rooflm.kernels import small_m_linear as sml
 
 
@@ -31,7 +31,6 @@ def test_cpu_and_quantized_layers_take_their_own_path():
     assert calls == [(4, 64)]
 
 
-@requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 17])
 @pytest.mark.parametrize("n,k", [(512, 2048), (4096, 256), (384, 256)])

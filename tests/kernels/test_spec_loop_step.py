@@ -6,7 +6,7 @@ import types
 import pytest
 import torch
 
-from tests.kernels.conftest import DEVICE
+from tests.kernels.helpers import DEVICE
 from rooflm.kernels.spec_loop_step import accept_step, prepare_step
 from rooflm.spec.loop import SpecLoop
 

@@ -4,7 +4,7 @@ dequantize-then-fp32, and its dispatch from w4a16_linear."""
 import pytest
 import torch
 
-from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
+from tests.kernels.helpers import DEVICE, assert_close
 from rooflm.kernels import w4a16 as w4a16_module
 from rooflm.kernels import w4a16_mma as mm
 from rooflm.kernels.w4a16 import pack_int4, w4a16_linear, w4a16_linear_ref
@@ -53,7 +53,7 @@ CONFIGS = [mm.MmaConfig(4, 2, 1, 0), mm.MmaConfig(8, 1, 2, 0), mm.MmaConfig(2, 4
            mm.MmaConfig(4, 1, 1, 3), mm.MmaConfig(8, 1, 2, 4), mm.MmaConfig(1, 1, 2, 2)]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "w{}d{}t{}s{}".format(*c))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 2, 5, 8])
@@ -66,7 +66,7 @@ def test_mma_kernel_matches_the_reference(config, dtype, m, n, k, group):
         assert_close(out, w4a16_linear_ref(x, qw, s, z, group), dtype, f"{config} pdl={pdl}")
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_mma_kernel_replays_in_a_cuda_graph_and_is_deterministic():
     qw, s, z, _ = _w4(4096, 4096, 128, torch.bfloat16)
     x = torch.randn(1, 4096, device=DEVICE, dtype=torch.bfloat16)
@@ -82,7 +82,7 @@ def test_mma_kernel_replays_in_a_cuda_graph_and_is_deterministic():
     assert not torch.equal(out, eager)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 8, 9])
 def test_w4a16_linear_takes_the_mma_kernel_up_to_m8(m, monkeypatch):
     qw, s, z, _ = _w4(256, 512, 128, torch.bfloat16)
@@ -110,7 +110,7 @@ GATED_CONFIGS = [mm.MmaConfig(4, 2, 1, 0), mm.MmaConfig(8, 1, 2, 0), mm.MmaConfi
                  mm.MmaConfig(8, 1, 2, 4), mm.MmaConfig(1, 1, 2, 2)]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", GATED_CONFIGS, ids=lambda c: "w{}d{}t{}s{}".format(*c))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 3, 8])
@@ -126,7 +126,7 @@ def test_gated_kernel_is_silu_mul_of_the_gate_up_reference(config, dtype, m, int
         assert_close(out, ref, dtype, f"{config} pdl={pdl}")
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_gate_up_silu_mul_declines_what_the_gated_kernel_cannot_take():
     from rooflm.kernels.silu_mul import silu_mul
     from rooflm.kernels.w4a16 import FUSE_SILU_MUL, w4a16_gate_up_silu_mul
@@ -171,7 +171,7 @@ def test_llama_mlp_takes_the_fused_silu_mul_when_gate_up_offers_it():
 FOLD_CONFIGS = [mm.MmaConfig(4, 2, 1, 0), mm.MmaConfig(8, 1, 1, 0), mm.MmaConfig(4, 1, 2, 3), mm.MmaConfig(8, 1, 2, 4)]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", FOLD_CONFIGS, ids=lambda c: "w{}d{}t{}s{}".format(*c))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,k,group", [(64, 256, 64), (6144, 4096, 128), (2 * 14336, 4096, 128)])
@@ -189,7 +189,7 @@ def test_norm_prologue_is_the_linear_of_rmsnorm(config, dtype, n, k, group):
                  dtype, f"norm + gated {config}")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", FOLD_CONFIGS, ids=lambda c: "w{}d{}t{}s{}".format(*c))
 @pytest.mark.parametrize("m,n,k", [(1, 64, 256), (1, 4096, 14336), (5, 4096, 4096)])
 def test_residual_epilogue_adds_after_rounding(config, m, n, k):
@@ -202,7 +202,7 @@ def test_residual_epilogue_adds_after_rounding(config, m, n, k):
     assert_close(out, ref, torch.bfloat16, f"residual {config}")
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_folded_declines_what_the_kernel_cannot_take():
     from rooflm.kernels.w4a16 import FOLD, w4a16_folded
     qw, s, z, _ = _w4(512, 1024, 128, torch.bfloat16)

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tests.kernels.conftest import DEVICE, KERNEL_TESTS, assert_close, requires_cuda
+from tests.kernels.helpers import DEVICE, assert_close
 from rooflm.kernels import w4a16 as w4a16_module
 from rooflm.kernels.w4a16 import (W4Config, _unit_nibbles_as, _unit_nibbles_packed, _unit_nibbles_wide, pack_int4, pick_config, unpack_int4, w4a16_linear,
                                   w4a16_linear_ref)
@@ -214,7 +214,6 @@ def test_wide_unit_nibbles_put_the_low_code_at_a_256th_and_the_high_at_a_16th():
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_wide_packed_unit_nibbles_match_the_triton_ones_for_every_byte():
     """The inline-PTX wide unpacking (a shift and two lop3 a byte, four bytes a register) gives
     each byte's two values in its own place (compiled only)."""
@@ -225,7 +224,6 @@ def test_wide_packed_unit_nibbles_match_the_triton_ones_for_every_byte():
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_packed_unit_nibbles_match_the_triton_ones_for_every_byte(dtype):
     """The inline-PTX unpacking (prmt, shift, lop3 on four bytes at a time) gives each byte's two
@@ -239,7 +237,6 @@ def test_packed_unit_nibbles_match_the_triton_ones_for_every_byte(dtype):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("cfg", [
     W4Config(16, 64, 256, 4, 3, split_k=2), W4Config(16, 64, 256, 4, 3, split_k=3, swap_ab=True),
     W4Config(64, 128, 256, 8, 3, swap_ab=True), W4Config(32, 64, 256, 4, 3),
@@ -264,7 +261,6 @@ _LLAMA3_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, 
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("m", [1, 16, 64])
 @pytest.mark.parametrize("n,k", _LLAMA3_8B, ids=["qkv", "o", "gate_up", "down"])
 def test_w4a16_fused_split_sum_bitwise_on_the_h100_tiles_and_in_a_cuda_graph(n, k, m, monkeypatch):
@@ -419,7 +415,6 @@ def test_w8a16_group_scales_reject_bad_shapes():
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("m", [1, 16, 64])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (4096, 14336)])
 def test_weight_only_bf16_large(m, n, k):
@@ -437,7 +432,6 @@ def test_weight_only_bf16_large(m, n, k):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("cfg", [
     W4Config(16, 64, 256, 4, 3, split_k=3, swap_ab=True),
     W4Config(64, 64, 256, 4, 3, split_k=1, fold=False, swap_ab=True),
@@ -575,7 +569,7 @@ def _run_offline(script: str) -> None:
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(KERNEL_TESTS))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run([sys.executable, "-c", script], env=dict(env, PYTHONPATH=root), cwd=root,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

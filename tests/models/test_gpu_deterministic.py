@@ -15,8 +15,7 @@ import torch
 
 from rooflm import LLM, SamplingParams
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 MODEL = "qwen3-0.6b"
 

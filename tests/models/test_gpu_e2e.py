@@ -7,8 +7,7 @@ import torch
 from rooflm import LLM, SamplingParams
 from tests.models.tiny_models import make_tiny_model
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 
 def check_greedy_close(a, b, top_n=5):

@@ -13,8 +13,7 @@ from tests.models.test_gpu_e2e import PROMPTS, check_greedy_close
 from tests.models.tiny_models import make_tiny_model
 from tests.unit.test_quant_formats import _write_quantized_copy
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 
 def _generate(path, dtype, **kw):

@@ -12,8 +12,7 @@ from rooflm import LLM, SamplingParams
 from tests.models.test_gpu_e2e import PROMPTS, check_greedy_close
 from tests.models.tiny_models import make_tiny_model
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 PARAMS = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=5)
 

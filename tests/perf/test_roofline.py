@@ -194,7 +194,6 @@ def test_roofline_gpu_measure_on_a_cpu_measures_this_cpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_measure_gpu_on_a_gpu():
     gpu = measure_gpu(repeats=5)
     assert gpu.mem_bw > 1e11 and gpu.peak_flops("bf16") > 1e13

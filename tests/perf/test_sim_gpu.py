@@ -4,7 +4,6 @@ predicts an offline run of the same engine (a small model, so the test takes sec
 import time
 
 import pytest
-import torch
 
 from rooflm.config import SchedulerConfig
 from rooflm.sampling_params import SamplingParams
@@ -17,7 +16,6 @@ from rooflm.sim.workload import LengthDist, synthetic_workload
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_calibrated_simulation_predicts_an_offline_run(tmp_path):
     from rooflm.engine.llm_engine import LLMEngine
 

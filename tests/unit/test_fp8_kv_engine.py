@@ -214,7 +214,6 @@ def test_bad_kv_cache_scales_names_the_choices(tiny_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("scales", ["per-token", "static"])
 def test_gpu_fp8_cache_matches_the_cpu_reference(tiny_path, scales):
     """The Triton kernels (RoPE + FP8 write, decode, prefill) on the GPU against the CPU's torch
@@ -232,7 +231,6 @@ def test_gpu_fp8_cache_matches_the_cpu_reference(tiny_path, scales):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_static_fp8_decode_on_the_cuda_kernel_matches_triton(tmp_path, monkeypatch):
     """head_dim 128 and enough sequences for one split: static FP8 decode runs on
     kernels/fp8_decode_mma.py's CUDA kernel; against the Triton kernel (ROOFLM_FP8_DECODE_MMA=0's

@@ -134,7 +134,6 @@ def test_tiny_gguf_greedy_matches_its_dequantized_copy_on_cpu(tmp_path, fmt):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_tiny_gguf_greedy_matches_its_dequantized_copy_on_cuda(tmp_path, fmt):
     """On CUDA the blocks go to W4A16 (Q4_*) / W8A16 group-wise (Q8_0), bf16 activations, against
