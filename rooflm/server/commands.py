@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 
+from rooflm import envs
 from rooflm.cli import add_engine_args, engine_kwargs
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def server_config(args: argparse.Namespace):
     origins = tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip())
     return ServerConfig(
         served_model_name=args.served_model_name,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=args.api_key or envs.get(API_KEY_ENV) or None,
         allowed_origins=origins,
         max_queued_requests=args.max_queued_requests,
         max_tokens_in_flight=args.max_tokens_in_flight,
