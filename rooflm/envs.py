@@ -78,6 +78,16 @@ class Switch:
     doc: str
     secret: bool = False
 
+    def default_text(self) -> str:
+        """The default as it would be written in the environment."""
+        if self.default is None:
+            return "unset"
+        if isinstance(self.default, bool):
+            return "1" if self.default else "0"
+        if isinstance(self.default, float) and self.default.is_integer():
+            return str(int(self.default))
+        return str(self.default)
+
     def read(self) -> Any:
         raw = os.environ.get(self.name, "").strip()
         if not raw:

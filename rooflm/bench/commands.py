@@ -12,8 +12,8 @@ from typing import TextIO
 
 def register(subparsers) -> None:
     """Add `bench` with its subcommands latency, throughput and serve."""
-    # Imported here, not at module level: rooflm.cli imports this module while
-    # it builds its parser, and latency/throughput import rooflm.cli back.
+    # Imported here, not at module level: latency and throughput import torch, which
+    # `rooflm --help` and the other commands' parsers need not load.
     from rooflm.bench import latency, serve, throughput
 
     bench = subparsers.add_parser(

@@ -8,6 +8,7 @@ import sys
 from typing import Optional, TextIO
 
 from rooflm.config import CUDA_BLOCK_SIZE, ModelConfig
+from rooflm.engine_args import add_engine_args
 from rooflm.perf.gpus import GPUS, GpuSpec, get_gpu
 from rooflm.perf.memory import inference_memory, training_memory, weight_bytes
 from rooflm.perf.roofline import (
@@ -88,8 +89,6 @@ def register(subparsers) -> None:
 
 def _register_profile(subparsers, gpu_choices: list[str]) -> None:
     """`rooflm profile`: torch.profiler trace of real engine steps, and what limits them."""
-    # Imported here: rooflm.cli imports this module's register() while it builds its parser.
-    from rooflm.cli import add_engine_args
 
     p = subparsers.add_parser(
         "profile", help="profile engine steps: Chrome trace, time by phase and kernel, verdict",

@@ -14,7 +14,7 @@ import signal
 import sys
 
 from rooflm import envs
-from rooflm.cli import add_engine_args, engine_kwargs
+from rooflm.engine_args import add_engine_args, engine_kwargs
 
 logger = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ import sys
 from typing import Optional, TextIO
 
 from rooflm.config import CUDA_BLOCK_SIZE, SchedulerConfig, default_max_num_seqs
+from rooflm.engine_args import add_engine_args, engine_kwargs
 
 
 def register(sub) -> None:
-    from rooflm.cli import add_engine_args
 
     p = sub.add_parser(
         "simulate", help="simulate serving on the engine's own scheduler: run, --calibrate, --plan",
@@ -281,7 +281,6 @@ def _run(args, out: TextIO) -> int:
 
 
 def _calibrate(args, out: TextIO) -> int:
-    from rooflm.cli import engine_kwargs
     from rooflm.sim.calibrate import calibrate
 
     table = calibrate(engine_kwargs(args), args.gpu, seed=args.seed, out=out)
