@@ -14,6 +14,7 @@ import signal
 import sys
 
 from rooflm import envs
+from rooflm.dp.router import POLICIES
 from rooflm.engine_args import add_engine_args, engine_kwargs
 
 logger = logging.getLogger(__name__)
@@ -73,8 +74,7 @@ def register(subparsers) -> None:
     group.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                        help="engine cores behind this server, each on its own GPU or tensor-"
                             "parallel group (rooflm/dp/); needs the engine process")
-    group.add_argument("--dp-routing", default="cache_aware",
-                       choices=("cache_aware", "round_robin", "least_loaded"),
+    group.add_argument("--dp-routing", default="cache_aware", choices=POLICIES,
                        help="how a request picks its data-parallel replica")
     group.add_argument("--chat-template", default=None,
                        help="a Jinja chat template replacing the model's: a file path, or the "
