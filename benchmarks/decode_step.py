@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rooflm.engine.llm_engine import LLMEngine  # noqa: E402
-from rooflm import envs  # noqa: E402
+import rooflm.envs as envs  # noqa: E402
 from rooflm.sampling_params import SamplingParams  # noqa: E402
 
 

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rooflm.kernels.gemv import DEFAULT_CONFIG, GemvConfig, gemv  # noqa: E402
-from rooflm import envs  # noqa: E402
+import rooflm.envs as envs  # noqa: E402
 from rooflm.kernels.rmsnorm import rmsnorm  # noqa: E402
 from rooflm.kernels.silu_mul import silu_mul  # noqa: E402
 

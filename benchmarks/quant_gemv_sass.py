@@ -90,7 +90,7 @@ def main_loop(kernel) -> tuple[int, collections.Counter]:
 def cases(group: int = 128):
     """(label, kernel fn, pointer types, constexprs, warps, stages, weights a step, bytes a weight)."""
     from legacy import w4a16_b1dc42d as old4, w8a16_b1dc42d as old8
-    from rooflm import envs
+    import rooflm.envs as envs
     from rooflm.kernels import w4a16 as new4, w8a16 as new8
     act = dict(y_ptr="bf16", x_ptr="bf16", xs_ptr="fp32", s_ptr="bf16", z_ptr="bf16", ws_ptr="fp32", count_ptr="i32")
     out = []

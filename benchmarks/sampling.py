@@ -15,7 +15,7 @@ import time
 import torch
 import triton
 
-from rooflm import envs
+import rooflm.envs as envs
 from rooflm.layers import sampler
 from rooflm.sampling_params import SamplingParams
 

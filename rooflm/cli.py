@@ -11,7 +11,7 @@ import logging
 import sys
 import typing
 
-from rooflm import envs
+import rooflm.envs as envs
 from rooflm.engine_args import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
 
 

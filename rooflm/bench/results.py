@@ -22,7 +22,7 @@ import subprocess
 import sys
 from typing import Any, Optional, Sequence
 
-from rooflm import envs
+import rooflm.envs as envs
 from rooflm.perf.gpus import cpu_model  # noqa: F401  (re-exported: the stamp names the CPU)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

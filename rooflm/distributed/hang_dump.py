@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Optional
 
-from rooflm import envs
+import rooflm.envs as envs
 
 ENV = "ROOFLM_HANG_DUMP_S"
 

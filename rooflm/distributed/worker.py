@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from rooflm import envs
+import rooflm.envs as envs
 from rooflm.config import EngineConfig, ModelConfig
 from rooflm.distributed.group import TPGroup, destroy_group, init_group
 from rooflm.distributed.hang_dump import HangWatch

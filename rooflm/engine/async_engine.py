@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 
-from rooflm import envs
+import rooflm.envs as envs
 from rooflm.engine.outputs import RequestOutput, merge_outputs
 from rooflm.engine.report import EngineSnapshot
 from rooflm.engine.request import Request, RequestStatus

@@ -65,7 +65,7 @@ from typing import Optional
 import msgspec
 import zmq
 
-from rooflm import envs
+import rooflm.envs as envs
 from rooflm.config import EngineConfig
 from rooflm.engine.async_engine import (EMPTY_STEP_BACKOFF_S, FAULT_INJECT_ENV, IDLE_TICK_S,
                                         AdmissionLimits, AdmissionRejected, GenerateRequest,

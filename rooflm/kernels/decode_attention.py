@@ -65,7 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rooflm import envs
+import rooflm.envs as envs
 from rooflm.kernels import fp8_decode_mma
 from rooflm.kernels.utils import (check_paged_attention_inputs, config_for_head_dim, LOG2E, cdiv, dot_precision, fp8_pv, is_interpreter,
                                   fp8_pair_views, kv_tile_offsets, load_2d, load_e4m3_pairs, load_kv_scales, next_power_of_2, num_sms, upcast_dots,

@@ -35,7 +35,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from rooflm import envs
+import rooflm.envs as envs
 from rooflm.kernels import nvrtc
 
 log = logging.getLogger(__name__)

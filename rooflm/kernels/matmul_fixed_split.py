@@ -67,7 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rooflm import envs
+import rooflm.envs as envs
 from rooflm.kernels.matmul_persistent import _tile_coords, check_matmul_inputs, matmul_config, matmul_persistent
 from rooflm.kernels.split_k import tile_counters
 from rooflm.kernels.utils import cdiv, check_last_dim_contiguous, dot_precision, num_sms, upcast_dots

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from rooflm import envs
+import rooflm.envs as envs
 from rooflm.kernels.matmul_persistent import BATCH1_MAX_M, matmul_persistent
 
 MIN_ROWS = 2  # one row takes the fused GEMV, where the model has it

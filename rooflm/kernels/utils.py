@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rooflm import envs
+import rooflm.envs as envs
 
 # 1 / ln(2): the kernels use exp2/log2, so the softmax scale is multiplied by it once.
 LOG2E = 1.4426950408889634

@@ -87,7 +87,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rooflm import envs
+import rooflm.envs as envs
 from rooflm.kernels import w4a16_mma
 from rooflm.kernels.split_k import split_for, split_k_reduce, tile_counters
 from rooflm.kernels.tuned_configs import device_facts, lookup

@@ -42,7 +42,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from rooflm import envs
+import rooflm.envs as envs
 from rooflm.kernels import nvrtc
 from rooflm.kernels.tuned_configs import lookup
 from rooflm.quant.formats import int4_split

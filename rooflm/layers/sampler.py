@@ -33,7 +33,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from rooflm import envs
+import rooflm.envs as envs
 from rooflm.sampling_params import SamplingParams
 from rooflm.structured.bitmask import apply_token_bitmask
 

@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from rooflm import envs
+import rooflm.envs as envs
 from rooflm.quant import native
 from rooflm.quant.gguf_blocks import BLOCK, BlockTensor
 

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from rooflm import envs
+import rooflm.envs as envs
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import logging
 import signal
 import sys
 
-from rooflm import envs
+import rooflm.envs as envs
 from rooflm.dp.router import POLICIES
 from rooflm.engine_args import add_engine_args, engine_kwargs
 

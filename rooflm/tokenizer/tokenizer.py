@@ -20,7 +20,7 @@ import tempfile
 import uuid
 from typing import Any, Optional
 
-from rooflm import envs
+import rooflm.envs as envs
 from rooflm.model.loader import ModelLoadError, load_error, resolve_model
 
 logger = logging.getLogger(__name__)

@@ -47,7 +47,7 @@ def check_matmul_rows(m_big, n, k, dtype, subsets, bias):
 @pytest.fixture
 def split_on():
     """The fixed split as ROOFLM_DETERMINISTIC_MAX_SPLITS=8 sets it (it is off by default)."""
-    from rooflm import envs
+    import rooflm.envs as envs
     with envs.override("ROOFLM_DETERMINISTIC_MAX_SPLITS", "8"):
         yield
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.kernels.conftest import DEVICE, assert_close
-from rooflm import envs
+import rooflm.envs as envs
 from rooflm.kernels.decode_attention import decode_attention, decode_attention_ref
 from rooflm.kernels.prefill_attention import prefill_attention, prefill_attention_ref
 from rooflm.kernels.rope_kv_write import rope_kv_write, rope_kv_write_ref, write_kv
@@ -201,7 +201,7 @@ def test_fp8_cache_without_scales_is_refused():
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="the byte-pair widening needs sm_89+")
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
-def test_fp8_byte_pairs_match_bytewise_loads(kind, monkeypatch):
+def test_fp8_byte_pairs_match_bytewise_loads(kind):
     """The Llama-3-8B shape through the byte-pair loads (utils.load_e4m3_pairs, what the engine
     runs on Hopper) and through bytewise loads (ROOFLM_FP8_PAIRS=0): both against the reference."""
     import rooflm.kernels.utils as kernel_utils

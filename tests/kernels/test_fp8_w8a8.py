@@ -7,7 +7,7 @@ tests/unit/test_fp8.py."""
 import pytest
 import torch
 
-from rooflm import envs
+import rooflm.envs as envs
 from rooflm.kernels.fp8_quant import FP8_DTYPE, per_token_fp8, per_token_fp8_ref
 from tests.kernels.conftest import requires_cuda
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.kernels.conftest import DEVICE, assert_close, requires_cuda
-from rooflm import envs
+import rooflm.envs as envs
 from rooflm.kernels import w4a16_mma as mm
 from rooflm.kernels.w4a16 import pack_int4, w4a16_linear, w4a16_linear_ref
 

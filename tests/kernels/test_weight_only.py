@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from tests.kernels.conftest import DEVICE, KERNEL_TESTS, assert_close, requires_cuda
-from rooflm import envs
+import rooflm.envs as envs
 from rooflm.kernels.w4a16 import (W4Config, _unit_nibbles_as, _unit_nibbles_packed, _unit_nibbles_wide, pack_int4, pick_config, unpack_int4, w4a16_linear,
                                   w4a16_linear_ref)
 from rooflm.kernels.w8a16 import W8Config, w8a16_linear, w8a16_linear_ref
@@ -487,7 +487,7 @@ _SM90_COMPILE = """
 import re, subprocess, tempfile
 from triton.backends.nvidia.compiler import get_ptxas
 from benchmarks.quant_gemv_sass import compile_kernel
-from rooflm import envs
+import rooflm.envs as envs
 from rooflm.kernels import w4a16, w8a16
 from rooflm.kernels.tuned_configs import lookup
 
@@ -546,7 +546,7 @@ _SM90_SWAP_AB = """
 import re, subprocess, tempfile
 from triton.backends.nvidia.compiler import get_ptxas
 from benchmarks.quant_gemv_sass import compile_kernel, cuobjdump
-from rooflm import envs
+import rooflm.envs as envs
 from rooflm.kernels import w4a16
 
 act = dict(y_ptr="bf16", x_ptr="bf16", xs_ptr="fp32", s_ptr="bf16", z_ptr="bf16", ws_ptr="fp32", qw_ptr="u8", count_ptr="i32")

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from rooflm import envs
+import rooflm.envs as envs
 from rooflm.cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "rooflm"
