@@ -30,17 +30,19 @@ latency b1-base-2 "$BASE"
 python - "$OUT" <<'PY'
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
-def get(name, *keys):
+def load(name):
     try:
-        d = json.loads((out / f"{name}.json").read_text())
-    except Exception as e:
-        return f"missing ({type(e).__name__})"
-    for k in keys:
-        if k in d:
-            return d[k]
-    return "keys: " + ",".join(sorted(d)[:12])
+        return json.loads((out / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        return None
+def tput(name):
+    d = load(name)
+    return "missing" if d is None else f"{d['output_tokens_per_s']:,.1f}"
+def tpot(name):
+    d = load(name)
+    return "missing" if d is None or not d.get("tpot_ms") else f"{d['tpot_ms']['median']:.3f}"
 print("| run | new | base |\n| --- | ---: | ---: |")
-print(f"| ShareGPT-like offline, output tok/s | {get('sharegpt-new', 'output_throughput')} | {get('sharegpt-base', 'output_throughput')} |")
+print(f"| ShareGPT-like offline, output tok/s | {tput('sharegpt-new')} | {tput('sharegpt-base')} |")
 for i in (1, 2):
-    print(f"| batch-1 latency #{i}, avg s | {get(f'b1-new-{i}', 'avg_latency')} | {get(f'b1-base-{i}', 'avg_latency')} |")
+    print(f"| batch-1 128/256, median TPOT ms, pass {i} | {tpot(f'b1-new-{i}')} | {tpot(f'b1-base-{i}')} |")
 PY

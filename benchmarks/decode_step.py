@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rooflm.engine.llm_engine import LLMEngine  # noqa: E402
-from rooflm.kernels import utils as kernel_utils  # noqa: E402
+import rooflm.envs as envs  # noqa: E402
 from rooflm.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -169,7 +169,7 @@ def main() -> int:
     default_split = decode_attention.SPLIT_BELOW_PROGRAMS_PER_SM
     runs = [(v, sp) for v in args.variants for sp in args.split_below_programs_per_sm]
     for variant, split_below in runs:
-        kernel_utils.USE_PDL = variant.endswith("+pdl")  # read at graph capture
+        envs.put("ROOFLM_PDL", "1" if variant.endswith("+pdl") else "0")  # read at graph capture
         decode_attention.SPLIT_BELOW_PROGRAMS_PER_SM = split_below or default_split
         engine = LLMEngine.from_kwargs(model=args.model, load_format="dummy", max_model_len=2048,
                                        decode_gemv=variant.startswith("gemv"))

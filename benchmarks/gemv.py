@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rooflm.kernels.gemv import DEFAULT_CONFIG, GemvConfig, gemv  # noqa: E402
-from rooflm.kernels import utils as kernel_utils  # noqa: E402
+import rooflm.envs as envs  # noqa: E402
 from rooflm.kernels.rmsnorm import rmsnorm  # noqa: E402
 from rooflm.kernels.silu_mul import silu_mul  # noqa: E402
 
@@ -63,7 +63,7 @@ def time_graph(fn, reps: int = 20) -> float:
 
 
 def sweep(layers: int, quick: bool) -> list[dict]:
-    kernel_utils.USE_PDL = True  # as the engine runs them
+    envs.put("ROOFLM_PDL", "1")  # as the engine runs them
     configs = [GemvConfig(*c) for c in itertools.product(
         (4, 8, 16), (256, 512, 1024), (4, 8), (1, 2, 3))]
     if quick:
@@ -94,7 +94,7 @@ def sweep(layers: int, quick: bool) -> list[dict]:
 
 
 def layer_chain(layers: int, configs: dict[str, GemvConfig], pdl: bool) -> list[dict]:
-    kernel_utils.USE_PDL = pdl
+    envs.put("ROOFLM_PDL", "1" if pdl else "0")
     dt, dev = torch.bfloat16, "cuda"
     mk = lambda *s: torch.randn(*s, device=dev, dtype=dt) * 0.02  # noqa: E731
     W = [{name: mk(*SHAPES[name]) for name in ("qkv", "o", "gate_up", "down")} for _ in range(layers)]

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main() -> None:
     from rooflm.bench.throughput import random_requests
-    from rooflm.cli import add_engine_args, engine_kwargs
+    from rooflm.engine_args import add_engine_args, engine_kwargs
     from rooflm.engine.llm_engine import LLMEngine
     from rooflm.sampling_params import SamplingParams
 

@@ -89,6 +89,7 @@ def main_loop(kernel) -> tuple[int, collections.Counter]:
 
 def cases(group: int = 128):
     """(label, kernel fn, pointer types, constexprs, warps, stages, weights a step, bytes a weight)."""
+    import rooflm.envs as envs
     from rooflm.kernels import w4a16 as new4, w8a16 as new8
     act = dict(y_ptr="bf16", x_ptr="bf16", xs_ptr="fp32", s_ptr="bf16", z_ptr="bf16", ws_ptr="fp32", count_ptr="i32")
     out = []
@@ -104,7 +105,7 @@ def cases(group: int = 128):
                         dict(GROUP=group, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_H=c.block_k // 2,
                              SPLIT=c.split_k > 1, EVEN=True, PRECISION="tf32", STAGES=c.num_stages,
                              FOLD=bool(c.fold), SWAP_AB=bool(c.swap_ab), XS=bool(c.x_sums),
-                             FUSED=c.split_k > 1 and new4.FUSED_REDUCE),
+                             FUSED=c.split_k > 1 and envs.get("ROOFLM_W4_FUSED_REDUCE")),
                         c.num_warps, c.num_stages, c.block_n * c.block_k, 0.5))
         for c in [new8.pick_config(m, 4096, 4096)] + w8_candidates(m):
             key = ("w8", c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages)

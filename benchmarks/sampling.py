@@ -3,7 +3,7 @@
 kernel (kernels/gumbel_sample.py) that Sampler.forward takes for temperature-only batches on CUDA.
 Llama-3's 128,256-token vocabulary, bf16 logits as the LM head writes them; median of CUDA-graph
 replays, microseconds a call, and the GB/s of the logits read.
-Both are Sampler.forward on the same metadata, with sampler.FUSED_SAMPLING off and on.
+Both are Sampler.forward on the same metadata, with ROOFLM_FUSED_SAMPLING off and on.
 Usage: python benchmarks/sampling.py [--out DIR] [--rows 1,64,323,512] [--vocab 128256]
 """
 
@@ -15,6 +15,7 @@ import time
 import torch
 import triton
 
+import rooflm.envs as envs
 from rooflm.layers import sampler
 from rooflm.sampling_params import SamplingParams
 
@@ -34,9 +35,8 @@ def main():
             [sampler.SamplingRow(SamplingParams(temperature=0.8), [], [], None)] * rows, args.vocab, "cuda")
         times = {}
         for fused in (False, True):
-            sampler.FUSED_SAMPLING = fused
-            times[fused] = triton.testing.do_bench(lambda: sampler.Sampler()(logits, meta), rep=100) * 1e3
-        sampler.FUSED_SAMPLING = True
+            with envs.override("ROOFLM_FUSED_SAMPLING", "1" if fused else "0"):
+                times[fused] = triton.testing.do_bench(lambda: sampler.Sampler()(logits, meta), rep=100) * 1e3
         t_torch, t_fused = times[False], times[True]
         gbs = rows * args.vocab * 2 / t_fused / 1e3
         results.append(dict(rows=rows, vocab=args.vocab, torch_path_us=t_torch, fused_us=t_fused, fused_GBs=gbs))

@@ -35,7 +35,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rooflm.perf.results import git_commit  # noqa: E402
-from rooflm.cli import add_engine_args, engine_kwargs  # noqa: E402
+from rooflm.engine_args import add_engine_args, engine_kwargs  # noqa: E402
 from rooflm.engine.llm_engine import LLMEngine  # noqa: E402
 from rooflm.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 

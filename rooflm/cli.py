@@ -1,75 +1,19 @@
-"""The `rooflm` command: generate | chat | serve | bench | roofline | memory | profile.
+"""The `rooflm` command: generate | chat | serve | bench | roofline | memory | profile | env.
 
-Engine flags are generated from the config dataclasses, so a new config field
-is a new flag with no extra code.
+Entry points only: the engine and sampling flags come from rooflm/engine_args.py, where the
+tools that run an engine take them too.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 import typing
 
-from rooflm import config as cfg
+import rooflm.envs as envs
+from rooflm.engine_args import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
 from rooflm.version import __version__
-
-
-def _flag_type(field: dataclasses.Field):
-    hint = str(field.type)
-    if "bool" in hint:
-        return None
-    if "int" in hint:
-        return int
-    if "float" in hint:
-        return float
-    return str
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    for section, cls in cfg._SECTIONS.items():
-        group = parser.add_argument_group(f"{section} options")
-        for field in dataclasses.fields(cls):
-            # LoadConfig.seed (dummy weights) would clash with the sampling --seed.
-            flag = "--weights-seed" if field.name == "seed" else "--" + field.name.replace("_", "-")
-            default = field.default
-            if _flag_type(field) is None:
-                group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
-                                   default=default, help=f"(default: {default})")
-            else:
-                group.add_argument(flag, dest=field.name, type=_flag_type(field), default=default,
-                                   help=f"(default: {default})")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    names = {f.name for cls in cfg._SECTIONS.values() for f in dataclasses.fields(cls)}
-    return {k: v for k, v in vars(args).items() if k in names}
-
-
-def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--seed", dest="sampling_seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--n", type=int, default=1)
-    g.add_argument("--ignore-eos", action="store_true")
-
-
-def sampling_params(args: argparse.Namespace):
-    from rooflm.sampling_params import SamplingParams
-    return SamplingParams(
-        n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -196,8 +140,30 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat, max_tokens=512)
 
+    env = sub.add_parser("env", help="the ROOFLM_* environment switches: type, default, current value")
+    env.set_defaults(func=cmd_env)
+
     _register_optional(sub)
     return parser
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    """One block per switch: name, what it takes, default, value now (hidden for secrets), doc."""
+    import os
+    for sw in envs.SWITCHES.values():
+        raw = os.environ.get(sw.name)
+        if raw is None:
+            now = "unset"
+        elif sw.secret:
+            now = "set (hidden)"
+        else:
+            try:
+                sw.read()
+                now = repr(raw)
+            except envs.EnvError as exc:
+                now = f"{raw!r}  <- {exc}"
+        print(f"{sw.name}\n    type: {sw.kind}; default: {sw.default_text()}; now: {now}\n    {sw.doc}")
+    return 0
 
 
 def _register_optional(sub) -> None:

@@ -13,8 +13,8 @@ from typing import TextIO
 def register(subparsers):
     """Add `bench` with its subcommands latency, throughput and serve; return its subparsers, where
     the training lab adds `bench train` (rooflm/cli.py: the tools do not import each other)."""
-    # Imported here, not at module level: rooflm.cli imports this module while
-    # it builds its parser, and latency/throughput import rooflm.cli back.
+    # Imported here, not at module level: latency and throughput import torch, which
+    # `rooflm --help` and the other commands' parsers need not load.
     from rooflm.bench import latency, serve, throughput
 
     bench = subparsers.add_parser(

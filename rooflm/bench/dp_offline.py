@@ -22,6 +22,8 @@ import sys
 import time
 from typing import Optional, TextIO
 
+from rooflm.engine_args import engine_kwargs
+
 # How long a replica may take to build its engine and warm up before the run gives up.
 START_TIMEOUT_S = 1800.0
 
@@ -29,7 +31,6 @@ START_TIMEOUT_S = 1800.0
 def run_data_parallel(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
     from rooflm.bench.throughput import format_summary
     from rooflm.perf.results import write_json
-    from rooflm.cli import engine_kwargs
     from rooflm.config import engine_config_from_kwargs
     from rooflm.dp.replicas import replica_gpus
 
@@ -118,7 +119,6 @@ def _run_share(rank: int, size: int, args: argparse.Namespace, barrier) -> dict:
 
     from rooflm.bench.throughput import (_check_args, prepare_run, run_requests,
                                          throughput_bound, warmup_requests)
-    from rooflm.cli import engine_kwargs
     from rooflm.engine.llm_engine import LLMEngine
 
     _check_args(args)

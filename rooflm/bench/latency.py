@@ -53,6 +53,8 @@ from typing import Optional, TextIO
 
 import torch
 
+from rooflm.engine_args import add_engine_args, engine_kwargs
+
 
 @dataclass
 class IterationResult:
@@ -72,7 +74,6 @@ class IterationResult:
 
 def register(subparsers) -> None:
     """Add the `latency` subcommand to the subparsers of `rooflm bench`."""
-    from rooflm.cli import add_engine_args
 
     p = subparsers.add_parser(
         "latency", help="TTFT, TPOT, end-to-end latency and MBU of one batch of requests",
@@ -292,7 +293,6 @@ def summarize(iterations: list[IterationResult]) -> dict:
 
 def run_latency(args: argparse.Namespace, out: TextIO = None) -> int:
     from rooflm.perf.results import resolve_gpu, stamp, write_json, write_markdown
-    from rooflm.cli import engine_kwargs
     from rooflm.engine.llm_engine import LLMEngine
     from rooflm.sampling_params import SamplingParams
 

@@ -56,6 +56,8 @@ from typing import Optional, TextIO
 
 import torch
 
+from rooflm.engine_args import add_engine_args, engine_kwargs
+
 
 @dataclass
 class BenchRequest:
@@ -65,7 +67,6 @@ class BenchRequest:
 
 def register(subparsers) -> None:
     """Add the `throughput` subcommand to the subparsers of `rooflm bench`."""
-    from rooflm.cli import add_engine_args
 
     p = subparsers.add_parser(
         "throughput", help="requests/s and tokens/s of many requests at once, next to the bound",
@@ -324,7 +325,6 @@ def run_throughput(args: argparse.Namespace, out: TextIO = None) -> int:
     from rooflm.bench.breakdown import StepBreakdown
     from rooflm.perf.results import write_json, write_markdown
     from rooflm.perf.live import StepMeter
-    from rooflm.cli import engine_kwargs
     from rooflm.engine.llm_engine import LLMEngine
 
     out = out or sys.stdout

@@ -19,21 +19,14 @@ import sys
 import time
 from typing import Optional
 
+import rooflm.envs as envs
+
 ENV = "ROOFLM_HANG_DUMP_S"
 
 
 def hang_dump_seconds() -> Optional[float]:
     """The period from the environment, None when unset or 0; a bad value names the variable."""
-    raw = os.environ.get(ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        seconds = float(raw)
-    except ValueError:
-        raise ValueError(f"{ENV} must be a number of seconds, got {raw!r}") from None
-    if seconds < 0:
-        raise ValueError(f"{ENV} must be >= 0 seconds, got {raw!r}")
-    return seconds or None
+    return envs.get(ENV) or None
 
 
 class HangWatch:

@@ -28,17 +28,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Hashable, Optional, Protocol, Sequence
 
+# cache_aware and round_robin as SGLang's router spells them; `serve --dp-routing` and `simulate
+# --dp-routing` take these names and no others.
 POLICIES = ("cache_aware", "round_robin", "least_loaded")
-# The simulator's older spellings.
-_ALIASES = {"prefix_aware": "cache_aware"}
 
 
 def canonical_policy(policy: str) -> str:
-    name = policy.replace("-", "_")
-    name = _ALIASES.get(name, name)
-    if name not in POLICIES:
+    if policy not in POLICIES:
         raise ValueError(f"router policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-    return name
+    return policy
 
 
 class ReplicaLoad(Protocol):

@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import queue
 import threading
 import time
@@ -42,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 
+import rooflm.envs as envs
 from rooflm.engine.outputs import RequestOutput, merge_outputs
 from rooflm.engine.report import EngineSnapshot
 from rooflm.engine.request import Request, RequestStatus
@@ -282,10 +282,9 @@ def add_group(engine, requests: list[GenerateRequest]) -> list[Request]:
 
 
 def fault_step_from_env() -> Optional[int]:
-    value = os.environ.get(FAULT_INJECT_ENV)
-    if not value:
+    step = envs.get(FAULT_INJECT_ENV)
+    if step is None:
         return None
-    step = int(value)
     logger.warning("%s=%d: engine step %d will raise (test hook)", FAULT_INJECT_ENV, step, step)
     return step
 

@@ -65,6 +65,7 @@ from typing import Optional
 import msgspec
 import zmq
 
+import rooflm.envs as envs
 from rooflm.config import EngineConfig
 from rooflm.engine.async_engine import (EMPTY_STEP_BACKOFF_S, FAULT_INJECT_ENV, IDLE_TICK_S,
                                         AdmissionLimits, AdmissionRejected, GenerateRequest,
@@ -299,7 +300,7 @@ def run_engine_core(config_bytes: bytes, input_address: str, output_address: str
     try:
         config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
         core = EngineCore(LLMEngine(config), input_socket, output_socket, fault_step_from_env())
-        with _profiled(os.environ.get(PROFILE_ENV)):
+        with _profiled(envs.get(PROFILE_ENV)):
             core.run()
         core.engine.shutdown()  # its tensor-parallel workers, if any
     except BaseException as exc:  # noqa: BLE001 - any failure ends the core; the API is told

@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+import rooflm.envs as envs
 from rooflm.config import EngineConfig, ModelConfig
 from rooflm.distributed.group import TPGroup, destroy_group, init_group
 from rooflm.distributed.hang_dump import HangWatch
@@ -141,7 +142,7 @@ def _serve(rank: int, size: int, init_method: str, config: EngineConfig, model_c
     channel = StepChannel(tp)
     fault_step = fault_step_from_env(rank)
     steps, waited, busy = 0, 0.0, 0.0
-    profile_dir = os.environ.get(PROFILE_ENV)
+    profile_dir = envs.get(PROFILE_ENV)
     profiler = cProfile.Profile() if profile_dir else None
     if profiler is not None:
         profiler.enable()
@@ -157,7 +158,7 @@ def _serve(rank: int, size: int, init_method: str, config: EngineConfig, model_c
     if profiler is not None:
         profiler.disable()
         _write_profile(profiler, profile_dir, rank)
-    if os.environ.get(STEP_TIMES_ENV):
+    if envs.get(STEP_TIMES_ENV):
         # Where rank 0's step goes if the GPUs wait for this rank: a host that is busy close to
         # the step time is the limit; one that mostly waits for the next packet is not.
         print(f"tp rank {rank}: {steps} steps, host busy {busy:.3f} s ({1e3 * busy / max(steps, 1):.2f} ms/step), "
@@ -189,16 +190,11 @@ class WorkerError:
 
 def fault_step_from_env(rank: int) -> Optional[int]:
     """Test hook: ROOFLM_TP_FAULT_INJECT=RANK:STEP makes worker RANK raise at its STEP-th step."""
-    value = os.environ.get(FAULT_INJECT_ENV)
-    if not value:
+    value = envs.get(FAULT_INJECT_ENV)
+    if value is None or value[0] != rank:
         return None
-    try:
-        target, step = (int(v) for v in value.split(":"))
-    except ValueError:
-        raise ValueError(f"{FAULT_INJECT_ENV} must be RANK:STEP (two integers), got {value!r}") from None
-    if target != rank:
-        return None
-    logger.warning("%s=%s: tp rank %d will raise at step %d (test hook)", FAULT_INJECT_ENV, value, rank, step)
+    step = value[1]
+    logger.warning("%s=%d:%d: tp rank %d will raise at step %d (test hook)", FAULT_INJECT_ENV, rank, step, rank, step)
     return step
 
 

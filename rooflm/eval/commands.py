@@ -6,9 +6,10 @@ import argparse
 import dataclasses
 import json
 
+from rooflm.engine_args import add_engine_args, engine_kwargs
+
 
 def register(sub) -> None:
-    from rooflm.cli import add_engine_args
     from rooflm.tokenizer.text_windows import CALIB_SKIP_WINDOWS, CALIB_WINDOWS, WINDOW
 
     ev = sub.add_parser("eval", help="perplexity of a model on a text, and drift between two runs")
@@ -35,7 +36,6 @@ def register(sub) -> None:
 
 
 def run_ppl(args: argparse.Namespace) -> int:
-    from rooflm.cli import engine_kwargs
     import os
 
     from rooflm.eval.ppl import perplexity

@@ -58,7 +58,6 @@ device's copy bandwidth.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -66,6 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
+import rooflm.envs as envs
 from rooflm.kernels import fp8_decode_mma
 from rooflm.kernels.utils import (check_paged_attention_inputs, config_for_head_dim, LOG2E, cdiv, dot_precision, fp8_pv, is_interpreter,
                                   fp8_pair_views, kv_tile_offsets, load_2d, load_e4m3_pairs, load_kv_scales, next_power_of_2, num_sms, upcast_dots,
@@ -83,7 +83,6 @@ _MASKED = tl.constexpr(-1.0e30)
 # the short split ranges of a small batch inside the PDL-chained batch-1 layer, it cost batch-1 TPOT
 # 5.69 -> 5.77 ms (benchmarks/results/fa4-prefill-h100-20261126/one-entry/).
 # ROOFLM_DECODE_ONE_ENTRY=1|0 forces one form (benchmarks/one_entry_ab.sh).
-_ONE_ENTRY = os.environ.get("ROOFLM_DECODE_ONE_ENTRY", "auto")
 
 
 # --------------------------------------------------------------------------
@@ -459,7 +458,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
             SINGLE_SPLIT=num_splits == 1, SLIDING=plan.sliding, UPCAST=upcast_dots(q.dtype),
             DOT_PRECISION=dot_precision(q.dtype), FP8=fp8, PDL=pdl, ABLATE=_ablate, PAIRS=pairs,
-            ONE_ENTRY=num_splits == 1 if _ONE_ENTRY == "auto" else _ONE_ENTRY != "0", TOKEN_SCALES=token_scales,
+            ONE_ENTRY=num_splits == 1 if envs.cached.ROOFLM_DECODE_ONE_ENTRY == "auto" else envs.cached.ROOFLM_DECODE_ONE_ENTRY != "0", TOKEN_SCALES=token_scales,
             num_warps=num_warps,
             num_stages=num_stages,
             **pdl_kwargs, **launch_kwargs,

@@ -31,19 +31,17 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import NamedTuple, Optional
 
 import torch
 
+import rooflm.envs as envs
 from rooflm.kernels import nvrtc
 
 log = logging.getLogger(__name__)
 HEAD_DIM = 128
 MAX_GROUP = 8  # the MMA's N: columns of q^T
 CHUNK = 16  # keys an MMA covers
-# ROOFLM_FP8_DECODE_MMA=0: the Triton kernel for every FP8 decode (the benchmarks' A/B switch).
-ENABLED = os.environ.get("ROOFLM_FP8_DECODE_MMA", "1") != "0"
 
 
 class Fp8DecodeConfig(NamedTuple):
@@ -69,8 +67,8 @@ def _default_config() -> Fp8DecodeConfig:
     Triton kernel; 323 sequences of 1024..2047 keys 368.3 (2,805); 512 x 330 150.7. Two cp.async
     stages a warp at 128 registers hold 4 blocks an SM; the heads-fast grid is worth 4-5% over
     (sequences, heads). ROOFLM_FP8_DECODE_CONFIG="w,d,m,s,h" overrides (the benchmarks' switch)."""
-    env = os.environ.get("ROOFLM_FP8_DECODE_CONFIG")
-    return Fp8DecodeConfig(*(int(x) for x in env.split(","))) if env else Fp8DecodeConfig(4, 1, 4, 2, 1)
+    env = envs.get("ROOFLM_FP8_DECODE_CONFIG")
+    return Fp8DecodeConfig(*env) if env else Fp8DecodeConfig(4, 1, 4, 2, 1)
 
 
 DEFAULT_CONFIG = _default_config()
@@ -79,7 +77,8 @@ DEFAULT_CONFIG = _default_config()
 def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               k_scale: Optional[torch.Tensor], sliding: bool) -> bool:
     """Whether this kernel takes the decode (else the Triton kernel does)."""
-    if not (ENABLED and q.is_cuda and k_scale is not None and k_scale.dim() == 1 and not sliding):
+    # ROOFLM_FP8_DECODE_MMA=0: the Triton kernel for every FP8 decode (the benchmarks' A/B switch).
+    if not (envs.cached.ROOFLM_FP8_DECODE_MMA and q.is_cuda and k_scale is not None and k_scale.dim() == 1 and not sliding):
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != torch.float8_e4m3fn:
         return False

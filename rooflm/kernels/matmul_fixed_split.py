@@ -61,13 +61,13 @@ x [M, K] (unit last stride), W [N, K] (torch.nn.Linear layout), bias [N] or None
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+import rooflm.envs as envs
 from rooflm.kernels.matmul_persistent import _tile_coords, check_matmul_inputs, matmul_config, matmul_persistent
 from rooflm.kernels.split_k import tile_counters
 from rooflm.kernels.utils import cdiv, check_last_dim_contiguous, dot_precision, num_sms, upcast_dots
@@ -180,7 +180,6 @@ def _split_loop_kernel(y_ptr, x_ptr, w_ptr, bias_ptr, M, N, K, SPLIT_K, num_prog
 # benchmarks/results/deterministic-tma-h100-20261126/), with the persistent matmul's TMA loads
 # above M = 64, the split cost ShareGPT-like traffic +47.5% against +22.8% without it and a
 # 64-prompt prefill +23% against +1%; it saves only batch-1 decode (+25% against +32%).
-MAX_SPLITS = int(os.environ.get("ROOFLM_DETERMINISTIC_MAX_SPLITS", "1"))
 # The "programs" schedule up to this M (the persistent matmul's narrow-tile bucket): one row of
 # 64 x 64 tiles, a workspace that stays in L2. Above it, the "loop" schedule.
 SPLIT_PROGRAMS_MAX_M = 64
@@ -210,7 +209,7 @@ def split_plan(n: int, k: int, dtype: torch.dtype, sms: int) -> tuple[int, int]:
     k_steps = cdiv(k, block_k)
     if k_steps == 0:
         return 1, block_k
-    splits = min(cdiv(sms, cdiv(n, block_n)), MAX_SPLITS, k_steps)
+    splits = min(cdiv(sms, cdiv(n, block_n)), envs.cached.ROOFLM_DETERMINISTIC_MAX_SPLITS, k_steps)
     split_k = split_size(k, splits, block_k)
     return cdiv(k, split_k), split_k
 

@@ -25,22 +25,22 @@ Reference: F.linear (torch.nn.functional.linear); tests/kernels/test_small_m_lin
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+import rooflm.envs as envs
 from rooflm.kernels.matmul_persistent import BATCH1_MAX_M, matmul_persistent
 
-SMALL_M_TILES = os.environ.get("ROOFLM_SMALL_M_TILES", "1") != "0"
-DEEP_ONLY = os.environ.get("ROOFLM_SMALL_M_TILES", "1") == "deep"
 MIN_ROWS = 2  # one row takes the fused GEMV, where the model has it
 
 
-def prefers_tiles(n: int, k: int, deep_only: bool = DEEP_ONLY) -> bool:
+def prefers_tiles(n: int, k: int, deep_only: Optional[bool] = None) -> bool:
     """Whether a [N, K] weight takes the batch-1 tiles: every shape, or with deep_only the ones
-    they read faster than cuBLAS alone (deep and wide weights)."""
+    they read faster than cuBLAS alone (deep and wide weights). None: ROOFLM_SMALL_M_TILES=deep."""
+    if deep_only is None:
+        deep_only = envs.cached.ROOFLM_SMALL_M_TILES == "deep"
     return not deep_only or k >= 2 * n or n >= 16 * k
 
 
@@ -51,7 +51,7 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
         y = quant(x)
         return y if bias is None else y + bias
     rows = x.numel() // max(x.shape[-1], 1)
-    if (SMALL_M_TILES and MIN_ROWS <= rows <= BATCH1_MAX_M and x.is_cuda and x.dtype == weight.dtype
+    if (envs.cached.ROOFLM_SMALL_M_TILES != "0" and MIN_ROWS <= rows <= BATCH1_MAX_M and x.is_cuda and x.dtype == weight.dtype
             and x.dtype in (torch.bfloat16, torch.float16) and prefers_tiles(*weight.shape)):
         return matmul_persistent(x, weight, bias)
     return F.linear(x, weight, bias)

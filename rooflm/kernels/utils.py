@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+import rooflm.envs as envs
+
 # 1 / ln(2): the kernels use exp2/log2, so the softmax scale is multiplied by it once.
 LOG2E = 1.4426950408889634
 
@@ -48,7 +50,6 @@ def _capability(device_index: int) -> tuple[int, int]:
 # Programmatic dependent launch for the decode-path kernels (gemv, RoPE/KV write, decode
 # attention, the persistent matmul, RMSNorm, SiLU-mul); benchmarks switch it off to measure what
 # it is worth (ROOFLM_PDL=0 for a whole run).
-USE_PDL = os.environ.get("ROOFLM_PDL", "1") != "0"
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -56,7 +57,7 @@ def pdl_supported(device: torch.device) -> bool:
     wait (gdc_wait) for its results. Hopper (sm_90) and later, compiled Triton only. A kernel
     launched this way must gdc_wait in every program before it reads what earlier kernels
     wrote or writes anything."""
-    if not USE_PDL or device.type != "cuda" or not _HAS_GDC or is_interpreter():
+    if not envs.cached.ROOFLM_PDL or device.type != "cuda" or not _HAS_GDC or is_interpreter():
         return False
     return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
 
@@ -192,15 +193,12 @@ def load_kv_scales(scale_base, block_table_ptr, start_n, kv_ok, stride_sb, strid
     return tl.load(scale_base + offs)
 
 
-# ROOFLM_FP8_PAIRS=0: FP8 tiles loaded and widened a byte at a time (the benchmarks' A/B switch).
-FP8_PAIRS = os.environ.get("ROOFLM_FP8_PAIRS", "1") != "0"
-
-
 def fp8_pair_views(k_cache: torch.Tensor, v_cache: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """int16 views of an FP8 cache (every stride half the byte stride) where its tiles are read as
     byte pairs (load_e4m3_pairs): compiled on sm_89+ (the pair conversion), a power-of-two head
     dim, byte strides that halve exactly; else None (bytewise loads)."""
-    if not FP8_PAIRS or is_interpreter() or k_cache.device.type != "cuda":
+    # ROOFLM_FP8_PAIRS=0: FP8 tiles loaded and widened a byte at a time (the benchmarks' A/B switch).
+    if not envs.cached.ROOFLM_FP8_PAIRS or is_interpreter() or k_cache.device.type != "cuda":
         return None
     if _capability(k_cache.device.index if k_cache.device.index is not None else torch.cuda.current_device()) < (8, 9):
         return None

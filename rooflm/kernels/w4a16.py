@@ -81,13 +81,13 @@ At M <= 64 on an H100 the weight bytes dominate: the bound is bytes / ~3.0 TB/s.
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
+import rooflm.envs as envs
 from rooflm.kernels import w4a16_mma
 from rooflm.kernels.split_k import split_for, split_k_reduce, tile_counters
 from rooflm.kernels.tuned_configs import device_facts, lookup
@@ -159,18 +159,14 @@ lop3.b32 $3, t, %(mask)s, %(one)s, 0xEA;
 """
 _NIBBLES_ASM_BF16 = tl.constexpr(_NIBBLES_ASM % dict(lo=3, hi_op="shr", hi=1, mask="0x00780078", one="0x3F803F80"))
 _NIBBLES_ASM_FP16 = tl.constexpr(_NIBBLES_ASM % dict(lo=6, hi_op="shl", hi=2, mask="0x03C003C0", one="0x3C003C00"))
-# ROOFLM_W4_ASM=0: Triton's own unpacking everywhere (the benchmarks' A/B switch).
-USE_ASM = os.environ.get("ROOFLM_W4_ASM", "1") != "0"
+# The benchmarks' A/B switches (rooflm/envs.py), read on the launch path through envs.cached:
+# ROOFLM_W4_ASM=0: Triton's own unpacking everywhere.
 # ROOFLM_W4_FUSED_REDUCE=0: split-K partials summed by a second launch (split_k.split_k_reduce), not
-# by each tile's last program (the benchmarks' A/B switch; the bits are the same either way).
-FUSED_REDUCE = os.environ.get("ROOFLM_W4_FUSED_REDUCE", "1") != "0"
+# by each tile's last program (the bits are the same either way).
 # M <= 8 goes through the hand-written mma.sync kernel (w4a16_mma.py) where it applies; ROOFLM_W4_MMA=0:
-# these Triton kernels for every M (the benchmarks' A/B switch).
-USE_MMA = os.environ.get("ROOFLM_W4_MMA", "1") != "0"
+# these Triton kernels for every M.
 # ROOFLM_W4_SILU_MUL=0: the gated MLP's SiLU-mul stays its own kernel after gate_up (w4a16_gate_up_silu_mul).
-FUSE_SILU_MUL = os.environ.get("ROOFLM_W4_SILU_MUL", "1") != "0"
 # ROOFLM_W4_FOLD=0: the one-token layer keeps its RMSNorm launches (w4a16_folded declines).
-FOLD = os.environ.get("ROOFLM_W4_FOLD", "1") != "0"
 
 
 @triton.jit
@@ -602,7 +598,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                          f"{tuple(scales.shape)} and {tuple(zeros.shape)}")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if USE_MMA and config is None and 0 < m <= w4a16_mma.MAX_M and w4a16_mma.supported(x, qweight, scales, zeros, k, group_size):
+    if envs.cached.ROOFLM_W4_MMA and config is None and 0 < m <= w4a16_mma.MAX_M and w4a16_mma.supported(x, qweight, scales, zeros, k, group_size):
         mma_cfg = w4a16_mma.pick_config(m, n, k, group_size, device_facts(x.device)[0])
         return w4a16_mma.w4a16_mma(x, qweight, scales, zeros, group_size, mma_cfg, pdl=pdl_supported(x.device))
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -616,7 +612,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     split_k = triton.cdiv(iterations, per_split)  # no empty splits
     ws = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else y
     grid = (triton.cdiv(n, cfg.block_n), m if cfg.block_m == 1 else triton.cdiv(m, cfg.block_m), split_k)
-    fused = split_k > 1 and FUSED_REDUCE
+    fused = split_k > 1 and envs.cached.ROOFLM_W4_FUSED_REDUCE
     # one counter per output tile (zero between launches), shared with the other split-K kernels
     counters = tile_counters(x.device, grid[0] * grid[1]) if fused else ws
     xs = x_group_sums(x, group_size) if cfg.x_sums else x
@@ -628,7 +624,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                         STAGES=1 if is_interpreter() else cfg.num_stages, FOLD=bool(cfg.fold),
                         SWAP_AB=bool(cfg.swap_ab),
-                        ASM=USE_ASM and not is_interpreter() and x.dtype in (torch.bfloat16, torch.float16),
+                        ASM=envs.cached.ROOFLM_W4_ASM and not is_interpreter() and x.dtype in (torch.bfloat16, torch.float16),
                         FUSED=fused, XS=bool(cfg.x_sums),
                         num_warps=cfg.num_warps, num_stages=1 if is_interpreter() else cfg.num_stages,
                         **pdl_launch(x.device), **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not is_interpreter() else {}))
@@ -643,7 +639,7 @@ def w4a16_gate_up_silu_mul(x: torch.Tensor, qweight: torch.Tensor, scales: torch
     one launch: the mma kernel's blocks pair each gate row with its up row and apply SiLU-mul in
     their epilogue, so gate_up is never written and silu_mul is not launched. None where that kernel
     does not take the call (the caller runs w4a16_linear, then silu_mul)."""
-    if not (USE_MMA and FUSE_SILU_MUL):
+    if not (envs.cached.ROOFLM_W4_MMA and envs.cached.ROOFLM_W4_SILU_MUL):
         return None
     return _mma_fused(x, qweight, scales, zeros, group_size, gated=True)
 
@@ -655,7 +651,7 @@ def w4a16_folded(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     for float weights: W @ rmsnorm(x) with norm_weight (x the residual stream; gated: silu(gate) *
     up of it), residual + W x with residual [1, N]. None where that kernel does not take the call
     (the caller runs the norm, the linear and the add as separate kernels)."""
-    if not (USE_MMA and FOLD) or (gated and not FUSE_SILU_MUL) or x.dim() != 2 or x.shape[0] != 1:
+    if not (envs.cached.ROOFLM_W4_MMA and envs.cached.ROOFLM_W4_FOLD) or (gated and not envs.cached.ROOFLM_W4_SILU_MUL) or x.dim() != 2 or x.shape[0] != 1:
         return None
     return _mma_fused(x, qweight, scales, zeros, group_size, norm_weight=norm_weight, eps=eps, residual=residual,
                       gated=gated)

@@ -38,11 +38,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import NamedTuple, Optional
 
 import torch
 
+import rooflm.envs as envs
 from rooflm.kernels import nvrtc
 from rooflm.kernels.tuned_configs import lookup
 from rooflm.kernels.int4_pack import int4_split
@@ -53,8 +53,7 @@ MAX_M = 8  # the MMA's N: columns of B
 # its main loop (before the warps' sum and the store). H100 int4 batch-1 decode, with SiLU-mul in
 # gate_up's epilogue (so gate_up -> down is W4 to W4): 416.8 / 410.7 tok/s at 0, 415.4 / 415.0 at 1,
 # 419.2 / 418.6 at 2 (benchmarks/results/quant-w4-mma-h100-20261127/release-call8).
-# ROOFLM_W4_MMA_RELEASE: the benchmarks' switch.
-RELEASE = int(os.environ.get("ROOFLM_W4_MMA_RELEASE", "2"))
+# ROOFLM_W4_MMA_RELEASE: the benchmarks' switch (default 2).
 
 
 class MmaConfig(NamedTuple):
@@ -97,7 +96,7 @@ def _compiles(device_index: int) -> bool:
     if not nvrtc.available(device_index):
         return False
     try:
-        _compiled(MmaConfig(), 64, False, False, RELEASE, device_index)
+        _compiled(MmaConfig(), 64, False, False, envs.cached.ROOFLM_W4_MMA_RELEASE, device_index)
     except Exception as e:  # noqa: BLE001 - any NVRTC/driver failure means: use Triton
         log.warning("w4a16_mma: NVRTC could not build the kernel (%s); int4 at M <= 8 uses the Triton kernels", e)
         return False
@@ -166,7 +165,7 @@ def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     if config.stages and (n % rows_a_block or scales.data_ptr() % 16 or zeros.data_ptr() % 16):
         config = config._replace(stages=0)  # the staged copy of scales reads whole aligned 8-row runs
     norm_k = k if norm_weight is not None else 0
-    kernel = _compiled(config, group_size, x.dtype == torch.float16, pdl, RELEASE,
+    kernel = _compiled(config, group_size, x.dtype == torch.float16, pdl, envs.cached.ROOFLM_W4_MMA_RELEASE,
                        x.device.index if x.device.index is not None else torch.cuda.current_device(), gated,
                        norm_k, residual is not None)
     args = [y, x, qweight, scales.contiguous(), zeros.contiguous(), m, n, split, x.stride(0), y.stride(0),

@@ -27,13 +27,13 @@ CUDA). The engine syncs when it reads the sampled ids back (.tolist()).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
 
+import rooflm.envs as envs
 from rooflm.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 from rooflm.structured.bitmask import apply_token_bitmask
 
@@ -341,10 +341,6 @@ def sample_from_probs(
     return torch.argmax(probs / q, dim=-1)
 
 
-# ROOFLM_FUSED_SAMPLING=0: temperature-only batches on CUDA take the torch path too (the A/B switch).
-FUSED_SAMPLING = os.environ.get("ROOFLM_FUSED_SAMPLING", "1") != "0"
-
-
 def temperature_only(meta: SamplingMetadata) -> bool:
     """Whether every row is greedy or plain temperature sampling from the global RNG: no
     penalty, bias, suppressed id, grammar mask, top-k/p, min-p or per-request generator."""
@@ -355,7 +351,8 @@ def temperature_only(meta: SamplingMetadata) -> bool:
 
 class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        if FUSED_SAMPLING and logits.is_cuda and temperature_only(meta):
+        # ROOFLM_FUSED_SAMPLING=0: temperature-only batches on CUDA take the torch path too (the A/B switch).
+        if envs.cached.ROOFLM_FUSED_SAMPLING and logits.is_cuda and temperature_only(meta):
             # One pass over the logits (kernels/gumbel_sample.py): the same distribution.
             from rooflm.kernels.gumbel_sample import gumbel_sample
             scale = meta.temperature[:, 0]

@@ -8,6 +8,7 @@ import sys
 from typing import Optional, TextIO
 
 from rooflm.config import CUDA_BLOCK_SIZE, ModelConfig
+from rooflm.engine_args import add_engine_args
 from rooflm.perf.gpus import GPUS, GpuSpec, get_gpu
 from rooflm.perf.memory import inference_memory, training_memory, weight_bytes
 from rooflm.perf.roofline import (
@@ -42,12 +43,13 @@ def register(subparsers) -> None:
                         "decode (default 1024)")
     p.add_argument("--phase", choices=("prefill", "decode"), default="decode")
     p.add_argument("--dtype", choices=sorted(WEIGHT_FORMATS), default="bf16", help="weight dtype")
-    p.add_argument("--kv-dtype", choices=sorted(KV_CACHE_BYTES), default=None,
-                   help="KV cache dtype (default: bf16, or fp32 with fp32 weights)")
-    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+    p.add_argument("--kv-cache-dtype", dest="kv_dtype", choices=KV_DTYPE_CHOICES, default="auto",
+                   help="KV cache dtype, as the engine's flag (fp8_e4m3 is fp8); auto: bf16, or fp32 "
+                        "with fp32 weights")
+    p.add_argument("--tensor-parallel-size", "-tp", dest="tp", type=int, default=1,
                    help="tensor-parallel GPUs (per-GPU figures, plus the all-reduces)")
     p.add_argument("--allreduce-latency-us", type=float, default=None,
-                   help="fixed cost of one all-reduce with --tp > 1 (default: an NVLink estimate; "
+                   help="fixed cost of one all-reduce with -tp > 1 (default: an NVLink estimate; "
                         "benchmarks/tp.sh measures it)")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="draw the roofline chart")
     p.set_defaults(func=run_roofline)
@@ -60,15 +62,16 @@ def register(subparsers) -> None:
     p.add_argument("--model", required=True, help="preset name, HF model directory or .gguf file")
     p.add_argument("--dtype", choices=sorted(WEIGHT_FORMATS), default="bf16",
                    help="weight dtype (training: bf16, fp16 or fp32)")
-    p.add_argument("--kv-dtype", choices=sorted(KV_CACHE_BYTES), default=None,
-                   help="KV cache dtype (default: bf16, or fp32 with fp32 weights)")
+    p.add_argument("--kv-cache-dtype", dest="kv_dtype", choices=KV_DTYPE_CHOICES, default="auto",
+                   help="KV cache dtype, as the engine's flag (fp8_e4m3 is fp8); auto: bf16, or fp32 "
+                        "with fp32 weights")
     p.add_argument("--context", type=int, default=None,
                    help="tokens per sequence (default: the model's maximum, at most 8192); "
                         "with --train, the training sequence length (default 2048)")
     p.add_argument("--gpu-mem", type=float, default=None, metavar="GB",
                    help="GPU memory in GB (default: that of --gpu, else 80)")
     p.add_argument("--gpu", default=None, choices=sorted(GPUS), help="take --gpu-mem from this GPU")
-    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+    p.add_argument("--tensor-parallel-size", "-tp", dest="tp", type=int, default=1,
                    help="tensor-parallel GPUs (inference: per-GPU figures)")
     p.add_argument("--block-size", type=int, default=CUDA_BLOCK_SIZE,
                    help=f"KV cache block size in tokens (default: {CUDA_BLOCK_SIZE}, the engine's CUDA default)")
@@ -90,8 +93,6 @@ def register(subparsers) -> None:
 
 def _register_profile(subparsers, gpu_choices: list[str]) -> None:
     """`rooflm profile`: torch.profiler trace of real engine steps, and what limits them."""
-    # Imported here: rooflm.cli imports this module's register() while it builds its parser.
-    from rooflm.cli import add_engine_args
 
     p = subparsers.add_parser(
         "profile", help="profile engine steps: Chrome trace, time by phase and kernel, verdict",
@@ -151,8 +152,14 @@ def resolve_model_config(model: str) -> ModelConfig:
     return loader.load_model_config(path, fmt)
 
 
+# The analytic dtypes, and the engine's --kv-cache-dtype spellings (auto, fp8_e4m3) beside them.
+KV_DTYPE_CHOICES = ("auto", *sorted(KV_CACHE_BYTES), "fp8_e4m3")
+
+
 def _default_kv_dtype(weight_dtype: str, kv_dtype: Optional[str]) -> str:
-    if kv_dtype is not None:
+    if kv_dtype == "fp8_e4m3":
+        return "fp8"
+    if kv_dtype not in (None, "auto"):
         return kv_dtype
     return "fp32" if weight_dtype == "fp32" else "bf16"
 
@@ -305,7 +312,7 @@ def _format_inference(args: argparse.Namespace, config: ModelConfig) -> str:
         f"({plan.blocks_per_seq} blocks each)",
     ]
     if plan.kv_pool <= 0:
-        lines.append("the weights and reserve do not fit: no room for a KV cache (try --tp or a "
+        lines.append("the weights and reserve do not fit: no room for a KV cache (try -tp or a "
                      "smaller --dtype)")
     return "\n".join(lines) + "\n"
 

@@ -52,6 +52,7 @@ from typing import Optional, TextIO
 import torch
 
 from rooflm.engine.report import PhaseTracer
+from rooflm.engine_args import engine_kwargs
 from rooflm.perf.gpus import GpuSpec, get_gpu, measure_gpu
 from rooflm.perf.gpus import measure_host
 from rooflm.perf.live import StepMeter, default_gpu_for
@@ -705,7 +706,6 @@ def format_summary(s: dict) -> str:
 
 def run_profile(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
     """The `rooflm profile` subcommand."""
-    from rooflm.cli import engine_kwargs
     from rooflm.engine.llm_engine import LLMEngine
 
     out = out or sys.stdout

@@ -22,6 +22,7 @@ import subprocess
 import sys
 from typing import Any, Optional, Sequence
 
+import rooflm.envs as envs
 from rooflm.perf.gpus import cpu_model  # noqa: F401  (re-exported: the stamp names the CPU)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,8 +39,9 @@ def git_commit(repo_dir: str = REPO_ROOT) -> str:
     --no-optional-locks keeps `git status` from rewriting the index, so taking
     a stamp never changes the repository's state.
     """
-    if os.environ.get("ROOFLM_COMMIT"):  # a copy of the tree without .git (the device machine)
-        return os.environ["ROOFLM_COMMIT"]
+    commit = envs.get("ROOFLM_COMMIT")
+    if commit:  # a copy of the tree without .git (the device machine)
+        return commit
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo_dir,
                                 capture_output=True, text=True, check=True).stdout.strip()

@@ -34,11 +34,11 @@ exact dequantized float path.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
 import torch
 
+import rooflm.envs as envs
 from rooflm.quant import native
 from rooflm.quant.gguf_blocks import BLOCK, BlockTensor
 
@@ -47,9 +47,7 @@ logger = logging.getLogger(__name__)
 ACT_DTYPE = torch.bfloat16
 # ROOFLM_FP8_FUSED_QUANT=0: FP8 W8A8 linears quantize their own float input (a kernel of its own
 # after each norm and SiLU-mul) instead of taking the codes those ops write (kernels/norm_act_fp8.py).
-FP8_FUSED_QUANT = os.environ.get("ROOFLM_FP8_FUSED_QUANT", "1") != "0"
 # ROOFLM_FP8_FAST_ACCUM=0: FP8 products promote their partial sums to fp32 (_scaled_mm's default; slower).
-FP8_FAST_ACCUM = os.environ.get("ROOFLM_FP8_FAST_ACCUM", "1") != "0"
 
 
 def cpu_kernels_available() -> bool:
@@ -319,7 +317,7 @@ class Fp8Linear(QuantizedLinearMethod):
     def takes_fp8_input(self) -> bool:
         """Codes from the op before are taken where they are multiplied as codes (_scaled_mm); the
         emulation quantizes floats itself. ROOFLM_FP8_FUSED_QUANT=0: never (the A/B switch)."""
-        return self.use_scaled_mm and FP8_FUSED_QUANT
+        return self.use_scaled_mm and envs.cached.ROOFLM_FP8_FUSED_QUANT
 
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes [M, K] e4m3, scale [M, 1] fp32) of the activations."""
@@ -345,7 +343,7 @@ class Fp8Linear(QuantizedLinearMethod):
                 # [N, K] weight is one) and returns bf16. Fast accumulation: quant/fp8.py's header.
                 return torch._scaled_mm(qx, self.qweight.t(), scale_a=sx.contiguous(),
                                         scale_b=self.weight_scale.reshape(1, -1), out_dtype=torch.bfloat16,
-                                        use_fast_accum=FP8_FAST_ACCUM)
+                                        use_fast_accum=envs.cached.ROOFLM_FP8_FAST_ACCUM)
             except RuntimeError as exc:
                 # A torch build or shape without row-wise fp8 GEMMs: found at the first (eager,
                 # warm-up) call, before any CUDA graph is captured; the emulation is slower, not wrong.

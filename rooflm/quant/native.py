@@ -31,6 +31,8 @@ from typing import Optional
 
 import torch
 
+import rooflm.envs as envs
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
@@ -56,7 +58,7 @@ def _cpu_flags() -> set[str]:
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("ROOFLM_CACHE_DIR") or Path.home() / ".cache" / "rooflm")
+    return Path(envs.get("ROOFLM_CACHE_DIR") or Path.home() / ".cache" / "rooflm")
 
 
 def _build(sources: tuple[Path, ...], target: Path) -> None:
@@ -79,7 +81,7 @@ def _build(sources: tuple[Path, ...], target: Path) -> None:
 @functools.lru_cache(maxsize=1)
 def library() -> Optional[ctypes.CDLL]:
     """The built kernels, or None where they cannot run here (then torch's kernels are used)."""
-    if os.environ.get("ROOFLM_NATIVE_KERNELS", "1") == "0":
+    if not envs.get("ROOFLM_NATIVE_KERNELS"):
         return None
     missing = [f for f in REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
     if missing:

@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from typing import Optional
 
 import torch
 
+import rooflm.envs as envs
 from rooflm.quant import native
 from rooflm.quant.linear_method import NativeBlockLinear
 
@@ -65,7 +65,7 @@ class _DecoderShape(ctypes.Structure):
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    return envs.get(ENV_SWITCH)
 
 
 def _block_weight(linear) -> Optional[_BlockWeight]:

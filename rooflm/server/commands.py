@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 
-from rooflm.cli import add_engine_args, engine_kwargs
+import rooflm.envs as envs
+from rooflm.dp.router import POLICIES
+from rooflm.engine_args import add_engine_args, engine_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +74,7 @@ def register(subparsers) -> None:
     group.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                        help="engine cores behind this server, each on its own GPU or tensor-"
                             "parallel group (rooflm/dp/); needs the engine process")
-    group.add_argument("--dp-routing", default="cache_aware",
-                       choices=("cache_aware", "round_robin", "least_loaded"),
+    group.add_argument("--dp-routing", default="cache_aware", choices=POLICIES,
                        help="how a request picks its data-parallel replica")
     group.add_argument("--chat-template", default=None,
                        help="a Jinja chat template replacing the model's: a file path, or the "
@@ -97,7 +97,7 @@ def server_config(args: argparse.Namespace):
     origins = tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip())
     return ServerConfig(
         served_model_name=args.served_model_name,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=args.api_key or envs.get(API_KEY_ENV) or None,
         allowed_origins=origins,
         max_queued_requests=args.max_queued_requests,
         max_tokens_in_flight=args.max_tokens_in_flight,

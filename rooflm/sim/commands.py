@@ -20,10 +20,11 @@ import sys
 from typing import Optional, TextIO
 
 from rooflm.config import CUDA_BLOCK_SIZE, SchedulerConfig, kv_blocks_cap, resolve_max_num_seqs
+from rooflm.dp.router import POLICIES
+from rooflm.engine_args import add_engine_args, engine_kwargs
 
 
 def register(sub) -> None:
-    from rooflm.cli import add_engine_args
 
     p = sub.add_parser(
         "simulate", help="simulate serving on the engine's own scheduler: run, --calibrate, --plan",
@@ -37,12 +38,13 @@ def register(sub) -> None:
     hw = p.add_argument_group("hardware and cost model")
     hw.add_argument("--gpu", default=None, help="GPU table key (h100, h200, a100, ...); default h100, "
                     "or the GPU present for --calibrate")
-    hw.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of a replica")
-    hw.add_argument("--dp", type=int, default=1, help="data-parallel replicas behind the router")
-    hw.add_argument("--router", default="least-loaded",
-                    choices=("round-robin", "least-loaded", "prefix-aware"))
+    # A replica's tensor-parallel degree and KV dtype are the engine flags' own
+    # (--tensor-parallel-size / -tp, --kv-cache-dtype), as `rooflm serve` takes them.
+    hw.add_argument("--data-parallel-size", "-dp", dest="data_parallel_size", type=int, default=1,
+                    help="data-parallel replicas behind the router (as `rooflm serve`)")
+    hw.add_argument("--dp-routing", default="least_loaded", choices=POLICIES,
+                    help="how a request picks its replica: the server's router (rooflm/dp/router.py)")
     hw.add_argument("--weight-dtype", default="bf16", help="bf16 | fp16 | fp8 | int8 | int4 | fp32")
-    hw.add_argument("--kv-dtype", default="bf16", help="bf16 | fp8 | fp32")
     hw.add_argument("--calibration", default=None, metavar="FILE",
                     help="calibration table (default: the shipped tables, closest GPU)")
     hw.add_argument("--no-calibration", action="store_true",
@@ -120,6 +122,14 @@ def _tables(args):
     return shipped_tables()
 
 
+def kv_dtype(args) -> str:
+    """The cost model's KV dtype from --kv-cache-dtype: fp8, or auto's the model's dtype (the
+    weights' where they are floats; bf16 activations beside quantized weights)."""
+    if args.kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return "fp8"
+    return args.weight_dtype if args.weight_dtype in ("bf16", "fp16", "fp32") else "bf16"
+
+
 def replica_config(args, model, gpu_key: str, tp: int, tables) -> tuple:
     """The engine configuration one replica runs, and where its KV pool size is from."""
     from rooflm.perf.gpus import get_gpu
@@ -137,12 +147,12 @@ def replica_config(args, model, gpu_key: str, tp: int, tables) -> tuple:
     measured = [t for t in tables if t.gpu == gpu.key and t.model == model]
     if args.num_blocks:
         num_blocks, source = args.num_blocks, "--num-blocks"
-    elif measured and tp == 1 and args.kv_dtype == measured[0].kv_dtype:
+    elif measured and tp == 1 and kv_dtype(args) == measured[0].kv_dtype:
         # The measured pool in tokens, cut into this run's blocks (tables may be at another block size).
         num_blocks = measured[0].num_blocks * measured[0].block_size // block_size
         source = f"measured by the engine on {measured[0].device_name}"
     else:
-        mem = inference_memory(model, args.weight_dtype, args.kv_dtype, context=max_model_len,
+        mem = inference_memory(model, args.weight_dtype, kv_dtype(args), context=max_model_len,
                                gpu_mem_gb=gpu.mem_gb, tp=tp, block_size=block_size,
                                gpu_memory_utilization=args.gpu_memory_utilization,
                                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max_num_seqs)
@@ -154,7 +164,7 @@ def replica_config(args, model, gpu_key: str, tp: int, tables) -> tuple:
     async_scheduling = True if args.async_scheduling is None else args.async_scheduling
     num_host_blocks = 0
     if args.preemption_mode == "swap":  # the engine's rule: swap space over one block's K/V (one GPU)
-        block_bytes = block_size * kv_bytes_per_token_per_gpu(model, KV_CACHE_BYTES[args.kv_dtype], tp)
+        block_bytes = block_size * kv_bytes_per_token_per_gpu(model, KV_CACHE_BYTES[kv_dtype(args)], tp)
         num_host_blocks = int(args.swap_space_gb * 2**30 // block_bytes)
     cfg = ReplicaConfig(sched, num_blocks=max(num_blocks, 0), block_size=block_size,
                         enable_prefix_caching=args.enable_prefix_caching, num_host_blocks=num_host_blocks,
@@ -170,7 +180,7 @@ def cost_model_for(args, model, gpu_key: str, tp: int, tables, async_scheduling:
 
     gpu = get_gpu(gpu_key)
     correction, note = correction_for(gpu, model, tables)
-    return RooflineCostModel(model, gpu, tp, args.weight_dtype, args.kv_dtype, correction,
+    return RooflineCostModel(model, gpu, tp, args.weight_dtype, kv_dtype(args), correction,
                              async_scheduling), note
 
 
@@ -227,11 +237,11 @@ def _run(args, out: TextIO) -> int:
     name, model = model_config_of(args.model)
     gpu_key = args.gpu or "h100"
     tables = _tables(args)
-    replica, kv_source = replica_config(args, model, gpu_key, args.tp, tables)
-    cost, note = cost_model_for(args, model, gpu_key, args.tp, tables, replica.async_scheduling)
+    replica, kv_source = replica_config(args, model, gpu_key, args.tensor_parallel_size, tables)
+    cost, note = cost_model_for(args, model, gpu_key, args.tensor_parallel_size, tables, replica.async_scheduling)
     slos = parse_goodput(args.goodput)
     rates = [math.inf] if args.trace else list(args.request_rate)
-    out.write(f"model {name}; {args.dp} x {gpu_key} TP {args.tp} ({args.router} router); "
+    out.write(f"model {name}; {args.data_parallel_size} x {gpu_key} TP {args.tensor_parallel_size} ({args.dp_routing} router); "
               f"{replica.num_blocks} KV blocks of {replica.block_size} ({kv_source}); "
               f"max {replica.scheduler.max_num_seqs} seqs, {replica.scheduler.max_num_batched_tokens} "
               f"tokens/step; {'async' if replica.async_scheduling else 'sync'} scheduling\n"
@@ -239,7 +249,7 @@ def _run(args, out: TextIO) -> int:
     sweep, results = [], []
     for i, rate in enumerate(rates):
         requests = workload_for(args, rate, seed=args.seed + i)
-        cfg = SimConfig(replica, args.dp, args.router, _ingress_s(args), model.vocab_size, args.seed,
+        cfg = SimConfig(replica, args.data_parallel_size, args.dp_routing, _ingress_s(args), model.vocab_size, args.seed,
                         api=_api_cost(args))
         result = simulate(cfg, cost, requests)
         metrics = sim_metrics(result, slos)
@@ -259,8 +269,8 @@ def _run(args, out: TextIO) -> int:
         if args.plot and len(rates) == 1:
             from rooflm.sim.plot import plot_simulation
 
-            plot_simulation(result, metrics, args.plot, title=f"simulated {name} on {args.dp} x {gpu_key} "
-                                                              f"TP{args.tp}, {label}")
+            plot_simulation(result, metrics, args.plot, title=f"simulated {name} on {args.data_parallel_size} x {gpu_key} "
+                                                              f"TP{args.tensor_parallel_size}, {label}")
             out.write(f"plots written to {args.plot}\n")
     if len(rates) > 1:
         out.write(" Sweep over request rates (simulated) ".center(50, "=") + "\n")
@@ -269,8 +279,8 @@ def _run(args, out: TextIO) -> int:
         from rooflm.perf.results import stamp, write_json
 
         write_json(args.result_file, {
-            "simulated": True, **stamp(), "model": name, "gpu": gpu_key, "tp": args.tp, "dp": args.dp,
-            "router": args.router, "cost_model": cost.describe(), "correction_source": note,
+            "simulated": True, **stamp(), "model": name, "gpu": gpu_key, "tp": args.tensor_parallel_size, "dp": args.data_parallel_size,
+            "router": args.dp_routing, "cost_model": cost.describe(), "correction_source": note,
             "num_blocks": replica.num_blocks, "num_blocks_source": kv_source,
             "max_num_seqs": replica.scheduler.max_num_seqs,
             "async_scheduling": replica.async_scheduling, "trace": args.trace,
@@ -280,7 +290,6 @@ def _run(args, out: TextIO) -> int:
 
 
 def _calibrate(args, out: TextIO) -> int:
-    from rooflm.cli import engine_kwargs
     from rooflm.sim.calibrate import calibrate
 
     table = calibrate(engine_kwargs(args), args.gpu, seed=args.seed, out=out)
@@ -338,8 +347,8 @@ def _plan(args, out: TextIO) -> int:
     if args.trace:
         raise ValueError("--plan draws its own arrivals at each rate: give lengths by flags, not --trace")
     out.write(f"planning {name} at {rate:g} req/s, {slo}; {len(candidates)} candidates "
-              f"({args.num_prompts} requests per probe, {args.router} router); prices: {PRICE_SOURCE}\n")
-    planner = Planner(slo, rate, workload, args.num_prompts, args.router, _ingress_s(args), _api_cost(args),
+              f"({args.num_prompts} requests per probe, {args.dp_routing} router); prices: {PRICE_SOURCE}\n")
+    planner = Planner(slo, rate, workload, args.num_prompts, args.dp_routing, _ingress_s(args), _api_cost(args),
                       args.seed, out=out, verbose=args.verbose)
     results = planner.plan(candidates, args.top)
     if not results:

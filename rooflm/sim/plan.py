@@ -146,7 +146,7 @@ class Planner:
     rate: float
     workload: WorkloadFn
     num_prompts: int = 1000
-    router: str = "least-loaded"
+    router: str = "least_loaded"
     ingress_s: float = 0.0
     api: ApiCost = ApiCost()
     seed: int = 0

@@ -38,7 +38,7 @@ _DELIVER, _WAKE = 0, 1
 class SimConfig:
     replica: ReplicaConfig
     num_replicas: int = 1
-    router: str = "round-robin"
+    router: str = "round_robin"
     ingress_s: float = SERVER_INGRESS_S
     vocab_size: int = 32000
     seed: int = 0

@@ -20,6 +20,7 @@ import tempfile
 import uuid
 from typing import Any, Optional
 
+import rooflm.envs as envs
 from rooflm.model.loader import ModelLoadError, load_error, resolve_model
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.mode
 def cache_root(cache_dir: Optional[str] = None) -> str:
     """rooflm's cache directory: the argument, else $ROOFLM_CACHE_DIR, else ~/.cache/rooflm."""
     if cache_dir is None:
-        cache_dir = os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR
+        cache_dir = envs.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR
     return os.path.abspath(os.path.expanduser(cache_dir))
 
 

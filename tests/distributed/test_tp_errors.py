@@ -71,7 +71,7 @@ def test_the_fault_hook_rejects_a_malformed_value(monkeypatch):
 def test_the_allreduce_flag_is_validated_and_the_cpu_falls_back_to_gloo(caplog):
     with pytest.raises(ValueError, match="tp_allreduce must be one of auto, nccl, symm; got 'fast'"):
         ParallelConfig(tensor_parallel_size=2, tp_allreduce="fast")
-    from rooflm.cli import add_engine_args
+    from rooflm.engine_args import add_engine_args
     import argparse
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -45,10 +45,11 @@ def check_matmul_rows(m_big, n, k, dtype, subsets, bias):
 # tests check on the CPU. The summation order inside the matrix units is checked by the GPU
 # cases (random bf16, model shapes).
 @pytest.fixture
-def split_on(monkeypatch):
+def split_on():
     """The fixed split as ROOFLM_DETERMINISTIC_MAX_SPLITS=8 sets it (it is off by default)."""
-    import rooflm.kernels.matmul_fixed_split as fixed_split
-    monkeypatch.setattr(fixed_split, "MAX_SPLITS", 8)
+    import rooflm.envs as envs
+    with envs.override("ROOFLM_DETERMINISTIC_MAX_SPLITS", "8"):
+        yield
 
 
 def exact_values(*shape, scale=0.5):

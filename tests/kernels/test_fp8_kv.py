@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.kernels.helpers import DEVICE, assert_close, cuda_capability_at_least, random_paged_batch
+import rooflm.envs as envs
 from rooflm.kernels.decode_attention import decode_attention, decode_attention_ref
 from rooflm.kernels.prefill_attention import prefill_attention, prefill_attention_ref
 from rooflm.kernels.rope_kv_write import rope_kv_write, rope_kv_write_ref, write_kv
@@ -199,7 +200,7 @@ def test_fp8_cache_without_scales_is_refused():
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_capability_at_least((8, 9)), reason="the byte-pair widening needs sm_89+")
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
-def test_fp8_byte_pairs_match_bytewise_loads(kind, monkeypatch):
+def test_fp8_byte_pairs_match_bytewise_loads(kind):
     """The Llama-3-8B shape through the byte-pair loads (utils.load_e4m3_pairs, what the engine
     runs on Hopper) and through bytewise loads (ROOFLM_FP8_PAIRS=0): both against the reference."""
     import rooflm.kernels.utils as kernel_utils
@@ -212,8 +213,8 @@ def test_fp8_byte_pairs_match_bytewise_loads(kind, monkeypatch):
     run = decode_attention if kind == "decode" else prefill_attention
     outs = []
     for pairs in (True, False):
-        monkeypatch.setattr(kernel_utils, "FP8_PAIRS", pairs)
-        outs.append(run(q, k8, v8, meta, 128 ** -0.5, k_scale=ks, v_scale=vs))
+        with envs.override("ROOFLM_FP8_PAIRS", "1" if pairs else "0"):
+            outs.append(run(q, k8, v8, meta, 128 ** -0.5, k_scale=ks, v_scale=vs))
     ref = (decode_attention_ref if kind == "decode" else prefill_attention_ref)(q, k8, v8, meta, 128 ** -0.5,
                                                                                k_scale=ks, v_scale=vs)
     for out in outs:

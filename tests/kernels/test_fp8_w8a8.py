@@ -7,6 +7,7 @@ tests/unit/test_fp8.py."""
 import pytest
 import torch
 
+import rooflm.envs as envs
 from rooflm.kernels.fp8_quant import FP8_DTYPE, per_token_fp8, per_token_fp8_ref
 from tests.kernels.helpers import cuda_capability_at_least
 
@@ -117,7 +118,6 @@ def test_engine_fused_norm_quant_gives_the_unfused_logits(tmp_path, monkeypatch,
     eager and under CUDA graphs, with per-token and with a checkpoint's static input scales."""
     from rooflm.kernels import norm_act_fp8
     from rooflm.llm import LLM
-    from rooflm.quant import linear_method
     from rooflm.sampling_params import SamplingParams
     from tests.models.tiny_models import make_tiny_model
     from tests.unit.test_fp8 import write_vllm_fp8_static
@@ -131,9 +131,9 @@ def test_engine_fused_norm_quant_gives_the_unfused_logits(tmp_path, monkeypatch,
     params = SamplingParams(max_tokens=12, temperature=0.0, prompt_logprobs=1, logprobs=1, ignore_eos=True)
 
     def run(fused, eager):
-        monkeypatch.setattr(linear_method, "FP8_FUSED_QUANT", fused)
-        llm = LLM(model=model, device="cuda", dtype="bfloat16", enforce_eager=eager, max_model_len=256, **kw)
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        with envs.override("ROOFLM_FP8_FUSED_QUANT", "1" if fused else "0"):
+            llm = LLM(model=model, device="cuda", dtype="bfloat16", enforce_eager=eager, max_model_len=256, **kw)
+            outs = llm.generate(prompts, params, use_tqdm=False)
         del llm
         torch.cuda.empty_cache()
         return [([e[t].logprob for e, t in zip(o.prompt_logprobs[1:], p[1:])], o.outputs[0].token_ids,
@@ -157,7 +157,7 @@ def test_fp8_linear_fast_accumulation_error_against_the_exact_sum(m, n, k):
     the same codes: within bf16's output rounding plus the fp8 chain's, at most 2.5x the promoted
     product's error (measured on the H100: 2.1e-3 and 3.3e-3 against 1.7e-3)."""
     from rooflm.quant.fp8 import quantize_fp8_weight
-    from rooflm.quant.linear_method import FP8_FAST_ACCUM, Fp8Linear, fp8_matmul_emulated
+    from rooflm.quant.linear_method import Fp8Linear, fp8_matmul_emulated
     g = torch.Generator(device="cuda").manual_seed(m + n)
     lin = Fp8Linear(quantize_fp8_weight(torch.randn(n, k, device="cuda", generator=g) * 0.02), torch.device("cuda"))
     x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16) + 0.5  # sums that do not cancel
@@ -170,4 +170,4 @@ def test_fp8_linear_fast_accumulation_error_against_the_exact_sum(m, n, k):
     promoted = err(torch._scaled_mm(qx, lin.qweight.t(), scale_a=sx, scale_b=lin.weight_scale.reshape(1, -1),
                                     out_dtype=torch.bfloat16))
     got = err(lin(x))
-    assert FP8_FAST_ACCUM and promoted < 2e-3 and got < 5e-3 and got < 2.5 * promoted, (got, promoted)
+    assert envs.cached.ROOFLM_FP8_FAST_ACCUM and promoted < 2e-3 and got < 5e-3 and got < 2.5 * promoted, (got, promoted)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.kernels.helpers import DEVICE, assert_close
-from rooflm.kernels import w4a16 as w4a16_module
+import rooflm.envs as envs
 from rooflm.kernels import w4a16_mma as mm
 from rooflm.kernels.w4a16 import pack_int4, w4a16_linear, w4a16_linear_ref
 
@@ -91,7 +91,7 @@ def test_w4a16_linear_takes_the_mma_kernel_up_to_m8(m, monkeypatch):
     real = mm.w4a16_mma
     monkeypatch.setattr(mm, "w4a16_mma", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     out = w4a16_linear(x, qw, s, z, 128)
-    assert len(calls) == (1 if m <= 8 and w4a16_module.USE_MMA else 0)
+    assert len(calls) == (1 if m <= 8 and envs.cached.ROOFLM_W4_MMA else 0)
     assert_close(out, w4a16_linear_ref(x, qw, s, z, 128), torch.bfloat16)
 
 
@@ -129,13 +129,13 @@ def test_gated_kernel_is_silu_mul_of_the_gate_up_reference(config, dtype, m, int
 @pytest.mark.gpu
 def test_gate_up_silu_mul_declines_what_the_gated_kernel_cannot_take():
     from rooflm.kernels.silu_mul import silu_mul
-    from rooflm.kernels.w4a16 import FUSE_SILU_MUL, w4a16_gate_up_silu_mul
+    from rooflm.kernels.w4a16 import w4a16_gate_up_silu_mul
     qw, s, z, _ = _w4(512, 1024, 128, torch.bfloat16)
     assert w4a16_gate_up_silu_mul(torch.randn(9, 1024, device=DEVICE, dtype=torch.bfloat16), qw, s, z, 128) is None
     assert w4a16_gate_up_silu_mul(torch.randn(2, 1024, device=DEVICE), qw, s, z, 128) is None  # fp32 x
     x = torch.randn(2, 1024, device=DEVICE, dtype=torch.bfloat16)
     out = w4a16_gate_up_silu_mul(x, qw, s, z, 128)
-    if FUSE_SILU_MUL and w4a16_module.USE_MMA:
+    if envs.cached.ROOFLM_W4_SILU_MUL and envs.cached.ROOFLM_W4_MMA:
         assert_close(out, silu_mul(w4a16_linear_ref(x, qw, s, z, 128)), torch.bfloat16)
 
 
@@ -204,7 +204,7 @@ def test_residual_epilogue_adds_after_rounding(config, m, n, k):
 
 @pytest.mark.gpu
 def test_folded_declines_what_the_kernel_cannot_take():
-    from rooflm.kernels.w4a16 import FOLD, w4a16_folded
+    from rooflm.kernels.w4a16 import w4a16_folded
     qw, s, z, _ = _w4(512, 1024, 128, torch.bfloat16)
     w = torch.randn(1024, device=DEVICE, dtype=torch.bfloat16)
     assert w4a16_folded(torch.randn(2, 1024, device=DEVICE, dtype=torch.bfloat16), qw, s, z, 128, norm_weight=w) is None
@@ -212,7 +212,7 @@ def test_folded_declines_what_the_kernel_cannot_take():
                         norm_weight=w.float()) is None  # the norm weight in another dtype
     x = torch.randn(1, 1024, device=DEVICE, dtype=torch.bfloat16)
     out = w4a16_folded(x, qw, s, z, 128, norm_weight=w, gated=True)
-    if FOLD and w4a16_module.USE_MMA and w4a16_module.FUSE_SILU_MUL:
+    if envs.cached.ROOFLM_W4_FOLD and envs.cached.ROOFLM_W4_MMA and envs.cached.ROOFLM_W4_SILU_MUL:
         assert out is not None and out.shape == (1, 256)
 
 

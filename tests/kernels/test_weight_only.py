@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from tests.kernels.helpers import DEVICE, assert_close
-from rooflm.kernels import w4a16 as w4a16_module
+import rooflm.envs as envs
 from rooflm.kernels.w4a16 import (W4Config, _unit_nibbles_as, _unit_nibbles_packed, _unit_nibbles_wide, pack_int4, pick_config, unpack_int4, w4a16_linear,
                                   w4a16_linear_ref)
 from rooflm.kernels.w8a16 import W8Config, w8a16_linear, w8a16_linear_ref
@@ -111,14 +111,13 @@ def test_w4a16_swap_ab_is_a_table_field_old_tables_lack():
         w4a16_linear(x, qw, s, z, 64, config=W4Config(1, 16, 128, 4, 3, swap_ab=True))
 
 
-def _two_ways(monkeypatch, *args, **kwargs):
+def _two_ways(*args, **kwargs):
     """w4a16_linear with the split-K sum in the kernel (each tile's last split program) and with
     split_k_reduce's second launch (ROOFLM_W4_FUSED_REDUCE=0)."""
-    monkeypatch.setattr(w4a16_module, "FUSED_REDUCE", True)
-    fused = w4a16_linear(*args, **kwargs)
-    monkeypatch.setattr(w4a16_module, "FUSED_REDUCE", False)
-    two = w4a16_linear(*args, **kwargs)
-    monkeypatch.setattr(w4a16_module, "FUSED_REDUCE", True)
+    with envs.override("ROOFLM_W4_FUSED_REDUCE", "1"):
+        fused = w4a16_linear(*args, **kwargs)
+    with envs.override("ROOFLM_W4_FUSED_REDUCE", "0"):
+        two = w4a16_linear(*args, **kwargs)
     return fused, two
 
 
@@ -130,7 +129,7 @@ def _counters_are_zero(device: torch.device) -> bool:
 
 @pytest.mark.parametrize("split_k", [2, 3, 4])
 @pytest.mark.parametrize("block_m,swap_ab", [(1, False), (16, False), (16, True)], ids=["gemv", "tc", "swap"])
-def test_w4a16_fused_split_sum_is_bitwise_the_two_launches(block_m, swap_ab, split_k, monkeypatch):
+def test_w4a16_fused_split_sum_is_bitwise_the_two_launches(block_m, swap_ab, split_k):
     """The last of a tile's split programs sums the partials in split_k_reduce's order: the same bits
     as the second launch, for the GEMV and both tensor-core tiles; and it leaves the tile counters at
     zero, so a second call (a CUDA graph's next replay) sums right again."""
@@ -140,12 +139,12 @@ def test_w4a16_fused_split_sum_is_bitwise_the_two_launches(block_m, swap_ab, spl
     qw, s, z, g = _w4(40, k, group, dtype, seed=split_k + block_m)
     x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
     cfg = W4Config(block_m, 16 if block_m == 1 else 32, 2 * group, 4, 3, split_k=split_k, swap_ab=swap_ab)
-    fused, two = _two_ways(monkeypatch, x, qw, s, z, group, config=cfg)
+    fused, two = _two_ways(x, qw, s, z, group, config=cfg)
     assert torch.equal(fused, two), str(cfg)
     assert_close(fused, w4a16_linear_ref(x, qw, s, z, group), dtype, str(cfg))
     assert _counters_are_zero(x.device)
     x2 = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
-    again, two = _two_ways(monkeypatch, x2, qw, s, z, group, config=cfg)
+    again, two = _two_ways(x2, qw, s, z, group, config=cfg)
     assert torch.equal(again, two) and _counters_are_zero(x.device)
     assert torch.equal(w4a16_linear(x, qw, s, z, group, config=cfg), fused)
 
@@ -243,15 +242,15 @@ def test_packed_unit_nibbles_match_the_triton_ones_for_every_byte(dtype):
     W4Config(1, 64, 256, 2, 4, split_k=2), W4Config(1, 32, 256, 4, 4, split_k=4),  # the folded GEMV
 ], ids=lambda c: f"m{c.block_m}n{c.block_n}w{c.num_warps}s{c.split_k}{'swap' if c.swap_ab else ''}")
 @pytest.mark.parametrize("m", [1, 16, 64])
-def test_w4a16_packed_unpacking_is_bitwise_the_triton_unpacking(cfg, m, monkeypatch):
+def test_w4a16_packed_unpacking_is_bitwise_the_triton_unpacking(cfg, m):
     """ROOFLM_W4_ASM on and off give the same bits: the values are exact either way."""
     dtype = torch.bfloat16
     qw, s, z, g = _w4(4096, 4096, 128, dtype, seed=m + 7)
     x = torch.randn(m, 4096, generator=g).to(dtype).to(DEVICE)
-    monkeypatch.setattr(w4a16_module, "USE_ASM", True)
-    y_asm = w4a16_linear(x, qw, s, z, 128, config=cfg)
-    monkeypatch.setattr(w4a16_module, "USE_ASM", False)
-    y_tl = w4a16_linear(x, qw, s, z, 128, config=cfg)
+    with envs.override("ROOFLM_W4_ASM", "1"):
+        y_asm = w4a16_linear(x, qw, s, z, 128, config=cfg)
+    with envs.override("ROOFLM_W4_ASM", "0"):
+        y_tl = w4a16_linear(x, qw, s, z, 128, config=cfg)
     assert torch.equal(y_asm, y_tl)
     assert_close(y_asm, w4a16_linear_ref(x, qw, s, z, 128), dtype, str(cfg))
 
@@ -263,7 +262,7 @@ _LLAMA3_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 16, 64])
 @pytest.mark.parametrize("n,k", _LLAMA3_8B, ids=["qkv", "o", "gate_up", "down"])
-def test_w4a16_fused_split_sum_bitwise_on_the_h100_tiles_and_in_a_cuda_graph(n, k, m, monkeypatch):
+def test_w4a16_fused_split_sum_bitwise_on_the_h100_tiles_and_in_a_cuda_graph(n, k, m):
     """The H100 table's tiles (on any GPU) for the Llama-3-8B shapes: the split sum in the kernel
     gives the bits of the second launch, eagerly and from a CUDA graph replayed twice with new x
     (the tile counters reset between replays), with PDL where the GPU has it."""
@@ -272,7 +271,7 @@ def test_w4a16_fused_split_sum_bitwise_on_the_h100_tiles_and_in_a_cuda_graph(n, 
     cfg = W4Config(**lookup("w4a16", _H100, n, k, m, 128))
     qw, s, z, g = _w4(n, k, 128, dtype, seed=m + n + k)
     xs = [torch.randn(m, k, generator=g).to(dtype).to(DEVICE) for _ in range(3)]
-    fused, two = _two_ways(monkeypatch, xs[0], qw, s, z, 128, config=cfg)
+    fused, two = _two_ways(xs[0], qw, s, z, 128, config=cfg)
     assert torch.equal(fused, two), str(cfg)
     assert_close(fused, w4a16_linear_ref(xs[0], qw, s, z, 128), dtype, str(cfg))
     eager = [w4a16_linear(x, qw, s, z, 128, config=cfg) for x in xs]
@@ -482,6 +481,7 @@ _SM90_COMPILE = """
 import re, subprocess, tempfile
 from triton.backends.nvidia.compiler import get_ptxas
 from benchmarks.quant_gemv_sass import compile_kernel
+import rooflm.envs as envs
 from rooflm.kernels import w4a16, w8a16
 from rooflm.kernels.tuned_configs import lookup
 
@@ -502,8 +502,8 @@ def w4(c, m):
     return compile_kernel(w4a16._w4a16_kernel, dict(act, qw_ptr="u8"),
                           dict(GROUP=128, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_H=c.block_k // 2,
                                SPLIT=c.split_k > 1, EVEN=True, PRECISION="tf32", STAGES=c.num_stages,
-                               FOLD=c.fold, SWAP_AB=c.swap_ab, ASM=w4a16.USE_ASM, PDL=True,
-                               FUSED=c.split_k > 1 and w4a16.FUSED_REDUCE, **({"M": 1} if m == 1 else {})),
+                               FOLD=c.fold, SWAP_AB=c.swap_ab, ASM=envs.get('ROOFLM_W4_ASM'), PDL=True,
+                               FUSED=c.split_k > 1 and envs.get('ROOFLM_W4_FUSED_REDUCE'), **({"M": 1} if m == 1 else {})),
                           c.num_warps, c.num_stages)
 
 for m in (1, 16, 64):
@@ -540,6 +540,7 @@ _SM90_SWAP_AB = """
 import re, subprocess, tempfile
 from triton.backends.nvidia.compiler import get_ptxas
 from benchmarks.quant_gemv_sass import compile_kernel, cuobjdump
+import rooflm.envs as envs
 from rooflm.kernels import w4a16
 
 act = dict(y_ptr="bf16", x_ptr="bf16", xs_ptr="fp32", s_ptr="bf16", z_ptr="bf16", ws_ptr="fp32", qw_ptr="u8", count_ptr="i32")
@@ -548,7 +549,7 @@ for c in (w4a16.W4Config(16, 64, 256, 4, 3, swap_ab=True),
     kern = compile_kernel(w4a16._w4a16_kernel, act,
                           dict(GROUP=128, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_H=c.block_k // 2,
                                SPLIT=c.split_k > 1, EVEN=True, PRECISION="tf32", STAGES=c.num_stages,
-                               FOLD=c.fold, SWAP_AB=True, ASM=w4a16.USE_ASM, FUSED=c.split_k > 1),
+                               FOLD=c.fold, SWAP_AB=True, ASM=envs.get('ROOFLM_W4_ASM'), FUSED=c.split_k > 1),
                           c.num_warps, c.num_stages)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(kern.asm["ptx"])

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from rooflm import LLM, SamplingParams
+from rooflm import LLM, SamplingParams, envs
 from rooflm.quant.rtn import WeightScheme
 from tests.models.test_gpu_e2e import PROMPTS, check_greedy_close
 from tests.models.tiny_models import make_tiny_model
@@ -81,7 +81,6 @@ def test_one_token_layers_fold_norms_and_residual_adds_into_the_w4_kernel(tmp_pa
         del folds[:]
         folded = run(eager)
         assert folds and all(folds), "every one-token layer should fold into the W4 kernel"
-        monkeypatch.setattr(w4a16, "FOLD", False)
-        apart = run(eager)
-        monkeypatch.setattr(w4a16, "FOLD", True)
+        with envs.override("ROOFLM_W4_FOLD", "0"):
+            apart = run(eager)
         check_greedy_close(folded, apart)

@@ -87,8 +87,10 @@ def test_prefix_index_is_bounded_and_evicts_least_recently_used():
 
 
 def test_policies_are_named_and_checked():
-    assert canonical_policy("cache-aware") == "cache_aware"
-    assert canonical_policy("prefix-aware") == "cache_aware"  # the simulator's name
+    assert canonical_policy("cache_aware") == "cache_aware"
+    for other_spelling in ("cache-aware", "prefix-aware", "prefix_aware"):  # one name per policy
+        with pytest.raises(ValueError, match="router policy must be one of cache_aware, round_robin"):
+            canonical_policy(other_spelling)
     with pytest.raises(ValueError, match="router policy must be one of"):
         Router("random", 2)
     with pytest.raises(ValueError, match="the router has 2 replicas"):

@@ -4,7 +4,7 @@ blocks through swaps, recompute and prefix hits; outputs stay close to the full-
 import pytest
 import torch
 
-from rooflm import LLM, SamplingParams
+from rooflm import LLM, SamplingParams, envs
 from tests.models.tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -253,9 +253,9 @@ def test_gpu_static_fp8_decode_on_the_cuda_kernel_matches_triton(tmp_path, monke
 
     mma = run()
     assert launches, "the CUDA kernel never ran"
-    monkeypatch.setattr(fp8_decode_mma, "ENABLED", False)
     del launches[:]
-    triton = run()
+    with envs.override("ROOFLM_FP8_DECODE_MMA", "0"):
+        triton = run()
     assert not launches
     # Same tokens until the kernels' rounding splits a near-tie: there the Triton run's top two hold
     # both choices, within a small logprob of each other; before it, the logprobs agree closely.

@@ -249,17 +249,17 @@ def test_routers_balance_and_keep_prefixes_together():
                               num_prefixes=4, prefix_len=40, seed=2)
     cost = SyntheticCostModel(step_s=0.005)
     by_policy = {}
-    for policy in ("round-robin", "least-loaded", "prefix-aware"):
+    for policy in ("round_robin", "least_loaded", "cache_aware"):
         cfg = SimConfig(small_replica(num_blocks=4000), num_replicas=3, router=policy, ingress_s=0.0)
         result = simulate(cfg, cost, reqs)
         assert sum(1 for r in result.records if r.finish_s) == 120
         by_policy[policy] = result
-    rr = by_policy["round-robin"]
+    rr = by_policy["round_robin"]
     assert [r.replica for r in rr.records[:6]] == [0, 1, 2, 0, 1, 2]
-    prefix = by_policy["prefix-aware"]
+    prefix = by_policy["cache_aware"]
     # Each prefix group mostly stays on one replica, so the prefix cache hits more.
     hits = {p: sum(r.num_cached_tokens for r in res.records) for p, res in by_policy.items()}
-    assert hits["prefix-aware"] > hits["round-robin"]
+    assert hits["cache_aware"] > hits["round_robin"]
     owners = {}
     for r, req in zip(prefix.records, reqs):
         owners.setdefault(req.prefix_group, []).append(r.replica)
