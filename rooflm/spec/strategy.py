@@ -74,6 +74,8 @@ class SpecHostStep(StepStrategy):
             with engine.tracer.phase("propose"):
                 decoder.propose(out, engine.scheduler)
         launched = engine.launch(out, t0, speculating=k > 0)
+        # A verify step's accepted lengths decide the next schedule: it runs synchronously (the
+        # step before it was drained above).
         if not engine.async_scheduling or decoder.verifies(out):
             return engine.finish_now(launched, outputs)
         return engine.overlap(launched, outputs)
