@@ -3,7 +3,7 @@
 - Blocks are fixed-size pages of one preallocated pool. A sequence's BlockTable
   lists its pages in order. The block manager hands tables out and is the only
   code that changes them; everyone else reads them, and finds the cache slot of
-  a position with slot_mapping, the one place that formula lives.
+  a position with slot_of, the one place that formula lives.
 - Free blocks wait in an LRU queue. A freed block that holds a full, hashed
   prefix stays findable in the prefix cache until it is handed out again, so
   allocation from the front of the queue evicts the least recently freed.
@@ -31,23 +31,28 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 
-def slot_mapping(block_ids: list[int], start: int, n: int, block_size: int) -> list[int]:
-    """The KV cache slots of positions start .. start + n - 1 of one sequence.
+def slot_of(block_id, position, block_size: int):
+    """The KV cache slot of a position held in block block_id (that is, block_ids[position //
+    block_size] of its sequence): offset position % block_size of that block in the flattened
+    pool. Python ints (the model runner's inputs) or int64 tensors (the speculative device
+    loop's, spec/loop.py) alike."""
+    return block_id * block_size + position % block_size
 
-    Position p is offset p % block_size of block block_ids[p // block_size], so its
-    slot in the flattened pool is block_ids[p // block_size] * block_size + p % block_size.
+
+def slot_mapping(block_ids: list[int], start: int, n: int, block_size: int) -> list[int]:
+    """The KV cache slots of positions start .. start + n - 1 of one sequence (slot_of each).
     Within a block the slots run consecutively, so they are added a block at a time.
     """
     index, offset = divmod(start, block_size)
     if 0 < n <= block_size - offset:  # within one block, as every decode token is
-        first = block_ids[index] * block_size + offset
+        first = slot_of(block_ids[index], start, block_size)
         return list(range(first, first + n))
     slots: list[int] = []
     pos, end = start, start + n
     while pos < end:
         index, offset = divmod(pos, block_size)
         run = min(block_size - offset, end - pos)
-        first = block_ids[index] * block_size + offset
+        first = slot_of(block_ids[index], pos, block_size)
         slots.extend(range(first, first + run))
         pos += run
     return slots
@@ -92,8 +97,8 @@ class BlockTable:
         return slot_mapping(self.ids, start, n, self.block_size)
 
     def slot(self, position: int) -> int:
-        """The cache slot of one position (slot_mapping's formula, for a decode row)."""
-        return self.ids[position // self.block_size] * self.block_size + position % self.block_size
+        """The cache slot of one position (a decode row)."""
+        return slot_of(self.ids[position // self.block_size], position, self.block_size)
 
 
 @dataclass(frozen=True)

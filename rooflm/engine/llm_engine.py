@@ -2,7 +2,9 @@
 
 A step is: schedule -> run the model and sample -> process outputs (append
 tokens, detokenize, check stop conditions, free finished sequences' blocks).
-Servers and benchmarks drive it; LLM.generate is a loop over step().
+How a step is planned is the attached step strategy's (engine/step_strategy.py): plain
+steps, or speculative decoding's. Servers and benchmarks drive it; LLM.generate is a loop
+over step().
 """
 
 from __future__ import annotations
@@ -10,12 +12,11 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Union
 
 import torch
 
-from rooflm.config import CUDA_BLOCK_SIZE, EngineConfig, with_device_defaults
+from rooflm.config import CUDA_BLOCK_SIZE, EngineConfig, ModelConfig, with_device_defaults
 from rooflm.distributed.group import SINGLE
 from rooflm.engine.block_manager import BlockManager
 from rooflm.engine.host_gc import tune_gc_for_serving
@@ -23,10 +24,11 @@ from rooflm.layers import kv_cache as kv_format
 from rooflm.engine.model_runner import ModelRunner, StepHandle, StepResult, resolve_device
 from rooflm.engine.output_processor import OutputProcessor
 from rooflm.engine.outputs import RequestOutput
-from rooflm.engine.report import (NULL_TRACER, BatchShape, EngineInfo, EngineSnapshot, PhaseTracer,
-                                  SpecSnapshot, StepReport, StepTimings, batch_shape)
+from rooflm.engine.report import (NULL_TRACER, EngineInfo, EngineSnapshot, PhaseTracer, StepReport,
+                                  StepTimings, batch_shape)
 from rooflm.engine.request import Request, RequestStatus, Sequence
 from rooflm.engine.scheduler import Scheduler, SchedulerOutput
+from rooflm.engine.step_strategy import InFlightStep, PlainStep, StepStrategy
 from rooflm.kernels.fa4_prefill import fa4_block_size
 from rooflm.errors import InvalidRequest
 from rooflm.sampling_params import SamplingParams, resolve_max_tokens
@@ -36,21 +38,17 @@ logger = logging.getLogger(__name__)
 PromptType = Union[str, list[int]]
 
 
-@dataclass
-class _InFlight:
-    """A launched step, until its results are processed."""
+def strategy_for(config: EngineConfig, target: ModelConfig, max_model_len: int) -> StepStrategy:
+    """The strategy an engine config asks for, before the engine's parts exist.
 
-    out: SchedulerOutput
-    handle: StepHandle
-    shape: BatchShape
-    index: int
-    schedule_s: float
-    launch_s: float
-    launched_at: float
-    planned_at: float  # when the step's _step began (the speculation policy's clock)
-    behind: bool  # launched while another step was in flight (the async pipeline was full)
-    speculating: bool = False  # planned to verify drafts (the proposer may have found none)
-    loop: bool = False  # a step of speculative decoding's device loop (handle: spec.loop.LoopStep)
+    The engine's one import of a package above it (spec plugs into the engine). LLMEngine is
+    built in the engine's own core process (engine/core.py) as well as by LLM, the server, the
+    CLI and benchmarks, so no single builder above the engine could attach speculative decoding
+    for all of them; the engine asks spec's factory here instead, only when the config asks."""
+    if not config.speculative.speculative_method:
+        return PlainStep()
+    from rooflm.spec.factory import speculative_strategy
+    return speculative_strategy(config, target, max_model_len)
 
 
 class LLMEngine:
@@ -77,13 +75,8 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_config, self.max_model_len, tp or SINGLE)
         if self.executor is not None:  # NCCL waits on graphs that captured it: they go first
             self.executor.release_before_shutdown(self.runner.release_graphs)
-        self.spec = None  # spec.decoder.SpecDecoder with --speculative-method
-        if config.speculative.speculative_method:
-            from rooflm.spec.decoder import SpecDecoder
-            from rooflm.spec.factory import make_proposer
-            proposer = make_proposer(config, self.model_config, self.max_model_len)
-            self.spec = SpecDecoder(config.speculative, proposer, self.max_model_len, config.runtime.deterministic)
-            self.runner.extra_kv_bytes_per_block = proposer.kv_bytes_per_block()
+        self.strategy: StepStrategy = strategy_for(config, self.model_config, self.max_model_len)
+        self.runner.extra_kv_bytes_per_block = self.strategy.kv_bytes_per_block()
         try:
             num_blocks, num_host = self.runner.initialize(self.model_path, self.load_format)
         except BaseException:
@@ -93,15 +86,13 @@ class LLMEngine:
                 finally:
                     self.executor.shutdown(clean=False)
             raise
-        if self.spec is not None:
-            self.spec.proposer.allocate(num_blocks)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching, num_host)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.async_scheduling = config.runtime.async_scheduling
         if self.async_scheduling is None:
             self.async_scheduling = self.runner.device.type == "cuda"
-        self._in_flight: Optional[_InFlight] = None  # launched, not yet processed
+        self._in_flight: Optional[InFlightStep] = None  # launched, not yet processed
         self._last_collect = time.perf_counter()
         self._observers: list[Callable[[StepReport], None]] = []
         self.tracer: PhaseTracer = NULL_TRACER
@@ -113,7 +104,8 @@ class LLMEngine:
                                                 self.max_model_len, itertools.count())
         self._num_prompt_tokens = 0
         self._num_steps = 0
-        self.spec_loop = self._make_spec_loop() if self.spec is not None else None
+        self.strategy = self.strategy.attach(self)
+        self._observe_result = self.strategy.observe_result
         self._grammar_compiler = None  # structured.compiler.GrammarCompiler, at first use
         self._compiling: list[Request] = []  # requests whose grammar has not compiled yet
         self.startup_s = time.perf_counter() - t0
@@ -122,26 +114,6 @@ class LLMEngine:
             tune_gc_for_serving()
         logger.info("ready in %.1f s (%s)", self.startup_s,
                     ", ".join(f"{k} {v:.1f} s" for k, v in self.runner.timings.items()))
-
-    def _make_spec_loop(self):
-        """Speculative decoding's device loop (spec/loop.py), where it runs: with CUDA graphs by
-        default, also eagerly with speculative_device_loop=True; never with a draft model or
-        tensor parallelism. Its graphs are captured now, in the decode graphs' memory pool."""
-        cfg = self.config.speculative
-        graphs = self.runner.graphs
-        if (cfg.speculative_device_loop is False or cfg.speculative_method == "draft"
-                or self.runner.tp.size > 1 or (cfg.speculative_device_loop is None and graphs is None)):
-            return None
-        from rooflm.engine.cuda_graph import capture_sizes
-        from rooflm.spec.loop import SpecLoop
-        loop = SpecLoop(self.runner, cfg.num_speculative_tokens, cfg.speculative_max_batch_tokens,
-                        self.config.scheduler.max_num_seqs, self.max_model_len)
-        if graphs is not None:
-            t0 = time.perf_counter()
-            loop.capture(capture_sizes(min(loop.max_batch, self.config.runtime.cuda_graph_max_batch)),
-                         graphs.pool)
-            self.runner.timings["spec_loop_capture_s"] = time.perf_counter() - t0
-        return loop
 
     def _start_workers(self):
         from rooflm.engine.executor import TPExecutor
@@ -182,6 +154,17 @@ class LLMEngine:
     # ---- the read-only face ------------------------------------------------------------------
 
     @property
+    def spec(self):
+        """Speculative decoding's SpecDecoder (spec/decoder.py), None without: tests and
+        benchmarks swap its proposer and read its policy."""
+        return self.strategy.decoder
+
+    @property
+    def spec_loop(self):
+        """Speculative decoding's device loop (spec/loop.py), None where it does not run."""
+        return self.strategy.loop
+
+    @property
     def model(self):
         """The loaded model (torch.nn.Module): for offline tools that hook or read its layers
         (rooflm/quant/: calibration, quantized checkpoints), not for serving."""
@@ -199,10 +182,7 @@ class LLMEngine:
             num_preemptions=sched.num_preemptions, prefix_queried_tokens=bm.prefix_queries,
             prefix_hit_tokens=bm.prefix_hits, prompt_tokens=self._num_prompt_tokens,
             generation_tokens=self.output_processor.num_generated_tokens, steps=self._num_steps,
-            kv_admission_stalls=sched.num_kv_stalls, spec=self._spec_snapshot())
-
-    def _spec_snapshot(self) -> Optional[SpecSnapshot]:
-        return self.spec.stats.snapshot() if self.spec is not None else None
+            kv_admission_stalls=sched.num_kv_stalls, spec=self.strategy.spec_snapshot())
 
     def add_observer(self, observer: Callable[[StepReport], None]) -> None:
         """Call observer(report) after each executed step, on the engine's thread. Observers
@@ -411,89 +391,55 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.check_alive()
         failed = self._reap_failed_grammars() if self._compiling else []
-        k = 0
-        if self.spec is not None:
-            with self.tracer.phase("plan"):
-                k = self.spec.decide(self.scheduler)
-            loop = self.spec_loop
-            if loop is not None and (loop.active_loop or loop.wants(self.scheduler, k, self.spec.proposer)):
-                outputs, ran = self._loop_step(t0, k)
-                if ran:
-                    return failed + outputs
-                failed += outputs
-            with self.tracer.phase("plan"):
-                drained, k = self._plan_speculation(k)
-            failed += drained
-        with self.tracer.phase("schedule"):
-            out = self.scheduler.schedule()
-        if self.spec is not None and not out.is_empty:
-            with self.tracer.phase("propose"):
-                self.spec.propose(out, self.scheduler)
+        return self.strategy.step(t0, failed)
+
+    # ---- what step strategies run a step with (engine/step_strategy.py) ----------------------
+
+    def launch(self, out: SchedulerOutput, t0: float, speculating: bool = False) -> Optional[InFlightStep]:
+        """Queue a scheduled step on the model runner without waiting for it (None: nothing
+        was scheduled). t0: when the step's _step began."""
         t1 = time.perf_counter()
-        launched = None
-        if not out.is_empty:
-            shape = batch_shape(out, self.model_config.sliding_window)
-            prev = self._in_flight.handle if self._in_flight is not None else None
-            with self.tracer.phase("launch"):
-                handle = self.runner.launch(out, self._suppressed_tokens(out), prev)
-            self._num_steps += 1
-            launched = _InFlight(out, handle, shape, self._num_steps, t1 - t0,
-                                 time.perf_counter() - t1, t1, t0, prev is not None, k > 0)
-        if not self.async_scheduling or (self.spec is not None and self.spec.verifies(out)):
-            # A verify step's accepted lengths decide the next schedule: it runs synchronously
-            # (_plan_speculation finished the step before it).
-            if launched is not None and launched.handle.needs_bitmask:
-                self._sample_constrained(launched.handle)
-            return failed + (self._finish_step(launched) if launched is not None else [])
+        if out.is_empty:
+            return None
+        shape = batch_shape(out, self.model_config.sliding_window)
+        prev = self._in_flight.handle if self._in_flight is not None else None
+        with self.tracer.phase("launch"):
+            handle = self.runner.launch(out, self._suppressed_tokens(out), prev)
+        self._num_steps += 1
+        return InFlightStep(out, handle, shape, self._num_steps, t1 - t0, time.perf_counter() - t1, t1, t0,
+                            prev is not None, speculating)
+
+    def count_step(self) -> int:
+        """Count a step launched outside the model runner (speculative decoding's device
+        loop); returns its index."""
+        self._num_steps += 1
+        return self._num_steps
+
+    @property
+    def has_step_in_flight(self) -> bool:
+        return self._in_flight is not None
+
+    def finish_now(self, launched: Optional[InFlightStep], outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Synchronous scheduling, or a step whose results decide the next schedule (a verify
+        step): wait for the step just launched and process it, after `outputs`."""
+        if launched is None:
+            return outputs
+        if launched.handle.needs_bitmask:
+            self._sample_constrained(launched.handle)
+        return outputs + self._finish_step(launched)
+
+    def overlap(self, launched: Optional[InFlightStep], outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Async scheduling: the step just launched stays queued on the device while the one
+        before it is finished; returns `outputs`, then that one's."""
         previous, self._in_flight = self._in_flight, launched
-        outputs = self._finish_step(previous) if previous is not None else []
+        finished = self._finish_step(previous) if previous is not None else []
         if launched is not None and launched.handle.needs_bitmask:
             # Structured outputs under async scheduling: step t+1's forward is already queued
             # behind step t; step t's tokens have just reached the matchers, so its mask can
             # be filled and its sampling queued. The device waits only if the host's output
             # processing and mask fill take longer than step t+1's forward.
             self._sample_constrained(launched.handle)
-        return failed + outputs
-
-    def _plan_speculation(self, k: int) -> tuple[list[RequestOutput], int]:
-        """Give out the next step's draft slots (k > 0: it speculates, as SpecDecoder.decide
-        said). Proposals read every sequence's tokens on the host, so a step in flight is
-        finished first; its outputs are returned with k. Plain steps keep async scheduling."""
-        drained = self.drain() if k and self._in_flight is not None else []
-        self.spec.assign(self.scheduler, k)
-        return drained, k
-
-    def _loop_step(self, t0: float, k: int) -> tuple[list[RequestOutput], bool]:
-        """A step of speculative decoding's device loop (spec/loop.py): queue step t + 1, then
-        finish step t. Entering drains the step in flight; (its outputs, False) when the batch
-        could not enter after all (the host path runs this step). The loop ends when a step cannot follow:
-        the last step in flight is finished, spare blocks go back, and the next step() is the
-        host path's."""
-        loop = self.spec_loop
-        drained = []
-        if not loop.active_loop:
-            drained = self.drain()
-            if not loop.enter(self.scheduler, self.spec.proposer):
-                return drained, False
-        launched = None
-        t1 = time.perf_counter()
-        if loop.can_continue(self.scheduler, k):
-            with self.tracer.phase("launch"):
-                handle = loop.launch(self.scheduler)
-            if handle is not None:
-                self._num_steps += 1
-                # The shape is known once the step's drafts are (_finish_step).
-                launched = _InFlight(handle.out, handle, batch_shape(SchedulerOutput()), self._num_steps,
-                                     t1 - t0, time.perf_counter() - t1, t1, t0, True, True, loop=True)
-        if launched is None:
-            loop.release_lookahead()
-        previous, self._in_flight = self._in_flight, launched
-        outputs = self._finish_step(previous) if previous is not None else []
-        if launched is None:
-            loop.exit(self.scheduler)
-        # A loop that could not even start (the pool too short for its look-ahead) leaves the
-        # step to the host path, which preempts if it must.
-        return drained + outputs, launched is not None or previous is not None
+        return outputs + finished
 
     def drain(self) -> list[RequestOutput]:
         """Finish the step in flight, if any (async scheduling), and return its outputs; after
@@ -501,19 +447,16 @@ class LLMEngine:
         step, self._in_flight = self._in_flight, None
         return self._finish_step(step) if step is not None else []
 
-    def _finish_step(self, step: "_InFlight") -> list[RequestOutput]:
+    def _finish_step(self, step: InFlightStep) -> list[RequestOutput]:
         """Read a launched step's samples back, process them, and report the step."""
         t0 = time.perf_counter()
         with self.tracer.phase("collect"):
-            if step.loop:
-                result = StepResult(self.spec_loop.collect(step.handle), {}, {})
+            result = (step.collector or self.runner).collect(step.handle, wait_device=self.async_scheduling)
+            if step.shape is None:
                 step.shape = batch_shape(step.out, self.model_config.sliding_window)
-            else:
-                result = self.runner.collect(step.handle, wait_device=self.async_scheduling)
         t1 = time.perf_counter()
-        if self.spec is not None:
-            self.spec.observe(step.out, result.sampled, t1 - step.launched_at, step.planned_at,
-                              step.behind or not self.async_scheduling, step.speculating)
+        if self._observe_result is not None:
+            self._observe_result(step, result, t1)
         with self.tracer.phase("process"):
             outputs = self._process(step.out, result)
         t2 = time.perf_counter()

@@ -18,7 +18,7 @@ import torch
 
 from rooflm.config import EngineConfig, ModelConfig, kv_blocks_cap, step_activation_bytes
 from rooflm.distributed.group import SINGLE, TPGroup
-from rooflm.engine.block_manager import slot_mapping
+from rooflm.engine.block_manager import slot_mapping, slot_of
 from rooflm.engine.block_table_array import BlockTableArray, block_table_array
 from rooflm.engine.report import NULL_TRACER
 from rooflm.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -26,6 +26,7 @@ from rooflm.layers.attention import AttentionMetadata, ReferenceBackend
 from rooflm.layers import kv_cache as kv_format
 from rooflm.layers.kernels import TORCH_KERNELS, Kernels, triton_kernels
 from rooflm.layers.kv_cache import KVCache
+from rooflm.layers.rejection import verify
 from rooflm.layers.sampler import Sampler, SamplingMetadata, SamplingRow, compute_logprobs
 
 logger = logging.getLogger(__name__)
@@ -586,7 +587,7 @@ class ModelRunner:
                 pending.append((i, seq.seq_id))
                 input_ids.append(0)
             positions.append(start)
-            slots.append(seq.block_table.ids[start // block_size] * block_size + start % block_size)
+            slots.append(slot_of(seq.block_table.ids[start // block_size], start, block_size))
             rows.append(SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids,
                                     req.generators[seq.index] if req.generators else None,
                                     suppress.get(seq.seq_id, ()) if suppress else ()))
@@ -700,10 +701,9 @@ class ModelRunner:
         return meta
 
     def _sample(self, handle: "StepHandle", logits: torch.Tensor, meta: SamplingMetadata) -> None:
-        """Sample every row, or verify the drafts of speculating sequences (rooflm/spec/)."""
+        """Sample every row, or verify the drafts of speculating sequences (layers/rejection.py)."""
         inputs = handle.inputs
         if inputs.spec_rows:
-            from rooflm.spec.rejection import verify
             handle.sampled, handle.num_accepted = verify(
                 self.sampler, logits, meta, inputs.spec_rows, inputs.row_owner, handle.spec)
         else:

@@ -150,6 +150,28 @@ class Scheduler:
         self.bm.cache_full_blocks(table, seq.token_ids, known, req.cache_salt)
 
     # ---- speculative decoding ------------------------------------------------------------
+    # What rooflm/spec/ reads and changes between steps; it never touches the queues.
+
+    def running_requests(self) -> list[Request]:
+        """The running requests, oldest first: the live list (read it, never change it)."""
+        return self.running
+
+    def has_waiting_or_swapped(self) -> bool:
+        """Whether a request waits for admission or is swapped out (the next step may change
+        the running batch)."""
+        return bool(self.waiting or self.swapped)
+
+    def decoding_seqs(self) -> list[tuple[Request, Sequence]]:
+        """The running sequences with one token left to compute, oldest request first: those
+        whose next step can verify drafts."""
+        return [(req, seq) for req in self.running for seq in req.live_seqs if seq.num_uncomputed_tokens == 1]
+
+    def clear_spec_slots(self) -> None:
+        """No running or swapped-out sequence keeps draft slots for the next step."""
+        for queue in (self.running, self.swapped):
+            for req in queue:
+                for seq in req.live_seqs:
+                    seq.num_spec_slots = 0
 
     def shrink_spec(self, sch: ScheduledSeq, num_drafts: int) -> None:
         """The proposer filled fewer draft slots than were scheduled: the step computes fewer

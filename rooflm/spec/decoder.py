@@ -9,7 +9,7 @@ Each step, around the scheduler:
      batches can instead run spec/loop.py's device loop, which needs no host round trip.)
   2. propose (after scheduling): the proposer fills the slots; unused ones are given back
      (Scheduler.shrink_spec). The runner then verifies the drafts in the step's forward
-     (spec/rejection.py) and the output processor appends the accepted ones and rolls the
+     (layers/rejection.py) and the output processor appends the accepted ones and rolls the
      rest back (Scheduler.rollback_spec).
   3. observe (after the step): acceptance statistics.
 
@@ -100,8 +100,7 @@ class SpecDecoder:
         """k for the next step: the token budget's, 0 where the policy measured that plain steps
         give more tokens per second at this batch size. A k > 0 needs every sequence's tokens on
         the host, so the engine finishes a step in flight before assign()."""
-        decoding = [(req, seq) for req in scheduler.running for seq in req.live_seqs
-                    if seq.num_uncomputed_tokens == 1]
+        decoding = scheduler.decoding_seqs()
         k = self.num_drafts_per_seq(len(decoding))
         if k == 0 or not decoding:
             return 0
@@ -112,16 +111,11 @@ class SpecDecoder:
 
     def assign(self, scheduler: Scheduler, k: int) -> None:
         """Give each decoding sequence its draft slots for the next step (0: a plain step)."""
-        for queue in (scheduler.running, scheduler.swapped):
-            for req in queue:
-                for seq in req.live_seqs:
-                    seq.num_spec_slots = 0
+        scheduler.clear_spec_slots()
         if k == 0:
             return
-        for req in scheduler.running:
-            for seq in req.live_seqs:
-                if seq.num_uncomputed_tokens == 1:
-                    seq.num_spec_slots = self._slots(req, seq, k)
+        for req, seq in scheduler.decoding_seqs():
+            seq.num_spec_slots = self._slots(req, seq, k)
 
     def _slots(self, req: Request, seq: Sequence, k: int) -> int:
         params = req.params

@@ -18,8 +18,8 @@ A step, for the B sequences in the loop's slots (K drafts, W = K + 1 rows each):
      and never accepted) at positions length - 1 .. length - 1 + K, slots from its block table;
   3. the verify forward and the LM head, every row;
   4. accept: a greedy slot's draft stands while it is the argmax of the row before it; a sampled
-     slot's (temperature only) by speculative sampling, as spec/rejection.py does for point-mass
-     drafts: u < p(d), else a draw from p without d. The accepted drafts and the token after
+     slot's (temperature only) by speculative sampling, with layers/rejection.py's test and residual
+     for point-mass drafts: u < p(d), else a draw from p without d. The accepted drafts and the token after
      them are appended to the history, the length advances, and the step's tokens, counts and
      drafts are packed for one copy to the host.
 On CUDA, 2-4 are one CUDA graph per batch size (and a second one with the draws, for batches of at
@@ -48,9 +48,12 @@ from typing import Optional
 
 import torch
 
+from rooflm.engine.block_manager import slot_of
 from rooflm.engine.request import Request, RequestStatus, Sequence
 from rooflm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from rooflm.layers.attention import AttentionMetadata
+from rooflm.layers.rejection import accept_drafts, point_mass_residual_
+from rooflm.layers.sampler import sample_from_probs
 from rooflm.spec.proposer import DeviceProposer
 
 logger = logging.getLogger(__name__)
@@ -90,6 +93,7 @@ class LoopStep:
     ready: Optional[torch.cuda.Event]
     graph: str
     keep: list = field(default_factory=list)  # pinned uploads the device has yet to read
+    needs_bitmask = False  # never a grammar in the loop (loop_sampling): as StepHandle's
 
 
 class SpecLoop:
@@ -150,7 +154,7 @@ class SpecLoop:
         pos = last[:, None] + self.cols_w[None, :]
         ids = torch.cat([self.hist[:b].gather(1, last[:, None]).long(), self.drafts[:b]], dim=1)
         blocks = self.block_tables[:b].gather(1, (pos // bs).clamp_max(self.max_blocks - 1)).long()
-        slots = blocks * bs + pos % bs
+        slots = slot_of(blocks, pos, bs)
         self.input_ids[:b * w].copy_(torch.where(active, ids, 0).flatten())
         self.positions[:b * w].copy_(torch.where(active, pos, self.cols_w[None, :]).flatten())
         self.slot_mapping[:b * w].copy_(torch.where(active, slots, -1).flatten())
@@ -171,7 +175,7 @@ class SpecLoop:
 
     def _targets(self, b: int, logits: torch.Tensor, sampled: bool) -> torch.Tensor:
         """Each row's token to compare with its draft [B, W]: the argmax for greedy slots. For a
-        sampled slot (speculative sampling with point-mass drafts, spec/rejection.py): row j's
+        sampled slot (speculative sampling with point-mass drafts, layers/rejection.py): row j's
         draft d_j where a uniform u_j < p_j(d_j) (accepted), else a draw from p_j without d_j
         (the residual); rows past the drafts draw from p_j itself (the bonus token). The first
         row that disagrees with its draft is then the first rejection, and its target is the
@@ -186,10 +190,8 @@ class SpecLoop:
         drafts = torch.cat([self.drafts[:b], self.drafts.new_zeros(b, 1)], dim=1)
         has = self.cols_w[None, :] < self.num_drafts[:b, None]
         p_draft = probs.gather(2, drafts[..., None]).squeeze(2)
-        accepted = has & (torch.rand_like(p_draft) < p_draft)
-        probs.scatter_(2, drafts[..., None], torch.where(has, 0.0, p_draft)[..., None])  # the residual
-        noise = torch.empty_like(probs).exponential_().clamp_min_(torch.finfo(probs.dtype).tiny)
-        drawn = (probs / noise).argmax(dim=-1)  # sample_from_probs' race: an exact draw
+        accepted = has & accept_drafts(torch.rand_like(p_draft), p_draft)
+        drawn = sample_from_probs(point_mass_residual_(probs, drafts, p_draft, has), [])
         return torch.where((inv_temp > 0)[:, None], torch.where(accepted, drafts, drawn), target)
 
     def _accept(self, b: int, logits: torch.Tensor, sampled: bool = False) -> None:
@@ -260,8 +262,8 @@ class SpecLoop:
 
     def wants(self, scheduler: Scheduler, k: int, proposer) -> bool:
         """Whether the running batch could enter the loop (before the engine drains a step)."""
-        running = scheduler.running
-        if k != self.k or not running or scheduler.waiting or scheduler.swapped:
+        running = scheduler.running_requests()
+        if k != self.k or not running or scheduler.has_waiting_or_swapped():
             return False
         if len(running) > self.max_batch:
             return False
@@ -284,7 +286,7 @@ class SpecLoop:
 
     def enter(self, scheduler: Scheduler, proposer) -> bool:
         """Take the running sequences into the slots (nothing may be in flight)."""
-        seqs = [(req, req.seqs[0]) for req in scheduler.running]
+        seqs = [(req, req.seqs[0]) for req in scheduler.running_requests()]
         if not all(seq.num_pending == 0 and seq.num_uncomputed_tokens == 1 for _, seq in seqs):
             return False
         device_proposer = proposer.device_proposer()
@@ -322,7 +324,7 @@ class SpecLoop:
         return True
 
     def can_continue(self, scheduler: Scheduler, k: int) -> bool:
-        if k != self.k or scheduler.waiting or scheduler.swapped:
+        if k != self.k or scheduler.has_waiting_or_swapped():
             return False
         return all(req.status == RequestStatus.RUNNING and seq.finish_reason is None
                    and self._has_room(req, seq) for req, seq in self.slots)

@@ -14,7 +14,7 @@ import torch
 from rooflm.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from rooflm.sampling_params import SamplingParams
 from rooflm.spec.decoder import SpecBatch
-from rooflm.spec.rejection import verify
+from rooflm.layers.rejection import verify
 
 V = 8
 K = 2

@@ -17,6 +17,10 @@ on its draft, so the acceptance test is u < p_j(d_j) and the residual is p_j wit
 
 Seeded rows draw their uniforms and the residual's noise from the request's own generator
 (a seeded run is reproducible); no device-host sync happens here.
+
+The acceptance test (accept_drafts) and a point-mass proposer's residual (point_mass_residual_)
+are shared with speculative decoding's device loop (rooflm/spec/loop.py), which applies them to
+every row inside a CUDA graph.
 """
 
 from __future__ import annotations
@@ -85,18 +89,35 @@ def verify(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata,
     return sampler.with_logprobs(raw, sampled, meta), num_accepted
 
 
+def accept_drafts(u: torch.Tensor, p_draft: torch.Tensor, q_draft: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Speculative sampling's test of each draft d, from a uniform u: accepted where
+    u < p(d) / q(d), written u * q(d) < p(d) so that q(d) = 0 never divides. A point-mass
+    proposer (q_draft None) has q(d) = 1: u < p(d)."""
+    if q_draft is None:
+        return u < p_draft
+    return u * q_draft < p_draft
+
+
+def point_mass_residual_(probs: torch.Tensor, drafts: torch.Tensor, p_draft: torch.Tensor,
+                         rejected: torch.Tensor) -> torch.Tensor:
+    """max(0, p - q) for a point-mass q on each draft, in place over probs [..., V]: the
+    draft's probability becomes 0 where `rejected`, and p stays itself elsewhere (p_draft:
+    probs at the drafts [...], as the acceptance test read them). Unnormalised, as
+    sample_from_probs takes it."""
+    return probs.scatter_(-1, drafts[..., None], torch.where(rejected, 0.0, p_draft)[..., None])
+
+
 def _accept_random(probs: torch.Tensor, q: Optional[torch.Tensor], drafts: torch.Tensor,
                    owners: list, max_k: int) -> torch.Tensor:
-    """u < p(d) / q(d), written u * q(d) < p(d) so that q(d) = 0 never divides."""
     p_draft = probs[:, :max_k].gather(-1, drafts[..., None]).squeeze(-1)  # [S, K]
-    q_draft = torch.ones_like(p_draft) if q is None else q.gather(-1, drafts[..., None]).squeeze(-1)
+    q_draft = None if q is None else q.gather(-1, drafts[..., None]).squeeze(-1)
     u = torch.rand(p_draft.shape, device=p_draft.device)
     for s, sch in enumerate(owners):
         generator = sch.request.generator(sch.seq.index)
         if generator is not None and not sch.request.params.greedy:
             k = len(sch.spec_token_ids)
             u[s, :k] = torch.rand(k, generator=generator, device=u.device)
-    return u * q_draft < p_draft
+    return accept_drafts(u, p_draft, q_draft)
 
 
 def _residual(probs: torch.Tensor, q: Optional[torch.Tensor], drafts: torch.Tensor,
@@ -106,13 +127,13 @@ def _residual(probs: torch.Tensor, q: Optional[torch.Tensor], drafts: torch.Tens
     seqs = torch.arange(probs.shape[0], device=probs.device)
     p = probs[seqs, num_accepted]  # [S, V]
     at = num_accepted.clamp(max=max_k - 1)
-    if q is None:
-        q_row = torch.zeros_like(p).scatter_(1, drafts[seqs, at][:, None], 1.0)
-    else:
-        q_row = q[seqs, at]
-    residual = (p - q_row).clamp_min(0.0)
     rejected = num_accepted < num_drafts
-    residual = torch.where(rejected[:, None], residual, p)
+    if q is None:
+        draft = drafts[seqs, at]
+        residual = point_mass_residual_(p.clone(), draft, p.gather(1, draft[:, None]).squeeze(1), rejected)
+    else:
+        residual = (p - q[seqs, at]).clamp_min(0.0)
+        residual = torch.where(rejected[:, None], residual, p)
     # p == q on every token leaves no residual mass; a rejection then cannot happen except by
     # rounding, and p is the right answer.
     empty = residual.sum(dim=-1, keepdim=True) <= 0
