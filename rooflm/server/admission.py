@@ -16,8 +16,8 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Optional
 
-from rooflm.engine.async_engine import (AdmissionRejected, EngineDeadError, GenerateRequest,
-                                        RequestStream)
+from rooflm.engine.client import RequestStream
+from rooflm.engine.request_types import AdmissionRejected, EngineDeadError, GenerateRequest
 from rooflm.errors import InvalidRequest
 from rooflm.sampling_params import resolve_max_tokens
 from rooflm.server import protocol as p

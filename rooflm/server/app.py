@@ -9,7 +9,8 @@ A request's path through the server:
      and checks every range (400); the model name must be ours (404);
   4. prompts.py renders the chat template and tokenizes, in a worker thread;
   5. admission.py resolves max_tokens against the context length, builds
-     SamplingParams and hands the prompts to the engine's async front, which admits
+     SamplingParams and hands the prompts to the front end (engine/client.py's
+     EngineClient: in-process, engine-core client or DP client), which admits
      them all or refuses (429 with Retry-After when the queue or the tokens in
      flight are full). Whatever the engine or SamplingParams refuse arrives as
      InvalidRequest, a 400 whose param is the field as the client sent it;
@@ -43,6 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import rooflm
 from rooflm.engine.async_engine import AsyncLLMEngine
+from rooflm.engine.client import EngineClientFactory
 from rooflm.server import protocol as p
 from rooflm.server.body import read_body_in_time
 from rooflm.server.chat import ChatHandler
@@ -73,7 +75,9 @@ def create_app(engine_kwargs: Optional[dict] = None, config: Optional[ServerConf
     ServerState).
     """
     config = config or ServerConfig()
-    front = AsyncLLMEngine
+    # The front end for where the engine runs: on a thread here, in a process of its own,
+    # or as data-parallel replicas (each an EngineClient).
+    front: EngineClientFactory = AsyncLLMEngine
     if config.data_parallel_size > 1:
         if engine is not None or not engine_process:
             raise ValueError("data_parallel_size > 1 runs each replica in an engine process "

@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from rooflm.engine.async_engine import RequestStream
+from rooflm.engine.client import RequestStream
 from rooflm.engine.outputs import RequestOutput
 from rooflm.server import protocol as p
 from rooflm.server.access_log import note_generation

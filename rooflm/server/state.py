@@ -1,12 +1,10 @@
 """What the handlers share (app.state.rooflm), and the server's life: start, warm-up, drain, failure.
 
-The server reads the engine only through its face: `engine.info` (fixed at
-start-up), the EngineSnapshot the async front publishes after each step, the
-StepReports it hands observers, and `engine.tokenizer`. Requests reach it only
-through the async front. Nothing here touches the scheduler, the block manager
-or the runner. Two pairs fit: an LLMEngine with AsyncLLMEngine (the engine on a
-thread of this process), or an EngineCoreProcess with EngineCoreClient (the
-engine in a process of its own, `rooflm serve`'s default).
+Requests reach the engine only through the front-end protocol, an EngineClient
+(engine/client.py), whichever front end create_app built. Besides, the server
+reads the engine's face: `engine.info` (fixed at start-up), `engine.tokenizer`,
+and the StepReports it hands observers; the EngineSnapshot comes from the
+front end. Nothing here touches the scheduler, the block manager or the runner.
 """
 
 from __future__ import annotations
@@ -17,8 +15,9 @@ import time
 import uuid
 from typing import Callable, Optional
 
-from rooflm.engine.async_engine import AdmissionLimits, AsyncLLMEngine, GenerateRequest
+from rooflm.engine.client import EngineClient, EngineClientFactory
 from rooflm.engine.host_gc import tune_gc_for_serving
+from rooflm.engine.request_types import AdmissionLimits, GenerateRequest
 from rooflm.sampling_params import SamplingParams
 from rooflm.server import protocol as p
 from rooflm.server.chat_template import install_chat_template
@@ -38,14 +37,12 @@ FLUSH_GRACE_S = 1.0
 class ServerState:
     """Everything the handlers share; lives at app.state.rooflm.
 
-    engine: the engine's face (info, tokenizer, observers): an LLMEngine, or an
-    EngineCoreProcess for an engine in its own process;
-    async_engine: the async front built by `front(engine, limits, metrics)`
-    (AsyncLLMEngine, or EngineCoreClient), which owns the engine from start() on
-    and through which every request goes.
+    engine: the engine's face (info, tokenizer, observers; for data parallelism, its
+    replicas); async_engine: the front end built by `front(engine, limits, metrics)`,
+    which owns the engine from start() on and through which every request goes.
     """
 
-    def __init__(self, config: ServerConfig, engine, model_name: str, front=AsyncLLMEngine):
+    def __init__(self, config: ServerConfig, engine, model_name: str, front: EngineClientFactory):
         self.config = config
         self.engine = engine
         self.info = engine.info
@@ -57,7 +54,7 @@ class ServerState:
         self.meter = attach_step_meter(engine, self.metrics, config.peak_bandwidth_gbs)
         self.max_tokens_in_flight = config.tokens_in_flight_cap(self.info.kv_capacity_tokens)
         limits = AdmissionLimits(config.max_queued_requests, self.max_tokens_in_flight)
-        self.async_engine = front(engine, limits, self.metrics)
+        self.async_engine: EngineClient = front(engine, limits, self.metrics)
         self.limits = p.RequestLimits(max_n=config.max_n, vocab_size=self.info.model_config.vocab_size,
                                       max_model_len=self.info.max_model_len)
         self.logprobs = LogprobFormatter(self.tokenizer)
