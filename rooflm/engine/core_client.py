@@ -1,8 +1,8 @@
 """The front end of the engine-core process: an EngineClient (engine/client.py) over ZMQ.
 
 The engine runs in its own process (core.py), reached through an
-EngineCoreProcess (core_process.py). The event loop never blocks on it: sends never wait
-(unbounded queue), and one asyncio task reads the core's messages.
+EngineCoreProcess (core_process.py). The event loop never blocks on it: sends
+never wait (unbounded queue), and one asyncio task reads the core's messages.
 
 Per message from the core:
   AddReply     resolves the generate() call that sent the group: its requests

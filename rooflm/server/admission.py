@@ -79,7 +79,7 @@ async def _admit(state: "ServerState", requests: list[GenerateRequest], request:
                  deadline: Optional[float]) -> list[RequestStream]:
     timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
     try:
-        return await asyncio.wait_for(state.async_engine.generate(requests), timeout)
+        return await asyncio.wait_for(state.engine_client.generate(requests), timeout)
     except AdmissionRejected as exc:
         raise p.RequestError(str(exc), status=exc.status, err_type="rate_limit_error",
                              code="overloaded",

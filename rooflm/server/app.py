@@ -181,7 +181,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health():
-        reason = state.async_engine.health(state.config.health_stall_seconds)
+        reason = state.engine_client.health(state.config.health_stall_seconds)
         if reason is not None:
             return error_response(server_error(reason, 503, "unhealthy"))
         return JSONResponse({})
@@ -190,7 +190,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def ready():
         if state.draining:
             return error_response(server_error("the server is shutting down", 503, "not_ready"))
-        if not state.ready or state.async_engine.is_dead:
+        if not state.ready or state.engine_client.is_dead:
             return error_response(server_error("the server is not ready", 503, "not_ready"))
         return JSONResponse({"status": "ready"})
 

@@ -101,7 +101,7 @@ class Generation:
         self._closed = True
         self.state.active_requests -= 1
         unfinished = [s.request_id for s in self.streams if not s.finished]
-        self.state.async_engine.abort(unfinished)
+        self.state.engine_client.abort(unfinished)
 
     def usage(self) -> p.UsageInfo:
         finals = [out for out in self.latest if out is not None]
