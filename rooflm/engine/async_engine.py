@@ -322,7 +322,8 @@ class AsyncLLMEngine(EngineClient):
     def _note_scheduled(self, step_start: float) -> None:
         """A request leaves the queue when a step first schedules it: that is its queue time."""
         for tracked in self._tracked.values():
-            if tracked.scheduled_time is None and tracked.engine_request.status != RequestStatus.WAITING:
+            if (tracked.scheduled_time is None
+                    and tracked.engine_request.status != RequestStatus.WAITING):
                 tracked.scheduled_time = step_start
 
     def _process_outputs(self, outputs: list[RequestOutput], now: float) -> list:
