@@ -1,9 +1,7 @@
-"""DPClient: the server's async front over N engine cores, with one core client's face.
+"""DPClient: the front end over N engine cores, an EngineClient (engine/client.py) as one core's.
 
-The server calls generate / abort / abort_all / health / snapshot / is_dead /
-num_in_flight / start / shutdown / stop exactly as on EngineCoreClient; behind it
-each replica (dp/replicas.py) has its own EngineCoreClient, sockets and metric
-series (engine="<replica>", as vLLM labels its data-parallel engines).
+Behind it each replica (dp/replicas.py) has its own EngineCoreClient, sockets
+and metric series (engine="<replica>", as vLLM labels its data-parallel engines).
 
 generate() routes each group of requests whole (a group is admitted all or
 nothing, so it cannot span replicas) with the Router (dp/router.py), by the
@@ -29,11 +27,12 @@ from typing import Callable, Optional
 
 from rooflm.dp.replicas import ReplicaSet
 from rooflm.dp.router import Router
-from rooflm.engine.async_engine import (AdmissionLimits, AdmissionRejected, EngineDeadError,
-                                        GenerateRequest, RequestStream)
 from rooflm.engine.block_manager import hash_block
+from rooflm.engine.client import EngineClient, RequestStream
 from rooflm.engine.core_client import EngineCoreClient
 from rooflm.engine.report import EngineSnapshot, SpecSnapshot
+from rooflm.engine.request_types import (AdmissionLimits, AdmissionRejected, EngineDeadError,
+                                         GenerateRequest)
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +49,7 @@ class ReplicaLoad:
         self.outstanding_tokens += sign * sum(r.reserved_tokens for r in requests)
 
 
-class DPClient:
+class DPClient(EngineClient):
     def __init__(self, engine: ReplicaSet, limits: Optional[AdmissionLimits] = None,
                  metrics=None, policy: str = "cache_aware"):
         """engine: launched replicas, owned by this client from start() on. limits apply to
@@ -96,7 +95,8 @@ class DPClient:
 
     async def generate(self, requests: list[GenerateRequest],
                        bypass_limits: bool = False) -> list[RequestStream]:
-        """Admit a group on one replica, all together or not at all (EngineCoreClient's rules)."""
+        """Admit a group on one replica (routed as the module docstring says), all together or
+        not at all: a group cannot span replicas."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine failed: {self._dead}")
         # Only the cache-aware policy reads the prompt: hashing costs ~0.4 us a token (6 ms for

@@ -1,4 +1,5 @@
-"""The asyncio face of LLMEngine: one thread owns the engine, the event loop talks to it.
+"""The in-process front end (an EngineClient, engine/client.py): one thread owns the LLMEngine,
+the event loop talks to it.
 
 Why a thread: step() is a blocking forward pass. Run on the event loop, it would
 stall every connection for its whole duration. Why one thread: LLMEngine is not
@@ -23,10 +24,8 @@ If a step raises, the engine is declared dead: every in-flight request gets an
 EngineDeadError, the thread stays alive only to refuse new work, and the
 on_dead callback tells the server (which reports unhealthy and exits).
 
-Test hook: the environment variable ROOFLM_FAULT_INJECT_STEP=N makes the N-th
-call to engine.step() (counted from 1 since the engine thread started, the
-server's warm-up generation included) raise RuntimeError instead of running.
-It exists so tests can check the failure path; never set it in production.
+Test hook: ROOFLM_FAULT_INJECT_STEP=N makes the N-th engine step raise
+(serving_loop.py; counted from 1 since the engine thread started).
 """
 
 from __future__ import annotations
@@ -37,165 +36,20 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from dataclasses import dataclass
+from typing import Callable, Optional
 
-
-import rooflm.envs as envs
-from rooflm.engine.outputs import RequestOutput, merge_outputs
+from rooflm.engine.client import (EngineClient, NullMetrics, RequestStream, SnapshotMetrics,
+                                  StepTokens, TrackedRequest, admit_group, finish_reason_of)
+from rooflm.engine.outputs import RequestOutput
 from rooflm.engine.report import EngineSnapshot
 from rooflm.engine.request import Request, RequestStatus
-from rooflm.sampling_params import SamplingParams
+from rooflm.engine.request_types import (AdmissionLimits, AdmissionRejected, EngineDeadError,
+                                         GenerateRequest, RequestAborted)
+from rooflm.engine.serving_loop import (EMPTY_STEP_BACKOFF_S, IDLE_TICK_S, CountedSteps,
+                                        add_group, admission_check, fault_step_from_env)
 
 logger = logging.getLogger(__name__)
-
-FAULT_INJECT_ENV = "ROOFLM_FAULT_INJECT_STEP"
-
-# How long the idle engine thread waits for a command before it checks in
-# (updates its heartbeat). Small enough for a fresh health signal, large
-# enough to cost nothing.
-IDLE_TICK_S = 0.25
-
-# When the scheduler has work but schedules nothing (every waiting request is
-# blocked on KV blocks), back off this long instead of spinning a core.
-EMPTY_STEP_BACKOFF_S = 0.01
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop failed; no request can make progress any more."""
-
-
-class AdmissionRejected(Exception):
-    """The server is too busy (429) or not taking work (503); retry later."""
-
-    def __init__(self, message: str, status: int = 429, retry_after_s: int = 1):
-        super().__init__(message)
-        self.status = status
-        self.retry_after_s = retry_after_s
-
-
-class RequestAborted(Exception):
-    """The server aborted the request (shutdown, stop) while someone waited on it."""
-
-
-@dataclass
-class AdmissionLimits:
-    max_queued_requests: int = 64
-    max_tokens_in_flight: int = 0  # 0: no cap
-
-
-@dataclass
-class GenerateRequest:
-    """One prompt to generate for; params.max_tokens must already be resolved."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    cache_salt: Optional[str] = None
-    arrival_time: float = field(default_factory=time.monotonic)
-    record_metrics: bool = True  # False for the server's own warm-up
-
-    @property
-    def reserved_tokens(self) -> int:
-        """The most tokens this request can put in the KV cache."""
-        return len(self.prompt_token_ids) + self.params.n * (self.params.max_tokens or 0)
-
-
-class RequestStream:
-    """The outputs of one engine request, in order, as the event loop sees them.
-
-    Items are RequestOutputs; an exception item (engine death, server-side
-    abort) ends the stream and is raised by next(). A reader that falls behind
-    gets what piled up since its last read merged into one output.
-    """
-
-    def __init__(self, request_id: str):
-        self.request_id = request_id
-        self.finished = False
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._held: Optional[BaseException] = None  # met while merging: raised by the next read
-
-    def put(self, item: Union[RequestOutput, BaseException]) -> None:
-        self._queue.put_nowait(item)
-
-    async def next(self, timeout: Optional[float] = None) -> RequestOutput:
-        """The next output (several steps' worth if they are waiting); raises TimeoutError
-        after `timeout` seconds."""
-        if self._held is not None:
-            item, self._held = self._held, None
-        elif timeout is None:
-            item = await self._queue.get()
-        else:
-            item = await asyncio.wait_for(self._queue.get(), max(timeout, 0.0))
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        item = self._merge_waiting(item)
-        if item.finished:
-            self.finished = True
-        return item
-
-    def _merge_waiting(self, item: RequestOutput) -> RequestOutput:
-        while not item.finished and not self._queue.empty():
-            later = self._queue.get_nowait()
-            if isinstance(later, BaseException):
-                self._held = later  # the outputs before it are delivered first
-                break
-            item = merge_outputs(item, later)
-        return item
-
-
-class NullMetrics:
-    """The metrics interface the engine thread writes to; records nothing."""
-
-    def set_scheduler_state(self, running, waiting, kv_usage, free_blocks, num_blocks): pass
-    def set_tokens_in_flight(self, tokens): pass
-    def add_prefix_cache(self, queries, hits): pass
-    def add_preemptions(self, count): pass
-    def add_tokens(self, prompt_tokens, generation_tokens): pass
-    def observe_first_token(self, ttft_seconds): pass
-    def observe_inter_token(self, seconds): pass
-    def observe_finished(self, reason, e2e_seconds, queue_seconds): pass
-    def observe_request(self, prompt_tokens, sample_tokens, prefill_seconds, decode_seconds): pass
-
-
-class SnapshotMetrics:
-    """The engine's state as metrics: gauges set from each snapshot, counters advanced by what
-    changed since the previous one. Shared by the engine thread and the engine-core client."""
-
-    def __init__(self, metrics):
-        self.metrics = metrics
-        self._seen_prefix = (0, 0)
-        self._seen_preemptions = 0
-        self._seen_spec = None  # the last SpecSnapshot published
-
-    def publish(self, snap: EngineSnapshot, tokens_in_flight: int) -> None:
-        metrics = self.metrics
-        metrics.set_scheduler_state(snap.num_running_reqs, snap.num_waiting_reqs + snap.num_swapped_reqs,
-                                    snap.kv_usage, snap.num_free_blocks, snap.num_blocks)
-        metrics.set_tokens_in_flight(tokens_in_flight)
-        queries, hits = self._seen_prefix
-        metrics.add_prefix_cache(snap.prefix_queried_tokens - queries, snap.prefix_hit_tokens - hits)
-        self._seen_prefix = (snap.prefix_queried_tokens, snap.prefix_hit_tokens)
-        metrics.add_preemptions(snap.num_preemptions - self._seen_preemptions)
-        self._seen_preemptions = snap.num_preemptions
-        if snap.spec is not None:
-            self._publish_spec(snap.spec)
-
-    def _publish_spec(self, spec) -> None:
-        seen = self._seen_spec
-        if seen is None:
-            per_pos = list(spec.accepted_per_pos)
-            delta = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, spec.draft_s,
-                     spec.verify_s)
-        else:
-            per_pos = [a - b for a, b in zip(spec.accepted_per_pos, seen.accepted_per_pos)]
-            delta = (spec.num_drafts - seen.num_drafts, spec.num_draft_tokens - seen.num_draft_tokens,
-                     spec.num_accepted_tokens - seen.num_accepted_tokens, spec.draft_s - seen.draft_s,
-                     spec.verify_s - seen.verify_s)
-        drafts, draft_tokens, accepted, draft_s, verify_s = delta
-        self.metrics.add_spec_decode(drafts, draft_tokens, accepted, per_pos, draft_s, verify_s)
-        self._seen_spec = spec
 
 
 # ---- commands from the event loop to the engine thread ----------------------------------------------
@@ -220,92 +74,35 @@ class _Stop:
     pass
 
 
-@dataclass
-class _Tracked:
-    """The engine thread's bookkeeping for one admitted request."""
+class _Tracked(TrackedRequest):
+    """The engine thread's bookkeeping for one admitted request: its engine Request (whose
+    status says when it is first scheduled) and its reservation against the tokens in flight."""
 
-    request: Request
-    stream: RequestStream
-    reserved_tokens: int
-    arrival_time: float
-    record_metrics: bool
-    scheduled_time: Optional[float] = None
-    first_token_time: Optional[float] = None
-    last_token_time: Optional[float] = None
+    __slots__ = ("engine_request", "reserved_tokens")
+
+    def __init__(self, request: GenerateRequest, stream: RequestStream, engine_request: Request):
+        super().__init__(request, stream)
+        self.engine_request = engine_request
+        self.reserved_tokens = request.reserved_tokens
 
 
-def request_phases(scheduled: Optional[float], first_token: Optional[float],
-                   last_token: Optional[float]) -> tuple[Optional[float], Optional[float]]:
-    """(prefill, decode) seconds as vLLM defines them: first scheduled to first token, first
-    token to last; None where a timestamp is missing (never scheduled, no token)."""
-    if first_token is None:
-        return None, None
-    prefill = None if scheduled is None else first_token - scheduled
-    return prefill, (last_token or first_token) - first_token
-
-
-def admission_check(engine, limits: AdmissionLimits, tokens_in_flight: int,
-                    requests: list[GenerateRequest]) -> Optional[AdmissionRejected]:
-    """Why a group of requests may not be admitted now (None: it may). Runs where the engine
-    is (its thread, or the engine-core process), against the live queue."""
-    # The live queue, not a published snapshot: requests admitted earlier in this same
-    # batch of commands are waiting already.
-    waiting = engine.snapshot().num_waiting_reqs
-    limit = limits.max_queued_requests
-    if waiting + len(requests) > limit:
-        return AdmissionRejected(f"the server is overloaded: {waiting} requests are waiting "
-                                 f"(limit {limit}); retry later")
-    cap = limits.max_tokens_in_flight
-    reserved = sum(r.reserved_tokens for r in requests)
-    if cap and tokens_in_flight + reserved > cap:
-        return AdmissionRejected(f"the server is overloaded: {tokens_in_flight} tokens in "
-                                 f"flight plus this request's {reserved} would pass the limit of "
-                                 f"{cap}; retry later")
-    return None
-
-
-def add_group(engine, requests: list[GenerateRequest]) -> list[Request]:
-    """Add a group of requests to the engine all or nothing: a group with one bad prompt queues
-    none of its prompts (the error propagates). Used where the engine is: its thread, or the
-    engine-core process."""
-    added: list[Request] = []
-    try:
-        for request in requests:
-            added.append(engine.add_request(
-                request.request_id, request.prompt_token_ids, request.params,
-                arrival_time=request.arrival_time, cache_salt=request.cache_salt))
-    except Exception:
-        if added:
-            engine.abort_request([r.request_id for r in added])
-        raise
-    return added
-
-
-def fault_step_from_env() -> Optional[int]:
-    step = envs.get(FAULT_INJECT_ENV)
-    if step is None:
-        return None
-    logger.warning("%s=%d: engine step %d will raise (test hook)", FAULT_INJECT_ENV, step, step)
-    return step
-
-
-class AsyncLLMEngine:
+class AsyncLLMEngine(EngineClient):
     def __init__(self, engine, limits: Optional[AdmissionLimits] = None, metrics=None,
                  fault_inject_step: Optional[int] = None):
         """engine: an LLMEngine, owned by this object's thread from start() on. Step costs
         (MBU, MFU) reach the metrics through an observer the server adds to the engine.
 
-        fault_inject_step: see the module docstring; None reads the environment.
+        fault_inject_step: see serving_loop.py's test hook; None reads the environment.
         """
         self.engine = engine
         self.limits = limits or AdmissionLimits()
         self.metrics = metrics or NullMetrics()
         if fault_inject_step is None:
             fault_inject_step = fault_step_from_env()
-        self.fault_inject_step = fault_inject_step
+        self._steps = CountedSteps(fault_inject_step)
         # The engine's state after the latest step, for logs and health: replaced whole by
         # the engine thread, so the event loop always reads one consistent snapshot.
-        self.snapshot: EngineSnapshot = engine.snapshot()
+        self._snapshot: EngineSnapshot = engine.snapshot()
 
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
@@ -319,7 +116,6 @@ class AsyncLLMEngine:
         # Engine thread only.
         self._tracked: dict[str, _Tracked] = {}
         self._tokens_in_flight = 0
-        self._num_step_calls = 0
         self._snapshot_metrics = SnapshotMetrics(self.metrics)
 
     # ---- event loop side ---------------------------------------------------------------------------
@@ -356,29 +152,17 @@ class AsyncLLMEngine:
 
     async def generate(self, requests: list[GenerateRequest],
                        bypass_limits: bool = False) -> list[RequestStream]:
-        """Admit a group of requests all together, or none of them.
-
-        Raises AdmissionRejected (busy), ValueError (the engine refused an input;
-        nothing was queued), EngineDeadError. Returns one stream per request.
-        """
         self._raise_if_unavailable()
-        streams = [RequestStream(r.request_id) for r in requests]
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(_Add(requests, streams, future, bypass_limits))
-        try:
-            await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
-            # The add may still happen (it is queued); the abort queued after it undoes it.
-            self.abort([r.request_id for r in requests])
-            raise
-        return streams
+
+        def send(streams: list[RequestStream]) -> asyncio.Future:
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            self._commands.put(_Add(requests, streams, future, bypass_limits))
+            return asyncio.wrap_future(future)
+
+        return await admit_group(requests, send, self.abort)
 
     def abort(self, request_ids: list[str], reason: Optional[str] = None) -> None:
-        """Abort requests at the engine's next chance; frees their blocks. Never blocks.
-
-        Without a reason nobody is told (the caller is gone); with one, each
-        request's stream raises RequestAborted(reason).
-        """
+        # Queued after any add of the same ids: the engine thread applies them in order.
         if request_ids:
             self._commands.put(_Abort(list(request_ids), reason))
 
@@ -401,8 +185,15 @@ class AsyncLLMEngine:
         return self._dead is not None
 
     @property
+    def snapshot(self) -> EngineSnapshot:
+        return self._snapshot
+
+    @property
+    def fault_inject_step(self) -> Optional[int]:
+        return self._steps.fault_inject_step
+
+    @property
     def num_in_flight(self) -> int:
-        """Requests admitted and not yet finished or aborted."""
         return self._num_in_flight
 
     def _raise_if_unavailable(self) -> None:
@@ -499,9 +290,7 @@ class AsyncLLMEngine:
                 raise rejection
         added = add_group(self.engine, command.requests)
         for request, stream, engine_request in zip(command.requests, command.streams, added):
-            self._tracked[request.request_id] = _Tracked(
-                engine_request, stream, request.reserved_tokens, request.arrival_time,
-                request.record_metrics)
+            self._tracked[request.request_id] = _Tracked(request, stream, engine_request)
             self._tokens_in_flight += request.reserved_tokens
 
     def _admission_check(self, requests: list[GenerateRequest]) -> Optional[AdmissionRejected]:
@@ -521,15 +310,9 @@ class AsyncLLMEngine:
 
     def _step(self) -> bool:
         """One engine step; returns whether it did any work."""
-        self._num_step_calls += 1
-        if self.fault_inject_step is not None and self._num_step_calls == self.fault_inject_step:
-            raise RuntimeError(f"fault injected at engine step {self._num_step_calls} "
-                               f"({FAULT_INJECT_ENV})")
-        steps_before = self.engine.num_steps
         started = time.monotonic()
-        outputs = self.engine.step()
+        outputs, did_work = self._steps.run(self.engine)
         ended = time.monotonic()
-        did_work = self.engine.num_steps != steps_before
         if did_work:
             self._last_progress = ended
             self._note_scheduled(started)
@@ -539,51 +322,31 @@ class AsyncLLMEngine:
     def _note_scheduled(self, step_start: float) -> None:
         """A request leaves the queue when a step first schedules it: that is its queue time."""
         for tracked in self._tracked.values():
-            if tracked.scheduled_time is None and tracked.request.status != RequestStatus.WAITING:
+            if (tracked.scheduled_time is None
+                    and tracked.engine_request.status != RequestStatus.WAITING):
                 tracked.scheduled_time = step_start
 
     def _process_outputs(self, outputs: list[RequestOutput], now: float) -> list:
         deliveries = []
-        prompt_tokens = generation_tokens = 0
+        counts = StepTokens()
         for out in outputs:
             tracked = self._tracked.get(out.request_id)
             if tracked is None:
                 continue
             new_tokens = sum(len(ids) for ids in out.delta_token_ids)
-            if new_tokens and tracked.record_metrics:
-                if tracked.first_token_time is None:
-                    self.metrics.observe_first_token(now - tracked.arrival_time)
-                    prompt_tokens += len(out.prompt_token_ids)
-                else:
-                    self.metrics.observe_inter_token(now - tracked.last_token_time)
-                generation_tokens += new_tokens
             if new_tokens:
-                tracked.first_token_time = tracked.first_token_time or now
-                tracked.last_token_time = now
+                tracked.tokens_arrived(new_tokens, now, self.metrics, counts)
             deliveries.append((tracked.stream, out))
             if out.finished:
                 self._finish(tracked, finish_reason_of(out), now, out)
-        self.metrics.add_tokens(prompt_tokens, generation_tokens)
+        self.metrics.add_tokens(counts.prompt, counts.generation)
         return deliveries
 
     def _finish(self, tracked: _Tracked, reason: str, now: float,
                 out: Optional[RequestOutput] = None) -> None:
         self._tracked.pop(tracked.request.request_id, None)
         self._tokens_in_flight -= tracked.reserved_tokens
-        if not tracked.record_metrics:
-            return
-        e2e = queued = None
-        if reason != "abort":
-            e2e = now - tracked.arrival_time
-            if tracked.scheduled_time is not None:
-                queued = tracked.scheduled_time - tracked.arrival_time
-            prefill, decode = request_phases(tracked.scheduled_time, tracked.first_token_time,
-                                             tracked.last_token_time)
-            if out is not None:
-                self.metrics.observe_request(len(out.prompt_token_ids),
-                                             [len(s.token_ids) for s in out.outputs],
-                                             prefill, decode)
-        self.metrics.observe_finished(reason, e2e, queued)
+        tracked.observe_end(self.metrics, reason, now, out)
 
     def _die(self, exc: BaseException) -> None:
         self._dead = exc
@@ -593,8 +356,7 @@ class AsyncLLMEngine:
         deliveries = [(t.stream, error) for t in self._tracked.values()]
         ids = list(self._tracked)
         for tracked in self._tracked.values():
-            if tracked.record_metrics:
-                self.metrics.observe_finished("error", None, None)
+            tracked.observe_failure(self.metrics)
         self._tracked.clear()
         self._tokens_in_flight = 0
         try:
@@ -617,14 +379,7 @@ class AsyncLLMEngine:
             pass  # the event loop is closed: the process is exiting
 
     def _publish_state(self) -> None:
-        snap = self.snapshot = self.engine.snapshot()
+        snap = self._snapshot = self.engine.snapshot()
         self._num_in_flight = len(self._tracked)
         self._snapshot_metrics.publish(snap, self._tokens_in_flight)
 
-
-def finish_reason_of(out: RequestOutput) -> str:
-    """One reason per request: "length" if any sample ran out of tokens, else the first's."""
-    reasons = [c.finish_reason for c in out.outputs if c.finish_reason]
-    if "length" in reasons:
-        return "length"
-    return reasons[0] if reasons else "stop"

@@ -16,7 +16,7 @@ The loop:
      tokens, the StepReports of the steps it collected, and the core's state;
      without, send a Heartbeat with the state.
 
-Admission runs here, where the real queue is (async_engine.admission_check,
+Admission runs here, where the real queue is (serving_loop.admission_check,
 the same rule as in-process): a group is refused when the waiting queue would
 pass max_queued_requests or the tokens reserved in flight would pass
 max_tokens_in_flight.
@@ -46,7 +46,7 @@ Profile hook: ROOFLM_ENGINE_CORE_PROFILE=path runs the serving loop under cProfi
 its stats to path when the core exits (pstats format).
 
 Test hook: ROOFLM_FAULT_INJECT_STEP=N makes the N-th call to engine.step()
-raise, as in async_engine.py (counted from 1, the server's warm-up included).
+raise (serving_loop.py; counted from 1, the server's warm-up included).
 """
 
 from __future__ import annotations
@@ -67,9 +67,6 @@ import zmq
 
 import rooflm.envs as envs
 from rooflm.config import EngineConfig
-from rooflm.engine.async_engine import (EMPTY_STEP_BACKOFF_S, FAULT_INJECT_ENV, IDLE_TICK_S,
-                                        AdmissionLimits, AdmissionRejected, GenerateRequest,
-                                        add_group, admission_check, fault_step_from_env)
 from rooflm.engine.core_protocol import (Abort, AddError, AddReply, AddRequests, Configure,
                                          CoreState, EngineDead, EngineReady, Heartbeat,
                                          RequestDelta, SampleDelta, Shutdown, StepOutputs,
@@ -77,6 +74,9 @@ from rooflm.engine.core_protocol import (Abort, AddError, AddReply, AddRequests,
 from rooflm.engine.llm_engine import LLMEngine
 from rooflm.engine.outputs import RequestOutput
 from rooflm.engine.request import Request
+from rooflm.engine.request_types import AdmissionLimits, AdmissionRejected, GenerateRequest
+from rooflm.engine.serving_loop import (EMPTY_STEP_BACKOFF_S, IDLE_TICK_S, CountedSteps, add_group,
+                                        admission_check, fault_step_from_env)
 from rooflm.errors import InvalidRequest
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class EngineCore:
                  fault_inject_step: Optional[int] = None):
         self.engine = engine
         self.limits = AdmissionLimits()
-        self.fault_inject_step = fault_inject_step
+        self._steps = CountedSteps(fault_inject_step)
         self._input = input_socket
         self._output = output_socket
         self._poller = zmq.Poller()
@@ -113,7 +113,6 @@ class EngineCore:
         self._decode = input_decoder().decode
         self._tracked: dict[str, _Tracked] = {}
         self._tokens_in_flight = 0
-        self._num_step_calls = 0
         self._last_progress = time.monotonic()
         self._reports: list = []
         engine.add_observer(self._reports.append)
@@ -221,13 +220,7 @@ class EngineCore:
 
     def _step(self) -> bool:
         """One engine step and its StepOutputs; returns whether the step did any work."""
-        self._num_step_calls += 1
-        if self.fault_inject_step is not None and self._num_step_calls == self.fault_inject_step:
-            raise RuntimeError(f"fault injected at engine step {self._num_step_calls} "
-                               f"({FAULT_INJECT_ENV})")
-        steps_before = self.engine.num_steps
-        outputs = self.engine.step()
-        did_work = self.engine.num_steps != steps_before
+        outputs, did_work = self._steps.run(self.engine)
         if did_work:
             self._last_progress = time.monotonic()
         if did_work or outputs or self._reports:

@@ -1,10 +1,8 @@
-"""The asyncio face of the engine-core process: AsyncLLMEngine's interface, over ZMQ.
+"""The front end of the engine-core process: an EngineClient (engine/client.py) over ZMQ.
 
-The server calls generate / abort / abort_all / health / snapshot / is_dead /
-num_in_flight / start / shutdown exactly as on AsyncLLMEngine; the engine runs
-in its own process (core.py), reached through an EngineCoreProcess
-(core_process.py). The event loop never blocks on it: sends never wait
-(unbounded queue), and one asyncio task reads the core's messages.
+The engine runs in its own process (core.py), reached through an
+EngineCoreProcess (core_process.py). The event loop never blocks on it: sends
+never wait (unbounded queue), and one asyncio task reads the core's messages.
 
 Per message from the core:
   AddReply     resolves the generate() call that sent the group: its requests
@@ -38,15 +36,16 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from rooflm.engine.async_engine import (AdmissionLimits, AdmissionRejected, EngineDeadError,
-                                        GenerateRequest, NullMetrics, RequestAborted, RequestStream,
-                                        SnapshotMetrics, finish_reason_of, request_phases)
+from rooflm.engine.client import (EngineClient, NullMetrics, RequestStream, SnapshotMetrics,
+                                  StepTokens, TrackedRequest, admit_group, finish_reason_of)
 from rooflm.engine.core_process import EngineCoreProcess
 from rooflm.engine.core_protocol import (Abort, AddError, AddReply, AddRequests, Configure,
                                          CoreState, EngineDead, Heartbeat, RequestDelta, Shutdown,
                                          StepOutputs, encoder, output_decoder)
 from rooflm.engine.outputs import CompletionOutput, RequestOutput
 from rooflm.engine.report import EngineSnapshot
+from rooflm.engine.request_types import (AdmissionLimits, AdmissionRejected, EngineDeadError,
+                                         GenerateRequest, RequestAborted)
 from rooflm.errors import InvalidRequest
 
 logger = logging.getLogger(__name__)
@@ -68,16 +67,15 @@ class _Sample:
     stop_reason: object = None
 
 
-class _Tracked:
+class _Tracked(TrackedRequest):
     """An admitted request: its stream, and its outputs rebuilt from the core's deltas."""
 
+    __slots__ = ("samples", "prompt_logprobs")
+
     def __init__(self, request: GenerateRequest, stream: RequestStream):
-        self.request = request
-        self.stream = stream
+        super().__init__(request, stream)
         self.samples: dict[int, _Sample] = {}
         self.prompt_logprobs = None
-        self.first_token_time: Optional[float] = None
-        self.last_token_time: Optional[float] = None
 
     def apply(self, delta: RequestDelta) -> RequestOutput:
         """Add one step's news; the RequestOutput LLMEngine.step() would have returned."""
@@ -126,14 +124,14 @@ class _PendingAdd:
     abort_reason: Optional[str] = None  # abort_all came first: abort it as soon as it is in
 
 
-class EngineCoreClient:
+class EngineCoreClient(EngineClient):
     def __init__(self, core: EngineCoreProcess, limits: Optional[AdmissionLimits] = None,
                  metrics=None):
         """core: a launched EngineCoreProcess, owned by this client from start() on."""
         self.core = core
         self.limits = limits or AdmissionLimits()
         self.metrics = metrics or NullMetrics()
-        self.snapshot: EngineSnapshot = core.ready_state.snapshot
+        self._snapshot: EngineSnapshot = core.ready_state.snapshot
         self._encode = encoder().encode
         self._tracked: dict[str, _Tracked] = {}
         self._adds: dict[int, _PendingAdd] = {}
@@ -200,31 +198,19 @@ class EngineCoreClient:
 
     async def generate(self, requests: list[GenerateRequest],
                        bypass_limits: bool = False) -> list[RequestStream]:
-        """Admit a group of requests all together, or none of them.
-
-        Raises AdmissionRejected (busy), ValueError (the engine refused an input;
-        nothing was queued), EngineDeadError. Returns one stream per request.
-        """
         self._raise_if_unavailable()
-        batch_id = next(self._batch_ids)
-        streams = [RequestStream(r.request_id) for r in requests]
-        pending = _PendingAdd(self._loop.create_future(), list(requests), streams)
-        self._adds[batch_id] = pending
-        self._send(AddRequests(batch_id, list(requests), bypass_limits))
-        try:
-            await pending.future
-        except asyncio.CancelledError:
-            # The group may be admitted all the same; the abort sent after it undoes it.
-            self.abort([r.request_id for r in requests])
-            raise
-        return streams
+
+        def send(streams: list[RequestStream]) -> asyncio.Future:
+            batch_id = next(self._batch_ids)
+            pending = _PendingAdd(self._loop.create_future(), list(requests), streams)
+            self._adds[batch_id] = pending
+            self._send(AddRequests(batch_id, list(requests), bypass_limits))
+            return pending.future
+
+        return await admit_group(requests, send, self.abort)
 
     def abort(self, request_ids: list[str], reason: Optional[str] = None) -> None:
-        """Abort requests; the core frees their blocks at its next chance. Never blocks.
-
-        Without a reason nobody is told (the caller is gone); with one, each
-        request's stream raises RequestAborted(reason).
-        """
+        # Forgotten here at once; the core frees the blocks when the Abort reaches it.
         if request_ids:
             self._abort_tracked(list(request_ids), reason)
             self._send_quietly(Abort(list(request_ids)))
@@ -253,8 +239,11 @@ class EngineCoreClient:
 
     @property
     def num_in_flight(self) -> int:
-        """Requests admitted and not yet finished or aborted."""
         return len(self._tracked)
+
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        return self._snapshot
 
     def _raise_if_unavailable(self) -> None:
         if self._dead is not None:
@@ -325,7 +314,7 @@ class EngineCoreClient:
 
     def _on_step(self, message: StepOutputs) -> None:
         now = time.monotonic()
-        prompt_tokens = generation_tokens = 0
+        counts = StepTokens()
         for delta in message.outputs:
             tracked = self._tracked.get(delta.request_id)
             if tracked is None:
@@ -333,46 +322,25 @@ class EngineCoreClient:
             out = tracked.apply(delta)
             new_tokens = sum(len(sample.token_ids) for sample in delta.samples)
             if new_tokens:
-                if tracked.request.record_metrics:
-                    if tracked.first_token_time is None:
-                        self.metrics.observe_first_token(now - tracked.request.arrival_time)
-                        prompt_tokens += len(tracked.request.prompt_token_ids)
-                    else:
-                        self.metrics.observe_inter_token(now - tracked.last_token_time)
-                    generation_tokens += new_tokens
-                tracked.first_token_time = tracked.first_token_time or now
-                tracked.last_token_time = now
+                tracked.tokens_arrived(new_tokens, now, self.metrics, counts)
             tracked.stream.put(out)
             if delta.finished:
-                self._finish(tracked, finish_reason_of(out), now, delta.queued_s, out)
-        self.metrics.add_tokens(prompt_tokens, generation_tokens)
+                if delta.queued_s is not None:
+                    # When the core first scheduled it: one monotonic clock for the host.
+                    tracked.scheduled_time = tracked.request.arrival_time + delta.queued_s
+                self._finish(tracked, finish_reason_of(out), now, out)
+        self.metrics.add_tokens(counts.prompt, counts.generation)
         for report in message.reports:
             for observer in self.core.observers:
                 observer(report)
         self._publish(message.state)
 
-    def _finish(self, tracked: _Tracked, reason: str, now: float, queued_s: Optional[float],
+    def _finish(self, tracked: _Tracked, reason: str, now: float,
                 out: Optional[RequestOutput] = None) -> None:
         self._tracked.pop(tracked.request.request_id, None)
         if self.on_request_done is not None:
             self.on_request_done(tracked.request)
-        if not tracked.request.record_metrics:
-            return
-        e2e = None
-        if reason != "abort":
-            e2e = now - tracked.request.arrival_time
-            # The core sends when it first scheduled the request (as queued_s: one monotonic
-            # clock for the host); token times are this process's, as for TTFT.
-            scheduled = None if queued_s is None else tracked.request.arrival_time + queued_s
-            prefill, decode = request_phases(scheduled, tracked.first_token_time,
-                                             tracked.last_token_time)
-            if out is not None:
-                self.metrics.observe_request(len(tracked.request.prompt_token_ids),
-                                             [len(s.token_ids) for s in out.outputs],
-                                             prefill, decode)
-        else:
-            queued_s = None
-        self.metrics.observe_finished(reason, e2e, queued_s)
+        tracked.observe_end(self.metrics, reason, now, out)
 
     def _abort_tracked(self, request_ids: list[str], reason: Optional[str]) -> None:
         now = time.monotonic()
@@ -380,7 +348,7 @@ class EngineCoreClient:
             tracked = self._tracked.get(request_id)
             if tracked is None:
                 continue  # finished already, or never admitted
-            self._finish(tracked, "abort", now, None)
+            self._finish(tracked, "abort", now)
             if reason is not None:
                 tracked.stream.put(RequestAborted(reason))
 
@@ -391,7 +359,7 @@ class EngineCoreClient:
         self._adds.clear()
 
     def _publish(self, state: CoreState) -> None:
-        self.snapshot = state.snapshot
+        self._snapshot = state.snapshot
         self._last_progress = state.last_progress
         self._snapshot_metrics.publish(state.snapshot, state.tokens_in_flight)
 
@@ -414,8 +382,7 @@ class EngineCoreClient:
                      len(self._tracked))
         exc = EngineDeadError(f"the engine failed: {error}")
         for tracked in self._tracked.values():
-            if tracked.request.record_metrics:
-                self.metrics.observe_finished("error", None, None)
+            tracked.observe_failure(self.metrics)
             tracked.stream.put(exc)
         self._tracked.clear()
         self._fail_adds(exc)
@@ -426,7 +393,7 @@ class EngineCoreClient:
 
 
 def _add_error(error: AddError) -> Exception:
-    """The exception generate() raises for a refused group, as AsyncLLMEngine raises it."""
+    """The exception generate() raises for a refused group, as the other front ends raise it."""
     if error.kind == "invalid":
         return InvalidRequest(error.message, param=error.param)
     if error.kind == "busy":

@@ -35,7 +35,7 @@ from typing import Optional, Union
 
 import msgspec
 
-from rooflm.engine.async_engine import GenerateRequest
+from rooflm.engine.request_types import GenerateRequest
 from rooflm.engine.outputs import TokenLogprob
 from rooflm.engine.report import EngineInfo, EngineSnapshot, StepReport
 

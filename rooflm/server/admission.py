@@ -16,8 +16,8 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Optional
 
-from rooflm.engine.async_engine import (AdmissionRejected, EngineDeadError, GenerateRequest,
-                                        RequestStream)
+from rooflm.engine.client import RequestStream
+from rooflm.engine.request_types import AdmissionRejected, EngineDeadError, GenerateRequest
 from rooflm.errors import InvalidRequest
 from rooflm.sampling_params import resolve_max_tokens
 from rooflm.server import protocol as p
@@ -79,7 +79,7 @@ async def _admit(state: "ServerState", requests: list[GenerateRequest], request:
                  deadline: Optional[float]) -> list[RequestStream]:
     timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
     try:
-        return await asyncio.wait_for(state.async_engine.generate(requests), timeout)
+        return await asyncio.wait_for(state.engine_client.generate(requests), timeout)
     except AdmissionRejected as exc:
         raise p.RequestError(str(exc), status=exc.status, err_type="rate_limit_error",
                              code="overloaded",

@@ -9,7 +9,8 @@ A request's path through the server:
      and checks every range (400); the model name must be ours (404);
   4. prompts.py renders the chat template and tokenizes, in a worker thread;
   5. admission.py resolves max_tokens against the context length, builds
-     SamplingParams and hands the prompts to the engine's async front, which admits
+     SamplingParams and hands the prompts to the front end (engine/client.py's
+     EngineClient: in-process, engine-core client or DP client), which admits
      them all or refuses (429 with Retry-After when the queue or the tokens in
      flight are full). Whatever the engine or SamplingParams refuse arrives as
      InvalidRequest, a 400 whose param is the field as the client sent it;
@@ -42,6 +43,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rooflm.engine.async_engine import AsyncLLMEngine
+from rooflm.engine.client import EngineClientFactory
 from rooflm.server import protocol as p
 from rooflm.server.body import read_body_in_time
 from rooflm.server.chat import ChatHandler
@@ -73,7 +75,9 @@ def create_app(engine_kwargs: Optional[dict] = None, config: Optional[ServerConf
     ServerState).
     """
     config = config or ServerConfig()
-    front = AsyncLLMEngine
+    # The front end for where the engine runs: on a thread here, in a process of its own,
+    # or as data-parallel replicas (each an EngineClient).
+    front: EngineClientFactory = AsyncLLMEngine
     if config.data_parallel_size > 1:
         if engine is not None or not engine_process:
             raise ValueError("data_parallel_size > 1 runs each replica in an engine process "
@@ -177,7 +181,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health():
-        reason = state.async_engine.health(state.config.health_stall_seconds)
+        reason = state.engine_client.health(state.config.health_stall_seconds)
         if reason is not None:
             return error_response(server_error(reason, 503, "unhealthy"))
         return JSONResponse({})
@@ -186,7 +190,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def ready():
         if state.draining:
             return error_response(server_error("the server is shutting down", 503, "not_ready"))
-        if not state.ready or state.async_engine.is_dead:
+        if not state.ready or state.engine_client.is_dead:
             return error_response(server_error("the server is not ready", 503, "not_ready"))
         return JSONResponse({"status": "ready"})
 

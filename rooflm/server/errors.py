@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from rooflm.engine.async_engine import EngineDeadError, RequestAborted
+from rooflm.engine.request_types import EngineDeadError, RequestAborted
 from rooflm.errors import InvalidRequest
 from rooflm.server import protocol as p
 

@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from rooflm.engine.async_engine import RequestStream
+from rooflm.engine.client import RequestStream
 from rooflm.engine.outputs import RequestOutput
 from rooflm.server import protocol as p
 from rooflm.server.access_log import note_generation
@@ -101,7 +101,7 @@ class Generation:
         self._closed = True
         self.state.active_requests -= 1
         unfinished = [s.request_id for s in self.streams if not s.finished]
-        self.state.async_engine.abort(unfinished)
+        self.state.engine_client.abort(unfinished)
 
     def usage(self) -> p.UsageInfo:
         finals = [out for out in self.latest if out is not None]

@@ -178,7 +178,7 @@ class ServerMetrics:
         """The series of another engine core (a data-parallel replica) in this registry."""
         return ServerMetrics(self.model_name, engine_index, self.max_model_len, _shared=self)
 
-    # ---- written by the engine's async front ------------------------------------------------------
+    # ---- written by the engine's front end --------------------------------------------------------
 
     def add_spec_decode(self, drafts: int, draft_tokens: int, accepted: int,
                         accepted_per_pos: list[int], draft_s: float, verify_s: float) -> None:

@@ -1,12 +1,10 @@
 """What the handlers share (app.state.rooflm), and the server's life: start, warm-up, drain, failure.
 
-The server reads the engine only through its face: `engine.info` (fixed at
-start-up), the EngineSnapshot the async front publishes after each step, the
-StepReports it hands observers, and `engine.tokenizer`. Requests reach it only
-through the async front. Nothing here touches the scheduler, the block manager
-or the runner. Two pairs fit: an LLMEngine with AsyncLLMEngine (the engine on a
-thread of this process), or an EngineCoreProcess with EngineCoreClient (the
-engine in a process of its own, `rooflm serve`'s default).
+Requests reach the engine only through the front-end protocol, an EngineClient
+(engine/client.py), whichever front end create_app built. Besides, the server
+reads the engine's face: `engine.info` (fixed at start-up), `engine.tokenizer`,
+and the StepReports it hands observers; the EngineSnapshot comes from the
+front end. Nothing here touches the scheduler, the block manager or the runner.
 """
 
 from __future__ import annotations
@@ -17,8 +15,9 @@ import time
 import uuid
 from typing import Callable, Optional
 
-from rooflm.engine.async_engine import AdmissionLimits, AsyncLLMEngine, GenerateRequest
+from rooflm.engine.client import EngineClient, EngineClientFactory
 from rooflm.engine.host_gc import tune_gc_for_serving
+from rooflm.engine.request_types import AdmissionLimits, GenerateRequest
 from rooflm.sampling_params import SamplingParams
 from rooflm.server import protocol as p
 from rooflm.server.chat_template import install_chat_template
@@ -38,14 +37,13 @@ FLUSH_GRACE_S = 1.0
 class ServerState:
     """Everything the handlers share; lives at app.state.rooflm.
 
-    engine: the engine's face (info, tokenizer, observers): an LLMEngine, or an
-    EngineCoreProcess for an engine in its own process;
-    async_engine: the async front built by `front(engine, limits, metrics)`
-    (AsyncLLMEngine, or EngineCoreClient), which owns the engine from start() on
-    and through which every request goes.
+    engine: the engine's face (info, tokenizer, observers; for data parallelism, its
+    replicas); engine_client: the front end built by `front(engine, limits,
+    metrics)`, which owns the engine from start() on and through which every
+    request goes.
     """
 
-    def __init__(self, config: ServerConfig, engine, model_name: str, front=AsyncLLMEngine):
+    def __init__(self, config: ServerConfig, engine, model_name: str, front: EngineClientFactory):
         self.config = config
         self.engine = engine
         self.info = engine.info
@@ -57,7 +55,7 @@ class ServerState:
         self.meter = attach_step_meter(engine, self.metrics, config.peak_bandwidth_gbs)
         self.max_tokens_in_flight = config.tokens_in_flight_cap(self.info.kv_capacity_tokens)
         limits = AdmissionLimits(config.max_queued_requests, self.max_tokens_in_flight)
-        self.async_engine = front(engine, limits, self.metrics)
+        self.engine_client: EngineClient = front(engine, limits, self.metrics)
         self.limits = p.RequestLimits(max_n=config.max_n, vocab_size=self.info.model_config.vocab_size,
                                       max_model_len=self.info.max_model_len)
         self.logprobs = LogprobFormatter(self.tokenizer)
@@ -74,18 +72,18 @@ class ServerState:
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.async_engine.start(on_dead=self.on_engine_dead)
+        self.engine_client.start(on_dead=self.on_engine_dead)
         if self.config.warmup:
             self._spawn(self.warm_up())
         else:
             self.ready = True
         if self.config.log_interval > 0:
-            self._spawn(log_stats_forever(self.async_engine, self.meter, self.config.log_interval))
+            self._spawn(log_stats_forever(self.engine_client, self.meter, self.config.log_interval))
 
     async def stop(self) -> None:
         for task in list(self._background):
             task.cancel()
-        await self.async_engine.shutdown()
+        await self.engine_client.shutdown()
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -112,7 +110,7 @@ class ServerState:
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         request = GenerateRequest(f"warmup-{uuid.uuid4().hex}", [token_id], params,
                                   record_metrics=False)
-        streams = await self.async_engine.generate([request], bypass_limits=True)
+        streams = await self.engine_client.generate([request], bypass_limits=True)
         while not streams[0].finished:
             await streams[0].next()
 
@@ -145,7 +143,7 @@ class ServerState:
         await self._wait_idle(timeout)
         if self.active_requests > 0:
             logger.warning("shutdown timeout: aborting %d requests", self.active_requests)
-            self.async_engine.abort_all("the server is shutting down")
+            self.engine_client.abort_all("the server is shutting down")
             await self._wait_idle(FLUSH_GRACE_S)
         if self.request_exit is not None:
             self.request_exit()
@@ -160,7 +158,7 @@ class ServerState:
     def check_accepting(self) -> None:
         if self.draining:
             raise server_error("the server is shutting down", 503, "shutting_down")
-        if self.async_engine.is_dead:
+        if self.engine_client.is_dead:
             raise server_error("the engine failed; the server takes no new requests", 503,
                                "engine_error")
 

@@ -16,6 +16,7 @@ import logging
 import time
 from typing import Optional
 
+from rooflm.engine.client import EngineClient
 from rooflm.engine.report import EngineInfo, EngineSnapshot
 from rooflm.perf.gpus import GpuSpec
 from rooflm.perf.live import MeterSummary, StepMeter, default_gpu_for
@@ -66,13 +67,13 @@ def stats_line(before: EngineSnapshot, after: EngineSnapshot, seconds: float,
             f"hit rate: {100 * hit_rate:.1f}%; steps: {summary.format()}")
 
 
-async def log_stats_forever(async_engine, meter: StepMeter, interval: float) -> None:
+async def log_stats_forever(engine_client: EngineClient, meter: StepMeter, interval: float) -> None:
     """Every `interval` seconds, one line about that interval (INFO while busy, else DEBUG)."""
-    before, last_time = async_engine.snapshot, time.monotonic()
+    before, last_time = engine_client.snapshot, time.monotonic()
     while True:
         await asyncio.sleep(interval)
         # The front replaces the snapshot whole: this is one consistent state.
-        after, now = async_engine.snapshot, time.monotonic()
+        after, now = engine_client.snapshot, time.monotonic()
         summary = meter.summary()
         meter.reset()
         busy = (after.num_running_reqs or after.num_waiting_reqs

@@ -15,7 +15,7 @@ from rooflm import LLM
 from rooflm.config import engine_config_from_kwargs
 from rooflm.dp.client import DPClient
 from rooflm.dp.replicas import ReplicaSet
-from rooflm.engine.async_engine import GenerateRequest
+from rooflm.engine.request_types import GenerateRequest
 from rooflm.sampling_params import SamplingParams
 from tests.models.tiny_models import make_tiny_model
 

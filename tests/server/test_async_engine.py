@@ -10,11 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from rooflm.engine.async_engine import (AdmissionLimits, AdmissionRejected, AsyncLLMEngine,
-                                        EngineDeadError, GenerateRequest, RequestAborted)
+from rooflm.engine.async_engine import AsyncLLMEngine
 from rooflm.engine.outputs import CompletionOutput, RequestOutput
 from rooflm.engine.report import EngineSnapshot
 from rooflm.engine.request import RequestStatus
+from rooflm.engine.request_types import (AdmissionLimits, AdmissionRejected, EngineDeadError,
+                                         GenerateRequest, RequestAborted)
 from rooflm.errors import InvalidRequest
 from rooflm.sampling_params import SamplingParams
 
@@ -120,7 +121,7 @@ def test_generates_and_releases_everything():
 
 
 def test_a_slow_reader_gets_the_waiting_outputs_merged_and_errors_after_them():
-    from rooflm.engine.async_engine import RequestStream
+    from rooflm.engine.client import RequestStream
 
     def output(i, finished=False):
         sample = CompletionOutput(0, "x" * i, [7] * i, finish_reason="length" if finished else None)

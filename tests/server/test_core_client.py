@@ -19,13 +19,13 @@ import pytest
 
 from rooflm.config import engine_config_from_kwargs
 from rooflm.engine import core, core_client, core_process, core_protocol
-from rooflm.engine.async_engine import (AdmissionLimits, AdmissionRejected, EngineDeadError,
-                                        GenerateRequest, RequestAborted)
 from rooflm.engine.core_client import EngineCoreClient
 from rooflm.engine.core_process import EngineCoreProcess
 from rooflm.engine.core_protocol import (AddReply, AddRequests, Configure, EngineReady, Heartbeat,
                                          Shutdown, StepOutputs)
 from rooflm.engine.llm_engine import LLMEngine
+from rooflm.engine.request_types import (AdmissionLimits, AdmissionRejected, EngineDeadError,
+                                         GenerateRequest, RequestAborted)
 from rooflm.errors import InvalidRequest
 from rooflm.sampling_params import SamplingParams
 from tests.models.tiny_models import make_tiny_model

@@ -1,7 +1,7 @@
 """Engine failure (fault injection), graceful shutdown and request timeouts, each on its own server.
 
 ROOFLM_FAULT_INJECT_STEP=N makes the N-th engine step raise (a test hook of
-rooflm.engine.async_engine); step 1 is the server's warm-up generation.
+rooflm.engine.serving_loop); step 1 is the server's warm-up generation.
 The servers start together, to share the model-loading time.
 """
 

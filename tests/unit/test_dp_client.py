@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from rooflm.dp.client import DPClient
-from rooflm.engine.async_engine import AdmissionRejected, EngineDeadError, GenerateRequest
+from rooflm.engine.request_types import AdmissionRejected, EngineDeadError, GenerateRequest
 from rooflm.sampling_params import SamplingParams
 
 
