@@ -13,8 +13,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from rooflm.kernels.fp8_quant import FP8_DTYPE, FP8_MAX
-
+# E4M3, the FP8 format of the cache, and its largest finite value. Written here rather than taken
+# from kernels/fp8_quant.py: that module defines Triton kernels, and importing it from this
+# torch-only file (which layers/ imports) would compile them before a test can set TRITON_INTERPRET.
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
 # A head vector of zeros still gets a finite, positive scale (x / scale stays 0, never NaN).
 SCALE_FLOOR = 1e-12
 

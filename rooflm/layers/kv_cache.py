@@ -37,7 +37,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from rooflm.kernels.fp8_quant import FP8_DTYPE
+from rooflm.kernels.paged_attention_ref import FP8_DTYPE
 
 SCALE_BYTES = 4
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from rooflm.kernels.fp8_quant import FP8_MAX
+from rooflm.kernels.paged_attention_ref import FP8_MAX
 from rooflm.kernels.paged_attention_ref import SCALE_FLOOR
 
 # config.json's quantization_config.kv_cache_scheme, as llm-compressor writes it.
