@@ -1,4 +1,4 @@
-"""Issue 18's attention experiments on one GPU, side by side in one process.
+"""The attention experiments on one GPU, side by side in one process.
 
 Prefill (causal, H = 32/8, D = 128; B = 8 x S = 2048 and B = 2 x S = 8192), TFLOP/s:
   torch's FLASH and cuDNN backends on contiguous q/k/v, then rooflm's paged kernel at KV block

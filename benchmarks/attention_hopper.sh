@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18, one device call (H100, ~8 minutes): the attention kernels' experiments
+# One device call (H100, ~8 minutes): the attention kernels' experiments
 # (benchmarks/attention_hopper.py), then the engine at KV block sizes 16 and 64 side by side:
 # TTFT/TPOT at 1k and 16k prompts (Llama-3.1-8B shape, batch 1) and the 1000-request ShareGPT-like
 # offline workload (Llama-3-8B shape), all dummy bf16 weights.

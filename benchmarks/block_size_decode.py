@@ -1,4 +1,4 @@
-"""Issue 18: does the KV block size change the decode kernel's time? One sequence of 1,024 and of
+"""Does the KV block size change the decode kernel's time? One sequence of 1,024 and of
 16,000 keys at block sizes 64 and 128, with the engine's launch (64 splits and the tile it picks for a
 32k span), CUDA-graph replays over copies that miss L2. Usage: python benchmarks/block_size_decode.py"""
 

@@ -1,4 +1,4 @@
-"""Issue 21: are a request's greedy tokens and logprobs independent of how the engine runs it?
+"""Are a request's greedy tokens and logprobs independent of how the engine runs it?
 
 48 requests (200-900 prompt tokens, 50-300 new tokens, greedy, random token ids) on a dummy
 model, first as one batch (max_num_seqs 64), then under each variant below; for every variant,

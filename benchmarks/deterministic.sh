@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 21, one device call (H100, < 8 min): --deterministic on the Llama-3-8B shape (dummy bf16).
+# One device call (H100, < 8 min): --deterministic on the Llama-3-8B shape (dummy bf16).
 #   1. the 48-request comparison: default vs --deterministic, identical outputs per comparison
 #      (alone, preemption by recompute and swap, eager vs graphs, chunk 256 without prefix
 #      cache, async scheduling off) -> compare-*.json

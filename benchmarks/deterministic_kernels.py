@@ -235,7 +235,7 @@ def bench_small() -> list[dict]:
     return sweep_tiles("small", ("qkv", "o", "gate_up", "down"), M_SMALL, SMALL_CONFIGS)
 
 
-# Batch-1 decode (issue 21's last miss): the decode bucket's tiles at M = 1, 16 and 64 for every
+# Batch-1 decode (last miss): the decode bucket's tiles at M = 1, 16 and 64 for every
 # projection and the LM head, with BLOCK_K 128 (the sweep above found it sums like 64), BLOCK_M 16
 # (Triton's mma.sync path instead of wgmma: does it sum alike?) and two programs per SM (a 7th
 # entry) for tiles too small to keep enough bytes in flight alone.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Data parallelism (issue 22), DP=1 against DP=2 on 2 GPUs of one host (the nvidia-h200-x2 kind),
+# Data parallelism, DP=1 against DP=2 on 2 GPUs of one host (the nvidia-h200-x2 kind),
 # Llama-3-8B shape, bf16, dummy weights, one call (~8 min):
 #   0. the GPU test (tests/distributed/test_dp_gpu.py): each replica on its own GPU, greedy parity;
 #   1. offline, the ShareGPT-like workload (1000 x ~230 in / ~200 out, +-90%): DP=1 and DP=2

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18: a 16k prompt's TTFT against the token budget (chunk size), FA4 prefill at block 128,
+# A 16k prompt's TTFT against the token budget (chunk size), FA4 prefill at block 128,
 # Llama-3.1-8B shape, batch 1. Usage (GPU machine, after fa4_setup.sh's wheels): bash benchmarks/fa4_budget.sh DIR
 set -uo pipefail
 source "$(dirname "$0")/fa4_setup.sh" > /dev/null

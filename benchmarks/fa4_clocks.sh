@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18: the 16k prefill profile with Triton and FA4 prefill, alternated, with the SM clock and
+# The 16k prefill profile with Triton and FA4 prefill, alternated, with the SM clock and
 # power sampled (nvidia-smi dmon) beside it: are the GEMMs slower in the FA4 run because of clocks?
 # Usage (GPU machine, after fa4_setup.sh's wheels): bash benchmarks/fa4_clocks.sh DIR
 set -uo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18, FlashAttention-4 prefill on the H100 (one device call each part, after the wheels are
+# FlashAttention-4 prefill on the H100 (one device call each part, after the wheels are
 # carried: benchmarks/fa4_setup.sh). kernels: GPU tests of the FA4 path, then the kernel table
 # (benchmarks/fa4_prefill.py). engine: Triton prefill at block 64 (the default without FA4) against
 # FA4 at VARIANTS (prefill:block), side by side: TTFT/TPOT at 1k and 16k prompts (Llama-3.1-8B

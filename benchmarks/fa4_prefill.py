@@ -1,4 +1,4 @@
-"""Issue 18: FlashAttention-4's Hopper forward (the `flash-attn-4` package, CuTe DSL) on rooflm's
+"""FlashAttention-4's Hopper forward (the `flash-attn-4` package, CuTe DSL) on rooflm's
 paged cache, side by side with torch's cuDNN backend and rooflm's Triton prefill kernel.
 
 Causal prefill, H = 32/8, D = 128, bf16. Shapes: B = 8 x S = 2048, B = 2 x S = 8192 (whole prompts),

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18 (GPU machine, no network): installs flash-attn-4 and its CuTe DSL runtime from wheels
+# Installs (GPU machine, no network) flash-attn-4 and its CuTe DSL runtime from wheels
 # carried under .whl/ (the CuTe DSL library wheel arrives in pieces, the carry limit being smaller
 # than it) into .whl/site. Source this file: it exports the PYTHONPATH that finds them
 # (the CuTe DSL's .pth line, which a --target install does not run, is spelled out).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, then the engine benchmarks of issue 4 on a Llama-3-8B-shape model
+# One device call: GPU tests, then the engine benchmarks on a Llama-3-8B-shape model
 # with dummy weights. Usage (on the GPU machine, repo root): OUT=dir bash benchmarks/gpu_suite.sh [quick]
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1

@@ -5,7 +5,7 @@
 #      the engine on a tiny model against the CPU reference with each scale format;
 #   2. benchmarks/kv_fp8.py at the engine's block size (64): bf16, per-token FP8 and static FP8
 #      decode/prefill, and the static kernel's tile sweep (with register-capped candidates);
-#   3. issue 19's offline row, 1000 x 1024/1024 with FP8 W8A8 + FP8 KV, per-token then static
+#   3. the offline row, 1000 x 1024/1024 with FP8 W8A8 + FP8 KV, per-token then static
 #      scales (PROMPTS=n for fewer requests), each with its printed bound and --breakdown.
 # Usage (GPU machine, repo root): OUT=dir bash benchmarks/kv_fp8_static.sh
 set -uo pipefail

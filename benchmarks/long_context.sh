@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18, one device call (~3-4 minutes on an H100): TTFT and TPOT against context length on the
+# One device call (~3-4 minutes on an H100): TTFT and TPOT against context length on the
 # Llama-3.1-8B shape (dummy bf16 weights, 128k context), batch 1, each beside its roofline floor
 # (the prefill chunk by chunk at the datasheet's roofs; one decode step's bytes at its bandwidth).
 # The issue's targets at 16k: TTFT <= 420 ms, TPOT <= 5.7 ms (571 / 6.17 when it was filed).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18: the decode kernel's key-tile offsets when a tile fills one whole cache block (block 128,
+# The decode kernel's key-tile offsets when a tile fills one whole cache block (block 128,
 # BLOCK_N 128): from one block-table entry (254 registers, 2 CTAs an SM, sm_90 compile) or key by
 # key (131 registers, 3 CTAs). ROOFLM_DECODE_ONE_ENTRY=1|0, side by side: the kernel, batch-1 TPOT
 # (fused GEMV chain) and 64 x 1024/256 TPOT. Usage (GPU machine): bash benchmarks/one_entry_ab.sh DIR

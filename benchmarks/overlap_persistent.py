@@ -1,5 +1,5 @@
 """Decode attention on a fixed SM budget beside the GEMMs: the experiment overlap_probe.py named
-next (issue 13).
+next.
 
 overlap_probe.py found that two streams do not overlap decode attention with the GEMMs: each
 kernel's grid fills the GPU, so the second one's programs start as the first one's retire, and a

@@ -1,4 +1,4 @@
-"""Can decode attention run beside the GEMMs? A probe for issue 13 before building it into the engine.
+"""Can decode attention run beside the GEMMs? A probe before building it into the engine.
 
 One Llama-3-8B layer (hidden 4096, 32/8 heads, MLP 14336, bf16) at the shapes the ShareGPT-like
 run has mid-way (~510 running sequences of ~330 tokens of context; mixed steps of ~1500 tokens):

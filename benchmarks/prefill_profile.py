@@ -1,4 +1,4 @@
-"""Issue 18: where a long prompt's prefill time goes, by kernel class, under torch.profiler.
+"""Where a long prompt's prefill time goes, by kernel class, under torch.profiler.
 
 One engine (the defaults: on an H100 with flash-attn-4, FA4 prefill at block 128), batch 1, a prompt
 of --input-len random tokens and one output token (so the measured time is the prefill's), run once

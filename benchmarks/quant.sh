@@ -14,7 +14,7 @@
 #        linear against bf16 on the 8B shapes (benchmarks/fp8_linear.py), the products' accumulation
 #        modes at decode and prefill M (benchmarks/fp8_matmul.py), and decode tok/s of the
 #        8B shape in bf16 and fp8 at batch 1 (128 in / 256 out) and 64 (128 in / 128 out).
-#        OUT=dir bash benchmarks/quant.sh offline   issue 19's offline target (< 8 min on an H100):
+#        OUT=dir bash benchmarks/quant.sh offline   the offline target (< 8 min on an H100):
 #        1000 x 1024/1024 with FP8 W8A8 + FP8 KV (static, then per-token scales) beside bf16, each
 #        with its printed bound and --breakdown (PROMPTS=n for fewer requests).
 set -uo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 14, one device call: the offline engine and `rooflm serve` on the same workload, side by
+# One device call: the offline engine and `rooflm serve` on the same workload, side by
 # side, and the server/offline throughput ratio. Everything goes under $OUT.
 # Usage (GPU machine, repo root): OUT=dir MODEL_DIR=dir bash benchmarks/serving.sh
 #   MODEL_DIR: an HF directory with config.json and tokenizer files, no weights (default

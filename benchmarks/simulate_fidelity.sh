@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 24, one device call (~6 minutes on an H100): how well `rooflm simulate` predicts real serving.
+# One device call (~6 minutes on an H100): how well `rooflm simulate` predicts real serving.
 #   1. `rooflm simulate --calibrate` on the Llama-3-8B shape (dummy weights): the calibration table;
 #   2. the offline engine on ShareGPT-like traffic (`rooflm bench throughput`, as benchmarks/traffic.sh);
 #   3. `rooflm serve` + `rooflm bench serve` on the same kind of traffic at three Poisson rates: low,

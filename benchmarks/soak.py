@@ -1,4 +1,4 @@
-"""Soak test (issue 17; not CI): mixed valid and hostile traffic at a steady rate for N minutes.
+"""Soak test (not CI): mixed valid and hostile traffic at a steady rate for N minutes.
 
 Reports what should all be zero after a long run: failed valid requests, hostile requests
 answered with a 5xx or not in OpenAI's error shape (or not answered), host RSS growth of the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17, one device call: benchmarks/soak.py against a `rooflm serve` of the Llama-3-8B shape
+# One device call: benchmarks/soak.py against a `rooflm serve` of the Llama-3-8B shape
 # (dummy weights, the real Llama-3 tokenizer shape via benchmarks/models/llama-3-8b-dummy).
 # Usage (GPU machine, repo root): OUT=dir MINUTES=10 RATE=8 bash benchmarks/soak.sh
 # Carry .whl/ (benchmarks/fetch_serving_wheels.sh): the GPU machine has no server stack.

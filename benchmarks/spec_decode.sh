@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 20, one device call (H100, < 8 minutes): speculative decoding's speedup over plain decode
+# One device call (H100, < 8 minutes): speculative decoding's speedup over plain decode
 # against acceptance (replay proposer), n-gram and draft model (1B shape), batch 1 and 64, k=4,
 # Llama-3-8B shape with dummy weights; then the GPU spec-decode tests.
 # Usage (GPU machine, repo root): OUT=dir bash benchmarks/spec_decode.sh

@@ -1,4 +1,4 @@
-"""Where a verify step's device idle time goes, batch 1 (issue 20's n-gram target).
+"""Where a verify step's device idle time goes, batch 1 (n-gram target).
 
 A verify step runs synchronously: after its results come back the host processes them, plans,
 schedules, proposes and prepares the next step while the device waits. This script measures

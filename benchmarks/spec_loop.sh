@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Speculative decoding's device loop (issue 20) in one device call: GPU tests, the verify graphs'
+# Speculative decoding's device loop in one device call: GPU tests, the verify graphs'
 # replay times (host path's uniform graph vs the loop's), batch 1 at 80%/90% replayed acceptance with
 # the loop and with the host path, 80% over ten corruption patterns, small-batch decode with the
 # batch-1 tiles on every shape vs the deep ones only, and the adaptive policy at batch 1 and 64.

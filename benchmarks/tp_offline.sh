@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where TP=2's offline time goes (issue 22), on 2 GPUs of one host, one call of ~5 minutes:
+# Where TP=2's offline time goes, on 2 GPUs of one host, one call of ~5 minutes:
 #   1. offline 400 x 1024/1024 with --breakdown (time per step kind: decode graph / mixed / prefill,
 #      host vs device), TP=1 on GPU 0 while the GGUF-on-CUDA GPU tests run on GPU 1 (they need
 #      gguf-py: carry .whl from benchmarks/fetch_serving_wheels.sh);

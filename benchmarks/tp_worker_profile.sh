@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where a TP=2 decode step's host time goes (issue 22), 2 GPUs of one host, ~4 minutes:
+# Where a TP=2 decode step's host time goes, 2 GPUs of one host, ~4 minutes:
 #   1. offline 400 x 1024/1024, TP=2, rank 0 under cProfile and the worker's step loop under
 #      cProfile (ROOFLM_TP_WORKER_PROFILE); prints both top lists (cProfile slows the host: read
 #      the shares, not the tok/s);

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 13, one device call: offline throughput on ShareGPT-like traffic (1000 requests, ~230 in /
+# One device call: offline throughput on ShareGPT-like traffic (1000 requests, ~230 in /
 # ~200 out, lengths uniform +-90%) and 1000 x 1024/1024, with the step breakdown; ShareGPT-like with
 # the defaults and with the earlier default (512 sequences) side by side, and with a static-scale
 # FP8 cache; then the latency rows that must not regress (batch 1, and 64 x 1024/256) at both caps.

@@ -2,7 +2,7 @@
 
 Why a process: in one process the engine thread and the server's event loop
 share one interpreter lock, and at a few hundred sequences per step the loop
-building SSE chunks keeps the engine waiting for it (issue 14; vLLM's engine
+building SSE chunks keeps the engine waiting for it (vLLM's engine
 core and SGLang's scheduler process exist for the same reason). Here the step
 loop has an interpreter to itself; the API process (core_client.py) does HTTP,
 validation, tokenization, chat templates and SSE.

@@ -5,7 +5,7 @@ Why
 The persistent matmul (matmul_persistent.py) keeps every element's sum in one K loop, so at
 decode sizes (M <= 64, one row of 64 x 64 tiles) a narrow projection has only N / 64 programs:
 64 for N = 4096 on the H100's 132 SMs, too few to read the weight at full bandwidth (measured:
-batch-1 decode +32% and 64 x 1024/256 +20% over the default mode, issue 21's target is 10%).
+batch-1 decode +32% and 64 x 1024/256 +20% over the default mode, the target is 10%).
 Split-K gives each output tile more programs, but an ordinary split-K picks its split count
 from M and so changes the order of the sums with the batch. Here the split count S is a
 property of the weight's shape (N, K), the dtype's BLOCK_K and the device's SM count, never of

@@ -176,7 +176,7 @@ _BF16_BUCKETS = ((64, (64, 64, 64, 8, 4, 8)), (1024, (128, 128, 64, 8, 4, 4)), (
 # tile is half the bytes) fill them: M = 1, o 16.1 -> 13.9 us, down 54.9 -> 43.7 us (cuBLAS 10.9
 # and 44.3). BLOCK_N never changes a row's sums (the K loop is the bucket's).
 _BF16_NARROW = (64, 32, 64, 8, 4, 12)
-# Steps of at most 16 rows (batch-1 decode, issue 21's last miss) take tiles of their own, from
+# Steps of at most 16 rows (batch-1 decode, the last miss) take tiles of their own, from
 # `benchmarks/deterministic_kernels.py --part decode` on the H100 (2026-11-26, M = 1, under CUDA
 # graphs, benchmarks/results/deterministic-decode-h100-20261126/): every candidate there, BLOCK_K
 # 128 and 256 and BLOCK_M 16 (Triton's mma.sync instead of wgmma) included, gave rows bitwise

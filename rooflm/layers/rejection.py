@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from rooflm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, _to_device, sample_from_probs
+from rooflm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, to_device, sample_from_probs
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata,
@@ -53,11 +53,11 @@ def verify(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata,
     # Host lists go up through pinned memory without blocking: torch.tensor(list, device=cuda)
     # copies from pageable memory, which waits for the queued forward (the H100 profile of
     # 2026-11-25: 6.7 ms a step at batch 16, the sampling launches serialised behind it).
-    index = _to_device(torch.tensor([[first + min(j, k) for j in range(max_k + 1)] for first, k in spec_rows]),
+    index = to_device(torch.tensor([[first + min(j, k) for j in range(max_k + 1)] for first, k in spec_rows]),
                        dev)
-    drafts = _to_device(torch.tensor([sch.spec_token_ids + [0] * (max_k - len(sch.spec_token_ids))
+    drafts = to_device(torch.tensor([sch.spec_token_ids + [0] * (max_k - len(sch.spec_token_ids))
                                       for sch in owners], dtype=torch.int64), dev)
-    num_drafts = _to_device(torch.tensor([k for _, k in spec_rows]), dev)
+    num_drafts = to_device(torch.tensor([k for _, k in spec_rows]), dev)
     valid = torch.arange(max_k, device=dev)[None, :] < num_drafts[:, None]
     greedy = [sch.request.params.greedy for sch in owners]
 
@@ -69,7 +69,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata,
         probs = sampler.probs(processed, meta)[index]  # [S, K + 1, V]
         q = spec_batch.draft_probs_for([sch.seq.seq_id for sch in owners], max_k) if spec_batch else None
         accept_random = _accept_random(probs, q, drafts, owners, max_k)
-        greedy_t = _to_device(torch.tensor(greedy), dev)
+        greedy_t = to_device(torch.tensor(greedy), dev)
         accept = torch.where(greedy_t[:, None], accept, accept_random)
     accept &= valid
     num_accepted = torch.cumprod(accept.to(torch.int64), dim=1).sum(dim=1)  # [S]

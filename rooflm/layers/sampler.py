@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 import rooflm.envs as envs
-from rooflm.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
+from rooflm.sampling_params import SamplingParams
 from rooflm.structured.bitmask import apply_token_bitmask
 
 
@@ -56,17 +56,14 @@ class SamplingRow:
 # ones are greedy; 1e30 / 1e-5 = 1e35 < float32's 3.4e38), so softmax never sees inf.
 LOGIT_LIMIT = 1e30
 
-# spec/draft.py still clamps its temperatures to this; SamplingParams.greedy already keeps
-# every non-greedy temperature at or above it.
-MIN_TEMPERATURE = GREEDY_TEMPERATURE_EPS
-
 # The repetition penalty as the sampler applies it: float32 holds neither
 # 1e-300 (it rounds to 0, and x / 0 is inf, 0 * inf NaN) nor 1e300 (inf). Past
 # these bounds the clamped logits are the same whatever the penalty.
 REPETITION_PENALTY_RANGE = (1e-30, 1e30)
 
 
-def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, without a device-host sync (the sampler's and spec's inputs)."""
     if device.type == "cuda":
         # Pinned memory makes the copy truly asynchronous.
         return tensor.pin_memory().to(device, non_blocking=True)
@@ -84,7 +81,7 @@ def _token_counts(
     for row, ids in enumerate(token_lists):
         if ids:
             padded[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-    padded = _to_device(padded, device)
+    padded = to_device(padded, device)
     counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab_size]
@@ -136,11 +133,11 @@ class SamplingMetadata:
         def column(values, dtype) -> torch.Tensor:
             # numpy builds the host array from a list 3x faster than torch.tensor does.
             array = np.array(values, dtype=np.float32 if dtype == torch.float32 else np.int64)
-            return _to_device(torch.from_numpy(array).unsqueeze(1), device)
+            return to_device(torch.from_numpy(array).unsqueeze(1), device)
 
         greedy_mask = None
         if not all_greedy and not all_random:
-            greedy_mask = _to_device(torch.tensor(greedy, dtype=torch.bool), device)
+            greedy_mask = to_device(torch.tensor(greedy, dtype=torch.bool), device)
 
         temperature = top_k = top_p = min_p = None
         generators: list[tuple[int, torch.Generator]] = []
@@ -199,8 +196,8 @@ class SamplingMetadata:
                     row_indices.append(i)
                     token_ids.append(token_id)
         if token_ids:
-            suppress_rows = _to_device(torch.tensor(row_indices, dtype=torch.int64), device)
-            suppress_ids = _to_device(torch.tensor(token_ids, dtype=torch.int64), device)
+            suppress_rows = to_device(torch.tensor(row_indices, dtype=torch.int64), device)
+            suppress_ids = to_device(torch.tensor(token_ids, dtype=torch.int64), device)
 
         bias_rows = bias_ids = bias_values = None
         if any(p.logit_bias for p in params):
@@ -211,9 +208,9 @@ class SamplingMetadata:
                         row_indices.append(i)
                         token_ids.append(token_id)
                         values.append(value)
-            bias_rows = _to_device(torch.tensor(row_indices, dtype=torch.int64), device)
-            bias_ids = _to_device(torch.tensor(token_ids, dtype=torch.int64), device)
-            bias_values = _to_device(torch.tensor(values, dtype=torch.float32), device)
+            bias_rows = to_device(torch.tensor(row_indices, dtype=torch.int64), device)
+            bias_ids = to_device(torch.tensor(token_ids, dtype=torch.int64), device)
+            bias_values = to_device(torch.tensor(values, dtype=torch.float32), device)
 
         requested = [p.logprobs for p in params if p.logprobs is not None]
         max_num_logprobs = max(requested) if requested else None

@@ -4,7 +4,7 @@ A body the server refuses (too large, wrong content type) is still read to its
 end and thrown away, up to DISCARD_LIMIT_BYTES and DISCARD_TIMEOUT_S: a server
 that answers and closes while the client is still sending leaves unread bytes
 in its socket, the kernel then resets the connection, and the client sees
-"connection reset by peer" instead of the 413 (issue 17; an ~8 MB body did
+"connection reset by peer" instead of the 413 (an ~8 MB body did
 this). Past the discard bounds the connection is closed after the answer,
 which a client may again see as a reset; a body that large is not a mistake.
 """

@@ -19,10 +19,13 @@ import random
 import time
 from dataclasses import dataclass, field
 
+# The server's own router, so a simulated data-parallel layout makes the choices the real one
+# would. The simulator names a prompt's prefix with one key (its prefix group, or its first
+# block's tokens) where the server hashes every block: one key is a one-block chain.
+from rooflm.dp.router import Router
 from rooflm.sim.api_process import API_TOKEN_S, ApiCost, ApiProcess
 from rooflm.sim.cost_model import StepCostModel
 from rooflm.sim.replica import ReplicaConfig, RequestRecord, SimReplica
-from rooflm.sim.router import Router
 from rooflm.sim.workload import SimRequest
 
 # The API path's latency beside its CPU work (sim/api_process.py): a request at concurrency 1

@@ -33,7 +33,7 @@ from rooflm.config import SpeculativeConfig
 from rooflm.engine.report import SpecSnapshot
 from rooflm.engine.request import Request, Sequence
 from rooflm.engine.scheduler import Scheduler, SchedulerOutput
-from rooflm.layers.sampler import _to_device
+from rooflm.layers.sampler import to_device
 from rooflm.spec.policy import SpecPolicy
 from rooflm.spec.proposer import DraftRequest, Proposer
 
@@ -65,7 +65,7 @@ class SpecBatch:
     def draft_probs_for(self, seq_ids: list[int], max_k: int) -> Optional[torch.Tensor]:
         if self.probs is None:
             return None
-        index = _to_device(torch.tensor([self.index_of[s] for s in seq_ids]), self.probs.device)
+        index = to_device(torch.tensor([self.index_of[s] for s in seq_ids]), self.probs.device)
         return self.probs.index_select(0, index)[:, :max_k]
 
 

@@ -31,7 +31,8 @@ import torch
 from rooflm.config import EngineConfig, ModelConfig
 from rooflm.engine.model_runner import ModelRunner
 from rooflm.engine.request import Sequence
-from rooflm.layers.sampler import MIN_TEMPERATURE, _to_device, sample_from_probs
+from rooflm.layers.sampler import sample_from_probs, to_device
+from rooflm.sampling_params import GREEDY_TEMPERATURE_EPS
 from rooflm.spec.proposer import DraftRequest, Proposal, Proposer
 
 logger = logging.getLogger(__name__)
@@ -158,16 +159,16 @@ class DraftModelProposer(Proposer):
         random_rows = [r for r, i in enumerate(rows) if not batch[i].request.params.greedy]
         if not random_rows:
             return tokens
-        temps = _to_device(torch.tensor([max(batch[rows[r]].request.params.temperature, MIN_TEMPERATURE)
+        temps = to_device(torch.tensor([max(batch[rows[r]].request.params.temperature, GREEDY_TEMPERATURE_EPS)
                                          for r in random_rows]), logits.device)
         q = torch.softmax(logits[random_rows].float() / temps[:, None], dim=-1)
         generators = [(n, batch[rows[r]].request.generator(batch[rows[r]].seq.index))
                       for n, r in enumerate(random_rows)
                       if batch[rows[r]].request.generator(batch[rows[r]].seq.index) is not None]
         drawn = sample_from_probs(q, generators)
-        index = _to_device(torch.tensor(random_rows), logits.device)
+        index = to_device(torch.tensor(random_rows), logits.device)
         tokens = tokens.index_copy(0, index, drawn)
-        probs[_to_device(torch.tensor([rows[r] for r in random_rows]), logits.device), j] = q
+        probs[to_device(torch.tensor([rows[r] for r in random_rows]), logits.device), j] = q
         return tokens
 
 

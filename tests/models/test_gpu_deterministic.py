@@ -1,4 +1,4 @@
-"""--deterministic on the GPU (issue 21): bf16, exact. Every way of running the same requests gives
+"""--deterministic on the GPU: bf16, exact. Every way of running the same requests gives
 bit-identical tokens and logprobs: max_num_seqs 1 vs 64, a KV pool small enough to preempt
 (recompute and swap) vs a big one, prefix caching on and off, chunks of 256 vs 2048 tokens,
 CUDA graphs vs eager, async scheduling on and off, a request alone vs inside a full batch.

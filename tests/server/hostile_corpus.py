@@ -120,7 +120,7 @@ SAMPLING_OUT_OF_RANGE = [
     ("min_tokens", -1, ">= 0"), ("min_tokens", 5, "<= max_tokens"),
     ("cache_salt", "", "cache_salt"), ("cache_salt", "s" * 300, "cache_salt"),
     ("stream_options", {"include_usage": True}, "only allowed when stream is true"),
-    # logit_bias and structured outputs (issue 16)
+    # logit_bias and structured outputs
     ("logit_bias", {"1": 101}, "[-100, 100]"), ("logit_bias", {"1": -100.5}, "[-100, 100]"),
     ("logit_bias", {"x": 1}, "token ids"), ("logit_bias", {str(VOCAB_SIZE): 1}, f"[0, {VOCAB_SIZE})"),
     ("logit_bias", {"-1": 1}, f"[0, {VOCAB_SIZE})"), ("logit_bias", {"1": "big"}, "numbers"),
@@ -141,7 +141,7 @@ SAMPLING_EDGES = [
     ("min_p", 1.0), ("min_p", 1e-30),
     ("presence_penalty", 2.0), ("presence_penalty", -2.0),
     ("frequency_penalty", 2.0), ("frequency_penalty", -2.0),
-    # issue 17: 1e-30 made NaN logits; vLLM's bound is finite and > 0, so all of these are in.
+    # 1e-30 made NaN logits; vLLM's bound is finite and > 0, so all of these are in.
     ("repetition_penalty", 1e-30), ("repetition_penalty", 5e-324), ("repetition_penalty", 1e30),
     ("repetition_penalty", 1.7e308),
     ("top_k", -1), ("top_k", 0), ("top_k", 1), ("top_k", VOCAB_SIZE),

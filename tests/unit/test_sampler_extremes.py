@@ -1,6 +1,6 @@
 """The sampler at the extremes of every parameter SamplingParams accepts: NaN never reaches the draw.
 
-Issue 17: repetition_penalty=1e-30 passed validation and made softmax NaN (a
+repetition_penalty=1e-30 passed validation and made softmax NaN (a
 positive seen logit / 1e-30 is +inf in float32, and inf - inf is NaN).
 Validation bounds what it can (vLLM's bounds: finite, > 0), so the values left
 are the ones in range that float32 cannot hold; here they go to the sampler

@@ -19,7 +19,7 @@ from rooflm.sim.cost_model import Correction, RooflineCostModel, SyntheticCostMo
 from rooflm.sim.metrics import sim_metrics
 from rooflm.sim.plan import SLO, Candidate, Planner
 from rooflm.sim.replica import ReplicaConfig
-from rooflm.sim.router import Router
+from rooflm.dp.router import Router
 from rooflm.sim.simulator import SimConfig, simulate
 from rooflm.sim.workload import LengthDist, arrival_times, load_trace, synthetic_workload
 
