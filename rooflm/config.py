@@ -92,13 +92,18 @@ class ModelConfig:
 class LoadConfig:
     """Where the weights and tokenizer come from.
 
-    model: an HF directory, a .gguf file, or a preset name (with load_format
+    model: an HF directory, a .gguf file, a Hugging Face Hub repo id (owner/name, or
+    owner/name:file.gguf; downloaded, rooflm/model/hub.py), or a preset name (with load_format
     "dummy"). None means the embedded default model (SmolLM2-135M-Instruct).
+    revision, download_dir: a Hub model's branch, tag or commit, and the Hub cache it is
+    downloaded into (None: huggingface_hub's, under HF_HOME); local paths ignore both.
     """
 
     model: Optional[str] = None
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
     tokenizer: Optional[str] = None
+    revision: Optional[str] = None
+    download_dir: Optional[str] = None
     seed: int = 0
     # auto: GGUF Q4_0/Q4_1/Q8_0/Q4_K weights stay in their blocks where a kernel multiplies them
     # and that path has passed its tests on the device: the CPU block matmuls (rooflm/quant/).

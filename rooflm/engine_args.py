@@ -20,10 +20,15 @@ from rooflm.sampling_params import SamplingParams
 # One line per engine field: what it sets, in the words of the docs.
 HELP: dict[str, str] = {
     # load
-    "model": "an HF directory, a .gguf file, or a preset name (with --load-format dummy); "
-             "unset: the embedded SmolLM2-135M-Instruct",
+    "model": "an HF directory, a .gguf file, a Hugging Face Hub repo id (owner/name, or "
+             "owner/name:file.gguf; downloaded once into the Hub cache), or a preset name (with "
+             "--load-format dummy); unset: the embedded SmolLM2-135M-Instruct",
     "load_format": "where the weights come from; dummy: random weights of the model's shape",
-    "tokenizer": "an HF tokenizer directory or a .gguf file (unset: the model's own)",
+    "tokenizer": "an HF tokenizer directory, a .gguf file or a Hub repo id (unset: the "
+                 "model's own)",
+    "revision": "a Hub model's branch, tag or commit (unset: main)",
+    "download_dir": "the Hub cache Hub models are downloaded into (unset: HF_HUB_CACHE, or "
+                    "HF_HOME/hub, default ~/.cache/huggingface/hub)",
     "seed": "the seed of --load-format dummy's random weights",
     "quantization": "auto: quantized checkpoints stay quantized where a kernel takes them; none: "
                     "dequantize every weight; gguf: GGUF blocks also on CUDA; int8 / int4-g*: "

@@ -182,7 +182,10 @@ def load_tokenizer(config: EngineConfig):
     from rooflm.tokenizer.tokenizer import load_model_tokenizer
 
     started = time.perf_counter()
-    model_path, load_format = resolve_model(config.load.model, config.load.load_format)
-    tokenizer = load_model_tokenizer(config.load.tokenizer, model_path, load_format)
+    model_path, load_format = resolve_model(config.load.model, config.load.load_format,
+                                            revision=config.load.revision,
+                                            download_dir=config.load.download_dir)
+    tokenizer = load_model_tokenizer(config.load.tokenizer, model_path, load_format,
+                                     download_dir=config.load.download_dir)
     logger.debug("API process: tokenizer loaded in %.2f s", time.perf_counter() - started)
     return tokenizer

@@ -61,7 +61,9 @@ class LLMEngine:
         config = with_device_defaults(config, device.type, fa4_block_size(config, device) or CUDA_BLOCK_SIZE,
                                       memory_gb)
         self.config = config
-        self.model_path, self.load_format = resolve_model(config.load.model, config.load.load_format)
+        self.model_path, self.load_format = resolve_model(
+            config.load.model, config.load.load_format, revision=config.load.revision,
+            download_dir=config.load.download_dir)
         self.model_config = load_model_config(self.model_path, self.load_format)
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         # Tensor parallelism: the executor checks the size, starts ranks 1..N-1 and this process
@@ -205,7 +207,8 @@ class LLMEngine:
     def _load_tokenizer(self):
         from rooflm.tokenizer.tokenizer import load_model_tokenizer
         t0 = time.perf_counter()
-        tokenizer = load_model_tokenizer(self.config.load.tokenizer, self.model_path, self.load_format)
+        tokenizer = load_model_tokenizer(self.config.load.tokenizer, self.model_path, self.load_format,
+                                         download_dir=self.config.load.download_dir)
         if tokenizer is not None:  # from a GGUF file this takes seconds: say where they went
             logger.info("tokenizer loaded in %.1f s", time.perf_counter() - t0)
         return tokenizer

@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from rooflm.config import ModelConfig, RopeScaling
-from rooflm.model import presets
+from rooflm.model import hub, presets
 from rooflm.errors import ModelLoadError, load_error  # noqa: F401 (ModelLoadError is re-exported)
 from rooflm.model.registry import SUPPORTED_ARCHITECTURES
 
@@ -62,8 +62,13 @@ def _is_preset(name: str) -> bool:
     return name.lower() in presets.PRESETS
 
 
-def resolve_model(model: Optional[str], load_format: str) -> tuple[str, str]:
-    """(path or preset name, concrete format) for a user's --model and --load-format."""
+def resolve_model(model: Optional[str], load_format: str, *, revision: Optional[str] = None,
+                  download_dir: Optional[str] = None) -> tuple[str, str]:
+    """(path or preset name, concrete format) for a user's --model and --load-format.
+
+    A name that is no local path and no preset but a Hub repo id (owner/name, or
+    owner/name:file.gguf) is downloaded into the Hub cache (download_dir, else HF_HOME's) at
+    `revision` (hub.py), and its local path returned."""
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(
             f"load format must be one of {', '.join(LOAD_FORMATS)}; got {load_format!r}")
@@ -73,6 +78,9 @@ def resolve_model(model: Optional[str], load_format: str) -> tuple[str, str]:
         raise ModelLoadError(
             f"load format {load_format!r} needs a model (a directory, a .gguf file or a "
             f"preset name); only the default model may be left out, and it is a GGUF")
+    hub_model = None if os.path.exists(model) or _is_preset(model) else hub.parse(model)
+    if hub_model is not None:
+        return hub.resolve(hub_model, load_format, revision=revision, download_dir=download_dir)
 
     if load_format == "auto":
         if os.path.isdir(model):
@@ -87,8 +95,9 @@ def resolve_model(model: Optional[str], load_format: str) -> tuple[str, str]:
             raise ModelLoadError(
                 f"{model} is a shape preset: pass --load-format dummy, or a model path")
         raise ModelLoadError(
-            f"cannot tell what model {model!r} is: it is not a directory, not a .gguf file and "
-            f"not a preset name (presets: {', '.join(sorted(presets.PRESETS))})")
+            f"cannot tell what model {model!r} is: it is not a directory, not a .gguf file, "
+            f"not a Hugging Face repo id (owner/name) and not a preset name (presets: "
+            f"{', '.join(sorted(presets.PRESETS))})")
 
     if load_format == "safetensors":
         if not os.path.isdir(model):

@@ -133,6 +133,11 @@ def resolve_model_config(model: str) -> ModelConfig:
 
     if model.lower() in PRESETS:
         return get_preset(model)
+    from rooflm.model import hub
+    hub_model = None if os.path.exists(model) else hub.parse(model)
+    if hub_model is not None:  # a shape needs the config only: "dummy" downloads no weights
+        from rooflm.model import loader
+        return loader.load_model_config(*hub.resolve(hub_model, "auto" if hub_model.gguf_file else "dummy"))
     if not os.path.exists(model):
         if os.sep in model or model.lower().endswith(".gguf"):
             raise ValueError(f"{model}: no such file or directory")

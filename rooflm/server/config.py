@@ -66,7 +66,7 @@ class ServerConfig:
 
 def derive_model_name(model: str) -> str:
     """The name /v1/models shows for a model as the engine was given it (EngineInfo.model):
-    a preset name as given, else the file or folder name.
+    a preset name or a Hub repo id as given, else the file or folder name.
 
     GGUF files are named <model>.<quantization>.gguf; the quantization tag is
     not part of the model's name ("SmolLM2-135M-Instruct.Q4_1.gguf" ->
@@ -75,6 +75,9 @@ def derive_model_name(model: str) -> str:
     if model == DEFAULT_MODEL:
         from rooflm.model.loader import default_model_path
         model = default_model_path()
+    from rooflm.model import hub
+    if not os.path.exists(model) and hub.parse(model) is not None:
+        return model  # a Hub repo id, as given (vLLM's default too): clients send it back
     name = os.path.basename(os.path.normpath(model))
     if name.lower().endswith(".gguf"):
         name = name[:-len(".gguf")]

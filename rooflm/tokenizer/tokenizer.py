@@ -21,6 +21,7 @@ import uuid
 from typing import Any, Optional
 
 import rooflm.envs as envs
+from rooflm.model import hub
 from rooflm.model.loader import ModelLoadError, load_error, resolve_model
 
 logger = logging.getLogger(__name__)
@@ -82,12 +83,17 @@ class Tokenizer:
     # -- loading ------------------------------------------------------------
 
     @classmethod
-    def load(cls, path: str, load_format: str, cache_dir: Optional[str] = None) -> "Tokenizer":
-        """Load the tokenizer of an HF directory or a GGUF file.
+    def load(cls, path: str, load_format: str, cache_dir: Optional[str] = None,
+             download_dir: Optional[str] = None) -> "Tokenizer":
+        """Load the tokenizer of an HF directory, a GGUF file or a Hub repo id.
 
         cache_dir: root of rooflm's cache (converted GGUF tokenizers go in its
         tokenizers/ folder); default $ROOFLM_CACHE_DIR or ~/.cache/rooflm.
+        download_dir: the Hub cache a repo id's tokenizer files are downloaded into.
         """
+        hub_source = _hub_tokenizer_source(path, load_format, download_dir)
+        if hub_source is not None:
+            path, load_format = hub_source
         if load_format == "auto":
             path, load_format = resolve_model(path, load_format)
         if load_format == "safetensors":
@@ -240,10 +246,25 @@ class Tokenizer:
                 f"eos_token_id={self.eos_token_id}, loaded_from_cache={self.loaded_from_cache})")
 
 
-def load_model_tokenizer(tokenizer: Optional[str], model_path: str,
-                         load_format: str) -> Optional["Tokenizer"]:
+def _hub_tokenizer_source(path: str, load_format: str,
+                          download_dir: Optional[str]) -> Optional[tuple[str, str]]:
+    """(local path, format) of a Hub repo id's tokenizer: its tokenizer files without the
+    weights, or the named GGUF file. None for anything else (local paths come first)."""
+    if load_format == "dummy" or os.path.exists(path):
+        return None
+    model = hub.parse(path)
+    if model is None:
+        return None
+    if model.gguf_file is not None:
+        return hub.download_gguf(model, download_dir=download_dir), "gguf"
+    return hub.download_metadata(model.repo_id, download_dir=download_dir), "safetensors"
+
+
+def load_model_tokenizer(tokenizer: Optional[str], model_path: str, load_format: str,
+                         download_dir: Optional[str] = None) -> Optional["Tokenizer"]:
     """The tokenizer an engine serving this model uses: `tokenizer` (LoadConfig.tokenizer: an
-    HF directory or a .gguf file) if given, else the model's own. None where there is none,
+    HF directory, a .gguf file or a Hub repo id, downloaded into download_dir) if given, else
+    the model's own (model_path: resolve_model's local path). None where there is none,
     and prompts must be token ids: a dummy-weight preset, an HF directory without tokenizer
     files. A directory with dummy weights still has its tokenizer (vLLM's behaviour), so an
     8B shape can be served and benchmarked with real text.
@@ -252,7 +273,8 @@ def load_model_tokenizer(tokenizer: Optional[str], model_path: str,
     with the engine in its own process, the API process (prompts, chat templates, echo).
     """
     if tokenizer is not None:
-        return Tokenizer.load(tokenizer, "gguf" if tokenizer.endswith(".gguf") else "safetensors")
+        return Tokenizer.load(tokenizer, "gguf" if tokenizer.endswith(".gguf") else "safetensors",
+                              download_dir=download_dir)
     if load_format == "dummy" and not os.path.isdir(model_path):
         return None  # a preset: a shape, no tokenizer
     if load_format in ("safetensors", "dummy") and not has_tokenizer_files(model_path):
