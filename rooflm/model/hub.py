@@ -48,9 +48,6 @@ METADATA_FILES = (
     "chat_template.jinja", "chat_template.json",
 )
 
-HUB_URL = "https://huggingface.co"
-
-
 @dataclass(frozen=True)
 class HubModel:
     """A model named on the Hub: a repo, and optionally one GGUF file in it."""
@@ -216,7 +213,7 @@ def _hub_errors(name: str, revision: Optional[str], download_dir: Optional[str])
     except hub.GatedRepoError as exc:  # before RepositoryNotFoundError, its base class
         raise ModelLoadError(
             f"{name}: a gated repo on the Hugging Face Hub{at}; accept its terms at "
-            f"{HUB_URL}/{name.split(':')[0]}, then set HF_TOKEN (or run `hf auth login`) "
+            f"{constants.ENDPOINT}/{name.split(':')[0]}, then set HF_TOKEN (or run `hf auth login`) "
             f"to a token of that account") from exc
     except hub.RepositoryNotFoundError as exc:
         raise ModelLoadError(
@@ -254,4 +251,5 @@ def _hub_errors(name: str, revision: Optional[str], download_dir: Optional[str])
             f"{name}: the Hub ({constants.ENDPOINT}) answered {status}; if the repo is gated or "
             f"private set HF_TOKEN, else try again later") from exc
     except hub.HFValidationError as exc:
-        raise ModelLoadError(f"{name}: not a valid Hub repo id or revision: {exc}") from exc
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelLoadError(f"{name}: not a valid Hub repo id or revision: {reason}") from exc
