@@ -78,8 +78,8 @@ HELP: dict[str, str] = {
     # speculative
     "speculative_method": "speculative decoding's proposer (unset: off)",
     "num_speculative_tokens": "draft tokens per sequence and step, at most",
-    "draft_model": "--speculative-method draft: the draft model, a path, .gguf or preset name "
-                   "(unset: none)",
+    "draft_model": "--speculative-method draft: the draft model, a path, .gguf, Hub repo id or "
+                   "preset name (unset: none)",
     "draft_load_format": "where the draft model's weights come from",
     "ngram_prompt_lookup_max": "ngram: longest suffix of the sequence looked up earlier in it",
     "ngram_prompt_lookup_min": "ngram: shortest suffix looked up",

@@ -56,7 +56,9 @@ class DraftModelProposer(Proposer):
         from rooflm.model.loader import load_model_config, resolve_model
 
         spec = config.speculative
-        self.path, self.load_format = resolve_model(spec.draft_model, spec.draft_load_format)
+        # The target's Hub cache; its --revision names the target's commits, not the draft's.
+        self.path, self.load_format = resolve_model(spec.draft_model, spec.draft_load_format,
+                                                    download_dir=config.load.download_dir)
         draft_cfg = load_model_config(self.path, self.load_format)
         if draft_cfg.vocab_size != target.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft_cfg.vocab_size} tokens) differs "

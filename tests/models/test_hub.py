@@ -168,6 +168,30 @@ def test_offline_cache_without_safetensors_says_so(tmp_path, offline, tiny_files
         resolve_model(REPO, "auto", download_dir=str(tmp_path / "hub"))
 
 
+def test_tokenizer_of_a_repo_id_needs_no_weights(tmp_path, offline, tiny_files):
+    """--tokenizer owner/name: the tokenizer files only, from the Hub cache."""
+    from rooflm.tokenizer.tokenizer import load_model_tokenizer
+
+    files = {k: v for k, v in tiny_files.items() if k != "model.safetensors"}
+    snapshot = lay_out_cache(tmp_path / "hub", REPO, files)
+    tokenizer = load_model_tokenizer(REPO, "unused-model-path", "safetensors",
+                                     download_dir=str(tmp_path / "hub"))
+    assert tokenizer.encode("w10 w11") == [10, 11]
+    assert not os.path.exists(os.path.join(snapshot, "model.safetensors"))
+
+
+def test_roofline_shape_of_a_repo_id_needs_no_weights(tmp_path, offline, monkeypatch, tiny_files):
+    """roofline / memory read the config only: a cached snapshot without weights is enough."""
+    from huggingface_hub import constants
+    from rooflm.perf.commands import resolve_model_config
+
+    files = {k: v for k, v in tiny_files.items() if k != "model.safetensors"}
+    lay_out_cache(tmp_path / "hub", REPO, files)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    config = resolve_model_config(REPO)
+    assert (config.hidden_size, config.num_hidden_layers) == (64, 2)
+
+
 def test_cli_generates_from_a_repo_id_under_hf_home(tmp_path, tiny_files):
     """HF_HOME and HF_HUB_OFFLINE as a user sets them; the CLI finds the cache under HF_HOME/hub."""
     lay_out_cache(tmp_path / "hf" / "hub", REPO, tiny_files)
