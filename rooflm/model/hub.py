@@ -93,7 +93,9 @@ def resolve(model: HubModel, load_format: str, *, revision: Optional[str] = None
             f"{model}: --load-format gguf needs one file of the repo: pass "
             f"{model.repo_id}:<file>.gguf")
     if load_format == "dummy":
-        return download_metadata(model.repo_id, revision=revision, download_dir=download_dir), "dummy"
+        directory = download_metadata(model.repo_id, revision=revision, download_dir=download_dir)
+        _require_config(model.repo_id, directory, download_dir)
+        return directory, "dummy"
     return download_checkpoint(model.repo_id, revision=revision, download_dir=download_dir), "safetensors"
 
 
@@ -104,13 +106,8 @@ def download_metadata(repo_id: str, *, revision: Optional[str] = None,
     from huggingface_hub import snapshot_download
 
     with _hub_errors(repo_id, revision, download_dir):
-        directory = snapshot_download(repo_id, revision=revision, cache_dir=download_dir,
-                                      allow_patterns=list(METADATA_FILES))
-    if not os.path.isfile(os.path.join(directory, "config.json")):
-        raise ModelLoadError(
-            f"{repo_id}: the Hub repo has no config.json at its top level, so it is not a "
-            f"transformers checkpoint rooflm can read{_offline_hint(directory)}")
-    return directory
+        return snapshot_download(repo_id, revision=revision, cache_dir=download_dir,
+                                 allow_patterns=list(METADATA_FILES))
 
 
 def download_checkpoint(repo_id: str, *, revision: Optional[str] = None,
@@ -119,6 +116,7 @@ def download_checkpoint(repo_id: str, *, revision: Optional[str] = None,
     from huggingface_hub import snapshot_download
 
     directory = download_metadata(repo_id, revision=revision, download_dir=download_dir)
+    _require_config(repo_id, directory, download_dir)
     weights = _weight_files(directory)
     # The snapshot folder is named by its commit: asking for that commit, not the branch,
     # keeps the weights from the same commit as the config even if the branch moved since,
@@ -141,6 +139,20 @@ def download_gguf(model: HubModel, *, revision: Optional[str] = None,
     with _hub_errors(str(model), revision, download_dir):
         return hf_hub_download(model.repo_id, model.gguf_file, revision=revision,
                                cache_dir=download_dir)
+
+
+def _require_config(repo_id: str, directory: str, download_dir: Optional[str]) -> None:
+    """A checkpoint's shape is its config.json; a repo of GGUF files has none (the shape is
+    in each file), and is pointed at one of them."""
+    if os.path.isfile(os.path.join(directory, "config.json")):
+        return
+    files = _repo_files(repo_id, os.path.basename(os.path.normpath(directory)), download_dir) or []
+    ggufs = [f for f in files if f.lower().endswith(".gguf")]
+    hint = (f"; load one of its GGUF files as {repo_id}:{ggufs[0]}" if ggufs
+            else _offline_hint(directory))
+    raise ModelLoadError(
+        f"{repo_id}: the Hub repo has no config.json at its top level, so it is no transformers "
+        f"checkpoint{hint}")
 
 
 def _weight_files(directory: str) -> list[str]:

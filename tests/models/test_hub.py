@@ -377,7 +377,11 @@ def test_gguf_file_of_a_repo(tmp_path):
         path, fmt = json.loads(_resolve_via(fake, tmp_path, "org/m-GGUF:model-Q8_0.gguf"))
         assert fake.downloaded("org/m-GGUF") == {"model-Q8_0.gguf"}
         missing = _resolve_via(fake, tmp_path, "org/m-GGUF:model-F16.gguf")
+        whole_repo = _resolve_via(fake, tmp_path, "org/m-GGUF")
     assert fmt == "gguf" and open(path, "rb").read() == b"GGUF8..."
+    assert whole_repo == ("ModelLoadError: org/m-GGUF: the Hub repo has no config.json at its top "
+                          "level, so it is no transformers checkpoint; load one of its GGUF files "
+                          "as org/m-GGUF:model-Q4_0.gguf")
     assert missing.startswith("ModelLoadError: org/m-GGUF:model-F16.gguf: the Hub repo has no such file")
 
 
