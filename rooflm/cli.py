@@ -10,6 +10,7 @@ import argparse
 import difflib
 import logging
 import sys
+import time
 import typing
 
 import rooflm.envs as envs
@@ -26,7 +27,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"rooflm: error: {exc}", file=sys.stderr)
         return 2
+    start = time.monotonic()
     outputs = llm.generate(prompts, params)
+    elapsed = time.monotonic() - start
     for label, out in zip(labels, outputs):
         for sample in out.outputs:
             if len(outputs) > 1 or len(out.outputs) > 1:
@@ -34,7 +37,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
             text = sample.text.strip() if templated else sample.text
             # A model without a tokenizer has no text: its token ids are the output.
             print(text if llm.tokenizer is not None else " ".join(map(str, sample.token_ids)))
+    sys.stdout.flush()  # the text first, then the summary under it
+    print(generate_summary(outputs, elapsed), file=sys.stderr)
     return 0
+
+
+def generate_summary(outputs: list, elapsed_s: float) -> str:
+    """One line of timings on stderr, as llama.cpp prints its own: tokens in and out, the time to
+    the first token (the mean over the prompts) and output tokens/s over the whole call."""
+    prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
+    output_tokens = sum(len(s.token_ids) for out in outputs for s in out.outputs)
+    ttfts = [out.first_token_time - out.arrival_time for out in outputs
+             if out.first_token_time is not None and out.arrival_time is not None]
+    ttft = f"{1e3 * sum(ttfts) / len(ttfts):.1f} ms" if ttfts else "-"
+    rate = f"{output_tokens / elapsed_s:.1f}" if elapsed_s > 0 else "-"
+    prompts = f"{len(outputs)} prompts, " if len(outputs) > 1 else ""
+    return (f"rooflm generate: {prompts}{prompt_tokens} prompt tokens, {output_tokens} output tokens, "
+            f"TTFT {ttft}, {rate} output tokens/s ({elapsed_s:.2f} s)")
 
 
 def _generate_prompts(args: argparse.Namespace, llm) -> tuple[list, list[str], bool]:
