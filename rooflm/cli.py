@@ -7,8 +7,10 @@ tools that run an engine take them too.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import sys
+import time
 import typing
 
 import rooflm.envs as envs
@@ -25,7 +27,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"rooflm: error: {exc}", file=sys.stderr)
         return 2
+    start = time.monotonic()
     outputs = llm.generate(prompts, params)
+    elapsed = time.monotonic() - start
     for label, out in zip(labels, outputs):
         for sample in out.outputs:
             if len(outputs) > 1 or len(out.outputs) > 1:
@@ -33,7 +37,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
             text = sample.text.strip() if templated else sample.text
             # A model without a tokenizer has no text: its token ids are the output.
             print(text if llm.tokenizer is not None else " ".join(map(str, sample.token_ids)))
+    sys.stdout.flush()  # the text first, then the summary under it
+    print(generate_summary(outputs, elapsed), file=sys.stderr)
     return 0
+
+
+def generate_summary(outputs: list, elapsed_s: float) -> str:
+    """One line of timings on stderr, as llama.cpp prints its own: tokens in and out, the time to
+    the first token (the mean over the prompts) and output tokens/s over the whole call."""
+    prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
+    output_tokens = sum(len(s.token_ids) for out in outputs for s in out.outputs)
+    ttfts = [out.first_token_time - out.arrival_time for out in outputs
+             if out.first_token_time is not None and out.arrival_time is not None]
+    ttft = f"{1e3 * sum(ttfts) / len(ttfts):.1f} ms" if ttfts else "-"
+    rate = f"{output_tokens / elapsed_s:.1f}" if elapsed_s > 0 else "-"
+    prompts = f"{len(outputs)} prompts, " if len(outputs) > 1 else ""
+    return (f"rooflm generate: {prompts}{prompt_tokens} prompt tokens, {output_tokens} output tokens, "
+            f"TTFT {ttft}, {rate} output tokens/s ({elapsed_s:.2f} s)")
 
 
 def _generate_prompts(args: argparse.Namespace, llm) -> tuple[list, list[str], bool]:
@@ -116,8 +136,72 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+class CliParser(argparse.ArgumentParser):
+    """argparse, failing fast: no prefix matching (`--max-token` is a typo, not `--max-tokens`),
+    and an unknown subcommand, choice or flag names the closest valid ones.
+
+    Subparsers are built with the class of their parent, so every parser of the CLI is one."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        # Kept for error(): argparse reports a missing subcommand before unknown flags, and
+        # `rooflm --verison` deserves the suggestion more than "a command is required".
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            # Reported by the subcommand's parser that was given them, so the suggestion and the
+            # usage line are that command's.
+            leaf = _leaf_parser(self, namespace)
+            leaf.error(f"unrecognized arguments: {' '.join(extras)}{_flag_suggestions(leaf, extras)}")
+        return namespace
+
+    def error(self, message):
+        if message.startswith("the following arguments are required"):
+            unknown = [a for a in getattr(self, "_given", []) if a.startswith("-")
+                       and a.split("=", 1)[0] not in self._option_string_actions]
+            if unknown:
+                message = f"unrecognized arguments: {' '.join(unknown)}{_flag_suggestions(self, unknown)}"
+        super().error(message)
+
+    def _check_value(self, action, value):
+        if action.choices is not None and value not in action.choices:
+            names = [str(c) for c in action.choices]
+            close = difflib.get_close_matches(str(value), names, n=3)
+            hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+            raise argparse.ArgumentError(
+                action, f"invalid choice: {value!r}{hint}; choose from {', '.join(map(repr, names))}")
+
+
+def _leaf_parser(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost subcommand parser the namespace's subcommand names select."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(namespace, subs[0].dest, None) if subs else None
+        if name not in (subs[0].choices if subs else {}):
+            return parser
+        parser = subs[0].choices[name]
+
+
+def _flag_suggestions(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    flags = list(parser._option_string_actions)
+    hints = []
+    for arg in extras:
+        if arg.startswith("-"):
+            flag = arg.split("=", 1)[0]
+            close = difflib.get_close_matches(flag, flags, n=3)
+            if close:
+                hints.append(f"{flag}: did you mean {' or '.join(close)}?")
+    return f" ({'; '.join(hints)})" if hints else ""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rooflm", description=__doc__.splitlines()[0])
+    parser = CliParser(prog="rooflm", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument("--version", action="version", version=f"rooflm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

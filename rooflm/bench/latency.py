@@ -51,8 +51,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Optional, TextIO
 
-import torch
-
+# torch is imported inside the functions that run an engine: the CLI builds this parser for
+# `rooflm --help` and every other command, which must not pay for importing torch.
 from rooflm.engine_args import add_engine_args, engine_kwargs
 
 
@@ -119,6 +119,7 @@ def random_prompts(rng: random.Random, batch_size: int, input_len: int,
 
 def run_iteration(engine, prompts: list[list[int]], params, tag: str) -> IterationResult:
     """Submit the batch at once, step until every request is done, and time it."""
+    import torch
     from rooflm.perf.results import synchronize
 
     device = torch.device(engine.info.device)
@@ -159,6 +160,7 @@ def run_iteration(engine, prompts: list[list[int]], params, tag: str) -> Iterati
 
 def decode_step_cost(engine, batch_size: int, input_len: int, output_len: int):
     """FLOPs and bytes of the mean decode step: B sequences at context P + N/2."""
+    import torch
     from rooflm.perf.results import compute_dtype_name
     from rooflm.perf.roofline import step_cost
 
@@ -199,6 +201,7 @@ def mbu_fields(step, tpot_s: Optional[float], gpu) -> dict:
 def prefill_floor_s(engine, batch_size: int, input_len: int, gpu) -> Optional[float]:
     """The batch's prefill at the device's roofs, chunk by chunk as the scheduler cuts it
     (see the module docstring); None without FLOP rates."""
+    import torch
     from rooflm.perf.results import compute_dtype_name
     from rooflm.perf.roofline import causal_pairs, step_cost
 
@@ -292,6 +295,7 @@ def summarize(iterations: list[IterationResult]) -> dict:
 
 
 def run_latency(args: argparse.Namespace, out: TextIO = None) -> int:
+    import torch
     from rooflm.perf.results import resolve_gpu, stamp, write_json, write_markdown
     from rooflm.engine.llm_engine import LLMEngine
     from rooflm.sampling_params import SamplingParams

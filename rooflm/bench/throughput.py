@@ -54,8 +54,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional, TextIO
 
-import torch
-
+# torch is imported inside the functions that run an engine: the CLI builds this parser for
+# `rooflm --help` and every other command, which must not pay for importing torch.
 from rooflm.engine_args import add_engine_args, engine_kwargs
 
 
@@ -178,6 +178,7 @@ def spec_summary(before, after) -> Optional[dict]:
 
 def run_requests(engine, requests: list[BenchRequest], tag: str, disable_tqdm: bool) -> RunResult:
     """Submit every request at once, step until all are done, and time it."""
+    import torch
     from tqdm import tqdm
 
     from rooflm.perf.results import synchronize
@@ -220,6 +221,7 @@ def run_requests(engine, requests: list[BenchRequest], tag: str, disable_tqdm: b
 
 def throughput_bound(engine, gpu, requests: list[BenchRequest]) -> dict:
     """The analytic ceiling on output tokens/s of this workload (see the module docstring)."""
+    import torch
     from rooflm.perf.results import compute_dtype_name
     from rooflm.perf.roofline import causal_pairs, step_cost
 
@@ -303,6 +305,7 @@ def _want_bound(device, gpu_name: Optional[str]) -> bool:
 def prepare_run(args: argparse.Namespace, engine) -> tuple:
     """What a run needs once its engine is built: the device, the GPU peaks for the bound (None:
     no bound), the stamp and the requests."""
+    import torch
     from rooflm.perf.results import resolve_gpu, stamp
 
     device = torch.device(engine.info.device)

@@ -234,4 +234,5 @@ class OutputProcessor:
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
             outputs=completions, finished=req.finished, prompt_logprobs=req.prompt_logprobs,
-            num_cached_tokens=req.num_cached_tokens, delta_text=delta_text, delta_token_ids=delta_ids)
+            num_cached_tokens=req.num_cached_tokens, delta_text=delta_text, delta_token_ids=delta_ids,
+            arrival_time=req.arrival_time, first_token_time=req.first_token_time)

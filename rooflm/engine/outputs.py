@@ -52,6 +52,10 @@ class RequestOutput:
     delta_text: list[str] = field(default_factory=list)  # per sample
     delta_token_ids: list[list[int]] = field(default_factory=list)  # per sample
     error: Optional[str] = None  # set when the engine failed this request
+    # The request's timestamps (time.monotonic() seconds) where the engine runs in this process:
+    # timings such as generate's summary line (TTFT) read them.
+    arrival_time: Optional[float] = None
+    first_token_time: Optional[float] = None
 
 
 def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
@@ -74,4 +78,4 @@ def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput
         delta_text=[at(earlier.delta_text, i, "") + at(later.delta_text, i, "") for i in range(width)],
         delta_token_ids=[at(earlier.delta_token_ids, i, []) + at(later.delta_token_ids, i, [])
                          for i in range(width)],
-        error=later.error)
+        error=later.error, arrival_time=later.arrival_time, first_token_time=later.first_token_time)

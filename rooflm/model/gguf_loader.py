@@ -180,6 +180,18 @@ def load_gguf_config(path: str) -> ModelConfig:
     return _open(path).config
 
 
+def layer_weight_types(path: str) -> dict[str, int]:
+    """GGML type name ("Q4_1", "Q6_K", "F16", ...) -> parameters of the decoder layers' matrices
+    stored in it, read from the (cached) header: what the roofline and memory tools need to know
+    the bytes a step reads."""
+    counts: dict[str, int] = {}
+    for name, tensor in _open(path).tensors.items():
+        if name.startswith("blk.") and len(tensor.shape) == 2:
+            kind = tensor.tensor_type.name
+            counts[kind] = counts.get(kind, 0) + int(tensor.n_elements)
+    return counts
+
+
 def _config_from_metadata(gguf_file: _OpenedGGUF) -> ModelConfig:
     path = gguf_file.path
     gguf_arch = gguf_file.gguf_architecture

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass
 from typing import Optional, TextIO
 
 from rooflm.config import CUDA_BLOCK_SIZE, ModelConfig
@@ -33,7 +34,8 @@ def register(subparsers) -> None:
         "roofline", help="FLOPs, bytes and floor time of every op of one forward step",
         description="Per-operation FLOPs, bytes moved, arithmetic intensity and floor time of "
                     "one forward step on a GPU's roofline, and the tokens/s ceiling that follows.")
-    p.add_argument("--model", required=True, help="preset name, HF model directory or .gguf file")
+    p.add_argument("--model", default=None, help="preset name, HF model directory or .gguf file "
+                                                   "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--gpu", default="h100", choices=gpu_choices,
                    help="datasheet peaks of a GPU, h100-measured for this project's H100, or "
                         "'measure' to measure the present GPU (default: h100)")
@@ -42,7 +44,9 @@ def register(subparsers) -> None:
                    help="tokens per sequence: the prompt for prefill, the attended context for "
                         "decode (default 1024)")
     p.add_argument("--phase", choices=("prefill", "decode"), default="decode")
-    p.add_argument("--dtype", choices=sorted(WEIGHT_FORMATS), default="bf16", help="weight dtype")
+    p.add_argument("--dtype", choices=sorted(WEIGHT_FORMATS), default=None,
+                   help="weight format (default: a GGUF file's own blocks where the engine keeps them, "
+                        "e.g. q4_1 for the default model; otherwise bf16)")
     p.add_argument("--kv-cache-dtype", dest="kv_dtype", choices=KV_DTYPE_CHOICES, default="auto",
                    help="KV cache dtype, as the engine's flag (fp8_e4m3 is fp8); auto: bf16, or fp32 "
                         "with fp32 weights")
@@ -59,9 +63,12 @@ def register(subparsers) -> None:
         description="Inference: weight bytes, KV bytes per token, blocks and concurrent sequences "
                     "that fit. --train: weights, gradients, Adam moments, fp32 master weights and "
                     "activations per GPU under DDP and FSDP.")
-    p.add_argument("--model", required=True, help="preset name, HF model directory or .gguf file")
-    p.add_argument("--dtype", choices=sorted(WEIGHT_FORMATS), default="bf16",
-                   help="weight dtype (training: bf16, fp16 or fp32)")
+    p.add_argument("--model", default=None, help="preset name, HF model directory or .gguf file "
+                                                   "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", choices=sorted(WEIGHT_FORMATS), default=None,
+                   help="weight format (default: a GGUF file's own blocks where the engine keeps them, "
+                        "e.g. q4_1 for the default model; otherwise bf16; training: bf16, fp16 or fp32, "
+                        "default bf16)")
     p.add_argument("--kv-cache-dtype", dest="kv_dtype", choices=KV_DTYPE_CHOICES, default="auto",
                    help="KV cache dtype, as the engine's flag (fp8_e4m3 is fp8); auto: bf16, or fp32 "
                         "with fp32 weights")
@@ -127,34 +134,61 @@ def _run_profile(args: argparse.Namespace) -> int:
     return run_profile(args)
 
 
-def resolve_model_config(model: str) -> ModelConfig:
-    """A preset name, or a path to an HF directory / .gguf file read by the model loader."""
+def resolve_model_config(model: Optional[str]) -> ModelConfig:
+    """A preset name, or a path to an HF directory / .gguf file read by the model loader;
+    None: the embedded default model."""
+    return resolve_model(model).config
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    name: str  # for the report: the --model given, or the default model's file name
+    config: ModelConfig
+    gguf_path: Optional[str]  # the .gguf file read, None for a preset or an HF directory
+
+
+def resolve_model(model: Optional[str]) -> ResolvedModel:
     from rooflm.model.presets import PRESETS, get_preset
 
-    if model.lower() in PRESETS:
-        return get_preset(model)
-    from rooflm.model import hub
-    hub_model = None if os.path.exists(model) else hub.parse(model)
-    if hub_model is not None:  # a shape needs the config only: "dummy" downloads no weights
-        from rooflm.model import loader
-        return loader.load_model_config(*hub.resolve(hub_model, "auto" if hub_model.gguf_file else "dummy"))
-    if not os.path.exists(model):
-        if os.sep in model or model.lower().endswith(".gguf"):
-            raise ValueError(f"{model}: no such file or directory")
-        # Let the preset lookup say which names exist.
-        return get_preset(model)
+    if model is not None:
+        if model.lower() in PRESETS:
+            return ResolvedModel(model, get_preset(model), None)
+        from rooflm.model import hub
+        hub_model = None if os.path.exists(model) else hub.parse(model)
+        if hub_model is not None:  # a shape needs the config only: "dummy" downloads no weights
+            from rooflm.model import loader
+            path, fmt = hub.resolve(hub_model, "auto" if hub_model.gguf_file else "dummy")
+            return ResolvedModel(model, loader.load_model_config(path, fmt), path if fmt == "gguf" else None)
+        if not os.path.exists(model):
+            if os.sep in model or model.lower().endswith(".gguf"):
+                raise ValueError(f"{model}: no such file or directory")
+            # Let the preset lookup say which names exist.
+            return ResolvedModel(model, get_preset(model), None)
     # The loader is imported here: it pulls in safetensors/gguf readers that
     # the calculators do not otherwise need.
     from rooflm.model import loader
 
-    fmt = "gguf" if model.endswith(".gguf") else "safetensors"
-    path = model
+    path, fmt = model, "gguf" if model is not None and model.endswith(".gguf") else "safetensors"
     resolve = getattr(loader, "resolve_model", None)
     if resolve is not None:
         resolved = resolve(model, "auto")
         if isinstance(resolved, tuple) and len(resolved) >= 2:
             path, fmt = resolved[0], resolved[1]
-    return loader.load_model_config(path, fmt)
+    name = model if model is not None else os.path.basename(path)
+    return ResolvedModel(name, loader.load_model_config(path, fmt), path if fmt == "gguf" else None)
+
+
+def default_weight_format(model: ResolvedModel) -> str:
+    """--dtype's default: what the engine multiplies. A GGUF file's blocks stay blocks where a
+    kernel takes them (WEIGHT_FORMATS has those), so its layers' main format is the answer; any
+    other GGUF format is dequantized at load, and everything else runs in bf16."""
+    if model.gguf_path is None:
+        return "bf16"
+    from rooflm.model.gguf_loader import layer_weight_types
+
+    counts = layer_weight_types(model.gguf_path)
+    main = max(counts, key=counts.get).lower() if counts else ""
+    return main if main in WEIGHT_FORMATS else "bf16"
 
 
 # The analytic dtypes, and the engine's --kv-cache-dtype spellings (auto, fp8_e4m3) beside them.
@@ -172,23 +206,25 @@ def _default_kv_dtype(weight_dtype: str, kv_dtype: Optional[str]) -> str:
 def run_roofline(args: argparse.Namespace, out: TextIO = None) -> int:
     out = out or sys.stdout
     try:
-        config = resolve_model_config(args.model)
+        model = resolve_model(args.model)
+        config = model.config
+        dtype = args.dtype or default_weight_format(model)
         gpu = get_gpu(args.gpu)
-        kv_dtype = _default_kv_dtype(args.dtype, args.kv_dtype)
+        kv_dtype = _default_kv_dtype(dtype, args.kv_dtype)
         latency = None if args.allreduce_latency_us is None else args.allreduce_latency_us * 1e-6
         step = phase_step_cost(config, args.phase, args.batch_size, args.context,
-                               weight_dtype=args.dtype, kv_dtype=kv_dtype, tp=args.tp,
+                               weight_dtype=dtype, kv_dtype=kv_dtype, tp=args.tp,
                                allreduce_latency_s=latency)
     except (ValueError, RuntimeError, OSError, ImportError) as exc:
         print(f"rooflm roofline: error: {exc}", file=sys.stderr)
         return 2
-    out.write(format_roofline(step, gpu, args.model, config, args.phase, args.batch_size,
-                              args.context, args.dtype, kv_dtype, args.tp))
+    out.write(format_roofline(step, gpu, model.name, config, args.phase, args.batch_size,
+                              args.context, dtype, kv_dtype, args.tp))
     if args.plot:
         from rooflm.perf.plot import plot_roofline
 
-        title = (f"{args.model} {args.phase}, batch {args.batch_size}, context {args.context}, "
-                 f"{args.dtype}" + (f", TP {args.tp}" if args.tp > 1 else "") + f" on {gpu.name}")
+        title = (f"{model.name} {args.phase}, batch {args.batch_size}, context {args.context}, "
+                 f"{dtype}" + (f", TP {args.tp}" if args.tp > 1 else "") + f" on {gpu.name}")
         plot_roofline(roofline(step, gpu), gpu, args.plot, title=title,
                       compute_dtype=step.compute_dtype)
         out.write(f"roofline chart written to {args.plot}\n")
@@ -270,11 +306,11 @@ def _wrap(text: str, width: int) -> list[str]:
 def run_memory(args: argparse.Namespace, out: TextIO = None) -> int:
     out = out or sys.stdout
     try:
-        config = resolve_model_config(args.model)
+        model = resolve_model(args.model)
         if args.train:
-            text = _format_training(args, config)
+            text = _format_training(args, model.name, model.config, args.dtype or "bf16")
         else:
-            text = _format_inference(args, config)
+            text = _format_inference(args, model.name, model.config, args.dtype or default_weight_format(model))
     except (ValueError, RuntimeError, OSError, ImportError) as exc:
         print(f"rooflm memory: error: {exc}", file=sys.stderr)
         return 2
@@ -282,12 +318,12 @@ def run_memory(args: argparse.Namespace, out: TextIO = None) -> int:
     return 0
 
 
-def _format_inference(args: argparse.Namespace, config: ModelConfig) -> str:
-    kv_dtype = _default_kv_dtype(args.dtype, args.kv_dtype)
+def _format_inference(args: argparse.Namespace, name: str, config: ModelConfig, dtype: str) -> str:
+    kv_dtype = _default_kv_dtype(dtype, args.kv_dtype)
     context = args.context or min(config.max_position_embeddings, 8192)
     gpu_mem = args.gpu_mem if args.gpu_mem is not None else (
         get_gpu(args.gpu).mem_gb if args.gpu else 80.0)
-    plan = inference_memory(config, weight_dtype=args.dtype, kv_dtype=kv_dtype, context=context,
+    plan = inference_memory(config, weight_dtype=dtype, kv_dtype=kv_dtype, context=context,
                             gpu_mem_gb=gpu_mem, tp=args.tp, block_size=args.block_size,
                             gpu_memory_utilization=args.gpu_memory_utilization,
                             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -297,7 +333,7 @@ def _format_inference(args: argparse.Namespace, config: ModelConfig) -> str:
                                                                       * config.head_dim)
     tp_note = f" per GPU of TP {args.tp}" if args.tp > 1 else ""
     lines = [
-        f"{args.model}: {plan.num_params / 1e9:.2f}B params, weights {args.dtype}, KV {kv_dtype}"
+        f"{name}: {plan.num_params / 1e9:.2f}B params, weights {dtype} ({WEIGHT_FORMATS[dtype].note}), KV {kv_dtype}"
         f"{tp_note}, {gpu_mem:g} GB GPU x {args.gpu_memory_utilization:g} utilization",
         "",
         f"{'weights':<34} {plan.weights / GB:>10.2f} GB",
@@ -322,13 +358,13 @@ def _format_inference(args: argparse.Namespace, config: ModelConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _format_training(args: argparse.Namespace, config: ModelConfig) -> str:
-    if args.dtype not in ("bf16", "fp16", "fp32"):
+def _format_training(args: argparse.Namespace, name: str, config: ModelConfig, dtype: str) -> str:
+    if dtype not in ("bf16", "fp16", "fp32"):
         raise ValueError("--train supports --dtype bf16, fp16 or fp32")
     seq_len = args.context or 2048
     n_gpus = args.num_gpus
     mem = training_memory(config, num_gpus=n_gpus, micro_batch=args.batch_size, seq_len=seq_len,
-                          dtype=args.dtype, flash_attention=not args.no_flash_attention)
+                          dtype=dtype, flash_attention=not args.no_flash_attention)
     n = mem.num_params
 
     def row(label: str, total: float, ddp: Optional[float], fsdp: Optional[float]) -> str:
@@ -339,16 +375,16 @@ def _format_training(args: argparse.Namespace, config: ModelConfig) -> str:
 
     attention = "eager attention" if args.no_flash_attention else "FlashAttention"
     lines = [
-        f"{args.model}: {n / 1e9:.2f}B params, Adam, {args.dtype} "
-        f"{'mixed precision' if args.dtype != 'fp32' else ''}, micro-batch {args.batch_size} x "
+        f"{name}: {n / 1e9:.2f}B params, Adam, {dtype} "
+        f"{'mixed precision' if dtype != 'fp32' else ''}, micro-batch {args.batch_size} x "
         f"{seq_len} tokens per GPU, {attention}",
         "",
         f"{'':<36} {'per param':>8} {'model (GB)':>12} {'DDP/GPU':>12} {'FSDP/GPU':>12}",
         f"{'':<36} {'':>8} {'':>12} {'(GB)':>12} {'(GB, N=' + str(n_gpus) + ')':>12}",
     ]
     shard = n_gpus
-    lines.append(row(f"weights ({args.dtype})", mem.weights, mem.weights, mem.weights / shard))
-    lines.append(row(f"gradients ({args.dtype})", mem.gradients, mem.gradients, mem.gradients / shard))
+    lines.append(row(f"weights ({dtype})", mem.weights, mem.weights, mem.weights / shard))
+    lines.append(row(f"gradients ({dtype})", mem.gradients, mem.gradients, mem.gradients / shard))
     if mem.master_weights:
         lines.append(row("fp32 master weights", mem.master_weights, mem.master_weights,
                          mem.master_weights / shard))
@@ -372,7 +408,7 @@ def _format_training(args: argparse.Namespace, config: ModelConfig) -> str:
     lines.append("")
     lines.append(
         f"{mem.state_bytes_per_param:g} bytes per parameter before activations "
-        + ("(2 weight + 2 gradient + 4 fp32 master + 8 Adam); " if args.dtype != "fp32"
+        + ("(2 weight + 2 gradient + 4 fp32 master + 8 Adam); " if dtype != "fp32"
            else "(4 weight + 4 gradient + 8 Adam); ")
         + "DDP replicates them on every GPU, FSDP divides them by N.")
     return "\n".join(lines) + "\n"

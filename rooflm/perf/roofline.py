@@ -69,6 +69,13 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
     **{f"int4-g{g}": WeightFormat(0.5 + 4.0 / g, "bf16", f"int4 weight-only, group {g} (rooflm --quantization "
                                                           f"int4-g{g}), dequantized into bf16 matmuls")
        for g in (32, 64, 128)},
+    # GGUF blocks the engine multiplies without dequantizing (config.py's quantization auto), at
+    # the bytes the file stores, scales included; activations are bf16 (W4A16/W8A16 on CUDA, the
+    # block kernels on the CPU).
+    **{kind.lower(): WeightFormat(block_bytes / values, "bf16", f"GGUF {kind} blocks, "
+                                  f"{8 * block_bytes / values:g} bits a weight, bf16 activations")
+       for kind, block_bytes, values in (("Q4_0", 18, 32), ("Q4_1", 20, 32), ("Q8_0", 34, 32),
+                                         ("Q4_K", 144, 256))},
 }
 
 KV_CACHE_BYTES: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0}

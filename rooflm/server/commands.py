@@ -9,8 +9,10 @@ The engine runs in a process of its own (rooflm/engine/core.py);
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import signal
+import socket
 import sys
 
 import rooflm.envs as envs
@@ -160,13 +162,37 @@ def _show_server_logs() -> None:
         rooflm_logger.setLevel(logging.INFO)
 
 
+def bind_listeners(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to every address of host:port, as uvicorn would bind them, but before the
+    model loads: a port in use is reported in a moment, not after the load. Not listening yet, so
+    a client during the load is refused as before; uvicorn listens on them once the app is up.
+
+    Raises OSError naming host:port. Python's sockets are not inherited, so the engine's spawned
+    processes do not hold the port."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise OSError(f"cannot resolve --host {host!r}: {exc.strerror}") from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            # What asyncio's create_server sets: a restart may bind over connections in TIME_WAIT;
+            # an IPv6 socket leaves IPv4 to its own socket.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        hint = " (another server? pick another --port)" if exc.errno == errno.EADDRINUSE else ""
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None
+    return sockets
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from rooflm.server.app import create_app
-    from rooflm.server.state import FLUSH_GRACE_S
-
-    from rooflm.engine.core_process import EngineStartError
     from rooflm.server.chat_template import ChatTemplateError
 
     if args.model_tag is not None:
@@ -180,6 +206,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ChatTemplateError as exc:
         print(f"rooflm: error: --chat-template: {exc}", file=sys.stderr)
         return 1
+    try:
+        listeners = bind_listeners(args.host, args.port)
+    except OSError as exc:
+        print(f"rooflm: error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        return _serve_on(args, config, listeners)
+    finally:
+        for sock in listeners:
+            sock.close()
+
+
+def _serve_on(args: argparse.Namespace, config, listeners: list[socket.socket]) -> int:
+    """Load the model, then serve on the sockets bind_listeners bound."""
+    import uvicorn
+
+    from rooflm.server.app import create_app
+    from rooflm.server.state import FLUSH_GRACE_S
+
+    from rooflm.engine.core_process import EngineStartError
+    from rooflm.server.chat_template import ChatTemplateError
+
     _show_server_logs()
     try:
         app = create_app(engine_kwargs(args), config, engine_process=args.engine_process)
@@ -205,5 +253,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
     state.request_exit = server.request_exit
     logger.info("serving %s on http://%s:%d (API key %s)", state.model_name, args.host, args.port,
                 "required" if config.api_key else "off")
-    server.run()
+    server.run(sockets=listeners)
     return state.exit_code

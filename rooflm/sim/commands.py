@@ -81,7 +81,8 @@ def register(sub) -> None:
                      help="per-request SLOs in ms for goodput, as bench serve: ttft:500 tpot:30")
     res.add_argument("--result-file", default=None, help="write the result as JSON")
     res.add_argument("--plot", default=None, metavar="FILE.png",
-                     help="latency distributions, throughput, KV usage and queues over time")
+                     help="latency distributions, throughput, KV usage and queues over time; with "
+                          "several rates, FILE-rateR.png per rate and FILE.png against the rate")
     res.add_argument("--calibration-out", default=None, metavar="FILE", help="--calibrate: where to write")
     pl = p.add_argument_group("plan")
     pl.add_argument("--slo", default=None, help="--plan: e.g. ttft_p99=500ms,tpot_p50=30ms")
@@ -266,15 +267,23 @@ def _run(args, out: TextIO) -> int:
         sweep.append(metrics)
         results.append({"request_rate": None if math.isinf(rate) else rate, "num_prompts": len(requests),
                         **metrics})
-        if args.plot and len(rates) == 1:
-            from rooflm.sim.plot import plot_simulation
+        if args.plot:
+            from rooflm.sim.plot import plot_simulation, rate_path
 
-            plot_simulation(result, metrics, args.plot, title=f"simulated {name} on {args.data_parallel_size} x {gpu_key} "
-                                                              f"TP{args.tensor_parallel_size}, {label}")
-            out.write(f"plots written to {args.plot}\n")
+            # A sweep gives each rate its own files; the --plot name itself is the sweep's chart.
+            path = args.plot if len(rates) == 1 else rate_path(args.plot, rate)
+            written = plot_simulation(result, metrics, path, title=f"simulated {name} on {args.data_parallel_size} x "
+                                                                   f"{gpu_key} TP{args.tensor_parallel_size}, {label}")
+            out.write(f"plots written to {', '.join(written)}\n")
     if len(rates) > 1:
         out.write(" Sweep over request rates (simulated) ".center(50, "=") + "\n")
         out.write(format_sweep(rates, sweep))
+        if args.plot:
+            from rooflm.perf.plot import plot_rate_sweep
+
+            plot_rate_sweep(rates, sweep, args.plot, title=f"simulated {name} on {args.data_parallel_size} x {gpu_key} "
+                                                          f"TP{args.tensor_parallel_size}: {args.num_prompts} requests per rate")
+            out.write(f"sweep plot (TTFT, TPOT, throughput against the rate) written to {args.plot}\n")
     if args.result_file:
         from rooflm.perf.results import stamp, write_json
 

@@ -9,9 +9,16 @@ from rooflm.sim.metrics import bench_outputs
 from rooflm.sim.simulator import SimResult
 
 
-def plot_simulation(result: SimResult, metrics: dict, path: str, title: str = "") -> None:
-    """Two files: `path` (latency distributions, throughput over time, as `bench serve --plot`)
-    and `path` with -kv before the extension (KV usage, running and waiting requests)."""
+def rate_path(path: str, rate: float) -> str:
+    """One rate's file of a sweep: sim.png at 16 req/s -> sim-rate16.png."""
+    stem, ext = os.path.splitext(path)
+    return f"{stem}-rate{rate:g}{ext or '.png'}"
+
+
+def plot_simulation(result: SimResult, metrics: dict, path: str, title: str = "") -> list[str]:
+    """Two files, returned: `path` (latency distributions, throughput over time, as
+    `bench serve --plot`) and `path` with -kv before the extension (KV usage, running and
+    waiting requests)."""
     from rooflm.perf.serving_metrics import tpot_s
     from rooflm.perf.plot import _pyplot, plot_serving
 
@@ -39,5 +46,7 @@ def plot_simulation(result: SimResult, metrics: dict, path: str, title: str = ""
     fig.suptitle(f"{title}\n{sim['steps']} steps, {sim['preemptions']} preemptions", fontsize=10)
     fig.tight_layout()
     stem, ext = os.path.splitext(path)
-    fig.savefig(f"{stem}-kv{ext or '.png'}", dpi=110)
+    kv_path = f"{stem}-kv{ext or '.png'}"
+    fig.savefig(kv_path, dpi=110)
     plt.close(fig)
+    return [path, kv_path]

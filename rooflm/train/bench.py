@@ -23,8 +23,7 @@ import json
 import os
 import sys
 
-import torch
-
+# torch is imported inside the functions that train: the CLI builds this parser for every command.
 from rooflm.train.config import TrainConfig
 
 BEST = dict(precision="bf16", fused=True, compile=True)
@@ -62,6 +61,7 @@ def _short_verdict(result: dict) -> str:
 
 def run_sweep(base: TrainConfig, knobs: list[str], gpu=None, out=None) -> list[dict]:
     """One training run per knob; with `out`, each run's full results go to out/train_KNOB.json."""
+    import torch
     from rooflm.train.trainer import train
 
     rows = []

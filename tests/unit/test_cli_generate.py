@@ -39,3 +39,26 @@ def test_bad_token_ids_are_refused(ids, capsys):
     assert main(["generate", "--model", "smollm2-135m", "--load-format", "dummy",
                  "--prompt-token-ids", ids]) == 2
     assert "--prompt-token-ids" in capsys.readouterr().err
+
+
+def test_generate_prints_a_one_line_summary_on_stderr(capsys):
+    assert main(["generate", "--model", "smollm2-135m", "--load-format", "dummy",
+                 "--random-prompt-len", "12", "--max-tokens", "4", "--ignore-eos"]) == 0
+    captured = capsys.readouterr()
+    assert len(captured.out.split()) == 4  # the output is untouched: token ids only
+    (line,) = [l for l in captured.err.splitlines() if l.startswith("rooflm generate:")]
+    assert re.fullmatch(r"rooflm generate: 12 prompt tokens, 4 output tokens, TTFT \d+\.\d ms, "
+                        r"\d+\.\d output tokens/s \(\d+\.\d\d s\)", line), line
+
+
+def test_summary_sums_tokens_and_averages_ttft():
+    from types import SimpleNamespace as NS
+
+    from rooflm.cli import generate_summary
+
+    outs = [NS(prompt_token_ids=[1] * 5, outputs=[NS(token_ids=[7] * 10), NS(token_ids=[7] * 6)],
+               arrival_time=100.0, first_token_time=100.2),
+            NS(prompt_token_ids=[1] * 3, outputs=[NS(token_ids=[7] * 4)],
+               arrival_time=100.0, first_token_time=100.4)]
+    assert generate_summary(outs, 2.0) == ("rooflm generate: 2 prompts, 8 prompt tokens, 20 output tokens, "
+                                           "TTFT 300.0 ms, 10.0 output tokens/s (2.00 s)")

@@ -403,3 +403,16 @@ def test_cli_run_plan_and_errors(tmp_path, capsys):
     assert main(["simulate", "--plan", "--rate", "30", "--slo", "ttft_p99=fast"]) == 2
     assert "SLO value" in capsys.readouterr().err
     assert main(["simulate", "--trace", str(tmp_path / "missing.json")]) == 2
+
+
+def test_plot_with_several_rates_writes_a_file_per_rate_and_the_sweep(tmp_path, capsys):
+    plot = tmp_path / "sim.png"
+    rc = main(["simulate", "--num-prompts", "12", "--request-rate", "5", "inf", "--input-len", "40",
+               "--output-len", "8", "--plot", str(plot)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    files = [plot] + [tmp_path / f"sim-rate{r}{kv}.png" for r in ("5", "inf") for kv in ("", "-kv")]
+    for f in files:
+        assert f.stat().st_size > 0, f
+        assert str(f) in text, (f, text)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f.name for f in files)
