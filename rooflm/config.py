@@ -48,7 +48,14 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2/2.5: bias on q, k, v projections
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
-    sliding_window: Optional[int] = None  # Mistral v0.1
+    sliding_window: Optional[int] = None  # Mistral v0.1; the window of "sliding_attention" layers
+    # Per-layer attention kind, HF's layer_types ("sliding_attention" | "full_attention"); empty:
+    # every layer uses sliding_window (Gemma 2 alternates them).
+    layer_types: tuple[str, ...] = ()
+    hidden_act: str = "silu"  # the gated MLP's activation: silu | gelu_pytorch_tanh (Gemma)
+    query_pre_attn_scalar: Optional[float] = None  # attention scale 1/sqrt(this); None: head_dim
+    attn_logit_softcapping: Optional[float] = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: Optional[float] = None  # Gemma 2: the same on the logits
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
 

@@ -1,4 +1,4 @@
-"""SiLU-and-mul of the gated MLP: silu(gate) * up on a fused [T, 2I] input."""
+"""The gated MLP's activation on a fused [T, 2I] input: silu(gate) * up, or gelu_tanh(gate) * up (Gemma)."""
 
 from __future__ import annotations
 
@@ -20,3 +20,11 @@ class SiluAndMul(torch.nn.Module):
         if self.kernel is not None:
             return self.kernel(x)
         return silu_and_mul_torch(x)
+
+
+class GeluTanhAndMul(torch.nn.Module):
+    """gelu(gate, approximate="tanh") * up: Gemma's gated MLP (HF's gelu_pytorch_tanh). Torch only."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

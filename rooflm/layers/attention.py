@@ -58,12 +58,13 @@ class Attention(torch.nn.Module):
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, rotary,
-                 sliding_window: Optional[int] = None, backend: Optional["AttentionBackend"] = None):
+                 sliding_window: Optional[int] = None, backend: Optional["AttentionBackend"] = None,
+                 scale: Optional[float] = None):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
         self.rotary = rotary
         self.sliding_window = sliding_window
         self.backend = backend or ReferenceBackend()
@@ -78,6 +79,29 @@ class Attention(torch.nn.Module):
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
 
+class SoftcappedAttention(Attention):
+    """Attention whose scaled scores are soft-capped, softcap * tanh(s / softcap), before the
+    softmax (Gemma 2). Only a backend with supports_softcap computes it; the model picks one at
+    init (model/decoder.py), so the plain Attention's forward carries no option."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, rotary, softcap: float,
+                 sliding_window: Optional[int] = None, backend: Optional["AttentionBackend"] = None,
+                 scale: Optional[float] = None):
+        super().__init__(num_heads, num_kv_heads, head_dim, rotary, sliding_window, backend, scale)
+        if not self.backend.supports_softcap:
+            raise ValueError(f"the {self.backend.name} attention backend cannot soft-cap attention scores")
+        self.softcap = softcap
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache, k_scale, v_scale = KVCache(*kv_cache)
+        scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
+        q = self.backend.rope_and_write_step(q, k, v, positions, self.rotary, k_cache, v_cache, meta, **scales)
+        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.sliding_window,
+                                  softcap=self.softcap, **scales)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+
 class AttentionBackend:
     """The interface a fast path implements; see ReferenceBackend for the semantics.
 
@@ -87,6 +111,8 @@ class AttentionBackend:
     """
 
     name = "abstract"
+    # Whether attend takes softcap= (attention logit soft-capping); the fused kernels do not.
+    supports_softcap = False
 
     def rope_and_write(self, q, k, v, positions, rotary, k_cache, v_cache, slot_mapping,
                        k_scale=None, v_scale=None) -> torch.Tensor:
@@ -116,9 +142,11 @@ class ReferenceBackend(AttentionBackend):
     """Pure PyTorch: the CPU path and the reference for the Triton kernels."""
 
     name = "reference"
+    supports_softcap = True
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
         write_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
-    def attend(self, q, k_cache, v_cache, meta, scale, sliding_window, k_scale=None, v_scale=None) -> torch.Tensor:
-        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale)
+    def attend(self, q, k_cache, v_cache, meta, scale, sliding_window, k_scale=None, v_scale=None,
+               softcap=None) -> torch.Tensor:
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, softcap)

@@ -69,11 +69,13 @@ class CpuBackend(ReferenceBackend):
             write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
         return q
 
-    def attend(self, q, k_cache, v_cache, meta, scale, sliding_window, k_scale=None, v_scale=None) -> torch.Tensor:
+    def attend(self, q, k_cache, v_cache, meta, scale, sliding_window, k_scale=None, v_scale=None,
+               softcap=None) -> torch.Tensor:
         plan = meta.plan
-        if k_scale is not None or not isinstance(plan, CpuStepPlan) or plan.decode_len is None or (
-                sliding_window is not None and plan.decode_len > sliding_window):
-            return super().attend(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale)
+        # Soft-capped scores (Gemma 2): SDPA has no cap, so the reference's math path.
+        if k_scale is not None or softcap is not None or not isinstance(plan, CpuStepPlan) or (
+                plan.decode_len is None or (sliding_window is not None and plan.decode_len > sliding_window)):
+            return super().attend(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, softcap)
         return self._single_decode(q, k_cache, v_cache, meta, plan, scale)
 
     @staticmethod

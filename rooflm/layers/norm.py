@@ -36,3 +36,19 @@ class RMSNorm(torch.nn.Module):
             return rms_norm_torch(x, self.weight, self.eps)
         residual = x + residual
         return rms_norm_torch(residual, self.weight, self.eps), residual
+
+
+class OnePlusRMSNorm(torch.nn.Module):
+    """Gemma's RMSNorm: the weight is stored as an offset from 1, and the scale (1 + w) is
+    applied in fp32 before the cast back (HF's Gemma2RMSNorm, whose casts parity depends on).
+    No fused kernel: the Triton RMSNorm multiplies by w in the input dtype."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)

@@ -9,9 +9,7 @@ from typing import Any
 
 from rooflm.config import ModelConfig
 
-# transformers' model_type per architecture, for a config.json AutoConfig can read too.
-_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+from rooflm.model.registry import FAMILIES
 
 
 def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
@@ -19,7 +17,7 @@ def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
     (transformers < 5: top-level rope_theta and rope_scaling)."""
     cfg: dict[str, Any] = {
         "architectures": [config.architecture],
-        "model_type": _MODEL_TYPES.get(config.architecture, "llama"),
+        "model_type": FAMILIES[config.architecture].model_type if config.architecture in FAMILIES else "llama",
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
@@ -45,6 +43,11 @@ def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
     elif config.sliding_window is not None:
         cfg.update(use_sliding_window=True, sliding_window=config.sliding_window,
                    max_window_layers=0)
+    if config.layer_types:  # a family whose layers differ (Gemma 2) reads its own fields back
+        cfg.update(layer_types=list(config.layer_types), sliding_window=config.sliding_window,
+                   hidden_activation=config.hidden_act, query_pre_attn_scalar=config.query_pre_attn_scalar,
+                   attn_logit_softcapping=config.attn_logit_softcapping,
+                   final_logit_softcapping=config.final_logit_softcapping)
     if config.bos_token_id is not None:
         cfg["bos_token_id"] = config.bos_token_id
     if config.eos_token_ids:

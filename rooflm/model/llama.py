@@ -218,7 +218,7 @@ class LlamaForCausalLM(torch.nn.Module):
         super().__init__()
         self.cfg = cfg
         self.heads = tp.heads(cfg.num_attention_heads, cfg.num_key_value_heads)  # this rank's
-        self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings, backend, kernels, tp)
+        self.model = self.make_model(cfg, max_positions or cfg.max_position_embeddings, backend, kernels, tp)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = tp_layers.lm_head(cfg.hidden_size, cfg.vocab_size, tp, tied)
         self.gemv = kernels.gemv  # as LlamaDecoderLayer.gemv: the LM head of one token
@@ -229,6 +229,11 @@ class LlamaForCausalLM(torch.nn.Module):
         # A checkpoint's static FP8 K/V scales, [layers, 2 (K, V)] fp32 on the host, or None
         # (quant/checkpoint.py's kv_cache_scheme); the model runner puts them in the FP8 cache.
         self.checkpoint_kv_scales: Optional[torch.Tensor] = None
+
+    def make_model(self, cfg: ModelConfig, max_positions: int, backend: Optional[AttentionBackend],
+                   kernels: Kernels, tp: TPGroup) -> "LlamaModel":
+        """The decoder stack; a family whose parts differ builds its own (model/decoder.py)."""
+        return LlamaModel(cfg, max_positions, backend, kernels, tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:

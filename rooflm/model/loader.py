@@ -21,7 +21,8 @@ import torch
 from rooflm.config import ModelConfig, RopeScaling
 from rooflm.model import hub, presets
 from rooflm.errors import ModelLoadError, load_error  # noqa: F401 (ModelLoadError is re-exported)
-from rooflm.model.registry import SUPPORTED_ARCHITECTURES
+from rooflm.model.registry import SUPPORTED_ARCHITECTURES, get_family, model_spec
+from rooflm.model.spec import QK_NORM_HEAD, QK_NORM_PROJ
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
@@ -282,7 +283,11 @@ def _load_hf_config(model_dir: str) -> ModelConfig:
             bos_token_id = generation_cfg.get("bos_token_id")
 
     try:
-        return ModelConfig(
+        family_fields = get_family(architecture).config_fields(cfg)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise load_error(config_path, f"invalid {architecture} config: {exc}") from exc
+    try:
+        fields: dict[str, Any] = dict(
             architecture=architecture,
             vocab_size=vocab_size,
             hidden_size=hidden_size,
@@ -302,6 +307,10 @@ def _load_hf_config(model_dir: str) -> ModelConfig:
             bos_token_id=None if bos_token_id is None else int(bos_token_id),
             eos_token_ids=tuple(eos_token_ids),
         )
+        fields.update(family_fields)
+        config = ModelConfig(**fields)
+        model_spec(config)  # a config its family cannot map to parts fails here, named
+        return config
     except (TypeError, ValueError) as exc:
         raise load_error(config_path, f"invalid model config: {exc}") from exc
 
@@ -314,10 +323,14 @@ def weight_shapes(config: ModelConfig, kv_scales: bool = False) -> dict[str, tup
     """Every HF parameter name the config implies, with its shape; kv_scales: the checkpoint's
     static FP8 K/V scales too (one a layer, quant/checkpoint.py's kv_cache_scheme)."""
     hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    spec = model_spec(config)
+    qk_norm_sizes = {QK_NORM_HEAD: (config.head_dim, config.head_dim),
+                     QK_NORM_PROJ: (config.q_size, config.kv_size)}.get(spec.qk_norm)
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(config.num_hidden_layers):
         layer = f"model.layers.{i}."
-        shapes[layer + "input_layernorm.weight"] = (hidden,)
+        for norm in spec.norm_names():
+            shapes[layer + norm + ".weight"] = (hidden,)
         shapes[layer + "self_attn.q_proj.weight"] = (config.q_size, hidden)
         shapes[layer + "self_attn.k_proj.weight"] = (config.kv_size, hidden)
         shapes[layer + "self_attn.v_proj.weight"] = (config.kv_size, hidden)
@@ -326,10 +339,9 @@ def weight_shapes(config: ModelConfig, kv_scales: bool = False) -> dict[str, tup
             shapes[layer + "self_attn.q_proj.bias"] = (config.q_size,)
             shapes[layer + "self_attn.k_proj.bias"] = (config.kv_size,)
             shapes[layer + "self_attn.v_proj.bias"] = (config.kv_size,)
-        if config.qk_norm:
-            shapes[layer + "self_attn.q_norm.weight"] = (config.head_dim,)
-            shapes[layer + "self_attn.k_norm.weight"] = (config.head_dim,)
-        shapes[layer + "post_attention_layernorm.weight"] = (hidden,)
+        if qk_norm_sizes is not None:
+            shapes[layer + "self_attn.q_norm.weight"] = (qk_norm_sizes[0],)
+            shapes[layer + "self_attn.k_norm.weight"] = (qk_norm_sizes[1],)
         shapes[layer + "mlp.gate_proj.weight"] = (inter, hidden)
         shapes[layer + "mlp.up_proj.weight"] = (inter, hidden)
         shapes[layer + "mlp.down_proj.weight"] = (hidden, inter)

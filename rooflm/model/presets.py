@@ -53,6 +53,21 @@ PRESETS: dict[str, ModelConfig] = {
         num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
         max_position_embeddings=40960, tie_word_embeddings=True, qk_norm=True,
         bos_token_id=151643, eos_token_ids=(151645, 151643)),
+    # OLMo-2-1124-7B: post-norms and q/k norms over the projections (model/olmo2.py).
+    "olmo-2-7b": ModelConfig(
+        architecture="Olmo2ForCausalLM", vocab_size=100352, hidden_size=4096,
+        intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, head_dim=128, rms_norm_eps=1e-6, rope_theta=500000.0,
+        max_position_embeddings=4096, eos_token_ids=(100257,)),
+    # Gemma-2-9B: soft-capping, alternating 4096-token windows, tied head (model/gemma2.py).
+    "gemma-2-9b": ModelConfig(
+        architecture="Gemma2ForCausalLM", vocab_size=256000, hidden_size=3584,
+        intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=8192, tie_word_embeddings=True, sliding_window=4096,
+        layer_types=("sliding_attention", "full_attention") * 21, hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=256.0, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        bos_token_id=2, eos_token_ids=(1, 107)),
     "smollm2-135m": ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576,
         intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,

@@ -1,14 +1,48 @@
-"""Architecture name (config.json "architectures"[0] or GGUF general.architecture) -> model class."""
+"""Architecture name (config.json "architectures"[0] or GGUF general.architecture) -> family.
+
+A family is its config -> parts mapping (a ModelSpec, model/spec.py), the config.json fields
+beyond the Llama ones it reads, and its model class: LlamaForCausalLM (model/llama.py, every
+fused path) or, where a part option is on, the family's PartsForCausalLM (model/decoder.py).
+docs/adding-a-model.md walks through adding one.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from rooflm.config import ModelConfig
+from rooflm.model import gemma2, olmo2
+from rooflm.model.llama import LlamaForCausalLM
+from rooflm.model.spec import ModelSpec, llama_spec
+
+
+def no_config_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    return {}
+
+
+@dataclass(frozen=True)
+class Family:
+    architecture: str  # HF's class name, config.json "architectures"[0]
+    model_type: str  # HF's model_type, for the config.json rooflm writes (model/hf_config.py)
+    spec: Callable[[ModelConfig], ModelSpec]
+    # LlamaForCausalLM (every fused path), or the family's PartsForCausalLM (model/decoder.py)
+    model_class: type = LlamaForCausalLM
+    # config.json -> ModelConfig fields beyond the Llama ones (loader.py reads those)
+    config_fields: Callable[[dict[str, Any]], dict[str, Any]] = no_config_fields
+
+
+FAMILIES = {f.architecture: f for f in (
+    Family("LlamaForCausalLM", "llama", llama_spec),
+    Family("MistralForCausalLM", "mistral", llama_spec),
+    Family("Qwen2ForCausalLM", "qwen2", llama_spec),
+    Family("Qwen3ForCausalLM", "qwen3", llama_spec),
+    Family(olmo2.ARCHITECTURE, olmo2.MODEL_TYPE, olmo2.spec, olmo2.Olmo2ForCausalLM),
+    Family(gemma2.ARCHITECTURE, gemma2.MODEL_TYPE, gemma2.spec, gemma2.Gemma2ForCausalLM, gemma2.config_fields),
+)}
+
 # HF architecture names we run, and the GGUF architecture strings that map to them.
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -17,10 +51,17 @@ GGUF_ARCHITECTURES = {
 }
 
 
-def get_model_class(architecture: str):
-    if architecture not in SUPPORTED_ARCHITECTURES:
+def get_family(architecture: str) -> Family:
+    if architecture not in FAMILIES:
         raise ValueError(
             f"unsupported model architecture {architecture!r}; rooflm runs "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    from rooflm.model.llama import LlamaForCausalLM  # one definition serves every family
-    return LlamaForCausalLM
+    return FAMILIES[architecture]
+
+
+def model_spec(cfg: ModelConfig) -> ModelSpec:
+    return get_family(cfg.architecture).spec(cfg)
+
+
+def get_model_class(architecture: str):
+    return get_family(architecture).model_class

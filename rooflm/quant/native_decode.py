@@ -88,6 +88,8 @@ def unsupported_reason(model) -> Optional[str]:
     if native.library() is None:  # after the device check: a GPU host never builds it
         return "native CPU kernels not built"
     for i, layer in enumerate(model.layers):
+        if not getattr(layer, "native_form", True):  # model/decoder.py's parts: post-norms, soft-caps, ...
+            return f"layer {i} has parts the C decoder does not compute"
         attn = layer.self_attn
         if attn.cfg.qk_norm:
             return "per-head q/k norms"

@@ -24,6 +24,10 @@ VARIANTS = [
     ("qwen2", dict(attention="gqa")),
     ("qwen2", dict(attention="mqa", tied=True)),
     ("qwen3", dict(attention="gqa", tied=True)),
+    ("olmo2", dict(attention="gqa")),
+    ("olmo2", dict(attention="mha", tied=True)),
+    ("gemma2", dict(attention="gqa", tied=True)),
+    ("gemma2", dict(attention="mqa", tied=True)),
 ]
 
 

@@ -78,6 +78,12 @@ VARIANTS = [
      dict(architecture="Qwen3ForCausalLM", qk_norm=True, attention_bias=False, head_dim=32,
           tie_word_embeddings=True)),
     ("qwen2", dict(dtype=torch.bfloat16), dict(attention_bias=True)),
+    ("olmo2", dict(attention="gqa"),
+     dict(architecture="Olmo2ForCausalLM", qk_norm=False, layer_types=(), hidden_act="silu")),
+    ("gemma2", dict(attention="gqa", tied=True),
+     dict(architecture="Gemma2ForCausalLM", head_dim=16, sliding_window=8, query_pre_attn_scalar=24.0,
+          attn_logit_softcapping=4.0, final_logit_softcapping=8.0, hidden_act="gelu_pytorch_tanh",
+          layer_types=("sliding_attention", "full_attention") * 2)),
 ]
 
 
@@ -202,6 +208,28 @@ def test_qwen_sliding_window(tiny_root):
 def test_dummy_preset_config(name):
     assert load_model_config(name, "dummy") == PRESETS[name]
     assert resolve_model(name, "dummy") == (name, "dummy")
+
+
+@pytest.mark.parametrize("name", ["olmo-2-7b", "gemma-2-9b"])
+def test_family_preset_parameters_match_weight_shapes(name):
+    """A parts family's model, built at its real shape (on the meta device), has a parameter for
+    every checkpoint tensor the loader expects, and no other."""
+    from rooflm.model.llama import _fused_targets
+    from rooflm.model.registry import get_model_class
+    config = PRESETS[name]
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config, max_positions=16)
+    params = dict(model.named_parameters())
+    expected = set()
+    for tensor, shape in weight_shapes(config).items():
+        for target, shard, kind in _fused_targets(tensor):  # q/k/v, gate/up: a shard of a fused linear
+            assert model.get_submodule(target).shard_offsets[shard][1] == shape[0], tensor
+            expected.add(f"{target}.{shard}.{kind}")
+            break
+        else:
+            assert tuple(params[tensor].shape) == shape, tensor
+            expected.add(tensor)
+    assert set(model._expected_weight_names()) == expected
 
 
 @pytest.mark.parametrize("name", ["llama-3-8b", "Qwen3-0.6B"])

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma2")
 
 # attention option -> number of KV heads, with 4 query heads
 KV_HEADS = {"mha": 4, "gqa": 2, "mqa": 1}
@@ -73,6 +73,15 @@ def tiny_hf_config(family: str, *, tied: bool = False, attention: str = "gqa",
         fields["sliding_window"] = None
     elif family == "qwen2":
         config_class = transformers.Qwen2Config
+    elif family == "olmo2":
+        config_class = transformers.Olmo2Config
+    elif family == "gemma2":
+        config_class = transformers.Gemma2Config
+        # Off the defaults (head_dim 256, scalar 256, window 4096, caps 50/30) so each option
+        # acts at this size: a window shorter than the prompts, a scale that is not 1/sqrt(head_dim),
+        # caps the tiny model's scores and logits reach.
+        fields.update(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                      attn_logit_softcapping=4.0, final_logit_softcapping=8.0, num_hidden_layers=4)
     else:
         config_class = transformers.Qwen3Config
         # Qwen3Config defaults head_dim to 128, independent of hidden size; keep
@@ -97,7 +106,7 @@ def make_tiny_model(root: str | os.PathLike, family: str, *, tied: bool = False,
                     name: Optional[str] = None, **overrides: Any):
     """Build, save and return (checkpoint directory, HF model) for one tiny variant.
 
-    family: llama | mistral | qwen2 | qwen3
+    family: llama | mistral | qwen2 | qwen3 | olmo2 | gemma2
     tied: tie_word_embeddings (no lm_head.weight in the checkpoint)
     attention: mha (4 KV heads) | gqa (2) | mqa (1), with 4 query heads
     rope_scaling: Llama only, Llama-3.1 "llama3" scaling
@@ -110,7 +119,9 @@ def make_tiny_model(root: str | os.PathLike, family: str, *, tied: bool = False,
     config = tiny_hf_config(family, tied=tied, attention=attention,
                             rope_scaling=rope_scaling, **overrides)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    # Gemma 2's soft-capped scores need HF's eager attention (its SDPA path has no cap).
+    extra = {"attn_implementation": "eager"} if family == "gemma2" else {}
+    model = transformers.AutoModelForCausalLM.from_config(config, **extra)
     generator = torch.Generator().manual_seed(seed + 1)
     _randomize_norms_and_biases(model, generator)
     model = model.to(dtype).eval()

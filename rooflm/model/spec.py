@@ -1,0 +1,95 @@
+"""What a family's decoder is made of: the part options, derived once from its ModelConfig.
+
+A family file (model/olmo2.py, model/gemma2.py; model/registry.py for the Llama family) maps
+its config to a ModelSpec; the decoder (model/llama.py, model/decoder.py) builds its parts
+from the spec at init and never looks at the family again. The spec also names the
+checkpoint tensors of each norm, so the model's parameters carry the checkpoint's names
+and load by name.
+
+With every option off (ModelSpec.llama_layers) the model is built from LlamaDecoderLayer, with
+all its fast paths; any option on selects the parts decoder (model/decoder.py), whose torch
+path computes every option, and which says at init which fused paths it gives up and why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from rooflm.config import ModelConfig
+
+RMS = "rms"  # w * norm(x), HF Llama's casts
+RMS_ONE_PLUS = "rms_one_plus"  # (1 + w) * norm(x) in fp32, then cast (Gemma)
+QK_NORM_HEAD = "head"  # RMSNorm over each head of q and k (Qwen3)
+QK_NORM_PROJ = "proj"  # RMSNorm over the whole q and k projections (OLMo 2)
+SILU = "silu"
+GELU_TANH = "gelu_tanh"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    # The decoder layer's norms by place, each the checkpoint name of its weight, or None where
+    # the family has no norm there. Pre-norms normalise a sublayer's input; post-norms its
+    # output, before the residual add.
+    pre_attn_norm: Optional[str] = "input_layernorm"
+    post_attn_norm: Optional[str] = None
+    pre_mlp_norm: Optional[str] = "post_attention_layernorm"
+    post_mlp_norm: Optional[str] = None
+    norm: str = RMS
+    qk_norm: Optional[str] = None
+    attn_scale: Optional[float] = None  # None: head_dim ** -0.5
+    attn_softcap: Optional[float] = None
+    final_softcap: Optional[float] = None
+    # One window per layer (None: full attention); every layer the same for the Llama family.
+    layer_windows: tuple[Optional[int], ...] = ()
+    embed_scale: Optional[float] = None  # x * embed_scale after the lookup (Gemma: sqrt(hidden))
+    mlp_act: str = SILU
+
+    def __post_init__(self) -> None:
+        if self.norm not in (RMS, RMS_ONE_PLUS):
+            raise ValueError(f"ModelSpec.norm must be {RMS} or {RMS_ONE_PLUS}, got {self.norm!r}")
+        if self.qk_norm not in (None, QK_NORM_HEAD, QK_NORM_PROJ):
+            raise ValueError(f"ModelSpec.qk_norm must be None, {QK_NORM_HEAD} or {QK_NORM_PROJ}, got {self.qk_norm!r}")
+        if self.mlp_act not in (SILU, GELU_TANH):
+            raise ValueError(f"ModelSpec.mlp_act must be {SILU} or {GELU_TANH}, got {self.mlp_act!r}")
+
+    @property
+    def llama_layers(self) -> bool:
+        """Whether LlamaDecoderLayer computes this model: every part option off."""
+        return (self.pre_attn_norm == "input_layernorm" and self.pre_mlp_norm == "post_attention_layernorm"
+                and self.post_attn_norm is None and self.post_mlp_norm is None and self.norm == RMS
+                and self.qk_norm in (None, QK_NORM_HEAD) and self.attn_scale is None
+                and self.attn_softcap is None and self.final_softcap is None
+                and len(set(self.layer_windows)) <= 1 and self.embed_scale is None and self.mlp_act == SILU)
+
+    def norm_names(self) -> tuple[str, ...]:
+        """The checkpoint names of a layer's norms, in the order the layer applies them."""
+        names = (self.pre_attn_norm, self.post_attn_norm, self.pre_mlp_norm, self.post_mlp_norm)
+        return tuple(n for n in names if n is not None)
+
+    def attention_fallback(self) -> Optional[str]:
+        """Why the fused attention kernels cannot compute this model, or None when they can."""
+        if self.attn_softcap is not None:
+            return "attention logit soft-capping has no Triton kernel"
+        if len(set(self.layer_windows)) > 1:
+            return "per-layer sliding windows share one Triton launch plan a step"
+        return None
+
+
+def layer_windows(cfg: ModelConfig) -> tuple[Optional[int], ...]:
+    """Each layer's window: cfg.sliding_window on "sliding_attention" layers (every layer when
+    the config has no layer_types), None on "full_attention" ones."""
+    if not cfg.layer_types:
+        return (cfg.sliding_window,) * cfg.num_hidden_layers
+    if len(cfg.layer_types) != cfg.num_hidden_layers:
+        raise ValueError(f"layer_types has {len(cfg.layer_types)} entries for {cfg.num_hidden_layers} layers")
+    unknown = set(cfg.layer_types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ValueError(f"unsupported layer types {sorted(unknown)}; rooflm runs sliding_attention "
+                         f"and full_attention layers")
+    return tuple(cfg.sliding_window if t == "sliding_attention" else None for t in cfg.layer_types)
+
+
+def llama_spec(cfg: ModelConfig) -> ModelSpec:
+    """Llama 2/3/3.1, Mistral, SmolLM2, Qwen2/2.5, Qwen3: pre-norm RMSNorm, SiLU, one window."""
+    return ModelSpec(qk_norm=QK_NORM_HEAD if cfg.qk_norm else None, layer_windows=layer_windows(cfg))

@@ -1,0 +1,53 @@
+"""The parts decoder's choices made at init: which class builds a family, which attention backend
+its layers run on, and that fused paths are never handed a part they cannot compute."""
+
+import pytest
+import torch
+
+from rooflm.layers.attention import AttentionBackend, ReferenceBackend, SoftcappedAttention
+from rooflm.layers.cpu_attention import CpuBackend
+from rooflm.model.decoder import PartsDecoderLayer, attention_backend
+from rooflm.model.llama import LlamaDecoderLayer, LlamaForCausalLM
+from rooflm.model.presets import PRESETS
+from rooflm.model.registry import get_model_class, model_spec
+
+
+class FusedOnly(AttentionBackend):
+    """Stands in for the Triton backend: no soft-capping, one launch plan a step."""
+
+    name = "fused"
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_llama_families_keep_the_llama_layer(name):
+    config = PRESETS[name]
+    llama = config.architecture not in ("Olmo2ForCausalLM", "Gemma2ForCausalLM")
+    assert model_spec(config).llama_layers == llama
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config, max_positions=16)
+    layer_type = LlamaDecoderLayer if llama else PartsDecoderLayer
+    assert all(type(layer) is layer_type for layer in model.model.layers)
+    assert (type(model) is LlamaForCausalLM) == llama
+
+
+def test_softcapped_attention_leaves_the_fused_backend():
+    spec = model_spec(PRESETS["gemma-2-9b"])
+    assert isinstance(attention_backend(spec, FusedOnly()), ReferenceBackend)
+    cpu = CpuBackend()
+    assert attention_backend(spec, cpu) is cpu  # the CPU backend soft-caps through the reference math
+
+
+def test_plain_parts_keep_the_fused_backend():
+    fused = FusedOnly()
+    assert attention_backend(model_spec(PRESETS["olmo-2-7b"]), fused) is fused
+
+
+def test_a_backend_without_softcap_is_refused():
+    with pytest.raises(ValueError, match="cannot soft-cap"):
+        SoftcappedAttention(4, 2, 16, None, 50.0, backend=FusedOnly())
+
+
+def test_gemma2_windows_alternate():
+    spec = model_spec(PRESETS["gemma-2-9b"])
+    assert spec.layer_windows[:4] == (4096, None, 4096, None) and len(spec.layer_windows) == 42
+    assert spec.attention_fallback() is not None
