@@ -911,6 +911,9 @@ class ModelRunner:
         """CUDA graphs for decode, unless on CPU or --enforce-eager."""
         if self.device.type != "cuda" or self.config.runtime.enforce_eager:
             return
+        if self.model.graph_unsafe_reason is not None:
+            logger.info("CUDA graphs off, every step eager: %s", self.model.graph_unsafe_reason)
+            return
         from rooflm.engine.cuda_graph import CUDAGraphRunner
         max_batch = self._graph_max_batch()
         self.graphs = CUDAGraphRunner(self.model, self.kv_caches, self.backend, max_batch,

@@ -133,7 +133,11 @@ class PartsModel(LlamaModel):
     def __init__(self, cfg: ModelConfig, spec: ModelSpec, max_positions: int, backend: Optional[AttentionBackend],
                  kernels: Kernels = TORCH_KERNELS, tp: TPGroup = SINGLE):
         torch.nn.Module.__init__(self)
+        given = backend
         backend = attention_backend(spec, backend)
+        # The reference backend reads the step's host-side lists: a CUDA graph would replay the
+        # captured ones. The model runner captures no graphs when this is set (eager steps).
+        self.graph_unsafe_reason = None if backend is given else spec.attention_fallback()
         self.embed_tokens = tp_layers.vocab_embedding(cfg.vocab_size, cfg.hidden_size, tp)
         # A 0-dim tensor in the model's dtype: HF multiplies by the scale rounded to it (Gemma).
         self.register_buffer("embed_scale", None if spec.embed_scale is None else torch.tensor(spec.embed_scale),

@@ -219,6 +219,9 @@ class LlamaForCausalLM(torch.nn.Module):
         self.cfg = cfg
         self.heads = tp.heads(cfg.num_attention_heads, cfg.num_key_value_heads)  # this rank's
         self.model = self.make_model(cfg, max_positions or cfg.max_position_embeddings, backend, kernels, tp)
+        # Why this model must run eagerly (no CUDA graphs), or None (model/decoder.py sets it where
+        # attention falls back to the torch reference).
+        self.graph_unsafe_reason: Optional[str] = getattr(self.model, "graph_unsafe_reason", None)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = tp_layers.lm_head(cfg.hidden_size, cfg.vocab_size, tp, tied)
         self.gemv = kernels.gemv  # as LlamaDecoderLayer.gemv: the LM head of one token

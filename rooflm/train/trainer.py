@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from rooflm.layers.kernels import TORCH_KERNELS
 from rooflm.model.loader import iter_weights, load_model_config, resolve_model
-from rooflm.model.registry import get_model_class
+from rooflm.model.registry import get_model_class, model_spec
 from rooflm.train import checkpoint, measure, parallel
 from rooflm.train.causal import CausalLM, next_token_loss
 from rooflm.train.config import TrainConfig
@@ -39,6 +39,11 @@ def build_model(model: Optional[str], load_format: str, device: torch.device, se
     model's own files, random for dummy, or from a checkpoint directory (resume)."""
     path, fmt = resolve_model(model, load_format)
     cfg = load_model_config(path, fmt)
+    if not model_spec(cfg).llama_layers:
+        # train/causal.py's CausalBlock runs the Llama layer: another family's parts (post-norms,
+        # soft-caps, (1 + w) norms) would train a different model without saying so.
+        raise ValueError(f"rooflm train runs Llama-layer families only (Llama, Mistral, Qwen2/3); "
+                         f"{cfg.architecture} uses parts the training view does not have yet")
     cls = get_model_class(cfg.architecture)
     with torch.device(device):
         # Torch kernels only: the Triton inference kernels have no backward.

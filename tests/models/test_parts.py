@@ -10,6 +10,7 @@ from rooflm.model.decoder import PartsDecoderLayer, attention_backend
 from rooflm.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 from rooflm.model.presets import PRESETS
 from rooflm.model.registry import get_model_class, model_spec
+from tests.models.tiny_models import make_tiny_model
 
 
 class FusedOnly(AttentionBackend):
@@ -51,3 +52,20 @@ def test_gemma2_windows_alternate():
     spec = model_spec(PRESETS["gemma-2-9b"])
     assert spec.layer_windows[:4] == (4096, None, 4096, None) and len(spec.layer_windows) == 42
     assert spec.attention_fallback() is not None
+
+
+def test_a_model_whose_attention_falls_back_asks_for_eager_steps(tmp_path):
+    """Gemma 2's soft-capped attention runs on the torch reference, which reads the step's host
+    lists: the runner must not capture it in a CUDA graph (ModelRunner.capture_graphs reads this)."""
+    from rooflm.layers.attention import AttentionBackend
+    from rooflm.model.loader import load_model_config
+    from rooflm.model.registry import get_model_class
+
+    class FusedOnly(AttentionBackend):  # stands for the Triton backend: no soft-capping
+        name = "fused"
+
+    for family, unsafe in (("gemma2", True), ("llama", False)):
+        path, _ = make_tiny_model(tmp_path / family, family)
+        cfg = load_model_config(path, "safetensors")
+        model = get_model_class(cfg.architecture)(cfg, max_positions=64, backend=FusedOnly())
+        assert (model.graph_unsafe_reason is not None) == unsafe, family
