@@ -100,6 +100,8 @@ class CalibrationTable:
         model = dict(data["model"])
         if model.get("rope_scaling"):
             model["rope_scaling"] = RopeScaling(**model["rope_scaling"])
+        # JSON has no tuples: ModelConfig's tuple fields (eos_token_ids, layer_types) come back as lists.
+        model.update({name: tuple(value) for name, value in model.items() if isinstance(value, list)})
         model["eos_token_ids"] = tuple(model.get("eos_token_ids") or ())
         samples = [StepSample(BatchShape(*row[:6]), row[6], row[7], row[8]) for row in data.get("samples", [])]
         source = (f"calibrated on {data['device_name']} ({data['model_name']}, "
