@@ -25,7 +25,7 @@ import pytest
 from rooflm.errors import ModelLoadError
 from rooflm.model import hub
 from rooflm.model.loader import resolve_model
-from tests.models.tiny_models import make_tiny_model
+from tests.models.tiny_models import make_tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -36,23 +36,8 @@ SUBPROCESS_TIMEOUT_S = 240  # a bound on a fresh interpreter's imports on a load
 
 
 # ---------------------------------------------------------------------------
-# A tiny model with a tokenizer, and a repo's files
+# A tiny model with a tokenizer (tests/models/tiny_models.py), and a repo's files
 # ---------------------------------------------------------------------------
-
-def _tiny_model_with_tokenizer(root) -> str:
-    from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-    from transformers import PreTrainedTokenizerFast
-
-    path, _ = make_tiny_model(root, "llama", initializer_range=0.3)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 256)}}
-    raw = RawTokenizer(WordLevel(vocab, unk_token="<unk>"))
-    raw.pre_tokenizer = Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(path)
-    return path
-
 
 def _read_dir(path: str) -> dict[str, bytes]:
     files = {}
@@ -65,7 +50,7 @@ def _read_dir(path: str) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def tiny_files(tmp_path_factory) -> dict[str, bytes]:
     """The tiny checkpoint's files (config, safetensors, tokenizer), as a repo holds them."""
-    return _read_dir(_tiny_model_with_tokenizer(tmp_path_factory.mktemp("tiny-hub")))
+    return _read_dir(make_tiny_model_with_tokenizer(tmp_path_factory.mktemp("tiny-hub")))
 
 
 def lay_out_cache(cache_dir, repo_id: str, files: dict[str, bytes], commit: str = COMMIT) -> str:

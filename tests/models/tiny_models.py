@@ -137,3 +137,20 @@ def make_tiny_model(root: str | os.PathLike, family: str, *, tied: bool = False,
     path = os.path.join(os.fspath(root), name)
     model.save_pretrained(path, safe_serialization=True)
     return path, model
+
+
+def make_tiny_model_with_tokenizer(root) -> str:
+    """A tiny Llama checkpoint with a word-level tokenizer over its vocabulary (words w3..w255),
+    for tests that send text through a server or the Hub path."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    path, _ = make_tiny_model(root, "llama", initializer_range=0.3)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 256)}}
+    raw = RawTokenizer(WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(path)
+    return path

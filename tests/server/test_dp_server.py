@@ -17,7 +17,7 @@ import pytest
 
 from rooflm.llm import LLM
 from rooflm.sampling_params import SamplingParams
-from tests.models.tiny_models import make_tiny_model
+from tests.models.tiny_models import make_tiny_model_with_tokenizer
 from tests.server.server_utils import pid_gone, scrape, start_server
 
 pytestmark = pytest.mark.timeout(240)
@@ -27,24 +27,9 @@ QUESTIONS = [" ".join(f"w{200 + 7 * q + i}" for i in range(5)) for q in range(4)
 MAX_TOKENS = 8
 
 
-def _tiny_model_with_tokenizer(root) -> str:
-    from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-    from transformers import PreTrainedTokenizerFast
-
-    path, _ = make_tiny_model(root, "llama", initializer_range=0.3)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 256)}}
-    raw = RawTokenizer(WordLevel(vocab, unk_token="<unk>"))
-    raw.pre_tokenizer = Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return _tiny_model_with_tokenizer(tmp_path_factory.mktemp("tiny-dp"))
+    return make_tiny_model_with_tokenizer(tmp_path_factory.mktemp("tiny-dp"))
 
 
 def _args(model: str, routing: str) -> list[str]:
