@@ -61,6 +61,7 @@ class _AttentionCall:
     k_scale: Optional[torch.Tensor]  # FP8 caches' scales (layers/kv_cache.py), else None
     v_scale: Optional[torch.Tensor]
     out: torch.Tensor  # [T, H, D], read by the piece after
+    softcap: Optional[float] = None  # attention logit soft-capping (Gemma 2), else None
 
 
 @dataclass
@@ -92,7 +93,8 @@ class _SplitAttention:
         if self.pool is None:  # the first piece ever captured opens the pool the rest share
             self.pool = self.pieces[-1].pool()
 
-    def attend(self, q, k_cache, v_cache, scale, sliding_window, k_scale=None, v_scale=None) -> torch.Tensor:
+    def attend(self, q, k_cache, v_cache, scale, sliding_window, k_scale=None, v_scale=None,
+               softcap=None) -> torch.Tensor:
         # q is a view of this layer's fused QKV output, in the graphs' pool: holding on to it
         # would keep every layer's QKV of every bucket allocated. One copy into the shared
         # buffer (inside the piece) lets the pool reuse it.
@@ -101,7 +103,7 @@ class _SplitAttention:
         q_fixed.copy_(q)
         self.end()
         self.calls.append(_AttentionCall(q_fixed, k_cache, v_cache, scale, sliding_window, k_scale, v_scale,
-                                         self.out[:t]))
+                                         self.out[:t], softcap))
         self.begin()
         return self.out[:t]
 
@@ -109,7 +111,8 @@ class _SplitAttention:
 class _DummyAttention:
     """Warm-up (kernel compilation) before capture: no attention, same shapes."""
 
-    def attend(self, q, k_cache, v_cache, scale, sliding_window, k_scale=None, v_scale=None) -> torch.Tensor:
+    def attend(self, q, k_cache, v_cache, scale, sliding_window, k_scale=None, v_scale=None,
+               softcap=None) -> torch.Tensor:
         return torch.empty_like(q)
 
 
@@ -204,6 +207,6 @@ class PiecewiseGraphRunner:
         for piece, call in zip(bucket.pieces, bucket.calls):
             piece.replay()
             attend(call.q, call.k_cache, call.v_cache, meta, call.scale, call.sliding_window,
-                   call.k_scale, call.v_scale, out=call.out)
+                   call.k_scale, call.v_scale, out=call.out, softcap=call.softcap)
         bucket.pieces[-1].replay()
         return self.hidden[:t]

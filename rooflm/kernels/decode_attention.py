@@ -69,6 +69,7 @@ import rooflm.envs as envs
 from rooflm.kernels import fp8_decode_mma
 from rooflm.kernels.utils import (check_paged_attention_inputs, config_for_head_dim, LOG2E, cdiv, dot_precision, fp8_pv, is_interpreter,
                                   fp8_pair_views, kv_tile_offsets, load_2d, load_e4m3_pairs, load_kv_scales, next_power_of_2, num_sms, upcast_dots,
+                                  softcap_constexpr, softcap_log2,
                                   gdc_launch_dependents, gdc_wait, pdl_supported)
 from rooflm.kernels.paged_attention_ref import has_token_scales, paged_attention_ref
 
@@ -95,7 +96,8 @@ def _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_
                       BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAD_D: tl.constexpr,
                       MASKED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
                       FP8: tl.constexpr, ABLATE: tl.constexpr, PAIRS: tl.constexpr = False,
-                      HEAD_DIM: tl.constexpr = 0, ONE_ENTRY: tl.constexpr = True, SCALES: tl.constexpr = True):
+                      HEAD_DIM: tl.constexpr = 0, ONE_ENTRY: tl.constexpr = True, SCALES: tl.constexpr = True,
+                      SOFTCAP_LOG2: tl.constexpr = 0.0):
     """Online-softmax update with the key tiles lo .. hi; keys outside [kv_lo, kv_hi) are masked.
     PAIRS: the FP8 caches are int16 views (strides in byte pairs), widened a pair at a time.
     SCALES: an FP8 cache's per-token scales are applied here (False: static scales, applied by
@@ -124,6 +126,8 @@ def _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_
         if FP8 and SCALES and ABLATE != 1:  # ABLATE 1 (timing experiment, wrong results): no scales at all
             qk = qk * load_kv_scales(ks_base, block_table_ptr, start_n, kv_ok, stride_sb, stride_st,
                                      BLOCK_SIZE, BLOCK_N, MASKED)[None, :]
+        if SOFTCAP_LOG2 > 0.0:
+            qk = softcap_log2(qk, SOFTCAP_LOG2)
         if MASKED:
             qk = tl.where(kv_ok[None, :], qk, _MASKED)
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -154,7 +158,7 @@ def _decode_attention_kernel(
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
         SINGLE_SPLIT: tl.constexpr, SLIDING: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
         FP8: tl.constexpr, PDL: tl.constexpr, ABLATE: tl.constexpr = 0, PAIRS: tl.constexpr = False,
-        ONE_ENTRY: tl.constexpr = True, TOKEN_SCALES: tl.constexpr = True):
+        ONE_ENTRY: tl.constexpr = True, TOKEN_SCALES: tl.constexpr = True, SOFTCAP_LOG2: tl.constexpr = 0.0):
     PAD_D: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
     if PDL:  # launched early (programmatic dependent launch): wait for q and the K/V writes
         gdc_launch_dependents()
@@ -204,7 +208,7 @@ def _decode_attention_kernel(
                                           start, end, kv_lo, end, qk_scale, stride_cb, stride_ct,
                                           stride_sb, stride_st, offs_d, d_ok,
                                           BLOCK_SIZE, BLOCK_N, PAD_D, True, UPCAST, DOT_PRECISION, FP8, ABLATE,
-                                          PAIRS, HEAD_DIM, ONE_ENTRY, TOKEN_SCALES)
+                                          PAIRS, HEAD_DIM, ONE_ENTRY, TOKEN_SCALES, SOFTCAP_LOG2)
     else:
         # Whole tiles unmasked, then the ragged tail.
         full_end = tl.maximum(start + ((end - start) // BLOCK_N) * BLOCK_N, start)
@@ -212,12 +216,12 @@ def _decode_attention_kernel(
                                           start, full_end, 0, end, qk_scale, stride_cb, stride_ct,
                                           stride_sb, stride_st, offs_d, d_ok,
                                           BLOCK_SIZE, BLOCK_N, PAD_D, False, UPCAST, DOT_PRECISION, FP8, ABLATE,
-                                          PAIRS, HEAD_DIM, ONE_ENTRY, TOKEN_SCALES)
+                                          PAIRS, HEAD_DIM, ONE_ENTRY, TOKEN_SCALES, SOFTCAP_LOG2)
         acc, l_i, m_i = _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_table_ptr,
                                           full_end, end, 0, end, qk_scale, stride_cb, stride_ct,
                                           stride_sb, stride_st, offs_d, d_ok,
                                           BLOCK_SIZE, BLOCK_N, PAD_D, True, UPCAST, DOT_PRECISION, FP8, ABLATE,
-                                          PAIRS, HEAD_DIM, ONE_ENTRY, TOKEN_SCALES)
+                                          PAIRS, HEAD_DIM, ONE_ENTRY, TOKEN_SCALES, SOFTCAP_LOG2)
 
     if STATIC:
         acc = acc * tl.load(v_scale_ptr + kv_head)
@@ -399,8 +403,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      num_splits: Optional[int] = None,
                      config: Optional[tuple[int, ...]] = None,
                      plan: Optional[DecodePlan] = None, k_scale: Optional[torch.Tensor] = None,
-                     v_scale: Optional[torch.Tensor] = None, _ablate: int = 0, _mma: Optional[bool] = None,
-                     _mma_config=None) -> torch.Tensor:
+                     v_scale: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
+                     _ablate: int = 0, _mma: Optional[bool] = None, _mma_config=None) -> torch.Tensor:
     """Attention of the one query token of each of the first num_seqs sequences.
 
     num_seqs defaults to meta.num_decodes; those sequences must have exactly one
@@ -411,7 +415,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     step's metadata and shapes (then num_seqs, num_splits and config are its own). FP8 caches
     take their k_scale / v_scale [num_blocks, block_size, H_kv] fp32 (or static [H_kv]). _ablate (FP8 only; 1: no
     scales, 2: V scales folded into p) is for the benchmark's what-limits-it experiments: wrong
-    or less accurate results. Static FP8 runs on fp8_decode_mma.py's CUDA kernel where it takes the
+    or less accurate results. softcap: scores soft-capped, cap * tanh(s / cap), before the softmax
+    (Gemma 2; the Triton kernel only). Static FP8 runs on fp8_decode_mma.py's CUDA kernel where it takes the
     call (plan.mma: one split by default); _mma=False forces the Triton kernel, _mma=True the CUDA one
     wherever it can run (also split), and _mma_config sets its Fp8DecodeConfig (the benchmarks' A/B).
     """
@@ -436,7 +441,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     pdl_kwargs = {"launch_pdl": True} if pdl else {}
     fp8 = k_scale is not None
     token_scales = has_token_scales(k_scale)
-    if plan.mma and _mma is not False:
+    if plan.mma and _mma is not False and softcap is None:
         fp8_decode_mma.fp8_decode_attention_mma(
             out, q, k_cache, v_cache, k_scale, v_scale, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             scale * LOG2E, num_seqs, num_splits, plan.part_out, plan.part_lse, pdl,
@@ -459,6 +464,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             SINGLE_SPLIT=num_splits == 1, SLIDING=plan.sliding, UPCAST=upcast_dots(q.dtype),
             DOT_PRECISION=dot_precision(q.dtype), FP8=fp8, PDL=pdl, ABLATE=_ablate, PAIRS=pairs,
             ONE_ENTRY=num_splits == 1 if envs.cached.ROOFLM_DECODE_ONE_ENTRY == "auto" else envs.cached.ROOFLM_DECODE_ONE_ENTRY != "0", TOKEN_SCALES=token_scales,
+            SOFTCAP_LOG2=softcap_constexpr(softcap),
             num_warps=num_warps,
             num_stages=num_stages,
             **pdl_kwargs, **launch_kwargs,
@@ -480,9 +486,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          meta: AttentionMetadata, scale: float,
                          sliding_window: Optional[int] = None, k_scale: Optional[torch.Tensor] = None,
-                         v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         v_scale: Optional[torch.Tensor] = None, softcap: Optional[float] = None) -> torch.Tensor:
     """The engine core's reference: fp32 attention over K/V gathered through the block tables."""
-    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, softcap)
 
 
 def decode_kv_bytes(meta: AttentionMetadata, num_kv_heads: int, head_dim: int, elem_bytes: int,

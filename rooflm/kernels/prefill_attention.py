@@ -84,6 +84,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rooflm.kernels.utils import (check_paged_attention_inputs, config_for_head_dim, LOG2E, dot_precision, is_interpreter,
                                   fp8_pair_views, fp8_pv, kv_tile_offsets, load_2d, load_e4m3_pairs, load_kv_scales, next_power_of_2, upcast_dots,
+                                  softcap_constexpr, softcap_log2,
                                   gdc_launch_dependents, gdc_wait, pdl_supported)
 from rooflm.kernels.paged_attention_ref import has_token_scales, paged_attention_ref
 
@@ -123,8 +124,10 @@ def _attend_key_range(acc, l_i, m_i, q, q_pos,
                       MASKED: tl.constexpr, SLIDING: tl.constexpr, UPCAST: tl.constexpr,
                       DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, ABLATE: tl.constexpr,
                       FP8: tl.constexpr, PAIRS: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
-                      WARP_SPEC: tl.constexpr = False, SCALES: tl.constexpr = True):
+                      WARP_SPEC: tl.constexpr = False, SCALES: tl.constexpr = True,
+                      SOFTCAP_LOG2: tl.constexpr = 0.0):
     """Online-softmax update of (acc, l, m) with keys lo .. hi - 1 (kv_end bounds the loads).
+    SOFTCAP_LOG2 > 0: the scaled scores are soft-capped (utils.softcap_log2) before the softmax.
     PAIRS: the FP8 caches are int16 views read as byte pairs (utils.load_e4m3_pairs).
     SCALES: an FP8 cache's per-token scales are applied here (False: static, by the caller).
     WARP_SPEC: Triton's automatic warp specialisation of the loop (loads in a producer warp,
@@ -160,11 +163,20 @@ def _attend_key_range(acc, l_i, m_i, q, q_pos,
         if FP8 and SCALES:
             qk = qk * load_kv_scales(ks_base, block_table_ptr, start_n, kv_ok, stride_sb, stride_st,
                                      BLOCK_SIZE, BLOCK_N, MASKED)[None, :]
+        if SOFTCAP_LOG2 > 0.0:
+            # Capped scores are not a scaled dot: scale and cap here; the branches below see scale 1.
+            qk = softcap_log2(qk * qk_scale, SOFTCAP_LOG2)
+            tile_scale = 1.0
+        else:
+            tile_scale = qk_scale
         if MASKED:
             visible = k_idx[None, :] <= q_pos[:, None]
             if SLIDING:
                 visible = visible & ((q_pos[:, None] - k_idx[None, :]) < sliding_window)
-            qk = tl.where(visible, qk * qk_scale, _MASKED)
+            qk = tl.where(visible, qk * tile_scale, _MASKED)
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.math.exp2(qk - m_new[:, None])
+        elif SOFTCAP_LOG2 > 0.0:
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.math.exp2(qk - m_new[:, None])
         else:
@@ -208,7 +220,7 @@ def _prefill_attention_kernel(
         SLIDING: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
         FP8: tl.constexpr = False, ABLATE: tl.constexpr = 0, UNIFORM: tl.constexpr = False,
         PDL: tl.constexpr = False, PAIRS: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
-        TOKEN_SCALES: tl.constexpr = True):
+        TOKEN_SCALES: tl.constexpr = True, SOFTCAP_LOG2: tl.constexpr = 0.0):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     PAD_D: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
     if PDL:  # launched while the RoPE/KV write drains (uniform plans): wait for q and the cache
@@ -282,17 +294,17 @@ def _prefill_attention_kernel(
             acc, l_i, m_i, q, q_pos, k_base, v_base, ks_base, vs_base, k_desc, v_desc, kv_col, block_table_ptr,
             lo, full_lo, hi, qk_scale, sliding_window, stride_cb, stride_ct, stride_sb, stride_st, offs_d, d_ok,
             BLOCK_SIZE, BLOCK_N, PAD_D, True, SLIDING, UPCAST, DOT_PRECISION, USE_TMA, ABLATE, FP8, PAIRS, HEAD_DIM,
-            SCALES=TOKEN_SCALES)
+            SCALES=TOKEN_SCALES, SOFTCAP_LOG2=SOFTCAP_LOG2)
     acc, l_i, m_i = _attend_key_range(
         acc, l_i, m_i, q, q_pos, k_base, v_base, ks_base, vs_base, k_desc, v_desc, kv_col, block_table_ptr,
         full_lo, full_hi, hi, qk_scale, sliding_window, stride_cb, stride_ct, stride_sb, stride_st, offs_d, d_ok,
         BLOCK_SIZE, BLOCK_N, PAD_D, False, SLIDING, UPCAST, DOT_PRECISION, USE_TMA, ABLATE, FP8, PAIRS, HEAD_DIM,
-        WARP_SPEC, SCALES=TOKEN_SCALES)
+        WARP_SPEC, SCALES=TOKEN_SCALES, SOFTCAP_LOG2=SOFTCAP_LOG2)
     acc, l_i, m_i = _attend_key_range(
         acc, l_i, m_i, q, q_pos, k_base, v_base, ks_base, vs_base, k_desc, v_desc, kv_col, block_table_ptr,
         full_hi, hi, hi, qk_scale, sliding_window, stride_cb, stride_ct, stride_sb, stride_st, offs_d, d_ok,
         BLOCK_SIZE, BLOCK_N, PAD_D, True, SLIDING, UPCAST, DOT_PRECISION, USE_TMA, ABLATE, FP8, PAIRS, HEAD_DIM,
-            SCALES=TOKEN_SCALES)
+            SCALES=TOKEN_SCALES, SOFTCAP_LOG2=SOFTCAP_LOG2)
 
     if STATIC:
         acc = acc * tl.load(v_scale_ptr + kv_head)
@@ -447,7 +459,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       use_tma: Optional[bool] = None, _ablate: int = 0,
                       plan: Optional[PrefillPlan] = None, k_scale: Optional[torch.Tensor] = None,
                       v_scale: Optional[torch.Tensor] = None, uniform: bool = False,
-                      _warp_spec: bool = False) -> torch.Tensor:
+                      softcap: Optional[float] = None, _warp_spec: bool = False) -> torch.Tensor:
     """Causal attention of the queries of sequences first_seq.. against their paged K/V.
 
     q: [T, H, D]; k_cache/v_cache: [num_blocks, block_size, H_kv, D]; the K/V of
@@ -463,6 +475,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     uniform: every key tile through one (masked) loop, so a query row's result does not depend
     on the rows beside it; decodes may then run through this kernel too (--deterministic).
     FP8 caches take their k_scale / v_scale [num_blocks, block_size, H_kv] fp32 (or static [H_kv]).
+    softcap: scores soft-capped, cap * tanh(s / cap), before the softmax (Gemma 2).
     _warp_spec: Triton's warp specialisation of the unmasked TMA loop (a benchmark experiment).
     """
     if out is None:
@@ -507,7 +520,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         SLIDING=plan.sliding, UPCAST=upcast_dots(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
         USE_TMA=plan.use_tma, FP8=fp8, ABLATE=_ablate, UNIFORM=plan.uniform, PDL=plan.pdl, PAIRS=pairs,
-        WARP_SPEC=_warp_spec, TOKEN_SCALES=token_scales, num_warps=num_warps,
+        WARP_SPEC=_warp_spec, TOKEN_SCALES=token_scales, SOFTCAP_LOG2=softcap_constexpr(softcap),
+        num_warps=num_warps,
         num_stages=num_stages, **({"launch_pdl": True} if plan.pdl else {}),
     )
     return out
@@ -520,9 +534,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: AttentionMetadata, scale: float,
                           sliding_window: Optional[int] = None, k_scale: Optional[torch.Tensor] = None,
-                          v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                          v_scale: Optional[torch.Tensor] = None, softcap: Optional[float] = None) -> torch.Tensor:
     """The engine core's reference: fp32 attention over K/V gathered through the block tables."""
-    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, softcap)
 
 
 def prefill_flops(meta: AttentionMetadata, num_heads: int, head_dim: int,

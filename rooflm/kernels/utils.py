@@ -169,6 +169,24 @@ def kv_tile_offsets(block_table_ptr, start_n, kv_ok, stride_b, stride_t,
 
 
 @triton.jit
+def softcap_log2(qk, CAP_LOG2: tl.constexpr):
+    """Attention logit soft-capping (Gemma 2) on scores already in the exp2 domain: qk = s * log2(e)
+    and CAP_LOG2 = cap * log2(e), so cap * tanh(s / cap) * log2(e) = CAP_LOG2 * tanh(qk / CAP_LOG2).
+    tanh(x) = 2 * sigmoid(2x) - 1: fp32, and saturates to +-1 without overflow."""
+    return CAP_LOG2 * (2.0 * tl.sigmoid(2.0 * qk / CAP_LOG2) - 1.0)
+
+
+def softcap_constexpr(softcap) -> float:
+    """The kernels' SOFTCAP_LOG2 constexpr: 0.0 (off) or cap * log2(e). A model's cap is a constant,
+    so one compiled variant serves all its layers."""
+    if softcap is None:
+        return 0.0
+    if not softcap > 0:
+        raise ValueError(f"attention soft-cap must be positive, got {softcap}")
+    return float(softcap) * LOG2E
+
+
+@triton.jit
 def round_to_e4m3(x):
     """x (fp32, |x| <= 448) rounded to the nearest E4M3 value, ties away from zero.
 

@@ -39,12 +39,25 @@ class CpuStepPlan:
 
     cos: torch.Tensor  # [T, 1, D/2], in the activations' dtype
     sin: torch.Tensor
+    rotary: object  # the rotary module cos/sin come from; a layer with another one (Gemma 3's
+    # local and global bases) gets its own pair, kept in `rotations`
     all_slots_valid: bool  # no -1 in slot_mapping: index_copy_ can write the rows directly
     # One decoding sequence: its context length and, when its blocks are consecutive in the
     # pool, the first of them (K/V are then a view); None: the reference path.
     decode_len: Optional[int] = None
     first_block: Optional[int] = None
     num_blocks: int = 0
+    rotations: Optional[dict] = None  # id(rotary) -> (cos, sin), rotaries other than the first
+
+    def cos_sin(self, rotary, positions: torch.Tensor, dtype: torch.dtype):
+        if rotary is self.rotary:
+            return self.cos, self.sin
+        if self.rotations is None:
+            self.rotations = {}
+        pair = self.rotations.get(id(rotary))
+        if pair is None:
+            pair = self.rotations[id(rotary)] = _cos_sin(rotary, positions, dtype)
+        return pair
 
 
 class CpuBackend(ReferenceBackend):
@@ -52,14 +65,15 @@ class CpuBackend(ReferenceBackend):
 
     def rope_and_write_step(self, q, k, v, positions, rotary, k_cache, v_cache,
                             meta: AttentionMetadata, k_scale=None, v_scale=None) -> torch.Tensor:
-        if k_scale is not None or not getattr(rotary, "is_neox", True):
-            # FP8 caches (quantized writes) and interleaved rotary: the reference path.
+        table = getattr(rotary, "cos_sin_cache", None)
+        if k_scale is not None or not getattr(rotary, "is_neox", True) or table is None or table.shape[-1] != q.shape[-1]:
+            # FP8 caches (quantized writes), interleaved, partial or no rotary: the reference path.
             return super().rope_and_write_step(q, k, v, positions, rotary, k_cache, v_cache, meta,
                                                k_scale, v_scale)
         plan = meta.plan
         if plan is None:
             plan = meta.plan = self.plan(q, positions, rotary, k_cache, meta)
-        q, k = self._rotate(q, k, plan)
+        q, k = self._rotate(q, k, *plan.cos_sin(rotary, positions, q.dtype))
         if plan.all_slots_valid:
             heads, dim = k_cache.shape[-2:]
             slots = meta.slot_mapping
@@ -80,11 +94,10 @@ class CpuBackend(ReferenceBackend):
 
     @staticmethod
     def plan(q, positions, rotary, k_cache, meta: AttentionMetadata) -> CpuStepPlan:
-        cos_sin = rotary.cos_sin_cache.index_select(0, positions)
-        cos, sin = cos_sin.to(q.dtype)[:, None, :].chunk(2, dim=-1)
+        cos, sin = _cos_sin(rotary, positions, q.dtype)
         # The host copies in the metadata say whether the fast paths apply; no device sync.
         slots_valid = bool((meta.slot_mapping >= 0).all()) if meta.slot_mapping.numel() else True
-        plan = CpuStepPlan(cos=cos, sin=sin, all_slots_valid=slots_valid)
+        plan = CpuStepPlan(cos=cos, sin=sin, rotary=rotary, all_slots_valid=slots_valid)
         if meta.num_seqs == 1 and meta.num_decodes == 1:
             block_size = k_cache.shape[1]
             seq_len = meta.seq_lens_cpu[0]
@@ -96,13 +109,13 @@ class CpuBackend(ReferenceBackend):
         return plan
 
     @staticmethod
-    def _rotate(q: torch.Tensor, k: torch.Tensor, plan: CpuStepPlan):
+    def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Neox rotary on q [T, H, D] and k [T, H_kv, D] in one pass over both."""
         heads = q.shape[1]
         qk = torch.cat([q, k], dim=1)
         half = qk.shape[-1] // 2
         x1, x2 = qk[..., :half], qk[..., half:]
-        rotated = torch.cat([x1 * plan.cos - x2 * plan.sin, x2 * plan.cos + x1 * plan.sin], dim=-1)
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
         return rotated[:, :heads], rotated[:, heads:]
 
     @staticmethod
@@ -128,6 +141,12 @@ class CpuBackend(ReferenceBackend):
                                              _as(v, torch.float32).transpose(0, 1)[None],
                                              scale=scale, enable_gqa=kv_heads != heads)
         return _as(out.view(1, heads, dim), q.dtype)
+
+
+def _cos_sin(rotary, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's cos and sin [T, 1, D/2] from a rotary module's fp32 table, in dtype."""
+    cos_sin = rotary.cos_sin_cache.index_select(0, positions)
+    return cos_sin.to(dtype)[:, None, :].chunk(2, dim=-1)
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -39,6 +39,7 @@ from rooflm.layers.attention import AttentionBackend, AttentionMetadata
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    supports_softcap = True  # the Triton kernels' SOFTCAP_LOG2 (FA4 and the FP8 MMA decode step aside)
 
     def __init__(self, decode_num_splits: Optional[int] = None, split_span: Optional[int] = None,
                  deterministic: bool = False, prefill_fa4: bool = False):
@@ -81,35 +82,40 @@ class TritonBackend(AttentionBackend):
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, sliding_window: Optional[int], k_scale: Optional[torch.Tensor] = None,
-               v_scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+               v_scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+               softcap: Optional[float] = None) -> torch.Tensor:
         if self.split is not None:
-            return self.split.attend(q, k_cache, v_cache, scale, sliding_window, k_scale, v_scale)
+            return self.split.attend(q, k_cache, v_cache, scale, sliding_window, k_scale, v_scale, softcap)
         if out is None:
             out = torch.empty_like(q)
-        plan = meta.plan
+        # One plan per window a step: a model whose layers alternate sliding and global attention
+        # (Gemma 2/3, gpt-oss) plans twice, each layer running the launches made for its own window.
+        plans = meta.plan
+        if plans is None:
+            plans = meta.plan = {}
+        plan = plans.get(sliding_window)
         if plan is None:
-            plan = meta.plan = self.plan(q, k_cache, v_cache, meta, sliding_window, out, k_scale, v_scale)
+            plan = plans[sliding_window] = self.plan(q, k_cache, v_cache, meta, sliding_window, out, k_scale,
+                                                     v_scale, softcap)
         decode, prefill = plan
-        scales = dict(k_scale=k_scale, v_scale=v_scale)
+        scales = dict(k_scale=k_scale, v_scale=v_scale, softcap=softcap)
         if isinstance(decode, PrefillPlan):  # --deterministic: decodes through the uniform path
             prefill_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out, plan=decode, **scales)
         elif decode is not None:
             decode_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out, plan=decode, **scales)
-        if isinstance(prefill, FA4Plan) and sliding_window is None:
+        if isinstance(prefill, FA4Plan):
             fa4_prefill(q, k_cache, v_cache, scale, prefill, out)
         elif prefill is not None:
-            # (an FA4 plan made at a layer without a window, in a model that windows some layers:
-            # this layer's chunks go through the Triton kernel, planned here)
-            prefill_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out,
-                              plan=None if isinstance(prefill, FA4Plan) else prefill, first_seq=meta.num_decodes,
-                              **scales)
+            prefill_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out, plan=prefill, **scales)
         return out
 
     def plan(self, q, k_cache, v_cache, meta: AttentionMetadata, sliding_window: Optional[int],
              out: torch.Tensor, k_scale: Optional[torch.Tensor] = None,
-             v_scale: Optional[torch.Tensor] = None) -> tuple[Optional[DecodePlan | PrefillPlan],
-                                                              Optional[PrefillPlan | FA4Plan]]:
-        """The step's launches, the same for every layer: decodes first, then prefill chunks."""
+             v_scale: Optional[torch.Tensor] = None,
+             softcap: Optional[float] = None) -> tuple[Optional[DecodePlan | PrefillPlan],
+                                                       Optional[PrefillPlan | FA4Plan]]:
+        """The step's launches, the same for every layer with this window: decodes first, then
+        prefill chunks (FA4 takes neither windows nor soft-capping: those go through Triton)."""
         num_decodes = meta.num_decodes
         if self.deterministic:
             return self._plan_uniform(q, k_cache, v_cache, meta, sliding_window, out, k_scale, v_scale)
@@ -129,7 +135,8 @@ class TritonBackend(AttentionBackend):
                                            num_seqs=num_decodes, num_splits=num_splits, config=config,
                                            k_scale=k_scale, v_scale=v_scale)
         prefill = None
-        if num_decodes < meta.num_seqs and self.prefill_fa4 and fa4_supports(q, k_cache, meta, sliding_window):
+        if (num_decodes < meta.num_seqs and self.prefill_fa4 and softcap is None
+                and fa4_supports(q, k_cache, meta, sliding_window)):
             prefill = plan_fa4_prefill(meta)
         elif num_decodes < meta.num_seqs:
             prefill = plan_prefill_attention(q, k_cache, v_cache, meta, sliding_window, out=out,

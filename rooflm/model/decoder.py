@@ -1,63 +1,77 @@
-"""The parts decoder: a dense decoder built from a ModelSpec (model/spec.py) with its options on.
+"""The decoder every family is built from: parts chosen by a ModelSpec (model/spec.py), and the
+fast paths that belong to those parts.
 
-What a family adds to the Llama decoder is a choice of parts, not a new forward: norms before
-and/or after each sublayer, (1 + w) norms, q/k norms per head or over the projection, a scale
-and soft-cap on the attention scores, a window per layer, a scaled embedding, a GELU-tanh
-gated MLP and soft-capped logits. Each is decided here at init.
+A family file (model/llama.py, model/olmo2.py, model/gemma2.py, ...) maps its config to a
+ModelSpec and subclasses CausalLM; nothing here looks at the family again. What a family
+changes is a choice of parts: norms before and/or after each sublayer, w * norm(x) or
+(1 + w) * norm(x), q/k norms per head or over the projection, a score scale and soft-cap, a
+window per layer, a scaled embedding, a SiLU or GELU-tanh gated MLP, soft-capped logits.
 
-The fused paths of LlamaDecoderLayer (the one-token GEMV chain, folded W4, fused FP8 norm+quant,
-the native C decoder) assume the Llama layer (pre-norm RMSNorm, SiLU); this decoder runs the
-torch path with the fused norm, SiLU-mul and linear kernels where a part is the plain one, and
-the attention kernels unless a part needs what they cannot compute (then the reference backend).
-The INFO log names the path taken and why.
+The model consumes a packed step: input_ids and positions of every scheduled token, one
+KVCache per layer, and the step's AttentionMetadata. Parameter names follow the checkpoint's,
+so its tensors map onto them by name.
+
+Fast paths, each taken where the parts it fuses are present and falling back per part:
+  * one token, float weights (Kernels.gemv): the layer as four weight GEMVs, the pre-norms
+    folded into the GEMV that reads their output, the residual adds into the GEMV epilogues
+    (a post-norm sits between: it runs apart, then the add), SiLU-mul into gate_up's;
+  * one token, quantized weights that fold (W4A16's mma kernel): the same folds inside the
+    quantized kernels (_forward_folded);
+  * FP8 W8A8 linears: the pre-norms and the SiLU-mul write E4M3 codes themselves (_forward_fp8);
+  * everything else: the residual stream carried beside the hidden state, so each pre-norm
+    fuses the add before it (the Triton RMSNorm on CUDA).
+A (1 + w) norm joins every fold through its fused_weight (1 + w in fp32). The native C decoder
+(quant/native_decode.py) computes the Llama layer: it takes the layers whose spec is that one.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 
 from rooflm.config import ModelConfig
 from rooflm.distributed import layers as tp_layers
 from rooflm.distributed.group import SINGLE, TPGroup
-from rooflm.layers.activation import GeluTanhAndMul
-from rooflm.layers.attention import Attention, AttentionBackend, ReferenceBackend, SoftcappedAttention
+from rooflm.layers.activation import GeluTanhAndMul, SiluAndMul
+from rooflm.layers.attention import Attention, AttentionBackend, AttentionMetadata, ReferenceBackend, SoftcappedAttention
 from rooflm.layers.kernels import TORCH_KERNELS, Kernels
+from rooflm.layers.kv_cache import KVCache
+from rooflm.layers.linear import FusedLinear, Linear
 from rooflm.layers.norm import OnePlusRMSNorm, RMSNorm
 from rooflm.layers.rotary import RotaryEmbedding
-from rooflm.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
-from rooflm.model.spec import GELU_TANH, QK_NORM_HEAD, QK_NORM_PROJ, RMS, ModelSpec
+from rooflm.model.spec import QK_NORM_HEAD, QK_NORM_PROJ, RMS, SILU, ModelSpec
+from rooflm.quant.formats import is_quantized_tensor
+from rooflm.quant.linear_method import make_linear_method
+from rooflm.quant.native_decode import NativeDecoder
 
 log = logging.getLogger(__name__)
 
 
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
-def make_norm(spec: ModelSpec, size: int, eps: float, kernel=None) -> torch.nn.Module:
-    """The family's norm over `size` features; the fused kernel only serves w * norm(x)."""
+def make_norm(spec: ModelSpec, size: int, eps: float, kernel=None) -> RMSNorm:
+    """The family's norm over `size` features."""
     if spec.norm == RMS:
         return RMSNorm(size, eps, kernel)
-    return OnePlusRMSNorm(size, eps)
+    return OnePlusRMSNorm(size, eps, kernel)
 
 
-class PartsAttention(LlamaAttention):
-    """LlamaAttention's projections with the spec's q/k norm, score scale, soft-cap and window."""
+class DecoderAttention(torch.nn.Module):
+    """Fused q/k/v projection, the spec's q/k norm, attention over the paged cache, o_proj."""
 
     def __init__(self, cfg: ModelConfig, spec: ModelSpec, window: Optional[int], rotary: RotaryEmbedding,
                  backend: Optional[AttentionBackend], kernels: Kernels = TORCH_KERNELS, tp: TPGroup = SINGLE):
-        torch.nn.Module.__init__(self)  # LlamaAttention's own init reads cfg.qk_norm, not the spec
+        super().__init__()
         self.cfg = cfg
+        # This rank's heads (all of them on one device): q/k/v are column-parallel by head,
+        # o_proj row-parallel, so attention itself needs no communication.
         self.heads = tp.heads(cfg.num_attention_heads, cfg.num_key_value_heads)
         self.qkv_proj = tp_layers.qkv_linear(cfg.hidden_size, self.heads, cfg.head_dim, cfg.attention_bias, tp,
                                              kernels.linear)
         self.o_proj = tp_layers.row_linear(cfg.q_size, cfg.hidden_size, tp, kernels.linear)
         self.qk_norm = spec.qk_norm
         eps = cfg.rms_norm_eps
-        if spec.qk_norm == QK_NORM_HEAD:
+        if spec.qk_norm == QK_NORM_HEAD:  # over each head ([T, H, D]): torch, or Kernels.head_norm
             self.q_norm = make_norm(spec, cfg.head_dim, eps, kernels.head_norm)
             self.k_norm = make_norm(spec, cfg.head_dim, eps, kernels.head_norm)
         elif spec.qk_norm == QK_NORM_PROJ:
@@ -72,7 +86,13 @@ class PartsAttention(LlamaAttention):
         else:
             self.attn = Attention(*heads, window, backend, spec.attn_scale)
 
-    def attend(self, positions, qkv, kv_cache, meta):
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        return self.o_proj(self.attend(positions, self.qkv_proj(x), kv_cache, meta))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: KVCache,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """Fused q/k/v projections [T, q + 2 kv] -> attention output [T, q_size], before o_proj."""
         heads, head_dim = self.heads, self.cfg.head_dim
         t = qkv.shape[0]
         q_size, kv_size = heads.num_heads * head_dim, heads.num_kv_heads * head_dim
@@ -87,121 +107,496 @@ class PartsAttention(LlamaAttention):
         return self.attn(positions, q, k, v, kv_cache, meta)
 
 
-class GeluTanhMLP(LlamaMLP):
-    """The gated MLP with gelu_tanh(gate) * up (Gemma); a quantized gate_up's fused SiLU-mul
-    does not apply."""
+class GatedMLP(torch.nn.Module):
+    """down(act(gate) * up): SiLU (Llama) or GELU-tanh (Gemma). Column-parallel gate/up,
+    row-parallel down: one all-reduce for the MLP."""
 
-    def __init__(self, cfg: ModelConfig, kernels: Kernels = TORCH_KERNELS, tp: TPGroup = SINGLE):
-        super().__init__(cfg, kernels, tp)
-        self.act = GeluTanhAndMul()
+    def __init__(self, cfg: ModelConfig, spec: ModelSpec, kernels: Kernels = TORCH_KERNELS, tp: TPGroup = SINGLE):
+        super().__init__()
+        self.gate_up_proj = tp_layers.merged_column_linear(
+            cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}, tp, kernels.linear)
+        self.down_proj = tp_layers.row_linear(cfg.intermediate_size, cfg.hidden_size, tp, kernels.linear)
+        # Whether the fused SiLU-mul forms (GEMV gated epilogue, quantized gate_up) compute act.
+        self.silu = spec.mlp_act == SILU
+        self.act = SiluAndMul(kernels.silu_mul) if self.silu else GeluTanhAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        # A quantized gate_up may apply SiLU-mul in its own kernel (W4A16 at small M: one launch
+        # fewer, gate_up never written); None: the two ops.
+        h = self.gate_up_proj.forward_silu_mul(x) if self.silu else None
+        return self.down_proj(h if h is not None else self.act(self.gate_up_proj(x)))
 
 
-class PartsDecoderLayer(torch.nn.Module):
+def _pre(norm: Optional[RMSNorm], x: torch.Tensor, residual: Optional[torch.Tensor]):
+    """(sublayer input, residual stream) from the layer's input x and the stream so far: the
+    pre-norm fuses the add; a family without one feeds the stream itself (OLMo 2)."""
+    if norm is None:
+        h = x if residual is None else x + residual
+        return h, h
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)
+
+
+class DecoderLayer(torch.nn.Module):
     """h + post_attn(attn(pre_attn(h))), then the same around the MLP; an absent norm is the
     identity. The norms are registered under their checkpoint names (ModelSpec's), so the
-    weights load by name. The residual stream is returned whole (residual None)."""
-
-    native_form = False  # quant/native_decode.py refuses the layer: the C decoder computes Llama's
+    weights load by name; they are reached here by place (pre_attn, post_attn, ...)."""
 
     def __init__(self, cfg: ModelConfig, spec: ModelSpec, window: Optional[int], rotary: RotaryEmbedding,
                  backend: Optional[AttentionBackend], kernels: Kernels = TORCH_KERNELS, tp: TPGroup = SINGLE):
         super().__init__()
-        self.self_attn = PartsAttention(cfg, spec, window, rotary, backend, kernels, tp)
-        self.mlp = GeluTanhMLP(cfg, kernels, tp) if spec.mlp_act == GELU_TANH else LlamaMLP(cfg, kernels, tp)
-        norms = []
-        for name in (spec.pre_attn_norm, spec.post_attn_norm, spec.pre_mlp_norm, spec.post_mlp_norm):
-            if name is None:
-                norms.append(_identity)
-                continue
-            norm = make_norm(spec, cfg.hidden_size, cfg.rms_norm_eps, kernels.rmsnorm)
-            self.add_module(name, norm)
-            norms.append(norm)
-        # A tuple, which nn.Module does not register: the modules are registered once, by name.
-        self.norms = tuple(norms)
+        self.self_attn = DecoderAttention(cfg, spec, window, rotary, backend, kernels, tp)
+        self.mlp = GatedMLP(cfg, spec, kernels, tp)
+        self.norm_names = (spec.pre_attn_norm, spec.post_attn_norm, spec.pre_mlp_norm, spec.post_mlp_norm)
+        for name in self.norm_names:
+            if name is not None:
+                self.add_module(name, make_norm(spec, cfg.hidden_size, cfg.rms_norm_eps, kernels.rmsnorm))
+        # On CUDA (rooflm.kernels.gemv.gemv): one-token steps run the layer as four weight GEMVs.
+        self.gemv = kernels.gemv
+        # Quantized linears may fold the same neighbours into their own kernels (one rank only:
+        # a row-parallel layer's partial sums must be reduced before the residual add).
+        self.fold = tp.size == 1
+        # FP8 codes written by the norms and SiLU-mul need both pre-norms and SiLU.
+        self.fp8_fusable = self.fold and None not in (spec.pre_attn_norm, spec.pre_mlp_norm) and self.mlp.silu
+        # quant/native_decode.py: the C decoder computes the Llama layer only.
+        self.native_form = spec.llama_layers
+
+    def _norm(self, place: int) -> Optional[RMSNorm]:
+        name = self.norm_names[place]
+        return None if name is None else getattr(self, name)
+
+    pre_attn = property(lambda self: self._norm(0))
+    post_attn = property(lambda self: self._norm(1))
+    pre_mlp = property(lambda self: self._norm(2))
+    post_mlp = property(lambda self: self._norm(3))
 
     def forward(self, positions, x, residual, kv_cache, meta):
-        pre_attn, post_attn, pre_mlp, post_mlp = self.norms
+        if self.gemv is not None and x.shape[0] == 1:
+            return self._forward_gemv(positions, x, residual, kv_cache, meta)
+        if self.fold and x.shape[0] == 1:
+            folded = self._forward_folded(positions, x, residual, kv_cache, meta)
+            if folded is not None:
+                return folded
+        if self.fp8_fusable and self._fp8_inputs():
+            return self._forward_fp8(positions, x, residual, kv_cache, meta)
+        # The residual stream is carried separately so each pre-norm can fuse the add before it.
+        x, residual = _pre(self.pre_attn, x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta)
+        if self.post_attn is not None:
+            x = self.post_attn(x)
+        x, residual = _pre(self.pre_mlp, x, residual)
+        x = self.mlp(x)
+        if self.post_mlp is not None:
+            x = self.post_mlp(x)
+        return x, residual
+
+    # ---- one token, float weights: four GEMVs ----------------------------------------------
+
+    def _forward_gemv(self, positions, x, residual, kv_cache, meta):
+        """One token: forward's math (and casts) in four fused GEMVs. The residual stream h is
+        returned whole (residual None): the adds happen in the GEMV epilogues."""
+        attn, mlp = self.self_attn, self.mlp
         h = x if residual is None else x + residual
-        h = h + post_attn(self.self_attn(positions, pre_attn(h), kv_cache, meta))
-        return h + post_mlp(self.mlp(pre_mlp(h))), None
+        qkv = self._gemv_in(h, attn.qkv_proj, self.pre_attn)
+        h = self._gemv_out(attn.attend(positions, qkv, kv_cache, meta), attn.o_proj, self.post_attn, h)
+        act = self._gemv_in(h, mlp.gate_up_proj, self.pre_mlp, gated=mlp.silu)
+        if not mlp.silu:
+            act = mlp.act(act)
+        return self._gemv_out(act, mlp.down_proj, self.post_mlp, h), None
+
+    def _gemv_in(self, h, linear: Linear, norm: Optional[RMSNorm], gated: bool = False) -> torch.Tensor:
+        """W @ norm(h) with the norm folded into the GEMV's load of h (no norm: W @ h)."""
+        if norm is None:
+            return self.gemv(h, linear.weight, bias=linear.bias, gated=gated)
+        return self.gemv(h, linear.weight, bias=linear.bias, norm_weight=norm.fused_weight, eps=norm.eps,
+                         gated=gated)
+
+    def _gemv_out(self, a, linear: Linear, post: Optional[RMSNorm], h) -> torch.Tensor:
+        """h + post(W @ a): the add in the GEMV epilogue where there is no post-norm between."""
+        if post is None:
+            return _row_gemv(self.gemv, a, linear, h)
+        return h + post(_row_gemv(self.gemv, a, linear, None))
+
+    # ---- one token, quantized weights that fold ----------------------------------------------
+
+    def _forward_folded(self, positions, x, residual, kv_cache, meta):
+        """One token through quantized linears that take the norms and residual adds into their
+        kernels (W4A16's mma kernel: NORM, RESIDUAL, GATED): forward's math and casts, no norm
+        launches; the residual stream h is returned whole (residual None), as _forward_gemv does.
+        None, with nothing computed, where qkv's method cannot fold; a later linear that cannot
+        runs its neighbours apart."""
+        attn, mlp = self.self_attn, self.mlp
+        if not getattr(attn.qkv_proj.quant, "can_fold", False):
+            return None
+        h = x if residual is None else x + residual
+        pre_attn, pre_mlp = self.pre_attn, self.pre_mlp
+        qkv = _folded_in(attn.qkv_proj, h, pre_attn)
+        if qkv is None:
+            return None
+        h = _folded_out(attn.o_proj, attn.attend(positions, qkv, kv_cache, meta), self.post_attn, h)
+        act = None
+        if mlp.silu:
+            weight = _fold_weight(pre_mlp, h)
+            if weight is not None or pre_mlp is None:
+                act = mlp.gate_up_proj.forward_silu_mul(h, norm_weight=weight, eps=pre_mlp.eps if pre_mlp else 1e-6)
+        if act is None:
+            m = mlp(pre_mlp(h) if pre_mlp is not None else h)
+            return h + (self.post_mlp(m) if self.post_mlp is not None else m), None
+        return _folded_out(mlp.down_proj, act, self.post_mlp, h), None
+
+    # ---- FP8 W8A8: norms and SiLU-mul write the codes -----------------------------------------
+
+    def _fp8_inputs(self) -> bool:
+        """Whether qkv, gate_up and down take E4M3 codes from the norm / SiLU-mul before them."""
+        attn, mlp = self.self_attn, self.mlp
+        return all(lin.fp8_input() is not None for lin in (attn.qkv_proj, mlp.gate_up_proj, mlp.down_proj))
+
+    def _forward_fp8(self, positions, x, residual, kv_cache, meta):
+        """forward for FP8 W8A8 linears: the pre-norms and the SiLU-mul write E4M3 codes and scales
+        (per token, or the linear's static input scale) in their own kernels, so the bf16 inputs
+        of qkv, gate_up and down are never written and no quantization pass reads them. The same
+        codes as forward's (kernels/norm_act_fp8.py: bit for bit). o_proj quantizes its own input;
+        post-norms run between, as in forward."""
+        from rooflm.kernels.norm_act_fp8 import rmsnorm_fp8, silu_mul_fp8  # Triton: imported where used
+        attn, mlp = self.self_attn, self.mlp
+        ln1, ln2 = self.pre_attn, self.pre_mlp
+        qkv_q, down_q = attn.qkv_proj.fp8_input(), mlp.down_proj.fp8_input()
+        if residual is None:
+            residual = x
+            qx, sx = rmsnorm_fp8(x, ln1.fused_weight, ln1.eps, static_scale=qkv_q.input_scale)
+        else:
+            qx, sx, residual = rmsnorm_fp8(x, ln1.fused_weight, ln1.eps, residual, static_scale=qkv_q.input_scale)
+        qkv = attn.qkv_proj.forward_fp8(qx, sx, x.dtype)
+        x = attn.o_proj(attn.attend(positions, qkv, kv_cache, meta))
+        if self.post_attn is not None:
+            x = self.post_attn(x)
+        qx, sx, residual = rmsnorm_fp8(x, ln2.fused_weight, ln2.eps, residual,
+                                       static_scale=mlp.gate_up_proj.fp8_input().input_scale)
+        qa, sa = silu_mul_fp8(mlp.gate_up_proj.forward_fp8(qx, sx, x.dtype), static_scale=down_q.input_scale)
+        x = mlp.down_proj.forward_fp8(qa, sa, x.dtype)
+        if self.post_mlp is not None:
+            x = self.post_mlp(x)
+        return x, residual
 
 
-class PartsModel(LlamaModel):
+def _fold_weight(norm: Optional[RMSNorm], x: torch.Tensor) -> Optional[torch.Tensor]:
+    """The norm's weight in the form a quantized kernel folds (x's dtype), or None."""
+    if norm is None:
+        return None
+    weight = norm.fused_weight
+    return weight if weight.dtype == x.dtype else None
+
+
+def _folded_in(linear: Linear, h: torch.Tensor, norm: Optional[RMSNorm]) -> Optional[torch.Tensor]:
+    """W @ norm(h) in one quantized kernel, the norm apart where it cannot fold; None: no fold."""
+    weight = _fold_weight(norm, h)
+    if norm is None or weight is not None:
+        return linear.forward_folded(h, norm_weight=weight, eps=norm.eps if norm is not None else 1e-6)
+    return linear.forward_folded(norm(h))
+
+
+def _folded_out(linear: Linear, a: torch.Tensor, post: Optional[RMSNorm], h: torch.Tensor) -> torch.Tensor:
+    """h + post(W @ a): the add folded into the kernel where there is no post-norm between."""
+    if post is None:
+        out = linear.forward_folded(a, residual=h)
+        return out if out is not None else linear(a) + h
+    return h + post(linear(a))
+
+
+def _row_gemv(gemv, x: torch.Tensor, linear: Linear, residual: Optional[torch.Tensor]) -> torch.Tensor:
+    """residual + x @ W^T in one GEMV (x @ W^T without residual). A row-parallel layer holds a
+    slice of W's columns: rank 0 adds the residual to its partial sum, the others add nothing,
+    and one all-reduce sums them."""
+    if isinstance(linear, tp_layers.RowParallelLinear):
+        partial = None if residual is None else linear.partial_with_residual(residual)
+        return linear.tp.all_reduce(gemv(x, linear.weight, residual=partial))
+    return gemv(x, linear.weight, residual=residual)
+
+
+class DecoderModel(torch.nn.Module):
+    """Embedding (scaled where the spec says), the layers, the final norm."""
+
     def __init__(self, cfg: ModelConfig, spec: ModelSpec, max_positions: int, backend: Optional[AttentionBackend],
                  kernels: Kernels = TORCH_KERNELS, tp: TPGroup = SINGLE):
-        torch.nn.Module.__init__(self)
-        given = backend
+        super().__init__()
+        # Where the given backend cannot compute a part, the reference takes the model's attention;
+        # it reads the step's host-side lists, which a CUDA graph would replay as captured, so the
+        # model runner captures no graphs when this is set (eager steps).
+        self.graph_unsafe_reason = spec.attention_fallback(backend)
         backend = attention_backend(spec, backend)
-        # The reference backend reads the step's host-side lists: a CUDA graph would replay the
-        # captured ones. The model runner captures no graphs when this is set (eager steps).
-        self.graph_unsafe_reason = None if backend is given else spec.attention_fallback()
         self.embed_tokens = tp_layers.vocab_embedding(cfg.vocab_size, cfg.hidden_size, tp)
         # A 0-dim tensor in the model's dtype: HF multiplies by the scale rounded to it (Gemma).
         self.register_buffer("embed_scale", None if spec.embed_scale is None else torch.tensor(spec.embed_scale),
                              persistent=False)
+        # One rotary table shared by all layers.
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         windows = spec.layer_windows or (cfg.sliding_window,) * cfg.num_hidden_layers
         self.layers = torch.nn.ModuleList(
-            PartsDecoderLayer(cfg, spec, window, rotary, backend, kernels, tp) for window in windows)
+            DecoderLayer(cfg, spec, window, rotary, backend, kernels, tp) for window in windows)
         self.norm = make_norm(spec, cfg.hidden_size, cfg.rms_norm_eps, kernels.rmsnorm)
-        log.info("decoder path: parts decoder (torch, fused norm/activation/linear kernels where the part is "
-                 "plain); no one-token GEMV chain, folded W4, fused FP8 norm+quant or native C decoder: "
-                 "they compute the Llama layer only")
+        log.info("decoder path: %s", decoder_path(spec, kernels))
+        # rooflm/quant/native_decode.py: single-sequence CPU steps as one C call over all layers,
+        # where the weights allow it; decided at the first forward (the weights are loaded then).
         self.native_decoder = None
-        self._native_decoder_checked = True
+        self._native_decoder_checked = False
 
     def choose_decoder_path(self) -> None:
-        """The native C decoder computes the Llama layer only: never chosen here."""
+        """Decide (again) whether single-sequence CPU steps run natively, from the weights as
+        loaded now and ROOFLM_NATIVE_DECODE; the first forward does it when nobody did."""
+        self.native_decoder = NativeDecoder.build(self)
+        self._native_decoder_checked = True
 
-    def forward(self, input_ids, positions, kv_caches, meta):
+    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata):
+        if not self._native_decoder_checked:
+            self.choose_decoder_path()
+        if self.native_decoder is not None:
+            hidden = self.native_decoder.forward(input_ids, positions, kv_caches, meta)
+            if hidden is not None:
+                return hidden
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv_cache, meta)
-        return self.norm(x)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
+
+
+def decoder_path(spec: ModelSpec, kernels: Kernels) -> str:
+    """The INFO log's line: which fused forms the layers take, and what runs apart."""
+    apart = []
+    if spec.post_attn_norm or spec.post_mlp_norm:
+        apart.append("post-norms run between the linears and the residual adds")
+    if spec.mlp_act != SILU:
+        apart.append(f"{spec.mlp_act} runs apart from gate_up (the fused forms compute SiLU-mul)")
+    if spec.pre_attn_norm is None or spec.pre_mlp_norm is None:
+        apart.append("no FP8 codes from the norms (a sublayer without a pre-norm)")
+    if not spec.llama_layers:
+        apart.append("no native C decoder (it computes the Llama layer)")
+    fused = "one-token GEMV chain" if kernels.gemv is not None else "torch/Triton per op"
+    return f"{fused}; " + ("; ".join(apart) if apart else "every fused form applies")
 
 
 def attention_backend(spec: ModelSpec, backend: Optional[AttentionBackend]) -> Optional[AttentionBackend]:
     """The backend the model's attention runs on: the given one, or the reference where a part
     needs what the given one cannot compute (it is then never asked to, rather than asked and wrong)."""
-    reason = spec.attention_fallback()
-    if backend is None or reason is None:
+    if backend is None:
+        return None
+    reason = spec.attention_fallback(backend)
+    if reason is None:
         return backend
-    if isinstance(backend, ReferenceBackend) and (backend.supports_softcap or spec.attn_softcap is None):
-        return backend  # the torch backends attend per layer, with its own window
     log.info("attention path: torch reference, not the %s backend (%s)", backend.name, reason)
     return ReferenceBackend()
 
 
-class PartsForCausalLM(LlamaForCausalLM):
-    """LlamaForCausalLM over the parts decoder, with soft-capped logits where the spec says.
-    A family subclasses it and names its config -> spec mapping (model/olmo2.py, model/gemma2.py)."""
+class CausalLM(torch.nn.Module):
+    """The decoder with its LM head (tied or not; soft-capped logits where the spec says).
+    A family subclasses it and names its config -> spec mapping (model/llama.py, model/gemma2.py)."""
 
     @staticmethod
     def spec_of(cfg: ModelConfig) -> ModelSpec:  # pragma: no cover
-        raise NotImplementedError("a family's PartsForCausalLM names its spec_of")
+        raise NotImplementedError("a family's CausalLM names its spec_of")
 
     def __init__(self, cfg: ModelConfig, max_positions: Optional[int] = None,
                  backend: Optional[AttentionBackend] = None, kernels: Kernels = TORCH_KERNELS,
                  tp: TPGroup = SINGLE):
+        super().__init__()
+        self.cfg = cfg
         self.spec = self.spec_of(cfg)
-        super().__init__(cfg, max_positions, backend, kernels, tp)
+        self.heads = tp.heads(cfg.num_attention_heads, cfg.num_key_value_heads)  # this rank's
+        self.model = DecoderModel(cfg, self.spec, max_positions or cfg.max_position_embeddings, backend, kernels, tp)
+        # Why this model must run eagerly (no CUDA graphs), or None.
+        self.graph_unsafe_reason: Optional[str] = self.model.graph_unsafe_reason
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = tp_layers.lm_head(cfg.hidden_size, cfg.vocab_size, tp, tied)
         self.final_softcap = self.spec.final_softcap
+        self.gemv = kernels.gemv  # as DecoderLayer.gemv: the LM head of one token
+        self.linear = kernels.linear  # the LM head's matmul (layers/kernels.py), after the GEMV's one token
+        # Tied embeddings read from quantized blocks: the embedding is dequantized (a lookup reads
+        # one row per token) and the LM head, which reads all of it every step, stays quantized.
+        self.tied_head_quant = None
+        # A checkpoint's static FP8 K/V scales, [layers, 2 (K, V)] fp32 on the host, or None
+        # (quant/checkpoint.py's kv_cache_scheme); the model runner puts them in the FP8 cache.
+        self.checkpoint_kv_scales: Optional[torch.Tensor] = None
 
-    def make_model(self, cfg, max_positions, backend, kernels, tp) -> LlamaModel:
-        return PartsModel(cfg, self.spec, max_positions, backend, kernels, tp)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        """Returns the final hidden states [T, hidden]; logits are computed only where needed."""
+        return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if self.final_softcap is None:
-            return super().compute_logits(hidden, out)
-        cap = self.final_softcap
-        logits = torch.tanh(self._head(hidden).float() / cap) * cap
+        """[rows, hidden] -> fp32 logits [rows, vocab]. out: an fp32 buffer to widen them into
+        (a CUDA graph's output, shared by every captured batch size) instead of a new tensor."""
+        logits = self._head(hidden)
+        if self.final_softcap is not None:
+            cap = self.final_softcap
+            logits = torch.tanh(logits.float() / cap) * cap
         if out is None:
-            return logits
+            return logits.float()
         out.copy_(logits)
         return out
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head in the weights' dtype (the GEMV of one token: already fp32)."""
+        if isinstance(self.lm_head, tp_layers.ParallelLMHead):
+            return self.lm_head.logits(hidden)  # this rank's vocabulary rows, then one all-gather
+        head = self.lm_head
+        weight = self.model.embed_tokens.weight if head is None else head.weight
+        quant = self.tied_head_quant if head is None else head.quant
+        if self.gemv is not None and hidden.shape[0] == 1 and quant is None:
+            return self.gemv(hidden, weight, out_dtype=torch.float32)
+        if self.linear is not None:
+            return self.linear(hidden, weight, None, quant)
+        if quant is not None:
+            return quant(hidden)
+        return torch.nn.functional.linear(hidden, weight)
+
+    # ---- weights -------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint-named tensors into the (fused) parameters; every parameter must be set."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if self.cfg.tie_word_embeddings and name == "lm_head.weight":
+                continue  # some tied checkpoints still store the head; the embedding is used
+            if name.endswith(("self_attn.k_scale", "self_attn.v_scale")):
+                self._load_kv_scale(name, tensor)
+                continue
+            if is_quantized_tensor(tensor) and not _fused_targets(name):
+                tensor = self._load_blocks(name, tensor)
+                if tensor is None:
+                    loaded.add(name)
+                    continue
+            for target, shard, kind in _fused_targets(name):
+                module = self.get_submodule(target)
+                module.load_shard(shard, kind, tensor)
+                loaded.add(f"{target}.{shard}.{kind}")
+                break
+            else:
+                if name not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
+                param = params[name]
+                # Under tensor parallelism, this rank's part (a lazy slice reads only it).
+                tensor = tp_layers.checkpoint_shard(self.get_submodule(name.rpartition(".")[0]),
+                                                    name.rpartition(".")[2], tensor)
+                if tuple(param.shape) != tuple(tensor.shape):
+                    raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
+                                     f"model expects {tuple(param.shape)}")
+                with torch.no_grad():
+                    param.copy_(tensor)
+                loaded.add(name)
+        self.finish_loading()
+        self.disable_gemv_where_quantized()
+        missing = [n for n in self._expected_weight_names() if n not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def finish_loading(self) -> None:
+        """Values derived from the loaded weights, once: fused linears' layouts, (1 + w) norms'
+        fused weights (written in place, so captured CUDA graphs keep reading them)."""
+        for module in self.modules():
+            if isinstance(module, (FusedLinear, OnePlusRMSNorm)):
+                module.finish_loading()
+
+    def _load_kv_scale(self, name: str, tensor) -> None:
+        """'model.layers.3.self_attn.k_scale' (one fp32, per tensor) -> checkpoint_kv_scales[3, 0]."""
+        tensor = tensor.load() if hasattr(tensor, "load") else tensor  # a lazy slice (TP loading)
+        value = float(tensor.reshape(-1)[0])
+        if not (value > 0 and value < float("inf")):
+            raise ValueError(f"checkpoint tensor {name!r} is {value}: a K/V scale must be positive and finite")
+        if self.checkpoint_kv_scales is None:
+            self.checkpoint_kv_scales = torch.ones(self.cfg.num_hidden_layers, 2, dtype=torch.float32, device="cpu")
+        layer = int(name.split(".")[2])
+        self.checkpoint_kv_scales[layer, 0 if name.endswith("k_scale") else 1] = value
+
+    def disable_gemv_where_quantized(self) -> None:
+        """The fused batch-1 GEMV path reads float weights: layers whose linears are quantized take
+        the plain path, whose Linear calls the quantized kernel."""
+        for layer in self.model.layers:
+            if any(m.quant is not None for m in layer.modules() if isinstance(m, Linear)):
+                layer.gemv = None
+        if self.lm_head is not None and self.lm_head.quant is not None:
+            self.gemv = None
+
+    def _load_blocks(self, name: str, blocks) -> Optional[torch.Tensor]:
+        """A quantized checkpoint tensor that is not a fused shard: a Linear takes it as it is;
+        the embedding is dequantized (and, when tied, also kept quantized as the LM head).
+        Returns the float tensor for the caller to copy where there is no quantized use."""
+        module_name = name.rpartition(".")[0]
+        module = self.get_submodule(module_name)
+        if isinstance(module, Linear) and name.endswith(".weight"):
+            module.load_blocks(blocks)
+            return None
+        if name == "model.embed_tokens.weight" and self.cfg.tie_word_embeddings:
+            weight = self.model.embed_tokens.weight
+            self.tied_head_quant = make_linear_method(blocks, weight.device, weight.dtype)
+        return blocks.dequantize()
+
+    def _expected_weight_names(self) -> Iterator[str]:
+        for name, module in self.named_modules():
+            if isinstance(module, FusedLinear):
+                for shard in module.shard_offsets:
+                    yield f"{name}.{shard}.weight"
+                    if module.bias is not None:
+                        yield f"{name}.{shard}.bias"
+        fused_prefixes = tuple(n + "." for n, m in self.named_modules() if isinstance(m, FusedLinear))
+        for name, _ in self.named_parameters():
+            if not name.startswith(fused_prefixes):
+                yield name
+
+    def dummy_weights(self, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights init_dummy_weights draws for the whole (single-device) model, as
+        checkpoint-named tensors, fused ones split again: a tensor-parallel rank loads its part of
+        the same weights through load_weights. Each whole tensor exists once, briefly, on this device."""
+        sample = next(self.parameters())
+        with torch.device("meta"):
+            whole = type(self)(self.cfg, max_positions=1)
+        gen = torch.Generator(device=sample.device).manual_seed(seed)
+        fused = {name: m for name, m in whole.named_modules() if isinstance(m, FusedLinear)}
+        for name, param in whole.named_parameters():
+            tensor = torch.empty(param.shape, dtype=sample.dtype, device=sample.device)
+            _dummy_fill(name, tensor, gen)
+            module_name, _, kind = name.rpartition(".")
+            if module_name not in fused:
+                yield name, tensor
+                continue
+            for src, (dst, shard) in _FUSED.items():  # back to the checkpoint's q/k/v, gate/up
+                if module_name.endswith("." + dst):
+                    offset, size = fused[module_name].shard_offsets[shard]
+                    yield f"{module_name[:-len(dst)]}{src}.{kind}", tensor[offset:offset + size]
+
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        """Random weights of the right shapes, generated where the parameters live."""
+        gen = torch.Generator(device=next(self.parameters()).device).manual_seed(seed)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                _dummy_fill(name, param, gen)
+        self.finish_loading()
+
+
+def _dummy_fill(name: str, tensor: torch.Tensor, gen: torch.Generator) -> None:
+    with torch.no_grad():
+        if name.endswith("norm.weight") or "layernorm" in name:
+            tensor.fill_(1.0)
+        else:
+            tensor.normal_(0.0, 0.02, generator=gen)
+
+
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
+    "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
+    "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
+    "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
+    "mlp.up_proj": ("mlp.gate_up_proj", "up"),
+}
+
+
+def _fused_targets(name: str):
+    """'model.layers.3.self_attn.k_proj.weight' -> [('model.layers.3.self_attn.qkv_proj', 'k', 'weight')]."""
+    prefix, _, kind = name.rpartition(".")
+    for src, (dst, shard) in _FUSED.items():
+        if prefix.endswith("." + src):
+            return [(prefix[: -len(src)] + dst, shard, kind)]
+    return []

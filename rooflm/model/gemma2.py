@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 from rooflm.config import ModelConfig
-from rooflm.model.decoder import PartsForCausalLM
+from rooflm.model.decoder import CausalLM
 from rooflm.model.spec import GELU_TANH, RMS_ONE_PLUS, ModelSpec, layer_windows
 
 ARCHITECTURE = "Gemma2ForCausalLM"
@@ -54,7 +54,7 @@ def spec(cfg: ModelConfig) -> ModelSpec:
     )
 
 
-class Gemma2ForCausalLM(PartsForCausalLM):
+class Gemma2ForCausalLM(CausalLM):
     spec_of = staticmethod(spec)
 
 

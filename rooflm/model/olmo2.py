@@ -7,7 +7,7 @@ fields; the checkpoint names are Llama's, the post-MLP norm's aside.
 from __future__ import annotations
 
 from rooflm.config import ModelConfig
-from rooflm.model.decoder import PartsForCausalLM
+from rooflm.model.decoder import CausalLM
 from rooflm.model.spec import QK_NORM_PROJ, ModelSpec, layer_windows
 
 ARCHITECTURE = "Olmo2ForCausalLM"
@@ -25,5 +25,5 @@ def spec(cfg: ModelConfig) -> ModelSpec:
     )
 
 
-class Olmo2ForCausalLM(PartsForCausalLM):
+class Olmo2ForCausalLM(CausalLM):
     spec_of = staticmethod(spec)

@@ -1,8 +1,8 @@
 """Architecture name (config.json "architectures"[0] or GGUF general.architecture) -> family.
 
 A family is its config -> parts mapping (a ModelSpec, model/spec.py), the config.json fields
-beyond the Llama ones it reads, and its model class: LlamaForCausalLM (model/llama.py, every
-fused path) or, where a part option is on, the family's PartsForCausalLM (model/decoder.py).
+beyond the Llama ones it reads, and its model class: a CausalLM (model/decoder.py) subclass in
+the family's own file (model/llama.py, model/olmo2.py, model/gemma2.py).
 docs/adding-a-model.md walks through adding one.
 """
 
@@ -26,7 +26,7 @@ class Family:
     architecture: str  # HF's class name, config.json "architectures"[0]
     model_type: str  # HF's model_type, for the config.json rooflm writes (model/hf_config.py)
     spec: Callable[[ModelConfig], ModelSpec]
-    # LlamaForCausalLM (every fused path), or the family's PartsForCausalLM (model/decoder.py)
+    # the family's CausalLM subclass (model/decoder.py)
     model_class: type = LlamaForCausalLM
     # config.json -> ModelConfig fields beyond the Llama ones (loader.py reads those)
     config_fields: Callable[[dict[str, Any]], dict[str, Any]] = no_config_fields

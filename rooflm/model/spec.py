@@ -6,9 +6,9 @@ from the spec at init and never looks at the family again. The spec also names t
 checkpoint tensors of each norm, so the model's parameters carry the checkpoint's names
 and load by name.
 
-With every option off (ModelSpec.llama_layers) the model is built from LlamaDecoderLayer, with
-all its fast paths; any option on selects the parts decoder (model/decoder.py), whose torch
-path computes every option, and which says at init which fused paths it gives up and why.
+Every family runs on the one decoder of model/decoder.py, whose fast paths belong to the parts
+they fuse; llama_layers says whether the spec is the Llama layer itself, the one the native C
+decoder and the training lab compute.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ class ModelSpec:
 
     @property
     def llama_layers(self) -> bool:
-        """Whether LlamaDecoderLayer computes this model: every part option off."""
+        """Whether this is the Llama layer (every part option off): what the native C decoder
+        (quant/native_decode.py) and the training lab (train/causal.py) compute."""
         return (self.pre_attn_norm == "input_layernorm" and self.pre_mlp_norm == "post_attention_layernorm"
                 and self.post_attn_norm is None and self.post_mlp_norm is None and self.norm == RMS
                 and self.qk_norm in (None, QK_NORM_HEAD) and self.attn_scale is None
@@ -67,12 +68,11 @@ class ModelSpec:
         names = (self.pre_attn_norm, self.post_attn_norm, self.pre_mlp_norm, self.post_mlp_norm)
         return tuple(n for n in names if n is not None)
 
-    def attention_fallback(self) -> Optional[str]:
-        """Why the fused attention kernels cannot compute this model, or None when they can."""
-        if self.attn_softcap is not None:
-            return "attention logit soft-capping has no Triton kernel"
-        if len(set(self.layer_windows)) > 1:
-            return "per-layer sliding windows share one Triton launch plan a step"
+    def attention_fallback(self, backend) -> Optional[str]:
+        """Why `backend` (an AttentionBackend, or None: the default) cannot compute this model's
+        attention, or None when it can."""
+        if backend is not None and self.attn_softcap is not None and not backend.supports_softcap:
+            return f"attention logit soft-capping: the {backend.name} backend has none"
         return None
 
 

@@ -81,7 +81,7 @@ def run_step(seq_lens, query_lens, block_size, heads=32, kv_heads=8, head_dim=12
         backend.write_kv(k, v, *caches, meta.slot_mapping)
         outs.append(backend.attend(q, *caches, meta, head_dim ** -0.5, None))
         if isinstance(backend, TritonBackend):
-            assert isinstance(meta.plan[1], FA4Plan)
+            assert isinstance(meta.plan[None][1], FA4Plan)
             meta.plan = None
     assert_close(outs[0], outs[1], dtype, "attention output")
 

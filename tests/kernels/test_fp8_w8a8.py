@@ -112,7 +112,7 @@ def test_engine_runs_fp8_under_cuda_graphs(tmp_path):
 @pytest.mark.skipif(not _sm89(), reason="torch._scaled_mm needs fp8 tensor cores (sm89+)")
 @pytest.mark.parametrize("activations", ["dynamic", "static"])
 def test_engine_fused_norm_quant_gives_the_unfused_logits(tmp_path, monkeypatch, activations):
-    """The decoder layers' norms and SiLU-mul writing the FP8 codes themselves (LlamaDecoderLayer.
+    """The decoder layers' norms and SiLU-mul writing the FP8 codes themselves (DecoderLayer.
     _forward_fp8) against the same engine with a quantizer pass per linear (ROOFLM_FP8_FUSED_QUANT=0's
     path): the same codes go to the same _scaled_mm, so prompt logprobs and greedy tokens are equal,
     eager and under CUDA graphs, with per-token and with a checkpoint's static input scales."""

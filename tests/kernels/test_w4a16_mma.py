@@ -142,11 +142,12 @@ def test_gate_up_silu_mul_declines_what_the_gated_kernel_cannot_take():
 def test_llama_mlp_takes_the_fused_silu_mul_when_gate_up_offers_it():
     from rooflm.config import ModelConfig
     from rooflm.layers.activation import silu_and_mul_torch
-    from rooflm.model.llama import LlamaMLP
+    from rooflm.model.decoder import GatedMLP
+    from rooflm.model.spec import llama_spec
     from rooflm.quant.linear_method import QuantizedLinearMethod
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=120, hidden_size=16, intermediate_size=32,
                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
-    mlp = LlamaMLP(cfg)
+    mlp = GatedMLP(cfg, llama_spec(cfg))
     for p in mlp.parameters():
         torch.nn.init.normal_(p)
     x = torch.randn(3, 16)
@@ -227,11 +228,12 @@ def test_llama_layer_folds_norms_and_residual_adds_into_quantized_linears():
     from rooflm.config import ModelConfig
     from rooflm.kernels.rmsnorm import rmsnorm_ref
     from rooflm.layers.activation import silu_and_mul_torch
-    from rooflm.model.llama import LlamaDecoderLayer
+    from rooflm.model.decoder import DecoderLayer
+    from rooflm.model.spec import llama_spec
     from rooflm.quant.linear_method import QuantizedLinearMethod
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=120, hidden_size=16, intermediate_size=32,
                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
-    layer = LlamaDecoderLayer(cfg, None, None)
+    layer = DecoderLayer(cfg, llama_spec(cfg), None, None, None)
     for p in layer.parameters():
         torch.nn.init.normal_(p)
     layer.self_attn.attend = lambda positions, qkv, kv_cache, meta: torch.tanh(qkv[:, :16])  # attention's stand-in

@@ -1,41 +1,43 @@
-"""The parts decoder's choices made at init: which class builds a family, which attention backend
-its layers run on, and that fused paths are never handed a part they cannot compute."""
+"""The decoder's choices made at init: which attention backend a family's layers run on, and that
+fused paths are never handed a part they cannot compute."""
 
 import pytest
 import torch
 
 from rooflm.layers.attention import AttentionBackend, ReferenceBackend, SoftcappedAttention
 from rooflm.layers.cpu_attention import CpuBackend
-from rooflm.model.decoder import PartsDecoderLayer, attention_backend
-from rooflm.model.llama import LlamaDecoderLayer, LlamaForCausalLM
+from rooflm.layers.cuda_attention import TritonBackend
+from rooflm.model.decoder import CausalLM, DecoderLayer, attention_backend
 from rooflm.model.presets import PRESETS
 from rooflm.model.registry import get_model_class, model_spec
 from tests.models.tiny_models import make_tiny_model
 
 
 class FusedOnly(AttentionBackend):
-    """Stands in for the Triton backend: no soft-capping, one launch plan a step."""
+    """Stands in for a fused backend without soft-capping."""
 
     name = "fused"
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
-def test_llama_families_keep_the_llama_layer(name):
+def test_every_family_runs_on_the_one_decoder(name):
     config = PRESETS[name]
-    llama = config.architecture not in ("Olmo2ForCausalLM", "Gemma2ForCausalLM")
-    assert model_spec(config).llama_layers == llama
     with torch.device("meta"):
         model = get_model_class(config.architecture)(config, max_positions=16)
-    layer_type = LlamaDecoderLayer if llama else PartsDecoderLayer
-    assert all(type(layer) is layer_type for layer in model.model.layers)
-    assert (type(model) is LlamaForCausalLM) == llama
+    assert isinstance(model, CausalLM)
+    assert all(type(layer) is DecoderLayer for layer in model.model.layers)
+    llama = config.architecture not in ("Olmo2ForCausalLM", "Gemma2ForCausalLM")
+    assert model_spec(config).llama_layers == llama
+    assert all(layer.native_form == llama for layer in model.model.layers)
 
 
-def test_softcapped_attention_leaves_the_fused_backend():
+def test_softcapped_attention_leaves_a_backend_without_softcap():
     spec = model_spec(PRESETS["gemma-2-9b"])
     assert isinstance(attention_backend(spec, FusedOnly()), ReferenceBackend)
     cpu = CpuBackend()
     assert attention_backend(spec, cpu) is cpu  # the CPU backend soft-caps through the reference math
+    triton = TritonBackend()
+    assert attention_backend(spec, triton) is triton  # the Triton kernels soft-cap (SOFTCAP_LOG2)
 
 
 def test_plain_parts_keep_the_fused_backend():
@@ -51,21 +53,19 @@ def test_a_backend_without_softcap_is_refused():
 def test_gemma2_windows_alternate():
     spec = model_spec(PRESETS["gemma-2-9b"])
     assert spec.layer_windows[:4] == (4096, None, 4096, None) and len(spec.layer_windows) == 42
-    assert spec.attention_fallback() is not None
+    assert spec.attention_fallback(FusedOnly()) is not None
+    assert spec.attention_fallback(TritonBackend()) is None
 
 
 def test_a_model_whose_attention_falls_back_asks_for_eager_steps(tmp_path):
-    """Gemma 2's soft-capped attention runs on the torch reference, which reads the step's host
-    lists: the runner must not capture it in a CUDA graph (ModelRunner.capture_graphs reads this)."""
-    from rooflm.layers.attention import AttentionBackend
+    """Gemma 2's soft-capped attention on a backend without soft-capping runs on the torch
+    reference, which reads the step's host lists: the runner must not capture it in a CUDA graph
+    (ModelRunner.capture_graphs reads this). On the Triton backend it captures."""
     from rooflm.model.loader import load_model_config
-    from rooflm.model.registry import get_model_class
 
-    class FusedOnly(AttentionBackend):  # stands for the Triton backend: no soft-capping
-        name = "fused"
-
-    for family, unsafe in (("gemma2", True), ("llama", False)):
-        path, _ = make_tiny_model(tmp_path / family, family)
+    for family, backend, unsafe in (("gemma2", FusedOnly(), True), ("llama", FusedOnly(), False),
+                                    ("gemma2", TritonBackend(), False)):
+        path, _ = make_tiny_model(tmp_path / f"{family}-{backend.name}", family)
         cfg = load_model_config(path, "safetensors")
-        model = get_model_class(cfg.architecture)(cfg, max_positions=64, backend=FusedOnly())
-        assert (model.graph_unsafe_reason is not None) == unsafe, family
+        model = get_model_class(cfg.architecture)(cfg, max_positions=64, backend=backend)
+        assert (model.graph_unsafe_reason is not None) == unsafe, (family, backend.name)

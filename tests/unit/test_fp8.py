@@ -194,7 +194,7 @@ def test_kv_cache_scales_need_the_fp8_scheme(tmp_path, capsys):
 
 
 def test_layers_pass_codes_from_the_norms_and_silu_mul_to_the_fp8_linears(tmp_path, monkeypatch):
-    """LlamaDecoderLayer._forward_fp8: the norms and SiLU-mul quantize their own output
+    """DecoderLayer._forward_fp8: the norms and SiLU-mul quantize their own output
     (kernels/norm_act_fp8.py) and qkv, gate_up and down take the codes. The codes are the unfused
     path's exactly, so the logits are too (here the fp32 emulation stands in for _scaled_mm, which
     the CPU lacks; tests/kernels/test_norm_act_fp8.py checks the kernels bit for bit on the GPU)."""
