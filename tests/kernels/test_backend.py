@@ -75,3 +75,37 @@ def test_backend_gpu_bf16(block_size):
     lens = [3000] * 4 + [17, 1000, 2048]
     qlens = [1] * 4 + [17, 512, 2048]
     run_step(lens, qlens, 32, 8, 128, block_size, torch.bfloat16, None)
+
+
+def run_alternating_layers(seq_lens, query_lens, dtype, windows, softcap, block_size=16):
+    """Layers of one step with their own windows (Gemma 2/3: sliding and global alternate) and
+    soft-capped scores: the Triton backend plans once per window and reuses each plan, layer
+    after layer, on the step's one metadata; every layer's output matches the reference."""
+    num_heads, num_kv_heads, head_dim = 8, 2, 64
+    meta, k_cache, v_cache = random_paged_batch(seq_lens, query_lens, num_kv_heads, head_dim, block_size,
+                                                dtype, DEVICE)
+    t = meta.query_start_loc_cpu[-1]
+    triton, reference = TritonBackend(), ReferenceBackend()
+    for layer, window in enumerate(windows):
+        # Scores well past the cap, so the cap changes the softmax (tanh saturates at 4x the cap).
+        q = (4 * torch.randn(t, num_heads, head_dim, device=DEVICE)).to(dtype)
+        out = triton.attend(q, k_cache, v_cache, meta, head_dim ** -0.5, window, softcap=softcap)
+        ref = reference.attend(q, k_cache, v_cache, meta, head_dim ** -0.5, window, softcap=softcap)
+        assert_close(out, ref, dtype, f"layer {layer} window {window}")
+    assert sorted(meta.plan, key=str) == sorted(set(windows), key=str)  # one plan per window
+    if softcap is not None:
+        uncapped = reference.attend(q, k_cache, v_cache, meta, head_dim ** -0.5, windows[-1])
+        assert not torch.allclose(uncapped.float(), ref.float(), atol=1e-2)  # the cap took effect
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_backend_alternating_windows_and_softcap(softcap):
+    # 2 decodes, a chunk over a cached prefix, a fresh prompt; windows 24 / none / 24 / none
+    run_alternating_layers([40, 3, 120, 30], [1, 1, 16, 30], torch.float16, (24, None, 24, None), softcap)
+
+
+@pytest.mark.gpu
+def test_backend_alternating_windows_and_softcap_gpu_bf16():
+    lens = [3000] * 4 + [17, 1000, 2048]
+    qlens = [1] * 4 + [17, 512, 2048]
+    run_alternating_layers(lens, qlens, torch.bfloat16, (512, None, 512, None), 50.0, block_size=16)
