@@ -302,7 +302,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for x [T, H]; returns [T, H] in x's dtype.
 
     w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], optional biases b13 [E, 2I], b2 [E, H];
-    topk_ids [T, top_k] in [0, E) (or -1 for an expert held elsewhere: contributes zero)."""
+    topk_ids [T, top_k] in [0, E). (A block whose expert_ids entry is -1, an expert another rank
+    holds under expert parallelism, writes zeros: the kernel side of that later step.)"""
     _check_inputs(x, w13, w2, topk_weights, topk_ids, b13, b2, activation)
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
