@@ -211,3 +211,29 @@ def test_fused_moe_gpu_replays_in_a_cuda_graph_with_new_routing():
         out.fill_(float("nan"))
         graph.replay()
         assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), torch.bfloat16, f"crowd {crowd}")
+
+
+# ---- the MoE block's fused path (layers/moe.py wiring) ---------------------------------------
+
+@pytest.mark.parametrize("activation", ["silu", "swigluoai"])
+def test_moe_block_fused_path_matches_its_torch_path(activation):
+    """The kernel as Kernels.fused_moe inside SparseMoeBlock: same weights, same routing, the
+    block's torch experts loop as the reference (biases and a shared expert included)."""
+    from rooflm.layers.kernels import Kernels
+    from rooflm.layers.moe import MoeConfig, SparseMoeBlock
+    gpt_oss = activation == "swigluoai"
+    cfg = MoeConfig(num_experts=6, top_k=2, hidden_size=32, intermediate_size=32, activation=activation,
+                    scoring="softmax_topk" if gpt_oss else "softmax", router_bias=gpt_oss, expert_bias=gpt_oss,
+                    shared_expert_intermediate_size=0 if gpt_oss else 32)
+    gen = torch.Generator().manual_seed(4)
+    torch_block = SparseMoeBlock(cfg)
+    with torch.no_grad():
+        for p in torch_block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    fused_block = SparseMoeBlock(cfg, kernels=Kernels(fused_moe=fused_moe))
+    fused_block.load_state_dict(torch_block.state_dict())
+    torch_block.to(DEVICE)
+    fused_block.to(DEVICE)
+    x = torch.randn(10, 32, generator=gen).to(DEVICE)
+    with torch.no_grad():
+        assert_close(fused_block(x), torch_block(x), torch.float32)
