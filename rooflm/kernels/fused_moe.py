@@ -53,8 +53,6 @@ over the heuristic.
 
 from __future__ import annotations
 
-import functools
-import json
 import os
 from dataclasses import asdict, dataclass
 from typing import Optional

@@ -237,3 +237,23 @@ def test_moe_block_fused_path_matches_its_torch_path(activation):
     x = torch.randn(10, 32, generator=gen).to(DEVICE)
     with torch.no_grad():
         assert_close(fused_block(x), torch_block(x), torch.float32)
+
+
+def test_a_block_of_an_expert_held_elsewhere_writes_zeros():
+    """expert_ids -1 (expert parallelism's hook): that block's rows come out zero, the rest as usual."""
+    from rooflm.kernels.fused_moe import _launch
+    gen = torch.Generator().manual_seed(6)
+    w13, w2, _, _ = make_layer(4, 32, 32, torch.float32, gen)
+    x = torch.randn(6, 32, generator=gen).to(DEVICE)
+    weights, ids = random_routing(6, 4, 2, gen)
+    aligned = moe_align_block_size(ids, 16, 4)
+    remote = int(aligned.expert_ids[0])
+    aligned.expert_ids[0] = -1
+    h = torch.full((12, 32), float("nan"), device=DEVICE)
+    _launch(h, x, w13, None, weights.reshape(-1), aligned, 12, 2, "silu", False, 16, GemmTile(32, 32), 1.702, 7.0)
+    on_remote = (ids.reshape(-1) == remote).to(DEVICE)
+    assert on_remote.any() and (~on_remote).any()
+    assert torch.equal(h[on_remote], torch.zeros_like(h[on_remote]))
+    gate_up = torch.einsum("th,tkih->tki", x, w13[ids]).reshape(12, 64)
+    want = torch.nn.functional.silu(gate_up[:, :32]) * gate_up[:, 32:]
+    assert_close(h[~on_remote], want[~on_remote], torch.float32)
