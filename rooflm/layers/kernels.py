@@ -3,7 +3,7 @@ construction like the attention backend, never patched onto modules afterwards.
 
 None means the layer's torch code (the CPU path and the reference). On CUDA the runner
 passes the Triton kernels of rooflm/kernels/: RMSNorm with the residual add fused, SiLU-mul,
-and the one-token GEMV that runs a whole decoder layer as four weight reads.
+the one-token GEMV that runs a whole decoder layer as four weight reads, and the fused MoE.
 With --deterministic (rooflm/deterministic/) the runner passes batch-invariant ones instead:
 a linear kernel whose sums do not depend on the number of rows, and no GEMV.
 """
@@ -25,15 +25,20 @@ class Kernels:
     linear: Optional[Callable] = None
     # RMSNorm over each head of q and k ([T, H, D]; Qwen3); None: torch.
     head_norm: Optional[Callable] = None
+    # The mixture-of-experts MLP, (x, w13, w2, topk_weights, topk_ids, **opts) -> [T, H]:
+    # rooflm.kernels.fused_moe on CUDA; None: the experts loop of layers/moe.py.
+    fused_moe: Optional[Callable] = None
 
 
 TORCH_KERNELS = Kernels()
 
 
 def triton_kernels(decode_gemv: bool) -> Kernels:
+    from rooflm.kernels.fused_moe import fused_moe
     from rooflm.kernels.gemv import gemv
     from rooflm.kernels.rmsnorm import rmsnorm
     from rooflm.kernels.silu_mul import silu_mul
     from rooflm.kernels.small_m_linear import small_m_linear
 
-    return Kernels(rmsnorm=rmsnorm, silu_mul=silu_mul, gemv=gemv if decode_gemv else None, linear=small_m_linear)
+    return Kernels(rmsnorm=rmsnorm, silu_mul=silu_mul, gemv=gemv if decode_gemv else None, linear=small_m_linear,
+                   fused_moe=fused_moe)

@@ -1,0 +1,152 @@
+"""The fused MoE layer (rooflm/kernels/fused_moe.py) at real model shapes, beside its bandwidth
+floor and the per-expert loop of torch matmuls it replaces.
+
+Shapes: Qwen3-30B-A3B (E=128, top_k=8, H=2048, I=768) and Mixtral-8x7B (E=8, top_k=2, H=4096,
+I=14336), bf16, batch 1..1024. Routing: top-k of random logits (uniform in expectation).
+
+Each case is timed as a decode step runs it: a CUDA graph that calls the layer on L layers'
+different weights back to back (so no layer's experts are still in L2), replayed R times
+between two CUDA events; time per layer = total / (R * L). The naive loop syncs the host once
+per call (it reads the per-expert counts) and cannot be captured, so it is timed eagerly, and
+the fused path eagerly too for a like-for-like number.
+
+Bytes count the experts this routing actually touched (distinct ids), once each, plus the
+activations (fused_moe_bytes); floor = max(bytes / HBM bandwidth, FLOPs / peak bf16). Printed:
+us per layer, the floor, % of floor, GB/s, TFLOP/s, the speedup over the loop (issue 48's
+targets at Qwen3's shape: >= 1.5x at batch 1, >= 3x at batch 64), and moe_align's share.
+
+    python benchmarks/moe_kernel.py OUT.json [--layers 4] [--batches 1,2,4,...] [--shape qwen3-30b-a3b] [--gpu h200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from rooflm.kernels.fused_moe import fused_moe, fused_moe_bytes, fused_moe_flops, pick_config  # noqa: E402
+from rooflm.kernels.moe_align import moe_align_block_size  # noqa: E402
+from rooflm.layers.activation import silu_and_mul_torch  # noqa: E402
+from rooflm.layers.moe import experts_torch  # noqa: E402
+from rooflm.perf.gpus import get_gpu  # noqa: E402
+
+SHAPES = {
+    "qwen3-30b-a3b": dict(num_experts=128, top_k=8, hidden=2048, inter=768),
+    "mixtral-8x7b": dict(num_experts=8, top_k=2, hidden=4096, inter=14336),
+}
+BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+
+
+def time_graph(fn, reps: int = 20) -> float:
+    """Seconds per replay of a CUDA graph of fn(), best of three rounds."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _best_of(graph.replay, reps)
+
+
+def time_eager(fn, reps: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    return _best_of(fn, reps)
+
+
+def _best_of(fn, reps: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3 / reps)
+    return best
+
+
+def routing(num_tokens: int, num_experts: int, top_k: int, gen: torch.Generator):
+    logits = torch.randn(num_tokens, num_experts, generator=gen, device="cuda")
+    top, ids = torch.softmax(logits, -1).topk(top_k, dim=-1)
+    return (top / top.sum(-1, keepdim=True)), ids
+
+
+def bench_shape(name: str, shape: dict, batches: list[int], layers: int, bw: float, peak: float) -> list[dict]:
+    e, k, h, i = shape["num_experts"], shape["top_k"], shape["hidden"], shape["inter"]
+    dt = torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13 = [torch.randn(e, 2 * i, h, device="cuda", dtype=dt, generator=gen) * 0.02 for _ in range(layers)]
+    w2 = [torch.randn(e, h, i, device="cuda", dtype=dt, generator=gen) * 0.02 for _ in range(layers)]
+    rows = []
+    for t in batches:
+        x = torch.randn(t, h, device="cuda", dtype=dt, generator=gen)
+        weights, ids = routing(t, e, k, gen)
+        active = ids.unique().numel()
+        nbytes = fused_moe_bytes(t, active, k, h, i, 2)
+        flops = fused_moe_flops(t, k, h, i)
+        floor = max(nbytes / bw, flops / peak)
+        cfg = pick_config(t, e, k, h, i, x.device)
+
+        fused_graph = time_graph(lambda: [fused_moe(x, a, b, weights, ids) for a, b in zip(w13, w2)]) / layers
+        fused_eager = time_eager(lambda: [fused_moe(x, a, b, weights, ids) for a, b in zip(w13, w2)]) / layers
+        align = time_graph(lambda: moe_align_block_size(ids, cfg.block_m, e))
+        naive = time_eager(lambda: [experts_torch(x, a, b, weights, ids, silu_and_mul_torch)
+                                    for a, b in zip(w13, w2)]) / layers
+        row = dict(shape=name, batch=t, active_experts=active, bytes=nbytes, flops=flops,
+                   floor_us=floor * 1e6, fused_graph_us=fused_graph * 1e6, fused_eager_us=fused_eager * 1e6,
+                   align_us=align * 1e6, naive_eager_us=naive * 1e6,
+                   pct_of_floor=100 * floor / fused_graph, gb_s=nbytes / fused_graph / 1e9,
+                   tflop_s=flops / fused_graph / 1e12, speedup_vs_naive=naive / fused_graph,
+                   speedup_eager_vs_naive=naive / fused_eager, config=cfg.to_dict())
+        rows.append(row)
+        print(f"{name:14s} T={t:5d} experts {active:3d}  {nbytes / 1e6:8.1f} MB  floor {floor * 1e6:7.1f} us  "
+              f"fused {fused_graph * 1e6:7.1f} us ({row['pct_of_floor']:5.1f}% of floor, {row['gb_s']:6.0f} GB/s, "
+              f"{row['tflop_s']:6.1f} TFLOP/s)  eager {fused_eager * 1e6:7.1f}  align {align * 1e6:5.1f}  "
+              f"naive {naive * 1e6:8.1f} us  x{row['speedup_vs_naive']:.2f}", flush=True)
+    del w13, w2
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", help="JSON file to write")
+    parser.add_argument("--layers", type=int, default=4, help="layers' weights cycled per timed call")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--shape", choices=sorted(SHAPES), action="append", help="default: all")
+    parser.add_argument("--gpu", default="h200", help="rooflm/perf/gpus.py entry whose HBM and bf16 peak set the floor")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("moe_kernel.py needs a CUDA GPU")
+    device_name = torch.cuda.get_device_name()
+    spec = get_gpu(args.gpu)
+    bw, peak = spec.mem_bw, spec.peak_flops("bf16")
+    print(f"{device_name}: floor from {spec.mem_bw_gbs:.0f} GB/s and {peak / 1e12:.0f} TFLOP/s bf16 ({spec.source})")
+    batches = [int(b) for b in args.batches.split(",")]
+    rows = []
+    for name in args.shape or sorted(SHAPES):
+        rows += bench_shape(name, SHAPES[name], batches, args.layers, bw, peak)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    report = dict(date=datetime.date.today().isoformat(), gpu=device_name, commit=commit, torch=torch.__version__,
+                  hbm_gb_s=spec.mem_bw_gbs, peak_bf16_tflop_s=peak / 1e12, layers=args.layers, rows=rows)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,353 @@
+"""Mixture-of-experts parts: a router, the experts (stacked weights), a shared expert, and the
+sparse MoE block that composes them in place of a dense MLP.
+
+    x -> Router -> (topk_weights, topk_ids) -> Experts -> sum_k w * expert(x)  (+ SharedExpert(x)) -> out
+
+Router (what each family computes; the softmax always in fp32):
+  softmax       top-k of softmax(x W^T); with norm_topk_prob the k weights are divided by their
+                sum (Mixtral always; Qwen3-MoE / OLMoE / Qwen2-MoE per config)
+  softmax_topk  top-k of the logits x W^T + b, softmax over the k selected (gpt-oss)
+
+Experts hold w13 [E, 2I, H] (gate rows then up rows: the fused kernel's layout) and w2 [E, H, I],
+plus gpt-oss's biases b13 [E, 2I], b2 [E, H]. Activation "silu" (SwiGLU) or "swigluoai" (gpt-oss's
+clamped SwiGLU, (up + 1) * gate * sigmoid(alpha * gate)). Two paths: the fused Triton kernel on
+CUDA (Kernels.fused_moe, rooflm/kernels/fused_moe.py) and the torch path here (a loop over the
+experts that have tokens: the CPU path and the reference the fused one is tested against).
+
+Tensor parallelism: like the dense MLP (Megatron's split), every rank holds every expert, with
+the intermediate dimension split: rows [r I/N, (r+1) I/N) of gate and of up, the same columns of
+down. Each rank's output is a partial sum and the block all-reduces once (experts and shared
+expert together). The router is replicated: every rank routes alike. Expert parallelism
+(experts split across ranks, tokens moved by all-to-all) is a later step.
+
+Weights come from HF checkpoints through SparseMoeBlock.load_weight, with names relative to the
+block (the model strips "model.layers.{i}.mlp." or Mixtral's "...block_sparse_moe."):
+  gate.weight                                         router (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE)
+  experts.{e}.gate_proj|up_proj|down_proj.weight      per-expert (Qwen3-MoE, OLMoE, Qwen2-MoE)
+  experts.{e}.w1|w3|w2.weight                         per-expert (Mixtral: w1 gate, w3 up, w2 down)
+  experts.gate_up_proj, experts.down_proj             stacked (transformers 5's in-memory layout:
+                                                      [E, 2I, H] gate;up and [E, H, I]; gpt-oss:
+                                                      [E, H, 2I] gate/up interleaved and [E, I, H])
+  experts.gate_up_proj_bias, experts.down_proj_bias   gpt-oss's biases (interleaved like its weight)
+  router.weight, router.bias                          gpt-oss's router
+  shared_expert.{gate,up,down}_proj.weight, shared_expert_gate.weight    Qwen2-MoE
+  shared_experts.{gate,up,down}_proj.weight           DeepSeek (no sigmoid gate)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from rooflm.layers.activation import silu_and_mul_torch
+from rooflm.layers.kernels import TORCH_KERNELS, Kernels
+
+if TYPE_CHECKING:
+    from rooflm.distributed.group import TPGroup
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int  # per expert (HF's moe_intermediate_size where the family has one)
+    norm_topk_prob: bool = False
+    scoring: str = "softmax"  # or "softmax_topk" (gpt-oss)
+    router_bias: bool = False
+    router_fp32: bool = False  # the router's matmul in fp32 too (HF: in the model's dtype)
+    expert_bias: bool = False
+    activation: str = "silu"  # or "swigluoai"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    gate_up_interleaved: bool = False  # gpt-oss's stacked checkpoint layout (load_weight)
+    shared_expert_intermediate_size: int = 0  # 0: none
+    shared_expert_gate: bool = True  # Qwen2-MoE's sigmoid(x . g) on the shared expert; DeepSeek: none
+
+    def __post_init__(self):
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k {self.top_k} must be in [1, num_experts={self.num_experts}]")
+        if self.scoring not in ("softmax", "softmax_topk"):
+            raise ValueError(f"scoring must be 'softmax' or 'softmax_topk', got {self.scoring!r}")
+        if self.activation not in ("silu", "swigluoai"):
+            raise ValueError(f"activation must be 'silu' or 'swigluoai', got {self.activation!r}")
+
+    @classmethod
+    def from_hf(cls, hf) -> "MoeConfig":
+        """From a transformers config of Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE or gpt-oss."""
+        model_type = getattr(hf, "model_type", "")
+        num_experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None)
+        if not num_experts:
+            raise ValueError(f"{model_type or type(hf).__name__}: config has no num_experts / num_local_experts")
+        inter = getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size
+        common = dict(num_experts=num_experts, top_k=hf.num_experts_per_tok, hidden_size=hf.hidden_size,
+                      intermediate_size=inter)
+        if model_type == "gpt_oss":
+            return cls(**common, scoring="softmax_topk", router_bias=True, expert_bias=True, activation="swigluoai",
+                       swiglu_alpha=getattr(hf, "swiglu_alpha", 1.702), swiglu_limit=hf.swiglu_limit,
+                       gate_up_interleaved=True)
+        norm = True if model_type == "mixtral" else bool(getattr(hf, "norm_topk_prob", False))
+        shared = getattr(hf, "shared_expert_intermediate_size", 0) or 0
+        return cls(**common, norm_topk_prob=norm, shared_expert_intermediate_size=shared)
+
+
+# ---- router --------------------------------------------------------------------------------
+
+class Router(torch.nn.Module):
+    """Top-k expert choice per token: (topk_weights fp32 [T, k], topk_ids int64 [T, k])."""
+
+    def __init__(self, cfg: MoeConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = torch.nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.bias = torch.nn.Parameter(torch.empty(cfg.num_experts)) if cfg.router_bias else None
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cfg.router_fp32:
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias)
+        return F.linear(x, self.weight, self.bias).float()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.logits(x)
+        if self.cfg.scoring == "softmax_topk":
+            top, ids = torch.topk(logits, self.cfg.top_k, dim=-1)
+            return torch.softmax(top, dim=-1), ids
+        probs = torch.softmax(logits, dim=-1)
+        weights, ids = torch.topk(probs, self.cfg.top_k, dim=-1)
+        if self.cfg.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+
+# ---- experts -------------------------------------------------------------------------------
+
+def swigluoai_torch(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU on [.., 2I] laid out gate;up (the loader de-interleaves)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+
+def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor],
+                  b13: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """sum_k w[t, k] expert_{ids[t, k]}(x[t]): per expert with tokens, its rows' two matmuls,
+    added into the output at its tokens (HF's loop; one host sync for the per-expert counts)."""
+    top_k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    weights = topk_weights.reshape(-1)
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start:start + count]
+        start += count
+        tokens = pairs // top_k
+        h = act(F.linear(x[tokens], w13[expert], None if b13 is None else b13[expert]))
+        y = F.linear(h, w2[expert], None if b2 is None else b2[expert])
+        out.index_add_(0, tokens, (y * weights[pairs, None]).to(out.dtype))
+    return out
+
+
+class Experts(torch.nn.Module):
+    """Every expert's gated MLP, stacked; this rank's share [start, start + I_local) of each
+    expert's intermediate dimension (all of it on one rank)."""
+
+    def __init__(self, cfg: MoeConfig, kernel: Optional[Callable] = None, rank: int = 0, world: int = 1):
+        super().__init__()
+        if cfg.intermediate_size % world:
+            raise ValueError(f"moe intermediate_size {cfg.intermediate_size} is not divisible by "
+                             f"the tensor-parallel size {world}")
+        self.cfg = cfg
+        self.kernel = kernel  # rooflm.kernels.fused_moe.fused_moe on CUDA (Kernels.fused_moe), else torch
+        self.inter = cfg.intermediate_size // world
+        self.start = rank * self.inter
+        self.is_driver = rank == 0
+        e, h, i = cfg.num_experts, cfg.hidden_size, self.inter
+        self.w13 = torch.nn.Parameter(torch.empty(e, 2 * i, h))
+        self.w2 = torch.nn.Parameter(torch.empty(e, h, i))
+        self.b13 = torch.nn.Parameter(torch.empty(e, 2 * i)) if cfg.expert_bias else None
+        self.b2 = torch.nn.Parameter(torch.empty(e, h)) if cfg.expert_bias else None
+
+    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.cfg.activation == "swigluoai":
+            return swigluoai_torch(gate_up, self.cfg.swiglu_alpha, self.cfg.swiglu_limit)
+        return silu_and_mul_torch(gate_up)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x, self.w13, self.w2, topk_weights, topk_ids, b13=self.b13, b2=self.b2,
+                               activation=self.cfg.activation, alpha=self.cfg.swiglu_alpha,
+                               limit=self.cfg.swiglu_limit)
+        return experts_torch(x, self.w13, self.w2, topk_weights, topk_ids, self.act, self.b13, self.b2)
+
+    # -- loading: checkpoint tensors, whole experts' rows; this rank keeps its share -----------
+
+    def _rows(self, tensor, dim: int) -> torch.Tensor:
+        """This rank's [start, start + I_local) along the intermediate dimension `dim`."""
+        if tensor.shape[dim] != self.cfg.intermediate_size:
+            raise ValueError(f"expert tensor of shape {tuple(tensor.shape)}: dim {dim} should be the "
+                             f"intermediate size {self.cfg.intermediate_size}")
+        return _narrow(tensor, dim, self.start, self.inter)
+
+    def load_expert(self, expert: int, proj: str, tensor) -> None:
+        """One expert's HF linear weight: proj 'gate' / 'up' [I, H] or 'down' [H, I]."""
+        if not 0 <= expert < self.cfg.num_experts:
+            raise ValueError(f"expert {expert} out of range [0, {self.cfg.num_experts})")
+        with torch.no_grad():
+            if proj == "down":
+                _copy(self.w2[expert], self._rows(tensor, 1), f"expert {expert} down_proj")
+            else:
+                offset = 0 if proj == "gate" else self.inter
+                _copy(self.w13[expert, offset:offset + self.inter], self._rows(tensor, 0), f"expert {expert} {proj}_proj")
+
+    def load_stacked(self, name: str, tensor) -> None:
+        """A stacked checkpoint tensor (transformers 5 / gpt-oss layouts, module docstring)."""
+        t = _materialize(tensor)
+        interleaved = self.cfg.gate_up_interleaved
+        with torch.no_grad():
+            if name == "gate_up_proj":
+                # -> [E, 2I, H] gate;up. gpt-oss stores x @ W ([E, H, 2I]) with gate/up alternating.
+                if interleaved:
+                    t = t.transpose(1, 2)
+                    gate, up = t[:, 0::2], t[:, 1::2]
+                else:
+                    gate, up = t.chunk(2, dim=1)
+                _copy(self.w13[:, :self.inter], self._rows(gate, 1), name)
+                _copy(self.w13[:, self.inter:], self._rows(up, 1), name)
+            elif name == "down_proj":
+                _copy(self.w2, self._rows(t.transpose(1, 2) if interleaved else t, 2), name)
+            elif name == "gate_up_proj_bias" and self.b13 is not None:
+                gate, up = (t[:, 0::2], t[:, 1::2]) if interleaved else t.chunk(2, dim=1)
+                _copy(self.b13[:, :self.inter], self._rows(gate, 1), name)
+                _copy(self.b13[:, self.inter:], self._rows(up, 1), name)
+            elif name == "down_proj_bias" and self.b2 is not None:
+                # Added once: rank 0 holds it, the others zeros, and the all-reduce sums them.
+                _copy(self.b2, t if self.is_driver else torch.zeros_like(t), name)
+            else:
+                raise KeyError(f"experts.{name}: not a stacked expert tensor this config has")
+
+
+# ---- shared expert -------------------------------------------------------------------------
+
+class SharedExpert(torch.nn.Module):
+    """A dense gated MLP every token goes through (Qwen2-MoE's shared_expert, scaled by
+    sigmoid(x . g); DeepSeek's shared_experts, unscaled). Sharded like the experts."""
+
+    def __init__(self, cfg: MoeConfig, rank: int = 0, world: int = 1):
+        super().__init__()
+        size = cfg.shared_expert_intermediate_size
+        if size % world:
+            raise ValueError(f"shared_expert_intermediate_size {size} is not divisible by the tensor-parallel size {world}")
+        self.full = size
+        self.inter = size // world
+        self.start = rank * self.inter
+        self.gate_up = torch.nn.Parameter(torch.empty(2 * self.inter, cfg.hidden_size))
+        self.down = torch.nn.Parameter(torch.empty(cfg.hidden_size, self.inter))
+        self.gate = torch.nn.Parameter(torch.empty(1, cfg.hidden_size)) if cfg.shared_expert_gate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(silu_and_mul_torch(F.linear(x, self.gate_up)), self.down)
+        if self.gate is not None:
+            y = torch.sigmoid(F.linear(x, self.gate)) * y
+        return y
+
+    def load(self, proj: str, tensor) -> None:
+        with torch.no_grad():
+            if proj == "down":
+                _copy(self.down, _narrow(tensor, 1, self.start, self.inter), "shared expert down_proj")
+            elif proj in ("gate", "up"):
+                offset = 0 if proj == "gate" else self.inter
+                _copy(self.gate_up[offset:offset + self.inter], _narrow(tensor, 0, self.start, self.inter),
+                      f"shared expert {proj}_proj")
+            else:
+                raise KeyError(f"shared expert has no {proj}_proj")
+
+    def load_gate(self, tensor) -> None:
+        if self.gate is None:
+            raise KeyError("shared_expert_gate.weight: this config's shared expert has no gate")
+        with torch.no_grad():
+            _copy(self.gate, _materialize(tensor), "shared_expert_gate")
+
+
+# ---- the block -----------------------------------------------------------------------------
+
+_PER_EXPERT = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_SHARED = re.compile(r"^shared_experts?\.(gate_proj|up_proj|down_proj)\.weight$")
+_PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+
+
+class SparseMoeBlock(torch.nn.Module):
+    """x [..., H] -> router -> experts (+ shared expert) -> [..., H]; one all-reduce under TP."""
+
+    def __init__(self, cfg: MoeConfig, kernels: Kernels = TORCH_KERNELS, tp: Optional["TPGroup"] = None):
+        super().__init__()
+        rank, world = (0, 1) if tp is None else (tp.rank, tp.size)
+        self.cfg = cfg
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        self.router = Router(cfg)
+        self.experts = Experts(cfg, kernels.fused_moe, rank, world)
+        self.shared_expert = SharedExpert(cfg, rank, world) if cfg.shared_expert_intermediate_size else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        topk_weights, topk_ids = self.router(x)
+        out = self.experts(x, topk_weights, topk_ids)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x)
+        if self.tp is not None:
+            out = self.tp.all_reduce(out)
+        return out.reshape(shape)
+
+    def load_weight(self, name: str, tensor) -> None:
+        """Take one HF checkpoint tensor named relative to the block (module docstring)."""
+        match = _PER_EXPERT.match(name)
+        if match:
+            self.experts.load_expert(int(match.group(1)), _PROJ[match.group(2)], tensor)
+            return
+        match = _SHARED.match(name)
+        if match and self.shared_expert is not None:
+            self.shared_expert.load(_PROJ[match.group(1)], tensor)
+            return
+        if name in ("gate.weight", "router.weight"):
+            with torch.no_grad():
+                _copy(self.router.weight, _materialize(tensor), name)
+        elif name == "router.bias" and self.router.bias is not None:
+            with torch.no_grad():
+                _copy(self.router.bias, _materialize(tensor), name)
+        elif name == "shared_expert_gate.weight" and self.shared_expert is not None:
+            self.shared_expert.load_gate(tensor)
+        elif name.startswith("experts.") and name.count(".") == 1:
+            self.experts.load_stacked(name[len("experts."):], tensor)
+        else:
+            raise KeyError(f"{name}: not a weight of this MoE block")
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+def _materialize(tensor) -> torch.Tensor:
+    """A tensor, or a lazy checkpoint slice (model/loader.LazySlice) read whole."""
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.load()
+
+
+def _narrow(tensor, dim: int, start: int, size: int) -> torch.Tensor:
+    """tensor.narrow; a lazy slice reads only those rows or columns."""
+    if start == 0 and size == tensor.shape[dim]:
+        return _materialize(tensor)
+    return tensor.narrow(dim, start, size)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)}, the block expects {tuple(dst.shape)}")
+    dst.copy_(src)
