@@ -59,7 +59,7 @@ class GraphBuffers:
             block_tables=torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device),
         )
 
-    def meta(self, batch: int, max_seq_len: int, num_splits: int | None) -> AttentionMetadata:
+    def meta(self, batch: int, max_seq_len: int) -> AttentionMetadata:
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:batch], query_start_loc=self.query_start_loc[:batch + 1],
             seq_lens=self.seq_lens[:batch], block_tables=self.block_tables[:batch],
@@ -87,14 +87,12 @@ class CUDAGraphRunner:
         self.logits: Optional[torch.Tensor] = None
         self.pool = None
 
-    def _num_splits(self, batch: int) -> int | None:
-        from rooflm.kernels.decode_attention import decode_num_splits
-        cfg = self.model.cfg
-        return decode_num_splits(batch, self.model.heads.num_kv_heads, self.max_model_len, cfg.sliding_window)
-
-    def _forward(self, batch: int, num_splits: int | None) -> torch.Tensor:
+    def _forward(self, batch: int) -> torch.Tensor:
+        # The metadata says every sequence is max_model_len long: the Triton backend then sizes
+        # each window's split-KV grid for that span (TritonBackend.split_span), as eager steps do,
+        # so graphs and eager sum alike per window (sliding and global layers differ).
         b = self.buffers
-        meta = b.meta(batch, self.max_model_len, num_splits)
+        meta = b.meta(batch, self.max_model_len)
         hidden = self.model(b.input_ids[:batch], b.positions[:batch], self.kv_caches, meta)
         return self.model.compute_logits(hidden, out=None if self.logits is None else self.logits[:batch])
 
@@ -102,25 +100,18 @@ class CUDAGraphRunner:
     def capture(self) -> float:
         t0 = time.perf_counter()
         for batch in reversed(self.sizes):
-            splits = self._num_splits(batch) if self.backend.name == "triton" else None
-            if self.backend.name == "triton":
-                self.backend.decode_num_splits = splits
-            try:
-                for _ in range(2):  # warm-up: compile the kernels outside the capture
-                    logits = self._forward(batch, splits)
-                if self.logits is None:  # the largest batch comes first
-                    self.logits = torch.empty_like(logits)
-                del logits
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    self._forward(batch, splits)
-                if self.pool is None:
-                    self.pool = graph.pool()
-                self.graphs[batch] = graph
-            finally:
-                if self.backend.name == "triton":
-                    self.backend.decode_num_splits = None
+            for _ in range(2):  # warm-up: compile the kernels outside the capture
+                logits = self._forward(batch)
+            if self.logits is None:  # the largest batch comes first
+                self.logits = torch.empty_like(logits)
+            del logits
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._forward(batch)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[batch] = graph
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         logger.info("captured %d CUDA graphs (batch %d..%d) in %.1f s", len(self.sizes), self.sizes[0],

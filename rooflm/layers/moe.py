@@ -88,7 +88,7 @@ class MoeConfig:
                       intermediate_size=inter)
         if model_type == "gpt_oss":
             return cls(**common, scoring="softmax_topk", router_bias=True, expert_bias=True, activation="swigluoai",
-                       swiglu_alpha=getattr(hf, "swiglu_alpha", 1.702), swiglu_limit=hf.swiglu_limit,
+                       swiglu_alpha=getattr(hf, "swiglu_alpha", 1.702), swiglu_limit=getattr(hf, "swiglu_limit", 7.0),
                        gate_up_interleaved=True)
         norm = True if model_type == "mixtral" else bool(getattr(hf, "norm_topk_prob", False))
         shared = getattr(hf, "shared_expert_intermediate_size", 0) or 0

@@ -36,7 +36,13 @@ def generate(model, prompts, backend, eager, dtype="bfloat16", tokens=64, **kw):
 PROMPTS = [[(13 * i + 7 * j) % 250 + 1 for j in range(n)] for i, n in enumerate([5, 40, 17, 97, 1, 64, 33, 8])]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+# Every family on the one decoder: OLMo 2 (post-norms, q/k norm over the projection) and Gemma 2
+# ((1 + w) norms, GELU-tanh, soft-capped scores and logits, alternating windows) take the fused
+# paths part by part.
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "olmo2", "gemma2"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_tiny_models_triton_matches_reference_and_hf(tmp_path, family):
     path, hf = make_tiny_model(tmp_path, family, initializer_range=0.3)
     ref = generate(path, PROMPTS, "reference", True, dtype="float32")
@@ -50,8 +56,9 @@ def test_tiny_models_triton_matches_reference_and_hf(tmp_path, family):
             assert int(logits.argmax()) == out.outputs[0].token_ids[0]
 
 
-def test_graphs_match_eager(tmp_path):
-    path, _ = make_tiny_model(tmp_path, "llama", initializer_range=0.3)
+@pytest.mark.parametrize("family", ["llama", "olmo2", "gemma2"])
+def test_graphs_match_eager(tmp_path, family):
+    path, _ = make_tiny_model(tmp_path, family, initializer_range=0.3)
     for batch in (1, 2, 4, 8):
         eager = generate(path, PROMPTS[:batch], "triton", True)
         graphs = generate(path, PROMPTS[:batch], "triton", False, piecewise_cuda_graphs=False)
@@ -80,7 +87,7 @@ def test_decode_graphs_share_one_logits_buffer(tmp_path):
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "olmo2", "gemma2"])
 def test_piecewise_graphs_match_eager(tmp_path, family):
     """Chunked prompts beside decodes (mixed steps) replayed as per-layer graphs with attention
     eager between them. Padding to a bucket changes GEMM shapes, so bf16 rounding may differ."""
