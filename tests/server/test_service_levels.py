@@ -205,3 +205,32 @@ def test_llm_generate_takes_one_priority_per_prompt(model):
         fcfs.generate([PROMPT], params, priority=[2])
     with pytest.raises(ValueError, match="--enable-sleep-mode"):
         fcfs.sleep(1)
+
+
+# ---- CUDA (the lead's GPU run) ----------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_frees_the_device_and_wakes_to_equal_outputs_on_cuda(level):
+    """Level 1 moves the weights to host memory and level 2 drops them (wake_up draws the same
+    seeded dummy weights again): either way almost all of the engine's device memory is given
+    back, and after wake_up the CUDA graphs (captured again) give the same greedy tokens."""
+    import torch
+
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    llm = LLM("smollm2-135m", load_format="dummy", device="cuda", dtype="bfloat16", num_blocks=256,
+              max_model_len=512, enable_sleep_mode=True)
+    before = [o.outputs[0].token_ids for o in llm.generate([PROMPT, PROMPT[:3]], params)]
+    torch.cuda.synchronize()
+    awake_bytes = torch.cuda.memory_allocated()
+    llm.sleep(level)
+    asleep_bytes = torch.cuda.memory_allocated()
+    assert asleep_bytes < awake_bytes / 4, (awake_bytes, asleep_bytes)
+    if level == 1:
+        assert all(p.device.type == "cpu" and p.is_pinned() for p in llm.engine.model.parameters())
+    else:
+        assert llm.engine.runner.model is None
+    llm.wake_up()
+    after = [o.outputs[0].token_ids for o in llm.generate([PROMPT, PROMPT[:3]], params)]
+    assert after == before
