@@ -194,6 +194,9 @@ class CacheConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     # None: 1024 on CUDA devices of 70 GB or more (ShareGPT-like traffic on an H100: +5.9% over
@@ -206,8 +209,14 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"  # recompute | swap
     # Admission keeps KV room for the running requests' expected growth (growth_reserve.py).
     reserve_new_tokens: bool = True
+    # vLLM's names: fcfs, or priority (a request's priority, lower first, ties by arrival; a
+    # waiting request may preempt running ones of lower priority when the KV pool is full).
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -251,6 +260,9 @@ class RuntimeConfig:
     # on what else is in the batch, the step's size, chunking, preemption, prefix hits or graphs.
     # Costs speed (docs/deterministic.md); turns decode_gemv off.
     deterministic: bool = False
+    # vLLM's sleep mode: the engine may free its KV pool and move (level 1) or drop (level 2)
+    # its weights while idle (LLMEngine.sleep / wake_up; the server's /sleep and /wake_up).
+    enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "triton", "reference"):

@@ -60,6 +60,9 @@ HELP: dict[str, str] = {
     "preemption_mode": "what happens to a sequence evicted when the KV pool runs out: "
                        "recompute its KV later, or swap it to host memory",
     "reserve_new_tokens": "admission keeps KV room for the running requests' expected growth",
+    "scheduling_policy": "fcfs: first come, first served; priority: by each request's priority "
+                         "(lower value first, ties by arrival), and a waiting request may preempt "
+                         "running ones of lower priority when the KV pool is full",
     # runtime
     "enforce_eager": "no CUDA graphs: every step launches its kernels one by one",
     "async_scheduling": "schedule step t+1 before step t's tokens are read back (unset: on with "
@@ -75,6 +78,9 @@ HELP: dict[str, str] = {
     "tune_gc": "freeze the start-up heap and collect young objects less often (process-wide)",
     "deterministic": "batch-invariant kernels: a request's tokens do not depend on the rest of "
                      "the batch (slower; turns --decode-gemv off)",
+    "enable_sleep_mode": "the engine may sleep: free its KV pool and move its weights to host "
+                         "memory (level 1) or drop them (level 2) until woken (the server's "
+                         "POST /sleep, /wake_up)",
     # speculative
     "speculative_method": "speculative decoding's proposer (unset: off)",
     "num_speculative_tokens": "draft tokens per sequence and step, at most",
@@ -106,6 +112,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "kv_cache_dtype": ("auto", "fp8", "fp8_e4m3"),
     "kv_cache_scales": ("auto", "per-token", "static"),
     "preemption_mode": ("recompute", "swap"),
+    "scheduling_policy": cfg.SCHEDULING_POLICIES,
     "attention_backend": ("auto", "triton", "reference"),
     "prefill_attention": cfg.PREFILL_ATTENTION_CHOICES,
     "speculative_method": ("ngram", "draft"),

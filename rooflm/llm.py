@@ -35,8 +35,11 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. A prompt is a string or a list of token ids."""
+                 use_tqdm: bool = False, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. A prompt is a string or a list of token ids.
+
+        priority: one per prompt, as vLLM's LLM.generate takes it; needs
+        scheduling_policy="priority" (lower values are scheduled first) unless all are 0."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -45,9 +48,13 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         elif len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         # Validate everything before queueing anything, so a bad prompt loses no work.
-        for prompt, p in zip(prompts, params):
+        for prompt, p, rank in zip(prompts, params, priority):
             self.engine.tokenize(prompt)
+            self.engine.check_priority(rank)
         for p in {id(p): p for p in params}.values():
             if p.structured_outputs is not None:
                 from rooflm.structured.grammars import check_structured_outputs
@@ -60,14 +67,22 @@ class LLM:
         params = [finals[id(p)] for p in params]
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, rank in zip(prompts, params, priority):
                 rid = f"offline-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, priority=rank)
                 ids.append(rid)
         except Exception:
             self.engine.abort_request(ids)
             raise
         return self._run(ids, use_tqdm)
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (needs enable_sleep_mode=True): free the KV pool and move the
+        weights to host memory (level 1) or drop them (level 2) until wake_up()."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
 
     def chat(self, messages: Union[list[dict], list[list[dict]]],
              params: Optional[SamplingParams] = None, use_tqdm: bool = False) -> list[RequestOutput]:

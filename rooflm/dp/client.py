@@ -156,6 +156,18 @@ class DPClient(EngineClient):
         for client in self.clients:
             client.abort_all(reason)
 
+    async def sleep(self, level: int = 1) -> None:
+        """Every replica sleeps (one engine, as for failure: a half-asleep server would look
+        ready with half its capacity)."""
+        await asyncio.gather(*(client.sleep(level) for client in self.clients))
+
+    async def wake_up(self) -> None:
+        await asyncio.gather(*(client.wake_up() for client in self.clients))
+
+    @property
+    def is_sleeping(self) -> bool:
+        return any(client.is_sleeping for client in self.clients)
+
     def health(self, stall_seconds: float) -> Optional[str]:
         """None while every replica is alive and making progress; else which one and why."""
         reasons = [f"data-parallel replica {r}: {reason}"
@@ -193,12 +205,15 @@ class DPClient(EngineClient):
 
 
 def sum_snapshots(snapshots: list[EngineSnapshot]) -> EngineSnapshot:
-    """One snapshot whose counts are the replicas' sums."""
+    """One snapshot whose counts are the replicas' sums; the predicted wait is the least
+    (the router sends a request where the load is least), sleeping is any replica's."""
     fields = {}
     for field in dataclasses.fields(EngineSnapshot):
-        if field.name == "spec":
+        if field.name in ("spec", "predicted_wait_s", "is_sleeping"):
             continue
         fields[field.name] = sum(getattr(s, field.name) for s in snapshots)
+    fields["predicted_wait_s"] = min(s.predicted_wait_s for s in snapshots)
+    fields["is_sleeping"] = any(s.is_sleeping for s in snapshots)
     specs = [s.spec for s in snapshots if s.spec is not None]
     return EngineSnapshot(**fields, spec=_sum_specs(specs) if specs else None)
 

@@ -39,8 +39,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from rooflm.engine.client import (EngineClient, NullMetrics, RequestStream, SnapshotMetrics,
-                                  StepTokens, TrackedRequest, admit_group, finish_reason_of)
+from rooflm.engine.client import (SLEEP_ABORT_REASON, EngineClient, NullMetrics, RequestStream,
+                                  SnapshotMetrics, StepTokens, TrackedRequest, admit_group,
+                                  finish_reason_of)
 from rooflm.engine.outputs import RequestOutput
 from rooflm.engine.report import EngineSnapshot
 from rooflm.engine.request import Request, RequestStatus
@@ -72,6 +73,12 @@ class _Abort:
 @dataclass
 class _Stop:
     pass
+
+
+@dataclass
+class _Sleep:
+    level: Optional[int]  # None: wake up
+    future: concurrent.futures.Future
 
 
 class _Tracked(TrackedRequest):
@@ -113,6 +120,7 @@ class AsyncLLMEngine(EngineClient):
         self._dead: Optional[BaseException] = None
         self._last_progress = time.monotonic()
         self._num_in_flight = 0
+        self._sleeping = engine.is_sleeping
         # Engine thread only.
         self._tracked: dict[str, _Tracked] = {}
         self._tokens_in_flight = 0
@@ -168,6 +176,22 @@ class AsyncLLMEngine(EngineClient):
 
     def abort_all(self, reason: str) -> None:
         self._commands.put(_Abort(None, reason))
+
+    async def sleep(self, level: int = 1) -> None:
+        await self._sleep_command(level)
+
+    async def wake_up(self) -> None:
+        await self._sleep_command(None)
+
+    async def _sleep_command(self, level: Optional[int]) -> None:
+        self._raise_if_unavailable()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Sleep(level, future))
+        await asyncio.wrap_future(future)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._sleeping
 
     def health(self, stall_seconds: float) -> Optional[str]:
         """None while the engine loop is alive and making progress; else why not."""
@@ -244,7 +268,7 @@ class AsyncLLMEngine(EngineClient):
             except queue.Empty:
                 break
         for command in commands:
-            if isinstance(command, _Add) and command.future.set_running_or_notify_cancel():
+            if isinstance(command, (_Add, _Sleep)) and command.future.set_running_or_notify_cancel():
                 command.future.set_exception(EngineDeadError("the engine loop has stopped"))
 
     def _next_commands(self, backoff: bool) -> list:
@@ -265,6 +289,9 @@ class AsyncLLMEngine(EngineClient):
         if isinstance(command, _Add):
             self._apply_add(command)
             return
+        if isinstance(command, _Sleep):
+            self._apply_sleep(command)
+            return
         ids = list(self._tracked) if command.request_ids is None else command.request_ids
         self._abort_tracked(ids, command.reason)
 
@@ -280,6 +307,24 @@ class AsyncLLMEngine(EngineClient):
             future.set_exception(exc)
         else:
             future.set_result(None)
+
+    def _apply_sleep(self, command: _Sleep) -> None:
+        future = command.future
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            if command.level is None:
+                self.engine.wake_up()
+            else:
+                self.engine.check_sleep_level(command.level)
+                self._abort_tracked(list(self._tracked), SLEEP_ABORT_REASON)
+                self.engine.sleep(command.level)
+        except Exception as exc:  # noqa: BLE001 - the caller is told
+            future.set_exception(exc)
+        else:
+            future.set_result(None)
+        finally:
+            self._sleeping = self.engine.is_sleeping
 
     def _admit(self, command: _Add) -> None:
         if self._dead is not None:

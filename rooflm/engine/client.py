@@ -131,6 +131,23 @@ class EngineClient(abc.ABC):
         """None while the engine is alive and made progress in the last stall_seconds;
         else why not, in words for /health."""
 
+    @abc.abstractmethod
+    async def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode: abort every request (each stream raises RequestAborted), then the
+        engine frees its KV pool and moves its weights to host memory (level 1) or drops them
+        (level 2). Until wake_up(), generate() raises AdmissionRejected (503, code "sleeping").
+        Raises ValueError when the engine was built without sleep mode, InvalidRequest
+        (param "level") for a level other than 1 or 2. Sleeping again is a no-op."""
+
+    @abc.abstractmethod
+    async def wake_up(self) -> None:
+        """Undo sleep(): the weights back, a fresh KV pool; a no-op when awake."""
+
+    @property
+    @abc.abstractmethod
+    def is_sleeping(self) -> bool:
+        """Whether the engine sleeps (as of the last sleep() or wake_up() that returned)."""
+
     @property
     @abc.abstractmethod
     def is_dead(self) -> bool:
@@ -146,6 +163,9 @@ class EngineClient(abc.ABC):
     def snapshot(self) -> EngineSnapshot:
         """The engine's state as last published (after a step, or a heartbeat): one
         consistent EngineSnapshot, for logs and gauges."""
+
+
+SLEEP_ABORT_REASON = "the engine was put to sleep"
 
 
 # How the server builds its front end: (engine face, limits, metrics) -> EngineClient.
@@ -254,6 +274,7 @@ class NullMetrics:
 
     def set_scheduler_state(self, running, waiting, kv_usage, free_blocks, num_blocks): pass
     def set_tokens_in_flight(self, tokens): pass
+    def set_service_state(self, predicted_wait_s, is_sleeping): pass
     def add_prefix_cache(self, queries, hits): pass
     def add_preemptions(self, count): pass
     def add_tokens(self, prompt_tokens, generation_tokens): pass
@@ -278,6 +299,7 @@ class SnapshotMetrics:
         metrics.set_scheduler_state(snap.num_running_reqs, snap.num_waiting_reqs + snap.num_swapped_reqs,
                                     snap.kv_usage, snap.num_free_blocks, snap.num_blocks)
         metrics.set_tokens_in_flight(tokens_in_flight)
+        metrics.set_service_state(snap.predicted_wait_s, snap.is_sleeping)
         queries, hits = self._seen_prefix
         metrics.add_prefix_cache(snap.prefix_queried_tokens - queries, snap.prefix_hit_tokens - hits)
         self._seen_prefix = (snap.prefix_queried_tokens, snap.prefix_hit_tokens)

@@ -69,8 +69,8 @@ import rooflm.envs as envs
 from rooflm.config import EngineConfig
 from rooflm.engine.core_protocol import (Abort, AddError, AddReply, AddRequests, Configure,
                                          CoreState, EngineDead, EngineReady, Heartbeat,
-                                         RequestDelta, SampleDelta, Shutdown, StepOutputs,
-                                         encoder, input_decoder)
+                                         RequestDelta, SampleDelta, Shutdown, Sleep, SleepReply,
+                                         StepOutputs, encoder, input_decoder)
 from rooflm.engine.llm_engine import LLMEngine
 from rooflm.engine.outputs import RequestOutput
 from rooflm.engine.request import Request
@@ -179,8 +179,31 @@ class EngineCore:
         elif isinstance(message, Abort):
             ids = list(self._tracked) if message.request_ids is None else message.request_ids
             self._abort(ids)
+        elif isinstance(message, Sleep):
+            error = self._sleep(message.level)
+            self._send(SleepReply(message.call_id, self.engine.is_sleeping, error))
         elif isinstance(message, Configure):
-            self.limits = AdmissionLimits(message.max_queued_requests, message.max_tokens_in_flight)
+            self.limits = AdmissionLimits(message.max_queued_requests, message.max_tokens_in_flight,
+                                          message.ttft_slo_ms)
+
+    def _sleep(self, level: Optional[int]) -> Optional[AddError]:
+        """Sleep at `level` (every request aborted first: the API process tells their streams
+        when the reply arrives), or wake up (None); the error that stopped it, if any."""
+        try:
+            if level is None:
+                self.engine.wake_up()
+            else:
+                self.engine.check_sleep_level(level)
+                self.abort_all()
+                self.engine.sleep(level)
+        except InvalidRequest as exc:
+            return AddError("invalid", exc.message, param=exc.param)
+        except ValueError as exc:
+            return AddError("value", str(exc))
+        except Exception as exc:  # noqa: BLE001 - the caller is told
+            logger.exception("sleep mode: %s failed", "wake_up" if level is None else "sleep")
+            return AddError("error", f"{type(exc).__name__}: {exc}")
+        return None
 
     def _add(self, message: AddRequests) -> Optional[AddError]:
         """Admit the group, all or nothing; the error that refused it, if any."""
@@ -189,7 +212,8 @@ class EngineCore:
         except InvalidRequest as exc:
             return AddError("invalid", exc.message, param=exc.param)
         except AdmissionRejected as exc:
-            return AddError("busy", str(exc), status=exc.status, retry_after_s=exc.retry_after_s)
+            return AddError("busy", str(exc), status=exc.status, retry_after_s=exc.retry_after_s,
+                            code=exc.code)
         except ValueError as exc:
             return AddError("value", str(exc))
         except Exception as exc:  # noqa: BLE001 - every refusal goes back to the caller

@@ -36,12 +36,13 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from rooflm.engine.client import (EngineClient, NullMetrics, RequestStream, SnapshotMetrics,
-                                  StepTokens, TrackedRequest, admit_group, finish_reason_of)
+from rooflm.engine.client import (SLEEP_ABORT_REASON, EngineClient, NullMetrics, RequestStream,
+                                  SnapshotMetrics, StepTokens, TrackedRequest, admit_group,
+                                  finish_reason_of)
 from rooflm.engine.core_process import EngineCoreProcess
 from rooflm.engine.core_protocol import (Abort, AddError, AddReply, AddRequests, Configure,
                                          CoreState, EngineDead, Heartbeat, RequestDelta, Shutdown,
-                                         StepOutputs, encoder, output_decoder)
+                                         Sleep, SleepReply, StepOutputs, encoder, output_decoder)
 from rooflm.engine.outputs import CompletionOutput, RequestOutput
 from rooflm.engine.report import EngineSnapshot
 from rooflm.engine.request_types import (AdmissionLimits, AdmissionRejected, EngineDeadError,
@@ -135,6 +136,9 @@ class EngineCoreClient(EngineClient):
         self._encode = encoder().encode
         self._tracked: dict[str, _Tracked] = {}
         self._adds: dict[int, _PendingAdd] = {}
+        # Sleep calls sent, until their SleepReply: call id -> (future, level; None: wake up).
+        self._sleep_calls: dict[int, tuple[asyncio.Future, Optional[int]]] = {}
+        self._sleeping = self._snapshot.is_sleeping
         self._batch_ids = itertools.count()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._reader: Optional[asyncio.Task] = None
@@ -158,7 +162,8 @@ class EngineCoreClient(EngineClient):
         self._loop = asyncio.get_running_loop()
         self._on_dead = on_dead
         self._last_progress = time.monotonic()
-        self._send(Configure(self.limits.max_queued_requests, self.limits.max_tokens_in_flight))
+        self._send(Configure(self.limits.max_queued_requests, self.limits.max_tokens_in_flight,
+                             self.limits.ttft_slo_ms))
         self._publish(self.core.ready_state)
         socket = zmq.asyncio.Socket.from_socket(self.core.output_socket)
         self._reader = self._loop.create_task(self._read_forever(socket), name="rooflm-core-reader")
@@ -220,6 +225,24 @@ class EngineCoreClient(EngineClient):
         for pending in self._adds.values():
             pending.abort_reason = reason
         self._send_quietly(Abort(None))
+
+    async def sleep(self, level: int = 1) -> None:
+        await self._sleep_call(level)
+
+    async def wake_up(self) -> None:
+        await self._sleep_call(None)
+
+    async def _sleep_call(self, level: Optional[int]) -> None:
+        self._raise_if_unavailable()
+        call_id = next(self._batch_ids)
+        future = self._loop.create_future()
+        self._sleep_calls[call_id] = (future, level)
+        self._send(Sleep(call_id, level))
+        await future
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._sleeping
 
     def health(self, stall_seconds: float) -> Optional[str]:
         """None while the engine core is alive and making progress; else why not."""
@@ -294,6 +317,8 @@ class EngineCoreClient(EngineClient):
             self._on_step(message)
         elif isinstance(message, AddReply):
             self._on_add_reply(message)
+        elif isinstance(message, SleepReply):
+            self._on_sleep_reply(message)
         elif isinstance(message, Heartbeat):
             self._publish(message.state)
         elif isinstance(message, EngineDead):
@@ -311,6 +336,20 @@ class EngineCoreClient(EngineClient):
         if pending.abort_reason is not None:
             self._abort_tracked([r.request_id for r in pending.requests], pending.abort_reason)
         pending.future.set_result(None)
+
+    def _on_sleep_reply(self, reply: SleepReply) -> None:
+        self._sleeping = reply.is_sleeping
+        future, level = self._sleep_calls.pop(reply.call_id, (None, None))
+        if reply.error is None and level is not None:
+            # The core aborted every request it had before it slept (groups admitted before
+            # the Sleep included): their streams are told now.
+            self._abort_tracked(list(self._tracked), SLEEP_ABORT_REASON)
+        if future is None or future.done():
+            return
+        if reply.error is not None:
+            future.set_exception(_add_error(reply.error))
+        else:
+            future.set_result(None)
 
     def _on_step(self, message: StepOutputs) -> None:
         now = time.monotonic()
@@ -357,6 +396,10 @@ class EngineCoreClient(EngineClient):
             if not pending.future.done():
                 pending.future.set_exception(error)
         self._adds.clear()
+        for future, _ in self._sleep_calls.values():
+            if not future.done():
+                future.set_exception(error)
+        self._sleep_calls.clear()
 
     def _publish(self, state: CoreState) -> None:
         self._snapshot = state.snapshot
@@ -397,7 +440,8 @@ def _add_error(error: AddError) -> Exception:
     if error.kind == "invalid":
         return InvalidRequest(error.message, param=error.param)
     if error.kind == "busy":
-        return AdmissionRejected(error.message, status=error.status, retry_after_s=error.retry_after_s)
+        return AdmissionRejected(error.message, status=error.status, retry_after_s=error.retry_after_s,
+                                 code=error.code)
     if error.kind == "value":
         return ValueError(error.message)
     return RuntimeError(error.message)

@@ -14,11 +14,14 @@ API process -> engine core (the input socket):
   Configure     the admission limits; the first message, before any request
   AddRequests   a group of requests to admit all together or not at all; answered by AddReply
   Abort         requests to stop (None: every one); nobody is answered, blocks are freed
+  Sleep         sleep mode: abort everything, then sleep at a level (None: wake up);
+                answered by SleepReply
   Shutdown      abort everything and exit 0
 
 Engine core -> API process (the output socket):
   EngineReady   once, when the engine is built: its EngineInfo
   AddReply      a group was admitted, or why not (the error names the field, or says busy)
+  SleepReply    a Sleep was done, or why not; whether the engine sleeps now
   StepOutputs   one per engine step: every request's new tokens (ids, text, logprobs,
                 finish), the step's StepReports and the core's state after it
   Heartbeat     the core's state while it has no step to report (idle, or after commands)
@@ -48,6 +51,7 @@ Logprobs = dict[int, TokenLogprob]
 class Configure(msgspec.Struct, tag=True):
     max_queued_requests: int
     max_tokens_in_flight: int  # 0: no cap
+    ttft_slo_ms: float = 0.0  # 0: no server-wide TTFT budget
 
 
 class AddRequests(msgspec.Struct, tag=True):
@@ -60,11 +64,16 @@ class Abort(msgspec.Struct, tag=True):
     request_ids: Optional[list[str]]  # None: every request
 
 
+class Sleep(msgspec.Struct, tag=True):
+    call_id: int  # the SleepReply answering it carries it back
+    level: Optional[int]  # 1 or 2; None: wake up
+
+
 class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-InputMessage = Union[Configure, AddRequests, Abort, Shutdown]
+InputMessage = Union[Configure, AddRequests, Abort, Sleep, Shutdown]
 
 # ---- engine core -> API process --------------------------------------------------------------
 
@@ -85,6 +94,7 @@ class AddError(msgspec.Struct, array_like=True):
     param: Optional[str] = None  # "invalid": the request field at fault
     status: int = 429  # "busy": the HTTP status and Retry-After the API answers with
     retry_after_s: int = 1
+    code: str = "overloaded"  # "busy": AdmissionRejected.code
 
 
 class EngineReady(msgspec.Struct, tag=True):
@@ -95,6 +105,12 @@ class EngineReady(msgspec.Struct, tag=True):
 class AddReply(msgspec.Struct, tag=True):
     batch_id: int
     error: Optional[AddError] = None  # None: every request of the group is queued
+
+
+class SleepReply(msgspec.Struct, tag=True):
+    call_id: int
+    is_sleeping: bool
+    error: Optional[AddError] = None  # None: done
 
 
 class SampleDelta(msgspec.Struct, array_like=True):
@@ -136,7 +152,7 @@ class EngineDead(msgspec.Struct, tag=True):
     state: Optional[CoreState] = None  # after the failed requests' blocks were freed, if it could
 
 
-OutputMessage = Union[EngineReady, AddReply, StepOutputs, Heartbeat, EngineDead]
+OutputMessage = Union[EngineReady, AddReply, SleepReply, StepOutputs, Heartbeat, EngineDead]
 
 # ---- the encoding ---------------------------------------------------------------------------------
 

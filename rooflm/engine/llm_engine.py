@@ -28,6 +28,7 @@ from rooflm.engine.report import (NULL_TRACER, EngineInfo, EngineSnapshot, Phase
                                   StepTimings, batch_shape)
 from rooflm.engine.request import Request, RequestStatus, Sequence
 from rooflm.engine.scheduler import Scheduler, SchedulerOutput
+from rooflm.engine.step_cost import StepCostEstimator, predict_queue_wait
 from rooflm.engine.step_strategy import InFlightStep, PlainStep, StepStrategy
 from rooflm.kernels.fa4_prefill import fa4_block_size
 from rooflm.errors import InvalidRequest
@@ -61,6 +62,9 @@ class LLMEngine:
         config = with_device_defaults(config, device.type, fa4_block_size(config, device) or CUDA_BLOCK_SIZE,
                                       memory_gb)
         self.config = config
+        if config.runtime.enable_sleep_mode and config.speculative.speculative_method:
+            # A draft model's weights and pool, and the device loop's graphs, would stay.
+            raise ValueError("--enable-sleep-mode does not run with speculative decoding yet")
         self.model_path, self.load_format = resolve_model(
             config.load.model, config.load.load_format, revision=config.load.revision,
             download_dir=config.load.download_dir)
@@ -112,6 +116,12 @@ class LLMEngine:
         self._compiling: list[Request] = []  # requests whose grammar has not compiled yet
         self.startup_s = time.perf_counter() - t0
         self.info = self._make_info()
+        # The engine's own step costs, measured as it runs (step_cost.py): SLO-aware admission
+        # and the predicted-wait gauge read them.
+        self.step_cost = StepCostEstimator()
+        self._observers.append(self.step_cost.observe)
+        self._wait_gauge = (-1, -1, 0.0)  # (steps, waiting) it was computed at, seconds
+        self._sleep_level: Optional[int] = None
         if config.runtime.tune_gc:
             tune_gc_for_serving()
         logger.info("ready in %.1f s (%s)", self.startup_s,
@@ -119,6 +129,8 @@ class LLMEngine:
 
     def _start_workers(self):
         from rooflm.engine.executor import TPExecutor
+        if self.config.runtime.enable_sleep_mode:  # the workers' weights and pools would stay
+            raise ValueError("--enable-sleep-mode does not run with tensor_parallel_size > 1 yet")
         if self.config.speculative.speculative_method:
             raise ValueError("speculative decoding does not run with tensor_parallel_size > 1 yet")
         if self.config.runtime.deterministic:  # the parallel layers' matmuls are not the batch-invariant one
@@ -151,7 +163,8 @@ class LLMEngine:
             head_dtype_bytes=self.runner.head_bytes_per_weight(),
             kv_cache_dtype=kv_format.parse_kv_cache_dtype(cfg.cache.kv_cache_dtype),
             tensor_parallel_size=cfg.parallel.tensor_parallel_size,
-            matmul_dtype=self.runner.matmul_dtype())
+            matmul_dtype=self.runner.matmul_dtype(),
+            enable_sleep_mode=cfg.runtime.enable_sleep_mode)
 
     # ---- the read-only face ------------------------------------------------------------------
 
@@ -184,7 +197,25 @@ class LLMEngine:
             num_preemptions=sched.num_preemptions, prefix_queried_tokens=bm.prefix_queries,
             prefix_hit_tokens=bm.prefix_hits, prompt_tokens=self._num_prompt_tokens,
             generation_tokens=self.output_processor.num_generated_tokens, steps=self._num_steps,
-            kv_admission_stalls=sched.num_kv_stalls, spec=self.strategy.spec_snapshot())
+            kv_admission_stalls=sched.num_kv_stalls, spec=self.strategy.spec_snapshot(),
+            predicted_wait_s=self._predicted_wait_gauge(), is_sleeping=self.is_sleeping)
+
+    def predicted_queue_wait(self, priority: int = 0, arrival: Optional[float] = None) -> float:
+        """Seconds a request of this priority, arriving at `arrival` (monotonic; None: now),
+        is predicted to wait before its first step (step_cost.py)."""
+        arrival = time.monotonic() if arrival is None else arrival
+        return predict_queue_wait(self.scheduler, self.step_cost, priority, arrival)
+
+    def _predicted_wait_gauge(self) -> float:
+        """predicted_queue_wait() for a default request, recomputed when the queue changed or
+        every few steps: the snapshot is taken every step, and the capacity-bound estimate
+        reads every running request."""
+        steps, waiting, value = self._wait_gauge
+        num_waiting = len(self.scheduler.waiting)
+        if num_waiting != waiting or self._num_steps - steps >= 8:
+            value = self.predicted_queue_wait() if num_waiting else 0.0
+            self._wait_gauge = (self._num_steps, num_waiting, value)
+        return value
 
     def add_observer(self, observer: Callable[[StepReport], None]) -> None:
         """Call observer(report) after each executed step, on the engine's thread. Observers
@@ -236,13 +267,20 @@ class LLMEngine:
         return None, list(prompt)
 
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
-                    arrival_time: Optional[float] = None, cache_salt: Optional[str] = None) -> Request:
+                    arrival_time: Optional[float] = None, cache_salt: Optional[str] = None,
+                    priority: int = 0) -> Request:
         """Validate and queue a request. Raises InvalidRequest (a ValueError naming the request
         field at fault), changing nothing, on bad input; ValueError on a caller's bug (a
-        request id in use, params of the wrong type)."""
+        request id in use, params of the wrong type); RuntimeError while the engine sleeps.
+
+        priority: under --scheduling-policy priority, lower values go first (vLLM's rule);
+        under fcfs only 0 is accepted, as vLLM refuses a priority it would not honour."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
+        if self._sleep_level is not None:
+            raise RuntimeError("the engine is sleeping: wake_up() first")
+        self.check_priority(priority)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
@@ -267,7 +305,8 @@ class LLMEngine:
             generators = [torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
                           for i in range(params.n)]
         req = Request(request_id, text, token_ids, params, max_tokens, cache_salt=cache_salt,
-                      arrival_time=arrival_time or time.monotonic(), generators=generators)
+                      arrival_time=arrival_time or time.monotonic(), generators=generators,
+                      priority=priority)
         req.grammar = grammar
         if grammar is not None:
             self._compiling.append(req)
@@ -278,6 +317,14 @@ class LLMEngine:
         self.scheduler.add(req)
         self._num_prompt_tokens += len(token_ids)
         return req
+
+    def check_priority(self, priority) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequest(f"priority must be an integer, got {type(priority).__name__}",
+                                 param="priority")
+        if priority != 0 and self.config.scheduler.scheduling_policy != "priority":
+            raise InvalidRequest(f"got priority {priority} but priority scheduling is not enabled "
+                                 f"(--scheduling-policy priority)", param="priority")
 
     def _compile_grammar(self, params: SamplingParams):
         """Start compiling a request's grammar on the compiler's worker thread; returns at once."""
@@ -368,6 +415,52 @@ class LLMEngine:
     def num_steps(self) -> int:
         """Steps launched since start."""
         return self._num_steps
+
+    # ---- sleep mode (vLLM's) ---------------------------------------------------------------
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._sleep_level is not None
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the device: the KV pool always (its contents and the prefix cache are
+        forgotten), and the weights, moved to host memory (level 1) or dropped (level 2: wake_up
+        loads them again from the model source). The CUDA graphs, which hold the pool's and the
+        weights' addresses, are released and captured again at wake_up. On the CPU the weights
+        already live in host memory: level 1 keeps them, level 2 drops them too.
+
+        Every request must have finished or been aborted (the front ends abort theirs first);
+        a step still in flight is finished. Sleeping again is a no-op."""
+        self.check_sleep_level(level)
+        if self._sleep_level is not None:
+            return
+        self.drain()
+        if self.scheduler.has_unfinished():
+            raise RuntimeError(f"cannot sleep with {len(self.requests)} unfinished requests: "
+                               f"abort them first")
+        self.block_manager.reset_prefix_cache()
+        t0 = time.perf_counter()
+        self.runner.sleep(level)
+        self._sleep_level = level
+        logger.info("sleeping (level %d) after %.2f s", level, time.perf_counter() - t0)
+
+    def check_sleep_level(self, level) -> None:
+        """Raise unless sleep(level) may run: sleep mode on, level 1 or 2."""
+        if not self.config.runtime.enable_sleep_mode:
+            raise ValueError("sleep mode is off: start the engine with enable_sleep_mode=True "
+                             "(--enable-sleep-mode)")
+        if isinstance(level, bool) or level not in (1, 2):
+            raise InvalidRequest(f"sleep level must be 1 or 2, got {level!r}", param="level")
+
+    def wake_up(self) -> None:
+        """Undo sleep(): the weights back on the device (or loaded again), a fresh KV pool of the
+        same size, the CUDA graphs captured again. Waking an awake engine is a no-op."""
+        if self._sleep_level is None:
+            return
+        t0 = time.perf_counter()
+        self.runner.wake_up(self.model_path, self.load_format)
+        self._sleep_level = None
+        logger.info("awake in %.2f s", time.perf_counter() - t0)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None

@@ -121,6 +121,13 @@ class StepResult:
     prompt_logprobs: dict[int, list[Optional[dict]]]  # seq_id -> entries for this chunk
 
 
+def _to_pinned_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy in pinned memory, so that waking copies it back at the link's full rate."""
+    host = torch.empty_like(t, device="cpu", pin_memory=True)
+    host.copy_(t)
+    return host
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
                  tp: TPGroup = SINGLE):
@@ -165,6 +172,7 @@ class ModelRunner:
         self.piecewise = None  # PiecewiseGraphRunner for steps with prefill chunks
         self.tracer = NULL_TRACER  # names the phases of a step for the profiler
         self.timings: dict[str, float] = {}
+        self._slept_num_blocks = 0  # the pool's size while sleep() has freed it
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True  # any fp32 matmul (e.g. --dtype float32)
             torch.backends.cudnn.allow_tf32 = True
@@ -953,6 +961,34 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
+
+    # ---- sleep mode (LLMEngine.sleep) ----------------------------------------------------------
+
+    def sleep(self, level: int) -> None:
+        """Free the device pool and the graphs that hold its addresses; level 1 moves the
+        weights into pinned host memory (on the CPU they are there already: kept), level 2
+        drops them. The host swap pool stays: it is host memory."""
+        self.release_graphs()
+        self._slept_num_blocks = self.kv_cache.shape[2]
+        self.kv_cache = self.kv_caches = self.kv_scales = None
+        self._meta_cache = ([], None)
+        if level == 2:
+            self.model = None
+        elif self.device.type != "cpu":
+            self.model._apply(_to_pinned_host)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def wake_up(self, path: str, load_format: str) -> None:
+        """The weights back on the device (level 2: loaded again from path), a fresh pool of the
+        same size, the graphs captured again."""
+        if self.model is None:
+            self.load_model(path, load_format)
+        elif self.device.type != "cpu":
+            self.model._apply(lambda t: t.to(self.device, non_blocking=True))
+        self.allocate_kv_cache(self._slept_num_blocks, quiet=True)
+        self.capture_graphs()
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs, result: StepResult) -> None:
         for sch, base, first, count in inputs.prompt_logprob_spans:

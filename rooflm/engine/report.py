@@ -53,6 +53,7 @@ class EngineInfo:
     # Tensor-core format the linear layers multiply in, where it is not the activations' dtype:
     # "fp8" for W8A8 (its roof is the fp8 rate, 2x bf16 on an H100); "" otherwise.
     matmul_dtype: str = ""
+    enable_sleep_mode: bool = False  # the engine may sleep (LLMEngine.sleep, the server's /sleep)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -103,6 +104,10 @@ class EngineSnapshot:
     # the running requests' growth) could not take the next waiting request.
     kv_admission_stalls: int = 0
     spec: Optional[SpecSnapshot] = None  # None without speculative decoding
+    # Seconds a default request arriving now is predicted to wait before its first step
+    # (engine/step_cost.py): the gauge an autoscaler scales on.
+    predicted_wait_s: float = 0.0
+    is_sleeping: bool = False  # sleep mode: the KV pool is freed, the weights moved or dropped
 
     @property
     def kv_usage(self) -> float:

@@ -105,6 +105,8 @@ class Request:
     max_tokens: int  # resolved against the context length at admission
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: Optional[str] = None
+    # --scheduling-policy priority: lower values are scheduled first, ties by arrival time.
+    priority: int = 0
     status: RequestStatus = RequestStatus.WAITING
     seqs: list[Sequence] = field(default_factory=list)
     # Seeded requests: sample i's generator (seed + i), on the logits' device; empty: global RNG.
@@ -120,6 +122,11 @@ class Request:
     # Structured outputs: the compiled grammar (structured.compiler.RequestGrammar), which
     # may still be compiling on a worker thread; None for an unconstrained request.
     grammar: object = None
+
+    @property
+    def schedule_key(self) -> tuple[int, float]:
+        """Order under the priority policy: the smallest key goes first and is preempted last."""
+        return self.priority, self.arrival_time
 
     @property
     def waiting_for_grammar(self) -> bool:

@@ -21,12 +21,18 @@ class EngineDeadError(RuntimeError):
 
 
 class AdmissionRejected(Exception):
-    """The server is too busy (429) or not taking work (503); retry later."""
+    """The server is too busy (429) or not taking work (503); retry later.
 
-    def __init__(self, message: str, status: int = 429, retry_after_s: int = 1):
+    code: why, for the client's error body and the metrics: "overloaded" (the queue or the
+    tokens in flight are full), "slo_shed" (the predicted wait exceeds the request's TTFT
+    budget), "sleeping" (the engine sleeps)."""
+
+    def __init__(self, message: str, status: int = 429, retry_after_s: int = 1,
+                 code: str = "overloaded"):
         super().__init__(message)
         self.status = status
         self.retry_after_s = retry_after_s
+        self.code = code
 
 
 class RequestAborted(Exception):
@@ -37,6 +43,9 @@ class RequestAborted(Exception):
 class AdmissionLimits:
     max_queued_requests: int = 64
     max_tokens_in_flight: int = 0  # 0: no cap
+    # The server's TTFT budget in milliseconds (--ttft-slo-ms): a request whose predicted
+    # queueing time already exceeds it is refused with 503 before any prefill. 0: none.
+    ttft_slo_ms: float = 0.0
 
 
 @dataclass
@@ -49,6 +58,9 @@ class GenerateRequest:
     cache_salt: Optional[str] = None
     arrival_time: float = field(default_factory=time.monotonic)
     record_metrics: bool = True  # False for the server's own warm-up
+    priority: int = 0  # --scheduling-policy priority: lower first
+    # This request's own TTFT budget in milliseconds from arrival; None: the server's.
+    deadline_ms: Optional[float] = None
 
     @property
     def reserved_tokens(self) -> int:

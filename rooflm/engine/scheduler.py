@@ -17,12 +17,21 @@ takes back onto the device (a swap-in, prefix hits in the free queue) plus each
 table's growth (BlockManager.blocks_to_grow). The output is a plain description
 of the batch; the model runner makes tensors.
 
+Under --scheduling-policy priority (vLLM's semantics) every queue is kept in
+order of (priority, arrival time), lower first: waiting requests are admitted
+in that order, the running ones are served in it (so the preemption victim of
+step 1, taken from the back, is the lowest-priority, latest-arrived one), and
+before step 1 a waiting request that the KV pool cannot take preempts running
+requests of lower priority, lowest first, until it fits (_preempt_for_priority).
+Under fcfs (the default) the queues keep arrival order, as described above.
+
 Block tables are the block manager's; the engine's output processor changes
 them only through this class (fork_seq, cache_computed_blocks, free_seq, finish).
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -31,6 +40,10 @@ from rooflm.config import SchedulerConfig
 from rooflm.engine.block_manager import NO_HIT, BlockManager, PrefixHit
 from rooflm.engine.growth_reserve import NewTokenRatio, remaining_tokens
 from rooflm.engine.request import Request, RequestStatus, Sequence
+
+
+def _schedule_key(req: Request) -> tuple[int, float]:
+    return req.schedule_key
 
 
 @dataclass(slots=True)  # hundreds made and read every step
@@ -83,12 +96,16 @@ class Scheduler:
             raise ValueError("Scheduler needs a resolved max_num_seqs (config.with_device_defaults)")
         self.cfg = cfg
         self.bm = block_manager
+        self.by_priority = cfg.scheduling_policy == "priority"
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.swapped: deque[Request] = deque()
         self.num_preemptions = 0
         self.new_token_ratio = NewTokenRatio()
         self.num_kv_stalls = 0  # steps whose admission stopped for lack of KV room
+        # The last step's admission stopped for lack of KV or sequence room (not budget): the
+        # queue then advances only as running requests finish (step_cost.predict_queue_wait).
+        self.capacity_blocked = False
         self._seqs_running = 0  # live sequences of running groups, while a step is scheduled
         # Swap-outs of a step that ran nothing, for the next step that runs. Until then the
         # device blocks they copy from are not written: only a launched step writes K/V.
@@ -100,7 +117,25 @@ class Scheduler:
         for seq in req.seqs:
             if seq.block_table is None:
                 seq.block_table = self.bm.new_table()
-        self.waiting.append(req)
+        self._enqueue(self.waiting, req)
+
+    def _enqueue(self, queue: deque, req: Request, front: bool = False) -> None:
+        """FCFS: at the back, or (a preempted request) at the front. Priority: in order of
+        (priority, arrival), after any equal key."""
+        if self.by_priority:
+            queue.insert(bisect.bisect_right(queue, req.schedule_key, key=_schedule_key), req)
+        elif front:
+            queue.appendleft(req)
+        else:
+            queue.append(req)
+
+    def _start_running(self, req: Request) -> None:
+        req.status = RequestStatus.RUNNING
+        if self.by_priority:
+            bisect.insort_right(self.running, req, key=_schedule_key)
+        else:
+            self.running.append(req)
+        self._seqs_running += len(req.live_seqs)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -205,9 +240,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
+        if self.by_priority and self.waiting and self.running:
+            self._preempt_for_priority(out)
+        num_for_priority = len(out.preempted)
         budget = self._schedule_running(out, budget)
-        self._update_ratio(out)
-        if not out.preempted:
+        ran_short = len(out.preempted) > num_for_priority  # the running requests outgrew the pool
+        self._update_ratio(ran_short)
+        if not ran_short:
             # Counted once here, then kept up to date as groups join: not once per admission.
             self._seqs_running = self.num_running_seqs()
             budget = self._schedule_swapped(out, budget)
@@ -394,13 +433,13 @@ class Scheduler:
         if self.cfg.preemption_mode == "swap" and self.bm.can_swap_out(tables):
             out.blocks_to_swap_out.extend(self.bm.swap_out(tables))
             req.status = RequestStatus.SWAPPED
-            self.swapped.append(req)
+            self._enqueue(self.swapped, req)
             return
         for seq in req.live_seqs:
             self.bm.free(seq.block_table)
             seq.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
+        self._enqueue(self.waiting, req, front=True)
 
     def _has_seq_room(self, req: Request) -> bool:
         return self._seqs_running + len(req.live_seqs) <= self.cfg.max_num_seqs
@@ -415,15 +454,14 @@ class Scheduler:
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in.extend(self.bm.swap_in([s.block_table for s in req.live_seqs]))
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            self._seqs_running += len(req.live_seqs)
+            self._start_running(req)
             budget -= self._commit(req, plan, out)
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         reserved = None  # blocks kept for the running requests' growth, counted once per step
         compiling: list[Request] = []
+        self.capacity_blocked = False
         while self.waiting and budget > 0:
             req = self.waiting[0]
             if req.waiting_for_grammar:
@@ -431,7 +469,10 @@ class Scheduler:
                 # and it keeps its place at the front for the next step.
                 compiling.append(self.waiting.popleft())
                 continue
-            if not self._has_seq_room(req) or any(s.num_pending for s in req.live_seqs):
+            if not self._has_seq_room(req):
+                self.capacity_blocked = True
+                break
+            if any(s.num_pending for s in req.live_seqs):
                 break  # FCFS: a preempted request waits for its pending tokens, and blocks the queue
             hits = [self._lookup_prefix(req, seq) for seq in req.live_seqs]
             plan = self._plan_admission(req, hits, budget)
@@ -440,6 +481,7 @@ class Scheduler:
             need = self._blocks_needed(req, plan)
             if need > self.bm.num_free_blocks:
                 self.num_kv_stalls += 1
+                self.capacity_blocked = True
                 break
             if self.cfg.reserve_new_tokens and self.running:
                 # With nothing running the request is admitted if it fits at all: the
@@ -449,12 +491,58 @@ class Scheduler:
                 own = self._growth_blocks([req])
                 if need + own + reserved > self.bm.num_free_blocks:
                     self.num_kv_stalls += 1
+                    self.capacity_blocked = True
                     break
                 reserved += own
             self.waiting.popleft()
             self._admit(req, plan)
             budget -= self._commit(req, plan, out)
-        self.waiting.extendleft(reversed(compiling))
+        if self.by_priority:
+            for req in compiling:
+                self._enqueue(self.waiting, req)
+        else:
+            self.waiting.extendleft(reversed(compiling))
+
+    # ---- priority preemption ---------------------------------------------------------------
+
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """The waiting request that goes next, if the pool (less the growth reservation, as
+        admission counts it) or the sequence cap cannot take it, preempts running requests
+        of lower priority (a larger (priority, arrival)), the lowest first, until it fits. A
+        request never preempts one of its own or a higher priority: equal priorities keep
+        their arrival order, as vLLM's priority scheduler does."""
+        head = next((r for r in self.waiting if not r.waiting_for_grammar), None)
+        if (head is None or any(s.num_pending for s in head.live_seqs)
+                or self.running[-1].schedule_key <= head.schedule_key):
+            return  # nobody runs at a lower priority: the common case costs one comparison
+        running_seqs = self.num_running_seqs()
+        # The blocks the running requests take this step come first (they are scheduled
+        # before admission): what they take is not free for the head.
+        growth_now = {id(r): self._blocks_to_finish_step(r) for r in self.running}
+        taken = sum(growth_now.values())
+        while True:
+            budget = max(1, self.cfg.max_num_batched_tokens - running_seqs)  # decodes go first
+            hits = [self._lookup_prefix(head, seq) for seq in head.live_seqs]
+            plan = self._plan_admission(head, hits, budget)
+            if plan is None:
+                return  # it cannot start this step, whatever is preempted
+            need = self._blocks_needed(head, plan) + taken
+            if self.cfg.reserve_new_tokens and self.running:
+                need += self._growth_blocks([head]) + self._growth_blocks(self.running)
+            if need <= self.bm.num_free_blocks and running_seqs + len(head.live_seqs) <= self.cfg.max_num_seqs:
+                return
+            if not self.running or self.running[-1].schedule_key <= head.schedule_key:
+                return
+            victim = self.running.pop()  # the running list is in priority order: the lowest
+            running_seqs -= len(victim.live_seqs)
+            taken -= growth_now[id(victim)]
+            self._preempt(victim, out)
+
+    def _blocks_to_finish_step(self, req: Request) -> int:
+        """Blocks a running request may take this step: each live sequence's growth to all
+        its known tokens (a decode's next block; the rest of a chunked prompt, at most)."""
+        return sum(self.bm.blocks_to_grow(s.block_table, s.num_computed_tokens, s.num_tokens)
+                   for s in req.live_seqs if s.num_uncomputed_tokens > 0)
 
     # ---- growth reservation -------------------------------------------------------------
 
@@ -470,8 +558,8 @@ class Scheduler:
                     tokens += remaining_tokens(req.max_tokens, seq.num_output_tokens + seq.num_pending)
         return tokens * self.new_token_ratio.value / self.bm.block_size
 
-    def _update_ratio(self, out: SchedulerOutput) -> None:
-        if not out.preempted:
+    def _update_ratio(self, ran_short: bool) -> None:
+        if not ran_short:
             self.new_token_ratio.decay()
             return
         seqs = [(req, s) for req in self.running for s in req.live_seqs]
@@ -497,6 +585,4 @@ class Scheduler:
         if req.num_preemptions == 0:
             req.num_cached_tokens = max(p.hit.num_tokens for p in plan)
             req.scheduled_time = time.monotonic()  # end of its queue time
-        req.status = RequestStatus.RUNNING
-        self.running.append(req)
-        self._seqs_running += len(req.live_seqs)
+        self._start_running(req)

@@ -14,6 +14,8 @@ so tests can check the failure path; never set it in production.
 from __future__ import annotations
 
 import logging
+import math
+import time
 from typing import Optional
 
 import rooflm.envs as envs
@@ -64,7 +66,11 @@ class CountedSteps:
 def admission_check(engine, limits: AdmissionLimits, tokens_in_flight: int,
                     requests: list[GenerateRequest]) -> Optional[AdmissionRejected]:
     """Why a group of requests may not be admitted now (None: it may). Runs where the engine
-    is (its thread, or the engine-core process), against the live queue."""
+    is (its thread, or the engine-core process), against the live queue. Raises
+    InvalidRequest for a priority the engine would refuse, before it is weighed."""
+    if engine.is_sleeping:
+        return AdmissionRejected("the engine is sleeping (sleep mode): POST /wake_up wakes it; "
+                                 "retry later", status=503, code="sleeping")
     # The live queue, not a published snapshot: requests admitted earlier in this same
     # batch of commands are waiting already.
     waiting = engine.snapshot().num_waiting_reqs
@@ -78,6 +84,28 @@ def admission_check(engine, limits: AdmissionLimits, tokens_in_flight: int,
         return AdmissionRejected(f"the server is overloaded: {tokens_in_flight} tokens in "
                                  f"flight plus this request's {reserved} would pass the limit of "
                                  f"{cap}; retry later")
+    return slo_check(engine, limits, requests)
+
+
+def slo_check(engine, limits: AdmissionLimits, requests: list[GenerateRequest]) -> Optional[AdmissionRejected]:
+    """SLO-aware admission: a request whose time since arrival plus predicted queueing time
+    (the engine's measured step costs, step_cost.py) already exceeds its TTFT budget (its
+    deadline_ms, else the server's ttft_slo_ms) is refused now with 503, before any prefill,
+    instead of timing out after it used capacity. Retry-After: the predicted wait."""
+    now = time.monotonic()
+    for request in requests:
+        engine.check_priority(request.priority)
+        budget_ms = request.deadline_ms if request.deadline_ms is not None else limits.ttft_slo_ms
+        if not budget_ms:
+            continue
+        wait = engine.predicted_queue_wait(request.priority, request.arrival_time)
+        waited = max(now - request.arrival_time, 0.0)
+        if waited + wait > budget_ms / 1000:
+            return AdmissionRejected(
+                f"the request cannot start within its time-to-first-token budget of "
+                f"{budget_ms:g} ms: the predicted queueing time is {wait * 1000:.0f} ms (after "
+                f"{waited * 1000:.0f} ms since arrival); retry later",
+                status=503, retry_after_s=max(1, math.ceil(wait)), code="slo_shed")
     return None
 
 
@@ -89,7 +117,8 @@ def add_group(engine, requests: list[GenerateRequest]) -> list[Request]:
         for request in requests:
             added.append(engine.add_request(
                 request.request_id, request.prompt_token_ids, request.params,
-                arrival_time=request.arrival_time, cache_salt=request.cache_salt))
+                arrival_time=request.arrival_time, cache_salt=request.cache_salt,
+                priority=request.priority))
     except Exception:
         if added:
             engine.abort_request([r.request_id for r in added])

@@ -56,7 +56,8 @@ def _engine_request(state: "ServerState", request_id: str, prompt: PreparedPromp
         max_tokens = default_max_tokens
     max_tokens = resolve_max_tokens(max_tokens, len(prompt.token_ids), state.info.max_model_len)
     params = request.sampling_params(max_tokens, prompt_logprobs)
-    return GenerateRequest(request_id, prompt.token_ids, params, request.cache_salt, arrival)
+    return GenerateRequest(request_id, prompt.token_ids, params, request.cache_salt, arrival,
+                           priority=request.priority or 0, deadline_ms=request.deadline_ms)
 
 
 def _check_reservation(state: "ServerState", requests: list[GenerateRequest],
@@ -81,8 +82,10 @@ async def _admit(state: "ServerState", requests: list[GenerateRequest], request:
     try:
         return await asyncio.wait_for(state.engine_client.generate(requests), timeout)
     except AdmissionRejected as exc:
-        raise p.RequestError(str(exc), status=exc.status, err_type="rate_limit_error",
-                             code="overloaded",
+        if exc.code == "slo_shed":
+            state.metrics.observe_shed()
+        err_type = "rate_limit_error" if exc.status == 429 else "server_error"
+        raise p.RequestError(str(exc), status=exc.status, err_type=err_type, code=exc.code,
                              headers={"Retry-After": str(exc.retry_after_s)}) from None
     except InvalidRequest as exc:
         raise invalid_request_error(exc, request) from None

@@ -27,6 +27,13 @@ error shape naming the endpoint as unsupported; a wrong method is a 405.
 
 Health: /health is 200 while the engine loop is alive and making progress;
 /ready is 200 once a warm-up generation has run, until shutdown begins.
+
+Sleep mode (vLLM's endpoints, with --enable-sleep-mode; without it they answer 404
+naming the flag): POST /sleep?level=1|2 aborts what runs and frees the device (the
+KV pool; the weights moved to host memory or dropped), POST /wake_up restores it,
+GET /is_sleeping answers {"is_sleeping": bool}. While asleep, generation requests
+get 503 (code "sleeping"), /ready is 503 and /health stays 200 (the process is
+alive: a liveness probe must not restart it) with {"is_sleeping": true}.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rooflm.engine.async_engine import AsyncLLMEngine
 from rooflm.engine.client import EngineClientFactory
+from rooflm.errors import InvalidRequest
 from rooflm.server import protocol as p
 from rooflm.server.body import read_body_in_time
 from rooflm.server.chat import ChatHandler
@@ -184,6 +192,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         reason = state.engine_client.health(state.config.health_stall_seconds)
         if reason is not None:
             return error_response(server_error(reason, 503, "unhealthy"))
+        if state.info.enable_sleep_mode:
+            return JSONResponse({"is_sleeping": state.engine_client.is_sleeping})
         return JSONResponse({})
 
     @app.get("/ready")
@@ -192,7 +202,30 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             return error_response(server_error("the server is shutting down", 503, "not_ready"))
         if not state.ready or state.engine_client.is_dead:
             return error_response(server_error("the server is not ready", 503, "not_ready"))
+        if state.engine_client.is_sleeping:
+            return error_response(server_error("the engine is sleeping", 503, "sleeping"))
         return JSONResponse({"status": "ready"})
+
+    @app.post("/sleep")
+    async def sleep(raw: Request):
+        _check_sleep_mode(state, raw)
+        level = _sleep_level(raw.query_params.get("level", "1"))
+        try:
+            await state.engine_client.sleep(level)
+        except InvalidRequest as exc:
+            raise p.RequestError(str(exc), param=exc.param) from None
+        return Response(status_code=200)
+
+    @app.post("/wake_up")
+    async def wake_up(raw: Request):
+        _check_sleep_mode(state, raw)
+        await state.engine_client.wake_up()
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping(raw: Request):
+        _check_sleep_mode(state, raw)
+        return JSONResponse({"is_sleeping": state.engine_client.is_sleeping})
 
     @app.get("/metrics")
     async def metrics():
@@ -241,6 +274,23 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         arrival = time.monotonic()
         request = await _parse(raw, state, p.ChatCompletionRequest)
         return await ChatHandler(state, request, arrival)(raw)
+
+
+def _check_sleep_mode(state: ServerState, raw: Request) -> None:
+    if not state.info.enable_sleep_mode:
+        raise p.RequestError(f"{raw.url.path} needs sleep mode: start the server with "
+                             f"--enable-sleep-mode", status=404, code="sleep_mode_disabled")
+    state.check_accepting()
+
+
+def _sleep_level(text: str) -> int:
+    try:
+        level = int(text)
+    except ValueError:
+        level = None
+    if level not in (1, 2):
+        raise p.RequestError(f"level must be 1 or 2, got {text[:20]!r}", param="level")
+    return level
 
 
 async def _read_json(raw: Request, state: ServerState) -> dict:

@@ -56,6 +56,11 @@ def register(subparsers) -> None:
                        help="larger request bodies get 413 (default: 1 MiB)")
     group.add_argument("--max-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES,
                        help="larger request heads (line + headers) get 431 (default: 16 KiB)")
+    group.add_argument("--ttft-slo-ms", type=float, default=0.0,
+                       help="time-to-first-token budget in ms: a request whose predicted queueing "
+                            "time (from the engine's measured step costs) already exceeds it gets "
+                            "503 with Retry-After before any prefill; a request's deadline_ms "
+                            "overrides it (default: 0, no budget)")
     group.add_argument("--request-timeout", type=float, default=600.0,
                        help="seconds before a request is aborted (default: 600; 0: never)")
     group.add_argument("--health-stall-seconds", type=float, default=30.0,
@@ -117,6 +122,7 @@ def server_config(args: argparse.Namespace):
         log_requests=not args.disable_log_requests,
         data_parallel_size=args.data_parallel_size,
         dp_routing=args.dp_routing,
+        ttft_slo_ms=args.ttft_slo_ms,
     )
 
 

@@ -41,13 +41,16 @@ class ServerConfig:
     # and how a request picks one (cache_aware | round_robin | least_loaded).
     data_parallel_size: int = 1
     dp_routing: str = "cache_aware"
+    # Milliseconds: a request predicted to wait longer than this before its first step is
+    # refused with 503 and Retry-After (its deadline_ms overrides); 0: no budget.
+    ttft_slo_ms: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_n", "max_body_bytes", "max_header_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("request_timeout", "health_stall_seconds", "shutdown_timeout",
-                     "log_interval", "peak_bandwidth_gbs"):
+                     "log_interval", "peak_bandwidth_gbs", "ttft_slo_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.data_parallel_size < 1:

@@ -158,6 +158,17 @@ class ServerMetrics:
         self.tokens_in_flight = gauge("rooflm:tokens_in_flight",
                                       "Tokens reserved by admitted requests (prompt + n * "
                                       "max_tokens), the quantity --max-tokens-in-flight caps.")
+        # Service levels (docs/serving.md): the signal an autoscaler scales on, and what
+        # SLO-aware admission refused.
+        self.predicted_wait = gauge("rooflm:predicted_queue_wait_seconds",
+                                    "Seconds a request arriving now is predicted to wait before "
+                                    "its first step, from the engine's measured step costs.")
+        self.shed_requests = counter("rooflm:shed_requests",
+                                     "Requests refused with 503 before any prefill because their "
+                                     "predicted queueing time exceeded their TTFT budget "
+                                     "(--ttft-slo-ms or deadline_ms).")
+        self.is_sleeping = gauge("rooflm:is_sleeping",
+                                 "1 while the engine sleeps (sleep mode), else 0.")
 
         # Speculative decoding, under vLLM's names (absent-valued zeros without it).
         self.spec_decode_num_drafts = counter("vllm:spec_decode_num_drafts",
@@ -204,6 +215,13 @@ class ServerMetrics:
 
     def set_tokens_in_flight(self, tokens: int) -> None:
         self.tokens_in_flight.set(tokens)
+
+    def set_service_state(self, predicted_wait_s: float, is_sleeping: bool) -> None:
+        self.predicted_wait.set(predicted_wait_s)
+        self.is_sleeping.set(1 if is_sleeping else 0)
+
+    def observe_shed(self) -> None:
+        self.shed_requests.inc()
 
     def add_prefix_cache(self, queries: int, hits: int) -> None:
         if queries > 0:

@@ -163,6 +163,12 @@ class SamplingRequest(OpenAIModel):
     # Keeps prefix-cache hits within one tenant: requests share cached K/V only
     # when their salts are equal.
     cache_salt: Optional[str] = None
+    # vLLM's: under --scheduling-policy priority lower values are scheduled first (ties by
+    # arrival); under fcfs only 0 is accepted.
+    priority: Optional[int] = None
+    # rooflm's: this request's time-to-first-token budget in milliseconds from arrival; a
+    # request predicted to wait longer is refused at once with 503 (default: --ttft-slo-ms).
+    deadline_ms: Optional[float] = None
     # True: special tokens' text in the prompt or message content stays plain text
     # (vLLM's /tokenize and HF's name); None: the server's default (chat only).
     split_special_tokens: Optional[bool] = None
@@ -229,6 +235,9 @@ class SamplingRequest(OpenAIModel):
             raise RequestError(f"cache_salt must have 1 to {MAX_CACHE_SALT_CHARS} characters, "
                                f"got {len(self.cache_salt)}", param="cache_salt")
         self._check_logit_bias(limits.vocab_size)
+        if self.deadline_ms is not None and not 0 < self.deadline_ms < math.inf:
+            raise RequestError(f"deadline_ms must be a finite number of milliseconds > 0, got "
+                               f"{short_repr(self.deadline_ms)}", param="deadline_ms")
         if self.best_of is not None and self.best_of != n:
             raise RequestError(f"best_of is not supported (it may only equal n, {n})",
                                param="best_of")

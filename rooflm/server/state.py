@@ -54,7 +54,8 @@ class ServerState:
         self.metrics = ServerMetrics(model_name, max_model_len=self.info.max_model_len)
         self.meter = attach_step_meter(engine, self.metrics, config.peak_bandwidth_gbs)
         self.max_tokens_in_flight = config.tokens_in_flight_cap(self.info.kv_capacity_tokens)
-        limits = AdmissionLimits(config.max_queued_requests, self.max_tokens_in_flight)
+        limits = AdmissionLimits(config.max_queued_requests, self.max_tokens_in_flight,
+                                 config.ttft_slo_ms)
         self.engine_client: EngineClient = front(engine, limits, self.metrics)
         self.limits = p.RequestLimits(max_n=config.max_n, vocab_size=self.info.model_config.vocab_size,
                                       max_model_len=self.info.max_model_len)

@@ -42,7 +42,15 @@ class FakeEngine:
     def num_steps(self):
         return self.stats["steps"]
 
-    def add_request(self, request_id, prompt, params, arrival_time=None, cache_salt=None):
+    is_sleeping = False
+
+    def check_priority(self, priority):
+        pass
+
+    def predicted_queue_wait(self, priority=0, arrival=None):
+        return 0.0
+
+    def add_request(self, request_id, prompt, params, arrival_time=None, cache_salt=None, priority=0):
         if prompt == [666]:
             raise InvalidRequest("prompt token id at index 0 is 666", param="prompt")
         request = SimpleNamespace(request_id=request_id, prompt=prompt, params=params,

@@ -27,7 +27,8 @@ def _protocol_members() -> list[str]:
 
 def test_the_protocol_declares_what_the_server_calls():
     assert _protocol_members() == ["abort", "abort_all", "generate", "health", "is_dead",
-                                   "num_in_flight", "shutdown", "snapshot", "start", "stop"]
+                                   "is_sleeping", "num_in_flight", "shutdown", "sleep", "snapshot",
+                                   "start", "stop", "wake_up"]
 
 
 @pytest.mark.parametrize("front", FRONT_ENDS, ids=lambda f: f.__name__)
