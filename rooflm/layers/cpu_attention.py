@@ -23,7 +23,7 @@ reference's (fp32 scores and softmax, the same scale), so results agree to fp32 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -37,7 +37,7 @@ from rooflm.layers.attention import AttentionMetadata, ReferenceBackend
 class CpuStepPlan:
     """What every layer of one step shares."""
 
-    cos: torch.Tensor  # [T, 1, D/2], in the activations' dtype
+    cos: torch.Tensor  # [T, 1, D/2], in the activations' dtype, of the rotary table `table`
     sin: torch.Tensor
     all_slots_valid: bool  # no -1 in slot_mapping: index_copy_ can write the rows directly
     # One decoding sequence: its context length and, when its blocks are consecutive in the
@@ -45,6 +45,21 @@ class CpuStepPlan:
     decode_len: Optional[int] = None
     first_block: Optional[int] = None
     num_blocks: int = 0
+    table: Optional[torch.Tensor] = None
+    # Other layers' tables (Gemma 3's local and global bases): their cos/sin, by table.
+    other_tables: dict = field(default_factory=dict)
+
+    def cos_sin(self, table: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+        if table is self.table:
+            return self.cos, self.sin
+        key = id(table)
+        if key not in self.other_tables:
+            self.other_tables[key] = _cos_sin(table, positions, dtype)
+        return self.other_tables[key]
+
+
+def _cos_sin(table: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    return table.index_select(0, positions).to(dtype)[:, None, :].chunk(2, dim=-1)
 
 
 class CpuBackend(ReferenceBackend):
@@ -59,7 +74,11 @@ class CpuBackend(ReferenceBackend):
         plan = meta.plan
         if plan is None:
             plan = meta.plan = self.plan(q, positions, rotary, k_cache, meta)
-        q, k = self._rotate(q, k, plan)
+        table = getattr(rotary, "cos_sin_cache", None)
+        if table is not None and table.shape[-1] == q.shape[-1]:
+            q, k = self._rotate(q, k, *plan.cos_sin(table, positions, q.dtype))
+        else:  # a partial rotary (Phi-3) or none (SmolLM3's NoPE layers): the module rotates
+            q, k = rotary(positions, q, k)
         if plan.all_slots_valid:
             heads, dim = k_cache.shape[-2:]
             slots = meta.slot_mapping
@@ -80,11 +99,11 @@ class CpuBackend(ReferenceBackend):
 
     @staticmethod
     def plan(q, positions, rotary, k_cache, meta: AttentionMetadata) -> CpuStepPlan:
-        cos_sin = rotary.cos_sin_cache.index_select(0, positions)
-        cos, sin = cos_sin.to(q.dtype)[:, None, :].chunk(2, dim=-1)
+        table = getattr(rotary, "cos_sin_cache", None)
+        cos, sin = _cos_sin(table, positions, q.dtype) if table is not None else (None, None)
         # The host copies in the metadata say whether the fast paths apply; no device sync.
         slots_valid = bool((meta.slot_mapping >= 0).all()) if meta.slot_mapping.numel() else True
-        plan = CpuStepPlan(cos=cos, sin=sin, all_slots_valid=slots_valid)
+        plan = CpuStepPlan(cos=cos, sin=sin, all_slots_valid=slots_valid, table=table)
         if meta.num_seqs == 1 and meta.num_decodes == 1:
             block_size = k_cache.shape[1]
             seq_len = meta.seq_lens_cpu[0]
@@ -96,13 +115,13 @@ class CpuBackend(ReferenceBackend):
         return plan
 
     @staticmethod
-    def _rotate(q: torch.Tensor, k: torch.Tensor, plan: CpuStepPlan):
+    def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Neox rotary on q [T, H, D] and k [T, H_kv, D] in one pass over both."""
         heads = q.shape[1]
         qk = torch.cat([q, k], dim=1)
         half = qk.shape[-1] // 2
         x1, x2 = qk[..., :half], qk[..., half:]
-        rotated = torch.cat([x1 * plan.cos - x2 * plan.sin, x2 * plan.cos + x1 * plan.sin], dim=-1)
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
         return rotated[:, :heads], rotated[:, heads:]
 
     @staticmethod

@@ -26,7 +26,7 @@ from rooflm.layers.activation import GeluTanhAndMul
 from rooflm.layers.attention import Attention, AttentionBackend, ReferenceBackend, SoftcappedAttention
 from rooflm.layers.kernels import TORCH_KERNELS, Kernels
 from rooflm.layers.norm import OnePlusRMSNorm, RMSNorm
-from rooflm.layers.rotary import RotaryEmbedding
+from rooflm.layers.rotary import RotaryEmbedding, shared_rotaries
 from rooflm.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
 from rooflm.model.spec import GELU_TANH, QK_NORM_HEAD, QK_NORM_PROJ, RMS, ModelSpec
 
@@ -35,6 +35,16 @@ log = logging.getLogger(__name__)
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
+
+
+class _Scaled:
+    """f(x) * scale: a post-sublayer transform with the residual multiplier after it."""
+
+    def __init__(self, f, scale: float):
+        self.f, self.scale = f, scale
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.f(x) * self.scale
 
 
 def make_norm(spec: ModelSpec, size: int, eps: float, kernel=None) -> torch.nn.Module:
@@ -119,6 +129,8 @@ class PartsDecoderLayer(torch.nn.Module):
             norm = make_norm(spec, cfg.hidden_size, cfg.rms_norm_eps, kernels.rmsnorm)
             self.add_module(name, norm)
             norms.append(norm)
+        if spec.residual_scale is not None:  # Granite: each sublayer's output scaled before its add
+            norms[1], norms[3] = _Scaled(norms[1], spec.residual_scale), _Scaled(norms[3], spec.residual_scale)
         # A tuple, which nn.Module does not register: the modules are registered once, by name.
         self.norms = tuple(norms)
 
@@ -142,10 +154,12 @@ class PartsModel(LlamaModel):
         # A 0-dim tensor in the model's dtype: HF multiplies by the scale rounded to it (Gemma).
         self.register_buffer("embed_scale", None if spec.embed_scale is None else torch.tensor(spec.embed_scale),
                              persistent=False)
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        # Each layer's rotary (ModelSpec.layer_ropes): one table per distinct base/scaling/width.
+        rotaries = shared_rotaries(spec.ropes(cfg), cfg.head_dim, max_positions)
         windows = spec.layer_windows or (cfg.sliding_window,) * cfg.num_hidden_layers
         self.layers = torch.nn.ModuleList(
-            PartsDecoderLayer(cfg, spec, window, rotary, backend, kernels, tp) for window in windows)
+            PartsDecoderLayer(cfg, spec, window, rotary, backend, kernels, tp)
+            for window, rotary in zip(windows, rotaries))
         self.norm = make_norm(spec, cfg.hidden_size, cfg.rms_norm_eps, kernels.rmsnorm)
         log.info("decoder path: parts decoder (torch, fused norm/activation/linear kernels where the part is "
                  "plain); no one-token GEMV chain, folded W4, fused FP8 norm+quant or native C decoder: "
@@ -192,15 +206,19 @@ class PartsForCausalLM(LlamaForCausalLM):
         self.spec = self.spec_of(cfg)
         super().__init__(cfg, max_positions, backend, kernels, tp)
         self.final_softcap = self.spec.final_softcap
+        self.logit_divisor = self.spec.logit_divisor
 
     def make_model(self, cfg, max_positions, backend, kernels, tp) -> LlamaModel:
         return PartsModel(cfg, self.spec, max_positions, backend, kernels, tp)
 
     def compute_logits(self, hidden: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if self.final_softcap is None:
+        if self.final_softcap is None and self.logit_divisor is None:
             return super().compute_logits(hidden, out)
-        cap = self.final_softcap
-        logits = torch.tanh(self._head(hidden).float() / cap) * cap
+        logits = self._head(hidden).float()
+        if self.logit_divisor is not None:
+            logits = logits / self.logit_divisor
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         if out is None:
             return logits
         out.copy_(logits)

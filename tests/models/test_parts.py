@@ -22,7 +22,7 @@ class FusedOnly(AttentionBackend):
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_llama_families_keep_the_llama_layer(name):
     config = PRESETS[name]
-    llama = config.architecture not in ("Olmo2ForCausalLM", "Gemma2ForCausalLM")
+    llama = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
     assert model_spec(config).llama_layers == llama
     with torch.device("meta"):
         model = get_model_class(config.architecture)(config, max_positions=16)

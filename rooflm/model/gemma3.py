@@ -1,0 +1,85 @@
+"""Gemma 3 text (Gemma3ForCausalLM, model_type gemma3_text): Gemma 2's layer (norms before and
+after each sublayer, all (1 + w) RMSNorms, a GELU-tanh gated MLP, the embedding scaled by
+sqrt(hidden_size), scores scaled by 1/sqrt(query_pre_attn_scalar), the LM head tied) with
+(1 + w) RMSNorms over each q and k head, five sliding-window layers to each global one, and
+two RoPE bases: rope_local_base_freq on the sliding layers, rope_theta (with its linear
+scaling, 8x on the 4B-27B models) on the global ones. No attention soft-cap: HF's Gemma 3
+never applies attn_logit_softcapping, so neither does rooflm; the final soft-cap is applied
+where config.json sets one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from rooflm.config import ModelConfig
+from rooflm.layers.rotary import Rope, rope_scaling_from_hf
+from rooflm.model.decoder import PartsForCausalLM
+from rooflm.model.spec import GELU_TANH, QK_NORM_HEAD, RMS_ONE_PLUS, ModelSpec, layer_windows
+
+ARCHITECTURE = "Gemma3ForCausalLM"
+MODEL_TYPE = "gemma3_text"
+
+
+def config_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """config.json -> the ModelConfig fields Gemma 3 adds (HF's Gemma3TextConfig defaults)."""
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"Gemma 3 with hidden_activation {act!r}: rooflm runs gelu_pytorch_tanh")
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError("Gemma 3 with use_bidirectional_attention (an encoder): rooflm runs causal decoders")
+    layers = int(raw["num_hidden_layers"])
+    pattern = int(raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", 6)))
+    layer_types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                             for i in range(layers)]
+    # transformers >= 5 writes rope_parameters per layer type; older config.json files write
+    # rope_theta, rope_local_base_freq and the global layers' rope_scaling.
+    params = raw.get("rope_parameters") or {}
+    full = params.get("full_attention") or {}
+    sliding = params.get("sliding_attention") or {}
+    max_positions = int(raw.get("max_position_embeddings", 131072))
+    scaling = raw.get("rope_scaling") or full
+    local_scaling = rope_scaling_from_hf(sliding, max_positions)
+    if local_scaling is not None:
+        raise ValueError(f"Gemma 3 with {local_scaling.rope_type} scaling on its sliding layers: rooflm "
+                         f"scales the global layers' RoPE only")
+    return dict(
+        hidden_act="gelu_pytorch_tanh",
+        layer_types=tuple(layer_types),
+        sliding_window=int(raw.get("sliding_window") or 4096),
+        query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
+        final_logit_softcapping=_optional_float(raw.get("final_logit_softcapping")),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+        rope_theta=float(full.get("rope_theta", raw.get("rope_theta", 1_000_000.0))),
+        rope_scaling=rope_scaling_from_hf(scaling, max_positions),
+        rope_local_theta=float(sliding.get("rope_theta", raw.get("rope_local_base_freq", 10_000.0))),
+    )
+
+
+def spec(cfg: ModelConfig) -> ModelSpec:
+    scalar = cfg.query_pre_attn_scalar if cfg.query_pre_attn_scalar is not None else cfg.head_dim
+    local = Rope(cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta)
+    windows = layer_windows(cfg)
+    return ModelSpec(
+        pre_attn_norm="input_layernorm",
+        post_attn_norm="post_attention_layernorm",
+        pre_mlp_norm="pre_feedforward_layernorm",
+        post_mlp_norm="post_feedforward_layernorm",
+        norm=RMS_ONE_PLUS,
+        qk_norm=QK_NORM_HEAD,
+        attn_scale=scalar ** -0.5,
+        final_softcap=cfg.final_logit_softcapping,
+        layer_windows=windows,
+        embed_scale=math.sqrt(cfg.hidden_size),
+        mlp_act=GELU_TANH,
+        layer_ropes=tuple(Rope(cfg.rope_theta, cfg.rope_scaling) if w is None else local for w in windows),
+    )
+
+
+class Gemma3ForCausalLM(PartsForCausalLM):
+    spec_of = staticmethod(spec)
+
+
+def _optional_float(value: Any) -> Optional[float]:
+    return None if value is None else float(value)
