@@ -5,13 +5,14 @@ sqrt(hidden_size), scores scaled by 1/sqrt(query_pre_attn_scalar), the LM head t
 two RoPE bases: rope_local_base_freq on the sliding layers, rope_theta (with its linear
 scaling, 8x on the 4B-27B models) on the global ones. No attention soft-cap: HF's Gemma 3
 never applies attn_logit_softcapping, so neither does rooflm; the final soft-cap is applied
-where config.json sets one.
+where config.json sets one. A Gemma3ForConditionalGeneration directory (4B-27B) runs as its
+text model: its text_config and language_model.* tensors.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from rooflm.config import ModelConfig
 from rooflm.layers.rotary import Rope, rope_scaling_from_hf
@@ -20,6 +21,10 @@ from rooflm.model.spec import GELU_TANH, QK_NORM_HEAD, RMS_ONE_PLUS, ModelSpec, 
 
 ARCHITECTURE = "Gemma3ForCausalLM"
 MODEL_TYPE = "gemma3_text"
+# The 4B-27B checkpoints: the same text model beside a vision tower, under language_model.*.
+MULTIMODAL_ARCHITECTURE = "Gemma3ForConditionalGeneration"
+_TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
 def config_fields(raw: dict[str, Any]) -> dict[str, Any]:
@@ -55,6 +60,39 @@ def config_fields(raw: dict[str, Any]) -> dict[str, Any]:
         rope_scaling=rope_scaling_from_hf(scaling, max_positions),
         rope_local_theta=float(sliding.get("rope_theta", raw.get("rope_local_base_freq", 10_000.0))),
     )
+
+
+def text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma3ForConditionalGeneration config.json -> its text model's, as a Gemma3ForCausalLM
+    config.json: rooflm serves the text model (images are not an input it takes)."""
+    text = dict(raw.get("text_config") or {})
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings", "quantization_config"):
+        if key not in text and key in raw:
+            text[key] = raw[key]
+    # Gemma3TextConfig's defaults, for the keys a sparse export leaves out.
+    for key, value in dict(vocab_size=262208, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                           rms_norm_eps=1e-6, max_position_embeddings=131072).items():
+        text.setdefault(key, value)
+    # HF's Gemma3ForConditionalGeneration never soft-caps its logits (its Gemma3ForCausalLM does,
+    # where set; no published Gemma 3 sets it): the multimodal model's logits are the reference.
+    text["final_logit_softcapping"] = None
+    text["architectures"] = [ARCHITECTURE]
+    return text
+
+
+def checkpoint_tensors(cfg: ModelConfig, name: str, tensor) -> Iterator[tuple[str, Any]]:
+    """A multimodal checkpoint's text tensors under the text model's names; its vision tower and
+    projector left out. A text-only checkpoint's names pass as they are."""
+    if name.startswith(_VISION_PREFIXES):
+        return
+    for prefix in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            name = "model." + name[len(prefix):]
+    if name == "language_model.lm_head.weight":
+        name = "lm_head.weight"
+    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        return
+    yield name, tensor
 
 
 def spec(cfg: ModelConfig) -> ModelSpec:

@@ -21,7 +21,7 @@ import torch
 from rooflm.config import ModelConfig, RopeScaling
 from rooflm.model import hub, presets
 from rooflm.errors import ModelLoadError, load_error  # noqa: F401 (ModelLoadError is re-exported)
-from rooflm.model.registry import SUPPORTED_ARCHITECTURES, get_family, model_spec
+from rooflm.model.registry import SUPPORTED_ARCHITECTURES, TEXT_MODEL_OF, get_family, model_spec
 from rooflm.layers.rotary import rope_scaling_from_hf
 from rooflm.model.spec import QK_NORM_HEAD, QK_NORM_PROJ
 
@@ -221,6 +221,9 @@ def _load_hf_config(model_dir: str) -> ModelConfig:
     if not architectures:
         raise load_error(config_path, "no 'architectures' entry; cannot tell the model family")
     architecture = architectures[0]
+    if architecture in TEXT_MODEL_OF:  # e.g. Gemma 3 4B-27B: the text model of a vision-language one
+        cfg = TEXT_MODEL_OF[architecture](cfg)
+        architecture = cfg["architectures"][0]
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise load_error(
             config_path, f"unsupported architecture {architecture!r}; rooflm runs "

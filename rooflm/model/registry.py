@@ -42,7 +42,8 @@ FAMILIES = {f.architecture: f for f in (
     Family("Qwen3ForCausalLM", "qwen3", llama_spec),
     Family(olmo2.ARCHITECTURE, olmo2.MODEL_TYPE, olmo2.spec, olmo2.Olmo2ForCausalLM),
     Family(gemma2.ARCHITECTURE, gemma2.MODEL_TYPE, gemma2.spec, gemma2.Gemma2ForCausalLM, gemma2.config_fields),
-    Family(gemma3.ARCHITECTURE, gemma3.MODEL_TYPE, gemma3.spec, gemma3.Gemma3ForCausalLM, gemma3.config_fields),
+    Family(gemma3.ARCHITECTURE, gemma3.MODEL_TYPE, gemma3.spec, gemma3.Gemma3ForCausalLM, gemma3.config_fields,
+           gemma3.checkpoint_tensors),
     Family(phi3.ARCHITECTURE, phi3.MODEL_TYPE, phi3.spec, phi3.Phi3ForCausalLM, phi3.config_fields,
            phi3.checkpoint_tensors),
     Family(granite.ARCHITECTURE, granite.MODEL_TYPE, granite.spec, granite.GraniteForCausalLM,
@@ -50,6 +51,10 @@ FAMILIES = {f.architecture: f for f in (
     Family(smollm3.ARCHITECTURE, smollm3.MODEL_TYPE, smollm3.spec, smollm3.SmolLM3ForCausalLM,
            smollm3.config_fields),
 )}
+
+# Multimodal architectures served as their text model: config.json -> the text model's config.json
+# (its "architectures" a family's above); the family's checkpoint_tensors takes the text tensors.
+TEXT_MODEL_OF = {gemma3.MULTIMODAL_ARCHITECTURE: gemma3.text_config}
 
 # HF architecture names we run, and the GGUF architecture strings that map to them.
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)

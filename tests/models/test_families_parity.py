@@ -129,6 +129,30 @@ def test_safetensors_load_by_name(tmp_path, family):
         assert torch.equal(qkv[:config.q_size], hf_state["model.layers.1.self_attn.q_proj.weight"])
 
 
+def test_gemma3_multimodal_directory_runs_its_text_model(tmp_path):
+    """A Gemma3ForConditionalGeneration checkpoint (4B-27B's layout: language_model.*, a vision
+    tower, a projector) serves its text model: HF's greedy tokens on a text-only prompt. HF's
+    multimodal class ignores final_logit_softcapping, and so does rooflm for it."""
+    import transformers
+
+    text = tiny_hf_config("gemma3", final_logit_softcapping=8.0)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                       mm_tokens_per_image=4, image_token_index=255, boi_token_index=253,
+                                       eoi_token_index=254)  # none in the prompts
+    torch.manual_seed(0)
+    hf_model = transformers.Gemma3ForConditionalGeneration(config).float().eval()
+    path = str(tmp_path / "gemma3-mm")
+    hf_model.save_pretrained(path)
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=4)
+    assert llm.engine.model_config.architecture == "Gemma3ForCausalLM"
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params)):
+        tokens, logprobs = hf_greedy(hf_model, prompt, NEW_TOKENS)
+        assert_close_to_hf(out, tokens, logprobs)
+
+
 def test_phi3_fused_tensors_load_lazily_by_rows(tmp_path):
     """Tensor-parallel loading reads lazy slices: a cut qkv_proj narrows to its rows unread."""
     from rooflm.model.loader import LazySlice, iter_weights
