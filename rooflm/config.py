@@ -10,12 +10,19 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 
+ROPE_SCALING_TYPES = ("llama3", "linear", "longrope")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3.1 style frequency scaling ("rope_type": "llama3").
+    """RoPE frequency scaling, by HF's rope_type:
 
-    Only the llama3 type is used by the families we support; other types are
-    rejected at config load with a clear error.
+    - "llama3" (Llama 3.1): long wavelengths slowed by `factor`, a smooth band between
+      low_freq_factor and high_freq_factor;
+    - "linear" (Gemma 3's global layers): every frequency divided by `factor`;
+    - "longrope" (Phi-3, Phi-4-mini): per-frequency divisors, short_factor for positions below
+      original_max_position_embeddings and long_factor from there on, and cos/sin scaled by
+      attention_factor (None: sqrt(1 + ln(factor) / ln(original)), as HF computes it).
     """
 
     rope_type: str = "llama3"
@@ -23,6 +30,20 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_SCALING_TYPES:
+            raise ValueError(f"rope scaling type {self.rope_type!r} is not supported; rooflm runs "
+                             f"{', '.join(ROPE_SCALING_TYPES)}")
+        # JSON (config.json, the simulator's calibration files) gives lists: kept hashable.
+        object.__setattr__(self, "short_factor", tuple(float(f) for f in self.short_factor))
+        object.__setattr__(self, "long_factor", tuple(float(f) for f in self.long_factor))
+        if self.rope_type == "longrope" and (not self.short_factor or len(self.short_factor) != len(self.long_factor)):
+            raise ValueError(f"longrope scaling needs short_factor and long_factor of one length, got "
+                             f"{len(self.short_factor)} and {len(self.long_factor)}")
 
 
 @dataclass(frozen=True)
@@ -30,7 +51,8 @@ class ModelConfig:
     """Shape of a decoder-only transformer of the Llama family.
 
     Covers Llama 2/3/3.1, Mistral, SmolLM2, Qwen2/2.5 (qkv bias) and Qwen3
-    (q/k RMSNorm). Field names follow HF transformers' config.json.
+    (q/k RMSNorm), and the fields the other families add (model/registry.py), each with a
+    default that leaves a Llama unchanged. Field names follow HF transformers' config.json.
     """
 
     architecture: str  # e.g. "LlamaForCausalLM", "Qwen2ForCausalLM"
@@ -56,6 +78,20 @@ class ModelConfig:
     query_pre_attn_scalar: Optional[float] = None  # attention scale 1/sqrt(this); None: head_dim
     attn_logit_softcapping: Optional[float] = None  # Gemma 2: scores -> cap * tanh(scores / cap)
     final_logit_softcapping: Optional[float] = None  # Gemma 2: the same on the logits
+    # The rotated fraction of each head (Phi-4-mini: 0.75, its first 96 of 128 dims); the rest passes.
+    partial_rotary_factor: float = 1.0
+    # Gemma 3: the RoPE base of its sliding-window layers (rope_local_base_freq); rope_theta and
+    # rope_scaling are then the global layers'. None: one base for every layer.
+    rope_local_theta: Optional[float] = None
+    # SmolLM3: 1 where a layer applies RoPE, 0 where it does not (HF's no_rope_layers); empty: all do.
+    no_rope_layers: tuple[int, ...] = ()
+    # Granite: the embedding times embedding_multiplier, each sublayer's output times
+    # residual_multiplier before its residual add, attention_multiplier the score scale (None:
+    # query_pre_attn_scalar's or head_dim's), the logits divided by logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: Optional[float] = None
+    logits_scaling: float = 1.0
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
 

@@ -23,7 +23,7 @@ reference's (fp32 scores and softmax, the same scale), so results agree to fp32 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -37,27 +37,29 @@ from rooflm.layers.attention import AttentionMetadata, ReferenceBackend
 class CpuStepPlan:
     """What every layer of one step shares."""
 
-    cos: torch.Tensor  # [T, 1, D/2], in the activations' dtype
+    cos: torch.Tensor  # [T, 1, D/2], in the activations' dtype, of the rotary table `table`
     sin: torch.Tensor
-    rotary: object  # the rotary module cos/sin come from; a layer with another one (Gemma 3's
-    # local and global bases) gets its own pair, kept in `rotations`
     all_slots_valid: bool  # no -1 in slot_mapping: index_copy_ can write the rows directly
     # One decoding sequence: its context length and, when its blocks are consecutive in the
     # pool, the first of them (K/V are then a view); None: the reference path.
     decode_len: Optional[int] = None
     first_block: Optional[int] = None
     num_blocks: int = 0
-    rotations: Optional[dict] = None  # id(rotary) -> (cos, sin), rotaries other than the first
+    table: Optional[torch.Tensor] = None
+    # Other layers' tables (Gemma 3's local and global bases): their cos/sin, by table.
+    other_tables: dict = field(default_factory=dict)
 
-    def cos_sin(self, rotary, positions: torch.Tensor, dtype: torch.dtype):
-        if rotary is self.rotary:
+    def cos_sin(self, table: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+        if table is self.table:
             return self.cos, self.sin
-        if self.rotations is None:
-            self.rotations = {}
-        pair = self.rotations.get(id(rotary))
-        if pair is None:
-            pair = self.rotations[id(rotary)] = _cos_sin(rotary, positions, dtype)
-        return pair
+        key = id(table)
+        if key not in self.other_tables:
+            self.other_tables[key] = _cos_sin(table, positions, dtype)
+        return self.other_tables[key]
+
+
+def _cos_sin(table: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    return table.index_select(0, positions).to(dtype)[:, None, :].chunk(2, dim=-1)
 
 
 class CpuBackend(ReferenceBackend):
@@ -65,15 +67,18 @@ class CpuBackend(ReferenceBackend):
 
     def rope_and_write_step(self, q, k, v, positions, rotary, k_cache, v_cache,
                             meta: AttentionMetadata, k_scale=None, v_scale=None) -> torch.Tensor:
-        table = getattr(rotary, "cos_sin_cache", None)
-        if k_scale is not None or not getattr(rotary, "is_neox", True) or table is None or table.shape[-1] != q.shape[-1]:
-            # FP8 caches (quantized writes), interleaved, partial or no rotary: the reference path.
+        if k_scale is not None or not getattr(rotary, "is_neox", True):
+            # FP8 caches (quantized writes) and interleaved rotary: the reference path.
             return super().rope_and_write_step(q, k, v, positions, rotary, k_cache, v_cache, meta,
                                                k_scale, v_scale)
         plan = meta.plan
         if plan is None:
             plan = meta.plan = self.plan(q, positions, rotary, k_cache, meta)
-        q, k = self._rotate(q, k, *plan.cos_sin(rotary, positions, q.dtype))
+        table = getattr(rotary, "cos_sin_cache", None)
+        if table is not None and table.shape[-1] == q.shape[-1]:
+            q, k = self._rotate(q, k, *plan.cos_sin(table, positions, q.dtype))
+        else:  # a partial rotary (Phi-3) or none (SmolLM3's NoPE layers): the module rotates
+            q, k = rotary(positions, q, k)
         if plan.all_slots_valid:
             heads, dim = k_cache.shape[-2:]
             slots = meta.slot_mapping
@@ -94,10 +99,11 @@ class CpuBackend(ReferenceBackend):
 
     @staticmethod
     def plan(q, positions, rotary, k_cache, meta: AttentionMetadata) -> CpuStepPlan:
-        cos, sin = _cos_sin(rotary, positions, q.dtype)
+        table = getattr(rotary, "cos_sin_cache", None)
+        cos, sin = _cos_sin(table, positions, q.dtype) if table is not None else (None, None)
         # The host copies in the metadata say whether the fast paths apply; no device sync.
         slots_valid = bool((meta.slot_mapping >= 0).all()) if meta.slot_mapping.numel() else True
-        plan = CpuStepPlan(cos=cos, sin=sin, rotary=rotary, all_slots_valid=slots_valid)
+        plan = CpuStepPlan(cos=cos, sin=sin, all_slots_valid=slots_valid, table=table)
         if meta.num_seqs == 1 and meta.num_decodes == 1:
             block_size = k_cache.shape[1]
             seq_len = meta.seq_lens_cpu[0]
@@ -141,12 +147,6 @@ class CpuBackend(ReferenceBackend):
                                              _as(v, torch.float32).transpose(0, 1)[None],
                                              scale=scale, enable_gqa=kv_heads != heads)
         return _as(out.view(1, heads, dim), q.dtype)
-
-
-def _cos_sin(rotary, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's cos and sin [T, 1, D/2] from a rotary module's fp32 table, in dtype."""
-    cos_sin = rotary.cos_sin_cache.index_select(0, positions)
-    return cos_sin.to(dtype)[:, None, :].chunk(2, dim=-1)
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

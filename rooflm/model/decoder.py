@@ -40,7 +40,7 @@ from rooflm.layers.kernels import TORCH_KERNELS, Kernels
 from rooflm.layers.kv_cache import KVCache
 from rooflm.layers.linear import FusedLinear, Linear
 from rooflm.layers.norm import OnePlusRMSNorm, RMSNorm
-from rooflm.layers.rotary import RotaryEmbedding
+from rooflm.layers.rotary import RotaryEmbedding, shared_rotaries
 from rooflm.model.spec import QK_NORM_HEAD, QK_NORM_PROJ, RMS, SILU, ModelSpec
 from rooflm.quant.formats import is_quantized_tensor
 from rooflm.quant.linear_method import make_linear_method
@@ -161,6 +161,8 @@ class DecoderLayer(torch.nn.Module):
         self.fp8_fusable = self.fold and None not in (spec.pre_attn_norm, spec.pre_mlp_norm) and self.mlp.silu
         # quant/native_decode.py: the C decoder computes the Llama layer only.
         self.native_form = spec.llama_layers
+        # Each sublayer's output times this before its residual add (Granite), or None.
+        self.residual_scale = spec.residual_scale
 
     def _norm(self, place: int) -> Optional[RMSNorm]:
         name = self.norm_names[place]
@@ -170,6 +172,17 @@ class DecoderLayer(torch.nn.Module):
     post_attn = property(lambda self: self._norm(1))
     pre_mlp = property(lambda self: self._norm(2))
     post_mlp = property(lambda self: self._norm(3))
+
+    def _post(self, place: int, y: torch.Tensor) -> torch.Tensor:
+        """A sublayer's output as its residual add takes it: post-normed and scaled where the spec says."""
+        norm = self._norm(place)
+        if norm is not None:
+            y = norm(y)
+        return y if self.residual_scale is None else y * self.residual_scale
+
+    def _has_post(self, place: int) -> bool:
+        """Whether something sits between a sublayer's last linear and its residual add."""
+        return self.norm_names[place] is not None or self.residual_scale is not None
 
     def forward(self, positions, x, residual, kv_cache, meta):
         if self.gemv is not None and x.shape[0] == 1:
@@ -182,14 +195,9 @@ class DecoderLayer(torch.nn.Module):
             return self._forward_fp8(positions, x, residual, kv_cache, meta)
         # The residual stream is carried separately so each pre-norm can fuse the add before it.
         x, residual = _pre(self.pre_attn, x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta)
-        if self.post_attn is not None:
-            x = self.post_attn(x)
+        x = self._post(1, self.self_attn(positions, x, kv_cache, meta))
         x, residual = _pre(self.pre_mlp, x, residual)
-        x = self.mlp(x)
-        if self.post_mlp is not None:
-            x = self.post_mlp(x)
-        return x, residual
+        return self._post(3, self.mlp(x)), residual
 
     # ---- one token, float weights: four GEMVs ----------------------------------------------
 
@@ -199,11 +207,11 @@ class DecoderLayer(torch.nn.Module):
         attn, mlp = self.self_attn, self.mlp
         h = x if residual is None else x + residual
         qkv = self._gemv_in(h, attn.qkv_proj, self.pre_attn)
-        h = self._gemv_out(attn.attend(positions, qkv, kv_cache, meta), attn.o_proj, self.post_attn, h)
+        h = self._gemv_out(attn.attend(positions, qkv, kv_cache, meta), attn.o_proj, 1, h)
         act = self._gemv_in(h, mlp.gate_up_proj, self.pre_mlp, gated=mlp.silu)
         if not mlp.silu:
             act = mlp.act(act)
-        return self._gemv_out(act, mlp.down_proj, self.post_mlp, h), None
+        return self._gemv_out(act, mlp.down_proj, 3, h), None
 
     def _gemv_in(self, h, linear: Linear, norm: Optional[RMSNorm], gated: bool = False) -> torch.Tensor:
         """W @ norm(h) with the norm folded into the GEMV's load of h (no norm: W @ h)."""
@@ -212,11 +220,11 @@ class DecoderLayer(torch.nn.Module):
         return self.gemv(h, linear.weight, bias=linear.bias, norm_weight=norm.fused_weight, eps=norm.eps,
                          gated=gated)
 
-    def _gemv_out(self, a, linear: Linear, post: Optional[RMSNorm], h) -> torch.Tensor:
-        """h + post(W @ a): the add in the GEMV epilogue where there is no post-norm between."""
-        if post is None:
+    def _gemv_out(self, a, linear: Linear, place: int, h) -> torch.Tensor:
+        """h + post(W @ a): the add in the GEMV epilogue where nothing sits between (_has_post)."""
+        if not self._has_post(place):
             return _row_gemv(self.gemv, a, linear, h)
-        return h + post(_row_gemv(self.gemv, a, linear, None))
+        return h + self._post(place, _row_gemv(self.gemv, a, linear, None))
 
     # ---- one token, quantized weights that fold ----------------------------------------------
 
@@ -234,16 +242,22 @@ class DecoderLayer(torch.nn.Module):
         qkv = _folded_in(attn.qkv_proj, h, pre_attn)
         if qkv is None:
             return None
-        h = _folded_out(attn.o_proj, attn.attend(positions, qkv, kv_cache, meta), self.post_attn, h)
+        h = self._folded_out(attn.o_proj, attn.attend(positions, qkv, kv_cache, meta), 1, h)
         act = None
         if mlp.silu:
             weight = _fold_weight(pre_mlp, h)
             if weight is not None or pre_mlp is None:
                 act = mlp.gate_up_proj.forward_silu_mul(h, norm_weight=weight, eps=pre_mlp.eps if pre_mlp else 1e-6)
         if act is None:
-            m = mlp(pre_mlp(h) if pre_mlp is not None else h)
-            return h + (self.post_mlp(m) if self.post_mlp is not None else m), None
-        return _folded_out(mlp.down_proj, act, self.post_mlp, h), None
+            return h + self._post(3, mlp(pre_mlp(h) if pre_mlp is not None else h)), None
+        return self._folded_out(mlp.down_proj, act, 3, h), None
+
+    def _folded_out(self, linear: Linear, a: torch.Tensor, place: int, h: torch.Tensor) -> torch.Tensor:
+        """h + post(W @ a): the add folded into the kernel where nothing sits between (_has_post)."""
+        if not self._has_post(place):
+            out = linear.forward_folded(a, residual=h)
+            return out if out is not None else linear(a) + h
+        return h + self._post(place, linear(a))
 
     # ---- FP8 W8A8: norms and SiLU-mul write the codes -----------------------------------------
 
@@ -268,16 +282,11 @@ class DecoderLayer(torch.nn.Module):
         else:
             qx, sx, residual = rmsnorm_fp8(x, ln1.fused_weight, ln1.eps, residual, static_scale=qkv_q.input_scale)
         qkv = attn.qkv_proj.forward_fp8(qx, sx, x.dtype)
-        x = attn.o_proj(attn.attend(positions, qkv, kv_cache, meta))
-        if self.post_attn is not None:
-            x = self.post_attn(x)
+        x = self._post(1, attn.o_proj(attn.attend(positions, qkv, kv_cache, meta)))
         qx, sx, residual = rmsnorm_fp8(x, ln2.fused_weight, ln2.eps, residual,
                                        static_scale=mlp.gate_up_proj.fp8_input().input_scale)
         qa, sa = silu_mul_fp8(mlp.gate_up_proj.forward_fp8(qx, sx, x.dtype), static_scale=down_q.input_scale)
-        x = mlp.down_proj.forward_fp8(qa, sa, x.dtype)
-        if self.post_mlp is not None:
-            x = self.post_mlp(x)
-        return x, residual
+        return self._post(3, mlp.down_proj.forward_fp8(qa, sa, x.dtype)), residual
 
 
 def _fold_weight(norm: Optional[RMSNorm], x: torch.Tensor) -> Optional[torch.Tensor]:
@@ -294,14 +303,6 @@ def _folded_in(linear: Linear, h: torch.Tensor, norm: Optional[RMSNorm]) -> Opti
     if norm is None or weight is not None:
         return linear.forward_folded(h, norm_weight=weight, eps=norm.eps if norm is not None else 1e-6)
     return linear.forward_folded(norm(h))
-
-
-def _folded_out(linear: Linear, a: torch.Tensor, post: Optional[RMSNorm], h: torch.Tensor) -> torch.Tensor:
-    """h + post(W @ a): the add folded into the kernel where there is no post-norm between."""
-    if post is None:
-        out = linear.forward_folded(a, residual=h)
-        return out if out is not None else linear(a) + h
-    return h + post(linear(a))
 
 
 def _row_gemv(gemv, x: torch.Tensor, linear: Linear, residual: Optional[torch.Tensor]) -> torch.Tensor:
@@ -329,11 +330,11 @@ class DecoderModel(torch.nn.Module):
         # A 0-dim tensor in the model's dtype: HF multiplies by the scale rounded to it (Gemma).
         self.register_buffer("embed_scale", None if spec.embed_scale is None else torch.tensor(spec.embed_scale),
                              persistent=False)
-        # One rotary table shared by all layers.
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        # Each layer's rotary (ModelSpec.layer_ropes): one table per distinct base/scaling/width.
+        rotaries = shared_rotaries(spec.ropes(cfg), cfg.head_dim, max_positions)
         windows = spec.layer_windows or (cfg.sliding_window,) * cfg.num_hidden_layers
         self.layers = torch.nn.ModuleList(
-            DecoderLayer(cfg, spec, window, rotary, backend, kernels, tp) for window in windows)
+            DecoderLayer(cfg, spec, window, rotary, backend, kernels, tp) for window, rotary in zip(windows, rotaries))
         self.norm = make_norm(spec, cfg.hidden_size, cfg.rms_norm_eps, kernels.rmsnorm)
         log.info("decoder path: %s", decoder_path(spec, kernels))
         # rooflm/quant/native_decode.py: single-sequence CPU steps as one C call over all layers,
@@ -366,8 +367,8 @@ class DecoderModel(torch.nn.Module):
 def decoder_path(spec: ModelSpec, kernels: Kernels) -> str:
     """The INFO log's line: which fused forms the layers take, and what runs apart."""
     apart = []
-    if spec.post_attn_norm or spec.post_mlp_norm:
-        apart.append("post-norms run between the linears and the residual adds")
+    if spec.post_attn_norm or spec.post_mlp_norm or spec.residual_scale is not None:
+        apart.append("post-norms / residual scales run between the linears and the residual adds")
     if spec.mlp_act != SILU:
         apart.append(f"{spec.mlp_act} runs apart from gate_up (the fused forms compute SiLU-mul)")
     if spec.pre_attn_norm is None or spec.pre_mlp_norm is None:
@@ -411,6 +412,7 @@ class CausalLM(torch.nn.Module):
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = tp_layers.lm_head(cfg.hidden_size, cfg.vocab_size, tp, tied)
         self.final_softcap = self.spec.final_softcap
+        self.logit_divisor = self.spec.logit_divisor  # Granite's logits_scaling
         self.gemv = kernels.gemv  # as DecoderLayer.gemv: the LM head of one token
         self.linear = kernels.linear  # the LM head's matmul (layers/kernels.py), after the GEMV's one token
         # Tied embeddings read from quantized blocks: the embedding is dequantized (a lookup reads
@@ -429,6 +431,8 @@ class CausalLM(torch.nn.Module):
         """[rows, hidden] -> fp32 logits [rows, vocab]. out: an fp32 buffer to widen them into
         (a CUDA graph's output, shared by every captured batch size) instead of a new tensor."""
         logits = self._head(hidden)
+        if self.logit_divisor is not None:
+            logits = logits.float() / self.logit_divisor
         if self.final_softcap is not None:
             cap = self.final_softcap
             logits = torch.tanh(logits.float() / cap) * cap

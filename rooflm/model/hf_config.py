@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rooflm.config import ModelConfig
+from rooflm.config import ModelConfig, RopeScaling
 
 from rooflm.model.registry import FAMILIES
 
@@ -32,11 +32,9 @@ def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
         "torch_dtype": "bfloat16",
     }
     if config.rope_scaling is not None:
-        cfg["rope_scaling"] = {
-            "rope_type": config.rope_scaling.rope_type, "factor": config.rope_scaling.factor,
-            "low_freq_factor": config.rope_scaling.low_freq_factor,
-            "high_freq_factor": config.rope_scaling.high_freq_factor,
-            "original_max_position_embeddings": config.rope_scaling.original_max_position_embeddings}
+        cfg["rope_scaling"] = _rope_scaling_dict(config.rope_scaling)
+        if config.rope_scaling.rope_type == "longrope":  # Phi-3 reads it top-level, over rope_scaling's
+            cfg["original_max_position_embeddings"] = config.rope_scaling.original_max_position_embeddings
     # Qwen2 has q/k/v bias by architecture and Qwen3 its q/k norm: neither is a config field.
     if config.architecture == "MistralForCausalLM":
         cfg["sliding_window"] = config.sliding_window
@@ -45,12 +43,46 @@ def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
                    max_window_layers=0)
     if config.layer_types:  # a family whose layers differ (Gemma 2) reads its own fields back
         cfg.update(layer_types=list(config.layer_types), sliding_window=config.sliding_window,
-                   hidden_activation=config.hidden_act, query_pre_attn_scalar=config.query_pre_attn_scalar,
+                   use_sliding_window="sliding_attention" in config.layer_types,
+                   hidden_activation=config.hidden_act, query_pre_attn_scalar=_integral(config.query_pre_attn_scalar),
                    attn_logit_softcapping=config.attn_logit_softcapping,
                    final_logit_softcapping=config.final_logit_softcapping)
+    # The other families' fields, where they differ from the defaults that leave a Llama unchanged.
+    if config.partial_rotary_factor != 1.0:
+        cfg["partial_rotary_factor"] = config.partial_rotary_factor
+    if config.rope_local_theta is not None:
+        cfg["rope_local_base_freq"] = config.rope_local_theta
+    if config.no_rope_layers:
+        cfg["no_rope_layers"] = list(config.no_rope_layers)
+    for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+        if getattr(config, name) != 1.0:
+            cfg[name] = getattr(config, name)
+    if config.attention_multiplier is not None:
+        cfg["attention_multiplier"] = config.attention_multiplier
     if config.bos_token_id is not None:
         cfg["bos_token_id"] = config.bos_token_id
     if config.eos_token_ids:
         cfg["eos_token_id"] = (config.eos_token_ids[0] if len(config.eos_token_ids) == 1
                                else list(config.eos_token_ids))
     return cfg
+
+
+def _rope_scaling_dict(scaling: RopeScaling) -> dict[str, Any]:
+    """HF's rope_scaling dict of a RopeScaling, the keys of its type only."""
+    if scaling.rope_type == "linear":
+        return {"rope_type": "linear", "factor": scaling.factor}
+    if scaling.rope_type == "longrope":
+        out = {"rope_type": "longrope", "factor": scaling.factor, "short_factor": list(scaling.short_factor),
+               "long_factor": list(scaling.long_factor),
+               "original_max_position_embeddings": scaling.original_max_position_embeddings}
+        if scaling.attention_factor is not None:
+            out["attention_factor"] = scaling.attention_factor
+        return out
+    return {"rope_type": scaling.rope_type, "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings}
+
+
+def _integral(value):
+    """A whole float as an int: transformers' strict configs type some of these fields int (Gemma 3)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value

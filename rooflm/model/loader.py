@@ -21,7 +21,8 @@ import torch
 from rooflm.config import ModelConfig, RopeScaling
 from rooflm.model import hub, presets
 from rooflm.errors import ModelLoadError, load_error  # noqa: F401 (ModelLoadError is re-exported)
-from rooflm.model.registry import SUPPORTED_ARCHITECTURES, get_family, model_spec
+from rooflm.model.registry import SUPPORTED_ARCHITECTURES, TEXT_MODEL_OF, get_family, model_spec
+from rooflm.layers.rotary import rope_scaling_from_hf
 from rooflm.model.spec import QK_NORM_HEAD, QK_NORM_PROJ
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -174,29 +175,18 @@ def _parse_rope(cfg: dict[str, Any], config_path: str) -> tuple[float, Optional[
     """rope_theta and the scaling, from either config.json dialect.
 
     transformers < 5 writes top-level "rope_theta" and "rope_scaling";
-    transformers >= 5 writes one "rope_parameters" dict holding both.
+    transformers >= 5 writes one "rope_parameters" dict holding both (per layer type for a
+    family whose layers differ, e.g. Gemma 3: its config_fields reads those).
     """
     parameters = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or parameters
     rope_theta = cfg.get("rope_theta", parameters.get("rope_theta", 10000.0))
-
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        return float(rope_theta), None
-    if rope_type != "llama3":
-        raise load_error(
-            config_path, f"rope scaling type {rope_type!r} is not supported; rooflm runs "
-                         f"plain RoPE and Llama-3.1 style 'llama3' scaling")
     try:
-        rope_scaling = RopeScaling(
-            rope_type="llama3",
-            factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling["low_freq_factor"]),
-            high_freq_factor=float(scaling["high_freq_factor"]),
-            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-        )
-    except KeyError as exc:
-        raise load_error(config_path, f"llama3 rope scaling is missing {exc.args[0]!r}") from exc
+        rope_scaling = rope_scaling_from_hf(scaling, int(cfg.get("max_position_embeddings", 4096)),
+                                            cfg.get("original_max_position_embeddings"))
+    except ValueError as exc:
+        raise load_error(config_path, f"{exc}; rooflm runs plain RoPE and 'llama3', 'linear' and "
+                                      f"'longrope' scaling") from exc
     return float(rope_theta), rope_scaling
 
 
@@ -231,6 +221,9 @@ def _load_hf_config(model_dir: str) -> ModelConfig:
     if not architectures:
         raise load_error(config_path, "no 'architectures' entry; cannot tell the model family")
     architecture = architectures[0]
+    if architecture in TEXT_MODEL_OF:  # e.g. Gemma 3 4B-27B: the text model of a vision-language one
+        cfg = TEXT_MODEL_OF[architecture](cfg)
+        architecture = cfg["architectures"][0]
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise load_error(
             config_path, f"unsupported architecture {architecture!r}; rooflm runs "
@@ -392,7 +385,7 @@ def iter_weights(path: str, load_format: str, keep_quantized: bool = False,
         path, load_format = resolve_model(path, load_format)
     if load_format == "safetensors":
         config = _load_hf_config(path)
-        stream = _iter_safetensors(path, config, lazy)
+        stream = _family_tensors(_iter_safetensors(path, config, lazy), config)
         from rooflm.quant.checkpoint import group_quantized, parse_kv_cache_scheme, parse_quant_config
         config_path = os.path.join(path, "config.json")
         raw = _read_json(config_path)
@@ -415,6 +408,17 @@ def iter_weights(path: str, load_format: str, keep_quantized: bool = False,
         raise ModelLoadError(
             f"iter_weights needs a concrete format (safetensors, gguf); got {load_format!r}")
     return _check_shapes(stream, config, path, kv_scales)
+
+
+def _family_tensors(stream: Iterator[tuple[str, Any, str]],
+                    config: ModelConfig) -> Iterator[tuple[str, Any, str]]:
+    """The stream under the names the model loads: a family whose checkpoints fuse tensors
+    (Phi-3's qkv_proj) cuts them here (registry.Family.checkpoint_tensors)."""
+    cut = get_family(config.architecture).checkpoint_tensors
+    if cut is None:
+        return stream
+    return ((part, tensor_part, source) for name, tensor, source in stream
+            for part, tensor_part in cut(config, name, tensor))
 
 
 def _check_shapes(stream: Iterator[tuple[str, torch.Tensor, str]], config: ModelConfig,

@@ -9,10 +9,10 @@ docs/adding-a-model.md walks through adding one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Optional
 
 from rooflm.config import ModelConfig
-from rooflm.model import gemma2, olmo2
+from rooflm.model import gemma2, gemma3, granite, olmo2, phi3, smollm3
 from rooflm.model.llama import LlamaForCausalLM
 from rooflm.model.spec import ModelSpec, llama_spec
 
@@ -30,6 +30,9 @@ class Family:
     model_class: type = LlamaForCausalLM
     # config.json -> ModelConfig fields beyond the Llama ones (loader.py reads those)
     config_fields: Callable[[dict[str, Any]], dict[str, Any]] = no_config_fields
+    # (config, checkpoint name, tensor) -> the (name, tensor) pairs it stands for under the Llama
+    # names the model loads (Phi-3's fused qkv_proj / gate_up_proj); None: names as they are.
+    checkpoint_tensors: Optional[Callable[[ModelConfig, str, Any], Iterable[tuple[str, Any]]]] = None
 
 
 FAMILIES = {f.architecture: f for f in (
@@ -39,7 +42,19 @@ FAMILIES = {f.architecture: f for f in (
     Family("Qwen3ForCausalLM", "qwen3", llama_spec),
     Family(olmo2.ARCHITECTURE, olmo2.MODEL_TYPE, olmo2.spec, olmo2.Olmo2ForCausalLM),
     Family(gemma2.ARCHITECTURE, gemma2.MODEL_TYPE, gemma2.spec, gemma2.Gemma2ForCausalLM, gemma2.config_fields),
+    Family(gemma3.ARCHITECTURE, gemma3.MODEL_TYPE, gemma3.spec, gemma3.Gemma3ForCausalLM, gemma3.config_fields,
+           gemma3.checkpoint_tensors),
+    Family(phi3.ARCHITECTURE, phi3.MODEL_TYPE, phi3.spec, phi3.Phi3ForCausalLM, phi3.config_fields,
+           phi3.checkpoint_tensors),
+    Family(granite.ARCHITECTURE, granite.MODEL_TYPE, granite.spec, granite.GraniteForCausalLM,
+           granite.config_fields),
+    Family(smollm3.ARCHITECTURE, smollm3.MODEL_TYPE, smollm3.spec, smollm3.SmolLM3ForCausalLM,
+           smollm3.config_fields),
 )}
+
+# Multimodal architectures served as their text model: config.json -> the text model's config.json
+# (its "architectures" a family's above); the family's checkpoint_tensors takes the text tensors.
+TEXT_MODEL_OF = {gemma3.MULTIMODAL_ARCHITECTURE: gemma3.text_config}
 
 # HF architecture names we run, and the GGUF architecture strings that map to them.
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)

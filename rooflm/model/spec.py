@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from rooflm.config import ModelConfig
+from rooflm.layers.rotary import Rope
 
 RMS = "rms"  # w * norm(x), HF Llama's casts
 RMS_ONE_PLUS = "rms_one_plus"  # (1 + w) * norm(x) in fp32, then cast (Gemma)
@@ -44,6 +45,13 @@ class ModelSpec:
     layer_windows: tuple[Optional[int], ...] = ()
     embed_scale: Optional[float] = None  # x * embed_scale after the lookup (Gemma: sqrt(hidden))
     mlp_act: str = SILU
+    # One rotary per layer: its base, scaling and rotated width, or None for a layer without RoPE
+    # (SmolLM3); equal Ropes share one table. Empty: every layer the config's rope, whole head.
+    layer_ropes: tuple[Optional[Rope], ...] = ()
+    # Each sublayer's output times this before its residual add (Granite's residual_multiplier).
+    residual_scale: Optional[float] = None
+    # The logits divided by this (Granite's logits_scaling), before any final soft-cap.
+    logit_divisor: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.norm not in (RMS, RMS_ONE_PLUS):
@@ -61,7 +69,16 @@ class ModelSpec:
                 and self.post_attn_norm is None and self.post_mlp_norm is None and self.norm == RMS
                 and self.qk_norm in (None, QK_NORM_HEAD) and self.attn_scale is None
                 and self.attn_softcap is None and self.final_softcap is None
-                and len(set(self.layer_windows)) <= 1 and self.embed_scale is None and self.mlp_act == SILU)
+                and len(set(self.layer_windows)) <= 1 and self.embed_scale is None and self.mlp_act == SILU
+                and not self.layer_ropes and self.residual_scale is None and self.logit_divisor is None)
+
+    def ropes(self, cfg: ModelConfig) -> tuple[Optional[Rope], ...]:
+        """Each layer's rotary (layer_ropes, or the config's rope on every layer)."""
+        if not self.layer_ropes:
+            return (Rope(cfg.rope_theta, cfg.rope_scaling),) * cfg.num_hidden_layers
+        if len(self.layer_ropes) != cfg.num_hidden_layers:
+            raise ValueError(f"layer_ropes has {len(self.layer_ropes)} entries for {cfg.num_hidden_layers} layers")
+        return self.layer_ropes
 
     def norm_names(self) -> tuple[str, ...]:
         """The checkpoint names of a layer's norms, in the order the layer applies them."""
@@ -88,6 +105,13 @@ def layer_windows(cfg: ModelConfig) -> tuple[Optional[int], ...]:
         raise ValueError(f"unsupported layer types {sorted(unknown)}; rooflm runs sliding_attention "
                          f"and full_attention layers")
     return tuple(cfg.sliding_window if t == "sliding_attention" else None for t in cfg.layer_types)
+
+
+def rotary_dim(cfg: ModelConfig) -> Optional[int]:
+    """The rotated width of a head under cfg.partial_rotary_factor (HF's int(head_dim * factor));
+    None where it is the whole head."""
+    dim = int(cfg.head_dim * cfg.partial_rotary_factor)
+    return None if dim == cfg.head_dim else dim
 
 
 def llama_spec(cfg: ModelConfig) -> ModelSpec:

@@ -79,7 +79,7 @@ def _block_weight(linear) -> Optional[_BlockWeight]:
 
 
 def unsupported_reason(model) -> Optional[str]:
-    """Why `model` (a LlamaModel) can't run natively, or None when it can."""
+    """Why `model` (a DecoderModel) can't run natively, or None when it can."""
     if not enabled():
         return f"{ENV_SWITCH}=0"
     embed = model.embed_tokens.weight

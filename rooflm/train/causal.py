@@ -50,7 +50,7 @@ def _selective_context():
 
 
 class CausalBlock(torch.nn.Module):
-    """One LlamaDecoderLayer run on [B, S, hidden] with causal attention over its own S tokens."""
+    """One Llama-layer DecoderLayer (model/decoder.py) run on [B, S, hidden] with causal attention over its own S tokens."""
 
     def __init__(self, layer: torch.nn.Module, cfg: ModelConfig, recompute: str = "none"):
         super().__init__()

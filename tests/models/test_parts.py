@@ -26,7 +26,7 @@ def test_every_family_runs_on_the_one_decoder(name):
         model = get_model_class(config.architecture)(config, max_positions=16)
     assert isinstance(model, CausalLM)
     assert all(type(layer) is DecoderLayer for layer in model.model.layers)
-    llama = config.architecture not in ("Olmo2ForCausalLM", "Gemma2ForCausalLM")
+    llama = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
     assert model_spec(config).llama_layers == llama
     assert all(layer.native_form == llama for layer in model.model.layers)
 
