@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from rooflm.config import ModelConfig
 from rooflm.model import gemma2, olmo2
+from rooflm.model import mixtral, olmoe, qwen2_moe, qwen3_moe
 from rooflm.model.llama import LlamaForCausalLM
 from rooflm.model.spec import ModelSpec, llama_spec
 
@@ -39,6 +40,10 @@ FAMILIES = {f.architecture: f for f in (
     Family("Qwen3ForCausalLM", "qwen3", llama_spec),
     Family(olmo2.ARCHITECTURE, olmo2.MODEL_TYPE, olmo2.spec, olmo2.Olmo2ForCausalLM),
     Family(gemma2.ARCHITECTURE, gemma2.MODEL_TYPE, gemma2.spec, gemma2.Gemma2ForCausalLM, gemma2.config_fields),
+    Family(qwen3_moe.ARCHITECTURE, qwen3_moe.MODEL_TYPE, qwen3_moe.spec, qwen3_moe.Qwen3MoeForCausalLM, qwen3_moe.config_fields),
+    Family(mixtral.ARCHITECTURE, mixtral.MODEL_TYPE, mixtral.spec, mixtral.MixtralForCausalLM, mixtral.config_fields),
+    Family(olmoe.ARCHITECTURE, olmoe.MODEL_TYPE, olmoe.spec, olmoe.OlmoeForCausalLM, olmoe.config_fields),
+    Family(qwen2_moe.ARCHITECTURE, qwen2_moe.MODEL_TYPE, qwen2_moe.spec, qwen2_moe.Qwen2MoeForCausalLM, qwen2_moe.config_fields),
 )}
 
 # HF architecture names we run, and the GGUF architecture strings that map to them.
