@@ -118,3 +118,57 @@ def test_dummy_weights_load_back_into_the_model(tmp_path, family):
     piece = victim.split(".experts.")[0].replace("block_sparse_moe", "mlp") + ".experts.2.up"
     with pytest.raises(ValueError, match=rf"missing 1 tensors, e.g. \['{piece}'\]"):
         model_class(cfg, max_positions=64).load_weights((n, t) for n, t in tensors.items() if n != victim)
+
+
+# ---- the decoder's fast paths fall back for the MoE part, keep the attention half's --------
+
+def _moe_layer(spec_name: str, gemv=None):
+    from rooflm.config import ModelConfig
+    from rooflm.layers.kernels import Kernels
+    from rooflm.model.decoder import DecoderLayer
+    from rooflm.model.spec import MOE, QK_NORM_PROJ, ModelSpec, moe_parts
+    cfg = ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=120, hidden_size=16, intermediate_size=32,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, norm_topk_prob=True)
+    extra = dict(qk_norm=QK_NORM_PROJ) if spec_name == "olmoe" else {}
+    spec = ModelSpec(**extra, **moe_parts(cfg))
+    torch.manual_seed(0)
+    layer = DecoderLayer(cfg, spec, None, None, None, Kernels(gemv=gemv), mlp=MOE)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.5)
+    layer.self_attn.attend = lambda positions, qkv, kv_cache, meta: torch.tanh(qkv[:, :16])
+    return layer
+
+
+@pytest.mark.parametrize("spec_name", ["qwen3_moe", "olmoe"])
+def test_gemv_chain_runs_the_moe_block_apart(spec_name):
+    from rooflm.kernels.gemv import gemv_ref
+    x, residual = torch.randn(1, 16), torch.randn(1, 16)
+    h, r = _moe_layer(spec_name)(None, x, residual, None, None)
+    plain = h + r
+    calls = []
+
+    def recording_gemv(x, weight, **kw):
+        calls.append(tuple(weight.shape))
+        return gemv_ref(x, weight, **kw)
+    layer = _moe_layer(spec_name, recording_gemv)
+    h, none = layer(None, x, residual, None, None)
+    assert none is None
+    torch.testing.assert_close(h, plain, rtol=1e-5, atol=1e-5)
+    assert calls == [(32, 16), (16, 16)]  # qkv and o_proj as GEMVs; the experts are not linears
+
+
+def test_folded_quantized_attention_beside_an_moe_block():
+    from tests.models.test_decoder_paths import Folding
+    x, residual = torch.randn(1, 16), torch.randn(1, 16)
+    layer = _moe_layer("qwen3_moe")
+    h, r = layer(None, x, residual, None, None)
+    plain = h + r
+    attn = layer.self_attn
+    for lin in (attn.qkv_proj, attn.o_proj):
+        lin.quant = Folding(lin.weight.detach().clone())
+    h, none = layer(None, x, residual, None, None)
+    assert none is None
+    torch.testing.assert_close(h, plain, rtol=1e-5, atol=1e-5)
+    assert [attn.qkv_proj.quant.calls, attn.o_proj.quant.calls] == [[(True, False, False)], [(False, True, False)]]
