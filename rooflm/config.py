@@ -94,6 +94,16 @@ class ModelConfig:
     logits_scaling: float = 1.0
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE; HF's names). num_experts 0: dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's; 0: intermediate_size (Mixtral, OLMoE)
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights (Mixtral: always)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert; 0: none
+    # HF's rule for which layers are sparse: layer i is, unless i is in mlp_only_layers, when
+    # (i + 1) % decoder_sparse_step == 0; the others keep a dense MLP of intermediate_size.
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -104,6 +114,34 @@ class ModelConfig:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"ModelConfig.num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                             f"got {self.num_experts_per_tok}")
+        if self.num_experts and self.decoder_sparse_step < 1:
+            raise ValueError(f"ModelConfig.decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has experts (HF's Qwen-MoE rule; every layer when
+        decoder_sparse_step is 1 and mlp_only_layers empty, as in Mixtral and OLMoE)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    def moe_layer_params(self, experts: int) -> int:
+        """One MoE layer's MLP parameters with `experts` routed experts counted: the router, those
+        experts' gate/up/down, and the shared expert with its gate."""
+        h = self.hidden_size
+        shared = 3 * h * self.shared_expert_intermediate_size
+        if shared:
+            shared += h
+        return self.num_experts * h + experts * 3 * h * self.expert_intermediate_size + shared
 
     @property
     def q_size(self) -> int:
@@ -121,10 +159,17 @@ class ModelConfig:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
             attn += 2 * self.head_dim
-        mlp = 3 * h * i
-        per_layer = attn + mlp + 2 * h
+        per_layer = attn + 2 * h
         head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_hidden_layers * per_layer + h + head
+        moe_layers = self.num_moe_layers
+        mlps = (self.num_hidden_layers - moe_layers) * 3 * h * i + moe_layers * self.moe_layer_params(self.num_experts)
+        return v * h + self.num_hidden_layers * per_layer + mlps + h + head
+
+    def num_active_params(self) -> int:
+        """Parameters one token computes with: num_params with only num_experts_per_tok of each
+        MoE layer's experts (the router and shared expert in full); num_params for a dense model."""
+        idle = self.num_experts - self.num_experts_per_tok
+        return self.num_params() - self.num_moe_layers * 3 * self.hidden_size * self.expert_intermediate_size * idle
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of every layer for one token: 2 x layers x kv_heads x head_dim x bytes."""

@@ -309,28 +309,92 @@ class SparseMoeBlock(torch.nn.Module):
             out = self.tp.all_reduce(out)
         return out.reshape(shape)
 
-    def load_weight(self, name: str, tensor) -> None:
-        """Take one HF checkpoint tensor named relative to the block (module docstring)."""
+    def load_weight(self, name: str, tensor) -> tuple[str, ...]:
+        """Take one HF checkpoint tensor named relative to the block (module docstring). Returns
+        the pieces of weight_pieces() it filled, for the model loader's missing-tensor check."""
         match = _PER_EXPERT.match(name)
         if match:
-            self.experts.load_expert(int(match.group(1)), _PROJ[match.group(2)], tensor)
-            return
+            proj = _PROJ[match.group(2)]
+            self.experts.load_expert(int(match.group(1)), proj, tensor)
+            return (f"experts.{int(match.group(1))}.{proj}",)
         match = _SHARED.match(name)
         if match and self.shared_expert is not None:
             self.shared_expert.load(_PROJ[match.group(1)], tensor)
-            return
+            return (f"shared_expert.{_PROJ[match.group(1)]}",)
         if name in ("gate.weight", "router.weight"):
             with torch.no_grad():
                 _copy(self.router.weight, _materialize(tensor), name)
-        elif name == "router.bias" and self.router.bias is not None:
+            return ("router.weight",)
+        if name == "router.bias" and self.router.bias is not None:
             with torch.no_grad():
                 _copy(self.router.bias, _materialize(tensor), name)
-        elif name == "shared_expert_gate.weight" and self.shared_expert is not None:
+            return ("router.bias",)
+        if name == "shared_expert_gate.weight" and self.shared_expert is not None:
             self.shared_expert.load_gate(tensor)
-        elif name.startswith("experts.") and name.count(".") == 1:
-            self.experts.load_stacked(name[len("experts."):], tensor)
-        else:
-            raise KeyError(f"{name}: not a weight of this MoE block")
+            return ("shared_expert_gate",)
+        if name.startswith("experts.") and name.count(".") == 1:
+            stacked = name[len("experts."):]
+            self.experts.load_stacked(stacked, tensor)
+            experts = range(self.cfg.num_experts)
+            if stacked == "gate_up_proj":
+                return tuple(f"experts.{e}.{p}" for e in experts for p in ("gate", "up"))
+            if stacked == "down_proj":
+                return tuple(f"experts.{e}.down" for e in experts)
+            return (f"experts.{stacked}",)
+        raise KeyError(f"{name}: not a weight of this MoE block")
+
+    def weight_pieces(self) -> tuple[str, ...]:
+        """Everything load_weight must fill, one name per per-expert checkpoint tensor's worth:
+        the router, each expert's gate, up and down, the stacked biases, the shared expert's."""
+        pieces = ["router.weight"] + (["router.bias"] if self.router.bias is not None else [])
+        for e in range(self.cfg.num_experts):
+            pieces += [f"experts.{e}.gate", f"experts.{e}.up", f"experts.{e}.down"]
+        if self.experts.b13 is not None:
+            pieces += ["experts.gate_up_proj_bias", "experts.down_proj_bias"]
+        if self.shared_expert is not None:
+            pieces += ["shared_expert.gate", "shared_expert.up", "shared_expert.down"]
+            if self.shared_expert.gate is not None:
+                pieces.append("shared_expert_gate")
+        return tuple(pieces)
+
+
+def hub_tensors(cfg: MoeConfig, params: dict[str, torch.Tensor],
+                projs: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+    """A whole (one-rank) block's parameters, named as SparseMoeBlock.named_parameters() names
+    them, as the per-expert checkpoint tensors load_weight takes back: (name relative to the
+    block, tensor view). projs: the family's names of an expert's gate, up and down (Mixtral:
+    w1, w3, w2). Dummy checkpoints and the loader's expected shapes (hub_shapes) come from here."""
+    gate, up, down = projs
+    inter, experts = cfg.intermediate_size, cfg.num_experts
+    yield ("router.weight" if cfg.scoring == "softmax_topk" else "gate.weight"), params["router.weight"]
+    if cfg.router_bias:
+        yield "router.bias", params["router.bias"]
+    w13, w2 = params["experts.w13"], params["experts.w2"]
+    for e in range(experts):
+        yield f"experts.{e}.{gate}.weight", w13[e, :inter]
+        yield f"experts.{e}.{up}.weight", w13[e, inter:]
+        yield f"experts.{e}.{down}.weight", w2[e]
+    if cfg.expert_bias:
+        b13 = params["experts.b13"]
+        if cfg.gate_up_interleaved:
+            b13 = torch.stack((b13[:, :inter], b13[:, inter:]), dim=-1).reshape(experts, 2 * inter)
+        yield "experts.gate_up_proj_bias", b13
+        yield "experts.down_proj_bias", params["experts.b2"]
+    if cfg.shared_expert_intermediate_size:
+        size, gate_up = cfg.shared_expert_intermediate_size, params["shared_expert.gate_up"]
+        yield "shared_expert.gate_proj.weight", gate_up[:size]
+        yield "shared_expert.up_proj.weight", gate_up[size:]
+        yield "shared_expert.down_proj.weight", params["shared_expert.down"]
+        if cfg.shared_expert_gate:
+            yield "shared_expert_gate.weight", params["shared_expert.gate"]
+
+
+def hub_shapes(cfg: MoeConfig, projs: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+               ) -> dict[str, tuple[int, ...]]:
+    """The per-expert checkpoint's tensor shapes of one block, names relative to it."""
+    with torch.device("meta"):
+        params = dict(SparseMoeBlock(cfg).named_parameters())
+    return {name: tuple(t.shape) for name, t in hub_tensors(cfg, params, projs)}
 
 
 # ---- helpers -------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ A family file (model/llama.py, model/olmo2.py, model/gemma2.py, ...) maps its co
 ModelSpec and subclasses CausalLM; nothing here looks at the family again. What a family
 changes is a choice of parts: norms before and/or after each sublayer, w * norm(x) or
 (1 + w) * norm(x), q/k norms per head or over the projection, a score scale and soft-cap, a
-window per layer, a scaled embedding, a SiLU or GELU-tanh gated MLP, soft-capped logits.
+window per layer, a scaled embedding, a SiLU or GELU-tanh gated MLP or a sparse MoE block
+(per layer: ModelSpec.layer_mlps), soft-capped logits.
 
 The model consumes a packed step: input_ids and positions of every scheduled token, one
 KVCache per layer, and the step's AttentionMetadata. Parameter names follow the checkpoint's,
@@ -20,7 +21,9 @@ Fast paths, each taken where the parts it fuses are present and falling back per
   * FP8 W8A8 linears: the pre-norms and the SiLU-mul write E4M3 codes themselves (_forward_fp8);
   * everything else: the residual stream carried beside the hidden state, so each pre-norm
     fuses the add before it (the Triton RMSNorm on CUDA).
-A (1 + w) norm joins every fold through its fused_weight (1 + w in fp32). The native C decoder
+A (1 + w) norm joins every fold through its fused_weight (1 + w in fp32). An MoE block has no
+fused form in these paths: the attention half keeps its own and the block runs as itself (router,
+then the experts: Kernels.fused_moe on CUDA), its pre-norm and residual add apart. The native C decoder
 (quant/native_decode.py) computes the Llama layer: it takes the layers whose spec is that one.
 """
 
@@ -39,9 +42,10 @@ from rooflm.layers.attention import Attention, AttentionBackend, AttentionMetada
 from rooflm.layers.kernels import TORCH_KERNELS, Kernels
 from rooflm.layers.kv_cache import KVCache
 from rooflm.layers.linear import FusedLinear, Linear
+from rooflm.layers.moe import SparseMoeBlock, hub_tensors
 from rooflm.layers.norm import OnePlusRMSNorm, RMSNorm
 from rooflm.layers.rotary import RotaryEmbedding, shared_rotaries
-from rooflm.model.spec import QK_NORM_HEAD, QK_NORM_PROJ, RMS, SILU, ModelSpec
+from rooflm.model.spec import DENSE, MOE, QK_NORM_HEAD, QK_NORM_PROJ, RMS, SILU, ModelSpec
 from rooflm.quant.formats import is_quantized_tensor
 from rooflm.quant.linear_method import make_linear_method
 from rooflm.quant.native_decode import NativeDecoder
@@ -144,10 +148,14 @@ class DecoderLayer(torch.nn.Module):
     weights load by name; they are reached here by place (pre_attn, post_attn, ...)."""
 
     def __init__(self, cfg: ModelConfig, spec: ModelSpec, window: Optional[int], rotary: RotaryEmbedding,
-                 backend: Optional[AttentionBackend], kernels: Kernels = TORCH_KERNELS, tp: TPGroup = SINGLE):
+                 backend: Optional[AttentionBackend], kernels: Kernels = TORCH_KERNELS, tp: TPGroup = SINGLE,
+                 mlp: str = DENSE):
         super().__init__()
         self.self_attn = DecoderAttention(cfg, spec, window, rotary, backend, kernels, tp)
-        self.mlp = GatedMLP(cfg, spec, kernels, tp)
+        # mlp: this layer's MLP part (ModelSpec.layer_mlps). The fast paths below fuse a dense
+        # gated MLP; an MoE block runs as itself in every path (_mlp_apart, _mlp_sublayer).
+        self.dense_mlp = mlp == DENSE
+        self.mlp = GatedMLP(cfg, spec, kernels, tp) if self.dense_mlp else SparseMoeBlock(spec.moe, kernels, tp)
         self.norm_names = (spec.pre_attn_norm, spec.post_attn_norm, spec.pre_mlp_norm, spec.post_mlp_norm)
         for name in self.norm_names:
             if name is not None:
@@ -158,7 +166,8 @@ class DecoderLayer(torch.nn.Module):
         # a row-parallel layer's partial sums must be reduced before the residual add).
         self.fold = tp.size == 1
         # FP8 codes written by the norms and SiLU-mul need both pre-norms and SiLU.
-        self.fp8_fusable = self.fold and None not in (spec.pre_attn_norm, spec.pre_mlp_norm) and self.mlp.silu
+        self.fp8_fusable = (self.fold and None not in (spec.pre_attn_norm, spec.pre_mlp_norm)
+                            and (not self.dense_mlp or self.mlp.silu))
         # quant/native_decode.py: the C decoder computes the Llama layer only.
         self.native_form = spec.llama_layers
         # Each sublayer's output times this before its residual add (Granite), or None.
@@ -196,8 +205,17 @@ class DecoderLayer(torch.nn.Module):
         # The residual stream is carried separately so each pre-norm can fuse the add before it.
         x, residual = _pre(self.pre_attn, x, residual)
         x = self._post(1, self.self_attn(positions, x, kv_cache, meta))
+        return self._mlp_sublayer(x, residual)
+
+    def _mlp_sublayer(self, x, residual):
+        """forward's second half, the residual stream carried beside x: post(mlp(pre(...)))."""
         x, residual = _pre(self.pre_mlp, x, residual)
         return self._post(3, self.mlp(x)), residual
+
+    def _mlp_apart(self, h):
+        """h + post(mlp(pre(h))) for the one-token paths, whose residual stream h is whole, where
+        the MLP part has no fused form there (an MoE block; GELU-tanh's quantized gate_up)."""
+        return h + self._post(3, self.mlp(self.pre_mlp(h) if self.pre_mlp is not None else h))
 
     # ---- one token, float weights: four GEMVs ----------------------------------------------
 
@@ -208,6 +226,8 @@ class DecoderLayer(torch.nn.Module):
         h = x if residual is None else x + residual
         qkv = self._gemv_in(h, attn.qkv_proj, self.pre_attn)
         h = self._gemv_out(attn.attend(positions, qkv, kv_cache, meta), attn.o_proj, 1, h)
+        if not self.dense_mlp:
+            return self._mlp_apart(h), None
         act = self._gemv_in(h, mlp.gate_up_proj, self.pre_mlp, gated=mlp.silu)
         if not mlp.silu:
             act = mlp.act(act)
@@ -244,12 +264,12 @@ class DecoderLayer(torch.nn.Module):
             return None
         h = self._folded_out(attn.o_proj, attn.attend(positions, qkv, kv_cache, meta), 1, h)
         act = None
-        if mlp.silu:
+        if self.dense_mlp and mlp.silu:
             weight = _fold_weight(pre_mlp, h)
             if weight is not None or pre_mlp is None:
                 act = mlp.gate_up_proj.forward_silu_mul(h, norm_weight=weight, eps=pre_mlp.eps if pre_mlp else 1e-6)
         if act is None:
-            return h + self._post(3, mlp(pre_mlp(h) if pre_mlp is not None else h)), None
+            return self._mlp_apart(h), None
         return self._folded_out(mlp.down_proj, act, 3, h), None
 
     def _folded_out(self, linear: Linear, a: torch.Tensor, place: int, h: torch.Tensor) -> torch.Tensor:
@@ -262,9 +282,11 @@ class DecoderLayer(torch.nn.Module):
     # ---- FP8 W8A8: norms and SiLU-mul write the codes -----------------------------------------
 
     def _fp8_inputs(self) -> bool:
-        """Whether qkv, gate_up and down take E4M3 codes from the norm / SiLU-mul before them."""
+        """Whether qkv, gate_up and down take E4M3 codes from the norm / SiLU-mul before them
+        (qkv alone before an MoE block, which runs as itself)."""
         attn, mlp = self.self_attn, self.mlp
-        return all(lin.fp8_input() is not None for lin in (attn.qkv_proj, mlp.gate_up_proj, mlp.down_proj))
+        linears = (attn.qkv_proj, mlp.gate_up_proj, mlp.down_proj) if self.dense_mlp else (attn.qkv_proj,)
+        return all(lin.fp8_input() is not None for lin in linears)
 
     def _forward_fp8(self, positions, x, residual, kv_cache, meta):
         """forward for FP8 W8A8 linears: the pre-norms and the SiLU-mul write E4M3 codes and scales
@@ -275,7 +297,7 @@ class DecoderLayer(torch.nn.Module):
         from rooflm.kernels.norm_act_fp8 import rmsnorm_fp8, silu_mul_fp8  # Triton: imported where used
         attn, mlp = self.self_attn, self.mlp
         ln1, ln2 = self.pre_attn, self.pre_mlp
-        qkv_q, down_q = attn.qkv_proj.fp8_input(), mlp.down_proj.fp8_input()
+        qkv_q = attn.qkv_proj.fp8_input()
         if residual is None:
             residual = x
             qx, sx = rmsnorm_fp8(x, ln1.fused_weight, ln1.eps, static_scale=qkv_q.input_scale)
@@ -283,6 +305,9 @@ class DecoderLayer(torch.nn.Module):
             qx, sx, residual = rmsnorm_fp8(x, ln1.fused_weight, ln1.eps, residual, static_scale=qkv_q.input_scale)
         qkv = attn.qkv_proj.forward_fp8(qx, sx, x.dtype)
         x = self._post(1, attn.o_proj(attn.attend(positions, qkv, kv_cache, meta)))
+        if not self.dense_mlp:
+            return self._mlp_sublayer(x, residual)
+        down_q = mlp.down_proj.fp8_input()
         qx, sx, residual = rmsnorm_fp8(x, ln2.fused_weight, ln2.eps, residual,
                                        static_scale=mlp.gate_up_proj.fp8_input().input_scale)
         qa, sa = silu_mul_fp8(mlp.gate_up_proj.forward_fp8(qx, sx, x.dtype), static_scale=down_q.input_scale)
@@ -333,8 +358,10 @@ class DecoderModel(torch.nn.Module):
         # Each layer's rotary (ModelSpec.layer_ropes): one table per distinct base/scaling/width.
         rotaries = shared_rotaries(spec.ropes(cfg), cfg.head_dim, max_positions)
         windows = spec.layer_windows or (cfg.sliding_window,) * cfg.num_hidden_layers
+        mlps = spec.layer_mlps or (DENSE,) * cfg.num_hidden_layers
         self.layers = torch.nn.ModuleList(
-            DecoderLayer(cfg, spec, window, rotary, backend, kernels, tp) for window, rotary in zip(windows, rotaries))
+            DecoderLayer(cfg, spec, window, rotary, backend, kernels, tp, mlp)
+            for window, rotary, mlp in zip(windows, rotaries, mlps))
         self.norm = make_norm(spec, cfg.hidden_size, cfg.rms_norm_eps, kernels.rmsnorm)
         log.info("decoder path: %s", decoder_path(spec, kernels))
         # rooflm/quant/native_decode.py: single-sequence CPU steps as one C call over all layers,
@@ -373,6 +400,9 @@ def decoder_path(spec: ModelSpec, kernels: Kernels) -> str:
         apart.append(f"{spec.mlp_act} runs apart from gate_up (the fused forms compute SiLU-mul)")
     if spec.pre_attn_norm is None or spec.pre_mlp_norm is None:
         apart.append("no FP8 codes from the norms (a sublayer without a pre-norm)")
+    if MOE in spec.layer_mlps:
+        apart.append("MoE blocks run as themselves beside the fused attention half "
+                     f"({'fused_moe' if kernels.fused_moe is not None else 'torch experts loop'})")
     if not spec.llama_layers:
         apart.append("no native C decoder (it computes the Llama layer)")
     fused = "one-token GEMV chain" if kernels.gemv is not None else "torch/Triton per op"
@@ -468,6 +498,11 @@ class CausalLM(torch.nn.Module):
             if name.endswith(("self_attn.k_scale", "self_attn.v_scale")):
                 self._load_kv_scale(name, tensor)
                 continue
+            moe = self._moe_target(name)
+            if moe is not None:  # an expert's, the router's: the block takes the checkpoint's names
+                block, rest = moe
+                loaded.update(f"{block}.{piece}" for piece in self.get_submodule(block).load_weight(rest, tensor))
+                continue
             if is_quantized_tensor(tensor) and not _fused_targets(name):
                 tensor = self._load_blocks(name, tensor)
                 if tensor is None:
@@ -503,6 +538,19 @@ class CausalLM(torch.nn.Module):
         for module in self.modules():
             if isinstance(module, (FusedLinear, OnePlusRMSNorm)):
                 module.finish_loading()
+
+    def _moe_target(self, name: str) -> Optional[tuple[str, str]]:
+        """'model.layers.3.<moe_prefix>.experts.7.up_proj.weight' -> ('model.layers.3.mlp',
+        'experts.7.up_proj.weight') where layer 3's MLP is an MoE block; else None."""
+        parts = name.split(".", 3)
+        if len(parts) < 4 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+            return None
+        prefix = self.spec.moe_prefix + "."
+        if not parts[3].startswith(prefix) or int(parts[2]) >= len(self.model.layers):
+            return None
+        if self.model.layers[int(parts[2])].dense_mlp:
+            return None
+        return f"model.layers.{parts[2]}.mlp", parts[3][len(prefix):]
 
     def _load_kv_scale(self, name: str, tensor) -> None:
         """'model.layers.3.self_attn.k_scale' (one fp32, per tensor) -> checkpoint_kv_scales[3, 0]."""
@@ -545,7 +593,9 @@ class CausalLM(torch.nn.Module):
                     yield f"{name}.{shard}.weight"
                     if module.bias is not None:
                         yield f"{name}.{shard}.bias"
-        fused_prefixes = tuple(n + "." for n, m in self.named_modules() if isinstance(m, FusedLinear))
+            elif isinstance(module, SparseMoeBlock):  # its stacked parameters fill piece by piece
+                yield from (f"{name}.{piece}" for piece in module.weight_pieces())
+        fused_prefixes = tuple(n + "." for n, m in self.named_modules() if isinstance(m, (FusedLinear, SparseMoeBlock)))
         for name, _ in self.named_parameters():
             if not name.startswith(fused_prefixes):
                 yield name
@@ -559,9 +609,22 @@ class CausalLM(torch.nn.Module):
             whole = type(self)(self.cfg, max_positions=1)
         gen = torch.Generator(device=sample.device).manual_seed(seed)
         fused = {name: m for name, m in whole.named_modules() if isinstance(m, FusedLinear)}
+        # An MoE block's stacked parameters leave as the per-expert checkpoint tensors, once the
+        # block's last one is drawn (the draws keep init_dummy_weights' order).
+        moe = {name + ".": m for name, m in whole.named_modules() if isinstance(m, SparseMoeBlock)}
+        pending: dict[str, dict[str, torch.Tensor]] = {}
         for name, param in whole.named_parameters():
             tensor = torch.empty(param.shape, dtype=sample.dtype, device=sample.device)
             _dummy_fill(name, tensor, gen)
+            block = next((b for b in moe if name.startswith(b)), None)
+            if block is not None:
+                params = pending.setdefault(block, {})
+                params[name[len(block):]] = tensor
+                if len(params) == len(list(moe[block].parameters())):
+                    stem = block[:-len("mlp.")] + self.spec.moe_prefix
+                    for rest, t in hub_tensors(moe[block].cfg, pending.pop(block), self.spec.expert_projs):
+                        yield f"{stem}.{rest}", t
+                continue
             module_name, _, kind = name.rpartition(".")
             if module_name not in fused:
                 yield name, tensor

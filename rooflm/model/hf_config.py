@@ -59,6 +59,14 @@ def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
             cfg[name] = getattr(config, name)
     if config.attention_multiplier is not None:
         cfg["attention_multiplier"] = config.attention_multiplier
+    if config.num_experts:  # both spellings of the expert count: each family's reader takes its own
+        cfg.update(num_experts=config.num_experts, num_local_experts=config.num_experts,
+                   num_experts_per_tok=config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob,
+                   decoder_sparse_step=config.decoder_sparse_step, mlp_only_layers=list(config.mlp_only_layers))
+        if config.moe_intermediate_size:
+            cfg["moe_intermediate_size"] = config.moe_intermediate_size
+        if config.shared_expert_intermediate_size:
+            cfg["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
     if config.bos_token_id is not None:
         cfg["bos_token_id"] = config.bos_token_id
     if config.eos_token_ids:

@@ -21,9 +21,10 @@ import torch
 from rooflm.config import ModelConfig, RopeScaling
 from rooflm.model import hub, presets
 from rooflm.errors import ModelLoadError, load_error  # noqa: F401 (ModelLoadError is re-exported)
+from rooflm.layers.moe import hub_shapes
 from rooflm.model.registry import SUPPORTED_ARCHITECTURES, TEXT_MODEL_OF, get_family, model_spec
 from rooflm.layers.rotary import rope_scaling_from_hf
-from rooflm.model.spec import QK_NORM_HEAD, QK_NORM_PROJ
+from rooflm.model.spec import MOE, QK_NORM_HEAD, QK_NORM_PROJ
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
@@ -320,6 +321,7 @@ def weight_shapes(config: ModelConfig, kv_scales: bool = False) -> dict[str, tup
     qk_norm_sizes = {QK_NORM_HEAD: (config.head_dim, config.head_dim),
                      QK_NORM_PROJ: (config.q_size, config.kv_size)}.get(spec.qk_norm)
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    moe_shapes = hub_shapes(spec.moe, spec.expert_projs) if spec.moe is not None else {}
     for i in range(config.num_hidden_layers):
         layer = f"model.layers.{i}."
         for norm in spec.norm_names():
@@ -335,9 +337,13 @@ def weight_shapes(config: ModelConfig, kv_scales: bool = False) -> dict[str, tup
         if qk_norm_sizes is not None:
             shapes[layer + "self_attn.q_norm.weight"] = (qk_norm_sizes[0],)
             shapes[layer + "self_attn.k_norm.weight"] = (qk_norm_sizes[1],)
-        shapes[layer + "mlp.gate_proj.weight"] = (inter, hidden)
-        shapes[layer + "mlp.up_proj.weight"] = (inter, hidden)
-        shapes[layer + "mlp.down_proj.weight"] = (hidden, inter)
+        if spec.layer_mlps and spec.layer_mlps[i] == MOE:
+            for name, shape in moe_shapes.items():
+                shapes[layer + spec.moe_prefix + "." + name] = shape
+        else:
+            shapes[layer + "mlp.gate_proj.weight"] = (inter, hidden)
+            shapes[layer + "mlp.up_proj.weight"] = (inter, hidden)
+            shapes[layer + "mlp.down_proj.weight"] = (hidden, inter)
         if kv_scales:
             shapes[layer + "self_attn.k_scale"] = shapes[layer + "self_attn.v_scale"] = (1,)
     shapes["model.norm.weight"] = (hidden,)

@@ -125,6 +125,27 @@ PRESETS: dict[str, ModelConfig] = {
         num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=5000000.0,
         max_position_embeddings=65536, tie_word_embeddings=True,
         no_rope_layers=(1, 1, 1, 0) * 9, bos_token_id=128000, eos_token_ids=(128012,)),
+    # Mixtures of experts (model/qwen3_moe.py, mixtral.py, olmoe.py): total vs active parameters
+    # in ModelConfig.num_params / num_active_params.
+    "qwen3-30b-a3b": ModelConfig(
+        architecture="Qwen3MoeForCausalLM", vocab_size=151936, hidden_size=2048,
+        intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=40960, qk_norm=True, bos_token_id=151643,
+        eos_token_ids=(151645, 151643), num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, norm_topk_prob=True),
+    "mixtral-8x7b": ModelConfig(
+        architecture="MixtralForCausalLM", vocab_size=32000, hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=1000000.0,
+        max_position_embeddings=32768, bos_token_id=1, eos_token_ids=(2,), num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True),
+    "olmoe-1b-7b": ModelConfig(
+        architecture="OlmoeForCausalLM", vocab_size=50304, hidden_size=2048,
+        intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0,
+        max_position_embeddings=4096, eos_token_ids=(50279,), num_experts=64,
+        num_experts_per_tok=8),
     "smollm2-135m": ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576,
         intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,

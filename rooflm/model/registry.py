@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 from rooflm.config import ModelConfig
-from rooflm.model import gemma2, gemma3, granite, olmo2, phi3, smollm3
+from rooflm.model import gemma2, gemma3, granite, mixtral, olmo2, olmoe, phi3, qwen2_moe, qwen3_moe, smollm3
 from rooflm.model.llama import LlamaForCausalLM
 from rooflm.model.spec import ModelSpec, llama_spec
 
@@ -50,6 +50,10 @@ FAMILIES = {f.architecture: f for f in (
            granite.config_fields),
     Family(smollm3.ARCHITECTURE, smollm3.MODEL_TYPE, smollm3.spec, smollm3.SmolLM3ForCausalLM,
            smollm3.config_fields),
+    Family(qwen3_moe.ARCHITECTURE, qwen3_moe.MODEL_TYPE, qwen3_moe.spec, qwen3_moe.Qwen3MoeForCausalLM, qwen3_moe.config_fields),
+    Family(mixtral.ARCHITECTURE, mixtral.MODEL_TYPE, mixtral.spec, mixtral.MixtralForCausalLM, mixtral.config_fields),
+    Family(olmoe.ARCHITECTURE, olmoe.MODEL_TYPE, olmoe.spec, olmoe.OlmoeForCausalLM, olmoe.config_fields),
+    Family(qwen2_moe.ARCHITECTURE, qwen2_moe.MODEL_TYPE, qwen2_moe.spec, qwen2_moe.Qwen2MoeForCausalLM, qwen2_moe.config_fields),
 )}
 
 # Multimodal architectures served as their text model: config.json -> the text model's config.json

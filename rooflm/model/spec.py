@@ -18,6 +18,7 @@ from typing import Optional
 
 from rooflm.config import ModelConfig
 from rooflm.layers.rotary import Rope
+from rooflm.layers.moe import MoeConfig
 
 RMS = "rms"  # w * norm(x), HF Llama's casts
 RMS_ONE_PLUS = "rms_one_plus"  # (1 + w) * norm(x) in fp32, then cast (Gemma)
@@ -25,6 +26,8 @@ QK_NORM_HEAD = "head"  # RMSNorm over each head of q and k (Qwen3)
 QK_NORM_PROJ = "proj"  # RMSNorm over the whole q and k projections (OLMo 2)
 SILU = "silu"
 GELU_TANH = "gelu_tanh"
+DENSE = "dense"  # a layer's MLP part: the gated MLP
+MOE = "moe"  # ... or a sparse MoE block (layers/moe.py SparseMoeBlock)
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,13 @@ class ModelSpec:
     residual_scale: Optional[float] = None
     # The logits divided by this (Granite's logits_scaling), before any final soft-cap.
     logit_divisor: Optional[float] = None
+    # Each layer's MLP part, DENSE or MOE (empty: every layer dense), the experts' config
+    # (derived once from ModelConfig: moe_parts), and the checkpoint's names of the block
+    # ("model.layers.{i}.<moe_prefix>.") and of each expert's gate, up and down projections.
+    layer_mlps: tuple[str, ...] = ()
+    moe: Optional[MoeConfig] = None
+    moe_prefix: str = "mlp"
+    expert_projs: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
     def __post_init__(self) -> None:
         if self.norm not in (RMS, RMS_ONE_PLUS):
@@ -60,6 +70,10 @@ class ModelSpec:
             raise ValueError(f"ModelSpec.qk_norm must be None, {QK_NORM_HEAD} or {QK_NORM_PROJ}, got {self.qk_norm!r}")
         if self.mlp_act not in (SILU, GELU_TANH):
             raise ValueError(f"ModelSpec.mlp_act must be {SILU} or {GELU_TANH}, got {self.mlp_act!r}")
+        if set(self.layer_mlps) - {DENSE, MOE}:
+            raise ValueError(f"ModelSpec.layer_mlps entries must be {DENSE} or {MOE}, got {self.layer_mlps}")
+        if MOE in self.layer_mlps and self.moe is None:
+            raise ValueError("ModelSpec.layer_mlps has MoE layers but no moe config")
 
     @property
     def llama_layers(self) -> bool:
@@ -70,7 +84,8 @@ class ModelSpec:
                 and self.qk_norm in (None, QK_NORM_HEAD) and self.attn_scale is None
                 and self.attn_softcap is None and self.final_softcap is None
                 and len(set(self.layer_windows)) <= 1 and self.embed_scale is None and self.mlp_act == SILU
-                and not self.layer_ropes and self.residual_scale is None and self.logit_divisor is None)
+                and not self.layer_ropes and self.residual_scale is None and self.logit_divisor is None
+                and MOE not in self.layer_mlps)
 
     def ropes(self, cfg: ModelConfig) -> tuple[Optional[Rope], ...]:
         """Each layer's rotary (layer_ropes, or the config's rope on every layer)."""
@@ -117,3 +132,13 @@ def rotary_dim(cfg: ModelConfig) -> Optional[int]:
 def llama_spec(cfg: ModelConfig) -> ModelSpec:
     """Llama 2/3/3.1, Mistral, SmolLM2, Qwen2/2.5, Qwen3: pre-norm RMSNorm, SiLU, one window."""
     return ModelSpec(qk_norm=QK_NORM_HEAD if cfg.qk_norm else None, layer_windows=layer_windows(cfg))
+
+
+def moe_parts(cfg: ModelConfig) -> dict:
+    """A mixture-of-experts family's ModelSpec fields from its config: which layers are sparse
+    (ModelConfig.is_moe_layer, HF's rule) and the experts' MoeConfig."""
+    moe = MoeConfig(num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, hidden_size=cfg.hidden_size,
+                    intermediate_size=cfg.expert_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+                    shared_expert_intermediate_size=cfg.shared_expert_intermediate_size)
+    mlps = tuple(MOE if cfg.is_moe_layer(i) else DENSE for i in range(cfg.num_hidden_layers))
+    return dict(layer_mlps=mlps, moe=moe)

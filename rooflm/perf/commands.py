@@ -15,6 +15,7 @@ from rooflm.perf.memory import inference_memory, training_memory, weight_bytes
 from rooflm.perf.roofline import (
     KV_CACHE_BYTES,
     WEIGHT_FORMATS,
+    expected_active_experts,
     kv_bytes_per_token_per_gpu,
     phase_step_cost,
     roofline,
@@ -239,7 +240,8 @@ def format_roofline(step, gpu: GpuSpec, model_name: str, config: ModelConfig, ph
     fmt = WEIGHT_FORMATS[weight_dtype]
     lines = []
     tp_note = f", TP {tp} (per-GPU figures)" if tp > 1 else ""
-    lines.append(f"{model_name}: {config.num_params() / 1e9:.2f}B params, {phase}, batch {batch_size}, "
+    active = f" ({config.num_active_params() / 1e9:.2f}B active per token)" if config.num_experts else ""
+    lines.append(f"{model_name}: {config.num_params() / 1e9:.2f}B params{active}, {phase}, batch {batch_size}, "
                  f"context {context}, weights {weight_dtype} ({fmt.note}), KV {kv_dtype}{tp_note}")
     lines.append(f"{gpu.name} [{gpu.source}]: {gpu.peak_flops(step.compute_dtype) / 1e12:,.0f} "
                  f"TFLOP/s {step.compute_dtype} dense, {gpu.peak_flops('fp32') / 1e12:,.1f} TFLOP/s "
@@ -263,6 +265,10 @@ def format_roofline(step, gpu: GpuSpec, model_name: str, config: ModelConfig, ph
     if all_weights - summary.weight_bytes > 0.05 * all_weights:
         unread = (f" (of {all_weights / GB:.2f} GB held: the embedding table is gathered row by "
                   f"row, not streamed)")
+        if config.num_experts:
+            unread = (f" (of {all_weights / GB:.2f} GB held: only the experts the batch routes to are read, "
+                      f"~{expected_active_experts(step.num_tokens, config.num_experts, config.num_experts_per_tok):.1f} "
+                      f"of {config.num_experts} a layer, and the embedding table is gathered row by row)")
     lines.append(f"bytes per step: {step.bytes / GB:.2f} GB = weights {summary.weight_bytes / GB:.2f} GB"
                  f"{unread} + KV cache {summary.kv_bytes / GB:.3f} GB + activations "
                  f"{summary.other_bytes / GB:.3f} GB; FLOPs per step: {step.flops / 1e9:,.1f} GFLOP")

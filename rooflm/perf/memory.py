@@ -68,7 +68,12 @@ class ParamCounts:
 
 def param_counts(config: ModelConfig) -> ParamCounts:
     h, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
-    layer_linear = h * (config.q_size + 2 * config.kv_size) + config.q_size * h + 3 * h * inter
+    attn_linear = h * (config.q_size + 2 * config.kv_size) + config.q_size * h
+    # An MoE layer holds all its experts (and router, shared expert) in memory, whatever a token reads.
+    moe_layers = config.num_moe_layers
+    moe_mlp = config.moe_layer_params(config.num_experts) if moe_layers else 0
+    mlps = (config.num_hidden_layers - moe_layers) * 3 * h * inter + moe_layers * moe_mlp
+    layer_linear = attn_linear + (moe_mlp if moe_layers else 3 * h * inter)  # the largest layer
     layer_other = 2 * h  # the two RMSNorm weights
     if config.attention_bias:
         layer_other += config.q_size + 2 * config.kv_size
@@ -76,7 +81,7 @@ def param_counts(config: ModelConfig) -> ParamCounts:
         layer_other += 2 * config.head_dim
     head = 0 if config.tie_word_embeddings else vocab * h
     counts = ParamCounts(
-        linear=config.num_hidden_layers * layer_linear + head,
+        linear=config.num_hidden_layers * attn_linear + mlps + head,
         embedding=vocab * h,
         other=config.num_hidden_layers * layer_other + h,  # + final norm
         per_layer=layer_linear + layer_other,

@@ -331,20 +331,26 @@ def step_cost(
     ops.append(OpCost("residual adds", VECTOR, 2 * layers * tokens * h,
                       2 * layers * 3 * tokens * h * a))
 
-    # Gate and up projections as one [T, h] x [h, 2I] matmul, column-parallel.
-    w = h * 2 * inter * weight_bytes
-    ops.append(OpCost("gate_up_proj", MATMUL, layers * 2 * tokens * h * 2 * inter,
-                      layers * (w + tokens * h * a + tokens * 2 * inter * a),
-                      weight_bytes=layers * w))
+    # The dense MLPs (every layer of a dense model; an MoE model's mlp_only layers).
+    moe_layers = config.num_moe_layers
+    dense = layers - moe_layers
+    if dense:
+        # Gate and up projections as one [T, h] x [h, 2I] matmul, column-parallel.
+        w = h * 2 * inter * weight_bytes
+        ops.append(OpCost("gate_up_proj", MATMUL, dense * 2 * tokens * h * 2 * inter,
+                          dense * (w + tokens * h * a + tokens * 2 * inter * a),
+                          weight_bytes=dense * w))
 
-    # SiLU(gate) * up: reads [T, 2I], writes [T, I].
-    ops.append(OpCost("act (silu*mul)", VECTOR, layers * _SILU_MUL_FLOPS * tokens * inter,
-                      layers * 3 * tokens * inter * a))
+        # SiLU(gate) * up: reads [T, 2I], writes [T, I].
+        ops.append(OpCost("act (silu*mul)", VECTOR, dense * _SILU_MUL_FLOPS * tokens * inter,
+                          dense * 3 * tokens * inter * a))
 
-    # Down projection: [T, I] x [I, h], row-parallel.
-    w = inter * h * weight_bytes
-    ops.append(OpCost("down_proj", MATMUL, layers * 2 * tokens * inter * h,
-                      layers * (w + tokens * inter * a + tokens * h * a), weight_bytes=layers * w))
+        # Down projection: [T, I] x [I, h], row-parallel.
+        w = inter * h * weight_bytes
+        ops.append(OpCost("down_proj", MATMUL, dense * 2 * tokens * inter * h,
+                          dense * (w + tokens * inter * a + tokens * h * a), weight_bytes=dense * w))
+    if moe_layers:
+        ops.extend(_moe_ops(config, moe_layers, tokens, weight_bytes, a, tp))
 
     # LM head on the sampled rows only. Its weight is read only if some row is sampled.
     if head_bytes is None:
@@ -376,6 +382,39 @@ def step_cost(
         flops=sum(op.flops for op in ops),
         bytes=sum(op.bytes for op in hbm_ops),
         comm_bytes=comm_bytes)
+
+
+def expected_active_experts(tokens: int, num_experts: int, top_k: int) -> float:
+    """Distinct experts a layer's routing touches for `tokens` tokens, top_k each, uniformly
+    routed: E (1 - (1 - k/E)^T). Batch 1 reads k experts' weights; at large T, all E."""
+    if tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+def _moe_ops(config: ModelConfig, moe_layers: int, tokens: int, weight_bytes: float, a: float,
+             tp: int) -> list[OpCost]:
+    """An MoE model's sparse layers: the router, the experts (rooflm/kernels/fused_moe.py: the
+    weights of only the experts the batch touches are read; gate_up with SiLU-mul fused, then
+    down with the routing weights), and a shared expert where the family has one. Experts
+    shard their intermediate dimension over TP like the dense MLP."""
+    h, experts, k = config.hidden_size, config.num_experts, config.num_experts_per_tok
+    inter = config.expert_intermediate_size // tp
+    pairs = tokens * k
+    active = expected_active_experts(tokens, experts, k)
+    router_w = experts * h * weight_bytes
+    ops = [OpCost("moe router", MATMUL, moe_layers * 2 * tokens * h * experts,
+                  moe_layers * (router_w + tokens * h * a + tokens * experts * 4), weight_bytes=moe_layers * router_w)]
+    w = active * 3 * h * inter * weight_bytes
+    acts = pairs * (h + 2 * inter + 2 * h) * a + tokens * h * a
+    ops.append(OpCost("moe experts", MATMUL, moe_layers * 6 * pairs * h * inter, moe_layers * (w + acts),
+                      weight_bytes=moe_layers * w))
+    shared = config.shared_expert_intermediate_size // tp
+    if shared:
+        w = (3 * h * shared + h) * weight_bytes
+        ops.append(OpCost("shared expert", MATMUL, moe_layers * 2 * tokens * h * (3 * shared + 1),
+                          moe_layers * (w + tokens * (2 * h + 3 * shared) * a), weight_bytes=moe_layers * w))
+    return ops
 
 
 def phase_step_cost(config: ModelConfig, phase: str, batch_size: int, context: int,

@@ -214,7 +214,7 @@ def test_dummy_preset_config(name):
 def test_family_preset_parameters_match_weight_shapes(name):
     """A parts family's model, built at its real shape (on the meta device), has a parameter for
     every checkpoint tensor the loader expects, and no other."""
-    from rooflm.model.llama import _fused_targets
+    from rooflm.model.decoder import _fused_targets
     from rooflm.model.registry import get_model_class
     config = PRESETS[name]
     with torch.device("meta"):
