@@ -298,8 +298,13 @@ def test_gpu_graphs_match_eager_and_triton_matches_reference(tmp_path, family, o
     fast = generate(path, GPU_PROMPTS, "triton", False, dtype="float32")
     check_greedy_close(fast, ref)
     hf = hf.cuda().float()
+    # LongRoPE (Phi-3): HF rotates a whole forward with the long factors once it passes the original
+    # context, rooflm each position by its own (docs/models.md); they agree on prompts inside it.
+    within = getattr(hf.config, "original_max_position_embeddings", None) or float("inf")
     with torch.no_grad():
         for prompt, out in zip(GPU_PROMPTS, fast):
+            if len(prompt) > within:
+                continue
             logits = hf(torch.tensor([prompt], device="cuda")).logits[0, -1]
             assert int(logits.argmax()) == out.outputs[0].token_ids[0]
 
