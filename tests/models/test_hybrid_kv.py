@@ -56,6 +56,16 @@ def test_prefix_hit_through_the_window_matches_a_cold_run(gemma2):
     assert warm.outputs[0].token_ids == cold[0]
 
 
+@pytest.mark.parametrize("scales", ["per-token", "static"])
+def test_fp8_cache_with_groups_equals_one_table(gemma2, scales):
+    """FP8 scales: per-token ones live in the block's pool slot, static ones belong to the layer."""
+    path, _ = gemma2
+    fp8 = dict(kv_cache_dtype="fp8", kv_cache_scales=scales)
+    hybrid, _ = _generate(path, PROMPTS[:2], **fp8)
+    shared, _ = _generate(path, PROMPTS[:2], disable_hybrid_kv_cache_manager=True, **fp8)
+    assert hybrid == shared
+
+
 def test_sliding_group_holds_only_its_window_while_decoding(gemma2):
     path, _ = gemma2
     llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, max_model_len=128)
