@@ -66,6 +66,19 @@ def test_fp8_cache_with_groups_equals_one_table(gemma2, scales):
     assert hybrid == shared
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_with_groups_equals_one_table(gemma2, mode):
+    """A pool too small for the batch: requests are preempted (recomputed or swapped out with
+    every group's blocks) and the greedy output stays that of an uncontended run."""
+    path, _ = gemma2
+    prompts = [list(range(30, 50)), list(range(60, 80)), [5, 17, 42]]
+    tight = dict(num_blocks=24, preemption_mode=mode, enable_prefix_caching=False, reserve_new_tokens=False)
+    hybrid, llm = _generate(path, prompts, **tight)
+    assert llm.engine.scheduler.num_preemptions > 0
+    roomy, _ = _generate(path, prompts, disable_hybrid_kv_cache_manager=True)
+    assert hybrid == roomy
+
+
 def test_sliding_group_holds_only_its_window_while_decoding(gemma2):
     path, _ = gemma2
     llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, max_model_len=128)
