@@ -4,7 +4,6 @@ prompts several windows long, so that the sliding group gives blocks back every 
 Greedy output with KV cache groups equals the output with one shared table and HF's."""
 
 import pytest
-import torch
 
 from rooflm import LLM, SamplingParams
 from tests.models.test_hf_parity import hf_greedy
@@ -101,7 +100,6 @@ def test_sliding_group_holds_only_its_window_while_decoding(gemma2):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_cuda_graphs_hybrid_equals_one_table(tmp_path):
     """Decode CUDA graphs and piecewise graphs with per-group static buffers: greedy equal."""
     path, _ = make_tiny_model(tmp_path, "gemma2", initializer_range=0.3, tied=True)
