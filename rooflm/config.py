@@ -260,6 +260,10 @@ class CacheConfig:
     # per-token: always per token. static: the checkpoint's, else 1.0 (vLLM's default); no
     # per-key scale work in the attention kernels.
     kv_cache_scales: str = "auto"
+    # Off: sliding-window layers (Gemma 2/3, gpt-oss) keep their whole history in the one block
+    # table every layer shares. On (default): they are KV cache groups of their own that hold
+    # only their window (engine/kv_groups.py). vLLM's flag name.
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):

@@ -50,6 +50,8 @@ HELP: dict[str, str] = {
     "kv_cache_scales": "FP8 caches' scales. auto: the checkpoint's static scales where it has "
                        "them, else per token; per-token: always per token; static: the "
                        "checkpoint's, else 1.0",
+    "disable_hybrid_kv_cache_manager": "sliding-window layers keep their whole history in the "
+                                       "block table all layers share, rather than only their window",
     # scheduler
     "max_num_seqs": "most sequences in a step; unset: 1024 on CUDA GPUs of 70 GB or more, 512 on "
                     "smaller ones, 256 on the CPU",

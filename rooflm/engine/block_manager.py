@@ -20,6 +20,14 @@
   to running, swapped-out and waiting requests alike.
 - Host blocks for swap preemption have their own pool. They are reference
   counted too: the n samples of a request still share blocks while swapped out.
+- KV cache groups (kv_groups.py): with sliding-window layers in their own groups, a table
+  carries one table per further group (group_tables), all over the same positions and the
+  same pool. A sliding group's blocks wholly before the window of every query still to come
+  are given back when the table grows (allocate); their entries become NULL_BLOCK, which the
+  kernels may touch at a tile's start but whose keys they mask (a valid block: finite data).
+  Group 0 is full attention and owns the prefix hashes; a sliding group's block carries its
+  group-qualified hash. A prefix hit must also find every sliding group's blocks of the last
+  W - 1 tokens before the hit point, or it is shortened to the longest point where they are.
 """
 
 from __future__ import annotations
@@ -28,7 +36,12 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
+
+# What a sliding group's table holds where its block was given back (below the window). The
+# kernels' tiles start at a multiple of BLOCK_N, so they may read such an entry; its keys are
+# masked, and block 0 holds finite K/V (the pool is zeroed, and only K/V is ever written).
+NULL_BLOCK = 0
 
 
 def slot_of(block_id, position, block_size: int):
@@ -68,11 +81,15 @@ class BlockTable:
     it is stale without comparing the lists.
     """
 
-    __slots__ = ("block_size", "ids", "num_cached_blocks", "on_host", "version")
+    __slots__ = ("block_size", "ids", "num_cached_blocks", "on_host", "version", "num_freed", "group_tables")
 
-    def __init__(self, block_size: int, ids: Optional[list[int]] = None):
+    def __init__(self, block_size: int, ids: Optional[list[int]] = None, num_groups: int = 1):
         self.block_size = block_size
         self.ids: list[int] = ids if ids is not None else []
+        # A sliding group's table: its first num_freed entries were given back (NULL_BLOCK).
+        self.num_freed = 0
+        # The tables of KV cache groups 1.. (kv_groups.py), same positions; empty with one group.
+        self.group_tables: list[BlockTable] = [BlockTable(block_size) for _ in range(num_groups - 1)]
         # Leading blocks already registered in the prefix cache, so each block is hashed once.
         self.num_cached_blocks = 0
         # Swapped out: the ids name host blocks until the table is swapped back in.
@@ -90,7 +107,17 @@ class BlockTable:
 
     def __repr__(self) -> str:
         where = "host" if self.on_host else "device"
-        return f"BlockTable({self.ids}, {where}, cached={self.num_cached_blocks})"
+        freed = f", freed={self.num_freed}" if self.num_freed else ""
+        groups = f", groups={self.group_tables}" if self.group_tables else ""
+        return f"BlockTable({self.ids}, {where}, cached={self.num_cached_blocks}{freed}{groups})"
+
+    def tables(self) -> list["BlockTable"]:
+        """This table (group 0) and the other groups' tables, in group order."""
+        return [self, *self.group_tables] if self.group_tables else [self]
+
+    def live_ids(self) -> list[int]:
+        """The blocks this table holds a reference to (past the given-back entries)."""
+        return self.ids[self.num_freed:] if self.num_freed else self.ids
 
     def slots(self, start: int, n: int) -> list[int]:
         """Cache slots of positions start .. start + n - 1."""
@@ -103,10 +130,18 @@ class BlockTable:
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """The longest cached whole-block prefix of a prompt: its blocks and the tokens they hold."""
+    """The longest cached whole-block prefix of a prompt: its blocks and the tokens they hold.
+    group_blocks: for each KV cache group past the first, (first, ids): the group's blocks of
+    table entries first .. first + len(ids) - 1; the entries before first are NULL_BLOCK."""
 
     block_ids: tuple[int, ...] = ()
     num_tokens: int = 0
+    group_blocks: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+    def all_block_ids(self) -> Iterator[int]:
+        yield from self.block_ids
+        for _, ids in self.group_blocks:
+            yield from ids
 
 
 NO_HIT = PrefixHit()
@@ -117,6 +152,12 @@ class Block:
     block_id: int
     ref_cnt: int = 0
     block_hash: Optional[bytes] = None  # set once the block is full and registered
+
+
+def group_key(block_hash: bytes, group: int) -> bytes:
+    """A block hash as group `group`'s prefix cache knows it: the groups share one pool and one
+    table of hashes, and their blocks of the same tokens hold different layers."""
+    return block_hash if group == 0 else block_hash + b"/g" + group.to_bytes(2, "little")
 
 
 def hash_block(parent_hash: Optional[bytes], token_ids: list[int], salt: Optional[str]) -> bytes:
@@ -131,16 +172,20 @@ def hash_block(parent_hash: Optional[bytes], token_ids: list[int], salt: Optiona
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_host_blocks: int = 0):
+                 num_host_blocks: int = 0, windows: Sequence[Optional[int]] = (None,)):
+        """windows: each KV cache group's window (kv_groups.KVLayout.windows), group 0 full."""
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        if not windows or windows[0] is not None:
+            raise ValueError(f"KV cache group 0 must be full attention, got windows {tuple(windows)}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.windows = tuple(windows)
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         # block_id -> None; ordered from least to most recently freed.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[bytes, int] = {}  # block hash -> block id
+        self.cached: dict[bytes, int] = {}  # block hash (group_key) -> block id
         self.num_host_blocks = num_host_blocks
         self.free_host_blocks: list[int] = list(range(num_host_blocks - 1, -1, -1))
         self.host_ref_cnt = [0] * num_host_blocks
@@ -148,6 +193,10 @@ class BlockManager:
         self.prefix_hits = 0  # of which found
 
     # ---- queries ---------------------------------------------------------------------
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
 
     @property
     def num_free_blocks(self) -> int:
@@ -162,12 +211,20 @@ class BlockManager:
 
     def blocks_for_request(self, prompt_len: int, max_tokens: int, n: int = 1) -> int:
         """Most blocks a request can ever hold: its prompt's full blocks, shared by its n
-        samples, plus each sample's own blocks from there to prompt + max_tokens tokens."""
+        samples, plus each sample's own blocks from there to prompt + max_tokens tokens; in
+        a sliding group no more than its window and a whole-prompt step take."""
         prompt_blocks = prompt_len // self.block_size
-        return prompt_blocks + n * (self.blocks_needed(prompt_len + max_tokens) - prompt_blocks)
+        full = prompt_blocks + n * (self.blocks_needed(prompt_len + max_tokens) - prompt_blocks)
+        total = 0
+        for window in self.windows:
+            if window is None:
+                total += full
+            else:
+                total += min(full, n * (self.blocks_needed(window - 1 + prompt_len) + 1))
+        return total
 
     def new_table(self) -> BlockTable:
-        return BlockTable(self.block_size)
+        return BlockTable(self.block_size, num_groups=self.num_groups)
 
     def blocks_to_grow(self, table: BlockTable, num_computed: int, num_tokens_after: int,
                        hit: PrefixHit = NO_HIT) -> int:
@@ -175,23 +232,26 @@ class BlockManager:
 
         That is the blocks past those the table holds (with the prefix hit it is about to
         take, for a waiting sequence), plus one if the next token lands in a shared, partly
-        filled block, which is copied before it is written. A table on the host counts as
+        filled block, which is copied before it is written, in every group; less the sliding
+        groups' blocks that allocate gives back first. A table on the host counts as
         it will be once swapped back in: its blocks stay shared as they were.
         """
-        new_blocks = self._new_blocks_needed(table, num_tokens_after, hit)
-        return new_blocks + self._needs_copy_on_write(table, num_computed)
+        need = 0
+        held_hit = len(hit.block_ids)
+        for window, t in zip(self.windows, table.tables()):
+            held = len(t.ids) + held_hit
+            need += max(0, self.blocks_needed(num_tokens_after) - held) + self._needs_copy_on_write(t, num_computed)
+            if window is not None and not t.on_host:
+                need -= sum(1 for b in self._out_of_window(t, window, num_computed) if self.blocks[b].ref_cnt == 1)
+        return max(0, need)
 
     def blocks_to_admit(self, tables: list[BlockTable], hits: list[PrefixHit] = ()) -> int:
         """Free blocks a request's tables take before they grow: a device block for each
         host block of a swapped-out request, and each prefix-hit block that sits in the free
         queue (it stops being free once taken). Zero for a running request."""
-        host_blocks = {b for table in tables if table.on_host for b in table.ids}
-        revived = {b for hit in hits for b in hit.block_ids if self.blocks[b].ref_cnt == 0}
+        host_blocks = {b for table in tables if table.on_host for t in table.tables() for b in t.live_ids()}
+        revived = {b for hit in hits for b in hit.all_block_ids() if self.blocks[b].ref_cnt == 0}
         return len(host_blocks) + len(revived)
-
-    def _new_blocks_needed(self, table: BlockTable, num_tokens_after: int, hit: PrefixHit = NO_HIT) -> int:
-        held = len(table.ids) + len(hit.block_ids)
-        return max(0, self.blocks_needed(num_tokens_after) - held)
 
     def _needs_copy_on_write(self, table: BlockTable, num_computed: int) -> bool:
         """The next token lands in a partly filled block that another table also holds."""
@@ -201,6 +261,14 @@ class BlockManager:
         if table.on_host:
             return self.host_ref_cnt[block_id] > 1
         return self.blocks[block_id].ref_cnt > 1
+
+    def _out_of_window(self, table: BlockTable, window: int, num_computed: int) -> list[int]:
+        """The live blocks of a sliding group's table that no query from position num_computed
+        on reads: those wholly before num_computed - window + 1, the first key the next query
+        sees (the decode kernel's kv_lo = seq_len - window; the prefill kernel's pos_lo - W + 1)."""
+        first_key = num_computed - window + 1
+        end = min(max(first_key, 0) // self.block_size, len(table.ids))
+        return table.ids[table.num_freed:end] if end > table.num_freed else []
 
     # ---- allocation --------------------------------------------------------------------
 
@@ -231,12 +299,15 @@ class BlockManager:
     def find_cached_prefix(self, token_ids: list[int], salt: Optional[str]) -> PrefixHit:
         """The longest cached whole-block prefix of token_ids.
 
-        The last token is never served from the cache: its logits are needed.
+        The last token is never served from the cache: its logits are needed. With sliding
+        groups, the hit ends where every sliding group also has its blocks of the window
+        before it (see _window_hit).
         """
         if not self.enable_prefix_caching:
             return NO_HIT
         max_blocks = (len(token_ids) - 1) // self.block_size
         hits: list[int] = []
+        hashes: list[bytes] = []
         parent: Optional[bytes] = None
         for i in range(max_blocks):
             parent = hash_block(parent, token_ids[i * self.block_size:(i + 1) * self.block_size], salt)
@@ -244,9 +315,43 @@ class BlockManager:
             if block_id is None:
                 break
             hits.append(block_id)
+            hashes.append(parent)
+        if len(self.windows) > 1:
+            return self._window_hit(hits, hashes)
         if not hits:
             return NO_HIT
         return PrefixHit(tuple(hits), len(hits) * self.block_size)
+
+    def _window_hit(self, hits: list[int], hashes: list[bytes]) -> PrefixHit:
+        """The longest prefix of the full group's hit (m blocks) for which every other group
+        has cached blocks for the entries the queries from the hit point on read: a sliding
+        group those from (m * block_size - W + 1) // block_size to m - 1, a second full group
+        all m. The simplest correct rule: a sliding group's blocks were given back, and are
+        evicted, independently of the full group's."""
+        runs = []  # per group: the length of the run of cached blocks ending at each entry
+        for g in range(1, len(self.windows)):
+            run, length = [], 0
+            for h in hashes:
+                length = length + 1 if group_key(h, g) in self.cached else 0
+                run.append(length)
+            runs.append(run)
+        m = len(hits)
+        while m > 0 and not all(run[m - 1] >= m - self._first_kept(m, g) for g, run in enumerate(runs, start=1)):
+            m -= 1
+        if m == 0:
+            return NO_HIT
+        groups = []
+        for g in range(1, len(self.windows)):
+            first = self._first_kept(m, g)
+            groups.append((first, tuple(self.cached[group_key(h, g)] for h in hashes[first:m])))
+        return PrefixHit(tuple(hits[:m]), m * self.block_size, tuple(groups))
+
+    def _first_kept(self, num_blocks: int, group: int) -> int:
+        """The first table entry group `group` needs once num_blocks blocks are computed."""
+        window = self.windows[group]
+        if window is None:
+            return 0
+        return max(num_blocks * self.block_size - window + 1, 0) // self.block_size
 
     def take_cached_prefix(self, table: BlockTable, hit: PrefixHit) -> None:
         """Start an empty table with a prefix hit's blocks, by reference."""
@@ -256,35 +361,64 @@ class BlockManager:
             table.ids.append(block_id)
         table.num_cached_blocks = len(hit.block_ids)  # they are registered already
         table.version += 1
+        for t, (first, ids) in zip(table.group_tables, hit.group_blocks):
+            for block_id in ids:
+                self._touch(block_id)
+            t.ids.extend([NULL_BLOCK] * first)
+            t.ids.extend(ids)
+            t.num_freed = first
+            t.num_cached_blocks = len(hit.block_ids)
+            t.version += 1
 
     def allocate(self, table: BlockTable, num_computed: int, num_tokens_after: int,
                  copies: list[tuple[int, int]]) -> bool:
         """Make `table` hold tokens up to num_tokens_after; copy-on-write the block the next
         token lands in if it is shared. Appends (src, dst) block copies to `copies`.
-        Returns False (changing nothing) when the pool is short."""
+        A sliding group first gives back its blocks before the window (always right to do).
+        Returns False (changing nothing else) when the pool is short."""
         assert not table.on_host, "swap a table in before it grows"
-        # The two parts of blocks_to_grow, each worked out once.
-        new_blocks = self._new_blocks_needed(table, num_tokens_after)
-        copy = self._needs_copy_on_write(table, num_computed)
-        if new_blocks + copy > self.num_free_blocks:
+        tables = table.tables()
+        for window, t in zip(self.windows, tables):
+            if window is not None:
+                self._give_back(t, window, num_computed)
+        # The two parts of blocks_to_grow, each worked out once per group.
+        needed = self.blocks_needed(num_tokens_after)
+        plan = [(t, max(0, needed - len(t.ids)), self._needs_copy_on_write(t, num_computed)) for t in tables]
+        if sum(new + copy for _, new, copy in plan) > self.num_free_blocks:
             return False
-        if copy:
-            self._copy_on_write(table, num_computed // self.block_size, copies)
-        for _ in range(new_blocks):
-            table.ids.append(self._pop_free())
-        if new_blocks:
-            table.version += 1
+        for t, new_blocks, copy in plan:
+            if copy:
+                self._copy_on_write(t, num_computed // self.block_size, copies)
+            for _ in range(new_blocks):
+                t.ids.append(self._pop_free())
+            if new_blocks:
+                t.version += 1
         return True
+
+    def _give_back(self, table: BlockTable, window: int, num_computed: int) -> None:
+        """Release a sliding group's blocks before the window, oldest first (evicted first)."""
+        gone = self._out_of_window(table, window, num_computed)
+        if not gone:
+            return
+        for i, block_id in enumerate(gone, start=table.num_freed):
+            self._release(block_id)
+            table.ids[i] = NULL_BLOCK
+        table.num_freed += len(gone)
+        table.version += 1
 
     def trim(self, table: BlockTable, num_tokens: int) -> None:
         """Free the table's blocks past those that hold num_tokens tokens (speculative
         decoding's rollback: blocks taken for drafts that were rejected)."""
         assert not table.on_host
         keep = self.blocks_needed(num_tokens)
-        while len(table.ids) > keep:
-            self._release(table.ids.pop())
-            table.version += 1
-        table.num_cached_blocks = min(table.num_cached_blocks, keep)
+        for t in table.tables():
+            while len(t.ids) > keep:
+                block_id = t.ids.pop()
+                if len(t.ids) >= t.num_freed:
+                    self._release(block_id)
+                t.version += 1
+            t.num_freed = min(t.num_freed, len(t.ids))
+            t.num_cached_blocks = min(t.num_cached_blocks, keep)
 
     def _copy_on_write(self, table: BlockTable, index: int, copies: list[tuple[int, int]]) -> None:
         src = table.ids[index]
@@ -297,35 +431,41 @@ class BlockManager:
     def fork(self, table: BlockTable) -> BlockTable:
         """A child sequence's table: it shares all of its parent's blocks, on the device or,
         for a request swapped out while its first sample was in flight, on the host."""
-        child = BlockTable(self.block_size, list(table.ids))
-        child.num_cached_blocks = table.num_cached_blocks
-        child.on_host = table.on_host
-        for block_id in table.ids:
-            if table.on_host:
-                self.host_ref_cnt[block_id] += 1
-            else:
-                self._touch(block_id)
+        child = BlockTable(self.block_size, num_groups=self.num_groups)
+        for src, dst in zip(table.tables(), child.tables()):
+            dst.ids = list(src.ids)
+            dst.num_cached_blocks = src.num_cached_blocks
+            dst.num_freed = src.num_freed
+            dst.on_host = src.on_host
+            for block_id in src.live_ids():
+                if src.on_host:
+                    self.host_ref_cnt[block_id] += 1
+                else:
+                    self._touch(block_id)
         return child
 
     def free(self, table: BlockTable) -> None:
         """Release a sequence's blocks, on the device or the host. Device blocks go tail
         first: a tail is the least likely to be shared by a later prompt, so it should
         be evicted first."""
-        if table.on_host:
-            for host_id in table.ids:
-                self._release_host(host_id)
-        else:
-            for block_id in reversed(table.ids):
-                self._release(block_id)
-        table.ids.clear()
-        table.version += 1
-        table.num_cached_blocks = 0
-        table.on_host = False
+        for t in table.tables():
+            if t.on_host:
+                for host_id in t.live_ids():
+                    self._release_host(host_id)
+            else:
+                for block_id in reversed(t.live_ids()):
+                    self._release(block_id)
+            t.ids.clear()
+            t.version += 1
+            t.num_cached_blocks = 0
+            t.num_freed = 0
+            t.on_host = False
 
     def cache_full_blocks(self, table: BlockTable, token_ids: list[int], num_known: int,
                           salt: Optional[str]) -> None:
         """Register the table's full blocks among its first num_known tokens (computed, ids
-        on the host) in the prefix cache, past the num_cached_blocks already registered."""
+        on the host) in the prefix cache, past the num_cached_blocks already registered; the
+        other groups' live blocks of the same entries under their group's key."""
         num_full = num_known // self.block_size
         if not self.enable_prefix_caching or num_full <= table.num_cached_blocks:
             return
@@ -343,6 +483,13 @@ class BlockManager:
             # If another block already holds this prefix, keep that one as the cache entry.
             self.cached.setdefault(parent, block.block_id)
         table.num_cached_blocks = num_full
+        for g, t in enumerate(table.group_tables, start=1):
+            for i in range(max(t.num_cached_blocks, t.num_freed), num_full):
+                block = self.blocks[t.ids[i]]
+                if block.block_hash is None:
+                    block.block_hash = group_key(self.blocks[table.ids[i]].block_hash, g)
+                    self.cached.setdefault(block.block_hash, block.block_id)
+            t.num_cached_blocks = num_full
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_tokens
@@ -356,24 +503,26 @@ class BlockManager:
     # ---- swap (host memory) --------------------------------------------------------------
 
     def can_swap_out(self, tables: list[BlockTable]) -> bool:
-        return len({b for table in tables for b in table.ids}) <= len(self.free_host_blocks)
+        return len({b for table in tables for t in table.tables() for b in t.live_ids()}) <= len(self.free_host_blocks)
 
     def swap_out(self, tables: list[BlockTable]) -> list[tuple[int, int]]:
-        """Move a request's tables to host blocks. Shared device blocks move once.
-        Returns (device, host) pairs."""
+        """Move a request's tables (every group's) to host blocks. Shared device blocks move
+        once; given-back entries stay NULL_BLOCK. Returns (device, host) pairs."""
         mapping: dict[int, int] = {}
         for table in tables:
-            assert not table.on_host
-            for i, block_id in enumerate(table.ids):
-                if block_id not in mapping:
-                    mapping[block_id] = self.free_host_blocks.pop()
-                host_id = mapping[block_id]
-                self.host_ref_cnt[host_id] += 1
-                self._release(block_id)
-                table.ids[i] = host_id
-            table.on_host = True
-            table.version += 1
-            table.num_cached_blocks = 0  # back on the device its blocks are new: register again
+            for t in table.tables():
+                assert not t.on_host
+                for i in range(t.num_freed, len(t.ids)):
+                    block_id = t.ids[i]
+                    if block_id not in mapping:
+                        mapping[block_id] = self.free_host_blocks.pop()
+                    host_id = mapping[block_id]
+                    self.host_ref_cnt[host_id] += 1
+                    self._release(block_id)
+                    t.ids[i] = host_id
+                t.on_host = True
+                t.version += 1
+                t.num_cached_blocks = 0  # back on the device its blocks are new: register again
         return list(mapping.items())
 
     def swap_in(self, tables: list[BlockTable]) -> list[tuple[int, int]]:
@@ -381,16 +530,18 @@ class BlockManager:
         are free (blocks_to_admit). Returns (host, device) pairs."""
         mapping: dict[int, int] = {}
         for table in tables:
-            assert table.on_host
-            for i, host_id in enumerate(table.ids):
-                if host_id not in mapping:
-                    mapping[host_id] = self._pop_free()
-                else:
-                    self._touch(mapping[host_id])
-                self._release_host(host_id)
-                table.ids[i] = mapping[host_id]
-            table.on_host = False
-            table.version += 1
+            for t in table.tables():
+                assert t.on_host
+                for i in range(t.num_freed, len(t.ids)):
+                    host_id = t.ids[i]
+                    if host_id not in mapping:
+                        mapping[host_id] = self._pop_free()
+                    else:
+                        self._touch(mapping[host_id])
+                    self._release_host(host_id)
+                    t.ids[i] = mapping[host_id]
+                t.on_host = False
+                t.version += 1
         return list(mapping.items())
 
     def _release_host(self, host_id: int) -> None:

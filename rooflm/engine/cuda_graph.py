@@ -12,6 +12,9 @@ replays the whole forward (and the LM head) with one launch.
   batch. Padding rows write no K/V (slot -1) and their logits are ignored.
 - The split-KV decode kernel's split count is fixed per graph (sized for the
   longest context), since a graph cannot change its launch grid.
+- KV cache groups (engine/kv_groups.py): each further group has its own static slot
+  mapping and block tables, copied in like group 0's; its layers read them through
+  meta.for_group, so the graph captures every group's addresses.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 import torch
 
 from rooflm.layers.attention import AttentionMetadata
+from rooflm.layers.kv_cache import num_kv_groups
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +51,15 @@ class GraphBuffers:
     query_start_loc: torch.Tensor  # [B + 1] int32
     block_tables: torch.Tensor  # [B, max_blocks] int32
     logits: torch.Tensor | None = None  # [B, vocab] fp32, written by the graph
+    # KV cache groups 1..: each group's (slot_mapping [B] int64, block_tables [B, max_blocks] int32).
+    groups: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
     @classmethod
-    def allocate(cls, max_batch: int, max_blocks: int, device) -> "GraphBuffers":
+    def allocate(cls, max_batch: int, max_blocks: int, device, num_groups: int = 1) -> "GraphBuffers":
         return cls(
+            groups=tuple((torch.full((max_batch,), -1, dtype=torch.int64, device=device),
+                          torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device))
+                         for _ in range(num_groups - 1)),
             input_ids=torch.zeros(max_batch, dtype=torch.int64, device=device),
             positions=torch.zeros(max_batch, dtype=torch.int64, device=device),
             slot_mapping=torch.full((max_batch,), -1, dtype=torch.int64, device=device),
@@ -65,6 +74,8 @@ class GraphBuffers:
             seq_lens=self.seq_lens[:batch], block_tables=self.block_tables[:batch],
             max_query_len=1, max_seq_len=max_seq_len, num_decodes=batch,
             query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[max_seq_len] * batch)
+        if self.groups:
+            meta.groups = [meta.with_tables(slots[:batch], tables[:batch]) for slots, tables in self.groups]
         return meta
 
 
@@ -79,7 +90,7 @@ class CUDAGraphRunner:
         # Rounded up to a multiple of 16, like the eager block tables (model_runner.py), so an
         # eager table always fits the graph's buffer.
         self.max_blocks = -(-(-(-max_model_len // block_size)) // 16) * 16
-        self.buffers = GraphBuffers.allocate(self.sizes[-1], self.max_blocks, device)
+        self.buffers = GraphBuffers.allocate(self.sizes[-1], self.max_blocks, device, num_kv_groups(kv_caches))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # One fp32 logits buffer [max_batch, vocab], outside the pool, that every graph widens its
         # logits into: a tensor per graph, kept alive in the pool, would hold the sum of all
@@ -132,9 +143,10 @@ class CUDAGraphRunner:
                 return size
         return None
 
-    def run(self, input_ids, positions, slots, seq_lens, block_tables, fixup=None) -> torch.Tensor:
+    def run(self, input_ids, positions, slots, seq_lens, block_tables, fixup=None, groups=()) -> torch.Tensor:
         """Host tensors (pinned) of a decode batch -> logits [batch, vocab]. fixup = (token
-        indices, token ids) on the device: pending token ids written after the copy."""
+        indices, token ids) on the device: pending token ids written after the copy. groups:
+        the further KV cache groups' (slots, block tables), as HostInputs.groups."""
         batch = input_ids.shape[0]
         size = self.graph_size(batch)
         b = self.buffers
@@ -147,6 +159,11 @@ class CUDAGraphRunner:
         if batch < size:  # padding rows: no K/V write, a 1-token context
             b.slot_mapping[batch:size].fill_(-1)
             b.seq_lens[batch:size].fill_(1)
+        for (g_slots, g_tables), (slots_g, tables_g) in zip(b.groups, groups):
+            g_slots[:batch].copy_(slots_g, non_blocking=True)
+            g_tables[:batch, :tables_g.shape[1]].copy_(tables_g, non_blocking=True)
+            if batch < size:
+                g_slots[batch:size].fill_(-1)
         if fixup is not None:
             b.input_ids[fixup[0]] = fixup[1]
         self.graphs[size].replay()

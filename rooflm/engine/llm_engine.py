@@ -93,7 +93,8 @@ class LLMEngine:
                     self.executor.shutdown(clean=False)
             raise
         self.block_manager = BlockManager(num_blocks, config.cache.block_size,
-                                          config.cache.enable_prefix_caching, num_host)
+                                          config.cache.enable_prefix_caching, num_host,
+                                          windows=self.runner.kv_layout.windows)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.async_scheduling = config.runtime.async_scheduling
         if self.async_scheduling is None:

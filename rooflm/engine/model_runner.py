@@ -20,6 +20,7 @@ from rooflm.config import EngineConfig, ModelConfig, kv_blocks_cap, step_activat
 from rooflm.distributed.group import SINGLE, TPGroup
 from rooflm.engine.block_manager import slot_mapping, slot_of
 from rooflm.engine.block_table_array import BlockTableArray, block_table_array
+from rooflm.engine.kv_groups import KVLayout, blocks_per_seq, kv_layout, single_group
 from rooflm.engine.report import NULL_TRACER
 from rooflm.engine.scheduler import ScheduledSeq, SchedulerOutput
 from rooflm.layers.attention import AttentionMetadata, ReferenceBackend
@@ -66,6 +67,8 @@ class HostInputs:
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
+    # KV cache groups 1.. (kv_groups.py): each group's (slot_mapping, block_tables).
+    groups: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
 
 @dataclass
@@ -164,6 +167,10 @@ class ModelRunner:
         self._meta_cache: tuple[list[SamplingRow], Optional[SamplingMetadata]] = ([], None)
         # The steps' block tables, updated in place where tables changed (block_table_array.py).
         self.block_tables = BlockTableArray()
+        # Which KV cache group and pool slot each layer uses (kv_groups.py): one group until the
+        # model is loaded and its layers' windows are known (set_kv_layout).
+        self.kv_layout: KVLayout = single_group(model_config.num_hidden_layers)
+        self.group_block_tables: list[BlockTableArray] = []
         self.graphs = None
         self.uniform_graphs = None  # UniformGraphRunner: verify steps of speculative decoding
         # Bytes per KV block of a second pool sized with this one (a draft model's), so that
@@ -206,6 +213,7 @@ class ModelRunner:
         self.load_model(path, load_format)
         logger.info("weights loaded in %.1f s (%.0f MB)", self.timings["load_s"],
                     self.weight_bytes() / 1e6)
+        self.set_kv_layout()
         if self.device.type == "cuda" and self.config.cache.num_blocks is None:
             logger.info("profiling memory: a forward of the largest step, to size the KV cache ...")
         num_blocks = self.determine_num_blocks()
@@ -216,6 +224,30 @@ class ModelRunner:
         num_host = self.num_host_blocks()
         self.allocate_host_cache(num_host)
         return num_blocks, num_host
+
+    def hybrid_kv_off_reason(self) -> Optional[str]:
+        """Why every layer keeps its whole history in one table, or None (kv_groups.py)."""
+        if self.config.cache.disable_hybrid_kv_cache_manager:
+            return "--disable-hybrid-kv-cache-manager"
+        if self.tp.size > 1:
+            return "tensor parallelism sends one block table per step"
+        if self.config.speculative.speculative_method:
+            return "speculative decoding's proposers and device loop read one block table"
+        return None
+
+    def set_kv_layout(self) -> None:
+        """The KV cache groups of the loaded model's layers: sliding-window layers in groups of
+        their own, which hold only their window, unless hybrid_kv_off_reason says why not."""
+        windows = [layer.self_attn.attn.sliding_window for layer in self.model.model.layers]
+        reason = self.hybrid_kv_off_reason()
+        self.kv_layout = kv_layout(windows, self.max_model_len, hybrid=reason is None)
+        self.group_block_tables = [BlockTableArray() for _ in range(self.kv_layout.num_groups - 1)]
+        if self.kv_layout.hybrid:
+            logger.info("KV cache groups: %s, %d layers a block (sliding-window layers hold only their window)",
+                        ", ".join("full" if w is None else f"window {w}" for w in self.kv_layout.windows),
+                        self.kv_layout.group_size)
+        elif reason is not None and any(w is not None and w < self.max_model_len for w in windows):
+            logger.info("sliding-window layers keep their whole history: %s", reason)
 
     def keeps_quantized(self) -> bool:
         """GGUF blocks stay quantized where a kernel takes them (rooflm/quant/), under auto or
@@ -356,9 +388,11 @@ class ModelRunner:
         return scales[:, :, None].expand(layers, 2, self.num_kv_heads).contiguous().to(self.device)
 
     def kv_bytes_per_block(self) -> int:
-        """This rank's bytes per block: its KV heads only."""
+        """This rank's bytes per block: its KV heads only, of the layers a block holds (all of
+        them, or one KV cache group's: kv_groups.py)."""
         whole = self.model_config.kv_bytes_per_token(self.kv_bytes_per_element()) * self.block_size
-        return round(whole * self.num_kv_heads / self.model_config.num_key_value_heads)
+        layers = self.kv_layout.group_size / self.model_config.num_hidden_layers
+        return round(whole * layers * self.num_kv_heads / self.model_config.num_key_value_heads)
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -379,6 +413,9 @@ class ModelRunner:
             budget = cache.cpu_kv_cache_gb * 2**30
         # No point holding more than every sequence at full length.
         cap = kv_blocks_cap(self.config.scheduler.max_num_seqs, self.max_model_len, self.block_size)
+        if self.kv_layout.hybrid:
+            cap = self.config.scheduler.max_num_seqs * blocks_per_seq(self.kv_layout, self.max_model_len,
+                                                                      self.block_size)
         # Every rank's pool has the same number of blocks (one block table for all): the least.
         return self.tp.min_over_ranks(max(1, min(int(budget // per_block), cap)))
 
@@ -436,7 +473,10 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, quiet: bool = False) -> None:
         cfg = self.model_config
-        shape = (cfg.num_hidden_layers, 2, num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
+        # One slot per layer of a block: all layers, or a KV cache group's (kv_groups.py). Zeroed:
+        # a sliding group's given-back entries point at block 0, which the kernels may read
+        # (masked), so it must hold finite values before anything is written.
+        shape = (self.kv_layout.group_size, 2, num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_scales = None
         mode = self.kv_scale_mode()
@@ -451,10 +491,15 @@ class ModelRunner:
                         num_blocks * self.kv_bytes_per_block() / 2**30)
 
     def _layer_cache(self, layer: int) -> KVCache:
-        k, v = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
+        layout = self.kv_layout
+        group = layout.group_of_layer(layer)
+        slot = layout.groups[group].layers.index(layer)
+        k, v = self.kv_cache[slot, 0], self.kv_cache[slot, 1]
         if self.kv_scales is None:
-            return KVCache(k, v)
-        return KVCache(k, v, self.kv_scales[layer, 0], self.kv_scales[layer, 1])
+            return KVCache(k, v, group=group)
+        # Per-token scales live in the block's slot; static ones belong to the layer.
+        i = slot if self.kv_scale_mode() == "per-token" else layer
+        return KVCache(k, v, self.kv_scales[i, 0], self.kv_scales[i, 1], group=group)
 
     def allocate_host_cache(self, num_blocks: int) -> None:
         if num_blocks <= 0:
@@ -557,6 +602,7 @@ class ModelRunner:
                     row_owner.append(sch)
         tables = self.block_tables.gather([s.seq.block_table for s in order])
         host = self._host_inputs(input_ids, positions, slots, query_start, seq_lens, tables)
+        host.groups = self._group_inputs(order)
         return StepInputs(host=host, query_start_loc_cpu=query_start, seq_lens_cpu=seq_lens,
                           max_query_len=max(s.num_new_tokens for s in order), num_decodes=num_decodes,
                           order=order, logits_indices=logits_indices, rows=rows, row_owner=row_owner,
@@ -604,10 +650,26 @@ class ModelRunner:
         seq_lens = [p + 1 for p in positions]
         tables = self.block_tables.gather([s.seq.block_table for s in order])
         host = self._host_inputs(input_ids, positions, slots, query_start, seq_lens, tables)
+        host.groups = self._group_inputs(order)
         return StepInputs(host=host, query_start_loc_cpu=query_start, seq_lens_cpu=seq_lens,
                           max_query_len=1, num_decodes=num_seqs, order=list(order),
                           logits_indices=list(range(num_seqs)), rows=rows, row_owner=list(order),
                           prompt_logprob_spans=[], pending_positions=pending)
+
+    def _group_inputs(self, order: list[ScheduledSeq]) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """Each further KV cache group's (slot_mapping, block_tables) of the step: the same
+        positions as group 0's, through the group's own tables."""
+        groups = []
+        for g, array in enumerate(self.group_block_tables):
+            tables = [sch.seq.block_table.group_tables[g] for sch in order]
+            slots: list[int] = []
+            for sch, table in zip(order, tables):
+                if sch.num_new_tokens == 1:
+                    slots.append(table.slot(sch.start))
+                else:
+                    slots.extend(table.slots(sch.start, sch.num_new_tokens))
+            groups.append((self._host(slots, torch.int64), self._pin(torch.from_numpy(array.gather(tables)))))
+        return tuple(groups)
 
     @staticmethod
     def _spec_rows(sch: ScheduledSeq, base: int, logits_indices: list[int], rows: list[SamplingRow],
@@ -643,6 +705,9 @@ class ModelRunner:
             max_query_len=inputs.max_query_len, max_seq_len=max(inputs.seq_lens_cpu),
             num_decodes=inputs.num_decodes, query_start_loc_cpu=inputs.query_start_loc_cpu,
             seq_lens_cpu=inputs.seq_lens_cpu)
+        if h.groups:
+            meta.groups = [meta.with_tables(slots.to(dev, non_blocking=True), tables.to(dev, non_blocking=True))
+                           for slots, tables in h.groups]
         return h.input_ids.to(dev, non_blocking=True), h.positions.to(dev, non_blocking=True), meta
 
     @torch.inference_mode()
@@ -876,7 +941,7 @@ class ModelRunner:
             with self.tracer.phase("graph"):
                 if graph[0] == 1:
                     logits = self.graphs.run(h.input_ids, h.positions, h.slot_mapping, h.seq_lens,
-                                             h.block_tables, fixup)
+                                             h.block_tables, fixup, groups=h.groups)
                     indices = inputs.logits_indices
                 else:
                     logits, rows = self.uniform_graphs.run(graph, h.input_ids, h.positions, h.slot_mapping,
@@ -897,7 +962,8 @@ class ModelRunner:
             input_ids, positions, meta = self.to_device(inputs)
         if self._piecewise_runs(inputs):
             with self.tracer.phase("graph"):
-                hidden = self.piecewise.run(h.input_ids, h.positions, h.slot_mapping, meta, fixup)
+                hidden = self.piecewise.run(h.input_ids, h.positions, h.slot_mapping, meta, fixup,
+                                            group_slots=[slots for slots, _ in h.groups])
         else:
             if fixup is not None:
                 input_ids[fixup[0]] = fixup[1]

@@ -38,6 +38,7 @@ from typing import Optional
 import torch
 
 from rooflm.layers.attention import AttentionMetadata
+from rooflm.layers.kv_cache import num_kv_groups
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +127,12 @@ class PiecewiseGraphRunner:
         self.input_ids = torch.zeros(self.max_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.max_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((self.max_tokens,), -1, dtype=torch.int64, device=device)
+        # KV cache groups 1.. (engine/kv_groups.py): each group's slot mapping, read by the RoPE +
+        # KV write of its layers inside the pieces; the group of each attention call, in layer
+        # order, so that the eager attention between pieces reads its group's tables.
+        self.group_slots = [torch.full((self.max_tokens,), -1, dtype=torch.int64, device=device)
+                            for _ in range(num_kv_groups(kv_caches) - 1)]
+        self.call_groups = [getattr(c, "group", 0) for c in kv_caches]
         # One attention output buffer serves every layer and bucket: piece i+1 has read layer
         # i's output (o_proj) before attention i+1 overwrites it, in stream order, and one
         # bucket runs at a time. Per layer and bucket it would take gigabytes.
@@ -155,16 +162,21 @@ class PiecewiseGraphRunner:
     def _capture_meta(self, t: int) -> AttentionMetadata:
         # Only slot_mapping is read inside the pieces (the RoPE + KV write); attention is cut out.
         dev = self.input_ids.device
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:t], query_start_loc=torch.tensor([0, t], dtype=torch.int32, device=dev),
             seq_lens=torch.tensor([t], dtype=torch.int32, device=dev),
             block_tables=torch.zeros(1, 1, dtype=torch.int32, device=dev), max_query_len=t, max_seq_len=t,
             num_decodes=0, query_start_loc_cpu=[0, t], seq_lens_cpu=[t])
+        if self.group_slots:
+            meta.groups = [meta.with_tables(slots[:t], meta.block_tables) for slots in self.group_slots]
+        return meta
 
     @torch.inference_mode()
     def capture(self) -> float:
         t0 = time.perf_counter()
         self.slot_mapping.fill_(-1)
+        for slots in self.group_slots:
+            slots.fill_(-1)
         try:
             for t in reversed(self.sizes):
                 meta = self._capture_meta(t)
@@ -189,9 +201,11 @@ class PiecewiseGraphRunner:
                     elapsed)
         return elapsed
 
-    def run(self, input_ids, positions, slot_mapping, meta: AttentionMetadata, fixup=None) -> torch.Tensor:
+    def run(self, input_ids, positions, slot_mapping, meta: AttentionMetadata, fixup=None,
+            group_slots=()) -> torch.Tensor:
         """Host tensors (pinned) of a step's tokens + the step's attention metadata on the device
-        -> final hidden states [num_tokens, hidden]. fixup as in CUDAGraphRunner.run."""
+        -> final hidden states [num_tokens, hidden]. fixup as in CUDAGraphRunner.run; group_slots:
+        the further KV cache groups' slot mappings (host)."""
         t = input_ids.shape[0]
         size = self.bucket_size(t)
         bucket = self.buckets[size]
@@ -201,12 +215,16 @@ class PiecewiseGraphRunner:
         if t < size:  # padding tokens: position 0, no K/V write
             self.slot_mapping[t:size].fill_(-1)
             self.positions[t:size].zero_()
+        for buffer, slots in zip(self.group_slots, group_slots):
+            buffer[:t].copy_(slots, non_blocking=True)
+            if t < size:
+                buffer[t:size].fill_(-1)
         if fixup is not None:
             self.input_ids[fixup[0]] = fixup[1]
         attend = self.backend.attend
-        for piece, call in zip(bucket.pieces, bucket.calls):
+        for piece, call, group in zip(bucket.pieces, bucket.calls, self.call_groups):
             piece.replay()
-            attend(call.q, call.k_cache, call.v_cache, meta, call.scale, call.sliding_window,
+            attend(call.q, call.k_cache, call.v_cache, meta.for_group(group), call.scale, call.sliding_window,
                    call.k_scale, call.v_scale, out=call.out, softcap=call.softcap)
         bucket.pieces[-1].replay()
         return self.hidden[:t]

@@ -14,6 +14,11 @@ position seq_lens[s] - query_len + i. The model runner orders sequences with a
 single query token (decodes) first: the first num_decodes sequences are
 decodes and the rest are prefill chunks. Every layer gets the same metadata;
 it is built once per step, never stored in a global.
+
+KV cache groups (engine/kv_groups.py): where sliding-window layers hold only their window,
+each group of layers has its own block tables and slot mapping over the same positions
+(meta.groups); a layer reads its group's view, meta.for_group(kv_cache.group), which has its
+own plan slot, so a backend plans once per group a step.
 """
 
 from __future__ import annotations
@@ -42,10 +47,25 @@ class AttentionMetadata:
     # The attention backend's launch plan for this step, made at the first layer and reused by
     # the others (FlashInfer's plan/run split); None until then. It lives as long as the step.
     plan: Optional[object] = None
+    # KV cache groups 1.. (group 0 is this metadata): the same step with each group's
+    # slot_mapping and block_tables. None: one table for every layer.
+    groups: Optional[list["AttentionMetadata"]] = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def for_group(self, group: int) -> "AttentionMetadata":
+        """The view of KV cache group `group`. Metadata without groups (one table for every
+        layer: a step without sliding groups, the profiling pass) serves every group."""
+        if group == 0 or self.groups is None:
+            return self
+        return self.groups[group - 1]
+
+    def with_tables(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor) -> "AttentionMetadata":
+        """This step as another KV cache group sees it: its own slots and tables, a plan of its own."""
+        return AttentionMetadata(slot_mapping, self.query_start_loc, self.seq_lens, block_tables, self.max_query_len,
+                                 self.max_seq_len, self.num_decodes, self.query_start_loc_cpu, self.seq_lens_cpu)
 
 
 class Attention(torch.nn.Module):
@@ -72,7 +92,8 @@ class Attention(torch.nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, H_kv, D] (views are fine) -> [T, H*D]."""
-        k_cache, v_cache, k_scale, v_scale = KVCache(*kv_cache)
+        k_cache, v_cache, k_scale, v_scale, group = KVCache(*kv_cache)
+        meta = meta.for_group(group)
         scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
         q = self.backend.rope_and_write_step(q, k, v, positions, self.rotary, k_cache, v_cache, meta, **scales)
         out = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.sliding_window, **scales)
@@ -94,7 +115,8 @@ class SoftcappedAttention(Attention):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        k_cache, v_cache, k_scale, v_scale = KVCache(*kv_cache)
+        k_cache, v_cache, k_scale, v_scale, group = KVCache(*kv_cache)
+        meta = meta.for_group(group)
         scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
         q = self.backend.rope_and_write_step(q, k, v, positions, self.rotary, k_cache, v_cache, meta, **scales)
         out = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.sliding_window,

@@ -56,6 +56,14 @@ class KVCache(NamedTuple):
     # FP8 only: [num_blocks, block_size, H_kv] fp32 per token, or [H_kv] fp32 static.
     k_scale: Optional[torch.Tensor] = None
     v_scale: Optional[torch.Tensor] = None
+    # The layer's KV cache group (engine/kv_groups.py): which of the step's block tables and
+    # slot mappings address its pool (AttentionMetadata.for_group). 0 with one group.
+    group: int = 0
+
+
+def num_kv_groups(kv_caches) -> int:
+    """KV cache groups among the layers' caches (KVCache.group): 1 with one table for all."""
+    return 1 + max((getattr(c, "group", 0) for c in kv_caches), default=0)
 
 
 def resolve_kv_scales(kv_cache_scales: str, checkpoint_has_scales: bool) -> str:

@@ -356,8 +356,17 @@ def _format_inference(args: argparse.Namespace, name: str, config: ModelConfig, 
         f"blocks of {plan.block_size} tokens: {plan.block_bytes / MB:.2f} MB each, "
         f"{plan.num_blocks:,} fit ({plan.max_cached_tokens:,} tokens)",
         f"concurrent sequences at {context} tokens: {plan.max_concurrent_seqs:,} "
-        f"({plan.blocks_per_seq} blocks each)",
+        f"({plan.blocks_per_seq} blocks each)" + (" with a full-history cache (--disable-hybrid-kv-cache-manager)"
+                                                  if plan.kv_layout.hybrid else ""),
     ]
+    layout = plan.kv_layout
+    if layout.hybrid:
+        groups = ", ".join("full" if w is None else f"window {w}" for w in layout.windows)
+        ratio = plan.hybrid_concurrent_seqs / max(plan.max_concurrent_seqs, 1)
+        lines.append(
+            f"concurrent sequences at {context} tokens: {plan.hybrid_concurrent_seqs:,} with sliding-window "
+            f"layers holding only their window ({ratio:.1f}x; {plan.hybrid_num_blocks:,} blocks of "
+            f"{layout.group_size} layers, {plan.hybrid_blocks_per_seq} each over groups {groups})")
     if plan.kv_pool <= 0:
         lines.append("the weights and reserve do not fit: no room for a KV cache (try -tp or a "
                      "smaller --dtype)")

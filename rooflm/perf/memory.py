@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from rooflm.config import ModelConfig, resolve_max_num_seqs, step_activation_bytes
+from rooflm.engine.kv_groups import KVLayout, blocks_per_seq as group_blocks_per_seq, kv_layout, single_group
 from rooflm.perf.roofline import KV_CACHE_BYTES, WEIGHT_FORMATS, kv_bytes_per_token_per_gpu
 
 
@@ -122,6 +123,12 @@ class InferenceMemory:
     blocks_per_seq: int
     max_concurrent_seqs: int  # sequences of `context` tokens that fit at once
     max_cached_tokens: int
+    # KV cache groups (engine/kv_groups.py): sliding-window layers holding only their window, the
+    # engine's default. A block then holds kv_layout.group_size layers, not all of them.
+    kv_layout: KVLayout = None
+    hybrid_num_blocks: int = 0
+    hybrid_blocks_per_seq: int = 0
+    hybrid_concurrent_seqs: int = 0  # the same as max_concurrent_seqs without sliding layers
 
 
 def inference_memory(config: ModelConfig, weight_dtype: str = "bf16", kv_dtype: str = "bf16",
@@ -143,13 +150,28 @@ def inference_memory(config: ModelConfig, weight_dtype: str = "bf16", kv_dtype: 
     block_bytes = block_size * per_token
     num_blocks = int(kv_pool // block_bytes)
     blocks_per_seq = math.ceil(context / block_size)
+    layout = model_kv_layout(config, context)
+    hybrid_blocks = int(kv_pool // (block_bytes * layout.group_size / config.num_hidden_layers))
+    hybrid_per_seq = group_blocks_per_seq(layout, context, block_size)
     return InferenceMemory(
+        kv_layout=layout, hybrid_num_blocks=hybrid_blocks, hybrid_blocks_per_seq=hybrid_per_seq,
+        hybrid_concurrent_seqs=hybrid_blocks // hybrid_per_seq,
         num_params=config.num_params(), gpu_mem=gpu_mem, usable=usable, weights=weights,
         activation_reserve=reserve, max_num_seqs=max_num_seqs, kv_pool=kv_pool, kv_bytes_per_token=per_token,
         kv_bytes_per_seq=context * per_token, block_size=block_size, block_bytes=block_bytes,
         num_blocks=num_blocks, context=context, blocks_per_seq=blocks_per_seq,
         max_concurrent_seqs=num_blocks // blocks_per_seq,
         max_cached_tokens=num_blocks * block_size)
+
+
+def model_kv_layout(config: ModelConfig, max_model_len: int) -> KVLayout:
+    """The KV cache groups the engine makes of this model's layers (model_runner.set_kv_layout)."""
+    from rooflm.model.spec import layer_windows
+
+    try:
+        return kv_layout(layer_windows(config), max_model_len)
+    except ValueError:  # layer types rooflm does not run: the engine would refuse the model
+        return single_group(config.num_hidden_layers)
 
 
 # Training: bytes per parameter of each kind of state, by training precision.

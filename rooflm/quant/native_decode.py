@@ -173,8 +173,8 @@ class NativeDecoder:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> Optional[torch.Tensor]:
         """The final normed hidden states [T, hidden], or None: the step takes the torch path."""
         tokens = input_ids.shape[0]
-        if meta.num_seqs != 1 or tokens == 0 or input_ids.dim() != 1:
-            return None
+        if meta.num_seqs != 1 or tokens == 0 or input_ids.dim() != 1 or meta.groups:
+            return None  # KV cache groups: the C decoder reads one block table for every layer
         seq_len = meta.seq_lens_cpu[0]
         if self.sliding_window is not None and seq_len > self.sliding_window:
             return None

@@ -134,7 +134,8 @@ def kv_dtype(args) -> str:
 def replica_config(args, model, gpu_key: str, tp: int, tables) -> tuple:
     """The engine configuration one replica runs, and where its KV pool size is from."""
     from rooflm.perf.gpus import get_gpu
-    from rooflm.perf.memory import inference_memory
+    from rooflm.engine.kv_groups import blocks_per_seq, single_group
+    from rooflm.perf.memory import inference_memory, model_kv_layout
     from rooflm.perf.roofline import KV_CACHE_BYTES, kv_bytes_per_token_per_gpu
     from rooflm.sim.replica import ReplicaConfig
 
@@ -146,31 +147,40 @@ def replica_config(args, model, gpu_key: str, tp: int, tables) -> tuple:
                             max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
                             preemption_mode=args.preemption_mode, reserve_new_tokens=args.reserve_new_tokens)
     measured = [t for t in tables if t.gpu == gpu.key and t.model == model]
+    # The engine's KV cache groups (sliding-window layers hold only their window), except for a
+    # pool measured by the engine: its tables record blocks of every layer.
+    layout = model_kv_layout(model, max_model_len)
     if args.num_blocks:
         num_blocks, source = args.num_blocks, "--num-blocks"
     elif measured and tp == 1 and kv_dtype(args) == measured[0].kv_dtype:
         # The measured pool in tokens, cut into this run's blocks (tables may be at another block size).
         num_blocks = measured[0].num_blocks * measured[0].block_size // block_size
         source = f"measured by the engine on {measured[0].device_name}"
+        layout = single_group(model.num_hidden_layers)
     else:
         mem = inference_memory(model, args.weight_dtype, kv_dtype(args), context=max_model_len,
                                gpu_mem_gb=gpu.mem_gb, tp=tp, block_size=block_size,
                                gpu_memory_utilization=args.gpu_memory_utilization,
                                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max_num_seqs)
-        num_blocks, source = mem.num_blocks, f"perf/memory estimate for {gpu.mem_gb:g} GB x TP {tp}"
+        num_blocks, source = mem.hybrid_num_blocks, f"perf/memory estimate for {gpu.mem_gb:g} GB x TP {tp}"
+    if layout.hybrid:
+        source += f", blocks of {layout.group_size} layers (sliding layers hold their window)"
     # Millions of blocks would take seconds per replica to build, for nothing.
     cap = kv_blocks_cap(max_num_seqs, max_model_len, block_size)
+    if layout.hybrid:
+        cap = max_num_seqs * blocks_per_seq(layout, max_model_len, block_size)
     if num_blocks > cap:
         num_blocks, source = cap, source + f", capped at {max_num_seqs} full-length sequences"
     async_scheduling = True if args.async_scheduling is None else args.async_scheduling
     num_host_blocks = 0
     if args.preemption_mode == "swap":  # the engine's rule: swap space over one block's K/V (one GPU)
         block_bytes = block_size * kv_bytes_per_token_per_gpu(model, KV_CACHE_BYTES[kv_dtype(args)], tp)
+        block_bytes *= layout.group_size / model.num_hidden_layers
         num_host_blocks = int(args.swap_space_gb * 2**30 // block_bytes)
     cfg = ReplicaConfig(sched, num_blocks=max(num_blocks, 0), block_size=block_size,
                         enable_prefix_caching=args.enable_prefix_caching, num_host_blocks=num_host_blocks,
                         max_model_len=max_model_len, async_scheduling=async_scheduling,
-                        sliding_window=model.sliding_window)
+                        sliding_window=model.sliding_window, kv_windows=layout.windows)
     return cfg, source
 
 

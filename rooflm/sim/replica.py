@@ -53,6 +53,9 @@ class ReplicaConfig:
     max_model_len: int = 4096
     async_scheduling: bool = True
     sliding_window: Optional[int] = None
+    # KV cache groups' windows (engine/kv_groups.py), group 0 full: num_blocks are then blocks of
+    # the group size's layers, and sliding groups hold only their window, as in the engine.
+    kv_windows: tuple[Optional[int], ...] = (None,)
 
 
 @dataclass
@@ -103,7 +106,7 @@ class SimReplica:
         self.index = index
         self.cost_model = cost_model
         self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
-                                          cfg.num_host_blocks)
+                                          cfg.num_host_blocks, windows=cfg.kv_windows)
         self.scheduler = Scheduler(cfg.scheduler, self.block_manager)
         self.outputs = OutputProcessor(self.scheduler, None, {EOS_TOKEN}, cfg.max_model_len,
                                        itertools.count())

@@ -116,3 +116,35 @@ def test_memory_command():
     assert "16 bytes per parameter" in text and "FSDP" in text and "checkpointing" in text
     rc, _ = _run(["memory", "--model", "llama-2-7b", "--train", "--dtype", "int4"])
     assert rc == 2
+
+
+def test_sliding_layers_holding_their_window_multiply_concurrent_sequences():
+    """KV cache groups (engine/kv_groups.py): Gemma 2 9B at 8192 tokens keeps 21 full layers and
+    21 of 4096-token windows; a Gemma-3-12B shape (5 sliding of 1024 per global) at 32k holds
+    the 8 global layers' history and a window for the other 40: over 3x the sequences."""
+    plan = inference_memory(get_preset("gemma-2-9b"), context=8192, gpu_mem_gb=141, block_size=64)
+    assert plan.kv_layout.windows == (None, 4096) and plan.kv_layout.group_size == 21
+    assert plan.blocks_per_seq == 128
+    assert plan.hybrid_blocks_per_seq == 128 + (-(-4095 // 64) + 2)
+    # Blocks of 21 layers: twice as many as of 42, each sequence needing 194 of them, not 256.
+    assert plan.hybrid_num_blocks in (2 * plan.num_blocks, 2 * plan.num_blocks + 1)
+    assert plan.hybrid_concurrent_seqs == plan.hybrid_num_blocks // 194
+    g3 = dataclasses.replace(
+        get_preset("gemma-2-9b"), hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+        sliding_window=1024, max_position_embeddings=131072, vocab_size=262208,
+        layer_types=tuple("full_attention" if i % 6 == 5 else "sliding_attention" for i in range(48)))
+    plan = inference_memory(g3, context=32768, gpu_mem_gb=141, block_size=64)
+    assert plan.kv_layout.group_size == 8 and plan.hybrid_blocks_per_seq == 512 + 5 * 18
+    assert plan.hybrid_concurrent_seqs >= 3 * plan.max_concurrent_seqs > 0
+    # A model without sliding layers: one group, the same figure.
+    plan = inference_memory(get_preset("llama-2-7b"), context=8192)
+    assert not plan.kv_layout.hybrid and plan.hybrid_concurrent_seqs == plan.max_concurrent_seqs
+
+
+def test_memory_command_prints_both_with_sliding_layers():
+    rc, text = _run(["memory", "--model", "gemma-2-9b", "--context", "8192", "--gpu-mem", "141"])
+    assert rc == 0
+    assert "with a full-history cache (--disable-hybrid-kv-cache-manager)" in text
+    assert "with sliding-window layers holding only their window" in text and "window 4096" in text
+    rc, text = _run(["memory", "--model", "llama-2-7b", "--context", "8192", "--gpu-mem", "80"])
+    assert "sliding-window" not in text

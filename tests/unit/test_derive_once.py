@@ -124,3 +124,12 @@ def test_a_temperature_below_the_rule_samples_the_argmax():
     out = Sampler()(logits, SamplingMetadata.build([row], 4, "cpu"))
     assert out.sampled_token_ids.tolist() == [1]
     assert torch.equal(generator.get_state(), torch.Generator().manual_seed(0).get_state())
+
+
+def test_simulator_replica_holds_sliding_windows_like_the_engine():
+    """The simulator's KV pool has the engine's KV cache groups (engine/kv_groups.py): Gemma 2's
+    sliding layers hold their window, in blocks of 21 layers, twice as many as of 42."""
+    replica = _simulator_replica("h200", model="gemma-2-9b")
+    assert replica.kv_windows == (None, 4096)
+    full = _simulator_replica("h200", model="llama-3-8b")
+    assert full.kv_windows == (None,)
