@@ -25,6 +25,7 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -106,6 +107,13 @@ def _rows(weight, start: int, size: int):
                          weight.zeros[start:start + size], weight.format)
 
 
+def progress_bar(total: int, desc: str, unit: str = "linear"):
+    """A bar on stderr for the per-layer loops: GPTQ takes minutes on a CPU."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, mininterval=1.0, dynamic_ncols=True)
+
+
 def quantized_state_dict(model, scheme: WeightScheme, method: str, hessians: Optional[dict],
                          float_dtype: torch.dtype, act_order: bool = False, mse: bool = False,
                          prequantized: Optional[dict] = None, refit: bool = False,
@@ -119,6 +127,7 @@ def quantized_state_dict(model, scheme: WeightScheme, method: str, hessians: Opt
         if name not in linear_params:
             if param.numel():
                 out[name] = param.detach().to(float_dtype).contiguous()
+    bar = progress_bar(len(linears), f"{method} {scheme.bits}-bit") if prequantized is None else None
     for name, module in linears.items():
         prefix, _, leaf = name.rpartition(".")
         if prequantized is not None:
@@ -127,6 +136,7 @@ def quantized_state_dict(model, scheme: WeightScheme, method: str, hessians: Opt
             q = quantize_linear(module.weight.detach().float(), scheme, method,
                                 None if hessians is None else hessians[name], act_order, mse, refit,
                                 range_search_rows(module, mse_skip_qk), damp)
+            bar.update(1)
         if leaf in _SPLITS:
             _, names = _SPLITS[leaf]
             for shard, (offset, size) in module.shard_offsets.items():
@@ -140,6 +150,8 @@ def quantized_state_dict(model, scheme: WeightScheme, method: str, hessians: Opt
                 out[f"{name}.{part}"] = t
             if module.bias is not None:
                 out[f"{name}.bias"] = module.bias.detach().to(float_dtype)
+    if bar is not None:
+        bar.close()
     return out
 
 
