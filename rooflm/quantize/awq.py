@@ -265,7 +265,7 @@ def apply_awq(model, hessians: dict[str, torch.Tensor], act_means: dict[str, tor
               config: AwqConfig) -> AwqReport:
     """Search and fold AWQ scales into every decoder layer of a float model, in place; rescale
     `hessians` to the scaled inputs (H / (s s^T)) so GPTQ can follow without re-calibrating."""
-    from rooflm.quantize.quantize import progress_bar
+    from rooflm.quantize.progress import progress_bar
 
     report = AwqReport()
     bar = progress_bar(len(model.model.layers), "AWQ scale search", unit="layer")

@@ -25,13 +25,13 @@ import dataclasses
 import json
 import logging
 import os
-import sys
 from typing import Optional
 
 import torch
 
 from rooflm.quant.formats import to_gptq
 from rooflm.quantize.gptq import DEFAULT_DAMP, range_search_rows
+from rooflm.quantize.progress import progress_bar
 from rooflm.quant.rtn import WeightScheme, quantize_weight
 
 logger = logging.getLogger(__name__)
@@ -105,13 +105,6 @@ def _rows(weight, start: int, size: int):
                                    zeros=weight.zeros[:, start:start + size])
     return ChannelWeight(weight.codes[start:start + size], weight.scales[start:start + size],
                          weight.zeros[start:start + size], weight.format)
-
-
-def progress_bar(total: int, desc: str, unit: str = "linear"):
-    """A bar on stderr for the per-layer loops: GPTQ takes minutes on a CPU."""
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, mininterval=1.0, dynamic_ncols=True)
 
 
 def quantized_state_dict(model, scheme: WeightScheme, method: str, hessians: Optional[dict],

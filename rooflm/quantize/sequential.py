@@ -90,7 +90,8 @@ def sequential_gptq(llm, windows: list[list[int]], scheme: WeightScheme, act_ord
     v2_alpha: GPTQv2's asymmetric calibration (gptq.asymmetric_target): each linear is fitted to
     the float model's outputs on the float model's inputs, captured first in one more prefill."""
     from rooflm.quantize.gptq import asymmetric_target, gptq_quantize, range_search_rows
-    from rooflm.quantize.quantize import decoder_linears, progress_bar
+    from rooflm.quantize.progress import progress_bar
+    from rooflm.quantize.quantize import decoder_linears
     from rooflm.sampling_params import SamplingParams
     model = llm.engine.model
     total = sum(len(w) for w in windows)

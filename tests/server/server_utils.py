@@ -142,7 +142,7 @@ def start_server(tmp_dir: Path, name: str, args: list[str],
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
     """Every sample of /metrics, parsed by prometheus_client: (name, sorted labels) -> value."""
-    response = httpx.get(url + "/metrics", timeout=10)
+    response = httpx.get(url + "/metrics", timeout=60)
     assert response.status_code == 200
     samples = {}
     for family in text_string_to_metric_families(response.text):

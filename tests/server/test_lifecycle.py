@@ -69,7 +69,7 @@ async def _stream(client: httpx.AsyncClient, path: str, body: dict) -> tuple[int
 
 
 async def _in_flight_when_the_engine_fails(url: str):
-    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=WAIT_S) as client:
         chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 60,
                 "ignore_eos": True}
         jobs = [_stream(client, "/v1/completions", LONG), _stream(client, "/v1/chat/completions", chat),
@@ -132,7 +132,7 @@ async def _drain(server) -> dict:
         seen["mbu"] = metric(scrape(server.url), "rooflm:mbu")
         server.proc.send_signal(signal.SIGTERM)
         # Shutting down shows as /ready's 503: then new work must be refused.
-        await _until(lambda: httpx.get(server.url + "/ready", timeout=60).status_code == 503,
+        await _until(lambda: httpx.get(server.url + "/ready", timeout=WAIT_S).status_code == 503,
                      "/ready to say 503 after SIGTERM")
         seen["ready"] = 503
         seen["refused"] = await client.post("/v1/completions", json=short)
