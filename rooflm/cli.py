@@ -279,6 +279,21 @@ def main(argv: typing.Optional[list[str]] = None) -> int:
     except ValueError as e:
         print(f"rooflm: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # A command with a partial result prints it on its way out (train: the steps done and the
+        # last loss); the rest is this one line, not a traceback.
+        print(f"\nrooflm {_command_name(args)}: interrupted (Ctrl-C)", file=sys.stderr)
+        return INTERRUPTED
+
+
+# The shell's code for a process ended by SIGINT (128 + 2).
+INTERRUPTED = 130
+
+
+def _command_name(args: argparse.Namespace) -> str:
+    """`bench serve`, `eval ppl`, `train`: the command and its subcommand, if it has one."""
+    sub = getattr(args, f"{args.command}_command", None)  # bench_command, eval_command
+    return f"{args.command} {sub}" if isinstance(sub, str) else args.command
 
 
 if __name__ == "__main__":

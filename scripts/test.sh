@@ -12,4 +12,10 @@ else
     echo "set-up is current (pyproject.toml and scripts/setup.sh unchanged); skipping it"
 fi
 . .venv/bin/activate
-python -m pytest -q -p no:cacheprovider "$@"
+# The suite's wall time, printed last whatever the outcome (target: under 15 min on 2 quiet cores).
+started=$SECONDS
+rc=0
+python -m pytest -q -p no:cacheprovider "$@" || rc=$?
+elapsed=$((SECONDS - started))
+printf 'test suite wall time: %dm %02ds (pytest exit code %d)\n' $((elapsed / 60)) $((elapsed % 60)) "$rc"
+exit "$rc"

@@ -55,7 +55,7 @@ def run_ppl(args: argparse.Namespace) -> int:
     windows = token_windows(ids, args.window, args.max_windows, args.first_window)
     engine = {k: v for k, v in kwargs.items() if v is not None}
     result = perplexity(llm, windows, args.top_k, model=str(kwargs.get("model") or "default"), text=path,
-                        engine=engine, first_window=args.first_window)
+                        engine=engine, first_window=args.first_window, progress=True)
     span = "" if args.first_window == 0 else \
         f" ({args.first_window}..{args.first_window + result.num_windows - 1})"
     print(f"perplexity {result.ppl:.4f} (NLL {result.nll:.4f} nats/token) over {result.num_scored} tokens "

@@ -49,12 +49,13 @@ class PplResult:
 
 
 def perplexity(llm, token_windows_: list[list[int]], top_k: int = 20, model: str = "", text: str = "",
-               engine: Optional[dict] = None, first_window: int = 0) -> PplResult:
-    """Score every window through `llm` (an rooflm.LLM); see the module docstring."""
+               engine: Optional[dict] = None, first_window: int = 0, progress: bool = False) -> PplResult:
+    """Score every window through `llm` (an rooflm.LLM); see the module docstring. progress: a
+    bar of the windows scored on stderr (a CPU run takes minutes)."""
     from rooflm.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_k)
-    outputs = llm.generate(token_windows_, params, use_tqdm=False)
+    outputs = llm.generate(token_windows_, params, use_tqdm=progress)
     positions: list[PositionScores] = []
     for window, out in zip(token_windows_, outputs):
         entries = out.prompt_logprobs

@@ -15,6 +15,7 @@ from rooflm.perf.memory import inference_memory, training_memory, weight_bytes
 from rooflm.perf.roofline import (
     KV_CACHE_BYTES,
     WEIGHT_FORMATS,
+    engine_precision,
     expected_active_experts,
     kv_bytes_per_token_per_gpu,
     phase_step_cost,
@@ -30,6 +31,7 @@ MB = 1e6
 def register(subparsers) -> None:
     """Add the `roofline`, `memory` and `profile` subcommands to an argparse subparsers object."""
     gpu_choices = sorted(GPUS) + ["measure"]
+    roofline_devices = ["auto", "cpu"] + gpu_choices
 
     p = subparsers.add_parser(
         "roofline", help="FLOPs, bytes and floor time of every op of one forward step",
@@ -37,9 +39,11 @@ def register(subparsers) -> None:
                     "one forward step on a GPU's roofline, and the tokens/s ceiling that follows.")
     p.add_argument("--model", default=None, help="preset name, HF model directory or .gguf file "
                                                    "(default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--gpu", default="h100", choices=gpu_choices,
-                   help="datasheet peaks of a GPU, h100-measured for this project's H100, or "
-                        "'measure' to measure the present GPU (default: h100)")
+    p.add_argument("--gpu", default="auto", choices=roofline_devices,
+                   help="datasheet peaks of a GPU, h100-measured for this project's H100, "
+                        "'measure' to measure the present GPU (else the CPU), 'cpu' to measure this "
+                        "CPU (SIMD FMA and DRAM roofs, the engine's CPU precision); default auto: the "
+                        "visible GPU's datasheet, or this CPU measured when there is none")
     p.add_argument("--batch-size", type=int, default=1, help="sequences in the batch (default 1)")
     p.add_argument("--context", type=int, default=1024,
                    help="tokens per sequence: the prompt for prefill, the attended context for "
@@ -47,10 +51,10 @@ def register(subparsers) -> None:
     p.add_argument("--phase", choices=("prefill", "decode"), default="decode")
     p.add_argument("--dtype", choices=sorted(WEIGHT_FORMATS), default=None,
                    help="weight format (default: a GGUF file's own blocks where the engine keeps them, "
-                        "e.g. q4_1 for the default model; otherwise bf16)")
+                        "e.g. q4_1 for the default model; otherwise bf16 on a GPU, fp32 on a CPU)")
     p.add_argument("--kv-cache-dtype", dest="kv_dtype", choices=KV_DTYPE_CHOICES, default="auto",
-                   help="KV cache dtype, as the engine's flag (fp8_e4m3 is fp8); auto: bf16, or fp32 "
-                        "with fp32 weights")
+                   help="KV cache dtype, as the engine's flag (fp8_e4m3 is fp8); auto: bf16 on a GPU "
+                        "(fp32 with fp32 weights), fp32 on a CPU")
     p.add_argument("--tensor-parallel-size", "-tp", dest="tp", type=int, default=1,
                    help="tensor-parallel GPUs (per-GPU figures, plus the all-reduces)")
     p.add_argument("--allreduce-latency-us", type=float, default=None,
@@ -179,29 +183,51 @@ def resolve_model(model: Optional[str]) -> ResolvedModel:
     return ResolvedModel(name, loader.load_model_config(path, fmt), path if fmt == "gguf" else None)
 
 
-def default_weight_format(model: ResolvedModel) -> str:
+def default_weight_format(model: ResolvedModel, on_cpu: bool = False) -> str:
     """--dtype's default: what the engine multiplies. A GGUF file's blocks stay blocks where a
     kernel takes them (WEIGHT_FORMATS has those), so its layers' main format is the answer; any
-    other GGUF format is dequantized at load, and everything else runs in bf16."""
+    other GGUF format is dequantized at load, and everything else runs in the engine's dtype:
+    bf16 on a GPU, fp32 on a CPU."""
+    floating = "fp32" if on_cpu else "bf16"
     if model.gguf_path is None:
-        return "bf16"
+        return floating
     from rooflm.model.gguf_loader import layer_weight_types
 
     counts = layer_weight_types(model.gguf_path)
     main = max(counts, key=counts.get).lower() if counts else ""
-    return main if main in WEIGHT_FORMATS else "bf16"
+    return main if main in WEIGHT_FORMATS else floating
+
+
+# GGML tensor types -> bytes a weight, for the embedding table (gathered, and read whole as a
+# tied LM head). The block formats are WEIGHT_FORMATS'.
+_GGML_FLOAT_BYTES = {"F32": 4.0, "F16": 2.0, "BF16": 2.0}
+
+
+def gguf_embedding_bytes(gguf_path: str) -> Optional[float]:
+    """Bytes per weight of a GGUF file's token embedding as stored (the default model's is Q8_0:
+    34 bytes a block of 32), or None for a type the table lacks. The CPU engine keeps a tied LM
+    head in those blocks (rooflm/quant/linear_method.py), so a CPU step reads it at that size."""
+    from gguf import GGUFReader
+
+    for tensor in GGUFReader(gguf_path).tensors:
+        if tensor.name == "token_embd.weight":
+            kind = tensor.tensor_type.name
+            fmt = WEIGHT_FORMATS.get(kind.lower())
+            return fmt.bytes_per_param if fmt is not None else _GGML_FLOAT_BYTES.get(kind)
+    return None
 
 
 # The analytic dtypes, and the engine's --kv-cache-dtype spellings (auto, fp8_e4m3) beside them.
 KV_DTYPE_CHOICES = ("auto", *sorted(KV_CACHE_BYTES), "fp8_e4m3")
 
 
-def _default_kv_dtype(weight_dtype: str, kv_dtype: Optional[str]) -> str:
+def _default_kv_dtype(weight_dtype: str, kv_dtype: Optional[str], on_cpu: bool = False) -> str:
     if kv_dtype == "fp8_e4m3":
         return "fp8"
     if kv_dtype not in (None, "auto"):
         return kv_dtype
-    return "fp32" if weight_dtype == "fp32" else "bf16"
+    # "auto" stores the model's dtype: fp32 on a CPU whatever the weights' format.
+    return "fp32" if on_cpu or weight_dtype == "fp32" else "bf16"
 
 
 def run_roofline(args: argparse.Namespace, out: TextIO = None) -> int:
@@ -209,18 +235,24 @@ def run_roofline(args: argparse.Namespace, out: TextIO = None) -> int:
     try:
         model = resolve_model(args.model)
         config = model.config
-        dtype = args.dtype or default_weight_format(model)
         gpu = get_gpu(args.gpu)
-        kv_dtype = _default_kv_dtype(dtype, args.kv_dtype)
+        dtype = args.dtype or default_weight_format(model, gpu.is_cpu)
+        kv_dtype = _default_kv_dtype(dtype, args.kv_dtype, gpu.is_cpu)
+        if gpu.is_cpu and args.tp > 1:
+            raise ValueError("tensor parallelism is for GPUs: a CPU roofline takes -tp 1")
         latency = None if args.allreduce_latency_us is None else args.allreduce_latency_us * 1e-6
+        precision = engine_precision(dtype, gpu.is_cpu)
+        head_bytes = None
+        if gpu.is_cpu and model.gguf_path is not None and not args.dtype:
+            head_bytes = gguf_embedding_bytes(model.gguf_path)
         step = phase_step_cost(config, args.phase, args.batch_size, args.context,
                                weight_dtype=dtype, kv_dtype=kv_dtype, tp=args.tp,
-                               allreduce_latency_s=latency)
+                               allreduce_latency_s=latency, precision=precision, head_bytes=head_bytes)
     except (ValueError, RuntimeError, OSError, ImportError) as exc:
         print(f"rooflm roofline: error: {exc}", file=sys.stderr)
         return 2
     out.write(format_roofline(step, gpu, model.name, config, args.phase, args.batch_size,
-                              args.context, dtype, kv_dtype, args.tp))
+                              args.context, dtype, kv_dtype, args.tp, precision.note))
     if args.plot:
         from rooflm.perf.plot import plot_roofline
 
@@ -234,7 +266,7 @@ def run_roofline(args: argparse.Namespace, out: TextIO = None) -> int:
 
 def format_roofline(step, gpu: GpuSpec, model_name: str, config: ModelConfig, phase: str,
                     batch_size: int, context: int, weight_dtype: str, kv_dtype: str,
-                    tp: int) -> str:
+                    tp: int, precision_note: Optional[str] = None) -> str:
     rows = roofline(step, gpu)
     summary = summarize(step, gpu)
     fmt = WEIGHT_FORMATS[weight_dtype]
@@ -242,10 +274,15 @@ def format_roofline(step, gpu: GpuSpec, model_name: str, config: ModelConfig, ph
     tp_note = f", TP {tp} (per-GPU figures)" if tp > 1 else ""
     active = f" ({config.num_active_params() / 1e9:.2f}B active per token)" if config.num_experts else ""
     lines.append(f"{model_name}: {config.num_params() / 1e9:.2f}B params{active}, {phase}, batch {batch_size}, "
-                 f"context {context}, weights {weight_dtype} ({fmt.note}), KV {kv_dtype}{tp_note}")
-    lines.append(f"{gpu.name} [{gpu.source}]: {gpu.peak_flops(step.compute_dtype) / 1e12:,.0f} "
-                 f"TFLOP/s {step.compute_dtype} dense, {gpu.peak_flops('fp32') / 1e12:,.1f} TFLOP/s "
-                 f"fp32 CUDA cores, {gpu.mem_bw_gbs:,.0f} GB/s")
+                 f"context {context}, weights {weight_dtype} ({precision_note or fmt.note}), KV {kv_dtype}{tp_note}")
+    if gpu.is_cpu:
+        lines.append(f"{gpu.name} [{gpu.source}]: {gpu.peak_flops(step.compute_dtype) / 1e9:,.1f} GFLOP/s "
+                     f"{gpu.compute_roof_name(step.compute_dtype)}, {gpu.peak_flops('fp32') / 1e9:,.1f} GFLOP/s "
+                     f"{gpu.vector_roof_name}, {gpu.memory_name} {gpu.mem_bw_gbs:,.1f} GB/s")
+    else:
+        lines.append(f"{gpu.name} [{gpu.source}]: {gpu.peak_flops(step.compute_dtype) / 1e12:,.0f} "
+                     f"TFLOP/s {step.compute_dtype} dense, {gpu.peak_flops('fp32') / 1e12:,.1f} TFLOP/s "
+                     f"{gpu.vector_roof_name}, {gpu.memory_name} {gpu.mem_bw_gbs:,.0f} GB/s")
     lines.append("")
     header = f"{'op':<16} {'GFLOP':>10} {'MB':>10} {'FLOP/B':>8}  {'bound':<7} {'floor us':>10} {'share':>6}"
     lines.append(header)
@@ -284,8 +321,8 @@ def format_roofline(step, gpu: GpuSpec, model_name: str, config: ModelConfig, ph
     if tp > 1:
         lines.append(_tp_line(step, gpu, config))
     lines.append(f"ridge point of {gpu.key}: {gpu.ridge_point(step.compute_dtype):.0f} FLOP/B "
-                 f"({step.compute_dtype} tensor cores), {gpu.ridge_point('fp32'):.0f} FLOP/B "
-                 f"(fp32 CUDA cores); this step's linear layers: {summary.matmul_intensity:.1f} FLOP/B")
+                 f"({gpu.compute_roof_name(step.compute_dtype)}), {gpu.ridge_point('fp32'):.0f} FLOP/B "
+                 f"({gpu.vector_roof_name}); this step's linear layers: {summary.matmul_intensity:.1f} FLOP/B")
     lines.append("")
     lines.extend(_wrap(verdict(step, gpu, phase, fmt.bytes_per_param), 100))
     return "\n".join(lines) + "\n"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -45,6 +46,27 @@ class GpuSpec:
     l2_mb: float = 0.0  # L2 cache, MB
     interconnect_gbs: Optional[float] = None  # per-direction GPU-to-GPU bandwidth, GB/s
     source: str = "datasheet"  # "datasheet", or how it was measured
+    device: str = "cuda"  # "cuda", or "cpu" for a CPU's roofs (measure_cpu): names its roofs
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.device == "cpu"
+
+    def compute_roof_name(self, dtype: str) -> str:
+        """What runs matmuls of `dtype`: tensor cores on a GPU, the SIMD units on a CPU (fp32:
+        FMA; int8: the native kernels' integer dot of GGUF blocks with int8 activations)."""
+        if self.is_cpu:
+            return "int8 SIMD dot" if dtype == "int8" else f"{dtype} SIMD FMA"
+        return f"{dtype} tensor cores"
+
+    @property
+    def vector_roof_name(self) -> str:
+        """What element-wise kernels run on."""
+        return "fp32 SIMD FMA" if self.is_cpu else "fp32 CUDA cores"
+
+    @property
+    def memory_name(self) -> str:
+        return "DRAM" if self.is_cpu else "HBM"
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s for work in `dtype`, falling back where the GPU lacks the format."""
@@ -132,10 +154,16 @@ _ALIASES = {
 
 def get_gpu(name: str) -> GpuSpec:
     """A GPU of the table by key or alias; "measure" measures this machine instead (its GPU,
-    else its CPU: measure_host)."""
+    else its CPU: measure_host); "cpu" measures this CPU; "auto" is the device the engine would
+    run on: the table entry of the visible CUDA GPU (measured when the table lacks it), else
+    this CPU, measured."""
     key = name.lower()
     if key == "measure":
         return measure_host()
+    if key == "cpu":
+        return measure_host("cpu")
+    if key == "auto":
+        return present_device()
     key = _ALIASES.get(key, key)
     if key not in GPUS:
         raise ValueError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}, or 'measure'")
@@ -191,6 +219,7 @@ def measure_gpu(device: Optional[str] = None, copy_bytes: int = 1 << 30, matmul_
         raise RuntimeError("--gpu measure needs a CUDA GPU; none is visible to torch")
     dev = torch.device(device or "cuda")
     props = torch.cuda.get_device_properties(dev)
+    _say(f"measuring {props.name}: {copy_bytes >> 20} MiB copy")
 
     # Copy bandwidth. Poisoned, non-zero data: some memory systems compress zeros.
     num_elems = copy_bytes // 2
@@ -201,6 +230,7 @@ def measure_gpu(device: Optional[str] = None, copy_bytes: int = 1 << 30, matmul_
     del src, dst
 
     # bf16 tensor-core rate.
+    _say(f"measuring {props.name}: {matmul_n}^3 bf16 matmul")
     a = torch.randn(matmul_n, matmul_n, dtype=torch.bfloat16, device=dev)
     b = torch.randn(matmul_n, matmul_n, dtype=torch.bfloat16, device=dev)
     mm_s = _time_cuda(lambda: torch.matmul(a, b), warmup=5, repeats=repeats)
@@ -209,6 +239,7 @@ def measure_gpu(device: Optional[str] = None, copy_bytes: int = 1 << 30, matmul_
 
     # CUDA-core fp32 rate: an fp32 GEMM with TF32 disabled never touches tensor cores.
     n32 = 4096
+    _say(f"measuring {props.name}: {n32}^3 fp32 matmul")
     previous_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
@@ -262,6 +293,11 @@ REPEATS = 5
 _cache: dict[tuple, GpuSpec] = {}
 
 
+def _say(text: str) -> None:
+    """A line on stderr while a measurement runs (a GPU's takes most of a minute)."""
+    print(f"rooflm: {text}", file=sys.stderr, flush=True)
+
+
 def cpu_model() -> str:
     """The CPU's marketing name from /proc/cpuinfo, or what platform knows elsewhere."""
     try:
@@ -289,6 +325,7 @@ def measure_cpu() -> GpuSpec:
     import torch
 
     threads = torch.get_num_threads()
+    _say(f"measuring this CPU ({threads} threads): {CPU_COPY_BYTES >> 20} MiB copy, {CPU_MATMUL_N}^3 matmuls")
     src = torch.randn(CPU_COPY_BYTES // 4)  # random, non-zero: nothing compresses it
     dst = torch.empty_like(src)
     copy_gbs = 2 * CPU_COPY_BYTES / _median_seconds(lambda: dst.copy_(src)) / 1e9
@@ -299,12 +336,17 @@ def measure_cpu() -> GpuSpec:
         a = torch.randn(n, n).to(dtype)
         b = torch.randn(n, n).to(dtype)
         tflops[name] = 2 * n**3 / _median_seconds(lambda: torch.mm(a, b)) / 1e12
+    # GGUF blocks run in rooflm's native kernels (rooflm/quant/native.py): int8 activations, an
+    # integer dot of 32 codes an instruction. Not measured here: taken at the fp32 FMA rate,
+    # since the dot's two activation levels and its scale FMAs cost about what its wider integer
+    # lanes gain. A CPU's decode step is DRAM-bound well before this roof matters.
+    tflops["int8"] = tflops["fp32"]
     return GpuSpec(
         key="cpu", name=f"{cpu_model()} ({threads} threads, measured)", peak_tflops=tflops,
-        mem_bw_gbs=copy_gbs,
+        mem_bw_gbs=copy_gbs, device="cpu",
         source=(f"measured: {CPU_COPY_BYTES >> 20} MiB copy {copy_gbs:.1f} GB/s, {n}^3 matmul "
                 f"fp32 {tflops['fp32'] * 1e3:.1f} / bf16 {tflops['bf16'] * 1e3:.1f} GFLOP/s, "
-                f"{threads} threads"))
+                f"{threads} threads; int8 dot taken at the fp32 rate"))
 
 
 def measure_host(device=None) -> GpuSpec:
@@ -317,3 +359,13 @@ def measure_host(device=None) -> GpuSpec:
     if key not in _cache:
         _cache[key] = measure_gpu(str(device)) if device.type == "cuda" else measure_cpu()
     return _cache[key]
+
+
+def present_device() -> GpuSpec:
+    """The roofs of the device the engine would run on: the visible CUDA GPU's datasheet entry
+    (measured where the table has none), else this CPU, measured."""
+    import torch
+
+    if torch.cuda.is_available():
+        return _match_table_entry(torch.cuda.get_device_name()) or measure_host("cuda")
+    return measure_host("cpu")

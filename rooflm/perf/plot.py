@@ -44,10 +44,10 @@ def plot_roofline(rows: Sequence[OpRoofline], gpu: GpuSpec, path: str, title: st
     xs = [x_lo * (x_hi / x_lo) ** (i / 200) for i in range(201)]
 
     bw = gpu.mem_bw
-    roofs = [(compute_dtype, gpu.peak_flops(compute_dtype), "tab:red")]
-    if compute_dtype != "bf16":
+    roofs = [(gpu.compute_roof_name(compute_dtype), gpu.peak_flops(compute_dtype), "tab:red")]
+    if compute_dtype != "bf16" and not gpu.is_cpu:
         roofs.append(("bf16 (attention)", gpu.peak_flops("bf16"), "tab:orange"))
-    roofs.append(("fp32 CUDA cores (element-wise)", gpu.peak_flops("fp32"), "tab:gray"))
+    roofs.append((f"{gpu.vector_roof_name} (element-wise)", gpu.peak_flops("fp32"), "tab:gray"))
     for label, peak, color in roofs:
         ax.plot(xs, [min(peak, bw * x) / 1e12 for x in xs], color=color,
                 label=f"{label}: {peak / 1e12:,.0f} TFLOP/s, ridge {peak / bw:,.0f} FLOP/B")
@@ -78,7 +78,7 @@ def plot_roofline(rows: Sequence[OpRoofline], gpu: GpuSpec, path: str, title: st
     ax.set_ylabel("attainable TFLOP/s")
     ax.set_title(title or f"roofline on {gpu.name}")
     ax.grid(True, which="both", linewidth=0.3)
-    legend_title = f"HBM {gpu.mem_bw_gbs:,.0f} GB/s ({gpu.source})"
+    legend_title = f"{gpu.memory_name} {gpu.mem_bw_gbs:,.1f} GB/s ({gpu.source})"
     if skipped:
         legend_title += f"\nnot shown (no FLOPs): {', '.join(skipped)}"
     roof_legend = ax.legend(handles=roof_handles, loc="lower right", fontsize=8,

@@ -417,26 +417,68 @@ def _moe_ops(config: ModelConfig, moe_layers: int, tokens: int, weight_bytes: fl
     return ops
 
 
+# GGUF block formats: what rooflm's CPU kernels multiply directly (rooflm/quant/native.py).
+GGUF_BLOCK_FORMATS = ("q4_0", "q4_1", "q8_0", "q4_k")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The precision a step really runs in on one kind of device."""
+
+    weight_dtype: str  # a WEIGHT_FORMATS key: the bytes each weight costs
+    compute_dtype: str  # the roof the linear layers run under
+    act_bytes: float  # bytes per activation element between kernels
+    note: str
+
+
+def engine_precision(weight_dtype: str, on_cpu: bool = False) -> Precision:
+    """What the engine runs a `weight_dtype` model in. On a GPU: the format's own compute dtype,
+    bf16 activations (fp32 for an fp32 model). On a CPU the engine's dtype is fp32 (auto), and
+    GGUF blocks go to the native kernels, which quantize the activations to int8 per block of 32
+    and multiply with integer SIMD instructions."""
+    if weight_dtype not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight dtype {weight_dtype!r}; known: {', '.join(WEIGHT_FORMATS)}")
+    fmt = WEIGHT_FORMATS[weight_dtype]
+    if not on_cpu:
+        return Precision(weight_dtype, fmt.compute_dtype, 4.0 if weight_dtype == "fp32" else 2.0, fmt.note)
+    if weight_dtype in GGUF_BLOCK_FORMATS:
+        bits = 8 * fmt.bytes_per_param
+        return Precision(weight_dtype, "int8", 4.0,
+                         f"GGUF {weight_dtype.upper()} blocks, {bits:g} bits a weight with their scales, int8 "
+                         f"activations in the native block kernels, fp32 between them")
+    if weight_dtype in ("bf16", "fp16"):
+        return Precision(weight_dtype, "bf16", 2.0, f"{weight_dtype} weights and activations on the CPU")
+    if weight_dtype == "fp32":
+        return Precision(weight_dtype, "fp32", 4.0, "fp32 weights and activations (the CPU's default dtype)")
+    return Precision(weight_dtype, "bf16", 4.0,
+                     f"{fmt.note.split(',')[0]}, bf16 matmuls on the CPU, fp32 activations")
+
+
 def phase_step_cost(config: ModelConfig, phase: str, batch_size: int, context: int,
                     weight_dtype: str = "bf16", kv_dtype: str = "bf16", tp: int = 1,
-                    allreduce_latency_s: Optional[float] = None) -> StepCost:
+                    allreduce_latency_s: Optional[float] = None,
+                    precision: Optional[Precision] = None,
+                    head_bytes: Optional[float] = None) -> StepCost:
     """The step of a uniform batch: `batch_size` sequences of `context` tokens.
 
     decode: every sequence decodes one token with `context` positions to attend
     (cache plus the new token). prefill: every sequence computes its whole
     `context`-token prompt from scratch and samples its first output token.
+    precision: what the step runs in (engine_precision); default: `weight_dtype` on a GPU.
+    head_bytes: bytes per embedding / tied LM head weight as the engine keeps them (a GGUF
+    file's Q8_0 table on a CPU), default step_cost's.
     """
-    if weight_dtype not in WEIGHT_FORMATS:
-        raise ValueError(f"unknown weight dtype {weight_dtype!r}; known: {', '.join(WEIGHT_FORMATS)}")
     if kv_dtype not in KV_CACHE_BYTES:
         raise ValueError(f"unknown KV dtype {kv_dtype!r}; known: {', '.join(KV_CACHE_BYTES)}")
     if batch_size < 1 or context < 1:
         raise ValueError("batch size and context must be >= 1")
-    fmt = WEIGHT_FORMATS[weight_dtype]
-    act_bytes = 4.0 if weight_dtype == "fp32" else 2.0
+    precision = precision or engine_precision(weight_dtype)
+    fmt = WEIGHT_FORMATS[precision.weight_dtype]
+    tied = head_bytes is not None and config.tie_word_embeddings
     common = dict(weight_bytes=fmt.bytes_per_param, kv_bytes=KV_CACHE_BYTES[kv_dtype],
-                  act_bytes=act_bytes, tp=tp, compute_dtype=fmt.compute_dtype,
-                  allreduce_latency_s=allreduce_latency_s)
+                  act_bytes=precision.act_bytes, tp=tp, compute_dtype=precision.compute_dtype,
+                  allreduce_latency_s=allreduce_latency_s,
+                  embed_bytes=head_bytes if tied else None, head_bytes=head_bytes)
     window = config.sliding_window
     attended = min(context, window) if window else context
     if phase == "decode":
@@ -486,8 +528,10 @@ def op_roofline(op: OpCost, gpu: GpuSpec, compute_dtype: str = "bf16") -> OpRoof
         peak = gpu.peak_flops(compute_dtype)
     elif op.kind == ATTENTION:
         # Attention multiplies activations, not weights: bf16 for every weight format but a
-        # float32 model's (whose attention in bf16 would be priced at a CPU's scalar bf16 rate).
-        peak = gpu.peak_flops("fp32" if compute_dtype == "fp32" else "bf16")
+        # float32 model's (whose attention in bf16 would be priced at a CPU's scalar bf16 rate),
+        # and a CPU's GGUF model's, whose activations are fp32 between the int8 block kernels.
+        fp32 = compute_dtype == "fp32" or (gpu.is_cpu and compute_dtype == "int8")
+        peak = gpu.peak_flops("fp32" if fp32 else "bf16")
     else:
         peak = gpu.peak_flops("fp32")
     return OpRoofline(op, peak, gpu.mem_bw, op.flops / peak, op.bytes / gpu.mem_bw)
@@ -544,6 +588,8 @@ def verdict(step: StepCost, gpu: GpuSpec, phase: str, weight_bytes_per_param: fl
     ridge_tokens = s.matmul_ridge * weight_bytes_per_param / 2
     bound = "memory-bound" if s.memory_bound_s >= s.compute_bound_s else "compute-bound"
     tokens = step.num_tokens
+    units = "SIMD units" if gpu.is_cpu else "tensor cores"
+    bandwidth = (f"{gpu.mem_bw_gbs:.1f} GB/s" if gpu.mem_bw_gbs < 1000 else f"{gpu.mem_bw_gbs / 1e3:.2f} TB/s")
     lines = []
     if bound == "memory-bound":
         lines.append(
@@ -552,9 +598,9 @@ def verdict(step: StepCost, gpu: GpuSpec, phase: str, weight_bytes_per_param: fl
             f"the linear layers do 2 FLOPs per parameter per token, which at "
             f"{weight_bytes_per_param:g} byte{'s' if weight_bytes_per_param != 1 else ''} per "
             f"parameter is {s.matmul_intensity:.1f} FLOP/B against a ridge of {s.matmul_ridge:.0f} FLOP/B, "
-            f"so the tensor cores wait on memory: {bound} "
+            f"so the {units} wait on {gpu.memory_name}: {bound} "
             f"({100 * s.memory_bound_s / s.floor_s:.0f}% of the floor is in memory-bound ops). "
-            f"The ceiling is bandwidth / bytes per step = {gpu.mem_bw_gbs / 1e3:.2f} TB/s / "
+            f"The ceiling is bandwidth / bytes per step = {bandwidth} / "
             f"{step.bytes / gb:.2f} GB = {s.floor_s * 1e3:.2f} ms per step, at most "
             f"{s.tokens_per_s:,.0f} tokens/s.")
         attention = [op for op in step.ops if op.kind == ATTENTION]
@@ -575,12 +621,17 @@ def verdict(step: StepCost, gpu: GpuSpec, phase: str, weight_bytes_per_param: fl
         lines.append(
             f"Each step pushes {tokens:,} tokens through every weight: the linear layers reach "
             f"{s.matmul_intensity:.0f} FLOP/B, above the ridge of {s.matmul_ridge:.0f} FLOP/B, "
-            f"so memory keeps up and the tensor cores are the limit: {bound} "
+            f"so memory keeps up and the {units} are the limit: {bound} "
             f"({100 * s.compute_bound_s / s.floor_s:.0f}% of the floor is in compute-bound ops). "
             f"The ceiling is peak FLOP/s / FLOPs per step = "
-            f"{gpu.peak_flops(step.compute_dtype) / 1e12:.0f} TFLOP/s / "
-            f"{step.flops / 1e12:.2f} TFLOP = {s.floor_s * 1e3:.2f} ms per step, at most "
+            f"{_flops_text(gpu.peak_flops(step.compute_dtype))} / "
+            f"{step.flops / 1e12:.4g} TFLOP = {s.floor_s * 1e3:.2f} ms per step, at most "
             f"{s.tokens_per_s:,.0f} tokens/s.")
     if s.link_s > 0.1 * s.floor_s:
         lines.append(f"Tensor-parallel all-reduces take {100 * s.link_s / s.floor_s:.0f}% of the floor.")
     return " ".join(lines)
+
+
+def _flops_text(flops: float) -> str:
+    """A FLOP/s rate in the unit that reads well: TFLOP/s for a GPU, GFLOP/s for a CPU."""
+    return f"{flops / 1e12:,.0f} TFLOP/s" if flops >= 1e13 else f"{flops / 1e9:,.1f} GFLOP/s"

@@ -265,7 +265,10 @@ def apply_awq(model, hessians: dict[str, torch.Tensor], act_means: dict[str, tor
               config: AwqConfig) -> AwqReport:
     """Search and fold AWQ scales into every decoder layer of a float model, in place; rescale
     `hessians` to the scaled inputs (H / (s s^T)) so GPTQ can follow without re-calibrating."""
+    from rooflm.quantize.progress import progress_bar
+
     report = AwqReport()
+    bar = progress_bar(len(model.model.layers), "AWQ scale search", unit="layer")
     for index in range(len(model.model.layers)):
         scales = {}
         for name, linear, tie in _layer_groups(model, index):
@@ -279,4 +282,6 @@ def apply_awq(model, hessians: dict[str, torch.Tensor], act_means: dict[str, tor
         fold_scales(model, index, scales)
         for name, s in scales.items():
             hessians[name] = hessians[name] / (s[:, None] * s[None, :])
+        bar.update(1)
+    bar.close()
     return report

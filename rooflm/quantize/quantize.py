@@ -31,6 +31,7 @@ import torch
 
 from rooflm.quant.formats import to_gptq
 from rooflm.quantize.gptq import DEFAULT_DAMP, range_search_rows
+from rooflm.quantize.progress import progress_bar
 from rooflm.quant.rtn import WeightScheme, quantize_weight
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ def quantized_state_dict(model, scheme: WeightScheme, method: str, hessians: Opt
         if name not in linear_params:
             if param.numel():
                 out[name] = param.detach().to(float_dtype).contiguous()
+    bar = progress_bar(len(linears), f"{method} {scheme.bits}-bit") if prequantized is None else None
     for name, module in linears.items():
         prefix, _, leaf = name.rpartition(".")
         if prequantized is not None:
@@ -127,6 +129,7 @@ def quantized_state_dict(model, scheme: WeightScheme, method: str, hessians: Opt
             q = quantize_linear(module.weight.detach().float(), scheme, method,
                                 None if hessians is None else hessians[name], act_order, mse, refit,
                                 range_search_rows(module, mse_skip_qk), damp)
+            bar.update(1)
         if leaf in _SPLITS:
             _, names = _SPLITS[leaf]
             for shard, (offset, size) in module.shard_offsets.items():
@@ -140,6 +143,8 @@ def quantized_state_dict(model, scheme: WeightScheme, method: str, hessians: Opt
                 out[f"{name}.{part}"] = t
             if module.bias is not None:
                 out[f"{name}.bias"] = module.bias.detach().to(float_dtype)
+    if bar is not None:
+        bar.close()
     return out
 
 

@@ -90,6 +90,7 @@ def sequential_gptq(llm, windows: list[list[int]], scheme: WeightScheme, act_ord
     v2_alpha: GPTQv2's asymmetric calibration (gptq.asymmetric_target): each linear is fitted to
     the float model's outputs on the float model's inputs, captured first in one more prefill."""
     from rooflm.quantize.gptq import asymmetric_target, gptq_quantize, range_search_rows
+    from rooflm.quantize.progress import progress_bar
     from rooflm.quantize.quantize import decoder_linears
     from rooflm.sampling_params import SamplingParams
     model = llm.engine.model
@@ -128,13 +129,16 @@ def sequential_gptq(llm, windows: list[list[int]], scheme: WeightScheme, act_ord
             torch.set_num_threads(threads)
         mod.weight.copy_(q.dequantize().to(mod.weight.dtype))
         quantized[name] = q
+        bar.update(1)
 
     linears = decoder_linears(model)
+    bar = progress_bar(len(linears), "sequential GPTQ")
     handles = [m.register_forward_pre_hook(lambda mod, args, name=name: hook(mod, args, name))
                for name, m in linears.items()]
     try:
         llm.generate(windows, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
     finally:
+        bar.close()
         for h in handles:
             h.remove()
     missing = sorted(set(linears) - set(quantized))

@@ -262,9 +262,10 @@ def _run(args, out: TextIO) -> int:
         requests = workload_for(args, rate, seed=args.seed + i)
         cfg = SimConfig(replica, args.data_parallel_size, args.dp_routing, _ingress_s(args), model.vocab_size, args.seed,
                         api=_api_cost(args))
-        result = simulate(cfg, cost, requests)
+        with progress_bar(len(requests), f"simulating {label_of(args, rate)}") as bar:
+            result = simulate(cfg, cost, requests, progress=lambda done: bar.update(done - bar.n))
         metrics = sim_metrics(result, slos)
-        label = "trace " + args.trace if args.trace else f"{rate:g} req/s ({args.arrival})"
+        label = label_of(args, rate)
         out.write(f"{len(requests)} requests, {label}: simulated in {result.wall_s:.1f} s, "
                   f"{result.num_steps} steps, {result.num_preemptions} preemptions\n")
         report_args = argparse.Namespace(max_concurrency=None, request_rate=rate)
@@ -306,6 +307,17 @@ def _run(args, out: TextIO) -> int:
             "results": results})
         out.write(f"result written to {args.result_file}\n")
     return 0 if all(m["completed"] for m in sweep) else 1
+
+
+def label_of(args, rate: float) -> str:
+    return "trace " + args.trace if args.trace else f"{rate:g} req/s ({args.arrival})"
+
+
+def progress_bar(total: Optional[int], desc: str, unit: str = "req"):
+    """A bar on stderr: the report itself goes to `out`, which may be a file or a test's buffer."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, mininterval=1.0, dynamic_ncols=True)
 
 
 def _calibrate(args, out: TextIO) -> int:
@@ -367,9 +379,10 @@ def _plan(args, out: TextIO) -> int:
         raise ValueError("--plan draws its own arrivals at each rate: give lengths by flags, not --trace")
     out.write(f"planning {name} at {rate:g} req/s, {slo}; {len(candidates)} candidates "
               f"({args.num_prompts} requests per probe, {args.dp_routing} router); prices: {PRICE_SOURCE}\n")
-    planner = Planner(slo, rate, workload, args.num_prompts, args.dp_routing, _ingress_s(args), _api_cost(args),
-                      args.seed, out=out, verbose=args.verbose)
-    results = planner.plan(candidates, args.top)
+    with progress_bar(None, "planning", unit="probe") as bar:
+        planner = Planner(slo, rate, workload, args.num_prompts, args.dp_routing, _ingress_s(args), _api_cost(args),
+                          args.seed, out=out, verbose=args.verbose, progress=bar)
+        results = planner.plan(candidates, args.top)
     if not results:
         out.write("no layout meets the SLO\n")
         return 1

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional, TextIO
+from typing import Any, Callable, Optional, TextIO
 
 from rooflm.sim.api_process import ApiCost
 from rooflm.sim.cost_model import StepCostModel
@@ -153,12 +153,18 @@ class Planner:
     max_dp: int = 256
     out: TextIO = field(default_factory=lambda: sys.stdout)
     verbose: bool = False
+    progress: Optional[Any] = None  # a tqdm bar: one tick a probe, the probe in its postfix
 
     def _run(self, cand: Candidate, rate: float, n: int, dp: int = 1) -> dict:
         cfg = SimConfig(cand.replica, num_replicas=dp, router=self.router, ingress_s=self.ingress_s, api=self.api,
                         seed=self.seed, record_steps=False)
-        return sim_metrics(simulate(cfg, cand.cost_model, self.workload(rate, n, self.seed)),
-                           self.slo.goodput_slos(), series_points=0)
+        if self.progress is not None:
+            self.progress.set_postfix_str(f"{cand.gpu} TP{cand.tp} DP{dp} at {rate:g} req/s, {n} requests")
+        metrics = sim_metrics(simulate(cfg, cand.cost_model, self.workload(rate, n, self.seed)),
+                              self.slo.goodput_slos(), series_points=0)
+        if self.progress is not None:
+            self.progress.update(1)
+        return metrics
 
     def capacity(self, cand: Candidate) -> float:
         """Requests per second of one replica given a backlog (all at once)."""

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from typing import Optional
 
@@ -249,6 +250,25 @@ class Trainer:
         tokens_per_step = cfg.tokens_per_step * info.world_size
         flops_per_rank_step = (measure.train_flops_per_sequence(self.model_cfg, cfg.seq_len)
                                * cfg.micro_batch * cfg.grad_accum)
+        self.steps_done = self.start_step
+        try:
+            self._loop(timer, roof, first_measured, profile_at, bar, tokens_per_step, flops_per_rank_step)
+        except KeyboardInterrupt:
+            if bar is not None:
+                bar.close()
+            if info.is_main:  # the partial result: how far it got
+                last = f", last loss {self.losses[-1]:.4f}" if self.losses else ""
+                print(f"train: stopped after {self.steps_done} of {cfg.max_steps} "
+                      f"steps{last}", file=sys.stderr)
+            raise
+        if bar is not None:
+            bar.close()
+        if cfg.save_dir:
+            self.save(cfg.save_dir, cfg.max_steps)
+        return self.results(tokens_per_step, flops_per_rank_step, roof)
+
+    def _loop(self, timer, roof, first_measured, profile_at, bar, tokens_per_step, flops_per_rank_step) -> None:
+        cfg = self.cfg
         for step in range(self.start_step, cfg.max_steps):
             if step == profile_at:
                 loss = self._profile_step(step, timer)
@@ -263,16 +283,12 @@ class Trainer:
             if not math.isfinite(loss) and self.scaler is None:
                 raise FloatingPointError(f"loss is {loss} at step {step + 1}: training diverged")
             self.losses.append(loss)
+            self.steps_done = step + 1
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix_str(self._postfix(loss, tokens_per_step, flops_per_rank_step, roof))
             if cfg.save_dir and cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.max_steps:
                 self.save(os.path.join(cfg.save_dir, f"step-{step + 1}"), step + 1)
-        if bar is not None:
-            bar.close()
-        if cfg.save_dir:
-            self.save(cfg.save_dir, cfg.max_steps)
-        return self.results(tokens_per_step, flops_per_rank_step, roof)
 
     def _progress_bar(self):
         if not (self.cfg.progress and self.info.is_main):

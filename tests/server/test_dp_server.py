@@ -129,7 +129,7 @@ def test_a_killed_replica_makes_the_server_unhealthy_and_stop_leaves_no_core(ser
     cores = _core_pids(server.proc.pid)
     assert len(cores) == 2
     os.kill(cores[1], signal.SIGKILL)
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 120
     while True:
         health = httpx.get(server.url + "/health", timeout=5)
         if health.status_code == 503 or time.monotonic() > deadline:
@@ -141,4 +141,4 @@ def test_a_killed_replica_makes_the_server_unhealthy_and_stop_leaves_no_core(ser
                          json={"model": "tiny", "prompt": "w5 w6", "max_tokens": 2})
     assert refused.status_code == 503
     server.stop()
-    assert all(pid_gone(pid, timeout=15) for pid in cores)
+    assert all(pid_gone(pid, timeout=120) for pid in cores)
