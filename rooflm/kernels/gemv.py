@@ -89,7 +89,7 @@ def _gemv_kernel(out_ptr, x_ptr, w_ptr, bias_ptr, residual_ptr, norm_w_ptr,
                  N, K, stride_w, eps,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
                  NORM: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+                 HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr, GELU_TANH: tl.constexpr = False):
     dtype = x_ptr.dtype.element_ty
     rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
@@ -133,8 +133,12 @@ def _gemv_kernel(out_ptr, x_ptr, w_ptr, bias_ptr, residual_ptr, norm_w_ptr,
     if GATED:
         gate = y.to(dtype).to(tl.float32)
         up = tl.sum(acc_up, 1).to(dtype).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        y = silu * up
+        if GELU_TANH:  # Gemma: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh(z) = 2 sigmoid(2z) - 1
+            z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+            act = (gate * tl.sigmoid(2.0 * z)).to(dtype).to(tl.float32)
+        else:
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        y = act * up
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
         y = y.to(dtype).to(tl.float32) + r
@@ -144,6 +148,9 @@ def _gemv_kernel(out_ptr, x_ptr, w_ptr, bias_ptr, residual_ptr, norm_w_ptr,
 # --------------------------------------------------------------------------
 # Wrapper
 # --------------------------------------------------------------------------
+
+GATED_ACTS = ("silu", "gelu_tanh")  # gated=True's activations, model/spec.py's SILU and GELU_TANH
+
 
 class GemvConfig(NamedTuple):
     block_n: int
@@ -167,13 +174,15 @@ def pick_config(n: int, k: int, gated: bool) -> GemvConfig:
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
          residual: Optional[torch.Tensor] = None, norm_weight: Optional[torch.Tensor] = None,
          eps: float = 1e-6, gated: bool = False, out_dtype: Optional[torch.dtype] = None,
-         config: Optional[GemvConfig] = None) -> torch.Tensor:
+         config: Optional[GemvConfig] = None, act: str = "silu") -> torch.Tensor:
     """y = weight @ f(x) for one token x [1, K] (or [K]); returns [1, N] (N = rows, or rows/2 gated).
 
     norm_weight: f = RMSNorm(norm_weight, eps), else f = identity. gated: y =
-    silu(gate) * up over weight's two row halves. residual [1, N]: y + residual.
-    bias [N] (not with gated). Inputs are not modified.
+    act(gate) * up over weight's two row halves, act "silu" or "gelu_tanh" (Gemma's
+    gelu_pytorch_tanh). residual [1, N]: y + residual. bias [N] (not with gated). Inputs are not modified.
     """
+    if act not in GATED_ACTS:
+        raise ValueError(f"act must be one of {GATED_ACTS}, got {act!r}")
     k = x.shape[-1]
     if x.numel() != k:
         raise ValueError(f"gemv takes one token: x must be [1, K] or [K], got {tuple(x.shape)}")
@@ -203,7 +212,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] 
         n, k, weight.stride(0), eps,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN=even, NORM=norm_weight is not None,
         GATED=gated, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
+        GELU_TANH=gated and act == "gelu_tanh", num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return out
 
@@ -215,8 +224,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
              residual: Optional[torch.Tensor] = None, norm_weight: Optional[torch.Tensor] = None,
              eps: float = 1e-6, gated: bool = False, out_dtype: Optional[torch.dtype] = None,
-             config: Optional[GemvConfig] = None) -> torch.Tensor:
-    """The unfused layers gemv replaces (RMSNorm, F.linear, SiLU-and-mul, residual add),
+             config: Optional[GemvConfig] = None, act: str = "silu") -> torch.Tensor:
+    """The unfused layers gemv replaces (RMSNorm, F.linear, SiLU- or GELU-tanh-and-mul, residual add),
     with their casts; same contract as gemv. config is accepted and ignored."""
     from rooflm.kernels.rmsnorm import rmsnorm_ref
 
@@ -226,7 +235,8 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tens
     y = F.linear(x, weight, bias)
     if gated:
         gate, up = y.chunk(2, dim=-1)
-        y = (F.silu(gate.float()).to(x.dtype).float() * up.float()).to(x.dtype)
+        a = F.gelu(gate.float(), approximate="tanh") if act == "gelu_tanh" else F.silu(gate.float())
+        y = (a.to(x.dtype).float() * up.float()).to(x.dtype)
     if residual is not None:
         y = y + residual.reshape(1, -1)
     return y.to(out_dtype) if out_dtype is not None else y

@@ -8,7 +8,10 @@ For each row x of length N (one token's hidden state):
     h         = residual' (or x)
     y         = weight * (h_fp32 * rsqrt(mean(h_fp32^2) + eps)).to(dtype)
 
-which is HF transformers' LlamaRMSNorm, casts included: the normalised value
+or, as a post-norm (post_add, Gemma 2/3 and OLMo 2 at one token), post_add + y, rounded as
+torch's add of the two in x's dtype: the norm and the residual add after it in one launch.
+
+This is HF transformers' LlamaRMSNorm, casts included: the normalised value
 is rounded to the input dtype before the weight multiplies it. One program
 owns one row; the whole row sits in registers, so x and residual are read
 once and y (and the new residual) written once. Fusing the add saves a full
@@ -61,7 +64,8 @@ def rmsnorm_row(x_ptr, residual_ptr, residual_out_ptr, weight_ptr, row, stride_x
 @triton.jit
 def _rmsnorm_kernel(out_ptr, x_ptr, residual_ptr, residual_out_ptr, weight_ptr,
                     stride_x, stride_r, stride_o, stride_ro, N, eps,
-                    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr = False):
+                    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr = False,
+                    POST_ADD: tl.constexpr = False):
     if PDL:  # launched while the kernel before drains (utils.pdl_supported): wait for its x
         gdc_launch_dependents()
         gdc_wait()
@@ -70,6 +74,9 @@ def _rmsnorm_kernel(out_ptr, x_ptr, residual_ptr, residual_out_ptr, weight_ptr,
     mask = offs < N
     y = rmsnorm_row(x_ptr, residual_ptr, residual_out_ptr, weight_ptr, row, stride_x, stride_r, stride_ro,
                     offs, mask, N, eps, HAS_RESIDUAL)
+    if POST_ADD:  # residual_ptr holds the addend: post_add + norm(x), each rounded as torch's add
+        r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32) + r
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -81,13 +88,16 @@ MAX_HIDDEN = 65536  # one row per program, held in registers
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-            residual: Optional[torch.Tensor] = None
+            residual: Optional[torch.Tensor] = None, *, post_add: Optional[torch.Tensor] = None
             ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """RMSNorm of x [T, N]; output in x's dtype.
 
     Without residual returns weight * x / rms(x). With residual returns
     (rmsnorm(x + residual), x + residual); the inputs are not modified.
+    post_add [T, N] (not with residual): returns post_add + rmsnorm(x), a post-norm and its add.
     """
+    if post_add is not None and residual is not None:
+        raise ValueError("rmsnorm takes a residual (pre-norm) or a post_add (post-norm), not both")
     if x.dim() != 2:
         raise ValueError(f"x must be [T, N], got {tuple(x.shape)}")
     num_rows, n = x.shape
@@ -101,7 +111,13 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     check_last_dim_contiguous("weight", weight)
     out = torch.empty_like(x)
     has_residual = residual is not None
-    if has_residual:
+    if post_add is not None:
+        if post_add.shape != x.shape or post_add.dtype != x.dtype:
+            raise ValueError(f"post_add {post_add.dtype} {tuple(post_add.shape)} must match x "
+                             f"{x.dtype} {tuple(x.shape)}")
+        check_last_dim_contiguous("post_add", post_add)
+        residual, residual_out = post_add, out  # read as the addend; nothing else written
+    elif has_residual:
         if residual.shape != x.shape or residual.dtype != x.dtype:
             raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} must match x "
                              f"{x.dtype} {tuple(x.shape)}")
@@ -115,7 +131,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rmsnorm_kernel[(num_rows,)](
             out, x, residual, residual_out, weight,
             x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0), n, eps,
-            BLOCK=block, HAS_RESIDUAL=has_residual, num_warps=num_warps, **pdl_launch(x.device),
+            BLOCK=block, HAS_RESIDUAL=has_residual, POST_ADD=post_add is not None, num_warps=num_warps,
+            **pdl_launch(x.device),
         )
     return (out, residual_out) if has_residual else out
 
@@ -125,9 +142,11 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 # --------------------------------------------------------------------------
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                residual: Optional[torch.Tensor] = None
+                residual: Optional[torch.Tensor] = None, *, post_add: Optional[torch.Tensor] = None
                 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """HF LlamaRMSNorm, with the same cast order; same contract as rmsnorm."""
+    if post_add is not None:
+        return post_add + rmsnorm_ref(x, weight, eps)
     if residual is not None:
         residual = x + residual
         x = residual

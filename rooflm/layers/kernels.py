@@ -40,5 +40,7 @@ def triton_kernels(decode_gemv: bool) -> Kernels:
     from rooflm.kernels.silu_mul import silu_mul
     from rooflm.kernels.small_m_linear import small_m_linear
 
+    # head_norm: q/k norms over each head (Qwen3, Gemma 3) through the same row kernel as the
+    # hidden-state norms, not torch's six element-wise launches a norm.
     return Kernels(rmsnorm=rmsnorm, silu_mul=silu_mul, gemv=gemv if decode_gemv else None, linear=small_m_linear,
-                   fused_moe=fused_moe)
+                   fused_moe=fused_moe, head_norm=rmsnorm)

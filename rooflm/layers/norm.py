@@ -43,6 +43,12 @@ class RMSNorm(torch.nn.Module):
         residual = x + residual
         return self.norm_torch(residual), residual
 
+    def add_to(self, x: torch.Tensor, addend: torch.Tensor) -> torch.Tensor:
+        """addend + norm(x): a post-norm and the residual add after it (one kernel on CUDA)."""
+        if self.kernel is not None and x.dim() == 2:
+            return self.kernel(x, self.fused_weight, self.eps, post_add=addend)
+        return addend + self.norm_torch(x)
+
     def norm_torch(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm_torch(x, self.weight, self.eps)
 

@@ -120,8 +120,10 @@ class GatedMLP(torch.nn.Module):
         self.gate_up_proj = tp_layers.merged_column_linear(
             cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}, tp, kernels.linear)
         self.down_proj = tp_layers.row_linear(cfg.intermediate_size, cfg.hidden_size, tp, kernels.linear)
-        # Whether the fused SiLU-mul forms (GEMV gated epilogue, quantized gate_up) compute act.
+        # Whether the fused SiLU-mul forms (quantized gate_up, FP8 codes) compute act; the GEMV's
+        # gated epilogue computes either (act_name).
         self.silu = spec.mlp_act == SILU
+        self.act_name = spec.mlp_act
         self.act = SiluAndMul(kernels.silu_mul) if self.silu else GeluTanhAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -189,6 +191,13 @@ class DecoderLayer(torch.nn.Module):
             y = norm(y)
         return y if self.residual_scale is None else y * self.residual_scale
 
+    def _add_post(self, place: int, y: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """h + post(y) for the one-token paths: a post-norm and its add in one kernel (RMSNorm.add_to)."""
+        norm = self._norm(place)
+        if norm is not None and self.residual_scale is None:
+            return norm.add_to(y, h)
+        return h + self._post(place, y)
+
     def _has_post(self, place: int) -> bool:
         """Whether something sits between a sublayer's last linear and its residual add."""
         return self.norm_names[place] is not None or self.residual_scale is not None
@@ -215,7 +224,7 @@ class DecoderLayer(torch.nn.Module):
     def _mlp_apart(self, h):
         """h + post(mlp(pre(h))) for the one-token paths, whose residual stream h is whole, where
         the MLP part has no fused form there (an MoE block; GELU-tanh's quantized gate_up)."""
-        return h + self._post(3, self.mlp(self.pre_mlp(h) if self.pre_mlp is not None else h))
+        return self._add_post(3, self.mlp(self.pre_mlp(h) if self.pre_mlp is not None else h), h)
 
     # ---- one token, float weights: four GEMVs ----------------------------------------------
 
@@ -228,23 +237,23 @@ class DecoderLayer(torch.nn.Module):
         h = self._gemv_out(attn.attend(positions, qkv, kv_cache, meta), attn.o_proj, 1, h)
         if not self.dense_mlp:
             return self._mlp_apart(h), None
-        act = self._gemv_in(h, mlp.gate_up_proj, self.pre_mlp, gated=mlp.silu)
-        if not mlp.silu:
-            act = mlp.act(act)
+        act = self._gemv_in(h, mlp.gate_up_proj, self.pre_mlp, gated=True, act=mlp.act_name)
         return self._gemv_out(act, mlp.down_proj, 3, h), None
 
-    def _gemv_in(self, h, linear: Linear, norm: Optional[RMSNorm], gated: bool = False) -> torch.Tensor:
-        """W @ norm(h) with the norm folded into the GEMV's load of h (no norm: W @ h)."""
+    def _gemv_in(self, h, linear: Linear, norm: Optional[RMSNorm], gated: bool = False,
+                 act: str = SILU) -> torch.Tensor:
+        """W @ norm(h) with the norm folded into the GEMV's load of h (no norm: W @ h); gated: the
+        MLP's act(gate) * up in its epilogue."""
+        kw = dict(gated=True, act=act) if gated else {}
         if norm is None:
-            return self.gemv(h, linear.weight, bias=linear.bias, gated=gated)
-        return self.gemv(h, linear.weight, bias=linear.bias, norm_weight=norm.fused_weight, eps=norm.eps,
-                         gated=gated)
+            return self.gemv(h, linear.weight, bias=linear.bias, **kw)
+        return self.gemv(h, linear.weight, bias=linear.bias, norm_weight=norm.fused_weight, eps=norm.eps, **kw)
 
     def _gemv_out(self, a, linear: Linear, place: int, h) -> torch.Tensor:
         """h + post(W @ a): the add in the GEMV epilogue where nothing sits between (_has_post)."""
         if not self._has_post(place):
             return _row_gemv(self.gemv, a, linear, h)
-        return h + self._post(place, _row_gemv(self.gemv, a, linear, None))
+        return self._add_post(place, _row_gemv(self.gemv, a, linear, None), h)
 
     # ---- one token, quantized weights that fold ----------------------------------------------
 
@@ -277,7 +286,7 @@ class DecoderLayer(torch.nn.Module):
         if not self._has_post(place):
             out = linear.forward_folded(a, residual=h)
             return out if out is not None else linear(a) + h
-        return h + self._post(place, linear(a))
+        return self._add_post(place, linear(a), h)
 
     # ---- FP8 W8A8: norms and SiLU-mul write the codes -----------------------------------------
 
@@ -397,7 +406,7 @@ def decoder_path(spec: ModelSpec, kernels: Kernels) -> str:
     if spec.post_attn_norm or spec.post_mlp_norm or spec.residual_scale is not None:
         apart.append("post-norms / residual scales run between the linears and the residual adds")
     if spec.mlp_act != SILU:
-        apart.append(f"{spec.mlp_act} runs apart from gate_up (the fused forms compute SiLU-mul)")
+        apart.append(f"{spec.mlp_act} in the GEMV's epilogue, apart from a quantized gate_up")
     if spec.pre_attn_norm is None or spec.pre_mlp_norm is None:
         apart.append("no FP8 codes from the norms (a sublayer without a pre-norm)")
     if MOE in spec.layer_mlps:

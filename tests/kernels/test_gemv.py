@@ -36,6 +36,22 @@ def test_gemv_fused_norm_gate_residual_bias(n, k):
                  gemv_ref(x, plain_w, bias=bias, norm_weight=norm_w), dtype, "norm+bias")
 
 
+@pytest.mark.parametrize("n,k", [(64, 128), (36, 200)])
+def test_gemv_gated_gelu_tanh_with_an_fp32_one_plus_norm(n, k):
+    """Gemma's MLP input: a (1 + w) norm's fp32 fused weight folded into the load of x, and
+    gelu_tanh(gate) * up in the epilogue, against the unfused ops; and not SiLU's result."""
+    dtype = torch.float16
+    x, w, g = _inputs(n, k, dtype, gated=True, seed=3)
+    x = 4 * x  # gates well into GELU's curve on both sides
+    norm_w = (1 + 0.1 * torch.randn(k, generator=g)).to(DEVICE)  # fp32, as OnePlusRMSNorm.fused_weight
+    out = gemv(x, w, norm_weight=norm_w, eps=1e-6, gated=True, act="gelu_tanh")
+    assert_close(out, gemv_ref(x, w, norm_weight=norm_w, eps=1e-6, gated=True, act="gelu_tanh"), dtype, "gelu")
+    silu = gemv_ref(x, w, norm_weight=norm_w, eps=1e-6, gated=True)
+    assert not torch.allclose(out.float(), silu.float(), atol=1e-2)
+    with pytest.raises(ValueError, match="act"):
+        gemv(x, w, gated=True, act="relu")
+
+
 def test_gemv_out_dtype_and_inputs_untouched():
     x, w, g = _inputs(32, 64, torch.float16)
     res = torch.randn(1, 32, generator=g).to(torch.float16).to(DEVICE)

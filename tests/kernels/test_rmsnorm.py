@@ -51,3 +51,21 @@ def test_rmsnorm_fp16_matches_hf_exactly():
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rmsnorm_gpu_bf16(num_rows, hidden, with_residual):
     run_case(num_rows, hidden, torch.bfloat16, with_residual)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("num_rows,hidden", [(1, 64), (3, 300)])
+def test_rmsnorm_post_add(num_rows, hidden, dtype):
+    """A post-norm and its residual add (Gemma 2/3, OLMo 2 at one token): post_add + norm(x) with
+    an fp32 (1 + w) weight, against the two torch ops; post_add untouched; not with residual."""
+    x = torch.randn(num_rows, hidden, device=DEVICE).to(dtype)
+    h = torch.randn(num_rows, hidden, device=DEVICE).to(dtype)
+    weight = 1 + 0.1 * torch.randn(hidden, device=DEVICE)  # fp32, as OnePlusRMSNorm.fused_weight
+    h_before = h.clone()
+    out = rmsnorm(x, weight, 1e-6, post_add=h)
+    assert out.dtype == dtype
+    assert_close(out, h + rmsnorm_ref(x, weight, 1e-6).to(dtype), dtype, "post-norm + add")
+    assert torch.equal(h, h_before)
+    assert not torch.allclose(out.float(), rmsnorm(x, weight, 1e-6).float())  # the add happened
+    with pytest.raises(ValueError, match="not both"):
+        rmsnorm(x, weight, 1e-6, h, post_add=h)

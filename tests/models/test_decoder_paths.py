@@ -33,9 +33,9 @@ SPECS = {
 }
 
 
-def _layer(spec: ModelSpec, gemv=None) -> DecoderLayer:
+def _layer(spec: ModelSpec, gemv=None, rmsnorm=None) -> DecoderLayer:
     torch.manual_seed(0)
-    layer = DecoderLayer(CFG, spec, None, None, None, Kernels(gemv=gemv))
+    layer = DecoderLayer(CFG, spec, None, None, None, Kernels(gemv=gemv, rmsnorm=rmsnorm))
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0.0, 0.5)
@@ -58,6 +58,9 @@ def test_gemv_chain_gives_the_plain_layer(name):
     plain = _stream(_layer(SPECS[name])(None, x, residual, None, None))
     h, none = _layer(SPECS[name], gemv_ref)(None, x, residual, None, None)
     assert none is None
+    torch.testing.assert_close(h, plain, rtol=1e-5, atol=1e-5)
+    # with the norm kernel's contract too: post-norms add in it (RMSNorm.add_to's post_add)
+    h, _ = _layer(SPECS[name], gemv_ref, rmsnorm_ref)(None, x, residual, None, None)
     torch.testing.assert_close(h, plain, rtol=1e-5, atol=1e-5)
 
 
