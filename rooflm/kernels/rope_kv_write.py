@@ -11,7 +11,9 @@ which the rotary layer builds), every head x of q and k is rotated pairwise:
 
 where the pair i is (x[i], x[i + D/2]) in the neox layout (HF's rotate_half,
 Llama/Mistral/Qwen checkpoints in HF layout) and (x[2i], x[2i+1]) in the
-interleaved layout (GPT-J, llama.cpp). q is rotated in place; the rotated k
+interleaved layout (GPT-J, llama.cpp). A partial rotary (Phi-4-mini: R = 96 of
+D = 128) rotates the first R elements as a neox head of width R and passes
+the other D - R through. q is rotated in place; the rotated k
 and the unchanged v go straight into their slot of the paged cache,
 slot = slot_mapping[t] (block slot // block_size, offset slot % block_size;
 -1 marks a padding token, not written). One pass, one program per token:
@@ -30,7 +32,8 @@ Shapes
 ------
 q [T, H, D], k/v [T, H_kv, D]   (views of a fused qkv output are fine: any
                                   token and head strides, unit last stride)
-positions [T] int64, cos_sin_cache [max_pos, D] fp32 (cos | sin halves)
+positions [T] int64, cos_sin_cache [max_pos, R] fp32 (cos | sin halves; R = D,
+                                  or R < D even for a partial rotary, neox only)
 k/v cache [num_blocks, block_size, H_kv, D], slot_mapping [T] int64
 k/v scale [num_blocks, block_size, H_kv] or static [H_kv] fp32 (FP8 caches only)
 
@@ -93,12 +96,17 @@ def _rope_kv_write_kernel(
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
         KV_HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, IS_NEOX: tl.constexpr, APPLY_ROPE: tl.constexpr, FP8: tl.constexpr,
-        ROUND_E4M3: tl.constexpr, PDL: tl.constexpr, TOKEN_SCALES: tl.constexpr = True):
+        ROUND_E4M3: tl.constexpr, PDL: tl.constexpr, TOKEN_SCALES: tl.constexpr = True,
+        ROT_DIM: tl.constexpr = 0, PASS_PAD: tl.constexpr = 1, D_PAD: tl.constexpr = 0):
+    """ROT_DIM: the rotated width (the head's, or fewer: the rest of k passes through to the
+    cache, of q stays in place); HALF_PAD covers ROT_DIM // 2, PASS_PAD the passed-through
+    HEAD_DIM - ROT_DIM, D_PAD the whole head (v)."""
     if PDL:  # launched early (programmatic dependent launch): wait for q, k, v
         gdc_launch_dependents()
         gdc_wait()
     t = tl.program_id(0).to(tl.int64)
-    HALF: tl.constexpr = HEAD_DIM // 2
+    HALF: tl.constexpr = ROT_DIM // 2
+    PASS: tl.constexpr = HEAD_DIM - ROT_DIM
     offs_i = tl.arange(0, HALF_PAD)
     i_ok = offs_i < HALF
     # Element offsets of the two members of each rotated pair.
@@ -137,8 +145,12 @@ def _rope_kv_write_kernel(
         else:
             k1 = tl.load(k_row + kv_heads[:, None] * stride_kh + offs_1[None, :], mask=kv_mask, other=0.0)
             k2 = tl.load(k_row + kv_heads[:, None] * stride_kh + offs_2[None, :], mask=kv_mask, other=0.0)
+        if PASS > 0:  # a partial rotary's unrotated tail of k
+            offs_p = ROT_DIM + tl.arange(0, PASS_PAD)
+            p_mask = kv_ok[:, None] & (offs_p < HEAD_DIM)[None, :]
+            kp = tl.load(k_row + kv_heads[:, None] * stride_kh + offs_p[None, :], mask=p_mask, other=0.0)
         # v is copied whole, not in pairs.
-        offs_d = tl.arange(0, 2 * HALF_PAD)
+        offs_d = tl.arange(0, D_PAD)
         v_mask = kv_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
         v = tl.load(v_ptr + t * stride_vt + kv_heads[:, None] * stride_vh + offs_d[None, :], mask=v_mask,
                     other=0.0)
@@ -149,6 +161,8 @@ def _rope_kv_write_kernel(
             if TOKEN_SCALES:  # one scale per head vector, from the values already in registers
                 scale_offs = (slot // BLOCK_SIZE) * stride_sb + (slot % BLOCK_SIZE) * stride_st + kv_heads
                 k_amax = tl.maximum(tl.max(tl.abs(k1), 1), tl.max(tl.abs(k2), 1))
+                if PASS > 0:
+                    k_amax = tl.maximum(k_amax, tl.max(tl.abs(kp.to(tl.float32)), 1))
                 ks = _fp8_scale(k_amax, k_scale_ptr + scale_offs, kv_ok)
                 vs = _fp8_scale(tl.max(tl.abs(v), 1), v_scale_ptr + scale_offs, kv_ok)
             else:  # static scales, one per KV head: saturate what falls outside E4M3's range
@@ -157,12 +171,18 @@ def _rope_kv_write_kernel(
             k1 = _saturate(k1 / ks[:, None], TOKEN_SCALES)
             k2 = _saturate(k2 / ks[:, None], TOKEN_SCALES)
             v = _saturate(v / vs[:, None], TOKEN_SCALES)
+            if PASS > 0:
+                kp = _saturate(kp.to(tl.float32) / ks[:, None], TOKEN_SCALES)
             if ROUND_E4M3:
                 k1 = round_to_e4m3(k1)
                 k2 = round_to_e4m3(k2)
                 v = round_to_e4m3(v)
+                if PASS > 0:
+                    kp = round_to_e4m3(kp)
         tl.store(kc_row + offs_1[None, :], k1.to(cache_dtype), mask=kv_mask)
         tl.store(kc_row + offs_2[None, :], k2.to(cache_dtype), mask=kv_mask)
+        if PASS > 0:
+            tl.store(kc_row + offs_p[None, :], kp.to(cache_dtype), mask=p_mask)
         tl.store(v_cache_ptr + cache_offs + kv_heads[:, None] * stride_ch + offs_d[None, :],
                  v.to(cache_dtype), mask=v_mask)
 
@@ -204,8 +224,9 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     """Rotate q in place and write rotated k and v into their cache slots; returns q.
 
     q [T, H, D], k/v [T, H_kv, D] (strided views allowed), positions [T] int64,
-    cos_sin_cache [max_pos, D] fp32 with cos in the first D/2 columns and sin
-    in the last D/2, slot_mapping [T] int64 (-1: do not write). k itself is
+    cos_sin_cache [max_pos, R] fp32 with cos in the first R/2 columns and sin
+    in the last R/2 (R = D, or fewer for a partial rotary: the first R elements
+    of each head rotate, neox only), slot_mapping [T] int64 (-1: do not write). k itself is
     not modified. FP8 caches take k_scale / v_scale [num_blocks, block_size, H_kv] or static [H_kv] fp32.
     """
     _check_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
@@ -214,14 +235,18 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} do not match")
     if positions.shape != (num_tokens,) or positions.dtype != torch.int64:
         raise ValueError(f"positions must be int64 [{num_tokens}], got {positions.dtype} {tuple(positions.shape)}")
-    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim or cos_sin_cache.dtype != torch.float32:
-        raise ValueError(f"cos_sin_cache must be fp32 [max_pos, {head_dim}], got "
+    rot = cos_sin_cache.shape[1] if cos_sin_cache.dim() == 2 else -1
+    if rot <= 0 or rot > head_dim or rot % 2 or cos_sin_cache.dtype != torch.float32:
+        raise ValueError(f"cos_sin_cache must be fp32 [max_pos, R] with R even and at most {head_dim}, got "
                          f"{cos_sin_cache.dtype} {tuple(cos_sin_cache.shape)}")
+    if rot < head_dim and not is_neox:
+        raise ValueError("a partial rotary (cos_sin_cache narrower than the head) is neox-layout only")
     check_last_dim_contiguous("q", q)
     check_last_dim_contiguous("cos_sin_cache", cos_sin_cache)
     if num_tokens == 0:
         return q
-    _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox, True, k_scale, v_scale)
+    _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox, True, k_scale, v_scale,
+            rot_dim=rot)
     return q
 
 
@@ -236,10 +261,11 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox, apply_rope,
-            k_scale, v_scale):
+            k_scale, v_scale, rot_dim=None):
     num_tokens, num_kv_heads, head_dim = k.shape
+    rot_dim = rot_dim or head_dim
     num_heads = q.shape[1] if apply_rope else 0
-    half_pad = next_power_of_2(head_dim // 2)
+    half_pad = next_power_of_2(rot_dim // 2)
     kv_heads_pad = next_power_of_2(num_kv_heads)
     heads_pad = next_power_of_2(num_heads) if apply_rope else 1
     pdl = pdl_supported(q.device)
@@ -254,7 +280,9 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, i
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *scale_strides,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=heads_pad, KV_HEADS_PAD=kv_heads_pad,
         HEAD_DIM=head_dim, HALF_PAD=half_pad, BLOCK_SIZE=k_cache.shape[1], IS_NEOX=is_neox,
-        APPLY_ROPE=apply_rope, FP8=fp8, ROUND_E4M3=fp8 and is_interpreter(), PDL=pdl, TOKEN_SCALES=token_scales, num_warps=_num_warps((heads_pad + 3 * kv_heads_pad) * half_pad),
+        APPLY_ROPE=apply_rope, FP8=fp8, ROUND_E4M3=fp8 and is_interpreter(), PDL=pdl, TOKEN_SCALES=token_scales,
+        ROT_DIM=rot_dim, PASS_PAD=next_power_of_2(max(head_dim - rot_dim, 1)), D_PAD=next_power_of_2(head_dim),
+        num_warps=_num_warps((heads_pad + 3 * kv_heads_pad) * half_pad),
         **({"launch_pdl": True} if pdl else {}),
     )
 
@@ -265,7 +293,11 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, i
 
 def rotate_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                is_neox: bool = True) -> torch.Tensor:
-    """Torch rotary on [T, heads, D] in fp32: neox uses rotate_half, interleaved rotates (2i, 2i+1)."""
+    """Torch rotary on [T, heads, D] in fp32: neox uses rotate_half, interleaved rotates (2i, 2i+1).
+    A table narrower than D (R columns) rotates x[..., :R] and passes the rest through."""
+    rot = cos_sin_cache.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat([rotate_ref(x[..., :rot], positions, cos_sin_cache, is_neox), x[..., rot:]], dim=-1)
     half = x.shape[-1] // 2
     cos = cos_sin_cache[positions, :half].float()[:, None, :]
     sin = cos_sin_cache[positions, half:].float()[:, None, :]

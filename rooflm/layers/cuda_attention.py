@@ -69,11 +69,14 @@ class TritonBackend(AttentionBackend):
                        v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Rotate q (in place) and k, store k and v in their slots; returns the rotated q."""
         table = getattr(rotary, "cos_sin_cache", None)
-        if table is None or table.dtype != torch.float32 or table.shape[-1] != q.shape[-1]:
+        neox = getattr(rotary, "is_neox", True)
+        # A partial rotary (a table narrower than the head, Phi-4-mini) rotates in the kernel too.
+        if (table is None or table.dtype != torch.float32 or table.shape[-1] > q.shape[-1]
+                or (table.shape[-1] < q.shape[-1] and not neox)):
             return super().rope_and_write(q, k, v, positions, rotary, k_cache, v_cache, slot_mapping,
                                           k_scale, v_scale)
         return rope_kv_write(q, k, v, positions.long(), table, k_cache, v_cache, slot_mapping,
-                             is_neox=getattr(rotary, "is_neox", True), k_scale=k_scale, v_scale=v_scale)
+                             is_neox=neox, k_scale=k_scale, v_scale=v_scale)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, k_scale: Optional[torch.Tensor] = None,

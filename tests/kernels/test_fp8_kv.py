@@ -151,11 +151,17 @@ def _empty_fp8_cache(num_blocks, block_size, num_kv_heads, head_dim):
     return cache, scales
 
 
-@pytest.mark.parametrize("is_neox", [True, False])
-def test_rope_kv_write_fp8_matches_reference(is_neox):
+@pytest.mark.parametrize("is_neox,rotary_dim", [(True, None), (False, None), (True, 32)])
+def test_rope_kv_write_fp8_matches_reference(is_neox, rotary_dim):
+    """rotary_dim 32 of 64: a partial rotary, whose unrotated tail joins the head's scale."""
     torch.manual_seed(2)
     h_kv, d, bs = 2, 64, 16
     q, k, v, positions, table, slots = rope_write_inputs()
+    if rotary_dim is not None:  # the first rotary_dim / 2 frequencies' cos | sin
+        half = table.shape[1] // 2
+        table = torch.cat([table[:, :rotary_dim // 2], table[:, half:half + rotary_dim // 2]], dim=1).contiguous()
+        k = k.clone()
+        k[..., rotary_dim:] *= 8  # the tail sets the scale: it must be counted
     (kc, vc), (ks, vs) = _empty_fp8_cache(4, bs, h_kv, d)
     (kc_ref, vc_ref), (ks_ref, vs_ref) = _empty_fp8_cache(4, bs, h_kv, d)
     q_out = rope_kv_write(q.clone(), k, v, positions, table, kc, vc, slots, is_neox,

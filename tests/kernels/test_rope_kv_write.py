@@ -25,7 +25,7 @@ def cos_sin_table(head_dim, max_pos, theta=10000.0, llama3=False):
 
 
 def run_case(num_tokens, num_heads, num_kv_heads, head_dim, block_size, dtype, is_neox, llama3=False,
-             fused_qkv=True):
+             fused_qkv=True, rotary_dim=None):
     max_pos = 4096
     if fused_qkv:  # q, k, v as strided views of one qkv projection output
         qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE).to(dtype)
@@ -38,7 +38,7 @@ def run_case(num_tokens, num_heads, num_kv_heads, head_dim, block_size, dtype, i
         k = torch.randn(num_tokens, num_kv_heads, head_dim, device=DEVICE).to(dtype)
         v = torch.randn(num_tokens, num_kv_heads, head_dim, device=DEVICE).to(dtype)
     positions = torch.randint(0, max_pos, (num_tokens,), device=DEVICE)
-    table = cos_sin_table(head_dim, max_pos, llama3=llama3)
+    table = cos_sin_table(rotary_dim or head_dim, max_pos, llama3=llama3)
     num_blocks = (2 * num_tokens) // block_size + 2
     slot_mapping = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
     slot_mapping[::3] = -1  # padding tokens are not written
@@ -78,6 +78,23 @@ CASES = [
 def test_rope_kv_write_matches_reference(num_tokens, num_heads, num_kv_heads, head_dim, block_size, dtype,
                                          is_neox):
     run_case(num_tokens, num_heads, num_kv_heads, head_dim, block_size, dtype, is_neox)
+
+
+@pytest.mark.parametrize("head_dim,rotary_dim,dtype", [(128, 96, torch.float16), (64, 32, torch.float32),
+                                                      (80, 40, torch.float16)])
+def test_rope_kv_write_partial_rotary(head_dim, rotary_dim, dtype):
+    """Phi-4-mini's partial rotary: the first R elements of each head rotate (neox over R), the
+    rest of q stays and of k goes to the cache unrotated; in the fused kernel, not torch."""
+    run_case(6, 4, 2, head_dim, 16, dtype, True, rotary_dim=rotary_dim)
+
+
+def test_partial_rotary_is_neox_only():
+    q = torch.randn(2, 2, 64, device=DEVICE)
+    k = v = torch.randn(2, 1, 64, device=DEVICE)
+    cache = torch.zeros(2, 16, 1, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="neox"):
+        rope_kv_write(q, k, v, torch.zeros(2, dtype=torch.int64, device=DEVICE), cos_sin_table(32, 8),
+                      cache, cache.clone(), torch.zeros(2, dtype=torch.int64, device=DEVICE), is_neox=False)
 
 
 def test_rope_llama3_table_and_contiguous_inputs():

@@ -79,9 +79,10 @@ def test_triton_rope_and_write_serves_each_layers_rotary(seq_lens, query_lens):
             results.append((q_out, kc, vc))
         for a, b in zip(*results):
             torch.testing.assert_close(a.nan_to_num(7.0), b.nan_to_num(7.0), rtol=1e-5, atol=1e-5)
-    # The partial and absent rotaries must not reach the fused kernel: its table contract fails.
+    # The partial rotary's narrower table goes through the fused kernel (rotating its first R
+    # elements); the absent one has no table and takes the plain KV write.
     partial, none = rotaries()[2], rotaries()[3]
-    assert partial.cos_sin_cache.shape[-1] != DIM and not hasattr(none, "cos_sin_cache")
+    assert partial.cos_sin_cache.shape[-1] < DIM and not hasattr(none, "cos_sin_cache")
 
 
 def test_partial_rotary_leaves_the_tail_and_none_leaves_everything():
