@@ -170,8 +170,8 @@ class DecoderLayer(torch.nn.Module):
         # FP8 codes written by the norms and SiLU-mul need both pre-norms and SiLU.
         self.fp8_fusable = (self.fold and None not in (spec.pre_attn_norm, spec.pre_mlp_norm)
                             and (not self.dense_mlp or self.mlp.silu))
-        # quant/native_decode.py: the C decoder computes the Llama layer only.
-        self.native_form = spec.llama_layers
+        # quant/native_decode.py: why the C decoder cannot compute this layer's parts, or None.
+        self.native_reason = spec.native_reason()
         # Each sublayer's output times this before its residual add (Granite), or None.
         self.residual_scale = spec.residual_scale
 
@@ -412,8 +412,8 @@ def decoder_path(spec: ModelSpec, kernels: Kernels) -> str:
     if MOE in spec.layer_mlps:
         apart.append("MoE blocks run as themselves beside the fused attention half "
                      f"({'fused_moe' if kernels.fused_moe is not None else 'torch experts loop'})")
-    if not spec.llama_layers:
-        apart.append("no native C decoder (it computes the Llama layer)")
+    if spec.native_reason() is not None:
+        apart.append(f"no native C decoder ({spec.native_reason()})")
     fused = "one-token GEMV chain" if kernels.gemv is not None else "torch/Triton per op"
     return f"{fused}; " + ("; ".join(apart) if apart else "every fused form applies")
 

@@ -87,6 +87,20 @@ class ModelSpec:
                 and not self.layer_ropes and self.residual_scale is None and self.logit_divisor is None
                 and MOE not in self.layer_mlps)
 
+    def native_reason(self) -> Optional[str]:
+        """Why the native C decoder (quant/csrc/decode_layer.c) cannot compute this model's layers,
+        or None: it takes pre-norms (either form), post-norms, per-head q/k norms, GELU-tanh, a
+        residual scale, per-layer rotaries (bases, partial, none) and windows."""
+        if self.pre_attn_norm is None or self.pre_mlp_norm is None:
+            return "a sublayer without a pre-norm"
+        if self.qk_norm == QK_NORM_PROJ:
+            return "q/k norms over the whole projection"
+        if self.attn_softcap is not None:
+            return "attention soft-capping"
+        if MOE in self.layer_mlps:
+            return "mixture-of-experts blocks"
+        return None
+
     def ropes(self, cfg: ModelConfig) -> tuple[Optional[Rope], ...]:
         """Each layer's rotary (layer_ropes, or the config's rope on every layer)."""
         if not self.layer_ropes:

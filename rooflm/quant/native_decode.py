@@ -1,5 +1,7 @@
-"""The whole Llama-family decoder in one C call (csrc/decode_layer.c) for one sequence on the
-CPU: a batch-1 decode step or one prefill chunk.
+"""The whole decoder in one C call (csrc/decode_layer.c) for one sequence on the CPU: a batch-1
+decode step or one prefill chunk. The Llama layer and the parts other families add to it
+(post-norms, (1 + w) norms, per-head q/k norms, GELU-tanh, residual scales, per-layer rotaries
+and windows: ModelSpec.native_reason says what it cannot take).
 
 Why: with the matmuls already in C (block_matmul.c), SmolLM2-135M's decode step on 2 cores
 still spent ~14-18 ms of ~24 in the ~20 torch ops a layer around them (norms, rotary, casts,
@@ -10,11 +12,12 @@ the LM head after it stay where they were.
 Where it applies (`NativeDecoder.build` checks once per model; `forward` once per step, and
 returns None to send the step down the torch path):
   - the model: on the CPU in float32, every decoder linear a NativeBlockLinear (GGUF
-    Q4_0/Q4_1/Q8_0 blocks kept quantized, native kernels built) without bias, no per-head q/k
-    norm, neox rotary, one device (no tensor parallelism), no fused-GEMV or deterministic linear
-    kernels; ROOFLM_NATIVE_DECODE=0 turns it off;
+    Q4_0/Q4_1/Q8_0 blocks kept quantized, native kernels built) without bias, neox rotary, one
+    device (no tensor parallelism), no fused-GEMV or deterministic linear kernels;
+    ROOFLM_NATIVE_DECODE=0 turns it off;
   - the step: one sequence (a decode, or a prefill chunk: C calls of <= MAX_CHUNK tokens), a float32
-    (not FP8) KV cache, every slot valid, no sliding window shorter than the context.
+    (not FP8) KV cache, every slot valid; with KV cache groups, each layer reads its group's slots
+    and block table.
 Everything else takes the torch path. The K/V go into the engine's own paged pool, through the
 step's slot mapping and block table, so prefix caching, copy-on-write and preemption are
 unchanged.
@@ -55,13 +58,26 @@ class _BlockWeight(ctypes.Structure):
 
 class _DecoderLayer(ctypes.Structure):
     _fields_ = [("ln1", _P), ("ln2", _P), ("qkv", _BlockWeight), ("o", _BlockWeight),
-                ("gate_up", _BlockWeight), ("down", _BlockWeight), ("k_cache", _P), ("v_cache", _P)]
+                ("gate_up", _BlockWeight), ("down", _BlockWeight), ("k_cache", _P), ("v_cache", _P),
+                ("post1", _P), ("post2", _P), ("q_norm", _P), ("k_norm", _P), ("cos_sin", _P),
+                ("rot_dim", _I64), ("window", _I64), ("group", _I64)]
 
 
 class _DecoderShape(ctypes.Structure):
     _fields_ = [("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
                 ("intermediate", _I64), ("block_size", _I64), ("num_layers", _I64),
-                ("eps", _F), ("scale", _F), ("cos_sin", _P), ("final_norm", _P)]
+                ("eps", _F), ("scale", _F), ("final_norm", _P), ("gelu_tanh", _I64), ("residual_scale", _F)]
+
+
+def _table(rotary, held: list) -> Optional[torch.Tensor]:
+    """A layer's rotary table as the C side reads it ([max_positions, rot_dim] fp32), or None for
+    a layer without RoPE."""
+    table = getattr(rotary, "cos_sin_cache", None)
+    if table is None:
+        return None
+    table = table.float().contiguous()
+    held.append(table)
+    return table
 
 
 def enabled() -> bool:
@@ -88,11 +104,9 @@ def unsupported_reason(model) -> Optional[str]:
     if native.library() is None:  # after the device check: a GPU host never builds it
         return "native CPU kernels not built"
     for i, layer in enumerate(model.layers):
-        if not getattr(layer, "native_form", True):  # model/decoder.py's parts: post-norms, soft-caps, ...
-            return f"layer {i} has parts the C decoder does not compute"
+        if layer.native_reason is not None:  # a part the C decoder does not compute (ModelSpec.native_reason)
+            return f"layer {i}: {layer.native_reason}"
         attn = layer.self_attn
-        if attn.cfg.qk_norm:
-            return "per-head q/k norms"
         if not getattr(attn.attn.rotary, "is_neox", True):
             return "interleaved rotary"
         if attn.heads.num_heads != attn.cfg.num_attention_heads:
@@ -103,13 +117,13 @@ def unsupported_reason(model) -> Optional[str]:
                              ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)):
             if _block_weight(linear) is None:
                 return f"layer {i} {name} is not a native block-quantized linear without bias"
-        if layer.input_layernorm.kernel is not None or layer.mlp.act.kernel is not None:
+        if layer.pre_attn.kernel is not None or getattr(layer.mlp.act, "kernel", None) is not None:
             return "custom norm/activation kernels"
     return None
 
 
 class NativeDecoder:
-    """Owns the C-side description of a LlamaModel's layers (pointers packed once) and runs
+    """Owns the C-side description of a DecoderModel's layers (pointers packed once) and runs
     eligible steps through rl_decoder_forward."""
 
     def __init__(self, model):
@@ -118,24 +132,40 @@ class NativeDecoder:
         layer0 = model.layers[0]
         cfg = layer0.self_attn.cfg
         self.cfg = cfg
-        self.sliding_window = cfg.sliding_window
-        rotary = layer0.self_attn.attn.rotary
-        self._cos_sin = rotary.cos_sin_cache.float().contiguous()  # kept alive: C reads it
-        self.max_positions = self._cos_sin.shape[0]
+        self._held = []  # tensors the C side reads: kept alive as long as the layer table
+        tables = [_table(layer.self_attn.attn.rotary, self._held) for layer in model.layers]
+        # Positions past a rotary table's end take the torch path (which would fail the same way).
+        self.max_positions = min((t.shape[0] for t in tables if t is not None), default=1 << 62)
+        residual_scale = layer0.residual_scale
         self.shape = _DecoderShape(
             hidden=cfg.hidden_size, heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, block_size=0,
-            num_layers=len(model.layers), eps=layer0.input_layernorm.eps, scale=layer0.self_attn.attn.scale,
-            cos_sin=self._cos_sin.data_ptr(), final_norm=model.norm.weight.data_ptr())
+            num_layers=len(model.layers), eps=layer0.pre_attn.eps, scale=layer0.self_attn.attn.scale,
+            final_norm=self._fp32(model.norm.fused_weight), gelu_tanh=int(not layer0.mlp.silu),
+            residual_scale=1.0 if residual_scale is None else residual_scale)
         self.layers = (_DecoderLayer * len(model.layers))()
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
+            norms = [None if n is None else self._fp32(n.fused_weight)
+                     for n in (layer.pre_attn, layer.pre_mlp, layer.post_attn, layer.post_mlp)]
+            q_norm = getattr(attn, "q_norm", None)
+            table = tables[i]
             self.layers[i] = _DecoderLayer(
-                ln1=layer.input_layernorm.weight.data_ptr(), ln2=layer.post_attention_layernorm.weight.data_ptr(),
+                ln1=norms[0], ln2=norms[1], post1=norms[2], post2=norms[3],
+                q_norm=None if q_norm is None else self._fp32(q_norm.fused_weight),
+                k_norm=None if q_norm is None else self._fp32(attn.k_norm.fused_weight),
+                cos_sin=None if table is None else table.data_ptr(),
+                rot_dim=0 if table is None else table.shape[1], window=attn.attn.sliding_window or 0,
                 qkv=_block_weight(attn.qkv_proj), o=_block_weight(attn.o_proj),
                 gate_up=_block_weight(mlp.gate_up_proj), down=_block_weight(mlp.down_proj))
         self._bound: Optional[list] = None  # the (K, V) pools the layer table points at
         self._shape_ptr = ctypes.byref(self.shape)
+
+    def _fp32(self, weight: torch.Tensor) -> int:
+        """The address of weight as a contiguous fp32 tensor the C side can read (held)."""
+        weight = weight.detach().float().contiguous()
+        self._held.append(weight)
+        return weight.data_ptr()
 
     @classmethod
     def build(cls, model) -> Optional["NativeDecoder"]:
@@ -167,38 +197,48 @@ class NativeDecoder:
         for i, cache in enumerate(kv_caches):
             self.layers[i].k_cache = cache.k.data_ptr()
             self.layers[i].v_cache = cache.v.data_ptr()
+            self.layers[i].group = getattr(cache, "group", 0)
         self._bound = [(c.k, c.v) for c in kv_caches]
         return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> Optional[torch.Tensor]:
         """The final normed hidden states [T, hidden], or None: the step takes the torch path."""
         tokens = input_ids.shape[0]
-        if meta.num_seqs != 1 or tokens == 0 or input_ids.dim() != 1 or meta.groups:
-            return None  # KV cache groups: the C decoder reads one block table for every layer
-        seq_len = meta.seq_lens_cpu[0]
-        if self.sliding_window is not None and seq_len > self.sliding_window:
+        if meta.num_seqs != 1 or tokens == 0 or input_ids.dim() != 1:
             return None
+        seq_len = meta.seq_lens_cpu[0]
         if seq_len > self.max_positions or not self._bind_cache(kv_caches):
             return None
-        slots = meta.slot_mapping
-        if slots.dtype != torch.int64 or (slots.min() if tokens > 1 else slots[0]) < 0:
-            return None
-        slots = slots.contiguous()  # held here: the C call reads it
+        # Each KV cache group's slots and block table (one group: the step's own), held here while
+        # the C call reads them.
+        views = [meta] + list(meta.groups or [])
+        slot_groups, table_groups = [], []
+        for view in views:
+            slots = view.slot_mapping
+            if slots.dtype != torch.int64 or (slots.min() if tokens > 1 else slots[0]) < 0:
+                return None
+            table = view.block_tables[0]
+            if table.dtype != torch.int32 or not table.is_contiguous():
+                table = table.to(torch.int32).contiguous()
+            slot_groups.append(slots.contiguous())
+            table_groups.append(table)
         if positions.dtype != torch.int64 or not positions.is_contiguous():
             positions = positions.to(torch.int64).contiguous()
-        block_table = meta.block_tables[0]
-        if block_table.dtype != torch.int32 or not block_table.is_contiguous():
-            block_table = block_table.to(torch.int32).contiguous()
         x = self.model.embed_tokens(input_ids)
+        if self.model.embed_scale is not None:
+            x = x * self.model.embed_scale
         if not x.is_contiguous() or x.dtype != torch.float32:
             x = x.float().contiguous()
+        elem = (8, 4)  # int64 slots, int32 tables
         threads = torch.get_num_threads()
+        tables = (ctypes.c_void_p * len(views))(*[t.data_ptr() for t in table_groups])
         for start in range(0, tokens, MAX_CHUNK):
             count = min(MAX_CHUNK, tokens - start)
-            # Row offsets into x, positions and slots: 4 or 8 bytes an element.
+            # Row offsets into x, positions and each group's slots.
+            slots = (ctypes.c_void_p * len(views))(*[s.data_ptr() + start * elem[0] for s in slot_groups])
             status = self.lib.rl_decoder_forward(
                 self._shape_ptr, self.layers, x[start].data_ptr(), count, positions[start].data_ptr(),
-                slots[start].data_ptr(), block_table.data_ptr(), threads)
+                slots, tables, threads)
             if status != 0:
                 raise MemoryError(f"native decoder could not allocate its buffers for {count} tokens")
         return x

@@ -29,7 +29,10 @@ def test_every_family_runs_on_the_one_decoder(name):
     llama = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
     llama = llama and not config.num_experts  # an MoE block is not the Llama layer
     assert model_spec(config).llama_layers == llama
-    assert all(layer.native_form == llama for layer in model.model.layers)
+    spec = model_spec(config)
+    assert all(layer.native_reason == spec.native_reason() for layer in model.model.layers)
+    if llama:
+        assert spec.native_reason() is None  # the C decoder takes every Llama-family layer
 
 
 def test_softcapped_attention_leaves_a_backend_without_softcap():

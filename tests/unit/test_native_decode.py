@@ -213,3 +213,128 @@ def test_long_chunks_are_cut_into_calls_and_thread_count_changes_nothing(weights
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1])
+
+
+# ---- the parts other families add to the Llama layer, in the C decoder --------------------------
+
+def _parts_specs():
+    from rooflm.layers.rotary import Rope
+    from rooflm.model.spec import GELU_TANH, QK_NORM_HEAD, RMS_ONE_PLUS, ModelSpec
+    rope = Rope(10000.0, None)
+    return {
+        # Gemma 3: (1 + w) pre/post norms and per-head q/k norms, GELU-tanh, a scaled score,
+        # sliding and global layers with their own RoPE bases
+        "gemma3": ModelSpec(post_attn_norm="post_attention_layernorm", pre_mlp_norm="pre_feedforward_layernorm",
+                            post_mlp_norm="post_feedforward_layernorm", norm=RMS_ONE_PLUS, qk_norm=QK_NORM_HEAD,
+                            attn_scale=0.2, layer_windows=(8, 8, None), embed_scale=8.0, mlp_act=GELU_TANH,
+                            layer_ropes=(rope, rope, Rope(1e6, None))),
+        # Phi-4-mini: a partial rotary (8 of 16 dims) and a window on every layer
+        "phi3": ModelSpec(layer_windows=(12, 12, 12), layer_ropes=(Rope(10000.0, None, 8),) * 3),
+        # Granite: multipliers; SmolLM3: a layer without RoPE
+        "granite-smollm3": ModelSpec(residual_scale=0.5, attn_scale=0.1, embed_scale=3.0, logit_divisor=2.0,
+                                     layer_ropes=(rope, None, rope)),
+    }
+
+
+def _parts_class(spec):
+    from rooflm.model.decoder import CausalLM
+
+    class PartsLM(CausalLM):
+        spec_of = staticmethod(lambda cfg: spec)
+    return PartsLM
+
+
+def _parts_weights(cls, seed=0):
+    """The spec's model with every decoder linear as GGUF blocks and its norms drawn around 1 (or 0
+    for (1 + w) norms), so a norm applied twice or not at all shows."""
+    gen = torch.Generator().manual_seed(seed + 7)
+    out = []
+    for name, tensor in cls(TINY, max_positions=1).dummy_weights(seed):
+        if name.endswith("_proj.weight"):
+            fmt = LAYER_FORMATS[int(name.split(".")[2])]
+            raw = gguf_quants.quantize((tensor.numpy() * 2.0).astype(np.float32), GGMLQuantizationType[fmt])
+            out.append((name, decode(fmt, raw, tuple(tensor.shape))))
+        elif "norm" in name:
+            out.append((name, tensor * 0 + 0.3 * torch.randn(tensor.shape, generator=gen) + (tensor.mean() > 0.5)))
+        else:
+            out.append((name, tensor))
+    return out
+
+
+@pytest.mark.parametrize("family", ["gemma3", "phi3", "granite-smollm3"])
+def test_native_decoder_computes_the_parts(family, monkeypatch):
+    spec = _parts_specs()[family]
+    assert spec.native_reason() is None
+    cls = _parts_class(spec)
+    weights = _parts_weights(cls)
+    models = []
+    for native_on in (True, False):
+        monkeypatch.setenv(native_decode.ENV_SWITCH, "1" if native_on else "0")
+        model = cls(TINY, max_positions=256).eval()
+        model.load_weights(iter(weights))
+        model.model.choose_decoder_path()
+        models.append(model)
+    fast, ref = models
+    assert fast.model.native_decoder is not None and ref.model.native_decoder is None
+    fast_cache, ref_cache = make_cache(), make_cache()
+    ids = torch.randint(0, TINY.vocab_size, (40,), generator=torch.Generator().manual_seed(5))
+    # prefill chunks, then decodes past every window
+    for start, count in [(0, 7), (7, 6)] + [(p, 1) for p in range(13, 40)]:
+        positions = torch.arange(start, start + count)
+        out = fast.model(ids[start:start + count], positions, fast_cache, step_meta(start, count))
+        expected = ref.model(ids[start:start + count], positions, ref_cache, step_meta(start, count))
+        # Post-norms rescale whatever the int8 activation rounding left (a flipped rounding in one
+        # matmul input), so these agree to a few 1e-4 rather than the Llama layer's 1e-4.
+        assert rel_err(out, expected) < 5e-4, (family, start, count)
+        logits, ref_logits = fast.compute_logits(out), ref.compute_logits(expected)
+        assert rel_err(logits, ref_logits) < 5e-4
+        assert torch.equal(logits.argmax(-1), ref_logits.argmax(-1))
+
+
+def test_native_decoder_refuses_what_it_does_not_compute():
+    from rooflm.model.spec import QK_NORM_PROJ, ModelSpec
+    assert "pre-norm" in ModelSpec(pre_attn_norm=None, post_attn_norm="post_attention_layernorm").native_reason()
+    assert "projection" in ModelSpec(qk_norm=QK_NORM_PROJ).native_reason()
+    assert "soft-capping" in ModelSpec(attn_softcap=50.0).native_reason()
+
+
+def test_native_decoder_reads_each_layers_kv_cache_group(monkeypatch):
+    """KV cache groups (engine/kv_groups.py): the sliding layers (0, 1) in group 1 with a block table
+    of their own, the global layer in group 0: each layer writes and reads through its group's slots
+    and table, in C as in torch."""
+    import dataclasses
+    spec = _parts_specs()["gemma3"]
+    cls = _parts_class(spec)
+    weights = _parts_weights(cls, seed=1)
+    models = []
+    for native_on in (True, False):
+        monkeypatch.setenv(native_decode.ENV_SWITCH, "1" if native_on else "0")
+        model = cls(TINY, max_positions=256).eval()
+        model.load_weights(iter(weights))
+        model.model.choose_decoder_path()
+        models.append(model)
+    fast, ref = models
+    other_table = list(reversed(BLOCK_TABLE))
+
+    def grouped_cache():
+        return [KVCache(c.k, c.v, None, None, 1 if i < 2 else 0) for i, c in enumerate(make_cache())]
+
+    def meta(start, count):
+        m = step_meta(start, count)
+        g = step_meta(start, count, tables=(other_table,))
+        m.groups = [dataclasses.replace(g, groups=None)]
+        return m
+
+    fast_cache, ref_cache = grouped_cache(), grouped_cache()
+    ids = torch.randint(0, TINY.vocab_size, (30,), generator=torch.Generator().manual_seed(9))
+    for start, count in [(0, 9)] + [(p, 1) for p in range(9, 30)]:
+        positions = torch.arange(start, start + count)
+        out = fast.model(ids[start:start + count], positions, fast_cache, meta(start, count))
+        expected = ref.model(ids[start:start + count], positions, ref_cache, meta(start, count))
+        assert rel_err(out, expected) < 5e-4, (start, count)
+    # group 1's layers wrote through the other table's slots, group 0's through the first
+    slots0, slots1 = step_meta(0, 30).slot_mapping, step_meta(0, 30, tables=(other_table,)).slot_mapping
+    for i, (f, r) in enumerate(zip(fast_cache, ref_cache)):
+        slots = slots1 if i < 2 else slots0
+        a, b = f.k.view(-1, *f.k.shape[2:])[slots], r.k.view(-1, *r.k.shape[2:])[slots]
+        assert not torch.isnan(a).any() and rel_err(a, b) < 5e-4

@@ -1,18 +1,25 @@
-/* The Llama-family decoder on the CPU for one sequence, every layer in one C call: batch-1
- * decode steps and single prefill chunks, with no per-op Python or torch dispatch.
+/* The decoder on the CPU for one sequence, every layer in one C call: batch-1 decode steps and
+ * single prefill chunks, with no per-op Python or torch dispatch. The Llama layer, and the parts
+ * other families add to it (model/spec.py): post-norms, q/k norms per head, GELU-tanh, a residual
+ * scale, and per layer a rotary table (a base of its own, a partial width, or none) and a window.
  *
  * Why: SmolLM2-135M's decode step on 2 cores spent ~14-18 ms of ~24 ms outside the matmuls,
  * in ~20 torch ops a layer over 30 layers (norms, rotary, casts, the cache write, SDPA) each
  * costing microseconds of dispatch for nanoseconds of arithmetic. Here a step is one call.
  *
- * Per layer, for the T tokens of the step (rooflm/model/llama.py's math, in fp32):
- *   xn   = RMSNorm(h) * ln1                                    (fp32, HF's order: norm, then weight)
+ * Per layer, for the T tokens of the step (rooflm/model/decoder.py's math, in fp32):
+ *   xn   = RMSNorm(h) * ln1                                    (fp32, HF's order: norm, then weight;
+ *                                                               a (1 + w) norm passes 1 + w)
  *   qkv  = xn @ Wqkv.T                                         (block matmul, block_matmul.c)
- *   q, k = neox rotary at each token's position; k, v -> the paged cache at each token's slot
- *   a    = softmax(q k^T * scale) v over the sequence's cached positions 0..pos (causal; GQA:
- *          query head h reads KV head h / (H / H_kv)), K/V found through the block table
- *   h   += a @ Wo.T
- *   xn   = RMSNorm(h) * ln2;  g, u = xn @ Wgate_up.T;  h += (silu(g) * u) @ Wdown.T
+ *   q, k = per-head RMSNorm (q_norm, k_norm, where given), then neox rotary of the first rot_dim
+ *          elements at each token's position (no rotary without a table); k, v -> the paged
+ *          cache at each token's slot (the layer's KV cache group's slots)
+ *   a    = softmax(q k^T * scale) v over the sequence's cached positions pos - window + 1..pos
+ *          (causal; window 0: from 0; GQA: query head h reads KV head h / (H / H_kv)), K/V found
+ *          through the group's block table
+ *   h   += post1(a @ Wo.T) * residual_scale                    (post1: RMSNorm where given)
+ *   xn   = RMSNorm(h) * ln2;  g, u = xn @ Wgate_up.T;  h += post2(act(g) * u @ Wdown.T) * residual_scale
+ *          (act: SiLU, or GELU-tanh)
  * and after the last layer, x = RMSNorm(h) * final_norm.
  *
  * Activations are quantized once per matmul input (four per layer: the fused q/k/v and
@@ -39,13 +46,20 @@ typedef struct {
     const float *ln1, *ln2;  /* [hidden] */
     BlockWeight qkv, o, gate_up, down;
     float *k_cache, *v_cache;  /* [num_blocks * block_size, kv_heads, head_dim] */
+    const float *post1, *post2;  /* [hidden] post-attention / post-MLP norms, or NULL */
+    const float *q_norm, *k_norm;  /* [head_dim] per-head q/k norms, or NULL */
+    const float *cos_sin;  /* [max_positions, rot_dim]: cos of the half, then sin; NULL: no rotary */
+    int64_t rot_dim;  /* elements of a head rotated (head_dim, fewer for a partial rotary) */
+    int64_t window;  /* keys pos - window + 1 .. pos (sliding window), or 0: every earlier key */
+    int64_t group;  /* KV cache group: which of the step's slot mappings and block tables */
 } DecoderLayer;
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size, num_layers;
     float eps, scale;
-    const float *cos_sin;  /* [max_positions, head_dim]: cos of the half, then sin */
     const float *final_norm;
+    int64_t gelu_tanh;  /* the MLP's act: 0 SiLU, 1 GELU-tanh (Gemma's gelu_pytorch_tanh) */
+    float residual_scale;  /* each sublayer's output times this before its add (Granite); 1 */
 } DecoderShape;
 
 static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
@@ -68,7 +82,8 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return r;
 }
 
-/* Neox rotary of one head vector in place: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). */
+/* Neox rotary of the first d elements of one head vector in place:
+ * (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). */
 static inline void rotate(float *x, const float *cs, int64_t d) {
     int64_t half = d / 2;
     const float *c = cs, *s = cs + half;
@@ -83,25 +98,27 @@ static inline int64_t slot_of(const int32_t *block_table, int64_t pos, int64_t b
     return (int64_t)block_table[pos / block_size] * block_size + pos % block_size;
 }
 
-/* One query head of one token against positions 0..pos of the sequence. scores: pos + 1 floats. */
+/* One query head of one token against positions first..pos of the sequence (first: 0, or the
+ * window's edge). scores: pos + 1 floats. */
 static void attend_one(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_table,
-                       int64_t pos, int64_t kv_head, const DecoderShape *s, float *scores, float *out) {
+                       int64_t pos, int64_t first, int64_t kv_head, const DecoderShape *s, float *scores,
+                       float *out) {
     const int64_t d = s->head_dim, row = s->kv_heads * d;
     float m = -INFINITY;
-    for (int64_t j = 0; j <= pos; j++) {
+    for (int64_t j = first; j <= pos; j++) {
         int64_t slot = slot_of(block_table, j, s->block_size);
         float v = dot(q, k_cache + slot * row + kv_head * d, d) * s->scale;
         scores[j] = v;
         m = v > m ? v : m;
     }
     float sum = 0.0f;
-    for (int64_t j = 0; j <= pos; j++) {
+    for (int64_t j = first; j <= pos; j++) {
         scores[j] = expf(scores[j] - m);
         sum += scores[j];
     }
     float inv = 1.0f / sum;
     for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
-    for (int64_t j = 0; j <= pos; j++) {
+    for (int64_t j = first; j <= pos; j++) {
         int64_t slot = slot_of(block_table, j, s->block_size);
         const float *v = v_cache + slot * row + kv_head * d;
         float p = scores[j] * inv;
@@ -114,6 +131,30 @@ static void attend_one(const float *q, const float *k_cache, const float *v_cach
 }
 
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* HF's gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). */
+static inline float gelu_tanh(float x) {
+    return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+
+/* A per-head norm in place (q/k norms): RMSNorm of d elements times w. */
+static inline void head_norm(float *x, const float *w, int64_t d, float eps) { rms_norm(x, w, d, eps, x); }
+
+/* out[n0:n1] = base[n0:n1] + post(y)[n0:n1] * scale for one row: the post-norm needs the whole row
+ * of y for its mean of squares (every thread sums it; it is hidden floats), then its own slice. */
+static void post_add(const float *y, const float *w, const float *base, int64_t H, int64_t n0, int64_t n1,
+                     float eps, float scale, float *out) {
+    float r = 1.0f;
+    if (w) {
+        double ss = 0.0;
+        for (int64_t i = 0; i < H; i++) ss += (double)y[i] * y[i];
+        r = 1.0f / sqrtf((float)(ss / (double)H) + eps);
+    }
+    for (int64_t n = n0; n < n1; n++) {
+        float v = w ? w[n] * (y[n] * r) : y[n];
+        out[n] = base[n] + v * scale;
+    }
+}
 
 static inline int64_t split(int64_t n, int part, int parts) { return n * part / parts; }
 
@@ -160,8 +201,8 @@ static void barrier_wait(Barrier *b, int threads, int *local_sense) {
  * a point where a thread descheduled by another job holds up the rest; a parallel loop per
  * step had ten such points a layer, this has four. */
 static int forward(const DecoderShape *s, const DecoderLayer *layers, float *x, int64_t T,
-                   const int64_t *positions, const int64_t *slots, const int32_t *block_table,
-                   int threads) {
+                   const int64_t *positions, const int64_t *const *slot_groups,
+                   const int32_t *const *table_groups, int threads) {
     const int64_t H = s->hidden, D = s->head_dim, q_size = s->heads * D, kv_size = s->kv_heads * D;
     const int64_t qkv_n = q_size + 2 * kv_size, I = s->intermediate;
     const int64_t group = s->heads / s->kv_heads;
@@ -175,7 +216,8 @@ static int forward(const DecoderShape *s, const DecoderLayer *layers, float *x, 
     float *attn = (float *)malloc(sizeof(float) * (size_t)(T * q_size));
     float *gu = (float *)malloc(sizeof(float) * (size_t)(T * 2 * I));
     float *act = (float *)malloc(sizeof(float) * (size_t)(T * I));
-    int failed = !mid || !qkv || !attn || !gu || !act;
+    float *proj = (float *)malloc(sizeof(float) * (size_t)(T * H));  /* o / down output before a post-norm */
+    int failed = !mid || !qkv || !attn || !gu || !act || !proj;
 
     Barrier bar = {0, 0};
     #pragma omp parallel num_threads(threads)
@@ -194,6 +236,9 @@ static int forward(const DecoderShape *s, const DecoderLayer *layers, float *x, 
         if (!__atomic_load_n(&failed, __ATOMIC_ACQUIRE)) {
             for (int64_t l = 0; l < s->num_layers; l++) {
                 const DecoderLayer *L = &layers[l];
+                const int64_t *slots = slot_groups[L->group];
+                const int32_t *block_table = table_groups[L->group];
+                const int64_t R = L->rot_dim;
                 /* q, k, v: this thread's rows of the fused weight. */
                 for (int64_t t = 0; t < T; t++) rms_norm(x + t * H, L->ln1, H, s->eps, xn + t * H);
                 rl_quantize_activations(xn, T, H, &acts, 1);
@@ -203,25 +248,43 @@ static int forward(const DecoderShape *s, const DecoderLayer *layers, float *x, 
                 for (int64_t g = tid; g < s->kv_heads; g += nt) {
                     for (int64_t t = 0; t < T; t++) {
                         float *row = qkv + t * qkv_n;
-                        const float *cs = s->cos_sin + positions[t] * D;
                         float *k = row + q_size + g * D, *v = row + q_size + kv_size + g * D;
-                        rotate(k, cs, D);
-                        for (int64_t h = g * group; h < (g + 1) * group; h++) rotate(row + h * D, cs, D);
+                        if (L->k_norm) {
+                            head_norm(k, L->k_norm, D, s->eps);
+                            for (int64_t h = g * group; h < (g + 1) * group; h++)
+                                head_norm(row + h * D, L->q_norm, D, s->eps);
+                        }
+                        if (L->cos_sin) {
+                            const float *cs = L->cos_sin + positions[t] * R;
+                            rotate(k, cs, R);
+                            for (int64_t h = g * group; h < (g + 1) * group; h++) rotate(row + h * D, cs, R);
+                        }
                         memcpy(L->k_cache + slots[t] * kv_size + g * D, k, sizeof(float) * (size_t)D);
                         memcpy(L->v_cache + slots[t] * kv_size + g * D, v, sizeof(float) * (size_t)D);
                     }
-                    for (int64_t t = 0; t < T; t++)
+                    for (int64_t t = 0; t < T; t++) {
+                        int64_t first = L->window > 0 && positions[t] >= L->window ? positions[t] - L->window + 1 : 0;
                         for (int64_t h = g * group; h < (g + 1) * group; h++)
                             attend_one(qkv + t * qkv_n + h * D, L->k_cache, L->v_cache, block_table, positions[t],
-                                       g, s, scores, attn + t * q_size + h * D);
+                                       first, g, s, scores, attn + t * q_size + h * D);
+                    }
                 }
                 barrier_wait(&bar, nt, &sense);
-                /* mid = x + attn @ Wo.T, this thread's columns of it. */
+                /* mid = x + post1(attn @ Wo.T), this thread's columns of it; a post-norm reads whole
+                 * rows of the projection, so every thread's columns are written first. */
                 rl_quantize_activations(attn, T, q_size, &acts, 1);
                 int64_t n0 = split(H, tid, nt), n1 = split(H, tid + 1, nt);
-                rl_block_matmul_rows(&acts, T, &L->o, n0, n1, mid);
-                for (int64_t t = 0; t < T; t++)
-                    for (int64_t n = n0; n < n1; n++) mid[t * H + n] += x[t * H + n];
+                const float rs = s->residual_scale;
+                if (L->post1) {
+                    rl_block_matmul_rows(&acts, T, &L->o, n0, n1, proj);
+                    barrier_wait(&bar, nt, &sense);
+                    for (int64_t t = 0; t < T; t++)
+                        post_add(proj + t * H, L->post1, x + t * H, H, n0, n1, s->eps, rs, mid + t * H);
+                } else {
+                    rl_block_matmul_rows(&acts, T, &L->o, n0, n1, mid);
+                    for (int64_t t = 0; t < T; t++)
+                        for (int64_t n = n0; n < n1; n++) mid[t * H + n] = x[t * H + n] + mid[t * H + n] * rs;
+                }
                 barrier_wait(&bar, nt, &sense);
                 /* silu(gate) * up for this thread's slice of the intermediate features. */
                 for (int64_t t = 0; t < T; t++) rms_norm(mid + t * H, L->ln2, H, s->eps, xn + t * H);
@@ -230,13 +293,23 @@ static int forward(const DecoderShape *s, const DecoderLayer *layers, float *x, 
                 rl_block_matmul_rows(&acts, T, &L->gate_up, i0, i1, gu);
                 rl_block_matmul_rows(&acts, T, &L->gate_up, I + i0, I + i1, gu);
                 for (int64_t t = 0; t < T; t++)
-                    for (int64_t i = i0; i < i1; i++) act[t * I + i] = silu(gu[t * 2 * I + i]) * gu[t * 2 * I + I + i];
+                    for (int64_t i = i0; i < i1; i++) {
+                        float g = gu[t * 2 * I + i];
+                        act[t * I + i] = (s->gelu_tanh ? gelu_tanh(g) : silu(g)) * gu[t * 2 * I + I + i];
+                    }
                 barrier_wait(&bar, nt, &sense);
-                /* x = mid + act @ Wdown.T (nobody reads x's old value after the last barrier). */
+                /* x = mid + post2(act @ Wdown.T) (nobody reads x's old value after the last barrier). */
                 rl_quantize_activations(act, T, I, &acts, 1);
-                rl_block_matmul_rows(&acts, T, &L->down, n0, n1, x);
-                for (int64_t t = 0; t < T; t++)
-                    for (int64_t n = n0; n < n1; n++) x[t * H + n] += mid[t * H + n];
+                if (L->post2) {
+                    rl_block_matmul_rows(&acts, T, &L->down, n0, n1, proj);
+                    barrier_wait(&bar, nt, &sense);
+                    for (int64_t t = 0; t < T; t++)
+                        post_add(proj + t * H, L->post2, mid + t * H, H, n0, n1, s->eps, rs, x + t * H);
+                } else {
+                    rl_block_matmul_rows(&acts, T, &L->down, n0, n1, x);
+                    for (int64_t t = 0; t < T; t++)
+                        for (int64_t n = n0; n < n1; n++) x[t * H + n] = mid[t * H + n] + x[t * H + n] * rs;
+                }
                 barrier_wait(&bar, nt, &sense);
             }
             for (int64_t t = tid; t < T; t += nt) {
@@ -248,15 +321,16 @@ static int forward(const DecoderShape *s, const DecoderLayer *layers, float *x, 
         free(scores);
         rl_free_activations(&acts);
     }
-    free(mid); free(qkv); free(attn); free(gu); free(act);
+    free(mid); free(qkv); free(attn); free(gu); free(act); free(proj);
     return failed ? -1 : 0;
 }
 
 /* x [T, hidden]: the step's embeddings in, the final normed hidden states out.
- * positions, slots [T] int64 (slots >= 0); block_table: the sequence's, int32.
+ * positions [T] int64; slot_groups[g] [T] int64 (>= 0) and table_groups[g] (int32) the sequence's
+ * slots and block table in KV cache group g (one group: one of each).
  * Returns 0, or -1 when a buffer could not be allocated (x is then undefined). */
 int rl_decoder_forward(const DecoderShape *s, const DecoderLayer *layers, float *x, int64_t T,
-                       const int64_t *positions, const int64_t *slots, const int32_t *block_table,
-                       int threads) {
-    return forward(s, layers, x, T, positions, slots, block_table, threads);
+                       const int64_t *positions, const int64_t *const *slot_groups,
+                       const int32_t *const *table_groups, int threads) {
+    return forward(s, layers, x, T, positions, slot_groups, table_groups, threads);
 }
