@@ -57,18 +57,18 @@ def _router_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
     ks = tl.arange(0, K_PAD)
     chosen_score = tl.zeros([K_PAD], dtype=tl.float32)
     chosen_id = tl.zeros([K_PAD], dtype=tl.int32)
-    # open: lanes still to choose from (a -inf logit stays choosable, once)
-    open = valid
+    # avail: lanes still to choose from (a -inf logit stays choosable, once)
+    avail = valid
     for i in tl.static_range(TOP_K):
-        best = tl.max(tl.where(open, logits, float("-inf")), axis=0)
-        idx = tl.min(tl.where((logits == best) & open, lanes, E_PAD), axis=0)
+        best = tl.max(tl.where(avail, logits, float("-inf")), axis=0)
+        idx = tl.min(tl.where((logits == best) & avail, lanes, E_PAD), axis=0)
         if SCORING == 0:
             score = tl.sum(tl.where(lanes == idx, probs, 0.0), axis=0)
         else:
             score = best
         chosen_score = tl.where(ks == i, score, chosen_score)
         chosen_id = tl.where(ks == i, idx, chosen_id)
-        open = open & (lanes != idx)
+        avail = avail & (lanes != idx)
 
     in_k = ks < TOP_K
     if SCORING == 1:  # softmax over the k chosen logits; the first is their max
