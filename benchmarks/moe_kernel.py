@@ -15,7 +15,16 @@ activations (fused_moe_bytes); floor = max(bytes / HBM bandwidth, FLOPs / peak b
 us per layer, the floor, % of floor, GB/s, TFLOP/s, the speedup over the loop (issue 48's
 targets at Qwen3's shape: >= 1.5x at batch 1, >= 3x at batch 64), and moe_align's share.
 
-    python benchmarks/moe_kernel.py OUT.json [--layers 4] [--batches 1,2,4,...] [--shape qwen3-30b-a3b] [--gpu h200]
+The whole routed layer, as SparseMoeBlock runs it on CUDA, in one graph over L layers:
+  layer      router matmul + moe_router (one launch) + moe_align_block_size_triton (one launch)
+             + the two grouped GEMMs + the sum: the Kernels path of rooflm/layers/moe.py
+  layer_old  router matmul + torch's fp32 softmax / topk / renormalise + the torch align (about
+             a dozen launches) + the same GEMMs: what the path was before the one-launch kernels
+and both aligns alone (align_triton_us, align_torch_us). --fp8 adds the FP8 W8A8 experts
+(E4M3 codes, per-channel scales, per-token activations: two quantize launches more) at each
+batch, with its floor from one-byte weights (issue 48: FP8 experts >= 1.4x bf16 offline).
+
+    python benchmarks/moe_kernel.py OUT.json [--layers 4] [--batches 1,2,4,...] [--shape qwen3-30b-a3b] [--gpu h200] [--fp8]
 """
 
 from __future__ import annotations
@@ -32,7 +41,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from rooflm.kernels.fused_moe import fused_moe, fused_moe_bytes, fused_moe_flops, pick_config  # noqa: E402
-from rooflm.kernels.moe_align import moe_align_block_size  # noqa: E402
+from rooflm.kernels.moe_align import moe_align_block_size, moe_align_block_size_triton  # noqa: E402
+from rooflm.kernels.moe_router import moe_router  # noqa: E402
+from rooflm.quant.fp8 import quantize_fp8_experts  # noqa: E402
 from rooflm.layers.activation import silu_and_mul_torch  # noqa: E402
 from rooflm.layers.moe import experts_torch  # noqa: E402
 from rooflm.perf.gpus import get_gpu  # noqa: E402
@@ -84,12 +95,26 @@ def routing(num_tokens: int, num_experts: int, top_k: int, gen: torch.Generator)
     return (top / top.sum(-1, keepdim=True)), ids
 
 
-def bench_shape(name: str, shape: dict, batches: list[int], layers: int, bw: float, peak: float) -> list[dict]:
+def routed_layer(x, router_w, w13, w2, top_k, new: bool, **fp8):
+    """One MoE layer as SparseMoeBlock runs it: the router matmul, the routing, the experts."""
+    logits = x @ router_w.T
+    if new:
+        weights, ids = moe_router(logits, top_k, "softmax", True)
+        return fused_moe(x, w13, w2, weights, ids, align=moe_align_block_size_triton, **fp8)
+    top, ids = torch.softmax(logits.float(), -1).topk(top_k, dim=-1)
+    return fused_moe(x, w13, w2, top / top.sum(-1, keepdim=True), ids, align=moe_align_block_size, **fp8)
+
+
+def bench_shape(name: str, shape: dict, batches: list[int], layers: int, bw: float, peak: float,
+                fp8: bool = False) -> list[dict]:
     e, k, h, i = shape["num_experts"], shape["top_k"], shape["hidden"], shape["inter"]
     dt = torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13 = [torch.randn(e, 2 * i, h, device="cuda", dtype=dt, generator=gen) * 0.02 for _ in range(layers)]
     w2 = [torch.randn(e, h, i, device="cuda", dtype=dt, generator=gen) * 0.02 for _ in range(layers)]
+    router_w = [torch.randn(e, h, device="cuda", dtype=dt, generator=gen) * 0.02 for _ in range(layers)]
+    q13 = [quantize_fp8_experts(w) for w in w13] if fp8 else []
+    q2 = [quantize_fp8_experts(w) for w in w2] if fp8 else []
     rows = []
     for t in batches:
         x = torch.randn(t, h, device="cuda", dtype=dt, generator=gen)
@@ -103,20 +128,41 @@ def bench_shape(name: str, shape: dict, batches: list[int], layers: int, bw: flo
         fused_graph = time_graph(lambda: [fused_moe(x, a, b, weights, ids) for a, b in zip(w13, w2)]) / layers
         fused_eager = time_eager(lambda: [fused_moe(x, a, b, weights, ids) for a, b in zip(w13, w2)]) / layers
         align = time_graph(lambda: moe_align_block_size(ids, cfg.block_m, e))
+        align_triton = time_graph(lambda: moe_align_block_size_triton(ids, cfg.block_m, e))
+        layer = time_graph(lambda: [routed_layer(x, r, a, b, k, True) for r, a, b in zip(router_w, w13, w2)]) / layers
+        layer_old = time_graph(lambda: [routed_layer(x, r, a, b, k, False)
+                                        for r, a, b in zip(router_w, w13, w2)]) / layers
         naive = time_eager(lambda: [experts_torch(x, a, b, weights, ids, silu_and_mul_torch)
                                     for a, b in zip(w13, w2)]) / layers
         row = dict(shape=name, batch=t, active_experts=active, bytes=nbytes, flops=flops,
                    floor_us=floor * 1e6, fused_graph_us=fused_graph * 1e6, fused_eager_us=fused_eager * 1e6,
-                   align_us=align * 1e6, naive_eager_us=naive * 1e6,
+                   align_us=align * 1e6, align_torch_us=align * 1e6, align_triton_us=align_triton * 1e6,
+                   layer_us=layer * 1e6, layer_old_us=layer_old * 1e6, naive_eager_us=naive * 1e6,
                    pct_of_floor=100 * floor / fused_graph, gb_s=nbytes / fused_graph / 1e9,
                    tflop_s=flops / fused_graph / 1e12, speedup_vs_naive=naive / fused_graph,
                    speedup_eager_vs_naive=naive / fused_eager, config=cfg.to_dict())
+        line = (f"{name:14s} T={t:5d} experts {active:3d}  {nbytes / 1e6:8.1f} MB  floor {floor * 1e6:7.1f} us  "
+                f"fused {fused_graph * 1e6:7.1f} us ({row['pct_of_floor']:5.1f}% of floor, {row['gb_s']:6.0f} GB/s, "
+                f"{row['tflop_s']:6.1f} TFLOP/s)  eager {fused_eager * 1e6:7.1f}  align torch {align * 1e6:5.1f} "
+                f"triton {align_triton * 1e6:5.1f}  layer {layer * 1e6:7.1f} (was {layer_old * 1e6:7.1f})  "
+                f"naive {naive * 1e6:8.1f} us  x{row['speedup_vs_naive']:.2f}")
+        if fp8:
+            fp8_bytes = fused_moe_bytes(t, active, k, h, i, 2, fp8=True)
+            fp8_floor = max(fp8_bytes / bw, flops / (2 * peak))
+            fp8_layer = time_graph(lambda: [
+                routed_layer(x, r, a[0], b[0], k, True, w13_scale=a[1], w2_scale=b[1])
+                for r, a, b in zip(router_w, q13, q2)]) / layers
+            fp8_experts = time_graph(lambda: [fused_moe(x, a[0], b[0], weights, ids, w13_scale=a[1], w2_scale=b[1])
+                                              for a, b in zip(q13, q2)]) / layers
+            row.update(fp8_bytes=fp8_bytes, fp8_floor_us=fp8_floor * 1e6, fp8_graph_us=fp8_experts * 1e6,
+                       fp8_layer_us=fp8_layer * 1e6, fp8_pct_of_floor=100 * fp8_floor / fp8_experts,
+                       fp8_speedup_vs_bf16=fused_graph / fp8_experts)
+            line += (f"\n{'':14s} fp8 experts {fp8_experts * 1e6:7.1f} us (floor {fp8_floor * 1e6:7.1f}, "
+                     f"{row['fp8_pct_of_floor']:5.1f}%; x{row['fp8_speedup_vs_bf16']:.2f} bf16)  "
+                     f"fp8 layer {fp8_layer * 1e6:7.1f} us")
         rows.append(row)
-        print(f"{name:14s} T={t:5d} experts {active:3d}  {nbytes / 1e6:8.1f} MB  floor {floor * 1e6:7.1f} us  "
-              f"fused {fused_graph * 1e6:7.1f} us ({row['pct_of_floor']:5.1f}% of floor, {row['gb_s']:6.0f} GB/s, "
-              f"{row['tflop_s']:6.1f} TFLOP/s)  eager {fused_eager * 1e6:7.1f}  align {align * 1e6:5.1f}  "
-              f"naive {naive * 1e6:8.1f} us  x{row['speedup_vs_naive']:.2f}", flush=True)
-    del w13, w2
+        print(line, flush=True)
+    del w13, w2, q13, q2
     torch.cuda.empty_cache()
     return rows
 
@@ -128,6 +174,7 @@ def main() -> None:
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
     parser.add_argument("--shape", choices=sorted(SHAPES), action="append", help="default: all")
     parser.add_argument("--gpu", default="h200", help="rooflm/perf/gpus.py entry whose HBM and bf16 peak set the floor")
+    parser.add_argument("--fp8", action="store_true", help="also time FP8 W8A8 experts (sm89+)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("moe_kernel.py needs a CUDA GPU")
@@ -138,7 +185,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     rows = []
     for name in args.shape or sorted(SHAPES):
-        rows += bench_shape(name, SHAPES[name], batches, args.layers, bw, peak)
+        rows += bench_shape(name, SHAPES[name], batches, args.layers, bw, peak, args.fp8)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     report = dict(date=datetime.date.today().isoformat(), gpu=device_name, commit=commit, torch=torch.__version__,

@@ -327,19 +327,25 @@ class ModelRunner:
         (quantized blocks and scales included): what a decode step streams per weight
         (EngineInfo.weight_dtype_bytes, hence MBU)."""
         from rooflm.layers.linear import Linear
+        from rooflm.layers.moe import Experts
 
         stored = weights = 0
         for module in self.model.model.layers.modules():
             if isinstance(module, Linear):
                 stored += module.stored_weight_bytes()
                 weights += module.in_features * module.out_features
+            elif isinstance(module, Experts):  # stacked experts: fp8 codes + scales once quantized
+                stored += module.stored_weight_bytes()
+                weights += module.weight_count()
         return stored / weights if weights else float(self.dtype.itemsize)
 
     def matmul_dtype(self) -> str:
         """"fp8" when the decoder's linears run W8A8 (EngineInfo.matmul_dtype), else ""."""
         from rooflm.layers.linear import Linear
+        from rooflm.layers.moe import Experts
         formats = {getattr(m.quant, "format", "") for m in self.model.model.layers.modules()
                    if isinstance(m, Linear) and m.quant is not None}
+        formats |= {m.quant_format for m in self.model.model.layers.modules() if isinstance(m, Experts)}
         return "fp8" if "fp8" in formats else ""
 
     def head_bytes_per_weight(self) -> float:

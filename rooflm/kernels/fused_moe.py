@@ -55,14 +55,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rooflm.kernels.moe_align import moe_align_block_size
+from rooflm.kernels.fp8_quant import FP8_DTYPE, per_token_fp8, per_token_fp8_ref
+from rooflm.kernels.moe_align import moe_align_block_size, moe_align_block_size_triton
 from rooflm.kernels.tuned_configs import device_facts, load_table
 
 ACTIVATIONS = {"none": 0, "silu": 1, "swigluoai": 2}
@@ -76,12 +77,13 @@ ACTIVATIONS = {"none": 0, "silu": 1, "swigluoai": 2}
 def _fused_moe_kernel(
     c_ptr, a_ptr, b_ptr, bias_ptr, topk_weights_ptr,
     sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
+    a_scale_ptr, b_scale_ptr,
     N, K, EM, num_valid_pairs,
-    stride_am, stride_be, stride_bn, stride_cm, stride_bias_e,
+    stride_am, stride_be, stride_bn, stride_cm, stride_bias_e, stride_bs_e,
     alpha, limit,
     TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_DOT: tl.constexpr,
 ):
     """c[pair, n] = epilogue(sum_k a[pair // TOP_K, k] * b[expert, n, k]) for one expert's block.
 
@@ -128,17 +130,28 @@ def _fused_moe_kernel(
             k_mask = offs_k < K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if FP8 and not FP8_DOT:  # e4m3 codes are exact in fp16; the products and sums as the fp8 MMA's
+            a = a.to(tl.float16)
+            b = b.to(tl.float16)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         if ACTIVATION > 0:
             if EVEN_K:
                 u = tl.load(up_ptrs, mask=n_mask[None, :], other=0.0)
             else:
                 u = tl.load(up_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if FP8 and not FP8_DOT:
+                u = u.to(tl.float16)
             acc_up = tl.dot(a, u, acc_up, input_precision=PRECISION)
             up_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
 
+    if FP8:
+        a_scale = tl.load(a_scale_ptr + pair // TOP_K, mask=row_mask, other=0.0)
+        scale_row = b_scale_ptr + expert * stride_bs_e
+        acc *= a_scale[:, None] * tl.load(scale_row + offs_n, mask=n_mask, other=0.0)[None, :]
+        if ACTIVATION > 0:
+            acc_up *= a_scale[:, None] * tl.load(scale_row + N + offs_n, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
         bias_row = bias_ptr + expert * stride_bias_e
         acc += tl.load(bias_row + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -247,7 +260,8 @@ def pick_config(num_tokens: int, num_experts: int, top_k: int, hidden: int, inte
 # Wrapper
 # --------------------------------------------------------------------------
 
-def _check_inputs(x, w13, w2, topk_weights, topk_ids, b13, b2, activation) -> None:
+def _check_inputs(x, w13, w2, topk_weights, topk_ids, b13, b2, activation, w13_scale=None, w2_scale=None) -> bool:
+    """Raises on inconsistent inputs; returns whether the experts are FP8 (codes + scales)."""
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"expected x [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
                          f"{tuple(w13.shape)}, {tuple(w2.shape)}")
@@ -257,7 +271,19 @@ def _check_inputs(x, w13, w2, topk_weights, topk_ids, b13, b2, activation) -> No
                          f"(need w13 [E, 2I, H], w2 [E, H, I])")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"x must be fp16, bf16 or fp32, got {x.dtype}")
-    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+    fp8 = w13_scale is not None or w2_scale is not None
+    if fp8:
+        if w13.dtype != FP8_DTYPE or w2.dtype != FP8_DTYPE or w13_scale is None or w2_scale is None:
+            raise TypeError(f"fp8 experts need float8_e4m3fn w13 and w2 and both scales; got w13 {w13.dtype}, "
+                            f"w2 {w2.dtype}, w13_scale {'set' if w13_scale is not None else None}, "
+                            f"w2_scale {'set' if w2_scale is not None else None}")
+        if (tuple(w13_scale.shape) != tuple(w13.shape[:2]) or tuple(w2_scale.shape) != tuple(w2.shape[:2])
+                or w13_scale.dtype != torch.float32 or w2_scale.dtype != torch.float32
+                or w13_scale.stride(-1) != 1 or w2_scale.stride(-1) != 1):
+            raise ValueError(f"fp8 scales must be fp32 per output channel, w13_scale {tuple(w13.shape[:2])} and "
+                             f"w2_scale {tuple(w2.shape[:2])}; got {tuple(w13_scale.shape)} {w13_scale.dtype}, "
+                             f"{tuple(w2_scale.shape)} {w2_scale.dtype}")
+    elif w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise TypeError(f"weights must be x's dtype {x.dtype}, got w13 {w13.dtype}, w2 {w2.dtype}")
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
@@ -271,10 +297,13 @@ def _check_inputs(x, w13, w2, topk_weights, topk_ids, b13, b2, activation) -> No
             b2 is not None and tuple(b2.shape) != (num_experts, hidden)):
         raise ValueError(f"biases must be b13 [E, 2I], b2 [E, H]; got "
                          f"{None if b13 is None else tuple(b13.shape)}, {None if b2 is None else tuple(b2.shape)}")
+    return fp8
 
 
 def _launch(c, a, b, bias, topk_weights, aligned, num_pairs, top_k, activation, mul_routed_weight,
-            block_m, tile: GemmTile, alpha: float, limit: float) -> None:
+            block_m, tile: GemmTile, alpha: float, limit: float, a_scale=None, b_scale=None,
+            fp8_dot: bool = False) -> None:
+    fp8 = b_scale is not None
     num_cols = c.shape[1]
     k_dim = a.shape[1]
     em = aligned.sorted_token_ids.numel()
@@ -282,13 +311,16 @@ def _launch(c, a, b, bias, topk_weights, aligned, num_pairs, top_k, activation, 
     _fused_moe_kernel[grid](
         c, a, b, bias if bias is not None else b, topk_weights,
         aligned.sorted_token_ids, aligned.expert_ids, aligned.num_tokens_post_padded,
+        a_scale if fp8 else topk_weights, b_scale if fp8 else topk_weights,
         num_cols, k_dim, em, num_pairs,
         a.stride(0), b.stride(0), b.stride(1), c.stride(0), bias.stride(0) if bias is not None else 0,
+        b_scale.stride(0) if fp8 else 0,
         alpha, limit,
         TOP_K=top_k, ACTIVATION=ACTIVATIONS[activation], HAS_BIAS=bias is not None,
         MUL_ROUTED_WEIGHT=mul_routed_weight,
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         EVEN_K=k_dim % tile.block_k == 0, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        FP8=fp8, FP8_DOT=fp8_dot,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
 
@@ -296,13 +328,18 @@ def _launch(c, a, b, bias, topk_weights, aligned, num_pairs, top_k, activation, 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, b13: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None,
               activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
-              config: Optional[FusedMoeConfig] = None) -> torch.Tensor:
+              config: Optional[FusedMoeConfig] = None, align: Optional[Callable] = None,
+              w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for x [T, H]; returns [T, H] in x's dtype.
 
     w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], optional biases b13 [E, 2I], b2 [E, H];
     topk_ids [T, top_k] in [0, E). (A block whose expert_ids entry is -1, an expert another rank
-    holds under expert parallelism, writes zeros: the kernel side of that later step.)"""
-    _check_inputs(x, w13, w2, topk_weights, topk_ids, b13, b2, activation)
+    holds under expert parallelism, writes zeros: the kernel side of that later step.)
+    align: moe_align_block_size's signature; None: the one-launch Triton one on CUDA, torch's
+    elsewhere. FP8 experts (W8A8): w13 / w2 float8_e4m3fn codes with per-output-channel fp32
+    scales w13_scale [E, 2I], w2_scale [E, H]; x and h are quantized per token on the way in
+    (kernels/fp8_quant.py), two launches more than bf16's four."""
+    fp8 = _check_inputs(x, w13, w2, topk_weights, topk_ids, b13, b2, activation, w13_scale, w2_scale)
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -310,15 +347,36 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if num_tokens == 0:
         return torch.empty_like(x)
     cfg = config or pick_config(num_tokens, num_experts, top_k, hidden, inter, x.device)
-    aligned = moe_align_block_size(topk_ids, cfg.block_m, num_experts)
+    if align is None:
+        align = moe_align_block_size_triton if x.is_cuda else moe_align_block_size
+    aligned = align(topk_ids, cfg.block_m, num_experts)
     num_pairs = num_tokens * top_k
-    weights = topk_weights.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1)
+    if not weights.is_contiguous():
+        weights = weights.contiguous()
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    _launch(h, x, w13, b13, weights, aligned, num_pairs, top_k, activation, False, cfg.block_m, cfg.gate_up,
-            alpha, limit)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _launch(y, h, w2, b2, weights, aligned, num_pairs, 1, "none", True, cfg.block_m, cfg.down, alpha, limit)
+    if fp8:
+        fp8_dot = fp8_dot_supported(x.device)
+        qx, sx = per_token_fp8(x)
+        _launch(h, qx, w13, b13, weights, aligned, num_pairs, top_k, activation, False, cfg.block_m, cfg.gate_up,
+                alpha, limit, sx, w13_scale, fp8_dot)
+        qh, sh = per_token_fp8(h)
+        _launch(y, qh, w2, b2, weights, aligned, num_pairs, 1, "none", True, cfg.block_m, cfg.down, alpha, limit,
+                sh, w2_scale, fp8_dot)
+    else:
+        _launch(h, x, w13, b13, weights, aligned, num_pairs, top_k, activation, False, cfg.block_m, cfg.gate_up,
+                alpha, limit)
+        _launch(y, h, w2, b2, weights, aligned, num_pairs, 1, "none", True, cfg.block_m, cfg.down, alpha, limit)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def fp8_dot_supported(device: torch.device) -> bool:
+    """tl.dot on float8e4nv operands: sm89+ (Ada, Hopper) and the interpreter; elsewhere the
+    kernel upcasts the codes to fp16 tiles (the same products, on the fp16 tensor cores)."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 # --------------------------------------------------------------------------
@@ -350,6 +408,33 @@ def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, *, b13=None, b2=None, acti
     return out
 
 
+def dequantize_fp8_experts(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[E, N, K] E4M3 codes and [E, N] scales -> fp32 weights."""
+    return codes.float() * scales.float()[:, :, None]
+
+
+def fake_quant_per_token(x: torch.Tensor) -> torch.Tensor:
+    """x through per-token E4M3 and back (fp32): what the W8A8 GEMM multiplies."""
+    q, scale = per_token_fp8_ref(x)
+    return q.float() * scale
+
+
+def fused_moe_fp8_ref(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, *, b13=None, b2=None,
+                      activation="silu", alpha=1.702, limit=7.0) -> torch.Tensor:
+    """The FP8 experts' definition in fp32: x quantized per token, the codes times their scales,
+    h rounded to x's dtype (the kernel stores it so) and quantized per token, then down."""
+    xq = fake_quant_per_token(x)
+    w13f, w2f = dequantize_fp8_experts(w13, w13_scale), dequantize_fp8_experts(w2, w2_scale)
+    out = torch.zeros_like(xq)
+    for e in range(w13.shape[0]):
+        weight = ((topk_ids == e).float() * topk_weights.float()).sum(dim=1, keepdim=True)
+        gate_up = xq @ w13f[e].T + (0 if b13 is None else b13[e].float())
+        h = expert_activation_ref(gate_up, activation, alpha, limit).to(x.dtype)
+        y = fake_quant_per_token(h) @ w2f[e].T + (0 if b2 is None else b2[e].float())
+        out += weight * y
+    return out
+
+
 # --------------------------------------------------------------------------
 # Counting
 # --------------------------------------------------------------------------
@@ -360,12 +445,18 @@ def expected_active_experts(num_tokens: int, num_experts: int, top_k: int) -> fl
 
 
 def fused_moe_bytes(num_tokens: int, active_experts: float, top_k: int, hidden: int, inter: int,
-                    elem_bytes: int) -> float:
-    """HBM bytes of one fused MoE layer call: the active experts' weights once, plus activations."""
+                    elem_bytes: int, fp8: bool = False) -> float:
+    """HBM bytes of one fused MoE layer call: the active experts' weights once, plus activations.
+    fp8: one-byte weights with an fp32 scale per output channel (2I + H an expert), and the
+    per-token quantization's reads and writes of x and h (codes and scales)."""
     pairs = num_tokens * top_k
-    weights = active_experts * 3 * hidden * inter * elem_bytes
     activations = (pairs * (hidden + 2 * inter + 2 * hidden) + num_tokens * hidden) * elem_bytes
-    return weights + activations
+    if not fp8:
+        return active_experts * 3 * hidden * inter * elem_bytes + activations
+    weights = active_experts * (3 * hidden * inter + 4 * (2 * inter + hidden))
+    quantize = num_tokens * (hidden * (elem_bytes + 1) + 4) + pairs * (inter * (elem_bytes + 1) + 4)
+    # the GEMMs read the one-byte codes of x and h instead of elem_bytes ones
+    return weights + activations - (pairs * (hidden + inter)) * (elem_bytes - 1) + quantize
 
 
 def fused_moe_flops(num_tokens: int, top_k: int, hidden: int, inter: int) -> int:

@@ -43,8 +43,10 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from rooflm.kernels.fp8_quant import per_token_fp8_ref
 from rooflm.layers.activation import silu_and_mul_torch
 from rooflm.layers.kernels import TORCH_KERNELS, Kernels
+from rooflm.quant.fp8 import quantize_fp8_experts
 
 if TYPE_CHECKING:
     from rooflm.distributed.group import TPGroup
@@ -98,11 +100,14 @@ class MoeConfig:
 # ---- router --------------------------------------------------------------------------------
 
 class Router(torch.nn.Module):
-    """Top-k expert choice per token: (topk_weights fp32 [T, k], topk_ids int64 [T, k])."""
+    """Top-k expert choice per token: (topk_weights fp32 [T, k], topk_ids [T, k]: int64 from
+    torch, int32 from the one-launch kernel, Kernels.moe_router, which reads the matmul's
+    logits in their dtype as fp32: the matmul and one launch on CUDA)."""
 
-    def __init__(self, cfg: MoeConfig):
+    def __init__(self, cfg: MoeConfig, kernel: Optional[Callable] = None):
         super().__init__()
         self.cfg = cfg
+        self.kernel = kernel
         self.weight = torch.nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         self.bias = torch.nn.Parameter(torch.empty(cfg.num_experts)) if cfg.router_bias else None
 
@@ -113,6 +118,9 @@ class Router(torch.nn.Module):
         return F.linear(x, self.weight, self.bias).float()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kernel is not None:
+            logits = self.logits(x) if self.cfg.router_fp32 else F.linear(x, self.weight, self.bias)
+            return self.kernel(logits, self.cfg.top_k, self.cfg.scoring, self.cfg.norm_topk_prob)
         logits = self.logits(x)
         if self.cfg.scoring == "softmax_topk":
             top, ids = torch.topk(logits, self.cfg.top_k, dim=-1)
@@ -136,11 +144,13 @@ def swigluoai_torch(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.
 
 def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor],
-                  b13: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  b13: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None,
+                  w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """sum_k w[t, k] expert_{ids[t, k]}(x[t]): per expert with tokens, its rows' two matmuls,
-    added into the output at its tokens (HF's loop; one host sync for the per-expert counts)."""
+    added into the output at its tokens (HF's loop; one host sync for the per-expert counts).
+    With scales, w13 / w2 are FP8 codes (Experts.quantize_fp8) and each matmul is W8A8's."""
     top_k = topk_ids.shape[1]
-    flat = topk_ids.reshape(-1)
+    flat = topk_ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
     weights = topk_weights.reshape(-1)
@@ -152,23 +162,37 @@ def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         pairs = order[start:start + count]
         start += count
         tokens = pairs // top_k
-        h = act(F.linear(x[tokens], w13[expert], None if b13 is None else b13[expert]))
-        y = F.linear(h, w2[expert], None if b2 is None else b2[expert])
+        if w13_scale is None:
+            h = act(F.linear(x[tokens], w13[expert], None if b13 is None else b13[expert]))
+            y = F.linear(h, w2[expert], None if b2 is None else b2[expert])
+        else:
+            h = act(_w8a8(x[tokens], w13[expert], w13_scale[expert], None if b13 is None else b13[expert])).to(x.dtype)
+            y = _w8a8(h, w2[expert], w2_scale[expert], None if b2 is None else b2[expert])
         out.index_add_(0, tokens, (y * weights[pairs, None]).to(out.dtype))
     return out
+
+
+def _w8a8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x @ W^T as FP8 W8A8 computes it, in fp32: x's per-token E4M3 codes times W's codes, scaled
+    by both scales (the dense Fp8Linear's CPU numerics; the fused kernel's on CUDA)."""
+    qx, sx = per_token_fp8_ref(x)
+    y = (qx.float() @ codes.float().T) * sx * scales.float()
+    return y if bias is None else y + bias.float()
 
 
 class Experts(torch.nn.Module):
     """Every expert's gated MLP, stacked; this rank's share [start, start + I_local) of each
     expert's intermediate dimension (all of it on one rank)."""
 
-    def __init__(self, cfg: MoeConfig, kernel: Optional[Callable] = None, rank: int = 0, world: int = 1):
+    def __init__(self, cfg: MoeConfig, kernel: Optional[Callable] = None, rank: int = 0, world: int = 1,
+                 align: Optional[Callable] = None):
         super().__init__()
         if cfg.intermediate_size % world:
             raise ValueError(f"moe intermediate_size {cfg.intermediate_size} is not divisible by "
                              f"the tensor-parallel size {world}")
         self.cfg = cfg
         self.kernel = kernel  # rooflm.kernels.fused_moe.fused_moe on CUDA (Kernels.fused_moe), else torch
+        self.align = align  # Kernels.moe_align: the kernel's sort by expert; None: its default
         self.inter = cfg.intermediate_size // world
         self.start = rank * self.inter
         self.is_driver = rank == 0
@@ -177,6 +201,38 @@ class Experts(torch.nn.Module):
         self.w2 = torch.nn.Parameter(torch.empty(e, h, i))
         self.b13 = torch.nn.Parameter(torch.empty(e, 2 * i)) if cfg.expert_bias else None
         self.b2 = torch.nn.Parameter(torch.empty(e, h)) if cfg.expert_bias else None
+        # FP8 experts (quantize_fp8): per-output-channel fp32 scales beside the E4M3 codes;
+        # buffers, so .to() moves them and the runner's weight_bytes counts them
+        self.register_buffer("w13_scale", None)
+        self.register_buffer("w2_scale", None)
+
+    @property
+    def quant_format(self) -> str:
+        """"fp8" once quantize_fp8 ran, else "" (the weights in the model's dtype)."""
+        return "fp8" if self.w13_scale is not None else ""
+
+    @torch.no_grad()
+    def quantize_fp8(self) -> None:
+        """`--quantization fp8` on a loaded block: w13 / w2 become E4M3 codes with one fp32 scale
+        per output channel of each expert (the dense FP8 path's per-channel scheme); the forward
+        then quantizes activations per token (W8A8). Biases stay in the model's dtype."""
+        if self.w13_scale is not None:
+            return
+        w13_codes, w13_scale = quantize_fp8_experts(self.w13.data)
+        w2_codes, w2_scale = quantize_fp8_experts(self.w2.data)
+        self.w13 = torch.nn.Parameter(w13_codes, requires_grad=False)
+        self.w2 = torch.nn.Parameter(w2_codes, requires_grad=False)
+        self.w13_scale = w13_scale
+        self.w2_scale = w2_scale
+
+    def weight_count(self) -> int:
+        """Expert weights this rank holds (E x 3 x H x I_local), whatever their format."""
+        return self.w13.numel() + self.w2.numel()
+
+    def stored_weight_bytes(self) -> int:
+        """Bytes the expert weights hold as stored: bf16 codes, or E4M3 codes plus their scales."""
+        tensors = [self.w13, self.w2] + ([self.w13_scale, self.w2_scale] if self.w13_scale is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def act(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.cfg.activation == "swigluoai":
@@ -185,10 +241,14 @@ class Experts(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
+            extra = {} if self.align is None else {"align": self.align}
+            if self.w13_scale is not None:
+                extra.update(w13_scale=self.w13_scale, w2_scale=self.w2_scale)
             return self.kernel(x, self.w13, self.w2, topk_weights, topk_ids, b13=self.b13, b2=self.b2,
                                activation=self.cfg.activation, alpha=self.cfg.swiglu_alpha,
-                               limit=self.cfg.swiglu_limit)
-        return experts_torch(x, self.w13, self.w2, topk_weights, topk_ids, self.act, self.b13, self.b2)
+                               limit=self.cfg.swiglu_limit, **extra)
+        return experts_torch(x, self.w13, self.w2, topk_weights, topk_ids, self.act, self.b13, self.b2,
+                             self.w13_scale, self.w2_scale)
 
     # -- loading: checkpoint tensors, whole experts' rows; this rank keeps its share -----------
 
@@ -294,8 +354,8 @@ class SparseMoeBlock(torch.nn.Module):
         rank, world = (0, 1) if tp is None else (tp.rank, tp.size)
         self.cfg = cfg
         self.tp = tp if tp is not None and tp.size > 1 else None
-        self.router = Router(cfg)
-        self.experts = Experts(cfg, kernels.fused_moe, rank, world)
+        self.router = Router(cfg, kernels.moe_router)
+        self.experts = Experts(cfg, kernels.fused_moe, rank, world, kernels.moe_align)
         self.shared_expert = SharedExpert(cfg, rank, world) if cfg.shared_expert_intermediate_size else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

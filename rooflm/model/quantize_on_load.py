@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from rooflm.layers.linear import Linear
+from rooflm.layers.moe import Experts
 from rooflm.quant.fp8 import quantize_fp8_weight
 from rooflm.quant.linear_method import Fp8Linear, make_linear_method
 from rooflm.quant.rtn import WeightScheme, quantize_weight
@@ -44,9 +45,14 @@ def quantize_int(model: torch.nn.Module, scheme_name: str) -> None:
 @torch.no_grad()
 def quantize_fp8(model: torch.nn.Module) -> None:
     """`--quantization fp8`: every decoder-layer linear of a loaded float model becomes an
-    Fp8Linear (per-channel weights, dynamic per-token activations), on the weights' own device.
+    Fp8Linear (per-channel weights, dynamic per-token activations), on the weights' own device,
+    and a mixture of experts' stacked experts become E4M3 codes with per-channel scales (the
+    fused MoE kernel's W8A8 path; the router stays in float, as vLLM's fp8 MoE keeps its gate).
     The LM head and embeddings stay in float."""
     for module in model.model.layers.modules():
+        if isinstance(module, Experts):
+            module.quantize_fp8()
+            continue
         if not isinstance(module, Linear) or module.quant is not None:
             continue
         weight = module.weight

@@ -92,3 +92,19 @@ def compressed_tensors_config() -> dict:
             "output_activations": None}},
         "ignore": ["lm_head"], "kv_cache_scheme": None,
     }
+
+
+def quantize_fp8_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked expert weights [E, N, K] -> (E4M3 codes [E, N, K], fp32 scales [E, N]): every
+    expert's rows per output channel, as quantize_fp8_weight does a Linear's. One expert at a
+    time, so the fp32 temporaries are one expert's, not the layer's (1.6 GB at Qwen3-30B-A3B's
+    w13)."""
+    if w.dim() != 3:
+        raise ValueError(f"stacked expert weights must be [E, N, K], got {tuple(w.shape)}")
+    codes = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+    scales = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+    for e in range(w.shape[0]):
+        q = quantize_fp8_weight(w[e])
+        codes[e] = q.codes
+        scales[e] = q.scales
+    return codes, scales
