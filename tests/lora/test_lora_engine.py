@@ -135,3 +135,15 @@ def test_the_hook_is_absent_without_enable_lora(tiny):
     assert all(m.lora is None for m in model.modules() if isinstance(m, Linear))
     assert all(layer.lora_mapping is None for layer in model.model.layers)
     assert llm.engine.runner.lora is None
+
+
+def test_the_adapter_crosses_the_engine_core_socket():
+    from rooflm.engine import core_protocol
+    from rooflm.engine.request_types import GenerateRequest
+
+    lora = LoRARequest("one", 1, "/adapters/one")
+    msg = core_protocol.AddRequests(batch_id=1, requests=[
+        GenerateRequest("a", [1, 2], SamplingParams(max_tokens=3), lora_request=lora),
+        GenerateRequest("b", [1], SamplingParams(max_tokens=3))])
+    back = core_protocol.input_decoder().decode(core_protocol.encoder().encode(msg))
+    assert [r.lora_request for r in back.requests] == [lora, None]
