@@ -147,3 +147,18 @@ def test_the_adapter_crosses_the_engine_core_socket():
         GenerateRequest("b", [1], SamplingParams(max_tokens=3))])
     back = core_protocol.input_decoder().decode(core_protocol.encoder().encode(msg))
     assert [r.lora_request for r in back.requests] == [lora, None]
+
+
+@pytest.mark.gpu
+def test_gpu_mixed_batch_equals_single_adapter_runs(tiny):
+    """On CUDA the hooks run the Triton SGMV (prefill) and BGMV (decode) kernels: a mixed batch
+    gives each request what it gets alone, and PEFT's merged model's tokens (fp32)."""
+    llm = _llm(tiny, device="cuda")
+    loras = [tiny["r1"], tiny["r2"], None] * len(PROMPTS)
+    prompts = [p for p in PROMPTS for _ in range(3)]
+    mixed = llm.generate(prompts, GREEDY, lora_request=loras)
+    models = {None: tiny["base"], "one": tiny["merged1"], "two": tiny["merged2"]}
+    for out, prompt, lora in zip(mixed, prompts, loras):
+        alone = llm.generate([prompt], GREEDY, lora_request=lora)[0]
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+        assert out.outputs[0].token_ids == hf_greedy(models[lora and lora.lora_name], prompt, NEW_TOKENS)

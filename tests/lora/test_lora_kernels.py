@@ -91,3 +91,35 @@ def test_kernels_gpu_llama8b_shapes_bf16(num_tokens, decode_only):
     assert_close(h, lora_shrink_ref(x, lora_a, token_slots), dtype, "shrink")
     assert_close(out, lora_expand_ref(lora_shrink_ref(x, lora_a, token_slots), lora_b, y, shards, rank,
                                       token_slots), dtype, "expand")
+
+
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_the_hook_gives_the_same_through_triton_and_torch(decode_only):
+    """LoRALinearHook's two paths on a fused q/k/v linear with adapters of ranks 3 and 8 in a
+    pool of rank 8 (zero-padded), scaling folded into B."""
+    from rooflm.layers.linear import FusedLinear
+    from rooflm.lora.hook import LoRALinearHook
+
+    torch.manual_seed(3)
+    linear = FusedLinear(32, {"q": 32, "k": 16, "v": 16}).to(DEVICE)
+    torch.nn.init.normal_(linear.weight)
+    slots = [1, -1, 0, 1] if decode_only else [1, 1, 1, -1, 0, 0, 1, -1, 0]
+    m = _mapping(slots, decode_only)
+    hooks = [LoRALinearHook(linear, num_slots=2, rank=8, mapping=m, use_triton=t) for t in (False, True)]
+    for slot, (rank, shards) in enumerate(((3, ("q", "v")), (8, ("q", "k", "v")))):
+        for shard in shards:
+            size = linear.shard_offsets[shard][1]
+            a, b = torch.randn(rank, 32), torch.randn(size, rank)
+            for hook in hooks:
+                hook.write(slot, shard, a, b, scaling=0.5)
+    x = torch.randn(len(slots), 32, device=DEVICE)
+    outs = []
+    for hook in hooks:
+        linear.lora = hook
+        outs.append(linear(x))
+    assert_close(outs[1], outs[0], torch.float32, "triton vs torch hook")
+    linear.lora = None
+    base = linear(x)
+    none = torch.tensor(slots) < 0
+    assert torch.equal(outs[0][none], base[none])
+    assert not torch.allclose(outs[0][~none], base[~none])
