@@ -425,6 +425,32 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (rooflm/lora/, docs/lora.md): vLLM's flags and defaults."""
+
+    enable_lora: bool = False
+    # Adapters resident on the device at once: the slot pool's size, so the most distinct
+    # adapters one step may use.
+    max_loras: int = 1
+    # The slot pool's rank: an adapter of lower rank is zero-padded to it, a higher one refused.
+    max_lora_rank: int = 16
+    # Adapters kept loaded in host memory (an LRU cache in front of the disk); None: max_loras.
+    max_cpu_loras: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+    @property
+    def host_cache_size(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     load: LoadConfig = field(default_factory=LoadConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
@@ -433,6 +459,7 @@ class EngineConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 def default_max_num_seqs(device_type: str, device_memory_gb: Optional[float] = None) -> int:
@@ -494,7 +521,7 @@ def with_device_defaults(cfg: EngineConfig, device_type: str, cuda_block_size: i
 
 _SECTIONS = {"load": LoadConfig, "device": DeviceConfig, "cache": CacheConfig,
              "scheduler": SchedulerConfig, "runtime": RuntimeConfig, "speculative": SpeculativeConfig,
-             "parallel": ParallelConfig}
+             "parallel": ParallelConfig, "lora": LoRAConfig}
 
 
 def engine_config_from_kwargs(**kwargs) -> EngineConfig:

@@ -102,6 +102,11 @@ HELP: dict[str, str] = {
     "tp_allreduce": "the row-parallel all-reduce on CUDA. symm: a one-shot kernel over symmetric "
                     "memory up to 4 MiB, NCCL above; nccl: always NCCL; auto: symm where every "
                     "GPU pair has peer access",
+    # lora
+    "enable_lora": "serve LoRA adapters beside the base model (docs/lora.md)",
+    "max_loras": "LoRA adapters resident on the device at once: the most distinct adapters one step uses",
+    "max_lora_rank": "the largest LoRA rank served (lower ranks are zero-padded to it)",
+    "max_cpu_loras": "LoRA adapters kept in host memory (LRU); unset: --max-loras",
 }
 
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")

@@ -147,6 +147,10 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "`rooflm serve`'s API key when --api-key is not given", secret=True),
     Switch("ROOFLM_COMMIT", "a commit id", str, None,
            "the commit benchmark results record where the tree has no .git"),
+    # Serving.
+    Switch("ROOFLM_ALLOW_RUNTIME_LORA_UPDATING", _ON_OFF, _bool, False,
+           "the server's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+           "VLLM_ALLOW_RUNTIME_LORA_UPDATING); 0: they answer 404"),
     # Diagnostics.
     Switch("ROOFLM_ENGINE_CORE_PROFILE", "a file path", str, None,
            "the engine core process's serving loop runs under cProfile; stats written there at exit"),

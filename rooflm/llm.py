@@ -8,6 +8,7 @@ from typing import Optional, Sequence, Union
 
 from rooflm.engine.llm_engine import LLMEngine, PromptType
 from rooflm.engine.outputs import RequestOutput
+from rooflm.lora.request import LoRARequest
 from rooflm.sampling_params import SamplingParams
 
 
@@ -35,11 +36,14 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = False, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+                 use_tqdm: bool = False, priority: Optional[Sequence[int]] = None,
+                 lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. A prompt is a string or a list of token ids.
 
         priority: one per prompt, as vLLM's LLM.generate takes it; needs
-        scheduling_policy="priority" (lower values are scheduled first) unless all are 0."""
+        scheduling_policy="priority" (lower values are scheduled first) unless all are 0.
+        lora_request: the adapter every prompt runs under, or one per prompt (None: the base
+        model), as vLLM's; needs enable_lora=True."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -51,6 +55,11 @@ class LLM:
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        lora_request = list(lora_request)
+        if len(lora_request) != len(prompts):
+            raise ValueError(f"got {len(lora_request)} LoRA requests for {len(prompts)} prompts")
         # Validate everything before queueing anything, so a bad prompt loses no work.
         for prompt, p, rank in zip(prompts, params, priority):
             self.engine.tokenize(prompt)
@@ -67,9 +76,9 @@ class LLM:
         params = [finals[id(p)] for p in params]
         ids = []
         try:
-            for prompt, p, rank in zip(prompts, params, priority):
+            for prompt, p, rank, lora in zip(prompts, params, priority, lora_request):
                 rid = f"offline-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, p, priority=rank)
+                self.engine.add_request(rid, prompt, p, priority=rank, lora_request=lora)
                 ids.append(rid)
         except Exception:
             self.engine.abort_request(ids)

@@ -160,13 +160,19 @@ def group_key(block_hash: bytes, group: int) -> bytes:
     return block_hash if group == 0 else block_hash + b"/g" + group.to_bytes(2, "little")
 
 
-def hash_block(parent_hash: Optional[bytes], token_ids: list[int], salt: Optional[str]) -> bytes:
-    """A collision-resistant key: a forged collision would leak another tenant's K/V."""
+def hash_block(parent_hash: Optional[bytes], token_ids: list[int], salt: Optional[str],
+               adapter: Optional[str] = None) -> bytes:
+    """A collision-resistant key: a forged collision would leak another tenant's K/V.
+    adapter: the request's LoRA adapter (LoRARequest.prefix_key): its K/V is another model's."""
     h = hashlib.sha256()
     h.update(parent_hash or b"root")
     h.update(array("q", token_ids).tobytes())
     if salt:
         h.update(b"salt:" + salt.encode("utf-8", "surrogatepass"))
+    if adapter:
+        # Length-prefixed: no salt text can spell an adapter's bytes.
+        key = adapter.encode("utf-8", "surrogatepass")
+        h.update(b"lora:" + len(key).to_bytes(8, "little") + key)
     return h.digest()
 
 
@@ -296,7 +302,8 @@ class BlockManager:
         if block.ref_cnt == 0:
             self.free_queue[block_id] = None
 
-    def find_cached_prefix(self, token_ids: list[int], salt: Optional[str]) -> PrefixHit:
+    def find_cached_prefix(self, token_ids: list[int], salt: Optional[str],
+                           adapter: Optional[str] = None) -> PrefixHit:
         """The longest cached whole-block prefix of token_ids.
 
         The last token is never served from the cache: its logits are needed. With sliding
@@ -310,7 +317,7 @@ class BlockManager:
         hashes: list[bytes] = []
         parent: Optional[bytes] = None
         for i in range(max_blocks):
-            parent = hash_block(parent, token_ids[i * self.block_size:(i + 1) * self.block_size], salt)
+            parent = hash_block(parent, token_ids[i * self.block_size:(i + 1) * self.block_size], salt, adapter)
             block_id = self.cached.get(parent)
             if block_id is None:
                 break
@@ -462,7 +469,7 @@ class BlockManager:
             t.on_host = False
 
     def cache_full_blocks(self, table: BlockTable, token_ids: list[int], num_known: int,
-                          salt: Optional[str]) -> None:
+                          salt: Optional[str], adapter: Optional[str] = None) -> None:
         """Register the table's full blocks among its first num_known tokens (computed, ids
         on the host) in the prefix cache, past the num_cached_blocks already registered; the
         other groups' live blocks of the same entries under their group's key."""
@@ -478,7 +485,7 @@ class BlockManager:
             if block.block_hash is not None:  # shared with a sibling or a prefix hit
                 parent = block.block_hash
                 continue
-            parent = hash_block(parent, token_ids[i * self.block_size:(i + 1) * self.block_size], salt)
+            parent = hash_block(parent, token_ids[i * self.block_size:(i + 1) * self.block_size], salt, adapter)
             block.block_hash = parent
             # If another block already holds this prefix, keep that one as the cache entry.
             self.cached.setdefault(parent, block.block_id)

@@ -65,6 +65,11 @@ class LLMEngine:
         if config.runtime.enable_sleep_mode and config.speculative.speculative_method:
             # A draft model's weights and pool, and the device loop's graphs, would stay.
             raise ValueError("--enable-sleep-mode does not run with speculative decoding yet")
+        if config.lora.enable_lora and config.speculative.speculative_method:
+            # The proposers and the device loop run the base model: drafts would ignore the adapter.
+            raise ValueError("--enable-lora does not run with speculative decoding yet")
+        if config.lora.enable_lora and config.runtime.enable_sleep_mode:
+            raise ValueError("--enable-lora does not run with --enable-sleep-mode yet (the slots would be lost)")
         self.model_path, self.load_format = resolve_model(
             config.load.model, config.load.load_format, revision=config.load.revision,
             download_dir=config.load.download_dir)
@@ -96,6 +101,8 @@ class LLMEngine:
                                           config.cache.enable_prefix_caching, num_host,
                                           windows=self.runner.kv_layout.windows)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        if config.lora.enable_lora:
+            self.scheduler.max_loras = config.lora.max_loras
         self.async_scheduling = config.runtime.async_scheduling
         if self.async_scheduling is None:
             self.async_scheduling = self.runner.device.type == "cuda"
@@ -269,7 +276,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
                     arrival_time: Optional[float] = None, cache_salt: Optional[str] = None,
-                    priority: int = 0) -> Request:
+                    priority: int = 0, lora_request=None) -> Request:
         """Validate and queue a request. Raises InvalidRequest (a ValueError naming the request
         field at fault), changing nothing, on bad input; ValueError on a caller's bug (a
         request id in use, params of the wrong type); RuntimeError while the engine sleeps.
@@ -295,6 +302,7 @@ class LLMEngine:
             if t >= self.model_config.vocab_size:
                 raise InvalidRequest(f"logit_bias has token id {t}, outside the vocabulary [0, "
                                      f"{self.model_config.vocab_size})", param="logit_bias")
+        self._check_lora(lora_request)
         grammar = None
         if params.structured_outputs is not None:
             grammar = self._compile_grammar(params)
@@ -309,6 +317,7 @@ class LLMEngine:
                       arrival_time=arrival_time or time.monotonic(), generators=generators,
                       priority=priority)
         req.grammar = grammar
+        req.lora_request = lora_request
         if grammar is not None:
             self._compiling.append(req)
         req.seqs.append(self._new_seq(req, 0, list(token_ids)))
@@ -318,6 +327,24 @@ class LLMEngine:
         self.scheduler.add(req)
         self._num_prompt_tokens += len(token_ids)
         return req
+
+    def _check_lora(self, lora_request) -> None:
+        """A request's adapter (rooflm.lora.LoRARequest) read into the host cache now, so a bad
+        one is refused before anything is queued (InvalidRequest on the `model` field)."""
+        if lora_request is None:
+            return
+        from rooflm.lora.adapter import LoRAAdapterError
+        from rooflm.lora.request import LoRARequest
+
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError("lora_request must be a rooflm.lora.LoRARequest")
+        if self.runner.lora is None:
+            raise InvalidRequest(f"LoRA adapter {lora_request.lora_name!r} requested, but the engine runs "
+                                 f"without --enable-lora", param="model")
+        try:
+            self.runner.lora.load(lora_request)
+        except LoRAAdapterError as e:
+            raise InvalidRequest(str(e), param="model") from e
 
     def check_priority(self, priority) -> None:
         if isinstance(priority, bool) or not isinstance(priority, int):

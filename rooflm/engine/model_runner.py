@@ -180,6 +180,10 @@ class ModelRunner:
         self.tracer = NULL_TRACER  # names the phases of a step for the profiler
         self.timings: dict[str, float] = {}
         self._slept_num_blocks = 0  # the pool's size while sleep() has freed it
+        # --enable-lora (rooflm/lora/): the adapters' host cache and device slots, and the step's
+        # token -> slot map the model's hooks read; set when the model is loaded.
+        self.lora = None
+        self.lora_mapping = None
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True  # any fp32 matmul (e.g. --dtype float32)
             torch.backends.cudnn.allow_tf32 = True
@@ -315,7 +319,26 @@ class ModelRunner:
             from rooflm.model.quantize_on_load import quantize_fp8
             quantize_fp8(model)
         self.model = model.eval()
+        if self.config.lora.enable_lora:
+            self._install_lora()
         self.timings["load_s"] = time.perf_counter() - t0
+
+    def _install_lora(self) -> None:
+        """LoRA hooks on the decoder's targeted linears, a slot pool of --max-loras adapters."""
+        from rooflm.lora.hook import install_lora
+        from rooflm.lora.manager import LoRAManager
+        from rooflm.lora.mapping import LoRAMapping
+
+        if self.tp.size > 1:
+            raise ValueError("--enable-lora with tensor_parallel_size > 1 is not supported yet "
+                             "(adapters are not sharded like their base linears)")
+        cfg = self.config.lora
+        self.lora_mapping = LoRAMapping(self.device)
+        hooks = install_lora(self.model, self.lora_mapping, cfg.max_loras, cfg.max_lora_rank,
+                             use_triton=self.device.type == "cuda")
+        self.lora = LoRAManager(self.model_config, cfg, hooks)
+        logger.info("LoRA: %d slots of rank %d on %d linears, host cache of %d adapters",
+                    cfg.max_loras, cfg.max_lora_rank, len(hooks), cfg.host_cache_size)
 
     def weight_bytes(self) -> int:
         """Bytes of every parameter and buffer of the model as stored (quantized ones included)."""
@@ -692,6 +715,21 @@ class ModelRunner:
                                     suppress.get(seq.seq_id, ())))
             row_owner.append(sch)
 
+    def _set_lora_mapping(self, inputs: StepInputs) -> None:
+        """The step's token -> adapter slot map, once for every hook: the step's adapters get
+        slots first (a cold one is copied from the host cache into its slot)."""
+        adapters = {sch.request.lora_request for sch in inputs.order} - {None}
+        if not adapters:
+            self.lora_mapping.clear()
+            return
+        slot_of = self.lora.activate(adapters)
+        token_slots: list[int] = []
+        starts = inputs.query_start_loc_cpu
+        for i, sch in enumerate(inputs.order):
+            adapter = sch.request.lora_request
+            token_slots.extend([-1 if adapter is None else slot_of[adapter]] * (starts[i + 1] - starts[i]))
+        self.lora_mapping.set_step(token_slots, decode_only=inputs.num_decodes == len(inputs.order))
+
     def _pin(self, t: torch.Tensor) -> torch.Tensor:
         # Pinned host memory makes the copies below asynchronous; torch caches the pages.
         return t.pin_memory() if self.device.type == "cuda" else t
@@ -732,6 +770,8 @@ class ModelRunner:
             self.apply_block_ops(out)
         with self.tracer.phase("prepare"):
             inputs = self.prepare(out, suppress)
+            if self.lora is not None:
+                self._set_lora_mapping(inputs)
         if self.step_channel is not None:
             with self.tracer.phase("broadcast"):
                 self._send_step(out, inputs, prev)
@@ -993,6 +1033,11 @@ class ModelRunner:
             return
         if self.model.graph_unsafe_reason is not None:
             logger.info("CUDA graphs off, every step eager: %s", self.model.graph_unsafe_reason)
+            return
+        if self.lora is not None:
+            # The hooks' segments and grids are sized per step on the host (rooflm/lora/mapping.py);
+            # a graph would replay the captured step's.
+            logger.info("CUDA graphs off, every step eager: --enable-lora (adapter index not a graph input yet)")
             return
         from rooflm.engine.cuda_graph import CUDAGraphRunner
         max_batch = self._graph_max_batch()

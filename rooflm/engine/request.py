@@ -17,6 +17,7 @@ import torch
 
 from rooflm.engine.block_manager import BlockTable
 from rooflm.engine.outputs import Logprobs
+from rooflm.lora.request import LoRARequest
 from rooflm.sampling_params import SamplingParams
 
 
@@ -122,6 +123,13 @@ class Request:
     # Structured outputs: the compiled grammar (structured.compiler.RequestGrammar), which
     # may still be compiling on a worker thread; None for an unconstrained request.
     grammar: object = None
+    # --enable-lora: the adapter this request runs under; None: the base model.
+    lora_request: Optional[LoRARequest] = None
+
+    @property
+    def lora_key(self) -> Optional[str]:
+        """The adapter's part of the prefix cache's block hashes (None: the base model)."""
+        return None if self.lora_request is None else self.lora_request.prefix_key
 
     @property
     def schedule_key(self) -> tuple[int, float]:

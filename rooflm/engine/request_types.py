@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from rooflm.lora.request import LoRARequest
 from rooflm.sampling_params import SamplingParams
 
 
@@ -61,6 +62,8 @@ class GenerateRequest:
     priority: int = 0  # --scheduling-policy priority: lower first
     # This request's own TTFT budget in milliseconds from arrival; None: the server's.
     deadline_ms: Optional[float] = None
+    # The LoRA adapter the request runs under (the OpenAI `model` field named it); None: the base.
+    lora_request: Optional[LoRARequest] = None
 
     @property
     def reserved_tokens(self) -> int:

@@ -110,6 +110,9 @@ class Scheduler:
         # Swap-outs of a step that ran nothing, for the next step that runs. Until then the
         # device blocks they copy from are not written: only a launched step writes K/V.
         self._unsent_swap_outs: list[tuple[int, int]] = []
+        # --enable-lora: the most distinct adapters the running requests may use (the device's
+        # slots, --max-loras); 0: no LoRA.
+        self.max_loras = 0
 
     # ---- queue management ----------------------------------------------------------------
 
@@ -182,7 +185,7 @@ class Scheduler:
         known = min(seq.num_computed_tokens, len(seq.token_ids))
         if known // self.bm.block_size <= table.num_cached_blocks:
             return  # no block filled up since the last call: most decode steps of most sequences
-        self.bm.cache_full_blocks(table, seq.token_ids, known, req.cache_salt)
+        self.bm.cache_full_blocks(table, seq.token_ids, known, req.cache_salt, req.lora_key)
 
     # ---- speculative decoding ------------------------------------------------------------
     # What rooflm/spec/ reads and changes between steps; it never touches the queues.
@@ -441,6 +444,11 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self._enqueue(self.waiting, req, front=True)
 
+    def _adapter_slot_free(self, req: Request) -> bool:
+        """Whether the running requests' adapters leave room for req's (--max-loras)."""
+        running = {r.lora_request for r in self.running} - {None}
+        return req.lora_request in running or len(running) < self.max_loras
+
     def _has_seq_room(self, req: Request) -> bool:
         return self._seqs_running + len(req.live_seqs) <= self.cfg.max_num_seqs
 
@@ -449,6 +457,8 @@ class Scheduler:
             req = self.swapped[0]
             if any(s.num_pending for s in req.live_seqs):
                 break  # its last tokens are still on their way to the host
+            if req.lora_request is not None and not self._adapter_slot_free(req):
+                break  # its adapter would be one more than the device's slots (--max-loras)
             plan = self._plan(req, budget)
             if plan is None or not self._has_seq_room(req) or not self._fits(req, plan):
                 break
@@ -467,6 +477,11 @@ class Scheduler:
             if req.waiting_for_grammar:
                 # Its grammar compiles on a worker thread: the requests behind it go first,
                 # and it keeps its place at the front for the next step.
+                compiling.append(self.waiting.popleft())
+                continue
+            if req.lora_request is not None and not self._adapter_slot_free(req):
+                # Its adapter would be one more than the device's slots: it keeps its place while
+                # the requests behind it (the base model, resident adapters) go first.
                 compiling.append(self.waiting.popleft())
                 continue
             if not self._has_seq_room(req):
@@ -570,7 +585,7 @@ class Scheduler:
     def _lookup_prefix(self, req: Request, seq: Sequence) -> PrefixHit:
         if seq.num_computed_tokens:
             return NO_HIT
-        return self.bm.find_cached_prefix(seq.token_ids, req.cache_salt)
+        return self.bm.find_cached_prefix(seq.token_ids, req.cache_salt, req.lora_key)
 
     def _admit(self, req: Request, plan: list[_Planned]) -> None:
         """A waiting request starts running: its sequences take their prefix hits, counted

@@ -118,7 +118,7 @@ def add_group(engine, requests: list[GenerateRequest]) -> list[Request]:
             added.append(engine.add_request(
                 request.request_id, request.prompt_token_ids, request.params,
                 arrival_time=request.arrival_time, cache_salt=request.cache_salt,
-                priority=request.priority))
+                priority=request.priority, lora_request=request.lora_request))
     except Exception:
         if added:
             engine.abort_request([r.request_id for r in added])

@@ -32,20 +32,30 @@ class Linear(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features))
         self.bias = torch.nn.Parameter(torch.empty(out_features)) if bias else None
         self.quant: Optional[QuantizedLinearMethod] = None
+        # rooflm.lora's hook, y = lora(x, y): installed with --enable-lora only, so without it a
+        # forward pays this one attribute test.
+        self.lora = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
-            return self.kernel(x, self.weight, self.bias, self.quant)
-        if self.quant is not None:
+            y = self.kernel(x, self.weight, self.bias, self.quant)
+        elif self.quant is not None:
             y = self.quant(x)
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
+            y = y if self.bias is None else y + self.bias
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora(x, y)
+
+    def _lora_active(self) -> bool:
+        """Whether this step's tokens run an adapter through this layer: the fused forms (folded,
+        SiLU-mul, FP8 codes) then step aside for forward, where the hook sits."""
+        return self.lora is not None and self.lora.active
 
     def forward_folded(self, x: torch.Tensor, *, norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
                        residual: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """One token's W @ rmsnorm(x) (norm_weight) or residual + W x in one kernel where the
         quantized method has one (W4A16 on CUDA), else None: the caller runs them apart."""
-        if self.quant is None or self.bias is not None:
+        if self.quant is None or self.bias is not None or self._lora_active():
             return None
         return self.quant.folded(x, norm_weight=norm_weight, eps=eps, residual=residual)
 
@@ -117,7 +127,8 @@ class FusedLinear(Linear):
         """silu(gate) * up in one kernel when this is the gated MLP's {"gate", "up"} (each rank's
         rows of both, in that order) held quantized, or None (the MLP runs forward, then SiLU-mul).
         norm_weight: of rmsnorm(x), folded in too (one token; None where the method cannot)."""
-        if self.quant is None or self.bias is not None or list(self.shard_offsets) != ["gate", "up"]:
+        if (self.quant is None or self.bias is not None or list(self.shard_offsets) != ["gate", "up"]
+                or self._lora_active()):
             return None
         if self.shard_offsets["gate"][1] != self.shard_offsets["up"][1]:
             return None

@@ -174,6 +174,9 @@ class DecoderLayer(torch.nn.Module):
         self.native_reason = spec.native_reason()
         # Each sublayer's output times this before its residual add (Granite), or None.
         self.residual_scale = spec.residual_scale
+        # --enable-lora: the step's token -> adapter slot map (rooflm/lora/mapping.py), which the
+        # hooks on this layer's linears read; None without LoRA.
+        self.lora_mapping = None
 
     def _norm(self, place: int) -> Optional[RMSNorm]:
         name = self.norm_names[place]
@@ -203,13 +206,16 @@ class DecoderLayer(torch.nn.Module):
         return self.norm_names[place] is not None or self.residual_scale is not None
 
     def forward(self, positions, x, residual, kv_cache, meta):
-        if self.gemv is not None and x.shape[0] == 1:
+        # A step with LoRA adapters takes the plain path: the hooks sit in Linear.forward, which
+        # the one-token GEMV, folded and FP8-code forms never call.
+        fused = self.lora_mapping is None or not self.lora_mapping.active
+        if fused and self.gemv is not None and x.shape[0] == 1:
             return self._forward_gemv(positions, x, residual, kv_cache, meta)
-        if self.fold and x.shape[0] == 1:
+        if fused and self.fold and x.shape[0] == 1:
             folded = self._forward_folded(positions, x, residual, kv_cache, meta)
             if folded is not None:
                 return folded
-        if self.fp8_fusable and self._fp8_inputs():
+        if fused and self.fp8_fusable and self._fp8_inputs():
             return self._forward_fp8(positions, x, residual, kv_cache, meta)
         # The residual stream is carried separately so each pre-norm can fuse the add before it.
         x, residual = _pre(self.pre_attn, x, residual)
@@ -381,7 +387,9 @@ class DecoderModel(torch.nn.Module):
     def choose_decoder_path(self) -> None:
         """Decide (again) whether single-sequence CPU steps run natively, from the weights as
         loaded now and ROOFLM_NATIVE_DECODE; the first forward does it when nobody did."""
-        self.native_decoder = NativeDecoder.build(self)
+        # The C decoder computes the base layers only: with LoRA hooks every step runs here.
+        lora = any(layer.lora_mapping is not None for layer in self.layers)
+        self.native_decoder = None if lora else NativeDecoder.build(self)
         self._native_decoder_checked = True
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata):

@@ -57,7 +57,8 @@ def _engine_request(state: "ServerState", request_id: str, prompt: PreparedPromp
     max_tokens = resolve_max_tokens(max_tokens, len(prompt.token_ids), state.info.max_model_len)
     params = request.sampling_params(max_tokens, prompt_logprobs)
     return GenerateRequest(request_id, prompt.token_ids, params, request.cache_salt, arrival,
-                           priority=request.priority or 0, deadline_ms=request.deadline_ms)
+                           priority=request.priority or 0, deadline_ms=request.deadline_ms,
+                           lora_request=state.lora_of(request.model))
 
 
 def _check_reservation(state: "ServerState", requests: list[GenerateRequest],

@@ -46,9 +46,10 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import rooflm.envs as envs
 from rooflm.engine.async_engine import AsyncLLMEngine
 from rooflm.engine.client import EngineClientFactory
 from rooflm.errors import InvalidRequest
@@ -108,8 +109,8 @@ def create_app(engine_kwargs: Optional[dict] = None, config: Optional[ServerConf
         engine = LLMEngine.from_kwargs(**(engine_kwargs or {}))
     model_name = config.served_model_name or derive_model_name(engine.info.model)
     try:
-        state = ServerState(config, engine, model_name, front)
-    except ChatTemplateError:
+        state = ServerState(config, engine, model_name, front, _lora_config(engine, engine_kwargs))
+    except (ChatTemplateError, ValueError):
         if engine_process:
             engine.close()  # the core process would otherwise outlive this failed start
         raise
@@ -232,16 +233,39 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return Response(state.metrics.render(), media_type=None,
                         headers={"Content-Type": state.metrics.content_type})
 
+    def model_card(lora=None) -> p.ModelCard:
+        if lora is None:
+            return p.ModelCard(id=state.model_name, max_model_len=state.info.max_model_len, root=state.model_name)
+        return p.ModelCard(id=lora.lora_name, max_model_len=state.info.max_model_len, root=lora.lora_path,
+                           parent=state.model_name)
+
     @app.get("/v1/models")
     async def list_models():
-        card = p.ModelCard(id=state.model_name, max_model_len=state.info.max_model_len)
-        return JSONResponse(p.ModelList(data=[card]).model_dump())
+        cards = [model_card()] + [model_card(lora) for lora in state.loras.adapters.values()]
+        return JSONResponse(p.ModelList(data=cards).model_dump())
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str):
-        state.check_model(model_id)
-        card = p.ModelCard(id=state.model_name, max_model_len=state.info.max_model_len)
-        return JSONResponse(card.model_dump())
+        return JSONResponse(model_card(state.lora_of(model_id)).model_dump())
+
+    if envs.get("ROOFLM_ALLOW_RUNTIME_LORA_UPDATING"):
+        # vLLM's runtime adapter endpoints, behind the same kind of switch: anyone who can reach
+        # the server could otherwise make it read any directory.
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(raw: Request):
+            body = await _read_json(raw, state)
+            name, path = _lora_fields(body, ("lora_name", "lora_path"))
+            state.loras.add(name, path)
+            logger.info("LoRA adapter %r loaded from %s", name, path)
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(raw: Request):
+            body = await _read_json(raw, state)
+            (name,) = _lora_fields(body, ("lora_name",))
+            state.loras.remove(name)
+            logger.info("LoRA adapter %r unloaded", name)
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     @app.get("/version")
     async def get_version():
@@ -291,6 +315,26 @@ def _sleep_level(text: str) -> int:
     if level not in (1, 2):
         raise p.RequestError(f"level must be 1 or 2, got {text[:20]!r}", param="level")
     return level
+
+
+def _lora_config(engine, engine_kwargs: Optional[dict]):
+    """The engine's LoRAConfig: an engine built here or given keeps its EngineConfig; an engine
+    process or DP replicas were built from engine_kwargs."""
+    config = getattr(engine, "config", None)
+    if config is not None and hasattr(config, "lora"):
+        return config.lora
+    from rooflm.config import engine_config_from_kwargs
+    return engine_config_from_kwargs(**(engine_kwargs or {})).lora
+
+
+def _lora_fields(body: dict, names: tuple[str, ...]) -> list[str]:
+    values = []
+    for name in names:
+        value = body.get(name) if isinstance(body, dict) else None
+        if not isinstance(value, str) or not value:
+            raise p.RequestError(f"{name} must be a non-empty string", param=name)
+        values.append(value)
+    return values
 
 
 async def _read_json(raw: Request, state: ServerState) -> dict:

@@ -93,6 +93,9 @@ def register(subparsers) -> None:
     group.add_argument("--disable-log-requests", action="store_true",
                        help="no access log line per request (method, path, status, latency, "
                             "tokens; default: one line as each response ends)")
+    group.add_argument("--lora-modules", nargs="+", default=(), metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT directories) served under these model names "
+                            "(needs --enable-lora)")
     group.add_argument("--uvicorn-log-level", default="warning")
     add_engine_args(parser)
     parser.set_defaults(func=cmd_serve)
@@ -123,6 +126,7 @@ def server_config(args: argparse.Namespace):
         data_parallel_size=args.data_parallel_size,
         dp_routing=args.dp_routing,
         ttft_slo_ms=args.ttft_slo_ms,
+        lora_modules=tuple(args.lora_modules or ()),
     )
 
 

@@ -44,6 +44,8 @@ class ServerConfig:
     # Milliseconds: a request predicted to wait longer than this before its first step is
     # refused with 503 and Retry-After (its deadline_ms overrides); 0: no budget.
     ttft_slo_ms: float = 0.0
+    # LoRA adapters served from start-up, "name=path" each (--lora-modules; needs --enable-lora).
+    lora_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_n", "max_body_bytes", "max_header_bytes"):

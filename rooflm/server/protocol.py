@@ -723,6 +723,9 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "rooflm"
     max_model_len: Optional[int] = None
+    # vLLM's: a LoRA adapter's card names its path (root) and the base model (parent).
+    root: Optional[str] = None
+    parent: Optional[str] = None
 
 
 class ModelList(BaseModel):

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 from rooflm.engine.client import EngineClient, EngineClientFactory
 from rooflm.engine.host_gc import tune_gc_for_serving
 from rooflm.engine.request_types import AdmissionLimits, GenerateRequest
+from rooflm.server.lora import LoRARegistry, parse_lora_modules
 from rooflm.sampling_params import SamplingParams
 from rooflm.server import protocol as p
 from rooflm.server.chat_template import install_chat_template
@@ -43,11 +44,20 @@ class ServerState:
     request goes.
     """
 
-    def __init__(self, config: ServerConfig, engine, model_name: str, front: EngineClientFactory):
+    def __init__(self, config: ServerConfig, engine, model_name: str, front: EngineClientFactory,
+                 lora_config=None):
         self.config = config
         self.engine = engine
         self.info = engine.info
         self.model_name = model_name
+        # The LoRA adapters served beside the base model (server/lora.py); lora_config: the
+        # engine's LoRAConfig (None: LoRA off). --lora-modules are checked here, at start-up.
+        self.loras = LoRARegistry(lora_config, model_name)
+        for name, path in parse_lora_modules(config.lora_modules):
+            try:
+                self.loras.add(name, path)
+            except p.RequestError as e:
+                raise ValueError(f"--lora-modules {name}={path}: {e.message}") from e
         self.tokenizer = engine.tokenizer
         if config.chat_template is not None:
             install_chat_template(self.tokenizer, config.chat_template)
@@ -164,10 +174,18 @@ class ServerState:
                                "engine_error")
 
     def check_model(self, model: str) -> None:
-        if model != self.model_name:
+        self.lora_of(model)
+
+    def lora_of(self, model: str):
+        """The LoRARequest a request's `model` names, None for the base model; 404 for neither."""
+        if model == self.model_name:
+            return None
+        lora = self.loras.get(model)
+        if lora is None:
             raise p.RequestError(f"The model `{model[:100]}` does not exist; this server "
                                  f"serves `{self.model_name}`", param="model", status=404,
                                  code="model_not_found")
+        return lora
 
     def log_ignored(self, request: p.OpenAIModel, request_id: str = "-") -> None:
         names = p.ignored_fields(request)

@@ -81,7 +81,8 @@ LEVELS = [
     ("kernels", "structured"),               # Triton kernels + references; grammars and token bitmasks
     ("quant",),                              # quantized weight formats and the linear methods that multiply them
     ("layers",),                             # model parts, the paged-KV contract, attention backends, sampler
-    ("deterministic", "distributed"),        # batch-invariant kernels; TP groups, all-reduce, sharded linears
+    ("deterministic", "distributed", "lora"),  # batch-invariant kernels; TP groups, all-reduce, sharded
+                                             # linears; LoRA adapters, slot pool and the hooks on layers' linears
     ("model",),                              # families: config -> parts, weight names, loaders
     ("tokenizer",),                          # tokenizers, detokenizer, text windows, the dummy model directory
     ("engine",),                             # scheduler, block manager, runner, core process, TP workers

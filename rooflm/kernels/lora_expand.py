@@ -1,0 +1,137 @@
+"""LoRA expand: y += h @ B_slot^T, shard by shard, for every token under an adapter, in Triton
+(Punica's SGMV/BGMV; the second half of rooflm/kernels/lora_shrink.py).
+
+Algorithm
+---------
+lora_b [S, OUT, R] holds slot s's B matrices with the adapter's scaling folded in, rows in the
+fused linear's output order (q, k, v or gate, up). Shard i's output columns [off_i, off_i + size_i)
+take h's columns [i R, (i + 1) R):
+
+    y[t, off_i + j] += sum_r h[t, i R + r] * B[slot(t), off_i + j, r]
+
+One launch per shard (a fused linear has at most three). SGMV (prefill, mixed steps): a program
+per (segment, OUT block, M block) multiplies BLOCK_M gathered rows of h by the slot's B tile with
+tl.dot and adds into y in place (each element of y belongs to one program: no atomics). BGMV
+(decodes only): a program per (token, OUT block). The rank axis is padded to a power of two
+>= 16 (tl.dot's smallest K) and masked.
+
+Shapes
+------
+h [T, shards x R] fp32, lora_b [S, OUT, R] contiguous, y [T, OUT] (unit last stride), updated in place.
+
+Work
+----
+FLOPs: 2 * Ta * R * OUT. Bytes: segments * OUT * R * e (B; BGMV: per token, mostly from L2)
++ 2 * Ta * OUT * e (y read and written) + Ta * shards * R * 4 (h). Memory-bound: y's read and
+write dominate, which a fused epilogue in the base GEMM would save (later).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rooflm.kernels.utils import check_last_dim_contiguous
+
+
+# --------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------
+
+@triton.jit
+def _sgmv_expand_kernel(h_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, slots_ptr, OUT, R, h_col0, out_col0,
+                        stride_hm, stride_bs, stride_bn, stride_ym,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    g = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    start = tl.load(starts_ptr + g)
+    end = tl.load(starts_ptr + g + 1)
+    slot = tl.load(slots_ptr + g).to(tl.int64)
+    rows = start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
+    tok = tl.load(order_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < OUT
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < R
+    bt = tl.load(b_ptr + slot * stride_bs + (out_col0 + offs_n)[:, None] * stride_bn + offs_r[None, :],
+                 mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+    ht = tl.load(h_ptr + tok[:, None] * stride_hm + h_col0 + offs_r[None, :],
+                 mask=row_ok[:, None] & r_ok[None, :], other=0.0).to(bt.dtype)
+    acc = tl.dot(ht, tl.trans(bt))
+    y_at = y_ptr + tok[:, None] * stride_ym + out_col0 + offs_n[None, :]
+    mask = row_ok[:, None] & n_ok[None, :]
+    y = tl.load(y_at, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_at, (y + acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bgmv_expand_kernel(h_ptr, b_ptr, y_ptr, order_ptr, token_slots_ptr, OUT, R, h_col0, out_col0,
+                        stride_hm, stride_bs, stride_bn, stride_ym,
+                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    tok = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
+    slot = tl.load(token_slots_ptr + tok).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < OUT
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < R
+    hr = tl.load(h_ptr + tok * stride_hm + h_col0 + offs_r, mask=r_ok, other=0.0).to(tl.float32)
+    bt = tl.load(b_ptr + slot * stride_bs + (out_col0 + offs_n)[:, None] * stride_bn + offs_r[None, :],
+                 mask=n_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+    acc = tl.sum(bt * hr[None, :], axis=1)
+    y_at = y_ptr + tok * stride_ym + out_col0 + offs_n
+    y = tl.load(y_at, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(y_at, (y + acc).to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+# --------------------------------------------------------------------------
+# Wrapper
+# --------------------------------------------------------------------------
+
+def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, y: torch.Tensor, shards: list[tuple[int, int]],
+                rank: int, token_slots: torch.Tensor, token_order: torch.Tensor, seg_starts: torch.Tensor,
+                seg_slots: torch.Tensor, max_seg_len: int, decode_only: bool) -> torch.Tensor:
+    """y[t, shard i] += h[t, i R:(i + 1) R] @ B_{slot(t)}[shard i]^T in place, for the tokens in
+    token_order. shards: (output offset, size) per shard, in h's order."""
+    check_last_dim_contiguous("y", y)
+    if lora_b.dim() != 3 or lora_b.shape[1] != y.shape[1] or lora_b.shape[2] != rank or not lora_b.is_contiguous():
+        raise ValueError(f"lora_b must be a contiguous [slots, {y.shape[1]}, {rank}], got {tuple(lora_b.shape)}")
+    if h.shape[1] != len(shards) * rank:
+        raise ValueError(f"h has {h.shape[1]} columns, {len(shards)} shards of rank {rank} need {len(shards) * rank}")
+    num_tokens = token_order.numel()
+    if num_tokens == 0:
+        return y
+    block_r = max(16, triton.next_power_of_2(rank))
+    for i, (offset, size) in enumerate(shards):
+        block_n = min(64, max(16, triton.next_power_of_2(size)))
+        args = (h, lora_b, y, token_order)
+        tail = (size, rank, i * rank, offset, h.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0))
+        if decode_only:
+            _bgmv_expand_kernel[(num_tokens, triton.cdiv(size, block_n))](
+                *args, token_slots, *tail, BLOCK_N=block_n, BLOCK_R=block_r)
+            continue
+        block_m = 16 if max_seg_len <= 16 else 32
+        grid = (seg_slots.numel(), triton.cdiv(size, block_n), triton.cdiv(max_seg_len, block_m))
+        _sgmv_expand_kernel[grid](*args, seg_starts, seg_slots, *tail,
+                                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r)
+    return y
+
+
+# --------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------
+
+def lora_expand_ref(h: torch.Tensor, lora_b: torch.Tensor, y: torch.Tensor, shards: list[tuple[int, int]],
+                    rank: int, token_slots: torch.Tensor) -> torch.Tensor:
+    """A new y (y's dtype): y + the shards' h @ B^T in fp32 for tokens with slot >= 0."""
+    out = y.float().clone()
+    for slot in token_slots.unique().tolist():
+        if slot < 0:
+            continue
+        idx = (token_slots == slot).nonzero().flatten()
+        for i, (offset, size) in enumerate(shards):
+            part = h[idx, i * rank:(i + 1) * rank] @ lora_b[slot, offset:offset + size].float().T
+            out[idx, offset:offset + size] += part
+    return out.to(y.dtype)

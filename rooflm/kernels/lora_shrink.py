@@ -1,0 +1,136 @@
+"""LoRA shrink: h = x @ A_slot^T for every token under an adapter, in Triton (Punica's SGMV/BGMV).
+
+Algorithm
+---------
+A batch mixes tokens of many adapters and of none. Each adapter lives in a slot of a fixed pool:
+lora_a [S, N, K] holds slot s's A matrices (a fused linear's shards stacked along N: q, k, v
+each rank R rows, so N = shards x R). The step's mapping (rooflm/lora/mapping.py) lists the
+tokens under an adapter grouped by slot: segment g is token_order[seg_starts[g]:seg_starts[g+1]],
+all under slot seg_slots[g].
+
+  * SGMV (prefill and mixed steps): one program per (segment, N block, M block) gathers
+    BLOCK_M of the segment's token rows of x and multiplies them by the slot's A tile with
+    tl.dot, so a slot's A is read once per BLOCK_M tokens, not once per token.
+  * BGMV (steps of decodes only): one program per (token, N block) reduces x_t against the
+    rows of its slot's A (a GEMV); the few slots' A stay in L2 across the batch.
+
+h is fp32 [T, N]; rows of tokens without an adapter are left as they were (the expand skips them).
+
+Shapes
+------
+x [T, K] (unit last stride), lora_a [S, N, K] contiguous, token_order/seg_starts/seg_slots int32.
+
+Work
+----
+FLOPs: 2 * Ta * N * K (Ta: tokens under an adapter). With N = 3 x 16 and K = 4096 this is tiny
+beside the base linear (N_base = 6144): the kernel is memory-bound.
+Bytes: Ta * K * e (x) + segments * N * K * e (A; BGMV: per token, mostly from L2) + Ta * N * 4 (h).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from rooflm.kernels.utils import check_last_dim_contiguous
+
+
+# --------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------
+
+@triton.jit
+def _sgmv_shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, starts_ptr, slots_ptr, N, K,
+                        stride_xm, stride_as, stride_an, stride_hm,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    g = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    start = tl.load(starts_ptr + g)
+    end = tl.load(starts_ptr + g + 1)
+    slot = tl.load(slots_ptr + g).to(tl.int64)
+    rows = start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < end  # a program past its segment's end masks everything
+    tok = tl.load(order_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        xt = tl.load(x_ptr + tok[:, None] * stride_xm + offs_k[None, :],
+                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        at = tl.load(a_ptr + slot * stride_as + offs_n[:, None] * stride_an + offs_k[None, :],
+                     mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(xt, tl.trans(at.to(xt.dtype)))
+    tl.store(h_ptr + tok[:, None] * stride_hm + offs_n[None, :], acc, mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _bgmv_shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, token_slots_ptr, N, K,
+                        stride_xm, stride_as, stride_an, stride_hm,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    tok = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
+    slot = tl.load(token_slots_ptr + tok).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        xk = tl.load(x_ptr + tok * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        at = tl.load(a_ptr + slot * stride_as + offs_n[:, None] * stride_an + offs_k[None, :],
+                     mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(at * xk[None, :], axis=1)
+    tl.store(h_ptr + tok * stride_hm + offs_n, acc, mask=n_ok)
+
+
+# --------------------------------------------------------------------------
+# Wrapper
+# --------------------------------------------------------------------------
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor, token_order: torch.Tensor,
+                seg_starts: torch.Tensor, seg_slots: torch.Tensor, max_seg_len: int, decode_only: bool,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """h [T, N] fp32 = x_t @ A_{slot(t)}^T for the tokens in token_order (rows of others untouched)."""
+    check_last_dim_contiguous("x", x)
+    if lora_a.dim() != 3 or lora_a.shape[2] != x.shape[1] or not lora_a.is_contiguous():
+        raise ValueError(f"lora_a must be a contiguous [slots, N, {x.shape[1]}], got {tuple(lora_a.shape)}")
+    t, k = x.shape
+    n = lora_a.shape[1]
+    h = out if out is not None else torch.zeros(t, n, dtype=torch.float32, device=x.device)
+    num_tokens = token_order.numel()
+    if num_tokens == 0:
+        return h
+    block_n = min(64, max(16, triton.next_power_of_2(n)))
+    block_k = min(128, max(16, triton.next_power_of_2(k)))
+    if decode_only:
+        grid = (num_tokens, triton.cdiv(n, block_n))
+        _bgmv_shrink_kernel[grid](x, lora_a, h, token_order, token_slots, n, k, x.stride(0),
+                                  lora_a.stride(0), lora_a.stride(1), h.stride(0),
+                                  BLOCK_N=block_n, BLOCK_K=block_k)
+        return h
+    block_m = 16 if max_seg_len <= 16 else 32
+    grid = (seg_slots.numel(), triton.cdiv(n, block_n), triton.cdiv(max_seg_len, block_m))
+    _sgmv_shrink_kernel[grid](x, lora_a, h, token_order, seg_starts, seg_slots, n, k, x.stride(0),
+                              lora_a.stride(0), lora_a.stride(1), h.stride(0),
+                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return h
+
+
+# --------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------
+
+def lora_shrink_ref(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """h [T, N] fp32: x_t @ A_{slot(t)}^T where slot(t) >= 0, zeros elsewhere."""
+    h = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+    for slot in token_slots.unique().tolist():
+        if slot < 0:
+            continue
+        idx = (token_slots == slot).nonzero().flatten()
+        h[idx] = x[idx].float() @ lora_a[slot].float().T
+    return h

@@ -1,0 +1,98 @@
+"""The per-linear LoRA hook and its installation on a decoder's targeted linears.
+
+Beside a linear (fused or not) the hook holds every slot's A and B:
+    lora_a [slots, shards x R, in]   shard i's A in rows [i R, i R + r) (zero-padded to R)
+    lora_b [slots, out, R]           shard i's B in its output rows, the adapter's scaling folded in
+and adds, for each token t under slot s = slot(t):
+    y[t, shard i] += (x_t @ A_s,i^T) @ B_s,i^T
+The shrink reads x once for all shards of a fused linear (q, k, v or gate, up). On CUDA the two
+halves are the Triton SGMV/BGMV kernels (rooflm/kernels/lora_shrink.py, lora_expand.py); on the
+CPU the torch path below, a loop over the step's slots, is the reference.
+
+A hook exists only with --enable-lora; without it Linear.forward pays one attribute test.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from rooflm.layers.linear import FusedLinear, Linear
+from rooflm.lora.mapping import LoRAMapping
+
+
+class LoRALinearHook:
+    def __init__(self, linear: Linear, num_slots: int, rank: int, mapping: LoRAMapping, use_triton: bool):
+        if isinstance(linear, FusedLinear):
+            self.shard_names: list[Optional[str]] = list(linear.shard_offsets)
+            self.shards = list(linear.shard_offsets.values())
+        else:
+            self.shard_names, self.shards = [None], [(0, linear.out_features)]
+        dtype, device = linear.weight.dtype, linear.weight.device
+        self.rank = rank
+        self.mapping = mapping
+        self.use_triton = use_triton
+        self.lora_a = torch.zeros(num_slots, len(self.shards) * rank, linear.in_features, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(num_slots, linear.out_features, rank, dtype=dtype, device=device)
+
+    @property
+    def active(self) -> bool:
+        return self.mapping.active
+
+    def clear_slot(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+
+    def write(self, slot: int, shard: Optional[str], a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
+        """Shard `shard`'s A [r, in] and B [out_shard, r] into slot `slot`, B scaled."""
+        i = self.shard_names.index(shard)
+        offset, size = self.shards[i]
+        r = a.shape[0]
+        self.lora_a[slot, i * self.rank:i * self.rank + r].copy_(a)
+        self.lora_b[slot, offset:offset + size, :r].copy_(b.float() * scaling)
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        m = self.mapping
+        if not m.active:
+            return y
+        if self.use_triton:
+            from rooflm.kernels.lora_expand import lora_expand
+            from rooflm.kernels.lora_shrink import lora_shrink
+            h = lora_shrink(x, self.lora_a, m.token_slots, m.token_order, m.seg_starts, m.seg_slots,
+                            m.max_seg_len, m.decode_only)
+            return lora_expand(h, self.lora_b, y, self.shards, self.rank, m.token_slots, m.token_order,
+                               m.seg_starts, m.seg_slots, m.max_seg_len, m.decode_only)
+        rank = self.rank
+        for slot, idx in m.groups:
+            h = x[idx] @ self.lora_a[slot].T
+            for i, (offset, size) in enumerate(self.shards):
+                y[idx, offset:offset + size] += h[:, i * rank:(i + 1) * rank] @ self.lora_b[slot, offset:offset + size].T
+        return y
+
+
+def lora_targets(layer: torch.nn.Module) -> list[tuple[str, Linear]]:
+    """A decoder layer's linears that adapters may target, by their names in the layer: the
+    attention's qkv and o; the dense MLP's gate_up and down (an MoE block has none)."""
+    attn = layer.self_attn
+    targets = [("self_attn.qkv_proj", attn.qkv_proj), ("self_attn.o_proj", attn.o_proj)]
+    if layer.dense_mlp:
+        targets += [("mlp.gate_up_proj", layer.mlp.gate_up_proj), ("mlp.down_proj", layer.mlp.down_proj)]
+    return targets
+
+
+def install_lora(model: torch.nn.Module, mapping: LoRAMapping, num_slots: int, rank: int,
+                 use_triton: bool) -> dict[tuple[int, str], LoRALinearHook]:
+    """A hook on every targeted linear of every decoder layer, all reading `mapping`; returns
+    them by (layer index, linear name)."""
+    hooks = {}
+    for index, layer in enumerate(model.model.layers):
+        for name, linear in lora_targets(layer):
+            if type(linear) not in (Linear, FusedLinear):
+                raise ValueError(f"LoRA on {type(linear).__name__} (layer {index} {name}) is not served: "
+                                 f"tensor-parallel adapters are not sharded yet")
+            hook = LoRALinearHook(linear, num_slots, rank, mapping, use_triton)
+            linear.lora = hook
+            hooks[(index, name)] = hook
+        layer.lora_mapping = mapping
+    return hooks

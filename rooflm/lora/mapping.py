@@ -1,0 +1,62 @@
+"""The step's token -> adapter slot map: built once per step by the model runner, read by every
+LoRA hook of the model (as the attention layers read the step's AttentionMetadata).
+
+One object per model, rewritten in place by `set_step`: the hooks hold it from installation,
+as a CUDA graph holds its static inputs, so nothing per step is looked up by name or global.
+
+Tokens are grouped by slot (Punica's SGMV): `token_order` lists the tokens that run under an
+adapter, slot by slot; segment g is token_order[seg_starts[g]:seg_starts[g + 1]], all under
+seg_slots[g]. Tokens without an adapter (slot -1) are in no segment: no LoRA work is done
+for them. A step of decodes only takes the one-token-per-program kernels (BGMV).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+NO_ADAPTER = -1
+
+
+class LoRAMapping:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.active = False  # some token of this step runs under an adapter
+        self.decode_only = False  # every sequence of the step has one query token (BGMV)
+        empty = torch.empty(0, dtype=torch.int32, device=device)
+        self.token_slots = empty  # [T] int32: each token's slot, -1 for none
+        self.token_order = empty  # [tokens under an adapter] int32, grouped by slot
+        self.seg_starts = empty  # [segments + 1] int32
+        self.seg_slots = empty  # [segments] int32
+        self.max_seg_len = 0
+        # The torch path's view of the same: (slot, token indices) per segment.
+        self.groups: list[tuple[int, torch.Tensor]] = []
+
+    def set_step(self, token_slots: Sequence[int], decode_only: bool) -> None:
+        """token_slots: each packed token's slot (NO_ADAPTER for none), in the step's token order."""
+        slots = np.asarray(token_slots, dtype=np.int32)
+        under = np.flatnonzero(slots >= 0)
+        self.active = under.size > 0
+        if not self.active:
+            self.groups = []
+            return
+        self.decode_only = decode_only
+        order = under[np.argsort(slots[under], kind="stable")].astype(np.int32)
+        sorted_slots = slots[order]
+        cuts = np.flatnonzero(np.diff(sorted_slots)) + 1
+        starts = np.concatenate(([0], cuts, [order.size])).astype(np.int32)
+        seg_slots = sorted_slots[starts[:-1]]
+        dev = self.device
+        self.token_slots = torch.from_numpy(slots).to(dev, non_blocking=True)
+        self.token_order = torch.from_numpy(order).to(dev, non_blocking=True)
+        self.seg_starts = torch.from_numpy(starts).to(dev, non_blocking=True)
+        self.seg_slots = torch.from_numpy(seg_slots).to(dev, non_blocking=True)
+        self.max_seg_len = int(np.diff(starts).max())
+        self.groups = [(int(seg_slots[g]), self.token_order[starts[g]:starts[g + 1]].long())
+                       for g in range(seg_slots.size)]
+
+    def clear(self) -> None:
+        self.active = False
+        self.groups = []

@@ -1,0 +1,125 @@
+"""The LoRA shrink/expand kernels (rooflm/kernels/lora_shrink.py, lora_expand.py) against their
+torch references, on mixed batches: tokens of several slots, interleaved, and tokens of none."""
+
+import pytest
+import torch
+
+from rooflm.kernels.lora_expand import lora_expand, lora_expand_ref
+from rooflm.kernels.lora_shrink import lora_shrink, lora_shrink_ref
+from rooflm.lora.mapping import LoRAMapping
+from tests.kernels.helpers import DEVICE, assert_close
+
+
+def _mapping(slots: list[int], decode_only: bool) -> LoRAMapping:
+    m = LoRAMapping(torch.device(DEVICE))
+    m.set_step(slots, decode_only)
+    return m
+
+
+def _run(x, lora_a, lora_b, y, shards, rank, m: LoRAMapping):
+    h = lora_shrink(x, lora_a, m.token_slots, m.token_order, m.seg_starts, m.seg_slots, m.max_seg_len,
+                    m.decode_only)
+    out = y.clone()
+    lora_expand(h, lora_b, out, shards, rank, m.token_slots, m.token_order, m.seg_starts, m.seg_slots,
+                m.max_seg_len, m.decode_only)
+    return h, out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("decode_only", [False, True])
+@pytest.mark.parametrize("rank", [4, 16])
+def test_shrink_expand_match_reference_on_a_mixed_batch(dtype, decode_only, rank):
+    gen = torch.Generator().manual_seed(rank + 7 * decode_only)
+    num_slots, k = 3, 40  # K not a multiple of the block: masked tails
+    shards = [(0, 24), (24, 8), (32, 8)]  # q, k, v of a tiny GQA layer
+    out_features = 40
+    # Tokens of slots 2, 0, none, 2, 1, ... interleaved: grouping by slot must gather them.
+    slots = [2, 0, -1, 2, 1, 1, -1, 0, 2, 2, 0, 1, -1, 2, 0, 0, 0, 0, 1, 2, 2]
+    if decode_only:
+        slots = slots[:9]
+    t = len(slots)
+    x = torch.randn(t, k, generator=gen).to(dtype).to(DEVICE)
+    lora_a = (torch.randn(num_slots, len(shards) * rank, k, generator=gen) / k ** 0.5).to(dtype).to(DEVICE)
+    lora_b = torch.randn(num_slots, out_features, rank, generator=gen).to(dtype).to(DEVICE)
+    y = torch.randn(t, out_features, generator=gen).to(dtype).to(DEVICE)
+    m = _mapping(slots, decode_only)
+    h, out = _run(x, lora_a, lora_b, y, shards, rank, m)
+    token_slots = torch.tensor(slots, device=DEVICE)
+    h_ref = lora_shrink_ref(x, lora_a, token_slots)
+    assert_close(h, h_ref, dtype, "shrink")
+    ref = lora_expand_ref(h_ref, lora_b, y, shards, rank, token_slots)
+    assert_close(out, ref, dtype, "expand")
+    none = token_slots < 0
+    assert torch.equal(out[none], y[none]), "tokens without an adapter must keep the base output bit for bit"
+    assert not torch.equal(out[~none], y[~none])
+
+
+def test_a_step_without_adapters_launches_nothing_and_changes_nothing():
+    m = _mapping([-1, -1, -1], decode_only=False)
+    assert not m.active
+    x = torch.randn(3, 16, device=DEVICE)
+    y = torch.randn(3, 16, device=DEVICE)
+    a = torch.randn(2, 8, 16, device=DEVICE)
+    b = torch.randn(2, 16, 8, device=DEVICE)
+    h, out = _run(x, a, b, y, [(0, 16)], 8, m)
+    assert torch.equal(out, y)
+
+
+def test_expand_refuses_h_of_the_wrong_width():
+    m = _mapping([0, 0], decode_only=False)
+    with pytest.raises(ValueError, match="shards of rank"):
+        lora_expand(torch.zeros(2, 8, device=DEVICE), torch.zeros(1, 16, 8, device=DEVICE),
+                    torch.zeros(2, 16, device=DEVICE), [(0, 8), (8, 8)], 8, m.token_slots, m.token_order,
+                    m.seg_starts, m.seg_slots, m.max_seg_len, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens,decode_only", [(64, True), (1, True), (3000, False)])
+def test_kernels_gpu_llama8b_shapes_bf16(num_tokens, decode_only):
+    """Llama-3-8B's qkv (4096 -> 4096 + 2 x 1024), rank 16, 16 slots, tokens spread over them."""
+    dtype, rank, k = torch.bfloat16, 16, 4096
+    shards = [(0, 4096), (4096, 1024), (5120, 1024)]
+    slots = torch.randint(-1, 16, (num_tokens,)).tolist()
+    slots[0] = 3  # at least one token under an adapter
+    x = torch.randn(num_tokens, k, device="cuda", dtype=dtype)
+    lora_a = torch.randn(16, 3 * rank, k, device="cuda", dtype=dtype) / k ** 0.5
+    lora_b = torch.randn(16, 6144, rank, device="cuda", dtype=dtype)
+    y = torch.randn(num_tokens, 6144, device="cuda", dtype=dtype)
+    m = _mapping(slots, decode_only)
+    h, out = _run(x, lora_a, lora_b, y, shards, rank, m)
+    token_slots = torch.tensor(slots, device="cuda")
+    assert_close(h, lora_shrink_ref(x, lora_a, token_slots), dtype, "shrink")
+    assert_close(out, lora_expand_ref(lora_shrink_ref(x, lora_a, token_slots), lora_b, y, shards, rank,
+                                      token_slots), dtype, "expand")
+
+
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_the_hook_gives_the_same_through_triton_and_torch(decode_only):
+    """LoRALinearHook's two paths on a fused q/k/v linear with adapters of ranks 3 and 8 in a
+    pool of rank 8 (zero-padded), scaling folded into B."""
+    from rooflm.layers.linear import FusedLinear
+    from rooflm.lora.hook import LoRALinearHook
+
+    torch.manual_seed(3)
+    linear = FusedLinear(32, {"q": 32, "k": 16, "v": 16}).to(DEVICE)
+    torch.nn.init.normal_(linear.weight)
+    slots = [1, -1, 0, 1] if decode_only else [1, 1, 1, -1, 0, 0, 1, -1, 0]
+    m = _mapping(slots, decode_only)
+    hooks = [LoRALinearHook(linear, num_slots=2, rank=8, mapping=m, use_triton=t) for t in (False, True)]
+    for slot, (rank, shards) in enumerate(((3, ("q", "v")), (8, ("q", "k", "v")))):
+        for shard in shards:
+            size = linear.shard_offsets[shard][1]
+            a, b = torch.randn(rank, 32), torch.randn(size, rank)
+            for hook in hooks:
+                hook.write(slot, shard, a, b, scaling=0.5)
+    x = torch.randn(len(slots), 32, device=DEVICE)
+    outs = []
+    for hook in hooks:
+        linear.lora = hook
+        outs.append(linear(x))
+    assert_close(outs[1], outs[0], torch.float32, "triton vs torch hook")
+    linear.lora = None
+    base = linear(x)
+    none = torch.tensor(slots) < 0
+    assert torch.equal(outs[0][none], base[none])
+    assert not torch.allclose(outs[0][~none], base[~none])
