@@ -170,8 +170,15 @@ def _metadata(w, family: str, cfg, write_swa_base: bool = True) -> None:
         if family in PERMUTED:  # LlamaModel: the vocabulary size and the rotated width
             w.add_vocab_size(cfg.vocab_size)
             w.add_rope_dimension_count(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    # set_vocab: a token list of the vocabulary's size (transformers' GGUF reader takes vocab_size
+    # from it where the converter writes none), named like the test tokenizer's words.
+    w.add_tokenizer_model("llama")
+    w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
+    w.add_token_scores([0.0] * cfg.vocab_size)
+    w.add_token_types([gguf.TokenType.NORMAL] * cfg.vocab_size)
     w.add_bos_token_id(cfg.bos_token_id)
     w.add_eos_token_id(cfg.eos_token_id)
+    w.add_pad_token_id(0)
 
 
 def _add(w, name: str, array: np.ndarray, fmt: str) -> None:
@@ -299,3 +306,121 @@ def test_gguf_is_the_safetensors_model(tmp_path, family, fmt, write, overrides):
                 {t: lp.logprob for t, lp in b.items()}, abs=1e-5)
         tokens, logprobs = hf_greedy(hf_model, prompt, NEW_TOKENS)
         assert_close_to_hf(ours, tokens, logprobs)
+
+
+# Configs inside what transformers' GGUF reader maps (it reads no soft-cap, scalar, local base,
+# rotated width or LongRoPE, and takes its config class's defaults for them), so its model of the
+# file is the model; Gemma's head_dim is then 256, as in every released Gemma.
+TRANSFORMERS_READS = [
+    ("phi3", dict(partial_rotary_factor=1.0, rope_scaling=None)),
+    ("gemma2", dict(head_dim=256, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+                    final_logit_softcapping=30.0)),
+    ("gemma3", dict(head_dim=256, query_pre_attn_scalar=256, rope_local_base_freq=10000.0,
+                    rope_theta=1_000_000.0, rope_scaling=None)),
+]
+
+
+@pytest.mark.parametrize("family,overrides", TRANSFORMERS_READS, ids=[f for f, _ in TRANSFORMERS_READS])
+def test_gguf_matches_transformers_gguf_loader(tmp_path, family, overrides):
+    import transformers
+
+    _, hf_model = make_model(tmp_path, family, "F16", **overrides)
+    gguf_path = str(tmp_path / f"{family}.gguf")
+    write_gguf(gguf_path, hf_model, family, "F16")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32,
+        attn_implementation="eager").eval()
+    outs = _generate(gguf_path, _word_level_tokenizer(tmp_path / "tokenizer"), quantization="none")
+    for prompt, ours in zip(PROMPTS, outs):
+        tokens, logprobs = hf_greedy(theirs, prompt, NEW_TOKENS)
+        assert_close_to_hf(ours, tokens, logprobs)
+
+
+def test_phi3_fused_blocks_are_cut_by_rows(tmp_path):
+    """Q8_0 attn_qkv and ffn_up stay in their blocks, cut into q/k/v and gate/up rows (the blocks
+    run along each row), equal to the dequantized stream; served from the blocks, the greedy
+    tokens are the dequantized model's."""
+    from rooflm.quant.gguf_blocks import BlockTensor
+
+    _, hf_model = make_model(tmp_path, "phi3", "Q8_0")
+    gguf_path = str(tmp_path / "phi3-q8.gguf")
+    write_gguf(gguf_path, hf_model, "phi3", "Q8_0")
+    blocks = dict(iter_weights(gguf_path, "gguf", keep_quantized=True))
+    floats = dict(iter_weights(gguf_path, "gguf"))
+    assert isinstance(blocks["model.layers.0.self_attn.k_proj.weight"], BlockTensor)
+    assert isinstance(blocks["model.layers.1.mlp.up_proj.weight"], BlockTensor)
+    for name, tensor in blocks.items():
+        value = tensor.dequantize() if isinstance(tensor, BlockTensor) else tensor
+        assert torch.equal(value, floats[name]), name
+    fused = hf_model.state_dict()["model.layers.1.mlp.gate_up_proj.weight"]
+    assert torch.equal(floats["model.layers.1.mlp.up_proj.weight"], fused[128:])
+
+    tokenizer = _word_level_tokenizer(tmp_path / "tokenizer")
+    kept, dequantized = _generate(gguf_path, tokenizer), _generate(gguf_path, tokenizer, quantization="none")
+    assert [o.outputs[0].token_ids for o in kept] == [o.outputs[0].token_ids for o in dequantized]
+
+
+# ---------------------------------------------------------------------------
+# Metadata llama.cpp reads by rule, not key
+# ---------------------------------------------------------------------------
+
+def test_gemma_attention_scalar_follows_llama_cpps_rule():
+    """No key holds query_pre_attn_scalar: hidden/heads for the 27B models (Gemma 2: 46 layers,
+    Gemma 3: 62), head_dim for the rest -- each released config.json's value."""
+    from rooflm.model.gemma2 import gguf_query_pre_attn_scalar
+
+    gemma2_27b = dict(num_hidden_layers=46, hidden_size=4608, num_attention_heads=32, head_dim=128)
+    gemma3_27b = dict(num_hidden_layers=62, hidden_size=5376, num_attention_heads=32, head_dim=128)
+    gemma3_12b = dict(num_hidden_layers=48, hidden_size=3840, num_attention_heads=16, head_dim=256)
+    assert gguf_query_pre_attn_scalar(gemma2_27b, largest_model_layers=46) == 144.0
+    assert gguf_query_pre_attn_scalar(gemma3_27b, largest_model_layers=62) == 168.0
+    assert gguf_query_pre_attn_scalar(gemma3_12b, largest_model_layers=62) == 256.0
+
+
+def _config_only_gguf(path: str, family: str, extra) -> None:
+    """The metadata of a tiny model and its embedding alone: enough for the config."""
+    cfg = hf_config(family)
+    w = gguf.GGUFWriter(path, GGUF_ARCH[family])
+    _metadata(w, family, cfg)
+    extra(w)
+    w.add_tensor("token_embd.weight", np.zeros((cfg.vocab_size, cfg.hidden_size), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("pattern,expected", [
+    ([True, False], ("sliding_attention", "full_attention")),
+    (2, ("sliding_attention", "full_attention")),
+    (None, ("sliding_attention", "sliding_attention")),  # OLMo 3's period of 4 over two layers
+])
+def test_olmo3_windows_from_the_pattern(tmp_path, pattern, expected):
+    """The converter writes OLMo 3 as olmo2 with a window and its per-layer pattern (or llama.cpp's
+    period where none is written): sliding layers, every 4th global."""
+    path = str(tmp_path / "olmo3.gguf")
+
+    def window(w):
+        w.add_sliding_window(8)
+        if pattern is not None:
+            w.add_sliding_window_pattern(pattern)
+
+    _config_only_gguf(path, "olmo2", window)
+    config = load_model_config(path, "gguf")
+    assert config.sliding_window == 8 and config.layer_types == expected
+
+
+def test_gguf_rope_scaling_rooflm_does_not_run_is_named(tmp_path):
+    from rooflm.model.loader import ModelLoadError
+
+    path = str(tmp_path / "yarn.gguf")
+    _config_only_gguf(path, "olmo2", lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.YARN),
+                                                 w.add_rope_scaling_factor(8.0)))
+    with pytest.raises(ModelLoadError, match=r"yarn\.gguf: GGUF rope scaling 'yarn' is not supported"):
+        load_model_config(path, "gguf")
+
+
+def test_smollm3_gguf_skips_rope_every_fourth_layer(tmp_path):
+    path = str(tmp_path / "smollm3.gguf")
+    _config_only_gguf(path, "smollm3", lambda w: None)
+    assert load_model_config(path, "gguf").no_rope_layers == (1, 1, 1, 0)
