@@ -11,7 +11,7 @@ from typing import Any
 
 from rooflm.config import ModelConfig
 from rooflm.model.decoder import CausalLM
-from rooflm.model.gguf_loader import GGUFFile, GGUFLayout, swa_layer_types
+from rooflm.model.gguf_layout import GGUFLayout, GGUFMetadata, swa_layer_types
 from rooflm.model.spec import GELU_TANH, RMS_ONE_PLUS, ModelSpec, layer_windows
 
 ARCHITECTURE = "Gemma2ForCausalLM"
@@ -80,7 +80,7 @@ def gguf_query_pre_attn_scalar(fields: dict[str, Any], largest_model_layers: int
     return float(fields["head_dim"])
 
 
-def gguf_config(gguf: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:
+def gguf_config(gguf: GGUFMetadata, fields: dict[str, Any]) -> dict[str, Any]:
     """Gemma 2's metadata: the window and both soft-caps (llama.cpp's defaults, HF's, where
     absent); its rotary base is not written (10000, every Gemma 2's); even layers slide."""
     return dict(

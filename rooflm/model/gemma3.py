@@ -18,7 +18,7 @@ from rooflm.config import ModelConfig
 from rooflm.layers.rotary import Rope, rope_scaling_from_hf
 from rooflm.model.decoder import CausalLM
 from rooflm.model.gemma2 import GEMMA_GGUF_TENSORS, gguf_query_pre_attn_scalar
-from rooflm.model.gguf_loader import GGUFFile, GGUFLayout, swa_layer_types
+from rooflm.model.gguf_layout import GGUFLayout, GGUFMetadata, swa_layer_types
 from rooflm.model.spec import GELU_TANH, QK_NORM_HEAD, RMS_ONE_PLUS, ModelSpec, layer_windows
 
 ARCHITECTURE = "Gemma3ForCausalLM"
@@ -125,7 +125,7 @@ def _optional_float(value: Any) -> Optional[float]:
     return None if value is None else float(value)
 
 
-def gguf_config(gguf: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:
+def gguf_config(gguf: GGUFMetadata, fields: dict[str, Any]) -> dict[str, Any]:
     """Gemma 3's metadata: the window (absent or 0: every layer global), five sliding layers to
     each global one (llama.cpp's fixed pattern), rope.freq_base the global layers' base with
     their linear scaling (read with every family's), rope.freq_base_swa the sliding layers' where

@@ -16,12 +16,13 @@ Three things about GGUF that are easy to get wrong:
   into a `rope_freqs.weight` tensor of per-frequency factors, which is turned
   back into a RopeScaling here.
 
-Each family says how llama.cpp's converter lays it out (GGUFLayout, registered in its
-registry.Family entry; the family's own file holds its metadata reader and tensor names): which
-GGUF architecture string, whether q/k were permuted, the per-layer tensor names that differ from
-the Llama ones, tensors stored fused (Phi-3's attn_qkv, and its ffn_up holding gate and up), an
-offset the converter added to every norm weight (Gemma's 1), and the ModelConfig fields it reads
-from the metadata.
+Each family says how llama.cpp's converter lays it out (a GGUFLayout, model/gguf_layout.py, in
+its registry.Family entry; its metadata reader and tensor names sit in the family's own file):
+the GGUF architecture string, whether q/k were permuted, the per-layer tensor names that differ
+from the Llama ones, tensors stored fused (Phi-3's attn_qkv, and its ffn_up holding gate and up),
+an offset the converter added to every norm weight (Gemma's 1), and the ModelConfig fields it
+reads from the metadata. The permutation note above applies to the families the converter
+handles as a Llama (Llama, Mistral, Granite, SmolLM3); the others keep HF's row order.
 """
 
 from __future__ import annotations
@@ -29,40 +30,15 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
 
 from rooflm.config import ModelConfig, RopeScaling
 from rooflm.errors import load_error
+from rooflm.model.gguf_layout import ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT, GGUFLayout
 
-
-def no_gguf_fields(gguf_file: "GGUFFile", fields: dict[str, Any]) -> dict[str, Any]:
-    return {}
-
-
-@dataclass(frozen=True)
-class GGUFLayout:
-    """How llama.cpp's convert_hf_to_gguf.py writes one family's checkpoints."""
-
-    architecture: str  # general.architecture
-    # attn_q / attn_k rows permuted into llama.cpp's interleaved rotary layout (its LlamaModel
-    # subclasses: Llama, Mistral, Granite, SmolLM3); undone on load.
-    rotary_permuted: bool = False
-    # blk.N.<GGUF module> -> model.layers.N.<HF module>, over (and in place of) LAYER_MODULE_NAMES.
-    layer_tensors: Mapping[str, str] = field(default_factory=dict)
-    # config -> {GGUF module: ((HF module, rows), ...)}: a tensor holding several HF ones, row
-    # blocks in that order (Phi-3's attn_qkv; its ffn_up, gate then up).
-    fused: Optional[Callable[[ModelConfig], dict[str, tuple[tuple[str, int], ...]]]] = None
-    # What the converter added to every norm weight (Gemma stores 1 + w): subtracted on load, so the
-    # family's (1 + w) norm computes the stored scale again. In fp32 g - 1 and 1 + (g - 1) are both
-    # exact for any stored scale g >= 0.5 (Sterbenz), which every released Gemma norm is.
-    norm_offset: float = 0.0
-    # (the file, the fields every family reads) -> the ModelConfig fields this family adds or
-    # replaces, from its metadata keys (or llama.cpp's hard-coded values where it writes none).
-    config_fields: Callable[["GGUFFile", dict[str, Any]], dict[str, Any]] = no_gguf_fields
 
 # Tensor types gguf.quants.dequantize turns into float32 (F32/F16 are handled
 # there directly, the rest by its numpy block decoders).
@@ -73,9 +49,6 @@ SUPPORTED_TENSOR_TYPES = (
 )
 
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
-# Phi-3's LongRoPE per-frequency factors, read into the config (phi3.gguf_config).
-ROPE_FACTORS_LONG = "rope_factors_long.weight"
-ROPE_FACTORS_SHORT = "rope_factors_short.weight"
 # Tensors that are config, not weights.
 CONFIG_TENSORS = (ROPE_FREQS_TENSOR, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT)
 
@@ -335,21 +308,6 @@ def _rope_scaling_from_metadata(gguf_file: GGUFFile) -> Optional[RopeScaling]:
         return RopeScaling("linear", factor=float(gguf_file.required_arch_field("rope.scaling.factor")))
     raise load_error(gguf_file.path, f"GGUF rope scaling {kind!r} is not supported; rooflm runs plain RoPE "
                                      f"and 'linear', 'llama3' and 'longrope' scaling")
-
-
-def swa_layer_types(gguf_file: GGUFFile, num_layers: int, period: int) -> tuple[str, ...]:
-    """Each layer's HF layer type, by llama.cpp's rule: attention.sliding_window_pattern where the
-    file has it (a period, or one flag a layer), else the family's period, whose last layer in
-    each period is global (Gemma 2: 2, Gemma 3: 6, OLMo 3: 4; llama.cpp hard-codes them)."""
-    pattern = gguf_file.arch_field("attention.sliding_window_pattern", period)
-    if isinstance(pattern, (list, tuple)):
-        if len(pattern) != num_layers:
-            raise ValueError(f"attention.sliding_window_pattern has {len(pattern)} entries for {num_layers} layers")
-        sliding = [bool(p) for p in pattern]
-    else:
-        period = int(pattern)
-        sliding = [period == 0 or i % period < period - 1 for i in range(num_layers)]
-    return tuple("sliding_attention" if s else "full_attention" for s in sliding)
 
 
 def llama3_rope_factors(head_dim: int, rope_theta: float, scaling: RopeScaling) -> np.ndarray:

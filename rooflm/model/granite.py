@@ -11,7 +11,7 @@ from typing import Any
 
 from rooflm.config import ModelConfig
 from rooflm.model.decoder import CausalLM
-from rooflm.model.gguf_loader import GGUFFile, GGUFLayout
+from rooflm.model.gguf_layout import GGUFLayout, GGUFMetadata
 from rooflm.model.spec import ModelSpec, layer_windows
 
 ARCHITECTURE = "GraniteForCausalLM"
@@ -48,7 +48,7 @@ class GraniteForCausalLM(CausalLM):
     spec_of = staticmethod(spec)
 
 
-def gguf_config(gguf: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:
+def gguf_config(gguf: GGUFMetadata, fields: dict[str, Any]) -> dict[str, Any]:
     """The multipliers under llama.cpp's names (embedding_scale, residual_scale, attention.scale,
     logit_scale); absent, each leaves the model as a Llama (an absent attention.scale is
     1/sqrt(head_dim) in llama.cpp)."""

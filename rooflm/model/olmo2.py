@@ -10,7 +10,7 @@ from typing import Any
 
 from rooflm.config import ModelConfig
 from rooflm.model.decoder import CausalLM
-from rooflm.model.gguf_loader import GGUFFile, GGUFLayout, swa_layer_types
+from rooflm.model.gguf_layout import GGUFLayout, GGUFMetadata, swa_layer_types
 from rooflm.model.spec import QK_NORM_PROJ, ModelSpec, layer_windows
 
 ARCHITECTURE = "Olmo2ForCausalLM"
@@ -32,7 +32,7 @@ class Olmo2ForCausalLM(CausalLM):
     spec_of = staticmethod(spec)
 
 
-def gguf_config(gguf: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:
+def gguf_config(gguf: GGUFMetadata, fields: dict[str, Any]) -> dict[str, Any]:
     """Nothing beyond the Llama metadata, but a window where the converter wrote one (it writes
     OLMo 3 as olmo2: sliding layers but every 4th); the q/k norms are OLMo 2's parts, not Qwen3's
     qk_norm flag."""

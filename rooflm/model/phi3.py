@@ -17,7 +17,7 @@ import math
 from rooflm.config import ModelConfig, RopeScaling
 from rooflm.layers.rotary import Rope, longrope_attention_factor
 from rooflm.model.decoder import CausalLM
-from rooflm.model.gguf_loader import ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT, GGUFFile, GGUFLayout
+from rooflm.model.gguf_layout import ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT, GGUFLayout, GGUFMetadata
 from rooflm.model.spec import ModelSpec, layer_windows, rotary_dim
 
 ARCHITECTURE = "Phi3ForCausalLM"
@@ -101,7 +101,7 @@ def gguf_fused(cfg: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
             "ffn_up": (("mlp.gate_proj", cfg.intermediate_size), ("mlp.up_proj", cfg.intermediate_size))}
 
 
-def gguf_config(gguf: GGUFFile, fields: dict[str, Any]) -> dict[str, Any]:
+def gguf_config(gguf: GGUFMetadata, fields: dict[str, Any]) -> dict[str, Any]:
     """Partial rotary from rope.dimension_count, the window (0: none, Phi-4's), LongRoPE from
     rope_factors_short/long: the extension factor is the context over the original one, and the
     attention factor the file's (kept as None where it is LongRoPE's default, which HF computes)."""

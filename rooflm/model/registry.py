@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 from rooflm.config import ModelConfig
-from rooflm.model.gguf_loader import GGUFLayout
+from rooflm.model.gguf_layout import GGUFLayout
 from rooflm.model import gemma2, gemma3, granite, mixtral, olmo2, olmoe, phi3, qwen2_moe, qwen3_moe, smollm3
 from rooflm.model.llama import LlamaForCausalLM
 from rooflm.model.spec import ModelSpec, llama_spec
@@ -34,7 +34,7 @@ class Family:
     # (config, checkpoint name, tensor) -> the (name, tensor) pairs it stands for under the Llama
     # names the model loads (Phi-3's fused qkv_proj / gate_up_proj); None: names as they are.
     checkpoint_tensors: Optional[Callable[[ModelConfig, str, Any], Iterable[tuple[str, Any]]]] = None
-    # how llama.cpp's converter writes the family (model/gguf_loader.py); None: no GGUF files
+    # how llama.cpp's converter writes the family (model/gguf_layout.py); None: no GGUF files
     gguf: Optional[GGUFLayout] = None
 
 
