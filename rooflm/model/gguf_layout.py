@@ -46,9 +46,10 @@ class GGUFLayout:
     # config -> {GGUF module: ((HF module, rows), ...)}: a tensor holding several HF ones, row
     # blocks in that order (Phi-3's attn_qkv; its ffn_up, gate then up).
     fused: Optional[Callable[[ModelConfig], dict[str, tuple[tuple[str, int], ...]]]] = None
-    # What the converter added to every norm weight (Gemma stores 1 + w): subtracted on load, so the
-    # family's (1 + w) norm computes the stored scale again. In fp32 g - 1 and 1 + (g - 1) are both
-    # exact for any stored scale g >= 0.5 (Sterbenz), which every released Gemma norm is.
+    # What the converter added to every norm weight (Gemma stores g = 1 + w): subtracted on load, so
+    # the family's (1 + w) norm, and its fused paths, apply g again. In fp32 g - 1 and 1 + (g - 1)
+    # are both exact for any g >= 0.5 (Sterbenz below 1), so the scale is the file's bit for bit;
+    # a plain w * norm(x) part would instead round in Llama's order, not Gemma's, in half precision.
     norm_offset: float = 0.0
     # (the file, the fields every family reads) -> the ModelConfig fields this family adds or
     # replaces, from its metadata keys (or llama.cpp's hard-coded values where it writes none).
