@@ -424,3 +424,25 @@ def test_smollm3_gguf_skips_rope_every_fourth_layer(tmp_path):
     path = str(tmp_path / "smollm3.gguf")
     _config_only_gguf(path, "smollm3", lambda w: None)
     assert load_model_config(path, "gguf").no_rope_layers == (1, 1, 1, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family,fmt", [("gemma3", "Q4_0"), ("phi3", "Q8_0"), ("granite", "Q8_0")])
+def test_quantized_gguf_on_cuda_matches_its_dequantized_copy(tmp_path, family, fmt):
+    """On one CUDA device (bf16, CUDA graphs) the blocks go to the W4A16 / W8A16 kernels
+    (quantization "gguf"), against the same file dequantized: a family's parts and its GGUF names
+    together on the GPU path."""
+    from tests.models.test_gpu_e2e import check_greedy_close
+
+    _, hf_model = make_model(tmp_path, family, fmt, **({"query_pre_attn_scalar": 16} if family == "gemma3" else {}))
+    gguf_path = str(tmp_path / f"{family}-{fmt}.gguf")
+    write_gguf(gguf_path, hf_model, family, fmt)
+    tokenizer = _word_level_tokenizer(tmp_path / "tokenizer")
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
+    outs = []
+    for quantization in ("gguf", "none"):
+        llm = LLM(model=gguf_path, device="cuda", dtype="bfloat16", max_model_len=256, tokenizer=tokenizer,
+                  quantization=quantization, enable_prefix_caching=False)
+        outs.append(llm.generate(PROMPTS, params, use_tqdm=False))
+        del llm
+    check_greedy_close(*outs)
