@@ -11,6 +11,7 @@ from typing import Any
 
 from rooflm.config import ModelConfig
 from rooflm.model.decoder import CausalLM
+from rooflm.model.gguf_layout import GGUFLayout, GGUFMetadata, swa_layer_types
 from rooflm.model.spec import GELU_TANH, RMS_ONE_PLUS, ModelSpec, layer_windows
 
 ARCHITECTURE = "Gemma2ForCausalLM"
@@ -60,3 +61,36 @@ class Gemma2ForCausalLM(CausalLM):
 
 def _optional_float(value: Any):
     return None if value is None else float(value)
+
+
+# GGUF, as llama.cpp's converter writes Gemma 2 and 3: the sandwich norms under their own names
+# (the pre-MLP norm is ffn_norm), every norm weight stored as 1 + w, q/k unpermuted (NEOX rotary).
+GEMMA_GGUF_TENSORS = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+def gguf_query_pre_attn_scalar(fields: dict[str, Any], largest_model_layers: int) -> float:
+    """The converter writes no query_pre_attn_scalar; llama.cpp takes hidden/heads for the 27B
+    model (told apart by its layer count) and head_dim for the others, what each config.json sets."""
+    if fields["num_hidden_layers"] == largest_model_layers:
+        return float(fields["hidden_size"] // fields["num_attention_heads"])
+    return float(fields["head_dim"])
+
+
+def gguf_config(gguf: GGUFMetadata, fields: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's metadata: the window and both soft-caps (llama.cpp's defaults, HF's, where
+    absent); its rotary base is not written (10000, every Gemma 2's); even layers slide."""
+    return dict(
+        hidden_act="gelu_pytorch_tanh",
+        layer_types=swa_layer_types(gguf, fields["num_hidden_layers"], period=2),
+        sliding_window=int(gguf.required_arch_field("attention.sliding_window")),
+        query_pre_attn_scalar=gguf_query_pre_attn_scalar(fields, largest_model_layers=46),
+        attn_logit_softcapping=float(gguf.arch_field("attn_logit_softcapping", 50.0)),
+        final_logit_softcapping=float(gguf.arch_field("final_logit_softcapping", 30.0)),
+    )
+
+
+GGUF = GGUFLayout("gemma2", layer_tensors=GEMMA_GGUF_TENSORS, norm_offset=1.0, config_fields=gguf_config)

@@ -17,6 +17,8 @@ from typing import Any, Iterator, Optional
 from rooflm.config import ModelConfig
 from rooflm.layers.rotary import Rope, rope_scaling_from_hf
 from rooflm.model.decoder import CausalLM
+from rooflm.model.gemma2 import GEMMA_GGUF_TENSORS, gguf_query_pre_attn_scalar
+from rooflm.model.gguf_layout import GGUFLayout, GGUFMetadata, swa_layer_types
 from rooflm.model.spec import GELU_TANH, QK_NORM_HEAD, RMS_ONE_PLUS, ModelSpec, layer_windows
 
 ARCHITECTURE = "Gemma3ForCausalLM"
@@ -121,3 +123,26 @@ class Gemma3ForCausalLM(CausalLM):
 
 def _optional_float(value: Any) -> Optional[float]:
     return None if value is None else float(value)
+
+
+def gguf_config(gguf: GGUFMetadata, fields: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's metadata: the window (absent or 0: every layer global), five sliding layers to
+    each global one (llama.cpp's fixed pattern), rope.freq_base the global layers' base with
+    their linear scaling (read with every family's), rope.freq_base_swa the sliding layers' where
+    the converter wrote it (from transformers >= 5 configs; else 10000, every Gemma 3's), the
+    final soft-cap where set. The q/k norms stay Gemma 3's parts, not Qwen3's qk_norm flag."""
+    layers = fields["num_hidden_layers"]
+    window = int(gguf.arch_field("attention.sliding_window", 0) or 0)
+    layer_types = swa_layer_types(gguf, layers, period=6) if window else ("full_attention",) * layers
+    return dict(
+        hidden_act="gelu_pytorch_tanh",
+        layer_types=layer_types,
+        sliding_window=window or None,
+        query_pre_attn_scalar=gguf_query_pre_attn_scalar(fields, largest_model_layers=62),
+        final_logit_softcapping=_optional_float(gguf.arch_field("final_logit_softcapping")),
+        rope_local_theta=float(gguf.arch_field("rope.freq_base_swa", 10_000.0)),
+        qk_norm=False,
+    )
+
+
+GGUF = GGUFLayout("gemma3", layer_tensors=GEMMA_GGUF_TENSORS, norm_offset=1.0, config_fields=gguf_config)

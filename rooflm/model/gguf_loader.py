@@ -15,6 +15,14 @@ Three things about GGUF that are easy to get wrong:
 - Llama-3.1 style rope scaling is not in the metadata; the converter bakes it
   into a `rope_freqs.weight` tensor of per-frequency factors, which is turned
   back into a RopeScaling here.
+
+Each family says how llama.cpp's converter lays it out (a GGUFLayout, model/gguf_layout.py, in
+its registry.Family entry; its metadata reader and tensor names sit in the family's own file):
+the GGUF architecture string, whether q/k were permuted, the per-layer tensor names that differ
+from the Llama ones, tensors stored fused (Phi-3's attn_qkv, and its ffn_up holding gate and up),
+an offset the converter added to every norm weight (Gemma's 1), and the ModelConfig fields it
+reads from the metadata. The permutation note above applies to the families the converter
+handles as a Llama (Llama, Mistral, Granite, SmolLM3); the others keep HF's row order.
 """
 
 from __future__ import annotations
@@ -29,10 +37,8 @@ import torch
 
 from rooflm.config import ModelConfig, RopeScaling
 from rooflm.errors import load_error
-from rooflm.model.registry import GGUF_ARCHITECTURES
+from rooflm.model.gguf_layout import ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT, GGUFLayout
 
-# GGUF architectures whose attn_q / attn_k rows were permuted by llama.cpp's converter.
-ROTARY_PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
 # Tensor types gguf.quants.dequantize turns into float32 (F32/F16 are handled
 # there directly, the rest by its numpy block decoders).
@@ -43,6 +49,8 @@ SUPPORTED_TENSOR_TYPES = (
 )
 
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
+# Tensors that are config, not weights.
+CONFIG_TENSORS = (ROPE_FREQS_TENSOR, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT)
 
 GLOBAL_TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -68,17 +76,23 @@ LAYER_MODULE_NAMES = {
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def hf_tensor_name(gguf_name: str) -> Optional[str]:
-    """The HF parameter name for a GGUF tensor name, or None if it has none."""
+def hf_tensor_names(gguf_name: str, layout: GGUFLayout,
+                    config: ModelConfig) -> tuple[tuple[str, Optional[int]], ...]:
+    """The HF parameter names a GGUF tensor holds, each with its rows (None: the whole tensor);
+    empty if it has none."""
     if gguf_name in GLOBAL_TENSOR_NAMES:
-        return GLOBAL_TENSOR_NAMES[gguf_name]
+        return ((GLOBAL_TENSOR_NAMES[gguf_name], None),)
     match = _LAYER_TENSOR.match(gguf_name)
     if match is None:
-        return None
+        return ()
     layer, module, suffix = match.groups()
-    if module not in LAYER_MODULE_NAMES:
-        return None
-    return f"model.layers.{layer}.{LAYER_MODULE_NAMES[module]}.{suffix}"
+    fused = layout.fused(config) if layout.fused is not None else {}
+    if module in fused:
+        return tuple((f"model.layers.{layer}.{part}.{suffix}", rows) for part, rows in fused[module])
+    hf_module = layout.layer_tensors.get(module, LAYER_MODULE_NAMES.get(module))
+    if hf_module is None:
+        return ()
+    return ((f"model.layers.{layer}.{hf_module}.{suffix}", None),)
 
 
 def undo_rotary_permutation(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -99,16 +113,31 @@ def undo_rotary_permutation(weight: torch.Tensor, num_heads: int) -> torch.Tenso
 # Opening a file
 # ---------------------------------------------------------------------------
 
-class _OpenedGGUF:
+class GGUFFile:
     """A parsed GGUF header: the reader (tensor data stays memory-mapped), the
-    tensors by name, and the ModelConfig derived from them."""
+    tensors by name, the family's layout, and the ModelConfig derived from them."""
 
     def __init__(self, path: str, reader: Any):
         self.path = path
         self.reader = reader
         self.tensors = {tensor.name: tensor for tensor in reader.tensors}
         self.gguf_architecture = self._string_field("general.architecture")
+        self.architecture, self.layout = _family_layout(self)
         self.config = _config_from_metadata(self)
+
+    def arch_field(self, key: str, default: Any = None) -> Any:
+        """`<architecture>.<key>`, e.g. arch_field("attention.sliding_window")."""
+        return self.field(f"{self.gguf_architecture}.{key}", default)
+
+    def required_arch_field(self, key: str) -> Any:
+        return self.required_field(f"{self.gguf_architecture}.{key}")
+
+    def float_tensor(self, name: str) -> np.ndarray:
+        """A (small, config) tensor's values as float32, flattened."""
+        from gguf.quants import dequantize
+
+        tensor = self.tensors[name]
+        return np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(-1)
 
     def field(self, key: str, default: Any = None) -> Any:
         field = self.reader.fields.get(key)
@@ -136,7 +165,7 @@ class _OpenedGGUF:
 # tokenizer's 49k tokens and 49k merges are fields), and callers read the config
 # and then the weights of the same file; so the last file parsed is kept,
 # keyed by its identity on disk so an edited or replaced file is read again.
-_last_opened: Optional[tuple[tuple[str, int, int], _OpenedGGUF]] = None
+_last_opened: Optional[tuple[tuple[str, int, int], GGUFFile]] = None
 
 
 def _file_identity(path: str) -> tuple[str, int, int]:
@@ -151,7 +180,7 @@ def _file_identity(path: str) -> tuple[str, int, int]:
     return os.path.realpath(path), stat.st_size, stat.st_mtime_ns
 
 
-def _open(path: str) -> _OpenedGGUF:
+def _open(path: str) -> GGUFFile:
     global _last_opened
     identity = _file_identity(path)
     if _last_opened is not None and _last_opened[0] == identity:
@@ -167,7 +196,7 @@ def _open(path: str) -> _OpenedGGUF:
     except Exception as exc:  # bad magic, short file, bad field types: all ValueError/IndexError inside gguf
         raise load_error(path, f"not a valid GGUF file (corrupt or truncated): "
                                f"{type(exc).__name__}: {exc}") from exc
-    opened = _OpenedGGUF(path, reader)
+    opened = GGUFFile(path, reader)
     _last_opened = (identity, opened)
     return opened
 
@@ -192,19 +221,24 @@ def layer_weight_types(path: str) -> dict[str, int]:
     return counts
 
 
-def _config_from_metadata(gguf_file: _OpenedGGUF) -> ModelConfig:
-    path = gguf_file.path
+def _family_layout(gguf_file: GGUFFile) -> tuple[str, GGUFLayout]:
+    """(HF architecture, GGUFLayout) of the file's general.architecture."""
+    from rooflm.model.registry import GGUF_ARCHITECTURES, get_family
+
     gguf_arch = gguf_file.gguf_architecture
     if gguf_arch not in GGUF_ARCHITECTURES:
         raise load_error(
-            path, f"unsupported GGUF architecture {gguf_arch!r}; rooflm runs "
-                  f"{', '.join(GGUF_ARCHITECTURES)}")
+            gguf_file.path, f"unsupported GGUF architecture {gguf_arch!r}; rooflm runs "
+                            f"{', '.join(GGUF_ARCHITECTURES)}")
+    architecture = GGUF_ARCHITECTURES[gguf_arch]
+    return architecture, get_family(architecture).gguf
 
-    def arch_field(key: str, default: Any = None) -> Any:
-        return gguf_file.field(f"{gguf_arch}.{key}", default)
 
-    def required_arch_field(key: str) -> Any:
-        return gguf_file.required_field(f"{gguf_arch}.{key}")
+def _config_from_metadata(gguf_file: GGUFFile) -> ModelConfig:
+    from rooflm.model.registry import model_spec
+
+    path = gguf_file.path
+    arch_field, required_arch_field = gguf_file.arch_field, gguf_file.required_arch_field
 
     tensors = gguf_file.tensors
     if "token_embd.weight" not in tensors:
@@ -226,37 +260,54 @@ def _config_from_metadata(gguf_file: _OpenedGGUF) -> ModelConfig:
     head_dim = int(head_dim)
 
     rope_theta = float(arch_field("rope.freq_base", 10000.0))
-    rope_scaling = None
+    rope_scaling = _rope_scaling_from_metadata(gguf_file)
     if ROPE_FREQS_TENSOR in tensors:
         rope_scaling = _rope_scaling_from_factors(gguf_file, head_dim, rope_theta)
 
     eos_token_id = gguf_file.field("tokenizer.ggml.eos_token_id")
     bos_token_id = gguf_file.field("tokenizer.ggml.bos_token_id")
 
+    fields: dict[str, Any] = dict(
+        architecture=gguf_file.architecture,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=int(required_arch_field("feed_forward_length")),
+        num_hidden_layers=int(required_arch_field("block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        # Kept as the float32 stored in the file (1e-5 reads as 9.99999975e-06),
+        # the value transformers' GGUF loader uses too.
+        rms_norm_eps=float(required_arch_field("attention.layer_norm_rms_epsilon")),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(arch_field("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        bos_token_id=None if bos_token_id is None else int(bos_token_id),
+        eos_token_ids=() if eos_token_id is None else (int(eos_token_id),),
+    )
     try:
-        return ModelConfig(
-            architecture=GGUF_ARCHITECTURES[gguf_arch],
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=int(required_arch_field("feed_forward_length")),
-            num_hidden_layers=int(required_arch_field("block_count")),
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads,
-            head_dim=head_dim,
-            # Kept as the float32 stored in the file (1e-5 reads as 9.99999975e-06),
-            # the value transformers' GGUF loader uses too.
-            rms_norm_eps=float(required_arch_field("attention.layer_norm_rms_epsilon")),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(arch_field("context_length", 4096)),
-            tie_word_embeddings="output.weight" not in tensors,
-            attention_bias="blk.0.attn_q.bias" in tensors,
-            qk_norm="blk.0.attn_q_norm.weight" in tensors,
-            bos_token_id=None if bos_token_id is None else int(bos_token_id),
-            eos_token_ids=() if eos_token_id is None else (int(eos_token_id),),
-        )
-    except (TypeError, ValueError) as exc:
-        raise load_error(path, f"invalid model metadata: {exc}") from exc
+        fields.update(gguf_file.layout.config_fields(gguf_file, fields))
+        config = ModelConfig(**fields)
+        model_spec(config)  # a config its family cannot map to parts fails here, named
+        return config
+    except (KeyError, TypeError, ValueError) as exc:
+        raise load_error(path, f"invalid {gguf_file.gguf_architecture} model metadata: {exc}") from exc
+
+
+def _rope_scaling_from_metadata(gguf_file: GGUFFile) -> Optional[RopeScaling]:
+    """rope.scaling.type as convert_hf_to_gguf.py writes it for any family: "linear" with its
+    factor (Gemma 3's global layers); LongRoPE's factors are tensors its family reads
+    (phi3.gguf_config); any other scaling is not one rooflm runs."""
+    kind = gguf_file.arch_field("rope.scaling.type")
+    if kind in (None, "none", "longrope"):
+        return None
+    if kind == "linear":
+        return RopeScaling("linear", factor=float(gguf_file.required_arch_field("rope.scaling.factor")))
+    raise load_error(gguf_file.path, f"GGUF rope scaling {kind!r} is not supported; rooflm runs plain RoPE "
+                                     f"and 'linear', 'llama3' and 'longrope' scaling")
 
 
 def llama3_rope_factors(head_dim: int, rope_theta: float, scaling: RopeScaling) -> np.ndarray:
@@ -278,7 +329,7 @@ def llama3_rope_factors(head_dim: int, rope_theta: float, scaling: RopeScaling) 
     return np.array(factors, dtype=np.float32)
 
 
-def _rope_scaling_from_factors(gguf_file: _OpenedGGUF, head_dim: int,
+def _rope_scaling_from_factors(gguf_file: GGUFFile, head_dim: int,
                                rope_theta: float) -> Optional[RopeScaling]:
     """Recover Llama-3.1 scaling from rope_freqs.weight.
 
@@ -287,10 +338,7 @@ def _rope_scaling_from_factors(gguf_file: _OpenedGGUF, head_dim: int,
     high 4, original context 8192, or the file's recorded original context)
     are tried and the result is accepted only if it reproduces the tensor.
     """
-    from gguf.quants import dequantize
-
-    tensor = gguf_file.tensors[ROPE_FREQS_TENSOR]
-    factors = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(-1)
+    factors = gguf_file.float_tensor(ROPE_FREQS_TENSOR)
     if factors.shape[0] != head_dim // 2:
         raise load_error(gguf_file.path, f"{ROPE_FREQS_TENSOR} has {factors.shape[0]} entries, "
                                          f"expected head_dim/2 = {head_dim // 2}")
@@ -317,17 +365,17 @@ def open_gguf_weights(path: str, keep_quantized: bool = False
     """The config, and a stream of (HF name, float32 tensor, path).
 
     With keep_quantized, 2-D tensors in a block format rooflm.quant multiplies directly
-    (Q4_0, Q4_1, Q8_0, Q4_K) come as rooflm.quant.gguf_blocks.BlockTensor instead, un-permuted the
-    same way; the model decides what to do with them.
+    (Q4_0, Q4_1, Q8_0, Q4_K) come as rooflm.quant.gguf_blocks.BlockTensor instead, un-permuted and
+    cut the same way; the model decides what to do with them.
 
     Names and tensor types are checked up front so an unusable file fails
     before any weight is dequantized.
     """
     gguf_file = _open(path)
     for tensor in gguf_file.reader.tensors:
-        if tensor.name == ROPE_FREQS_TENSOR:
+        if tensor.name in CONFIG_TENSORS:
             continue
-        if hf_tensor_name(tensor.name) is None:
+        if not hf_tensor_names(tensor.name, gguf_file.layout, gguf_file.config):
             raise load_error(path, f"unknown tensor {tensor.name!r} (no HF equivalent for a "
                                    f"{gguf_file.gguf_architecture} model)")
         if tensor.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
@@ -342,38 +390,54 @@ def _rotary_row_order(rows: int, num_heads: int) -> np.ndarray:
     return undo_rotary_permutation(torch.arange(rows), num_heads).numpy()
 
 
-def _iter_tensors(gguf_file: _OpenedGGUF, keep_quantized: bool = False) -> Iterator[tuple[str, Any, str]]:
+def _read(gguf_file: GGUFFile, tensor: Any, keep_quantized: bool) -> Any:
+    """A GGUF tensor in torch's shape: float32, or a BlockTensor where kept quantized."""
     from gguf.quants import dequantize
 
     from rooflm.quant import gguf_blocks
 
-    config = gguf_file.config
-    permuted = gguf_file.gguf_architecture in ROTARY_PERMUTED_ARCHITECTURES
+    torch_shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    if keep_quantized and tensor.tensor_type.name in gguf_blocks.FORMATS and len(torch_shape) == 2:
+        return gguf_blocks.decode(tensor.tensor_type.name, tensor.data, torch_shape)
+    try:
+        values = dequantize(tensor.data, tensor.tensor_type)
+    except (NotImplementedError, ValueError) as exc:
+        raise load_error(gguf_file.path, f"cannot dequantize tensor {tensor.name!r} of type "
+                                         f"{tensor.tensor_type.name}: {exc}") from exc
+    # F32 comes back as a read-only view of the memory map; the model needs its own copy.
+    if not values.flags.writeable:
+        values = values.copy()
+    return torch.from_numpy(values).reshape(torch_shape)
+
+
+def _rows(tensor: Any, start: int, size: int) -> Any:
+    if isinstance(tensor, torch.Tensor):
+        return tensor.narrow(0, start, size)
+    return tensor.rows(np.arange(start, start + size))  # a BlockTensor: whole rows of blocks
+
+
+def _unpermute(tensor: Any, num_heads: int) -> Any:
+    if isinstance(tensor, torch.Tensor):
+        return undo_rotary_permutation(tensor, num_heads)
+    return tensor.rows(_rotary_row_order(tensor.shape[0], num_heads))
+
+
+def _iter_tensors(gguf_file: GGUFFile, keep_quantized: bool = False) -> Iterator[tuple[str, Any, str]]:
+    config, layout = gguf_file.config, gguf_file.layout
+    heads = {"self_attn.q_proj": config.num_attention_heads, "self_attn.k_proj": config.num_key_value_heads}
     for tensor in gguf_file.reader.tensors:
-        if tensor.name == ROPE_FREQS_TENSOR:
+        if tensor.name in CONFIG_TENSORS:
             continue
-        name = hf_tensor_name(tensor.name)
-        torch_shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        if (keep_quantized and tensor.tensor_type.name in gguf_blocks.FORMATS
-                and len(torch_shape) == 2 and name.endswith(".weight")):
-            blocks = gguf_blocks.decode(tensor.tensor_type.name, tensor.data, torch_shape)
-            if permuted and name.endswith("self_attn.q_proj.weight"):
-                blocks = blocks.rows(_rotary_row_order(torch_shape[0], config.num_attention_heads))
-            elif permuted and name.endswith("self_attn.k_proj.weight"):
-                blocks = blocks.rows(_rotary_row_order(torch_shape[0], config.num_key_value_heads))
-            yield name, blocks, gguf_file.path
-            continue
-        try:
-            values = dequantize(tensor.data, tensor.tensor_type)
-        except (NotImplementedError, ValueError) as exc:
-            raise load_error(gguf_file.path, f"cannot dequantize tensor {tensor.name!r} of type "
-                                             f"{tensor.tensor_type.name}: {exc}") from exc
-        # F32 comes back as a read-only view of the memory map; the model needs its own copy.
-        if not values.flags.writeable:
-            values = values.copy()
-        weight = torch.from_numpy(values).reshape(torch_shape)
-        if permuted and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
-            weight = undo_rotary_permutation(weight, config.num_attention_heads)
-        elif permuted and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
-            weight = undo_rotary_permutation(weight, config.num_key_value_heads)
-        yield name, weight, gguf_file.path
+        # only 2-D weights stay in blocks (a bias or norm is dequantized whatever its type)
+        whole = _read(gguf_file, tensor, keep_quantized and tensor.name.endswith(".weight"))
+        start = 0
+        for name, rows in hf_tensor_names(tensor.name, layout, config):
+            weight = whole
+            if rows is not None:
+                weight, start = _rows(whole, start, rows), start + rows
+            module = name.rpartition(".")[0].split(".", 3)[-1]
+            if layout.rotary_permuted and module in heads:
+                weight = _unpermute(weight, heads[module])
+            if layout.norm_offset and name.endswith("norm.weight"):
+                weight = weight - layout.norm_offset
+            yield name, weight, gguf_file.path

@@ -11,6 +11,7 @@ from typing import Any
 
 from rooflm.config import ModelConfig
 from rooflm.model.decoder import CausalLM
+from rooflm.model.gguf_layout import GGUFLayout, GGUFMetadata
 from rooflm.model.spec import ModelSpec, layer_windows
 
 ARCHITECTURE = "GraniteForCausalLM"
@@ -45,3 +46,20 @@ def spec(cfg: ModelConfig) -> ModelSpec:
 
 class GraniteForCausalLM(CausalLM):
     spec_of = staticmethod(spec)
+
+
+def gguf_config(gguf: GGUFMetadata, fields: dict[str, Any]) -> dict[str, Any]:
+    """The multipliers under llama.cpp's names (embedding_scale, residual_scale, attention.scale,
+    logit_scale); absent, each leaves the model as a Llama (an absent attention.scale is
+    1/sqrt(head_dim) in llama.cpp)."""
+    scale = gguf.arch_field("attention.scale")
+    return dict(
+        embedding_multiplier=float(gguf.arch_field("embedding_scale", 1.0)),
+        residual_multiplier=float(gguf.arch_field("residual_scale", 1.0)),
+        attention_multiplier=None if scale is None else float(scale),
+        logits_scaling=float(gguf.arch_field("logit_scale", 1.0)),
+    )
+
+
+# GGUF: llama.cpp converts Granite as a Llama (q/k permuted), its multipliers in the metadata.
+GGUF = GGUFLayout("granite", rotary_permuted=True, config_fields=gguf_config)

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from rooflm.config import ModelConfig
-from rooflm.layers.rotary import Rope
+import dataclasses
+import math
+
+from rooflm.config import ModelConfig, RopeScaling
+from rooflm.layers.rotary import Rope, longrope_attention_factor
 from rooflm.model.decoder import CausalLM
+from rooflm.model.gguf_layout import ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT, GGUFLayout, GGUFMetadata
 from rooflm.model.spec import ModelSpec, layer_windows, rotary_dim
 
 ARCHITECTURE = "Phi3ForCausalLM"
@@ -86,3 +90,37 @@ class Rows:
 
 class Phi3ForCausalLM(CausalLM):
     spec_of = staticmethod(spec)
+
+
+# GGUF, as llama.cpp's converter writes Phi-3: attn_qkv and ffn_up (gate then up) fused as in the
+# HF checkpoint, q/k unpermuted (NEOX rotary), the rotated width as rope.dimension_count, and
+# LongRoPE as two factor tensors with the attention factor in the metadata.
+def gguf_fused(cfg: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
+    return {"attn_qkv": (("self_attn.q_proj", cfg.q_size), ("self_attn.k_proj", cfg.kv_size),
+                         ("self_attn.v_proj", cfg.kv_size)),
+            "ffn_up": (("mlp.gate_proj", cfg.intermediate_size), ("mlp.up_proj", cfg.intermediate_size))}
+
+
+def gguf_config(gguf: GGUFMetadata, fields: dict[str, Any]) -> dict[str, Any]:
+    """Partial rotary from rope.dimension_count, the window (0: none, Phi-4's), LongRoPE from
+    rope_factors_short/long: the extension factor is the context over the original one, and the
+    attention factor the file's (kept as None where it is LongRoPE's default, which HF computes)."""
+    head_dim = fields["head_dim"]
+    window = int(gguf.arch_field("attention.sliding_window", 0) or 0)
+    out = dict(partial_rotary_factor=int(gguf.arch_field("rope.dimension_count", head_dim)) / head_dim,
+               sliding_window=window or None)
+    if ROPE_FACTORS_LONG not in gguf.tensors:
+        return out
+    original = int(gguf.required_arch_field("rope.scaling.original_context_length"))
+    scaling = RopeScaling("longrope", factor=fields["max_position_embeddings"] / original,
+                          original_max_position_embeddings=original,
+                          short_factor=tuple(gguf.float_tensor(ROPE_FACTORS_SHORT).tolist()),
+                          long_factor=tuple(gguf.float_tensor(ROPE_FACTORS_LONG).tolist()))
+    stored = gguf.arch_field("rope.scaling.attn_factor")
+    if stored is not None and not math.isclose(float(stored), longrope_attention_factor(scaling), rel_tol=1e-6):
+        scaling = dataclasses.replace(scaling, attention_factor=float(stored))
+    out["rope_scaling"] = scaling
+    return out
+
+
+GGUF = GGUFLayout("phi3", fused=gguf_fused, config_fields=gguf_config)

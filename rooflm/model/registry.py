@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 from rooflm.config import ModelConfig
+from rooflm.model.gguf_layout import GGUFLayout
 from rooflm.model import gemma2, gemma3, granite, mixtral, olmo2, olmoe, phi3, qwen2_moe, qwen3_moe, smollm3
 from rooflm.model.llama import LlamaForCausalLM
 from rooflm.model.spec import ModelSpec, llama_spec
@@ -33,23 +34,28 @@ class Family:
     # (config, checkpoint name, tensor) -> the (name, tensor) pairs it stands for under the Llama
     # names the model loads (Phi-3's fused qkv_proj / gate_up_proj); None: names as they are.
     checkpoint_tensors: Optional[Callable[[ModelConfig, str, Any], Iterable[tuple[str, Any]]]] = None
+    # how llama.cpp's converter writes the family (model/gguf_layout.py); None: no GGUF files
+    gguf: Optional[GGUFLayout] = None
 
 
 FAMILIES = {f.architecture: f for f in (
-    Family("LlamaForCausalLM", "llama", llama_spec),
-    Family("MistralForCausalLM", "mistral", llama_spec),
-    Family("Qwen2ForCausalLM", "qwen2", llama_spec),
-    Family("Qwen3ForCausalLM", "qwen3", llama_spec),
-    Family(olmo2.ARCHITECTURE, olmo2.MODEL_TYPE, olmo2.spec, olmo2.Olmo2ForCausalLM),
-    Family(gemma2.ARCHITECTURE, gemma2.MODEL_TYPE, gemma2.spec, gemma2.Gemma2ForCausalLM, gemma2.config_fields),
+    # llama.cpp permutes q/k of the architectures it runs with interleaved rotary (Llama, Mistral);
+    # Qwen2/Qwen3 GGUFs keep HF's order (its NEOX rotary).
+    Family("LlamaForCausalLM", "llama", llama_spec, gguf=GGUFLayout("llama", rotary_permuted=True)),
+    Family("MistralForCausalLM", "mistral", llama_spec, gguf=GGUFLayout("mistral", rotary_permuted=True)),
+    Family("Qwen2ForCausalLM", "qwen2", llama_spec, gguf=GGUFLayout("qwen2")),
+    Family("Qwen3ForCausalLM", "qwen3", llama_spec, gguf=GGUFLayout("qwen3")),
+    Family(olmo2.ARCHITECTURE, olmo2.MODEL_TYPE, olmo2.spec, olmo2.Olmo2ForCausalLM, gguf=olmo2.GGUF),
+    Family(gemma2.ARCHITECTURE, gemma2.MODEL_TYPE, gemma2.spec, gemma2.Gemma2ForCausalLM, gemma2.config_fields,
+           gguf=gemma2.GGUF),
     Family(gemma3.ARCHITECTURE, gemma3.MODEL_TYPE, gemma3.spec, gemma3.Gemma3ForCausalLM, gemma3.config_fields,
-           gemma3.checkpoint_tensors),
+           gemma3.checkpoint_tensors, gguf=gemma3.GGUF),
     Family(phi3.ARCHITECTURE, phi3.MODEL_TYPE, phi3.spec, phi3.Phi3ForCausalLM, phi3.config_fields,
-           phi3.checkpoint_tensors),
+           phi3.checkpoint_tensors, gguf=phi3.GGUF),
     Family(granite.ARCHITECTURE, granite.MODEL_TYPE, granite.spec, granite.GraniteForCausalLM,
-           granite.config_fields),
+           granite.config_fields, gguf=granite.GGUF),
     Family(smollm3.ARCHITECTURE, smollm3.MODEL_TYPE, smollm3.spec, smollm3.SmolLM3ForCausalLM,
-           smollm3.config_fields),
+           smollm3.config_fields, gguf=smollm3.GGUF),
     Family(qwen3_moe.ARCHITECTURE, qwen3_moe.MODEL_TYPE, qwen3_moe.spec, qwen3_moe.Qwen3MoeForCausalLM, qwen3_moe.config_fields),
     Family(mixtral.ARCHITECTURE, mixtral.MODEL_TYPE, mixtral.spec, mixtral.MixtralForCausalLM, mixtral.config_fields),
     Family(olmoe.ARCHITECTURE, olmoe.MODEL_TYPE, olmoe.spec, olmoe.OlmoeForCausalLM, olmoe.config_fields),
@@ -60,14 +66,9 @@ FAMILIES = {f.architecture: f for f in (
 # (its "architectures" a family's above); the family's checkpoint_tensors takes the text tensors.
 TEXT_MODEL_OF = {gemma3.MULTIMODAL_ARCHITECTURE: gemma3.text_config}
 
-# HF architecture names we run, and the GGUF architecture strings that map to them.
+# HF architecture names we run, and the GGUF architecture strings (general.architecture) that map to them.
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
-GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+GGUF_ARCHITECTURES = {f.gguf.architecture: f.architecture for f in FAMILIES.values() if f.gguf is not None}
 
 
 def get_family(architecture: str) -> Family:

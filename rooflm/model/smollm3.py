@@ -12,6 +12,7 @@ from typing import Any
 from rooflm.config import ModelConfig
 from rooflm.layers.rotary import Rope
 from rooflm.model.decoder import CausalLM
+from rooflm.model.gguf_layout import GGUFLayout, GGUFMetadata
 from rooflm.model.spec import ModelSpec, layer_windows
 
 ARCHITECTURE = "SmolLM3ForCausalLM"
@@ -48,3 +49,13 @@ def spec(cfg: ModelConfig) -> ModelSpec:
 
 class SmolLM3ForCausalLM(CausalLM):
     spec_of = staticmethod(spec)
+
+
+def gguf_config(gguf: GGUFMetadata, fields: dict[str, Any]) -> dict[str, Any]:
+    """No metadata key says which layers skip RoPE: llama.cpp hard-codes every 4th (SmolLM3-3B's
+    no_rope_layer_interval), and so does a GGUF reader. No window is written either."""
+    return dict(no_rope_layers=tuple(int((i + 1) % 4 != 0) for i in range(fields["num_hidden_layers"])))
+
+
+# GGUF: llama.cpp converts SmolLM3 as a Llama (q/k permuted).
+GGUF = GGUFLayout("smollm3", rotary_permuted=True, config_fields=gguf_config)
