@@ -84,7 +84,7 @@ class LLMEngine:
         self.strategy: StepStrategy = strategy_for(config, self.model_config, self.max_model_len)
         self.runner.extra_kv_bytes_per_block = self.strategy.kv_bytes_per_block()
         try:
-            num_blocks, num_host = self.runner.initialize(self.model_path, self.load_format)
+            num_blocks, num_host, num_offload = self.runner.initialize(self.model_path, self.load_format)
         except BaseException:
             if self.executor is not None:  # workers waiting in a start-up collective
                 try:  # a worker that raised first is the cause: WorkerDied with its traceback
@@ -94,7 +94,8 @@ class LLMEngine:
             raise
         self.block_manager = BlockManager(num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching, num_host,
-                                          windows=self.runner.kv_layout.windows)
+                                          windows=self.runner.kv_layout.windows,
+                                          num_offload_blocks=num_offload)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.async_scheduling = config.runtime.async_scheduling
         if self.async_scheduling is None:
