@@ -166,7 +166,8 @@ class LLMEngine:
             kv_cache_dtype=kv_format.parse_kv_cache_dtype(cfg.cache.kv_cache_dtype),
             tensor_parallel_size=cfg.parallel.tensor_parallel_size,
             matmul_dtype=self.runner.matmul_dtype(),
-            enable_sleep_mode=cfg.runtime.enable_sleep_mode)
+            enable_sleep_mode=cfg.runtime.enable_sleep_mode,
+            num_offload_blocks=self.block_manager.host_tier.num_blocks if self.block_manager.host_tier is not None else 0)
 
     # ---- the read-only face ------------------------------------------------------------------
 
@@ -200,7 +201,8 @@ class LLMEngine:
             prefix_hit_tokens=bm.prefix_hits, prompt_tokens=self._num_prompt_tokens,
             generation_tokens=self.output_processor.num_generated_tokens, steps=self._num_steps,
             kv_admission_stalls=sched.num_kv_stalls, spec=self.strategy.spec_snapshot(),
-            predicted_wait_s=self._predicted_wait_gauge(), is_sleeping=self.is_sleeping)
+            predicted_wait_s=self._predicted_wait_gauge(), is_sleeping=self.is_sleeping,
+            prefix_host_hit_tokens=bm.prefix_host_hits, **_tier_counts(bm.host_tier))
 
     def predicted_queue_wait(self, priority: int = 0, arrival: Optional[float] = None) -> float:
         """Seconds a request of this priority, arriving at `arrival` (monotonic; None: now),
@@ -596,3 +598,11 @@ class LLMEngine:
             if output.finished:
                 self.requests.pop(output.request_id, None)
         return outputs
+
+
+def _tier_counts(tier) -> dict[str, int]:
+    """The host tier's part of the snapshot (zeros without one)."""
+    if tier is None:
+        return {}
+    return dict(num_offload_used_blocks=tier.num_used, num_offloaded_blocks=tier.num_stored,
+                num_restored_blocks=tier.num_restored)
