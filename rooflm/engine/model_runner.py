@@ -134,6 +134,12 @@ class StepResult:
     prompt_logprobs: dict[int, list[Optional[dict]]]  # seq_id -> entries for this chunk
 
 
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A one-byte pool (FP8 codes) as uint8: the same bytes, and every index op takes it
+    (index_copy_ has no Float8 kernel on the CPU)."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
+
+
 def _runs(host_blocks: list[int]) -> list[tuple[int, int, int]]:
     """(index, first host block, length) of each run of consecutive host blocks in the list
     (in order): one copy each."""
@@ -611,6 +617,7 @@ class ModelRunner:
             dev = self._host([d for d, _ in chunk], torch.int64).to(self.device, non_blocking=True)
             runs = _runs([h for _, h in chunk])
             for pool, host_pool in self._pools():
+                pool, host_pool = _as_bytes(pool), _as_bytes(host_pool)
                 staged = pool.movedim(2, 0)[dev]  # [n, layers, 2, block_size, ...], one kernel
                 for i, h, k in runs:
                     host_pool[h:h + k].copy_(staged[i:i + k], non_blocking=True)
@@ -622,6 +629,7 @@ class ModelRunner:
             dev = self._host([d for _, d in chunk], torch.int64).to(self.device, non_blocking=True)
             runs = _runs([h for h, _ in chunk])
             for pool, host_pool in self._pools():
+                pool, host_pool = _as_bytes(pool), _as_bytes(host_pool)
                 staged = torch.empty((len(chunk),) + tuple(host_pool.shape[1:]), dtype=pool.dtype,
                                      device=self.device)
                 for i, h, k in runs:
