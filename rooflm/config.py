@@ -231,6 +231,14 @@ CUDA_BLOCK_SIZE = 64
 CPU_BLOCK_SIZE = 16
 
 
+# --kv-offload-gb unset on CUDA: this share of the host's available memory at start-up, at
+# most KV_OFFLOAD_AUTO_MAX_GB per GPU (model_runner.num_offload_blocks). Pinned memory is
+# taken from the OS for good and pinning costs start-up time (~1 s per few GiB), and every
+# GPU process of the host pins its own: so the share stays modest.
+KV_OFFLOAD_AUTO_SHARE = 0.1
+KV_OFFLOAD_AUTO_MAX_GB = 16.0
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache.

@@ -16,7 +16,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from rooflm.config import EngineConfig, ModelConfig, kv_blocks_cap, step_activation_bytes
+from rooflm.config import (KV_OFFLOAD_AUTO_MAX_GB, KV_OFFLOAD_AUTO_SHARE, EngineConfig, ModelConfig, kv_blocks_cap,
+                           step_activation_bytes)
 from rooflm.distributed.group import SINGLE, TPGroup
 from rooflm.engine.block_manager import slot_mapping, slot_of
 from rooflm.engine.block_table_array import BlockTableArray, block_table_array
@@ -38,11 +39,6 @@ LOGITS_ROW_ALIGN = 64
 # swaps and host-tier copies take outside the profiled memory, in the headroom the KV budget
 # leaves (gpu_memory_utilization), while keeping each copy large (~2.5 ms over PCIe 5).
 HOST_COPY_CHUNK_BYTES = 128 * 2**20
-# --kv-offload-gb unset on CUDA: this share of the host's available memory at start-up, at
-# most KV_OFFLOAD_AUTO_MAX_GB per GPU. Pinned memory is taken from the OS for good and
-# pinning costs start-up time (~1 s per few GiB), so the share stays modest.
-KV_OFFLOAD_AUTO_SHARE = 0.1
-KV_OFFLOAD_AUTO_MAX_GB = 16.0
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
