@@ -102,3 +102,16 @@ def test_tier_on_cuda_gives_equal_tokens(tiny_path):
     tokens, cached, computed = run_three(llm)
     assert tokens == cold and cached == 40 and computed == cold_computed - 40
     assert llm.engine.runner.host_kv_cache.is_pinned()
+
+
+def test_sliding_window_groups_restore_from_the_tier(tmp_path):
+    """A tiny Gemma 2 (an 8-token window in its own KV cache group): the second pass restores
+    the full group's blocks and the sliding group's blocks of the window before the hit."""
+    path, _ = make_tiny_model(tmp_path, "gemma2", initializer_range=0.3, tied=True)
+    common = dict(max_model_len=128, num_blocks=36)  # OTHER alone takes 36
+    cold, _, cold_computed = run_three(engine_llm(path, **common))
+    llm = engine_llm(path, kv_offload_gb=TIER_GB, **common)
+    assert llm.engine.runner.kv_layout.windows == (None, 8)
+    tokens, cached, computed = run_three(llm)
+    assert tokens == cold and cached == 40 and computed == cold_computed - 40
+    assert llm.engine.block_manager.host_tier.num_restored > 10  # both groups' blocks
