@@ -50,18 +50,18 @@ class ReplicaConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     num_host_blocks: int = 0
-    # The prefix cache's host tier (engine/host_kv_tier.py): the real block manager's, so hits
-    # and evictions are the engine's. Each block copied between host and device (tier
-    # restores and offloads, swaps) adds host_copy_s_per_block to its step: the copies run on
-    # the step's stream, before its forward.
-    num_offload_blocks: int = 0
-    host_copy_s_per_block: float = 0.0
     max_model_len: int = 4096
     async_scheduling: bool = True
     sliding_window: Optional[int] = None
     # KV cache groups' windows (engine/kv_groups.py), group 0 full: num_blocks are then blocks of
     # the group size's layers, and sliding groups hold only their window, as in the engine.
     kv_windows: tuple[Optional[int], ...] = (None,)
+    # The prefix cache's host tier (engine/host_kv_tier.py): the real block manager's, so hits
+    # and evictions are the engine's. Each block copied between host and device (tier
+    # restores and offloads, swaps) adds host_copy_s_per_block to its step: the copies run on
+    # the step's stream, before its forward.
+    num_offload_blocks: int = 0
+    host_copy_s_per_block: float = 0.0
 
 
 @dataclass
