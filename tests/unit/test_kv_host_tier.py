@@ -305,3 +305,29 @@ def test_blocks_to_admit_counts_a_fresh_block_per_host_entry(n):
     bm.free(t)
     hit = bm.find_cached_prefix(tokens, None)
     assert hit.num_host_blocks == n and bm.blocks_to_admit([bm.new_table()], [hit]) == n
+
+
+# ---- the simulator ---------------------------------------------------------------------------
+
+
+def test_the_simulator_runs_the_tier_and_prices_its_copies():
+    """Two prefix groups alternating through a pool that holds one: without the tier every
+    return of a group recomputes its prefix; with it the prefix comes back from host memory,
+    and each copied block adds its price to the step."""
+    from rooflm.sim.replica import ReplicaConfig
+    from rooflm.sim.simulator import SimConfig, simulate
+    from rooflm.sim.workload import SimRequest
+    from tests.unit.test_sim_engine_equivalence import SyntheticCostModel
+
+    sched = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=256, max_model_len=256)
+    requests = [SimRequest(float(i), 70, 4, prefix_group=i % 2, prefix_len=64) for i in range(6)]
+    results = {}
+    for blocks, price in ((0, 0.0), (64, 0.0), (64, 0.5)):
+        cfg = SimConfig(ReplicaConfig(sched, num_blocks=20, block_size=4, max_model_len=256,
+                                      num_offload_blocks=blocks, host_copy_s_per_block=price), ingress_s=0.0)
+        results[blocks, price] = simulate(cfg, SyntheticCostModel(step_s=0.01), requests)
+    cold, tier, priced = results[0, 0.0], results[64, 0.0], results[64, 0.5]
+    # Blocks are freed tail first: only each prefix's first block outlives the other group.
+    assert [r.num_cached_tokens for r in cold.records] == [0, 0] + [4] * 4
+    assert [r.num_cached_tokens for r in tier.records] == [0, 0] + [64] * 4
+    assert tier.num_steps == priced.num_steps and priced.duration_s > tier.duration_s + 0.5
