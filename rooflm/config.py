@@ -231,6 +231,14 @@ CUDA_BLOCK_SIZE = 64
 CPU_BLOCK_SIZE = 16
 
 
+# --kv-offload-gb unset on CUDA: this share of the host's available memory at start-up, at
+# most KV_OFFLOAD_AUTO_MAX_GB per GPU (model_runner.num_offload_blocks). Pinned memory is
+# taken from the OS for good and pinning costs start-up time (~1 s per few GiB), and every
+# GPU process of the host pins its own: so the share stays modest.
+KV_OFFLOAD_AUTO_SHARE = 0.1
+KV_OFFLOAD_AUTO_MAX_GB = 16.0
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache.
@@ -252,6 +260,11 @@ class CacheConfig:
     cpu_kv_cache_gb: float = 1.0
     swap_space_gb: float = 1.0  # host memory for swap preemption
     enable_prefix_caching: bool = True
+    # The prefix cache's host-memory tier (engine/host_kv_tier.py), in GiB: evicted cached blocks
+    # are copied there and copied back on a hit instead of recomputed. vLLM's flag name. None:
+    # 0 on the CPU (its pool is host memory already); on CUDA 10% of the host's available
+    # memory at start-up, at most 16 GiB per GPU (model_runner.num_offload_blocks).
+    kv_offload_gb: Optional[float] = None
     # auto: K/V stored in the model's dtype. fp8 (or fp8_e4m3): E4M3 with one fp32 scale per
     # token and KV head (layers/kv_cache.py): half the bytes per decode step, twice the tokens.
     kv_cache_dtype: str = "auto"
@@ -274,6 +287,8 @@ class CacheConfig:
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_offload_gb is not None and self.kv_offload_gb < 0:
+            raise ValueError(f"kv_offload_gb must be >= 0, got {self.kv_offload_gb}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
@@ -510,6 +525,8 @@ def with_device_defaults(cfg: EngineConfig, device_type: str, cuda_block_size: i
     sched, runtime, spec, cache = cfg.scheduler, cfg.runtime, cfg.speculative, cfg.cache
     if cache.block_size is None:
         cache = replace(cache, block_size=cuda_block_size if device_type == "cuda" else CPU_BLOCK_SIZE)
+    if cache.kv_offload_gb is None and device_type != "cuda":
+        cache = replace(cache, kv_offload_gb=0.0)  # CUDA's share of host memory is read at start-up
     if sched.max_num_seqs is None:
         sched = replace(sched, max_num_seqs=resolve_max_num_seqs(None, device_type, device_memory_gb))
     if runtime.cuda_graph_max_batch is None:

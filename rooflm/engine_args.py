@@ -45,6 +45,9 @@ HELP: dict[str, str] = {
     "cpu_kv_cache_gb": "the CPU KV pool's size in GB",
     "swap_space_gb": "host memory in GB for --preemption-mode swap",
     "enable_prefix_caching": "reuse the KV blocks of prompt prefixes already computed",
+    "kv_offload_gb": "host memory in GiB for the prefix cache's host tier: cached blocks evicted "
+                     "from the GPU are copied there and copied back on a hit (unset: 0 on the "
+                     "CPU; on CUDA a tenth of the available host memory, at most 16 GiB per GPU)",
     "kv_cache_dtype": "auto: K/V in the model's dtype; fp8 (fp8_e4m3): E4M3 codes with fp32 "
                       "scales, half the bytes",
     "kv_cache_scales": "FP8 caches' scales. auto: the checkpoint's static scales where it has "

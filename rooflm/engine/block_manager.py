@@ -28,6 +28,11 @@
   Group 0 is full attention and owns the prefix hashes; a sliding group's block carries its
   group-qualified hash. A prefix hit must also find every sliding group's blocks of the last
   W - 1 tokens before the hit point, or it is shortened to the longest point where they are.
+- The host tier (host_kv_tier.py, --kv-offload-gb): a cached block handed out again (_pop_free)
+  is first copied to a host slot under its key, and a lookup that misses the device continues
+  there. A hit's host entries are ON_HOST in its ids until take_cached_prefixes gives each a
+  fresh device block. The copies both ways wait in offloads / restores until the scheduler
+  takes them for the step (take_block_ops), which runs them before its forward pass.
 """
 
 from __future__ import annotations
@@ -35,13 +40,18 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
+
+from rooflm.engine.host_kv_tier import HostKVTier
 
 # What a sliding group's table holds where its block was given back (below the window). The
 # kernels' tiles start at a multiple of BLOCK_N, so they may read such an entry; its keys are
 # masked, and block 0 holds finite K/V (the pool is zeroed, and only K/V is ever written).
 NULL_BLOCK = 0
+
+# A prefix hit's entry whose block is in the host tier, not on the device (yet).
+ON_HOST = -1
 
 
 def slot_of(block_id, position, block_size: int):
@@ -132,16 +142,43 @@ class BlockTable:
 class PrefixHit:
     """The longest cached whole-block prefix of a prompt: its blocks and the tokens they hold.
     group_blocks: for each KV cache group past the first, (first, ids): the group's blocks of
-    table entries first .. first + len(ids) - 1; the entries before first are NULL_BLOCK."""
+    table entries first .. first + len(ids) - 1; the entries before first are NULL_BLOCK.
+    An id ON_HOST is in the host tier under its group's key of block_hashes[entry]."""
 
     block_ids: tuple[int, ...] = ()
     num_tokens: int = 0
     group_blocks: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    block_hashes: tuple[bytes, ...] = field(default=(), compare=False)  # group 0's hash of each entry
+    num_host_blocks: int = 0  # ON_HOST entries over all groups
 
     def all_block_ids(self) -> Iterator[int]:
-        yield from self.block_ids
+        """The device blocks of the hit, every group's."""
+        for block_id in self.block_ids:
+            if block_id != ON_HOST:
+                yield block_id
         for _, ids in self.group_blocks:
-            yield from ids
+            for block_id in ids:
+                if block_id != ON_HOST:
+                    yield block_id
+
+    def host_keys(self) -> Iterator[bytes]:
+        """The host tier's keys of the ON_HOST entries, every group's."""
+        if not self.num_host_blocks:
+            return
+        for i, block_id in enumerate(self.block_ids):
+            if block_id == ON_HOST:
+                yield self.block_hashes[i]
+        for g, (first, ids) in enumerate(self.group_blocks, start=1):
+            for i, block_id in enumerate(ids, start=first):
+                if block_id == ON_HOST:
+                    yield group_key(self.block_hashes[i], g)
+
+    @property
+    def num_host_tokens(self) -> int:
+        """Tokens of the hit whose (full-attention) blocks come back from the host tier."""
+        if not self.num_host_blocks or not self.block_ids:
+            return 0
+        return self.num_tokens // len(self.block_ids) * sum(1 for b in self.block_ids if b == ON_HOST)
 
 
 NO_HIT = PrefixHit()
@@ -178,8 +215,11 @@ def hash_block(parent_hash: Optional[bytes], token_ids: list[int], salt: Optiona
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_host_blocks: int = 0, windows: Sequence[Optional[int]] = (None,)):
-        """windows: each KV cache group's window (kv_groups.KVLayout.windows), group 0 full."""
+                 num_host_blocks: int = 0, windows: Sequence[Optional[int]] = (None,),
+                 num_offload_blocks: int = 0):
+        """windows: each KV cache group's window (kv_groups.KVLayout.windows), group 0 full.
+        num_host_blocks: the swap pool's; num_offload_blocks: the prefix cache's host tier's,
+        whose slots are numbered after the swap pool's."""
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         if not windows or windows[0] is not None:
@@ -197,6 +237,14 @@ class BlockManager:
         self.host_ref_cnt = [0] * num_host_blocks
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
+        self.prefix_host_hits = 0  # of which found in the host tier
+        self.host_tier: Optional[HostKVTier] = None
+        if num_offload_blocks > 0 and enable_prefix_caching:
+            self.host_tier = HostKVTier(num_offload_blocks, first_slot=num_host_blocks)
+        # The host tier's copies since take_block_ops: (device block, slot, key) out, (slot,
+        # device block) back.
+        self._offloads: list[tuple[int, int, bytes]] = []
+        self._restores: list[tuple[int, int]] = []
 
     # ---- queries ---------------------------------------------------------------------
 
@@ -257,7 +305,8 @@ class BlockManager:
         queue (it stops being free once taken). Zero for a running request."""
         host_blocks = {b for table in tables if table.on_host for t in table.tables() for b in t.live_ids()}
         revived = {b for hit in hits for b in hit.all_block_ids() if self.blocks[b].ref_cnt == 0}
-        return len(host_blocks) + len(revived)
+        restored = {key for hit in hits for key in hit.host_keys()}
+        return len(host_blocks) + len(revived) + len(restored)
 
     def _needs_copy_on_write(self, table: BlockTable, num_computed: int) -> bool:
         """The next token lands in a partly filled block that another table also holds."""
@@ -284,9 +333,35 @@ class BlockManager:
         if block.block_hash is not None:  # evict its cached prefix
             if self.cached.get(block.block_hash) == block_id:
                 del self.cached[block.block_hash]
+                if self.host_tier is not None:
+                    self._offload(block_id, block.block_hash)
             block.block_hash = None
         block.ref_cnt = 1
         return block_id
+
+    def _offload(self, block_id: int, key: bytes) -> None:
+        """Copy an evicted cached block to the host tier, before the step that reuses it."""
+        slot = self.host_tier.store(key)
+        if slot is not None:
+            self._offloads.append((block_id, slot, key))
+
+    def take_block_ops(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The host tier's copies since the last call, for the step being scheduled:
+        (device, slot) offloads, which run with the swap-outs (before anything writes a
+        device block), and (slot, device) restores, with the swap-ins (before the forward)."""
+        offloads = [(block_id, slot) for block_id, slot, _ in self._offloads]
+        restores = self._restores
+        self._offloads, self._restores = [], []
+        if self.host_tier is not None:
+            self.host_tier.unlock_all()
+        return offloads, restores
+
+    def discard_offloads(self) -> None:
+        """Forget the offloads since the last take_block_ops: for allocations whose blocks are
+        written before a step could copy them out (the speculative device loop's growth)."""
+        for _, _, key in self._offloads:
+            self.host_tier.forget(key)
+        self._offloads = []
 
     def _touch(self, block_id: int) -> None:
         """Take a reference to a block, reviving it from the free queue if needed."""
@@ -316,18 +391,27 @@ class BlockManager:
         hits: list[int] = []
         hashes: list[bytes] = []
         parent: Optional[bytes] = None
+        tier = self.host_tier
         for i in range(max_blocks):
             parent = hash_block(parent, token_ids[i * self.block_size:(i + 1) * self.block_size], salt, adapter)
             block_id = self.cached.get(parent)
             if block_id is None:
-                break
+                if tier is None or parent not in tier:
+                    break
+                block_id = ON_HOST
             hits.append(block_id)
             hashes.append(parent)
         if len(self.windows) > 1:
             return self._window_hit(hits, hashes)
         if not hits:
             return NO_HIT
-        return PrefixHit(tuple(hits), len(hits) * self.block_size)
+        on_host = hits.count(ON_HOST) if tier is not None else 0
+        return PrefixHit(tuple(hits), len(hits) * self.block_size, block_hashes=tuple(hashes),
+                         num_host_blocks=on_host)
+
+    def _is_cached(self, key: bytes) -> bool:
+        """On the device or in the host tier."""
+        return key in self.cached or (self.host_tier is not None and key in self.host_tier)
 
     def _window_hit(self, hits: list[int], hashes: list[bytes]) -> PrefixHit:
         """The longest prefix of the full group's hit (m blocks) for which every other group
@@ -339,7 +423,7 @@ class BlockManager:
         for g in range(1, len(self.windows)):
             run, length = [], 0
             for h in hashes:
-                length = length + 1 if group_key(h, g) in self.cached else 0
+                length = length + 1 if self._is_cached(group_key(h, g)) else 0
                 run.append(length)
             runs.append(run)
         m = len(hits)
@@ -348,10 +432,13 @@ class BlockManager:
         if m == 0:
             return NO_HIT
         groups = []
+        on_host = hits[:m].count(ON_HOST)
         for g in range(1, len(self.windows)):
             first = self._first_kept(m, g)
-            groups.append((first, tuple(self.cached[group_key(h, g)] for h in hashes[first:m])))
-        return PrefixHit(tuple(hits[:m]), m * self.block_size, tuple(groups))
+            ids = tuple(self.cached.get(group_key(h, g), ON_HOST) for h in hashes[first:m])
+            on_host += ids.count(ON_HOST)
+            groups.append((first, ids))
+        return PrefixHit(tuple(hits[:m]), m * self.block_size, tuple(groups), tuple(hashes[:m]), on_host)
 
     def _first_kept(self, num_blocks: int, group: int) -> int:
         """The first table entry group `group` needs once num_blocks blocks are computed."""
@@ -362,20 +449,54 @@ class BlockManager:
 
     def take_cached_prefix(self, table: BlockTable, hit: PrefixHit) -> None:
         """Start an empty table with a prefix hit's blocks, by reference."""
-        assert not table.ids, "a prefix hit starts an empty block table"
-        for block_id in hit.block_ids:
-            self._touch(block_id)
-            table.ids.append(block_id)
-        table.num_cached_blocks = len(hit.block_ids)  # they are registered already
-        table.version += 1
-        for t, (first, ids) in zip(table.group_tables, hit.group_blocks):
-            for block_id in ids:
+        self.take_cached_prefixes([(table, hit)])
+
+    def take_cached_prefixes(self, hits: list[tuple[BlockTable, PrefixHit]]) -> None:
+        """Start empty tables (a request's sequences) with their prefix hits' blocks: device
+        blocks by reference; each host entry in a fresh device block, registered under its key,
+        whose copy back waits in restores. All device references and host slots are taken
+        before any block is popped, so that no pop evicts a block these hits hold; sequences
+        that hit the same host entry share its one device copy."""
+        for table, hit in hits:
+            assert not table.ids, "a prefix hit starts an empty block table"
+            for block_id in hit.all_block_ids():
                 self._touch(block_id)
-            t.ids.extend([NULL_BLOCK] * first)
-            t.ids.extend(ids)
-            t.num_freed = first
-            t.num_cached_blocks = len(hit.block_ids)
-            t.version += 1
+        slots: dict[bytes, int] = {}
+        for _, hit in hits:
+            for key in hit.host_keys():
+                if key not in slots:
+                    slots[key] = self.host_tier.restore(key)
+        restored: dict[bytes, int] = {}
+        for key, slot in slots.items():
+            block_id = self._pop_free()
+            self.blocks[block_id].block_hash = key
+            self.cached.setdefault(key, block_id)
+            self._restores.append((slot, block_id))
+            restored[key] = block_id
+        unclaimed = set(restored.values())
+        for table, hit in hits:
+            keys = iter(hit.host_keys())
+            self._fill(table, 0, hit.block_ids, keys, restored, unclaimed)
+            table.num_cached_blocks = len(hit.block_ids)  # they are registered already
+            for t, (first, ids) in zip(table.group_tables, hit.group_blocks):
+                self._fill(t, first, ids, keys, restored, unclaimed)
+                t.num_cached_blocks = len(hit.block_ids)
+
+    def _fill(self, table: BlockTable, first: int, ids: tuple[int, ...], keys: Iterator[bytes],
+              restored: dict[bytes, int], unclaimed: set[int]) -> None:
+        """Entries first.. of a table from a hit's ids (referenced already), ON_HOST ones from
+        their restored blocks (host_keys order); the entries before first are given back."""
+        table.ids.extend([NULL_BLOCK] * first)
+        for block_id in ids:
+            if block_id == ON_HOST:
+                block_id = restored[next(keys)]
+                if block_id in unclaimed:
+                    unclaimed.remove(block_id)  # the pop's reference is this entry's
+                else:
+                    self._touch(block_id)
+            table.ids.append(block_id)
+        table.num_freed = first
+        table.version += 1
 
     def allocate(self, table: BlockTable, num_computed: int, num_tokens_after: int,
                  copies: list[tuple[int, int]]) -> bool:
@@ -498,14 +619,17 @@ class BlockManager:
                     self.cached.setdefault(block.block_hash, block.block_id)
             t.num_cached_blocks = num_full
 
-    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int, num_host_hit_tokens: int = 0) -> None:
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hit_tokens
+        self.prefix_host_hits += num_host_hit_tokens
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.host_tier is not None:
+            self.host_tier.clear()
 
     # ---- swap (host memory) --------------------------------------------------------------
 

@@ -275,7 +275,8 @@ class NullMetrics:
     def set_scheduler_state(self, running, waiting, kv_usage, free_blocks, num_blocks): pass
     def set_tokens_in_flight(self, tokens): pass
     def set_service_state(self, predicted_wait_s, is_sleeping): pass
-    def add_prefix_cache(self, queries, hits): pass
+    def add_prefix_cache(self, queries, hits, host_hits=0): pass
+    def set_kv_offload_state(self, used_blocks, offloaded, restored): pass
     def add_preemptions(self, count): pass
     def add_tokens(self, prompt_tokens, generation_tokens): pass
     def observe_first_token(self, ttft_seconds): pass
@@ -290,7 +291,7 @@ class SnapshotMetrics:
 
     def __init__(self, metrics):
         self.metrics = metrics
-        self._seen_prefix = (0, 0)
+        self._seen_prefix = (0, 0, 0)
         self._seen_preemptions = 0
         self._seen_spec = None  # the last SpecSnapshot published
 
@@ -300,9 +301,12 @@ class SnapshotMetrics:
                                     snap.kv_usage, snap.num_free_blocks, snap.num_blocks)
         metrics.set_tokens_in_flight(tokens_in_flight)
         metrics.set_service_state(snap.predicted_wait_s, snap.is_sleeping)
-        queries, hits = self._seen_prefix
-        metrics.add_prefix_cache(snap.prefix_queried_tokens - queries, snap.prefix_hit_tokens - hits)
-        self._seen_prefix = (snap.prefix_queried_tokens, snap.prefix_hit_tokens)
+        queries, hits, host_hits = self._seen_prefix
+        metrics.add_prefix_cache(snap.prefix_queried_tokens - queries, snap.prefix_hit_tokens - hits,
+                                 snap.prefix_host_hit_tokens - host_hits)
+        self._seen_prefix = (snap.prefix_queried_tokens, snap.prefix_hit_tokens, snap.prefix_host_hit_tokens)
+        metrics.set_kv_offload_state(snap.num_offload_used_blocks, snap.num_offloaded_blocks,
+                                     snap.num_restored_blocks)
         metrics.add_preemptions(snap.num_preemptions - self._seen_preemptions)
         self._seen_preemptions = snap.num_preemptions
         if snap.spec is not None:

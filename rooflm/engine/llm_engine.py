@@ -89,7 +89,7 @@ class LLMEngine:
         self.strategy: StepStrategy = strategy_for(config, self.model_config, self.max_model_len)
         self.runner.extra_kv_bytes_per_block = self.strategy.kv_bytes_per_block()
         try:
-            num_blocks, num_host = self.runner.initialize(self.model_path, self.load_format)
+            num_blocks, num_host, num_offload = self.runner.initialize(self.model_path, self.load_format)
         except BaseException:
             if self.executor is not None:  # workers waiting in a start-up collective
                 try:  # a worker that raised first is the cause: WorkerDied with its traceback
@@ -99,7 +99,8 @@ class LLMEngine:
             raise
         self.block_manager = BlockManager(num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching, num_host,
-                                          windows=self.runner.kv_layout.windows)
+                                          windows=self.runner.kv_layout.windows,
+                                          num_offload_blocks=num_offload)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         if config.lora.enable_lora:
             self.scheduler.max_loras = config.lora.max_loras
@@ -172,7 +173,8 @@ class LLMEngine:
             kv_cache_dtype=kv_format.parse_kv_cache_dtype(cfg.cache.kv_cache_dtype),
             tensor_parallel_size=cfg.parallel.tensor_parallel_size,
             matmul_dtype=self.runner.matmul_dtype(),
-            enable_sleep_mode=cfg.runtime.enable_sleep_mode)
+            enable_sleep_mode=cfg.runtime.enable_sleep_mode,
+            num_offload_blocks=self.block_manager.host_tier.num_blocks if self.block_manager.host_tier is not None else 0)
 
     # ---- the read-only face ------------------------------------------------------------------
 
@@ -206,7 +208,8 @@ class LLMEngine:
             prefix_hit_tokens=bm.prefix_hits, prompt_tokens=self._num_prompt_tokens,
             generation_tokens=self.output_processor.num_generated_tokens, steps=self._num_steps,
             kv_admission_stalls=sched.num_kv_stalls, spec=self.strategy.spec_snapshot(),
-            predicted_wait_s=self._predicted_wait_gauge(), is_sleeping=self.is_sleeping)
+            predicted_wait_s=self._predicted_wait_gauge(), is_sleeping=self.is_sleeping,
+            prefix_host_hit_tokens=bm.prefix_host_hits, **_tier_counts(bm.host_tier))
 
     def predicted_queue_wait(self, priority: int = 0, arrival: Optional[float] = None) -> float:
         """Seconds a request of this priority, arriving at `arrival` (monotonic; None: now),
@@ -622,3 +625,11 @@ class LLMEngine:
             if output.finished:
                 self.requests.pop(output.request_id, None)
         return outputs
+
+
+def _tier_counts(tier) -> dict[str, int]:
+    """The host tier's part of the snapshot (zeros without one)."""
+    if tier is None:
+        return {}
+    return dict(num_offload_used_blocks=tier.num_used, num_offloaded_blocks=tier.num_stored,
+                num_restored_blocks=tier.num_restored)

@@ -16,7 +16,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from rooflm.config import EngineConfig, ModelConfig, kv_blocks_cap, step_activation_bytes
+from rooflm.config import (KV_OFFLOAD_AUTO_MAX_GB, KV_OFFLOAD_AUTO_SHARE, EngineConfig, ModelConfig, kv_blocks_cap,
+                           step_activation_bytes)
 from rooflm.distributed.group import SINGLE, TPGroup
 from rooflm.engine.block_manager import slot_mapping, slot_of
 from rooflm.engine.block_table_array import BlockTableArray, block_table_array
@@ -33,6 +34,11 @@ from rooflm.layers.sampler import Sampler, SamplingMetadata, SamplingRow, comput
 logger = logging.getLogger(__name__)
 
 LOGITS_ROW_ALIGN = 64
+
+# Device staging of one batched host copy (apply_block_ops): bounds the temporary a step's
+# swaps and host-tier copies take outside the profiled memory, in the headroom the KV budget
+# leaves (gpu_memory_utilization), while keeping each copy large (~2.5 ms over PCIe 5).
+HOST_COPY_CHUNK_BYTES = 128 * 2**20
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -124,6 +130,25 @@ class StepResult:
     prompt_logprobs: dict[int, list[Optional[dict]]]  # seq_id -> entries for this chunk
 
 
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A one-byte pool (FP8 codes) as uint8: the same bytes, and every index op takes it
+    (index_copy_ has no Float8 kernel on the CPU)."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
+
+
+def _runs(host_blocks: list[int]) -> list[tuple[int, int, int]]:
+    """(index, first host block, length) of each run of consecutive host blocks in the list
+    (in order): one copy each."""
+    runs: list[tuple[int, int, int]] = []
+    for i, h in enumerate(host_blocks):
+        if runs and runs[-1][1] + runs[-1][2] == h:
+            start, first, length = runs[-1]
+            runs[-1] = (start, first, length + 1)
+        else:
+            runs.append((i, h, 1))
+    return runs
+
+
 def _to_pinned_host(t: torch.Tensor) -> torch.Tensor:
     """A host copy in pinned memory, so that waking copies it back at the link's full rate."""
     host = torch.empty_like(t, device="cpu", pin_memory=True)
@@ -155,6 +180,9 @@ class ModelRunner:
         # The pools: [layers, 2 (K, V), blocks, block_size, H_kv, D], and for FP8 caches the
         # scales [layers, 2, blocks, block_size, H_kv] fp32 per token, or [layers, 2, H_kv] static
         # (layers/kv_cache.py). Swaps and copy-on-write move a block of every pool.
+        # The host pool (swap space, then the prefix cache's host tier) is block-major,
+        # [blocks, layers, 2, block_size, H_kv, D], so that a run of host blocks is one
+        # contiguous copy.
         self.kv_cache: Optional[torch.Tensor] = None
         self.kv_scales: Optional[torch.Tensor] = None
         self.host_kv_cache: Optional[torch.Tensor] = None
@@ -206,11 +234,12 @@ class ModelRunner:
 
     # ---- set-up ----------------------------------------------------------------------------
 
-    def initialize(self, path: str, load_format: str) -> tuple[int, int]:
+    def initialize(self, path: str, load_format: str) -> tuple[int, int, int]:
         """Everything before the first step, in the order it must happen: the weights, the KV
         pool sized from what they and the largest step leave free, the CUDA graphs (which
-        hold the pool's addresses), the host pool for swapping. Returns the number of device
-        and host KV blocks, for the block manager."""
+        hold the pool's addresses), the host pool for swapping and the prefix cache's host
+        tier. Returns the number of device KV blocks, swap blocks and host-tier blocks, for
+        the block manager."""
         self.check_memory(path, load_format)
         # Progress lines: start-up takes seconds to minutes, and a silent wait looks hung.
         logger.info("loading weights (%s, %s) on %s ...", load_format, path or "-", self.device)
@@ -226,8 +255,13 @@ class ModelRunner:
             logger.info("capturing CUDA graphs ...")
         self.capture_graphs()
         num_host = self.num_host_blocks()
-        self.allocate_host_cache(num_host)
-        return num_blocks, num_host
+        num_offload = self.num_offload_blocks()
+        self.allocate_host_cache(num_host + num_offload)
+        if num_offload:
+            logger.info("prefix cache host tier: %d blocks (%d tokens, %.2f GiB%s)", num_offload,
+                        num_offload * self.block_size, num_offload * self.kv_bytes_per_block() / 2**30,
+                        ", pinned" if self.device.type == "cuda" else "")
+        return num_blocks, num_host, num_offload
 
     def hybrid_kv_off_reason(self) -> Optional[str]:
         """Why every layer keeps its whole history in one table, or None (kv_groups.py)."""
@@ -279,7 +313,8 @@ class ModelRunner:
             weights = min(weights, int(blocks) + cfg.vocab_size * cfg.hidden_size * elem)
         kv = 0
         if self.device.type == "cpu":
-            kv = (self.determine_num_blocks() + self.num_host_blocks()) * self.kv_bytes_per_block()
+            kv = (self.determine_num_blocks() + self.num_host_blocks()
+                  + self.num_offload_blocks()) * self.kv_bytes_per_block()
         tokens = min(sched.max_num_batched_tokens, self.max_model_len * sched.max_num_seqs)
         need = MemoryNeed(weights, kv, step_activation_bytes(cfg, tokens, sched.max_num_seqs, elem),
                           self.device.type)
@@ -531,16 +566,19 @@ class ModelRunner:
         return KVCache(k, v, self.kv_scales[i, 0], self.kv_scales[i, 1], group=group)
 
     def allocate_host_cache(self, num_blocks: int) -> None:
+        """The host pool, block-major; empty, not zeroed: a host block is read only after a
+        copy wrote it (a swap-out, an offload), and zeroing pinned GiBs costs start-up time."""
         if num_blocks <= 0:
             return
         pin = self.device.type == "cuda"
-        shape = (self.kv_cache.shape[0], 2, num_blocks) + tuple(self.kv_cache.shape[3:])
-        self.host_kv_cache = torch.zeros(shape, dtype=self.kv_dtype, pin_memory=pin)
+        shape = (num_blocks, self.kv_cache.shape[0], 2) + tuple(self.kv_cache.shape[3:])
+        self.host_kv_cache = torch.empty(shape, dtype=self.kv_dtype, pin_memory=pin)
         if self.kv_scale_mode() == "per-token":
-            self.host_kv_scales = torch.zeros(shape[:-1], dtype=torch.float32, pin_memory=pin)
+            self.host_kv_scales = torch.empty(shape[:-1], dtype=torch.float32, pin_memory=pin)
 
     def _pools(self) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
-        """(device pool, host pool) pairs whose blocks move together."""
+        """(device pool, host pool) pairs whose blocks move together: a block is dimension 2
+        of a device pool and dimension 0 of a host pool."""
         pools = [(self.kv_cache, self.host_kv_cache)]
         if self.kv_scale_mode() == "per-token":  # static scales belong to no block
             pools.append((self.kv_scales, self.host_kv_scales))
@@ -551,21 +589,77 @@ class ModelRunner:
             return 0
         return int(self.config.cache.swap_space_gb * 2**30 // self.kv_bytes_per_block())
 
+    def num_offload_blocks(self) -> int:
+        """Blocks of the prefix cache's host tier (--kv-offload-gb). Unset: none on the CPU
+        (the device pool is host memory already), KV_OFFLOAD_AUTO_SHARE of the host's
+        available memory on CUDA, the least over the tensor-parallel ranks."""
+        cache = self.config.cache
+        if not cache.enable_prefix_caching:
+            return 0
+        gb = cache.kv_offload_gb
+        if gb is not None:
+            return int(gb * 2**30 // self.kv_bytes_per_block())
+        if self.device.type != "cuda":
+            return 0
+        from rooflm.engine.memory_check import available_bytes
+
+        available = available_bytes(torch.device("cpu")) or 0
+        share = min(KV_OFFLOAD_AUTO_SHARE * available / self.tp.size, KV_OFFLOAD_AUTO_MAX_GB * 2**30)
+        return self.tp.min_over_ranks(int(share // self.kv_bytes_per_block()))
+
     # ---- a step ----------------------------------------------------------------------------
 
     def apply_block_ops(self, out: SchedulerOutput) -> None:
-        """Swaps and copy-on-write copies, before the forward pass writes new K/V."""
-        for pool, host_pool in self._pools():
-            for dev, host in out.blocks_to_swap_out:
-                host_pool[:, :, host].copy_(pool[:, :, dev])
-            for host, dev in out.blocks_to_swap_in:
-                pool[:, :, dev].copy_(host_pool[:, :, host], non_blocking=True)
+        """Swaps, the host tier's offloads and restores, and copy-on-write copies, before the
+        forward pass writes new K/V, in this order on the step's stream: every device-to-host
+        copy reads its block before anything of this step writes one (a popped block's
+        offload before its new contents), and a restore reads its host block after an
+        offload of the same step wrote it."""
+        if out.blocks_to_swap_out:
+            self._copy_to_host(out.blocks_to_swap_out)
+        if out.blocks_to_swap_in:
+            self._copy_from_host(out.blocks_to_swap_in)
         if out.blocks_to_copy:
             # Through pinned memory: a pageable copy would wait here for the step in flight.
             src = self._host([s for s, _ in out.blocks_to_copy], torch.int64).to(self.device, non_blocking=True)
             dst = self._host([d for _, d in out.blocks_to_copy], torch.int64).to(self.device, non_blocking=True)
             for pool, _ in self._pools():
                 pool[:, :, dst] = pool[:, :, src]
+
+    def _host_copy_chunks(self, pairs: list[tuple[int, int]], host_index: int) -> list[list[tuple[int, int]]]:
+        """The pairs in order of their host block (stable: a host block written twice in a step
+        keeps its last write), cut into chunks of at most HOST_COPY_CHUNK_BYTES."""
+        per_block = sum(host.stride(0) * host.element_size() for _, host in self._pools())
+        size = max(1, HOST_COPY_CHUNK_BYTES // per_block)
+        ordered = sorted(pairs, key=lambda p: p[host_index])
+        return [ordered[i:i + size] for i in range(0, len(ordered), size)]
+
+    def _copy_to_host(self, pairs: list[tuple[int, int]]) -> None:
+        """(device, host) blocks: per chunk one gather on the device into block-major order,
+        then one non_blocking copy per run of consecutive host blocks (pinned: the host does
+        not wait; the host pool is touched only by copies on this stream)."""
+        for chunk in self._host_copy_chunks(pairs, 1):
+            dev = self._host([d for d, _ in chunk], torch.int64).to(self.device, non_blocking=True)
+            runs = _runs([h for _, h in chunk])
+            for pool, host_pool in self._pools():
+                pool, host_pool = _as_bytes(pool), _as_bytes(host_pool)
+                staged = pool.movedim(2, 0)[dev]  # [n, layers, 2, block_size, ...], one kernel
+                for i, h, k in runs:
+                    host_pool[h:h + k].copy_(staged[i:i + k], non_blocking=True)
+
+    def _copy_from_host(self, pairs: list[tuple[int, int]]) -> None:
+        """(host, device) blocks: per chunk one non_blocking copy per run of consecutive host
+        blocks into a device staging tensor, then one scatter into the pool."""
+        for chunk in self._host_copy_chunks(pairs, 0):
+            dev = self._host([d for _, d in chunk], torch.int64).to(self.device, non_blocking=True)
+            runs = _runs([h for h, _ in chunk])
+            for pool, host_pool in self._pools():
+                pool, host_pool = _as_bytes(pool), _as_bytes(host_pool)
+                staged = torch.empty((len(chunk),) + tuple(host_pool.shape[1:]), dtype=pool.dtype,
+                                     device=self.device)
+                for i, h, k in runs:
+                    staged[i:i + k].copy_(host_pool[h:h + k], non_blocking=True)
+                pool.index_copy_(2, dev, staged.movedim(0, 2))
 
     def prepare(self, out: SchedulerOutput, suppress: dict[int, tuple[int, ...]]) -> StepInputs:
         inputs = self._prepare_decodes(out, suppress)

@@ -54,6 +54,11 @@ class EngineInfo:
     # "fp8" for W8A8 (its roof is the fp8 rate, 2x bf16 on an H100); "" otherwise.
     matmul_dtype: str = ""
     enable_sleep_mode: bool = False  # the engine may sleep (LLMEngine.sleep, the server's /sleep)
+    num_offload_blocks: int = 0  # the prefix cache's host tier (--kv-offload-gb), blocks of block_size
+
+    @property
+    def offload_capacity_tokens(self) -> int:
+        return self.num_offload_blocks * self.block_size
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -108,6 +113,12 @@ class EngineSnapshot:
     # (engine/step_cost.py): the gauge an autoscaler scales on.
     predicted_wait_s: float = 0.0
     is_sleeping: bool = False  # sleep mode: the KV pool is freed, the weights moved or dropped
+    # The prefix cache's host tier (engine/host_kv_tier.py): of prefix_hit_tokens, those whose
+    # blocks came back from host memory; its blocks in use, and copied in and back since start.
+    prefix_host_hit_tokens: int = 0
+    num_offload_used_blocks: int = 0
+    num_offloaded_blocks: int = 0
+    num_restored_blocks: int = 0
 
     @property
     def kv_usage(self) -> float:

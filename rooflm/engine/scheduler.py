@@ -231,8 +231,12 @@ class Scheduler:
     def grow_ahead(self, seq: Sequence, num_tokens: int, copies: list[tuple[int, int]]) -> bool:
         """Blocks for a running sequence's first num_tokens tokens, ahead of scheduling (the
         device loop, spec/loop.py, writes K/V steps before the host counts them); copy-on-write
-        copies go to `copies`. False, changing nothing, when the pool is short."""
-        return self.bm.allocate(seq.block_table, seq.num_computed_tokens, num_tokens, copies)
+        copies go to `copies`. False, changing nothing, when the pool is short. Blocks it evicts
+        from the prefix cache are not offloaded to the host tier: the loop writes them before a
+        step could copy them out."""
+        ok = self.bm.allocate(seq.block_table, seq.num_computed_tokens, num_tokens, copies)
+        self.bm.discard_offloads()
+        return ok
 
     @property
     def num_free_blocks(self) -> int:
@@ -260,6 +264,11 @@ class Scheduler:
             sch.seq.num_computed_tokens += sch.num_new_tokens
             if sch.completes:
                 sch.seq.num_pending += 1
+        # The host tier's copies (block_manager.take_block_ops): offloads of evicted blocks
+        # run with the swap-outs, before any block is written; restores with the swap-ins.
+        offloads, restores = self.bm.take_block_ops()
+        out.blocks_to_swap_out.extend(offloads)
+        out.blocks_to_swap_in.extend(restores)
         self._carry_swap_outs(out)
         return out
 
@@ -590,13 +599,16 @@ class Scheduler:
     def _admit(self, req: Request, plan: list[_Planned]) -> None:
         """A waiting request starts running: its sequences take their prefix hits, counted
         as computed."""
+        taken = []
         for p in plan:
             seq, hit = p.seq, p.hit
             if seq.num_computed_tokens == 0:
-                self.bm.record_prefix_query(seq.num_tokens, hit.num_tokens)
+                self.bm.record_prefix_query(seq.num_tokens, hit.num_tokens, hit.num_host_tokens)
             if hit.block_ids:
-                self.bm.take_cached_prefix(seq.block_table, hit)
+                taken.append((seq.block_table, hit))
                 seq.num_computed_tokens = hit.num_tokens
+        if taken:  # together: host-tier hits take fresh blocks only after every hit is held
+            self.bm.take_cached_prefixes(taken)
         if req.num_preemptions == 0:
             req.num_cached_tokens = max(p.hit.num_tokens for p in plan)
             req.scheduled_time = time.monotonic()  # end of its queue time

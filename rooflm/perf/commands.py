@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional, TextIO
 
-from rooflm.config import CUDA_BLOCK_SIZE, ModelConfig
+from rooflm.config import CUDA_BLOCK_SIZE, KV_OFFLOAD_AUTO_MAX_GB, ModelConfig
 from rooflm.engine_args import add_engine_args
 from rooflm.perf.gpus import GPUS, GpuSpec, get_gpu
 from rooflm.perf.memory import inference_memory, training_memory, weight_bytes
@@ -93,6 +93,9 @@ def register(subparsers) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="sequence cap, sizes the logits in the activation reserve (default: the "
                         "engine's default on a GPU of --gpu-mem)")
+    p.add_argument("--kv-offload-gb", type=float, default=None, metavar="GIB",
+                   help="the prefix cache's host tier, as the engine's flag (default: the engine's "
+                        "CUDA cap, a tenth of the host's available memory up to that)")
     p.add_argument("--train", action="store_true", help="training memory instead of inference")
     p.add_argument("--num-gpus", type=int, default=8, help="GPUs for DDP / FSDP (with --train)")
     p.add_argument("--batch-size", type=int, default=1, help="micro-batch per GPU (with --train)")
@@ -361,6 +364,24 @@ def run_memory(args: argparse.Namespace, out: TextIO = None) -> int:
     return 0
 
 
+def _host_tier_line(args: argparse.Namespace, plan, config: ModelConfig) -> str:
+    """The prefix cache's host tier in the engine's blocks (engine/host_kv_tier.py): blocks of a
+    KV cache group's layers where sliding-window layers hold only their window."""
+    gib = args.kv_offload_gb
+    if gib is None:
+        gib, source = KV_OFFLOAD_AUTO_MAX_GB, f"unset: at most {KV_OFFLOAD_AUTO_MAX_GB:g} GiB per GPU"
+    else:
+        source = f"--kv-offload-gb {gib:g}"
+    block_bytes = plan.block_bytes
+    per_seq = plan.blocks_per_seq
+    if plan.kv_layout.hybrid:
+        block_bytes *= plan.kv_layout.group_size / config.num_hidden_layers
+        per_seq = plan.hybrid_blocks_per_seq
+    blocks = int(gib * 2**30 // block_bytes) if block_bytes > 0 else 0
+    return (f"prefix cache host tier ({source}): {blocks:,} blocks, {blocks * plan.block_size:,} tokens "
+            f"({blocks / max(per_seq, 1):,.1f} sequences at {plan.context} tokens), pinned host memory")
+
+
 def _format_inference(args: argparse.Namespace, name: str, config: ModelConfig, dtype: str) -> str:
     kv_dtype = _default_kv_dtype(dtype, args.kv_dtype)
     context = args.context or min(config.max_position_embeddings, 8192)
@@ -404,6 +425,7 @@ def _format_inference(args: argparse.Namespace, name: str, config: ModelConfig, 
             f"concurrent sequences at {context} tokens: {plan.hybrid_concurrent_seqs:,} with sliding-window "
             f"layers holding only their window ({ratio:.1f}x; {plan.hybrid_num_blocks:,} blocks of "
             f"{layout.group_size} layers, {plan.hybrid_blocks_per_seq} each over groups {groups})")
+    lines.append(_host_tier_line(args, plan, config))
     if plan.kv_pool <= 0:
         lines.append("the weights and reserve do not fit: no room for a KV cache (try -tp or a "
                      "smaller --dtype)")

@@ -94,6 +94,18 @@ class ServerMetrics:
             "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
         self.prefix_cache_hits = counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        # The same hits by where their blocks were: the device pool, or the host tier
+        # (--kv-offload-gb), whose blocks are copied back instead of recomputed.
+        hits_by_tier = family(Counter, "rooflm:prefix_cache_hits_by_tier",
+                              "Prefix cache hits in tokens, by the tier that held their blocks.", ("tier",))
+        self.prefix_cache_hits_by_tier = {tier: hits_by_tier.labels(*labels, tier) for tier in ("device", "host")}
+        self.kv_offload_used_blocks = gauge("rooflm:kv_offload_used_blocks",
+                                            "Blocks of the prefix cache's host tier holding a cached prefix.")
+        self.kv_offload_blocks = counter("rooflm:kv_offload_blocks",
+                                         "KV blocks copied from the GPU into the host tier on eviction.")
+        self.kv_restore_blocks = counter("rooflm:kv_restore_blocks",
+                                         "KV blocks copied back from the host tier on a prefix hit.")
+        self._seen_offload = (0, 0)
         self.num_preemptions = counter("vllm:num_preemptions",
                                        "Cumulative number of preemption from the engine.")
 
@@ -223,11 +235,27 @@ class ServerMetrics:
     def observe_shed(self) -> None:
         self.shed_requests.inc()
 
-    def add_prefix_cache(self, queries: int, hits: int) -> None:
+    def add_prefix_cache(self, queries: int, hits: int, host_hits: int = 0) -> None:
+        """Tokens looked up and found since the last call; host_hits: of the hits, those
+        restored from the host tier."""
         if queries > 0:
             self.prefix_cache_queries.inc(queries)
         if hits > 0:
             self.prefix_cache_hits.inc(hits)
+        if hits - host_hits > 0:
+            self.prefix_cache_hits_by_tier["device"].inc(hits - host_hits)
+        if host_hits > 0:
+            self.prefix_cache_hits_by_tier["host"].inc(host_hits)
+
+    def set_kv_offload_state(self, used_blocks: int, offloaded: int, restored: int) -> None:
+        """The host tier now: blocks in use, and blocks copied in and back since start."""
+        self.kv_offload_used_blocks.set(used_blocks)
+        seen_offloaded, seen_restored = self._seen_offload
+        if offloaded > seen_offloaded:
+            self.kv_offload_blocks.inc(offloaded - seen_offloaded)
+        if restored > seen_restored:
+            self.kv_restore_blocks.inc(restored - seen_restored)
+        self._seen_offload = (max(offloaded, seen_offloaded), max(restored, seen_restored))
 
     def add_preemptions(self, count: int) -> None:
         if count > 0:

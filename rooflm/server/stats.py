@@ -61,10 +61,12 @@ def stats_line(before: EngineSnapshot, after: EngineSnapshot, seconds: float,
     queried = after.prefix_queried_tokens - before.prefix_queried_tokens
     hits = after.prefix_hit_tokens - before.prefix_hit_tokens
     hit_rate = hits / queried if queried else 0.0
+    host_hits = after.prefix_host_hit_tokens - before.prefix_host_hit_tokens
+    host = f" ({100 * host_hits / hits:.0f}% from host memory)" if host_hits else ""
     waiting = after.num_waiting_reqs + after.num_swapped_reqs
     return (f"running: {after.num_running_reqs} reqs, waiting: {waiting} reqs, KV cache usage: "
             f"{100 * after.kv_usage:.1f}%, generation: {tokens_per_s:.1f} tokens/s, prefix cache "
-            f"hit rate: {100 * hit_rate:.1f}%; steps: {summary.format()}")
+            f"hit rate: {100 * hit_rate:.1f}%{host}; steps: {summary.format()}")
 
 
 async def log_stats_forever(engine_client: EngineClient, meter: StepMeter, interval: float) -> None:

@@ -23,6 +23,10 @@ from rooflm.config import CUDA_BLOCK_SIZE, SchedulerConfig, kv_blocks_cap, resol
 from rooflm.dp.router import POLICIES
 from rooflm.engine_args import add_engine_args, engine_kwargs
 
+# Host-to-device copies of KV blocks (swaps, the prefix cache's host tier) over PCIe 5 x16,
+# pinned, as measured rates go (~50 of 64 GB/s).
+HOST_LINK_GBS = 50.0
+
 
 def register(sub) -> None:
 
@@ -172,13 +176,18 @@ def replica_config(args, model, gpu_key: str, tp: int, tables) -> tuple:
     if num_blocks > cap:
         num_blocks, source = cap, source + f", capped at {max_num_seqs} full-length sequences"
     async_scheduling = True if args.async_scheduling is None else args.async_scheduling
-    num_host_blocks = 0
+    num_host_blocks = num_offload_blocks = 0
+    block_bytes = block_size * kv_bytes_per_token_per_gpu(model, KV_CACHE_BYTES[kv_dtype(args)], tp)
+    block_bytes *= layout.group_size / model.num_hidden_layers
     if args.preemption_mode == "swap":  # the engine's rule: swap space over one block's K/V (one GPU)
-        block_bytes = block_size * kv_bytes_per_token_per_gpu(model, KV_CACHE_BYTES[kv_dtype(args)], tp)
-        block_bytes *= layout.group_size / model.num_hidden_layers
         num_host_blocks = int(args.swap_space_gb * 2**30 // block_bytes)
+    if args.enable_prefix_caching and args.kv_offload_gb:
+        # The engine's rule too; unset is 0 here: the simulated host's memory is not known.
+        num_offload_blocks = int(args.kv_offload_gb * 2**30 // block_bytes)
     cfg = ReplicaConfig(sched, num_blocks=max(num_blocks, 0), block_size=block_size,
                         enable_prefix_caching=args.enable_prefix_caching, num_host_blocks=num_host_blocks,
+                        num_offload_blocks=num_offload_blocks,
+                        host_copy_s_per_block=block_bytes / (HOST_LINK_GBS * 1e9),
                         max_model_len=max_model_len, async_scheduling=async_scheduling,
                         sliding_window=model.sliding_window, kv_windows=layout.windows)
     return cfg, source

@@ -56,6 +56,12 @@ class ReplicaConfig:
     # KV cache groups' windows (engine/kv_groups.py), group 0 full: num_blocks are then blocks of
     # the group size's layers, and sliding groups hold only their window, as in the engine.
     kv_windows: tuple[Optional[int], ...] = (None,)
+    # The prefix cache's host tier (engine/host_kv_tier.py): the real block manager's, so hits
+    # and evictions are the engine's. Each block copied between host and device (tier
+    # restores and offloads, swaps) adds host_copy_s_per_block to its step: the copies run on
+    # the step's stream, before its forward.
+    num_offload_blocks: int = 0
+    host_copy_s_per_block: float = 0.0
 
 
 @dataclass
@@ -106,7 +112,8 @@ class SimReplica:
         self.index = index
         self.cost_model = cost_model
         self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
-                                          cfg.num_host_blocks, windows=cfg.kv_windows)
+                                          cfg.num_host_blocks, windows=cfg.kv_windows,
+                                          num_offload_blocks=cfg.num_offload_blocks)
         self.scheduler = Scheduler(cfg.scheduler, self.block_manager)
         self.outputs = OutputProcessor(self.scheduler, None, {EOS_TOKEN}, cfg.max_model_len,
                                        itertools.count())
@@ -192,6 +199,7 @@ class SimReplica:
         shape = batch_shape(out, self.cfg.sliding_window)
         start = max(now, self.device_free_s)
         seconds = self.cost_model.step_seconds(shape, len(out.scheduled))
+        seconds += (len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out)) * self.cfg.host_copy_s_per_block
         end = start + seconds
         self.device_free_s = end
         self.num_steps += 1
