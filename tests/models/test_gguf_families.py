@@ -446,3 +446,38 @@ def test_quantized_gguf_on_cuda_matches_its_dequantized_copy(tmp_path, family, f
         outs.append(llm.generate(PROMPTS, params, use_tqdm=False))
         del llm
     check_greedy_close(*outs)
+
+
+@pytest.mark.parametrize("family,fmt,overrides", [
+    ("gemma3", "Q4_0", dict(query_pre_attn_scalar=16, rope_local_base_freq=10000.0)),
+    ("phi3", "Q8_0", dict(partial_rotary_factor=1.0, rope_scaling=None, sliding_window=16)),
+    ("granite", "Q8_0", {}),
+])
+def test_quantized_gguf_runs_the_native_cpu_decoder(tmp_path, family, fmt, overrides, monkeypatch):
+    """A quantized file of a parts family keeps its blocks on the CPU and runs single-sequence steps
+    through the native C decoder (post-norms, (1 + w) norms, q/k norms, GELU-tanh, windows, KV cache
+    groups, multipliers), with the torch path's greedy tokens on the same blocks."""
+    from rooflm.quant import native
+    if native.library() is None:
+        pytest.skip("no C compiler or no AVX2/FMA: native kernels not built")
+    _, hf_model = make_model(tmp_path, family, fmt, **overrides)
+    gguf_path = str(tmp_path / f"{family}-{fmt}.gguf")
+    write_gguf(gguf_path, hf_model, family, fmt)
+    tokenizer = _word_level_tokenizer(tmp_path / "tokenizer")
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    runs = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv("ROOFLM_NATIVE_DECODE", switch)
+        llm = LLM(model=gguf_path, dtype="float32", device="cpu", block_size=4, tokenizer=tokenizer)
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1), use_tqdm=False)  # the path is chosen at the first step
+        decoder = llm.engine.runner.model.model.native_decoder
+        assert (decoder is not None) == (switch == "1")
+        ran = []
+        if decoder is not None:  # count the steps it took (forward returns None to decline one)
+            real = decoder.forward
+            decoder.forward = lambda *a, **k: (lambda out: (ran.append(out is not None), out)[1])(real(*a, **k))
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in PROMPTS]  # one sequence a step
+        if decoder is not None:
+            assert ran and all(ran), "the native decoder declined steps it should take"
+        runs.append([o.outputs[0].token_ids for o in outs])
+    assert runs[0] == runs[1]
