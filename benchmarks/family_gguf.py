@@ -1,6 +1,8 @@
 """A real-shape GGUF of a parts family with random weights, laid out as llama.cpp's converter (and
-llama-quantize) writes one: the decoder layers' matrices in --fmt (Q4_0 by default), the embedding
-in F16, norms F32 (Gemma's stored as 1 + w), q/k permuted where the converter permutes. For speed
+llama-quantize) writes one: the decoder layers' matrices in --fmt (Q4_0 by default), the token
+embedding in --embedding-fmt (Q8_0 by default, llama-quantize's --token-embedding-type: a tied head
+then reads 8.5 bits a weight in both engines, not an F16 or fp32 copy), norms F32 (Gemma's stored as
+1 + w), q/k permuted where the converter permutes. For speed
 comparisons on the CPU (benchmarks/cpu_vs_llamacpp.py --model FILE): random weights run at the
 speed real ones do.
 
@@ -38,6 +40,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", required=True, choices=sorted(n for n, c in PRESETS.items() if c.architecture in FAMILY_OF))
     p.add_argument("--fmt", default="Q4_0", choices=["Q4_0", "Q8_0", "F16"])
+    p.add_argument("--embedding-fmt", default="Q8_0", choices=["Q8_0", "F16"])
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -66,7 +69,7 @@ def main() -> None:
         if family in PERMUTED and module.endswith(("q_proj", "k_proj")):
             heads = cfg.num_attention_heads if module.endswith("q_proj") else cfg.num_key_value_heads
             array = llama_cpp_permute(array, heads)
-        fmt = args.fmt if module.startswith("model.layers.") or args.fmt == "F16" else "F16"
+        fmt = args.fmt if module.startswith("model.layers.") else args.embedding_fmt
         _add(w, f"{name_map.get_name(module)}.{suffix}", array, fmt)
         print(f"{hf_name} {tuple(tensor.shape)} {fmt if array.ndim > 1 else 'F32'}", file=sys.stderr, flush=True)
     rope = getattr(cfg, "rope_parameters", None) or {}
