@@ -50,7 +50,8 @@ class FakeEngine:
     def predicted_queue_wait(self, priority=0, arrival=None):
         return 0.0
 
-    def add_request(self, request_id, prompt, params, arrival_time=None, cache_salt=None, priority=0):
+    def add_request(self, request_id, prompt, params, arrival_time=None, cache_salt=None, priority=0,
+                    lora_request=None):
         if prompt == [666]:
             raise InvalidRequest("prompt token id at index 0 is 666", param="prompt")
         request = SimpleNamespace(request_id=request_id, prompt=prompt, params=params,
