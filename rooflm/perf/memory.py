@@ -46,12 +46,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 from rooflm.config import ModelConfig, resolve_max_num_seqs, step_activation_bytes
-from rooflm.engine.kv_groups import KVLayout, blocks_per_seq as group_blocks_per_seq, kv_layout, single_group
 from rooflm.perf.roofline import KV_CACHE_BYTES, WEIGHT_FORMATS, kv_bytes_per_token_per_gpu
 
+
+if TYPE_CHECKING:  # imported where used: the CLI builds its parser from this module without the engine
+    from rooflm.engine.kv_groups import KVLayout
 
 @dataclass(frozen=True)
 class ParamCounts:
@@ -125,7 +127,7 @@ class InferenceMemory:
     max_cached_tokens: int
     # KV cache groups (engine/kv_groups.py): sliding-window layers holding only their window, the
     # engine's default. A block then holds kv_layout.group_size layers, not all of them.
-    kv_layout: KVLayout = None
+    kv_layout: "KVLayout" = None
     hybrid_num_blocks: int = 0
     hybrid_blocks_per_seq: int = 0
     hybrid_concurrent_seqs: int = 0  # the same as max_concurrent_seqs without sliding layers
@@ -152,6 +154,7 @@ def inference_memory(config: ModelConfig, weight_dtype: str = "bf16", kv_dtype: 
     blocks_per_seq = math.ceil(context / block_size)
     layout = model_kv_layout(config, context)
     hybrid_blocks = int(kv_pool // (block_bytes * layout.group_size / config.num_hidden_layers))
+    from rooflm.engine.kv_groups import blocks_per_seq as group_blocks_per_seq
     hybrid_per_seq = group_blocks_per_seq(layout, context, block_size)
     return InferenceMemory(
         kv_layout=layout, hybrid_num_blocks=hybrid_blocks, hybrid_blocks_per_seq=hybrid_per_seq,
@@ -164,8 +167,9 @@ def inference_memory(config: ModelConfig, weight_dtype: str = "bf16", kv_dtype: 
         max_cached_tokens=num_blocks * block_size)
 
 
-def model_kv_layout(config: ModelConfig, max_model_len: int) -> KVLayout:
+def model_kv_layout(config: ModelConfig, max_model_len: int) -> "KVLayout":
     """The KV cache groups the engine makes of this model's layers (model_runner.set_kv_layout)."""
+    from rooflm.engine.kv_groups import kv_layout, single_group
     from rooflm.model.spec import layer_windows
 
     try:
