@@ -226,11 +226,8 @@ def test_llama_layer_folds_norms_and_residual_adds_into_quantized_linears():
     """The one-token layer with linears whose method folds (as W4A16Linear's mma kernel does) gives
     the unfolded layer's result, and falls back whole where qkv's method cannot fold."""
     from rooflm.config import ModelConfig
-    from rooflm.kernels.rmsnorm import rmsnorm_ref
-    from rooflm.layers.activation import silu_and_mul_torch
     from rooflm.model.decoder import DecoderLayer
     from rooflm.model.spec import llama_spec
-    from rooflm.quant.linear_method import QuantizedLinearMethod
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=120, hidden_size=16, intermediate_size=32,
                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
     layer = DecoderLayer(cfg, llama_spec(cfg), None, None, None)
@@ -241,22 +238,7 @@ def test_llama_layer_folds_norms_and_residual_adds_into_quantized_linears():
     out, res = layer(None, x, residual, None, None)
     plain = out + res  # the residual stream after the layer
 
-    class Folding(QuantizedLinearMethod):  # W4A16Linear's contract, in torch
-        can_fold = True
-
-        def __init__(self, weight):
-            super().__init__()
-            self.weight = weight
-            self.calls = []
-
-        def forward(self, x):
-            return x @ self.weight.T
-
-        def folded(self, x, *, norm_weight=None, eps=1e-6, residual=None, gated=False):
-            self.calls.append((norm_weight is not None, residual is not None, gated))
-            y = (rmsnorm_ref(x, norm_weight, eps) if norm_weight is not None else x) @ self.weight.T
-            y = silu_and_mul_torch(y) if gated else y
-            return y + residual if residual is not None else y
+    from tests.models.test_decoder_paths import Folding  # W4A16Linear's contract, in torch
 
     linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
     for lin in linears:

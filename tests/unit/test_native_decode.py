@@ -261,20 +261,21 @@ def _parts_weights(cls, seed=0):
     return out
 
 
+def _parts_model(cls, weights, monkeypatch, native_on: bool):
+    monkeypatch.setenv(native_decode.ENV_SWITCH, "1" if native_on else "0")
+    model = cls(TINY, max_positions=256).eval()
+    model.load_weights(iter(weights))
+    model.model.choose_decoder_path()  # under this ROOFLM_NATIVE_DECODE
+    return model
+
+
 @pytest.mark.parametrize("family", ["gemma3", "phi3", "granite-smollm3"])
 def test_native_decoder_computes_the_parts(family, monkeypatch):
     spec = _parts_specs()[family]
     assert spec.native_reason() is None
     cls = _parts_class(spec)
     weights = _parts_weights(cls)
-    models = []
-    for native_on in (True, False):
-        monkeypatch.setenv(native_decode.ENV_SWITCH, "1" if native_on else "0")
-        model = cls(TINY, max_positions=256).eval()
-        model.load_weights(iter(weights))
-        model.model.choose_decoder_path()
-        models.append(model)
-    fast, ref = models
+    fast, ref = (_parts_model(cls, weights, monkeypatch, native_on) for native_on in (True, False))
     assert fast.model.native_decoder is not None and ref.model.native_decoder is None
     fast_cache, ref_cache = make_cache(), make_cache()
     ids = torch.randint(0, TINY.vocab_size, (40,), generator=torch.Generator().manual_seed(5))
@@ -306,14 +307,7 @@ def test_native_decoder_reads_each_layers_kv_cache_group(monkeypatch):
     spec = _parts_specs()["gemma3"]
     cls = _parts_class(spec)
     weights = _parts_weights(cls, seed=1)
-    models = []
-    for native_on in (True, False):
-        monkeypatch.setenv(native_decode.ENV_SWITCH, "1" if native_on else "0")
-        model = cls(TINY, max_positions=256).eval()
-        model.load_weights(iter(weights))
-        model.model.choose_decoder_path()
-        models.append(model)
-    fast, ref = models
+    fast, ref = (_parts_model(cls, weights, monkeypatch, native_on) for native_on in (True, False))
     other_table = list(reversed(BLOCK_TABLE))
 
     def grouped_cache():
