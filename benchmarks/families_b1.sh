@@ -23,5 +23,7 @@ for name in sys.argv[2:]:
         continue
     mbu = d.get("mbu")
     mbu = f"{100 * mbu:.1f}%" if isinstance(mbu, (int, float)) else str(mbu)
-    print(f"| {name} | {d['tpot_ms']['median']:.3f} | {mbu} | {d.get('output_tokens_per_s', 0):,.1f} |")
+    tps = d.get("output_tokens_per_s", 0)
+    tps = tps["median"] if isinstance(tps, dict) else tps  # bench latency writes {median, mean, min, max}
+    print(f"| {name} | {d['tpot_ms']['median']:.3f} | {mbu} | {tps:,.1f} |")
 PY

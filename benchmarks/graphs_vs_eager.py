@@ -4,6 +4,9 @@ the eager run's top logprobs and the other run's at the first position where tok
 A near-tie in a random-weight model flips with any rounding change; a bug shows as large gaps.
 
 Usage (GPU): PYTHONPATH=$PWD python benchmarks/graphs_vs_eager.py --model gemma-3-1b [--tokens 8]
+    [--variants eager-alone graphs piecewise piecewise-onepool eager-onepool]
+eager-alone runs each prompt by itself (the noise of other GEMM shapes); the -onepool variants
+turn the KV cache groups off (--disable-hybrid-kv-cache-manager).
 """
 
 import argparse
@@ -23,11 +26,23 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     p.add_argument("--tokens", type=int, default=8)
+    p.add_argument("--variants", nargs="+", default=["graphs", "piecewise"],
+                   help="compared with eager: eager-alone graphs piecewise piecewise-alone piecewise-onepool eager-onepool")
     args = p.parse_args()
     prompts = [list(range(100, 228)), list(range(500, 517))]
-    runs = {"eager": run(args.model, prompts, args.tokens, enforce_eager=True),
-            "graphs": run(args.model, prompts, args.tokens, piecewise_cuda_graphs=False),
-            "piecewise": run(args.model, prompts, args.tokens)}
+    variants = {
+        "eager": lambda: run(args.model, prompts, args.tokens, enforce_eager=True),
+        # each prompt in its own run: the rounding noise of other GEMM shapes, with no graph at all
+        "eager-alone": lambda: [run(args.model, [p], args.tokens, enforce_eager=True)[0] for p in prompts],
+        "graphs": lambda: run(args.model, prompts, args.tokens, piecewise_cuda_graphs=False),
+        # each prompt alone through the piecewise graphs: a 128-token prompt fills its bucket, no padding
+        "piecewise-alone": lambda: [run(args.model, [p], args.tokens)[0] for p in prompts],
+        "piecewise": lambda: run(args.model, prompts, args.tokens),
+        "piecewise-onepool": lambda: run(args.model, prompts, args.tokens, disable_hybrid_kv_cache_manager=True),
+        "eager-onepool": lambda: run(args.model, prompts, args.tokens, enforce_eager=True,
+                                     disable_hybrid_kv_cache_manager=True),
+    }
+    runs = {name: variants[name]() for name in ["eager"] + [v for v in args.variants if v != "eager"]}
     base = runs["eager"]
     for name, outs in runs.items():
         for i, (a, b) in enumerate(zip(base, outs)):

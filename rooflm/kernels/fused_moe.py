@@ -200,6 +200,7 @@ class FusedMoeConfig:
 
 
 TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned", "fused_moe.json")
+ALIGN_TRITON_MAX_PAIRS = 512  # fused_moe's align: Triton's one launch up to here, torch's beyond
 
 
 def lookup_tuned(device_name: Optional[str], num_experts: int, top_k: int, hidden: int, inter: int,
@@ -348,7 +349,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         return torch.empty_like(x)
     cfg = config or pick_config(num_tokens, num_experts, top_k, hidden, inter, x.device)
     if align is None:
-        align = moe_align_block_size_triton if x.is_cuda else moe_align_block_size
+        # The one-launch Triton align walks every (token, expert) pair in one program: 9 us against
+        # torch's 48 at one token, level at 64 tokens of top-8, 167 against 83 at 256 (H200,
+        # benchmarks/results/parts-tuning-h200-20261129). Past 512 pairs torch's launches win.
+        small = num_tokens * top_k <= ALIGN_TRITON_MAX_PAIRS
+        align = moe_align_block_size_triton if x.is_cuda and small else moe_align_block_size
     aligned = align(topk_ids, cfg.block_m, num_experts)
     num_pairs = num_tokens * top_k
     weights = topk_weights.reshape(-1)

@@ -54,6 +54,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from rooflm import envs
+from rooflm.kernels import tuned_configs
 from rooflm.kernels.utils import check_last_dim_contiguous, gdc_launch_dependents, gdc_wait, is_interpreter, pdl_supported
 
 
@@ -164,10 +166,15 @@ class GemvConfig(NamedTuple):
 DEFAULT_CONFIG = GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=2)
 
 
-def pick_config(n: int, k: int, gated: bool) -> GemvConfig:
-    """Launch shape for an [n, k] GEMV (measured on an H100: benchmarks/gemv.py)."""
+def pick_config(n: int, k: int, gated: bool, device_name: Optional[str] = None) -> GemvConfig:
+    """Launch shape for an [n, k] GEMV: the GPU's measured entry for this weight shape in
+    kernels/tuned/gemv.json (benchmarks/gemv_shapes.py writes it), else DEFAULT_CONFIG."""
     if is_interpreter():
         return GemvConfig(4, 64, 1, 1)  # small tiles keep the CPU interpreter quick
+    if device_name is not None and envs.cached.ROOFLM_GEMV_TUNED:
+        entry = tuned_configs.lookup_gemv(device_name, n, k, gated)
+        if entry is not None:
+            return GemvConfig(**entry)
     return DEFAULT_CONFIG
 
 
@@ -199,7 +206,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] 
         if t is not None and t.numel() != size:
             raise ValueError(f"{name} must have {size} elements, got {tuple(t.shape)}")
     out = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
-    cfg = config or pick_config(n, k, gated)
+    cfg = config or pick_config(n, k, gated, tuned_configs.device_facts(x.device)[0])
     even = n % cfg.block_n == 0 and k % cfg.block_k == 0
     dummy = x  # never read when its flag is off
     grid = (triton.cdiv(n, cfg.block_n),)

@@ -23,6 +23,9 @@ import os
 from typing import Optional
 
 TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned", "weight_only.json")
+# The batch-1 bf16/fp16 GEMV's launch shapes (kernels/gemv.py), written by benchmarks/gemv_shapes.py:
+#   {"<gpu>": {"gemv": [{"n": N, "k": K, "gated": bool, "config": GemvConfig fields}, ...]}}
+GEMV_TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned", "gemv.json")
 
 
 @functools.lru_cache(maxsize=4)
@@ -47,6 +50,18 @@ def lookup(kernel: str, device_name: Optional[str], n: int, k: int, m: int, grou
     above = [e for e in entries if e["m"] >= m]
     best = min(above, key=lambda e: e["m"]) if above else max(entries, key=lambda e: e["m"])
     return best["config"]
+
+
+@functools.lru_cache(maxsize=256)
+def lookup_gemv(device_name: str, n: int, k: int, gated: bool, path: str = GEMV_TABLE_PATH) -> Optional[dict]:
+    """The tabled GEMV config fields for an [n, k] weight (n: output rows, after gating), or None.
+    Cached: pick_config asks once per layer shape, not per call."""
+    if not os.path.exists(path):
+        return None
+    for e in load_table(path).get(device_name, {}).get("gemv", []):
+        if e["n"] == n and e["k"] == k and bool(e.get("gated")) == gated:
+            return dict(e["config"])
+    return None
 
 
 @functools.lru_cache(maxsize=4)

@@ -31,9 +31,9 @@ class Kernels:
     # The router after its matmul, (logits, top_k, scoring, renormalize) -> (weights fp32, ids
     # int32), one launch: rooflm.kernels.moe_router on CUDA; None: torch softmax + topk.
     moe_router: Optional[Callable] = None
-    # The pairs' sort by expert for fused_moe, (topk_ids, block_m, num_experts) -> AlignedPairs,
-    # one launch: rooflm.kernels.moe_align.moe_align_block_size_triton on CUDA; None: fused_moe's
-    # default for the device.
+    # The pairs' sort by expert for fused_moe, (topk_ids, block_m, num_experts) -> AlignedPairs;
+    # None: fused_moe's choice by device and size (Triton's one launch for small batches on CUDA,
+    # torch's past kernels/fused_moe.ALIGN_TRITON_MAX_PAIRS pairs).
     moe_align: Optional[Callable] = None
 
 
@@ -43,7 +43,6 @@ TORCH_KERNELS = Kernels()
 def triton_kernels(decode_gemv: bool) -> Kernels:
     from rooflm.kernels.fused_moe import fused_moe
     from rooflm.kernels.gemv import gemv
-    from rooflm.kernels.moe_align import moe_align_block_size_triton
     from rooflm.kernels.moe_router import moe_router
     from rooflm.kernels.rmsnorm import rmsnorm
     from rooflm.kernels.silu_mul import silu_mul
@@ -52,5 +51,5 @@ def triton_kernels(decode_gemv: bool) -> Kernels:
     # head_norm: q/k norms over each head (Qwen3, Gemma 3) through the same row kernel as the
     # hidden-state norms, not torch's six element-wise launches a norm.
     return Kernels(rmsnorm=rmsnorm, silu_mul=silu_mul, gemv=gemv if decode_gemv else None, linear=small_m_linear,
-                   fused_moe=fused_moe, moe_router=moe_router, moe_align=moe_align_block_size_triton,
+                   fused_moe=fused_moe, moe_router=moe_router,
                    head_norm=rmsnorm)

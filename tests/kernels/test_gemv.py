@@ -84,3 +84,23 @@ def test_gemv_gpu_bf16_llama_shapes(n, k, gated, config):
     res = torch.randn(1, n, generator=g).to(dtype).to(DEVICE)
     kwargs = dict(norm_weight=norm_w, eps=1e-5, gated=gated) if gated else dict(residual=res)
     assert_close(gemv(x, w, config=config, **kwargs), gemv_ref(x, w, **kwargs), dtype)
+
+
+def test_tuned_gemv_table_lookup(tmp_path):
+    """pick_config's table: an exact (n, k, gated) entry for the GPU, None for any other shape or GPU,
+    and the shipped table's entries are valid launch shapes."""
+    import json
+
+    from rooflm.kernels.gemv import GemvConfig
+    from rooflm.kernels.tuned_configs import GEMV_TABLE_PATH, lookup_gemv
+
+    entry = {"n": 4096, "k": 3840, "gated": True, "config": {"block_n": 2, "block_k": 512, "num_warps": 4, "num_stages": 2}}
+    path = tmp_path / "gemv.json"
+    path.write_text(json.dumps({"GPU-X": {"gemv": [entry]}}))
+    assert lookup_gemv("GPU-X", 4096, 3840, True, str(path)) == entry["config"]
+    assert lookup_gemv("GPU-X", 4096, 3840, False, str(path)) is None  # the plain GEMV of that shape
+    assert lookup_gemv("GPU-Y", 4096, 3840, True, str(path)) is None
+    for gpu, kernels in json.loads(open(GEMV_TABLE_PATH).read()).items():
+        for e in kernels["gemv"]:
+            cfg = GemvConfig(**e["config"])
+            assert cfg.block_k & (cfg.block_k - 1) == 0 and cfg.block_n & (cfg.block_n - 1) == 0, (gpu, e)
