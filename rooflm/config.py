@@ -431,6 +431,10 @@ class ParallelConfig:
     # above; "nccl" always NCCL; "auto" symm where every GPU pair has peer access, else NCCL.
     # The CPU (gloo) ignores it.
     tp_allreduce: str = "auto"
+    # Mixture-of-experts layers split their experts across the tensor-parallel ranks (each rank
+    # holds E / N whole experts) instead of sharding every expert's intermediate dimension;
+    # attention stays tensor-parallel (layers/moe.py, docs/moe.md). vLLM's --enable-expert-parallel.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

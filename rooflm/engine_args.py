@@ -102,6 +102,8 @@ HELP: dict[str, str] = {
                                "CUDA graphs run it)",
     # parallel
     "tensor_parallel_size": "GPUs one model is split over (one worker process per rank)",
+    "enable_expert_parallel": "MoE layers split whole experts across the tensor-parallel ranks "
+                              "instead of sharding each expert (attention stays tensor-parallel)",
     "tp_allreduce": "the row-parallel all-reduce on CUDA. symm: a one-shot kernel over symmetric "
                     "memory up to 4 MiB, NCCL above; nccl: always NCCL; auto: symm where every "
                     "GPU pair has peer access",

@@ -332,8 +332,11 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
+                # --enable-expert-parallel reaches the MoE blocks only (dense families take no such
+                # argument): whole experts per rank instead of a slice of every expert
+                ep = {"expert_parallel": True} if self.config.parallel.enable_expert_parallel else {}
                 model = cls(self.model_config, max_positions=self.max_model_len, backend=self.backend,
-                            kernels=self._make_kernels(), tp=self.tp)
+                            kernels=self._make_kernels(), tp=self.tp, **ep)
         finally:
             torch.set_default_dtype(prev)
         if self.tp.size > 1:

@@ -330,7 +330,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               topk_ids: torch.Tensor, *, b13: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None,
               activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
               config: Optional[FusedMoeConfig] = None, align: Optional[Callable] = None,
-              w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+              w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
+              local_only: bool = False) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for x [T, H]; returns [T, H] in x's dtype.
 
     w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], optional biases b13 [E, 2I], b2 [E, H];
@@ -339,7 +340,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     align: moe_align_block_size's signature; None: the one-launch Triton one on CUDA, torch's
     elsewhere. FP8 experts (W8A8): w13 / w2 float8_e4m3fn codes with per-output-channel fp32
     scales w13_scale [E, 2I], w2_scale [E, H]; x and h are quantized per token on the way in
-    (kernels/fp8_quant.py), two launches more than bf16's four."""
+    (kernels/fp8_quant.py), two launches more than bf16's four.
+    local_only (expert parallelism, layers/moe.py): topk_ids hold -1 for experts other ranks
+    hold; those pairs are sorted nowhere and their rows stay zero (one memset more)."""
     fp8 = _check_inputs(x, w13, w2, topk_weights, topk_ids, b13, b2, activation, w13_scale, w2_scale)
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
@@ -360,7 +363,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if not weights.is_contiguous():
         weights = weights.contiguous()
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    y = (torch.zeros if local_only else torch.empty)(num_pairs, hidden, dtype=x.dtype, device=x.device)
     if fp8:
         fp8_dot = fp8_dot_supported(x.device)
         qx, sx = per_token_fp8(x)

@@ -86,27 +86,33 @@ def _check(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> None:
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> AlignedPairs:
     """Sort topk_ids' (token, k) pairs by expert into BLOCK_M-row blocks (module docstring).
 
-    topk_ids [T, top_k] integer expert ids in [0, num_experts); not checked here (that would
-    wait for the device): an id outside the range is the router's bug."""
+    topk_ids [T, top_k] integer expert ids in [0, num_experts), or -1 for a pair no expert here
+    takes (expert parallelism: another rank's expert), which is sorted nowhere. Ids are not
+    checked here (that would wait for the device): one outside the range is the router's bug."""
     _check(topk_ids, block_m, num_experts)
     device = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_pairs = flat.numel()
     size = max_padded_rows(num_pairs, num_experts, block_m)
+    # -1 pairs count in an extra bucket E with no padded rows: they sort last and land in a dump
+    # row past the end (no host sync, so a CUDA graph captures it)
+    flat = torch.where(flat >= 0, flat, num_experts)
 
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    counts_all = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts_all.scatter_add_(0, flat, torch.ones_like(flat))
+    counts = counts_all[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
-    padded_start = padded_end - padded
-    count_start = torch.cumsum(counts, 0) - counts
+    padded_start = torch.cat([padded_end - padded, padded_end.new_full((1,), size)])
+    count_start = torch.cumsum(counts_all, 0) - counts_all
 
     order = torch.argsort(flat, stable=True)
     expert_of_sorted = flat[order]
     rank = torch.arange(num_pairs, device=device) - count_start[expert_of_sorted]
-    rows = padded_start[expert_of_sorted] + rank
-    sorted_token_ids = torch.full((size,), num_pairs, dtype=torch.int32, device=device)
+    rows = torch.where(expert_of_sorted < num_experts, padded_start[expert_of_sorted] + rank, size)
+    sorted_token_ids = torch.full((size + 1,), num_pairs, dtype=torch.int32, device=device)
     sorted_token_ids[rows] = order.to(torch.int32)
+    sorted_token_ids = sorted_token_ids[:size]
 
     block_first_row = torch.arange(0, size, block_m, device=device)
     expert_ids = torch.searchsorted(padded_end, block_first_row, right=True)
@@ -144,7 +150,8 @@ def _moe_align_kernel(topk_ids_ptr, sorted_ptr, expert_ids_ptr, post_padded_ptr,
         onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
         before = tl.cumsum(onehot, axis=0) - onehot  # same-expert pairs ahead in this chunk
         rows = tl.sum(onehot * (padded_start + seen)[None, :] + onehot * before, axis=1)
-        tl.store(sorted_ptr + rows, pairs, mask=valid)
+        # a -1 pair (another rank's expert, expert parallelism) matches no lane: stored nowhere
+        tl.store(sorted_ptr + rows, pairs, mask=valid & (ids >= 0))
         seen += tl.sum(onehot, axis=0)
 
     filled_end = padded_start + counts

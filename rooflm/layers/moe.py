@@ -17,8 +17,17 @@ experts that have tokens: the CPU path and the reference the fused one is tested
 Tensor parallelism: like the dense MLP (Megatron's split), every rank holds every expert, with
 the intermediate dimension split: rows [r I/N, (r+1) I/N) of gate and of up, the same columns of
 down. Each rank's output is a partial sum and the block all-reduces once (experts and shared
-expert together). The router is replicated: every rank routes alike. Expert parallelism
-(experts split across ranks, tokens moved by all-to-all) is a later step.
+expert together). The router is replicated: every rank routes alike.
+
+Expert parallelism (--enable-expert-parallel, over the tensor-parallel ranks): rank r holds the
+whole of experts [r E/N, (r+1) E/N) instead of 1/N of each. Attention stays tensor-parallel, so
+every rank already has every token's hidden state: each rank runs the pairs routed to its own
+experts (the others' ids become -1 and add nothing: local_expert_ids) and the block's one
+all-reduce sums the ranks' parts, as under TP. This is the all-gather + reduce-scatter form of
+EP with the gather free (TP's attention output is replicated); an all-to-all that moves only the
+routed tokens pays off once attention is data-parallel (not built). The shared expert stays
+tensor-parallel. Per step a rank reads its own active experts whole: at decode, the experts
+touched split unevenly over the ranks (the imbalance rooflm profile would show: not built).
 
 Weights come from HF checkpoints through SparseMoeBlock.load_weight, with names relative to the
 block (the model strips "model.layers.{i}.mlp." or Mixtral's "...block_sparse_moe."):
@@ -150,9 +159,11 @@ def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     added into the output at its tokens (HF's loop; one host sync for the per-expert counts).
     With scales, w13 / w2 are FP8 codes (Experts.quantize_fp8) and each matmul is W8A8's."""
     top_k = topk_ids.shape[1]
+    num_experts = w13.shape[0]
     flat = topk_ids.reshape(-1).long()
+    flat = torch.where(flat >= 0, flat, num_experts)  # -1 (another rank's expert): sorted last, skipped
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].tolist()
     weights = topk_weights.reshape(-1)
     out = torch.zeros_like(x)
     start = 0
@@ -180,23 +191,38 @@ def _w8a8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: Opti
     return y if bias is None else y + bias.float()
 
 
+def local_expert_ids(topk_ids: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """Router ids -> this rank's expert indices under expert parallelism: id - first for the
+    experts [first, first + count) held here, -1 for the others (their pairs add nothing here)."""
+    local = topk_ids - first
+    return torch.where((local >= 0) & (local < count), local, torch.full_like(local, -1))
+
+
 class Experts(torch.nn.Module):
-    """Every expert's gated MLP, stacked; this rank's share [start, start + I_local) of each
-    expert's intermediate dimension (all of it on one rank)."""
+    """Every expert's gated MLP, stacked. Tensor parallel: this rank's share [start, start +
+    I_local) of each expert's intermediate dimension. Expert parallel: the whole of this rank's
+    experts [expert_start, expert_start + num_local). One rank: all of it."""
 
     def __init__(self, cfg: MoeConfig, kernel: Optional[Callable] = None, rank: int = 0, world: int = 1,
-                 align: Optional[Callable] = None):
+                 align: Optional[Callable] = None, expert_parallel: bool = False):
         super().__init__()
-        if cfg.intermediate_size % world:
+        self.expert_parallel = expert_parallel and world > 1
+        if self.expert_parallel and cfg.num_experts % world:
+            raise ValueError(f"--enable-expert-parallel: {cfg.num_experts} experts do not split evenly over "
+                             f"{world} ranks")
+        if not self.expert_parallel and cfg.intermediate_size % world:
             raise ValueError(f"moe intermediate_size {cfg.intermediate_size} is not divisible by "
                              f"the tensor-parallel size {world}")
         self.cfg = cfg
         self.kernel = kernel  # rooflm.kernels.fused_moe.fused_moe on CUDA (Kernels.fused_moe), else torch
         self.align = align  # Kernels.moe_align: the kernel's sort by expert; None: its default
-        self.inter = cfg.intermediate_size // world
-        self.start = rank * self.inter
+        ep = world if self.expert_parallel else 1
+        self.num_local = cfg.num_experts // ep
+        self.expert_start = rank * self.num_local if self.expert_parallel else 0
+        self.inter = cfg.intermediate_size // (1 if self.expert_parallel else world)
+        self.start = 0 if self.expert_parallel else rank * self.inter
         self.is_driver = rank == 0
-        e, h, i = cfg.num_experts, cfg.hidden_size, self.inter
+        e, h, i = self.num_local, cfg.hidden_size, self.inter
         self.w13 = torch.nn.Parameter(torch.empty(e, 2 * i, h))
         self.w2 = torch.nn.Parameter(torch.empty(e, h, i))
         self.b13 = torch.nn.Parameter(torch.empty(e, 2 * i)) if cfg.expert_bias else None
@@ -240,8 +266,13 @@ class Experts(torch.nn.Module):
         return silu_and_mul_torch(gate_up)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        local_only = self.expert_parallel
+        if local_only:
+            topk_ids = local_expert_ids(topk_ids, self.expert_start, self.num_local)
         if self.kernel is not None:
             extra = {} if self.align is None else {"align": self.align}
+            if local_only:
+                extra["local_only"] = True
             if self.w13_scale is not None:
                 extra.update(w13_scale=self.w13_scale, w2_scale=self.w2_scale)
             return self.kernel(x, self.w13, self.w2, topk_weights, topk_ids, b13=self.b13, b2=self.b2,
@@ -259,10 +290,18 @@ class Experts(torch.nn.Module):
                              f"intermediate size {self.cfg.intermediate_size}")
         return _narrow(tensor, dim, self.start, self.inter)
 
+    def _local(self, tensor) -> torch.Tensor:
+        """A stacked tensor's rows of this rank's experts (dim 0; all of them without EP)."""
+        return _narrow(tensor, 0, self.expert_start, self.num_local)
+
     def load_expert(self, expert: int, proj: str, tensor) -> None:
-        """One expert's HF linear weight: proj 'gate' / 'up' [I, H] or 'down' [H, I]."""
+        """One expert's HF linear weight: proj 'gate' / 'up' [I, H] or 'down' [H, I]. Under
+        expert parallelism another rank's expert is skipped (that rank loads it)."""
         if not 0 <= expert < self.cfg.num_experts:
             raise ValueError(f"expert {expert} out of range [0, {self.cfg.num_experts})")
+        expert -= self.expert_start
+        if not 0 <= expert < self.num_local:
+            return
         with torch.no_grad():
             if proj == "down":
                 _copy(self.w2[expert], self._rows(tensor, 1), f"expert {expert} down_proj")
@@ -272,7 +311,7 @@ class Experts(torch.nn.Module):
 
     def load_stacked(self, name: str, tensor) -> None:
         """A stacked checkpoint tensor (transformers 5 / gpt-oss layouts, module docstring)."""
-        t = _materialize(tensor)
+        t = self._local(_materialize(tensor))
         interleaved = self.cfg.gate_up_interleaved
         with torch.no_grad():
             if name == "gate_up_proj":
@@ -291,8 +330,9 @@ class Experts(torch.nn.Module):
                 _copy(self.b13[:, :self.inter], self._rows(gate, 1), name)
                 _copy(self.b13[:, self.inter:], self._rows(up, 1), name)
             elif name == "down_proj_bias" and self.b2 is not None:
-                # Added once: rank 0 holds it, the others zeros, and the all-reduce sums them.
-                _copy(self.b2, t if self.is_driver else torch.zeros_like(t), name)
+                # Added once: rank 0 holds it, the others zeros, and the all-reduce sums them (under
+                # expert parallelism each rank's experts are its own: their biases whole).
+                _copy(self.b2, t if self.is_driver or self.expert_parallel else torch.zeros_like(t), name)
             else:
                 raise KeyError(f"experts.{name}: not a stacked expert tensor this config has")
 
@@ -349,13 +389,14 @@ _PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate"
 class SparseMoeBlock(torch.nn.Module):
     """x [..., H] -> router -> experts (+ shared expert) -> [..., H]; one all-reduce under TP."""
 
-    def __init__(self, cfg: MoeConfig, kernels: Kernels = TORCH_KERNELS, tp: Optional["TPGroup"] = None):
+    def __init__(self, cfg: MoeConfig, kernels: Kernels = TORCH_KERNELS, tp: Optional["TPGroup"] = None,
+                 expert_parallel: bool = False):
         super().__init__()
         rank, world = (0, 1) if tp is None else (tp.rank, tp.size)
         self.cfg = cfg
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.router = Router(cfg, kernels.moe_router)
-        self.experts = Experts(cfg, kernels.fused_moe, rank, world, kernels.moe_align)
+        self.experts = Experts(cfg, kernels.fused_moe, rank, world, kernels.moe_align, expert_parallel)
         self.shared_expert = SharedExpert(cfg, rank, world) if cfg.shared_expert_intermediate_size else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -151,13 +151,14 @@ class DecoderLayer(torch.nn.Module):
 
     def __init__(self, cfg: ModelConfig, spec: ModelSpec, window: Optional[int], rotary: RotaryEmbedding,
                  backend: Optional[AttentionBackend], kernels: Kernels = TORCH_KERNELS, tp: TPGroup = SINGLE,
-                 mlp: str = DENSE):
+                 mlp: str = DENSE, expert_parallel: bool = False):
         super().__init__()
         self.self_attn = DecoderAttention(cfg, spec, window, rotary, backend, kernels, tp)
         # mlp: this layer's MLP part (ModelSpec.layer_mlps). The fast paths below fuse a dense
         # gated MLP; an MoE block runs as itself in every path (_mlp_apart, _mlp_sublayer).
         self.dense_mlp = mlp == DENSE
-        self.mlp = GatedMLP(cfg, spec, kernels, tp) if self.dense_mlp else SparseMoeBlock(spec.moe, kernels, tp)
+        self.mlp = (GatedMLP(cfg, spec, kernels, tp) if self.dense_mlp
+                    else SparseMoeBlock(spec.moe, kernels, tp, expert_parallel))
         self.norm_names = (spec.pre_attn_norm, spec.post_attn_norm, spec.pre_mlp_norm, spec.post_mlp_norm)
         for name in self.norm_names:
             if name is not None:
@@ -359,7 +360,7 @@ class DecoderModel(torch.nn.Module):
     """Embedding (scaled where the spec says), the layers, the final norm."""
 
     def __init__(self, cfg: ModelConfig, spec: ModelSpec, max_positions: int, backend: Optional[AttentionBackend],
-                 kernels: Kernels = TORCH_KERNELS, tp: TPGroup = SINGLE):
+                 kernels: Kernels = TORCH_KERNELS, tp: TPGroup = SINGLE, expert_parallel: bool = False):
         super().__init__()
         # Where the given backend cannot compute a part, the reference takes the model's attention;
         # it reads the step's host-side lists, which a CUDA graph would replay as captured, so the
@@ -375,7 +376,7 @@ class DecoderModel(torch.nn.Module):
         windows = spec.layer_windows or (cfg.sliding_window,) * cfg.num_hidden_layers
         mlps = spec.layer_mlps or (DENSE,) * cfg.num_hidden_layers
         self.layers = torch.nn.ModuleList(
-            DecoderLayer(cfg, spec, window, rotary, backend, kernels, tp, mlp)
+            DecoderLayer(cfg, spec, window, rotary, backend, kernels, tp, mlp, expert_parallel)
             for window, rotary, mlp in zip(windows, rotaries, mlps))
         self.norm = make_norm(spec, cfg.hidden_size, cfg.rms_norm_eps, kernels.rmsnorm)
         log.info("decoder path: %s", decoder_path(spec, kernels))
@@ -448,12 +449,13 @@ class CausalLM(torch.nn.Module):
 
     def __init__(self, cfg: ModelConfig, max_positions: Optional[int] = None,
                  backend: Optional[AttentionBackend] = None, kernels: Kernels = TORCH_KERNELS,
-                 tp: TPGroup = SINGLE):
+                 tp: TPGroup = SINGLE, expert_parallel: bool = False):
         super().__init__()
         self.cfg = cfg
         self.spec = self.spec_of(cfg)
         self.heads = tp.heads(cfg.num_attention_heads, cfg.num_key_value_heads)  # this rank's
-        self.model = DecoderModel(cfg, self.spec, max_positions or cfg.max_position_embeddings, backend, kernels, tp)
+        self.model = DecoderModel(cfg, self.spec, max_positions or cfg.max_position_embeddings, backend, kernels, tp,
+                                  expert_parallel)
         # Why this model must run eagerly (no CUDA graphs), or None.
         self.graph_unsafe_reason: Optional[str] = self.model.graph_unsafe_reason
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None

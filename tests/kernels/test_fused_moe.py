@@ -257,3 +257,19 @@ def test_a_block_of_an_expert_held_elsewhere_writes_zeros():
     gate_up = torch.einsum("th,tkih->tki", x, w13[ids]).reshape(12, 64)
     want = torch.nn.functional.silu(gate_up[:, :32]) * gate_up[:, 32:]
     assert_close(h[~on_remote], want[~on_remote], torch.float32)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 9])
+def test_expert_parallel_halves_sum_to_the_whole_layer(num_tokens):
+    """local_only: each of two ranks runs only the pairs of its own half of the experts (the
+    others' ids -1), rows of the rest zero; the two outputs add up to the one-rank layer."""
+    from rooflm.layers.moe import local_expert_ids
+    gen = torch.Generator().manual_seed(num_tokens)
+    w13, w2, b13, b2 = make_layer(8, 32, 32, torch.float32, gen, bias=True)
+    x = torch.randn(num_tokens, 32, generator=gen).to(DEVICE)
+    weights, ids = random_routing(num_tokens, 8, 3, gen)
+    parts = [fused_moe(x, w13[r * 4:(r + 1) * 4], w2[r * 4:(r + 1) * 4], weights, local_expert_ids(ids, r * 4, 4),
+                       b13=b13[r * 4:(r + 1) * 4], b2=b2[r * 4:(r + 1) * 4], config=TINY, local_only=True)
+             for r in range(2)]
+    want = fused_moe_ref(x, w13, w2, weights, ids, b13=b13, b2=b2)
+    assert_close(parts[0] + parts[1], want, torch.float32)

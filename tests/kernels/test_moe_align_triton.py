@@ -75,3 +75,19 @@ def test_triton_align_rejects_bad_inputs():
         moe_align_block_size_triton(torch.zeros(4, dtype=torch.int64), 16, 4)
     with pytest.raises(ValueError, match="one program"):
         moe_align_block_size_triton(torch.zeros(1, 1, dtype=torch.int64), 16, 4096)
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [(1, 8, 2, 16), (9, 6, 3, 4), (40, 4, 2, 2)])
+def test_pairs_of_another_ranks_experts_are_sorted_nowhere(num_tokens, num_experts, top_k, block_m):
+    """-1 ids (expert parallelism: experts held by another rank) take no row and no block, in the
+    torch align, the Triton one and the definition alike."""
+    gen = torch.Generator().manual_seed(num_tokens + num_experts)
+    ids = _routing(num_tokens, 2 * num_experts, top_k, gen)
+    ids = torch.where(ids < num_experts, ids, torch.full_like(ids, -1)).to(torch.int32)  # half the experts elsewhere
+    assert (ids == -1).any()
+    want = moe_align_block_size_ref(ids, block_m, num_experts)
+    _assert_same(moe_align_block_size(ids, block_m, num_experts), want)
+    _assert_same(moe_align_block_size_triton(ids.to(DEVICE), block_m, num_experts), want)
+    local_pairs = (ids.reshape(-1) >= 0).nonzero().reshape(-1).tolist()
+    placed = [p for p in want.sorted_token_ids.tolist() if p < ids.numel()]
+    assert sorted(placed) == local_pairs

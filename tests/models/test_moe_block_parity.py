@@ -70,8 +70,8 @@ def hub_checkpoint(family: str, block: torch.nn.Module) -> dict[str, torch.Tenso
     return out
 
 
-def rooflm_block(family, hf_cfg, checkpoint, tp=None) -> SparseMoeBlock:
-    block = SparseMoeBlock(MoeConfig.from_hf(hf_cfg), tp=tp)
+def rooflm_block(family, hf_cfg, checkpoint, tp=None, expert_parallel=False) -> SparseMoeBlock:
+    block = SparseMoeBlock(MoeConfig.from_hf(hf_cfg), tp=tp, expert_parallel=expert_parallel)
     for p in block.parameters():  # poison: a weight the loader missed shows as NaN
         p.data.fill_(float("nan"))
     for name, tensor in checkpoint.items():
@@ -203,3 +203,31 @@ def test_fused_path_matches_the_torch_path_bf16(family, num_tokens):
     for what, got in results.items():
         err = ((got.double() - want.double()).norm() / want.double().norm()).item()
         assert err < 1e-2, f"{what}: relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "gpt_oss"])
+def test_expert_parallel_ranks_sum_to_the_block(family):
+    """--enable-expert-parallel: each of two ranks holds half the experts whole (their biases
+    too) and the shared expert's half; the ranks' parts (before the all-reduce) add up to the
+    one-rank block."""
+    hf, cfg = hf_block(family)
+    checkpoint = hub_checkpoint(family, hf)
+    x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(4))
+    partials = []
+    for rank in range(2):
+        tp = SimpleNamespace(rank=rank, size=2, all_reduce=lambda t: t)
+        block = rooflm_block(family, cfg, checkpoint, tp=tp, expert_parallel=True)
+        experts = block.experts
+        assert experts.w13.shape[0] == experts.cfg.num_experts // 2
+        assert experts.w2.shape[-1] == experts.cfg.intermediate_size  # whole experts, not slices
+        with torch.no_grad():
+            partials.append(block(x))
+    with torch.no_grad():
+        want = hf_forward(family, hf, x)
+    torch.testing.assert_close(partials[0] + partials[1], want, rtol=1e-5, atol=1e-5)
+
+
+def test_expert_parallel_needs_experts_that_split_evenly():
+    cfg = MoeConfig(num_experts=6, top_k=2, hidden_size=HIDDEN, intermediate_size=16)
+    with pytest.raises(ValueError, match="6 experts do not split evenly over 4 ranks"):
+        SparseMoeBlock(cfg, tp=SimpleNamespace(rank=0, size=4, all_reduce=lambda t: t), expert_parallel=True)
