@@ -14,8 +14,8 @@ import argparse
 from rooflm import LLM, SamplingParams
 
 
-def run(model: str, prompts, tokens: int, **kw):
-    llm = LLM(model=model, load_format="dummy", device="cuda", dtype="bfloat16", max_model_len=2048,
+def run(model: str, prompts, tokens: int, dtype: str = "bfloat16", **kw):
+    llm = LLM(model=model, load_format="dummy", device="cuda", dtype=dtype, max_model_len=2048,
               max_num_seqs=8, gpu_memory_utilization=0.8, **kw)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=5))
     del llm
@@ -28,18 +28,20 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=8)
     p.add_argument("--variants", nargs="+", default=["graphs", "piecewise"],
                    help="compared with eager: eager-alone graphs piecewise piecewise-alone piecewise-onepool eager-onepool")
+    p.add_argument("--dtype", default="bfloat16", help="float32: rounding noise ~1e-6, so a gap that stays is a bug")
     args = p.parse_args()
+    run_as = lambda prompts, tokens, **kw: run(args.model, prompts, tokens, args.dtype, **kw)  # noqa: E731
     prompts = [list(range(100, 228)), list(range(500, 517))]
     variants = {
-        "eager": lambda: run(args.model, prompts, args.tokens, enforce_eager=True),
+        "eager": lambda: run_as(prompts, args.tokens, enforce_eager=True),
         # each prompt in its own run: the rounding noise of other GEMM shapes, with no graph at all
-        "eager-alone": lambda: [run(args.model, [p], args.tokens, enforce_eager=True)[0] for p in prompts],
-        "graphs": lambda: run(args.model, prompts, args.tokens, piecewise_cuda_graphs=False),
+        "eager-alone": lambda: [run_as([p], args.tokens, enforce_eager=True)[0] for p in prompts],
+        "graphs": lambda: run_as(prompts, args.tokens, piecewise_cuda_graphs=False),
         # each prompt alone through the piecewise graphs: a 128-token prompt fills its bucket, no padding
-        "piecewise-alone": lambda: [run(args.model, [p], args.tokens)[0] for p in prompts],
-        "piecewise": lambda: run(args.model, prompts, args.tokens),
-        "piecewise-onepool": lambda: run(args.model, prompts, args.tokens, disable_hybrid_kv_cache_manager=True),
-        "eager-onepool": lambda: run(args.model, prompts, args.tokens, enforce_eager=True,
+        "piecewise-alone": lambda: [run_as([p], args.tokens)[0] for p in prompts],
+        "piecewise": lambda: run_as(prompts, args.tokens),
+        "piecewise-onepool": lambda: run_as(prompts, args.tokens, disable_hybrid_kv_cache_manager=True),
+        "eager-onepool": lambda: run_as(prompts, args.tokens, enforce_eager=True,
                                      disable_hybrid_kv_cache_manager=True),
     }
     runs = {name: variants[name]() for name in ["eager"] + [v for v in args.variants if v != "eager"]}
@@ -54,7 +56,12 @@ def main() -> None:
                 shared = set(la) & set(lb)
                 gap = max((abs(la[t].logprob - lb[t].logprob) for t in shared), default=float("nan"))
                 gap = f" first diff at {first}, top-5 shared {len(shared)}, max logprob gap {gap:.4f}"
-            print(f"{args.model} {name:9s} prompt {i}: {tb[:6]}{gap}")
+            # up to the first difference: how far the two runs' log-probabilities already are apart
+            upto = len(ta) if first is None else first + 1
+            drift = max((abs(la[t].logprob - lb[t].logprob) for la, lb in
+                         zip(a.outputs[0].logprobs[:upto], b.outputs[0].logprobs[:upto]) for t in set(la) & set(lb)),
+                        default=0.0)
+            print(f"{args.model} {name:9s} prompt {i}: {tb[:6]}{gap} (max gap so far {drift:.2e})")
 
 
 if __name__ == "__main__":
