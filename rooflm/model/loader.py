@@ -186,8 +186,8 @@ def _parse_rope(cfg: dict[str, Any], config_path: str) -> tuple[float, Optional[
         rope_scaling = rope_scaling_from_hf(scaling, int(cfg.get("max_position_embeddings", 4096)),
                                             cfg.get("original_max_position_embeddings"))
     except ValueError as exc:
-        raise load_error(config_path, f"{exc}; rooflm runs plain RoPE and 'llama3', 'linear' and "
-                                      f"'longrope' scaling") from exc
+        raise load_error(config_path, f"{exc}; rooflm runs plain RoPE and 'llama3', 'linear', "
+                                      f"'longrope' and 'yarn' scaling") from exc
     return float(rope_theta), rope_scaling
 
 
@@ -232,11 +232,16 @@ def _load_hf_config(model_dir: str) -> ModelConfig:
 
     if cfg.get("mlp_bias", False):
         raise load_error(config_path, "mlp_bias=true is not supported")
+    try:
+        family_fields = get_family(architecture).config_fields(cfg)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise load_error(config_path, f"invalid {architecture} config: {exc}") from exc
     # Qwen2 always has q/k/v bias and never an o_proj bias; Llama and Qwen3 use
-    # attention_bias for all four projections, and the o_proj bias has no place here.
+    # attention_bias for all four projections, and the o_proj bias has no place here but in a
+    # family that takes it (gpt-oss: its config_fields say o_proj_bias).
     if architecture == "Qwen2ForCausalLM":
         attention_bias = True
-    elif cfg.get("attention_bias", False):
+    elif cfg.get("attention_bias", False) and not family_fields.get("o_proj_bias"):
         raise load_error(
             config_path, f"attention_bias=true on {architecture} puts a bias on o_proj too, "
                          f"which rooflm does not support")
@@ -276,10 +281,6 @@ def _load_hf_config(model_dir: str) -> ModelConfig:
         if bos_token_id is None:
             bos_token_id = generation_cfg.get("bos_token_id")
 
-    try:
-        family_fields = get_family(architecture).config_fields(cfg)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise load_error(config_path, f"invalid {architecture} config: {exc}") from exc
     try:
         fields: dict[str, Any] = dict(
             architecture=architecture,
@@ -334,6 +335,10 @@ def weight_shapes(config: ModelConfig, kv_scales: bool = False) -> dict[str, tup
             shapes[layer + "self_attn.q_proj.bias"] = (config.q_size,)
             shapes[layer + "self_attn.k_proj.bias"] = (config.kv_size,)
             shapes[layer + "self_attn.v_proj.bias"] = (config.kv_size,)
+        if spec.o_proj_bias:
+            shapes[layer + "self_attn.o_proj.bias"] = (hidden,)
+        if spec.attn_sinks:
+            shapes[layer + "self_attn.sinks"] = (config.num_attention_heads,)
         if qk_norm_sizes is not None:
             shapes[layer + "self_attn.q_norm.weight"] = (qk_norm_sizes[0],)
             shapes[layer + "self_attn.k_norm.weight"] = (qk_norm_sizes[1],)
