@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from rooflm.config import ModelConfig, RopeScaling
-from rooflm.model import hub, presets
+from rooflm.model import hub, mxfp4, presets
 from rooflm.errors import ModelLoadError, load_error  # noqa: F401 (ModelLoadError is re-exported)
 from rooflm.layers.moe import hub_shapes
 from rooflm.model.registry import SUPPORTED_ARCHITECTURES, TEXT_MODEL_OF, get_family, model_spec
@@ -396,10 +396,13 @@ def iter_weights(path: str, load_format: str, keep_quantized: bool = False,
         path, load_format = resolve_model(path, load_format)
     if load_format == "safetensors":
         config = _load_hf_config(path)
-        stream = _family_tensors(_iter_safetensors(path, config, lazy), config)
         from rooflm.quant.checkpoint import group_quantized, parse_kv_cache_scheme, parse_quant_config
         config_path = os.path.join(path, "config.json")
         raw = _read_json(config_path)
+        stream = _iter_safetensors(path, config, lazy)
+        if mxfp4.declared(raw):  # gpt-oss's experts: each _blocks / _scales pair as its bf16 tensor
+            stream = _mxfp4_dequantized(stream)
+        stream = _family_tensors(stream, config)
         scheme = parse_quant_config(raw, config_path)
         kv_scales = parse_kv_cache_scheme(raw, config_path)
         if scheme is not None:  # GPTQ/AWQ parts come grouped as one quantized '<linear>.weight'
@@ -419,6 +422,13 @@ def iter_weights(path: str, load_format: str, keep_quantized: bool = False,
         raise ModelLoadError(
             f"iter_weights needs a concrete format (safetensors, gguf); got {load_format!r}")
     return _check_shapes(stream, config, path, kv_scales)
+
+
+def _mxfp4_dequantized(stream: Iterator[tuple[str, Any, str]]) -> Iterator[tuple[str, Any, str]]:
+    try:
+        yield from mxfp4.dequantized_stream(stream)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
 
 
 def _family_tensors(stream: Iterator[tuple[str, Any, str]],
