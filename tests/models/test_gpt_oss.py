@@ -188,3 +188,21 @@ def test_native_decoder_refuses_gpt_oss_by_name():
     from rooflm.model.registry import model_spec
     spec = model_spec(get_preset("gpt-oss-20b"))
     assert spec.native_reason() == "attention sinks" and not spec.llama_layers
+
+
+def test_preset_config_json_reads_in_transformers_alike():
+    """The gpt-oss-20b preset written as config.json (model/hf_config.py): transformers reads the
+    same shape, the same YaRN frequencies and attention factor, the same window pattern."""
+    from transformers.modeling_rope_utils import _compute_yarn_parameters
+
+    from rooflm.layers.rotary import yarn_attention_factor, yarn_inv_freq
+    from rooflm.model.hf_config import hf_config_dict
+    from rooflm.model.presets import get_preset
+    preset = get_preset("gpt-oss-20b")
+    hf = transformers.AutoConfig.for_model(**hf_config_dict(preset))
+    assert isinstance(hf, transformers.GptOssConfig)
+    assert (hf.num_local_experts, hf.num_experts_per_tok, hf.sliding_window, hf.attention_bias) == (32, 4, 128, True)
+    assert tuple(hf.layer_types) == preset.layer_types
+    inv_freq, factor = _compute_yarn_parameters(hf)
+    torch.testing.assert_close(yarn_inv_freq(64, preset.rope_theta, preset.rope_scaling), inv_freq, rtol=0, atol=0)
+    assert yarn_attention_factor(preset.rope_scaling) == pytest.approx(factor, rel=1e-12)
