@@ -206,3 +206,24 @@ def test_preset_config_json_reads_in_transformers_alike():
     inv_freq, factor = _compute_yarn_parameters(hf)
     torch.testing.assert_close(yarn_inv_freq(64, preset.rope_theta, preset.rope_scaling), inv_freq, rtol=0, atol=0)
     assert yarn_attention_factor(preset.rope_scaling) == pytest.approx(factor, rel=1e-12)
+
+
+def test_tp2_gives_the_tokens_of_tp1(tiny):
+    """Tensor parallelism on the CPU (gloo): each rank holds its heads' sinks and the o_proj bias is
+    added once, after the all-reduce (also in the one-token path); the experts split as any MoE's."""
+    path, _ = tiny
+    prompts = [[5, 9, 33, 7, 81, 12], list(range(30, 50))]
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    runs = []
+    for tp in (1, 2):
+        llm = LLM(model=path, tensor_parallel_size=tp, dtype="float32", device="cpu", block_size=4)
+        try:
+            runs.append(llm.generate(prompts, greedy))
+        finally:
+            llm.shutdown()
+    one, two = runs
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+    for a, b in zip(one, two):
+        for lp_a, lp_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for tok, entry in lp_a.items():
+                assert abs(entry.logprob - lp_b[tok].logprob) < 1e-4
