@@ -227,3 +227,54 @@ def test_tp2_gives_the_tokens_of_tp1(tiny):
         for lp_a, lp_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             for tok, entry in lp_a.items():
                 assert abs(entry.logprob - lp_b[tok].logprob) < 1e-4
+
+
+# ---- the one-token paths keep o_proj's bias ----------------------------------------------------
+
+def _gpt_oss_layer(gemv=None):
+    from rooflm.config import ModelConfig
+    from rooflm.layers.kernels import Kernels
+    from rooflm.model.decoder import DecoderLayer
+    from rooflm.model.gpt_oss import spec
+    from rooflm.model.spec import MOE
+    cfg = ModelConfig(architecture="GptOssForCausalLM", vocab_size=120, hidden_size=16, intermediate_size=8,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                      attention_bias=True, o_proj_bias=True, attention_sinks=True, moe_bias=True,
+                      num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    layer = DecoderLayer(cfg, spec(cfg), None, None, None, Kernels(gemv=gemv), mlp=MOE)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.5)
+    layer.self_attn.attend = lambda positions, qkv, kv_cache, meta: torch.tanh(qkv[:, :16])
+    return layer
+
+
+def test_gemv_chain_adds_the_o_proj_bias():
+    from rooflm.kernels.gemv import gemv_ref
+    x, residual = torch.randn(1, 16), torch.randn(1, 16)
+    h, r = _gpt_oss_layer()(None, x, residual, None, None)
+    plain = h + r
+    layer = _gpt_oss_layer(gemv_ref)
+    h, none = layer(None, x, residual, None, None)
+    assert none is None
+    torch.testing.assert_close(h, plain, rtol=1e-5, atol=1e-5)
+    without = _gpt_oss_layer(gemv_ref)
+    without.self_attn.o_proj.bias.data.zero_()
+    assert not torch.allclose(without(None, x, residual, None, None)[0], plain, atol=1e-3)
+
+
+def test_folded_quantized_attention_keeps_the_o_proj_bias():
+    """A linear with a bias does not fold (Linear.forward_folded): gpt-oss's one-token quantized
+    path takes the plain layer, bias included."""
+    from tests.models.test_decoder_paths import Folding
+    x, residual = torch.randn(1, 16), torch.randn(1, 16)
+    layer = _gpt_oss_layer()
+    h, r = layer(None, x, residual, None, None)
+    plain = h + r
+    attn = layer.self_attn
+    for lin in (attn.qkv_proj, attn.o_proj):
+        lin.quant = Folding(lin.weight.detach().clone())
+    h, r = layer(None, x, residual, None, None)
+    torch.testing.assert_close(h + r if r is not None else h, plain, rtol=1e-5, atol=1e-5)
+    assert attn.o_proj.quant.calls == []  # nothing folded
