@@ -29,6 +29,7 @@ BLOCK = 32  # elements per shared scale
 E8M0_BIAS = 127
 E8M0_NAN = 255
 E2M1_EMAX = 2  # the largest E2M1 magnitude, 6 = 1.5 * 2^2
+ROWS_PER_CHUNK = 4096  # rows dequantized at once
 _BLOCKS, _SCALES = "_blocks", "_scales"
 
 
@@ -50,12 +51,20 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     if blocks.shape[-1] != BLOCK // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}: "
                          f"blocks must be scales' shape + ({BLOCK // 2},)")
+    codes = torch.arange(256, device=blocks.device)
     lut = e2m1_values().to(blocks.device)
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2).long()  # [..., G, 32], low nibble first
-    exponent = scales.to(torch.int32) - E8M0_BIAS
-    values = torch.ldexp(lut[codes], exponent[..., None].float())
-    values = values.masked_fill((scales == E8M0_NAN)[..., None], float("nan"))
-    return values.flatten(-2).to(dtype)
+    byte_values = torch.stack((lut[codes & 0x0F], lut[codes >> 4]), dim=-1)  # a byte's two values, low nibble first
+    groups = scales.shape[-1]
+    rows_blocks, rows_scales = blocks.reshape(-1, groups, BLOCK // 2), scales.reshape(-1, groups)
+    out = torch.empty(rows_scales.shape[0], groups * BLOCK, dtype=dtype, device=blocks.device)
+    # a few rows at a time: the fp32 values of a whole gpt-oss expert tensor would take ~2 GB
+    for start in range(0, out.shape[0], ROWS_PER_CHUNK):
+        b, sc = rows_blocks[start:start + ROWS_PER_CHUNK], rows_scales[start:start + ROWS_PER_CHUNK]
+        values = byte_values[b.int()].reshape(b.shape[0], groups, BLOCK)
+        # times 2^(s - 127): a power of two, exact in fp32 (subnormal at the bottom of E8M0's range)
+        scale = torch.exp2(sc.float() - E8M0_BIAS).masked_fill(sc == E8M0_NAN, float("nan"))
+        out[start:start + ROWS_PER_CHUNK] = (values * scale[..., None]).flatten(-2)
+    return out.reshape(*scales.shape[:-1], groups * BLOCK)
 
 
 def pack_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

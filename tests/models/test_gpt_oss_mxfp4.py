@@ -71,7 +71,10 @@ def test_nibble_order_and_nan_scale():
         dequantize_mxfp4(blocks, torch.zeros(2, dtype=torch.uint8))
 
 
-def test_dequantizer_matches_transformers():
+@pytest.mark.parametrize("rows_per_chunk", [4096, 7])
+def test_dequantizer_matches_transformers(monkeypatch, rows_per_chunk):
+    import rooflm.model.mxfp4 as ours_module
+    monkeypatch.setattr(ours_module, "ROWS_PER_CHUNK", rows_per_chunk)  # 7: chunks cut through experts
     mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
     gen = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (3, 10, 4, 16), generator=gen, dtype=torch.uint8)  # [E, rows, G, 16]
