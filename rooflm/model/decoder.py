@@ -98,7 +98,9 @@ class DecoderAttention(torch.nn.Module):
             self.attn = Attention(*heads, window, backend, spec.attn_scale)
 
     def checkpoint_shard(self, param_kind: str, tensor) -> torch.Tensor:
-        """This rank's sinks: those of its query heads."""
+        """This rank's sinks: those of its query heads (the module's one parameter of its own)."""
+        if param_kind != "sinks":
+            raise ValueError(f"self_attn.{param_kind}: not a parameter of the attention block")
         return tp_layers.narrow(tensor, 0, self.heads.first_head, self.heads.num_heads)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
