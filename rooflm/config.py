@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 
-ROPE_SCALING_TYPES = ("llama3", "linear", "longrope")
+ROPE_SCALING_TYPES = ("llama3", "linear", "longrope", "yarn")
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,12 @@ class RopeScaling:
     - "linear" (Gemma 3's global layers): every frequency divided by `factor`;
     - "longrope" (Phi-3, Phi-4-mini): per-frequency divisors, short_factor for positions below
       original_max_position_embeddings and long_factor from there on, and cos/sin scaled by
-      attention_factor (None: sqrt(1 + ln(factor) / ln(original)), as HF computes it).
+      attention_factor (None: sqrt(1 + ln(factor) / ln(original)), as HF computes it);
+    - "yarn" (gpt-oss): frequencies interpolated by `factor` below a band of rotations
+      [beta_slow, beta_fast] over original_max_position_embeddings and kept above it, with a linear
+      ramp between (floored/ceiled where truncate), and cos/sin scaled by attention_factor (None:
+      0.1 ln(factor) + 1, or the mscale / mscale_all_dim ratio where both are given): HF's
+      _compute_yarn_parameters.
     """
 
     rope_type: str = "llama3"
@@ -33,6 +38,11 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: Optional[float] = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    mscale: Optional[float] = None
+    mscale_all_dim: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_SCALING_TYPES:
@@ -104,6 +114,14 @@ class ModelConfig:
     # (i + 1) % decoder_sparse_step == 0; the others keep a dense MLP of intermediate_size.
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # gpt-oss: a bias on o_proj too (its attention_bias covers all four projections), one learned
+    # sink logit per query head in the softmax's denominator, biases on the router and on every
+    # expert's projections, and the experts' clamped SwiGLU (model/gpt_oss.py).
+    o_proj_bias: bool = False
+    attention_sinks: bool = False
+    moe_bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -141,7 +159,14 @@ class ModelConfig:
         shared = 3 * h * self.shared_expert_intermediate_size
         if shared:
             shared += h
-        return self.num_experts * h + experts * 3 * h * self.expert_intermediate_size + shared
+        router = self.num_experts * (h + 1) if self.moe_bias else self.num_experts * h
+        return router + experts * self.expert_params + shared
+
+    @property
+    def expert_params(self) -> int:
+        """One routed expert's gate, up and down (and their biases: gpt-oss)."""
+        h, i = self.hidden_size, self.expert_intermediate_size
+        return 3 * h * i + (2 * i + h if self.moe_bias else 0)
 
     @property
     def q_size(self) -> int:
@@ -159,6 +184,10 @@ class ModelConfig:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
             attn += 2 * self.head_dim
+        if self.o_proj_bias:
+            attn += h
+        if self.attention_sinks:
+            attn += self.num_attention_heads
         per_layer = attn + 2 * h
         head = 0 if self.tie_word_embeddings else v * h
         moe_layers = self.num_moe_layers
@@ -169,7 +198,7 @@ class ModelConfig:
         """Parameters one token computes with: num_params with only num_experts_per_tok of each
         MoE layer's experts (the router and shared expert in full); num_params for a dense model."""
         idle = self.num_experts - self.num_experts_per_tok
-        return self.num_params() - self.num_moe_layers * 3 * self.hidden_size * self.expert_intermediate_size * idle
+        return self.num_params() - self.num_moe_layers * self.expert_params * idle
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of every layer for one token: 2 x layers x kv_heads x head_dim x bytes."""

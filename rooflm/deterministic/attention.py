@@ -21,6 +21,7 @@ from rooflm.layers.attention import AttentionMetadata, ReferenceBackend
 class RowwiseReferenceBackend(ReferenceBackend):
     name = "reference-rowwise"
     supports_softcap = False  # attend has no softcap: a soft-capped model takes the reference
+    supports_sinks = False  # nor sinks (gpt-oss)
 
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window, k_scale=None,
                v_scale=None) -> torch.Tensor:

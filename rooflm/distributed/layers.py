@@ -51,13 +51,14 @@ class ColumnParallelLinear(FusedLinear):
 class RowParallelLinear(Linear):
     """Input columns [start, start + in_features) of the checkpoint's weight; one all-reduce."""
 
-    def __init__(self, in_features: int, out_features: int, start: int, tp: TPGroup):
-        super().__init__(in_features, out_features)
+    def __init__(self, in_features: int, out_features: int, start: int, tp: TPGroup, bias: bool = False):
+        super().__init__(in_features, out_features, bias)
         self.start = start
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias  # whole on every rank: added once, after the sum
 
     def forward_folded(self, x: torch.Tensor, **_) -> None:
         """Never folded: a partial sum must be all-reduced before any residual add."""
@@ -69,6 +70,8 @@ class RowParallelLinear(Linear):
         return residual if self.tp.is_driver else None
 
     def checkpoint_shard(self, param_kind: str, tensor) -> torch.Tensor:
+        if param_kind == "bias":
+            return materialize(tensor)
         return narrow(tensor, 1, self.start, self.in_features)
 
 
@@ -130,11 +133,11 @@ def merged_column_linear(in_features: int, shards: dict[str, int], tp: TPGroup, 
     return ColumnParallelLinear(in_features, {name: tp.split(size) for name, size in shards.items()})
 
 
-def row_linear(in_features: int, out_features: int, tp: TPGroup, kernel=None) -> Linear:
+def row_linear(in_features: int, out_features: int, tp: TPGroup, kernel=None, bias: bool = False) -> Linear:
     if tp.size == 1:
-        return Linear(in_features, out_features, kernel=kernel)
+        return Linear(in_features, out_features, bias=bias, kernel=kernel)
     start, size = tp.split(in_features)
-    return RowParallelLinear(size, out_features, start, tp)
+    return RowParallelLinear(size, out_features, start, tp, bias)
 
 
 def vocab_embedding(vocab_size: int, hidden_size: int, tp: TPGroup) -> torch.nn.Module:

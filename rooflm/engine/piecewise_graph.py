@@ -63,6 +63,7 @@ class _AttentionCall:
     v_scale: Optional[torch.Tensor]
     out: torch.Tensor  # [T, H, D], read by the piece after
     softcap: Optional[float] = None  # attention logit soft-capping (Gemma 2), else None
+    sinks: Optional[torch.Tensor] = None  # [H] sink logits (gpt-oss), the layer's parameter, else None
 
 
 @dataclass
@@ -95,7 +96,7 @@ class _SplitAttention:
             self.pool = self.pieces[-1].pool()
 
     def attend(self, q, k_cache, v_cache, scale, sliding_window, k_scale=None, v_scale=None,
-               softcap=None) -> torch.Tensor:
+               softcap=None, sinks=None) -> torch.Tensor:
         # q is a view of this layer's fused QKV output, in the graphs' pool: holding on to it
         # would keep every layer's QKV of every bucket allocated. One copy into the shared
         # buffer (inside the piece) lets the pool reuse it.
@@ -104,7 +105,7 @@ class _SplitAttention:
         q_fixed.copy_(q)
         self.end()
         self.calls.append(_AttentionCall(q_fixed, k_cache, v_cache, scale, sliding_window, k_scale, v_scale,
-                                         self.out[:t], softcap))
+                                         self.out[:t], softcap, sinks))
         self.begin()
         return self.out[:t]
 
@@ -113,7 +114,7 @@ class _DummyAttention:
     """Warm-up (kernel compilation) before capture: no attention, same shapes."""
 
     def attend(self, q, k_cache, v_cache, scale, sliding_window, k_scale=None, v_scale=None,
-               softcap=None) -> torch.Tensor:
+               softcap=None, sinks=None) -> torch.Tensor:
         return torch.empty_like(q)
 
 
@@ -225,6 +226,7 @@ class PiecewiseGraphRunner:
         for piece, call, group in zip(bucket.pieces, bucket.calls, self.call_groups):
             piece.replay()
             attend(call.q, call.k_cache, call.v_cache, meta.for_group(group), call.scale, call.sliding_window,
-                   call.k_scale, call.v_scale, out=call.out, softcap=call.softcap)
+                   call.k_scale, call.v_scale, out=call.out, softcap=call.softcap,
+                   **({} if call.sinks is None else {"sinks": call.sinks}))
         bucket.pieces[-1].replay()
         return self.hidden[:t]

@@ -36,6 +36,10 @@ aim is to stream every K/V byte once, at full bandwidth, on every SM.
   static scales (one per KV head, [H_kv]) the K scale joins the softmax
   scale and the V scale multiplies the output: the loop is bf16's with E4M3
   tiles.
+* Attention sinks (gpt-oss, HAS_SINKS): one logit per query head joins each softmax as a key
+  without a value, exp2(sink - m) added to the denominator once: at the end of a single-split
+  program, or in the reduce (M = max(max_j lse_j, sink), the sink's weight beside the splits').
+  Off, the constexpr compiles none of it.
 * Block sizes 16 to 256: a key tile of BLOCK_N keys reads one block-table
   entry when BLOCK_N <= block_size, else one entry per key.
 
@@ -77,6 +81,7 @@ if TYPE_CHECKING:  # the paged-KV contract is the layers' (layers/attention.py);
     from rooflm.layers.attention import AttentionMetadata
 
 _MASKED = tl.constexpr(-1.0e30)
+_SINK_LOG2E = tl.constexpr(LOG2E)  # a sink is a natural-log logit; the kernels' scores are base 2
 # A key tile that fills a whole cache block (BLOCK_N == block size, e.g. 128 and 128) has its offsets
 # from one block-table entry only with one split (kv_tile_offsets' ONE_ENTRY_AT_EQUAL), key by key
 # otherwise. Compiled for sm_90 the one-entry form holds 254 registers (2 CTAs an SM) against 131
@@ -150,7 +155,7 @@ def _decode_key_range(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, block_
 
 @triton.jit(do_not_specialize=["sliding_window", "num_splits"])
 def _decode_attention_kernel(
-        out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+        out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr,
         block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, qk_scale, sliding_window, num_splits,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
         stride_sb, stride_st,
@@ -158,7 +163,8 @@ def _decode_attention_kernel(
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
         SINGLE_SPLIT: tl.constexpr, SLIDING: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
         FP8: tl.constexpr, PDL: tl.constexpr, ABLATE: tl.constexpr = 0, PAIRS: tl.constexpr = False,
-        ONE_ENTRY: tl.constexpr = True, TOKEN_SCALES: tl.constexpr = True, SOFTCAP_LOG2: tl.constexpr = 0.0):
+        ONE_ENTRY: tl.constexpr = True, TOKEN_SCALES: tl.constexpr = True, SOFTCAP_LOG2: tl.constexpr = 0.0,
+        HAS_SINKS: tl.constexpr = False):
     PAD_D: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
     if PDL:  # launched early (programmatic dependent launch): wait for q and the K/V writes
         gdc_launch_dependents()
@@ -226,7 +232,13 @@ def _decode_attention_kernel(
     if STATIC:
         acc = acc * tl.load(v_scale_ptr + kv_head)
     if SINGLE_SPLIT:
-        out = acc / l_i[:, None]
+        if HAS_SINKS:  # the sink's exp2(sink - m) in the denominator, rescaled to a common max
+            sink = tl.load(sinks_ptr + head, mask=g_ok, other=0.0).to(tl.float32) * _SINK_LOG2E
+            m_f = tl.maximum(m_i, sink)
+            alpha = tl.math.exp2(m_i - m_f)
+            out = (acc * alpha[:, None]) / (l_i * alpha + tl.math.exp2(sink - m_f))[:, None]
+        else:
+            out = acc / l_i[:, None]
         o_ptrs = out_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
     else:
@@ -242,10 +254,11 @@ def _decode_attention_kernel(
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, stride_ot, stride_oh,
+def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, sinks_ptr, stride_ot, stride_oh,
                           num_splits, NUM_HEADS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PDL: tl.constexpr):
-    """Combine the num_splits partial outputs of one (sequence, head)."""
+                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PDL: tl.constexpr,
+                          HAS_SINKS: tl.constexpr = False):
+    """Combine the num_splits partial outputs of one (sequence, head) (and its sink's weight)."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -259,8 +272,14 @@ def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_p
     lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
     filled = s_ok & (lse > float("-inf"))  # empty splits wrote no output
     o = tl.load(part_out_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=filled[:, None], other=0.0)
-    w = tl.math.exp2(lse - tl.max(lse, 0))  # split 0 always has keys, so the max is finite
-    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * _SINK_LOG2E
+        m = tl.maximum(tl.max(lse, 0), sink)
+        w = tl.math.exp2(lse - m)
+        out = tl.sum(w[:, None] * o, 0) / (tl.sum(w, 0) + tl.math.exp2(sink - m))
+    else:
+        w = tl.math.exp2(lse - tl.max(lse, 0))  # split 0 always has keys, so the max is finite
+        out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
 
@@ -404,6 +423,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      config: Optional[tuple[int, ...]] = None,
                      plan: Optional[DecodePlan] = None, k_scale: Optional[torch.Tensor] = None,
                      v_scale: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
+                     sinks: Optional[torch.Tensor] = None,
                      _ablate: int = 0, _mma: Optional[bool] = None, _mma_config=None) -> torch.Tensor:
     """Attention of the one query token of each of the first num_seqs sequences.
 
@@ -416,7 +436,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     take their k_scale / v_scale [num_blocks, block_size, H_kv] fp32 (or static [H_kv]). _ablate (FP8 only; 1: no
     scales, 2: V scales folded into p) is for the benchmark's what-limits-it experiments: wrong
     or less accurate results. softcap: scores soft-capped, cap * tanh(s / cap), before the softmax
-    (Gemma 2; the Triton kernel only). Static FP8 runs on fp8_decode_mma.py's CUDA kernel where it takes the
+    (Gemma 2; the Triton kernel only). sinks: [H] one logit per query head in each softmax's
+    denominator (gpt-oss; the Triton kernel only). Static FP8 runs on fp8_decode_mma.py's CUDA kernel where it takes the
     call (plan.mma: one split by default); _mma=False forces the Triton kernel, _mma=True the CUDA one
     wherever it can run (also split), and _mma_config sets its Fp8DecodeConfig (the benchmarks' A/B).
     """
@@ -441,7 +462,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     pdl_kwargs = {"launch_pdl": True} if pdl else {}
     fp8 = k_scale is not None
     token_scales = has_token_scales(k_scale)
-    if plan.mma and _mma is not False and softcap is None:
+    if sinks is not None:
+        _check_sinks(sinks, num_heads, q.device)
+    if plan.mma and _mma is not False and softcap is None and sinks is None:
         fp8_decode_mma.fp8_decode_attention_mma(
             out, q, k_cache, v_cache, k_scale, v_scale, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             scale * LOG2E, num_seqs, num_splits, plan.part_out, plan.part_lse, pdl,
@@ -453,7 +476,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             k_cache, v_cache = views
         _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
             out, plan.part_out, plan.part_lse, q, k_cache, v_cache,
-            k_scale if fp8 else q, v_scale if fp8 else q,
+            k_scale if fp8 else q, v_scale if fp8 else q, sinks if sinks is not None else q,
             meta.block_tables, meta.seq_lens, meta.query_start_loc, scale * LOG2E,
             sliding_window if plan.sliding else 0, num_splits,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -464,19 +487,27 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             SINGLE_SPLIT=num_splits == 1, SLIDING=plan.sliding, UPCAST=upcast_dots(q.dtype),
             DOT_PRECISION=dot_precision(q.dtype), FP8=fp8, PDL=pdl, ABLATE=_ablate, PAIRS=pairs,
             ONE_ENTRY=num_splits == 1 if envs.cached.ROOFLM_DECODE_ONE_ENTRY == "auto" else envs.cached.ROOFLM_DECODE_ONE_ENTRY != "0", TOKEN_SCALES=token_scales,
-            SOFTCAP_LOG2=softcap_constexpr(softcap),
+            SOFTCAP_LOG2=softcap_constexpr(softcap), HAS_SINKS=sinks is not None,
             num_warps=num_warps,
             num_stages=num_stages,
             **pdl_kwargs, **launch_kwargs,
         )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            out, plan.part_out, plan.part_lse, meta.query_start_loc, out.stride(0), out.stride(1), num_splits,
+            out, plan.part_out, plan.part_lse, meta.query_start_loc, sinks if sinks is not None else out,
+            out.stride(0), out.stride(1), num_splits,
             NUM_HEADS=num_heads, SPLITS_PAD=next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PDL=pdl, num_warps=4 if head_dim_pad >= 128 else 2,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PDL=pdl, HAS_SINKS=sinks is not None,
+            num_warps=4 if head_dim_pad >= 128 else 2,
             **pdl_kwargs,
         )
     return out
+
+
+def _check_sinks(sinks: torch.Tensor, num_heads: int, device: torch.device) -> None:
+    if sinks.shape != (num_heads,) or not sinks.is_contiguous() or sinks.device != device:
+        raise ValueError(f"sinks must be a contiguous [{num_heads}] tensor on {device}, got "
+                         f"{tuple(sinks.shape)} on {sinks.device}")
 
 
 # --------------------------------------------------------------------------
@@ -486,9 +517,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          meta: AttentionMetadata, scale: float,
                          sliding_window: Optional[int] = None, k_scale: Optional[torch.Tensor] = None,
-                         v_scale: Optional[torch.Tensor] = None, softcap: Optional[float] = None) -> torch.Tensor:
+                         v_scale: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
+                         sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The engine core's reference: fp32 attention over K/V gathered through the block tables."""
-    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, softcap)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, softcap, sinks)
 
 
 def decode_kv_bytes(meta: AttentionMetadata, num_kv_heads: int, head_dim: int, elem_bytes: int,

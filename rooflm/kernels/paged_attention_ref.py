@@ -84,13 +84,16 @@ def gather_kv_ref(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta, scale: float,
                         sliding_window: Optional[int] = None, k_scale: Optional[torch.Tensor] = None,
-                        v_scale: Optional[torch.Tensor] = None, softcap: Optional[float] = None) -> torch.Tensor:
+                        v_scale: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
+                        sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of the packed queries against K/V read through the block tables.
 
     q: [num_tokens, num_heads, head_dim]; returns the same shape, in q's dtype.
     Computes in fp32. Serves decode, prefill, chunked prefill and prefix hits
     alike: the K/V of this step's tokens must already be in the cache.
     softcap: scaled scores s become softcap * tanh(s / softcap) before the softmax (Gemma 2).
+    sinks: [num_heads], one logit per query head joining each row's softmax as a key without a
+    value (gpt-oss): it adds exp(sink) to the denominator and nothing to the output.
     """
     num_heads = q.shape[1]
     num_kv_heads = k_cache.shape[2]
@@ -98,7 +101,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty_like(q)
     starts = meta.query_start_loc_cpu
     first = 0
-    if meta.num_decodes > 1 and softcap is None and (sliding_window is None or meta.max_seq_len <= sliding_window):
+    if meta.num_decodes > 1 and softcap is None and sinks is None and (sliding_window is None or meta.max_seq_len <= sliding_window):
         first = meta.num_decodes
         out[:first] = _batched_decode_ref(q[:first], k_cache, v_cache, meta, scale, group, k_scale, v_scale)
     for s in range(first, meta.num_seqs):
@@ -114,24 +117,31 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             k = k.repeat_interleave(group, dim=0)
             v = v.repeat_interleave(group, dim=0)
         mask, causal = _causal_mask(query_len, seq_len, sliding_window, q.device)
-        if softcap is None:
+        if softcap is None and sinks is None:
             o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, is_causal=causal, scale=scale)
         else:
-            o = _softcapped_attention(qf, k, v, mask, causal, scale, softcap)
+            o = _math_attention(qf, k, v, mask, causal, scale, softcap, sinks)
         out[starts[s]:starts[s + 1]] = o.transpose(0, 1).to(q.dtype)
     return out
 
 
-def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                          causal: bool, scale: float, softcap: float) -> torch.Tensor:
-    """SDPA's math with the scores soft-capped: q [H, q_len, D], k/v [H, seq_len, D], fp32."""
+def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                    causal: bool, scale: float, softcap: Optional[float] = None,
+                    sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """SDPA's math with the scores soft-capped and/or a sink logit per head in each row's softmax:
+    q [H, q_len, D], k/v [H, seq_len, D], fp32."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if causal:  # queries are the last q_len of seq_len (equal here) positions
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1), v)
+    sink = sinks.float().reshape(-1, 1, 1).expand(-1, scores.shape[1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v)
 
 
 def _batched_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

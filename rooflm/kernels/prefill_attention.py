@@ -45,6 +45,10 @@ scale, softmax weights by each value's V scale), as in decode; TMA is not
 used for them. Static scales ([H_kv]) are applied outside the loop, as in
 decode: K's in the softmax scale, V's to the output.
 
+Attention sinks (gpt-oss, HAS_SINKS): one logit per query head joins each row's softmax as a key
+without a value: out = acc / (l + exp2(sink - m)), rescaled to max(m, sink), at the end; the
+constexpr compiles none of it when off.
+
 Varlen scheduling: the grid's first axis enumerates query tiles of all
 sequences; a program finds its sequence by binary search over
 query_start_loc (tile index of sequence s starts at q_start[s] // BLOCK_Q + s,
@@ -95,6 +99,7 @@ if TYPE_CHECKING:  # the paged-KV contract is the layers' (layers/attention.py);
 # (sliding window) then gets m = -1e30 and harmless finite garbage that the
 # first visible key wipes out (alpha = exp2(-1e30 - m) = 0), never NaN.
 _MASKED = tl.constexpr(-1.0e30)
+_SINK_LOG2E = tl.constexpr(LOG2E)  # a sink is a natural-log logit; the kernels' scores are base 2
 
 
 # --------------------------------------------------------------------------
@@ -210,7 +215,7 @@ def _attend_key_range(acc, l_i, m_i, q, q_pos,
 
 @triton.jit(do_not_specialize=["seq_lo", "seq_hi", "tile_lo", "num_tiles", "sliding_window"])
 def _prefill_attention_kernel(
-        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, k_desc, v_desc,
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, k_desc, v_desc,
         block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
         seq_lo, seq_hi, tile_lo, num_tiles, qk_scale, sliding_window,
         stride_qt, stride_qh, stride_ot, stride_oh,
@@ -220,7 +225,7 @@ def _prefill_attention_kernel(
         SLIDING: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
         FP8: tl.constexpr = False, ABLATE: tl.constexpr = 0, UNIFORM: tl.constexpr = False,
         PDL: tl.constexpr = False, PAIRS: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
-        TOKEN_SCALES: tl.constexpr = True, SOFTCAP_LOG2: tl.constexpr = 0.0):
+        TOKEN_SCALES: tl.constexpr = True, SOFTCAP_LOG2: tl.constexpr = 0.0, HAS_SINKS: tl.constexpr = False):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     PAD_D: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
     if PDL:  # launched while the RoPE/KV write drains (uniform plans): wait for q and the cache
@@ -308,7 +313,13 @@ def _prefill_attention_kernel(
 
     if STATIC:
         acc = acc * tl.load(v_scale_ptr + kv_head)
-    out = acc / l_i[:, None]
+    if HAS_SINKS:  # the sink's exp2(sink - m) in the denominator, rescaled to a common max
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * _SINK_LOG2E
+        m_f = tl.maximum(m_i, sink)
+        alpha = tl.math.exp2(m_i - m_f)
+        out = (acc * alpha[:, None]) / (l_i * alpha + tl.math.exp2(sink - m_f))[:, None]
+    else:
+        out = acc / l_i[:, None]
     o_offs = tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     if PAD_D:
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -459,7 +470,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       use_tma: Optional[bool] = None, _ablate: int = 0,
                       plan: Optional[PrefillPlan] = None, k_scale: Optional[torch.Tensor] = None,
                       v_scale: Optional[torch.Tensor] = None, uniform: bool = False,
-                      softcap: Optional[float] = None, _warp_spec: bool = False) -> torch.Tensor:
+                      softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+                      _warp_spec: bool = False) -> torch.Tensor:
     """Causal attention of the queries of sequences first_seq.. against their paged K/V.
 
     q: [T, H, D]; k_cache/v_cache: [num_blocks, block_size, H_kv, D]; the K/V of
@@ -476,6 +488,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     on the rows beside it; decodes may then run through this kernel too (--deterministic).
     FP8 caches take their k_scale / v_scale [num_blocks, block_size, H_kv] fp32 (or static [H_kv]).
     softcap: scores soft-capped, cap * tanh(s / cap), before the softmax (Gemma 2).
+    sinks: [H] one logit per query head in each softmax's denominator (gpt-oss).
     _warp_spec: Triton's warp specialisation of the unmasked TMA loop (a benchmark experiment).
     """
     if out is None:
@@ -501,6 +514,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     else:
         k_desc, v_desc = k_cache, v_cache  # unused
 
+    if sinks is not None and (sinks.shape != (num_heads,) or not sinks.is_contiguous() or sinks.device != q.device):
+        raise ValueError(f"sinks must be a contiguous [{num_heads}] tensor on {q.device}, got "
+                         f"{tuple(sinks.shape)} on {sinks.device}")
     grid = (plan.num_tiles, num_kv_heads)
     fp8 = k_scale is not None
     token_scales = has_token_scales(k_scale)
@@ -509,7 +525,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if pairs:
         k_cache, v_cache = views
     _prefill_attention_kernel[grid](
-        out, q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, k_desc, v_desc,
+        out, q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, sinks if sinks is not None else q,
+        k_desc, v_desc,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
         plan.first_seq, meta.num_seqs if plan.end_seq is None else plan.end_seq, plan.tile_lo, plan.num_tiles, scale * LOG2E,
         sliding_window if plan.sliding else 0,
@@ -521,6 +538,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         SLIDING=plan.sliding, UPCAST=upcast_dots(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
         USE_TMA=plan.use_tma, FP8=fp8, ABLATE=_ablate, UNIFORM=plan.uniform, PDL=plan.pdl, PAIRS=pairs,
         WARP_SPEC=_warp_spec, TOKEN_SCALES=token_scales, SOFTCAP_LOG2=softcap_constexpr(softcap),
+        HAS_SINKS=sinks is not None,
         num_warps=num_warps,
         num_stages=num_stages, **({"launch_pdl": True} if plan.pdl else {}),
     )
@@ -534,9 +552,10 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: AttentionMetadata, scale: float,
                           sliding_window: Optional[int] = None, k_scale: Optional[torch.Tensor] = None,
-                          v_scale: Optional[torch.Tensor] = None, softcap: Optional[float] = None) -> torch.Tensor:
+                          v_scale: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
+                          sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The engine core's reference: fp32 attention over K/V gathered through the block tables."""
-    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, softcap)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, softcap, sinks)
 
 
 def prefill_flops(meta: AttentionMetadata, num_heads: int, head_dim: int,

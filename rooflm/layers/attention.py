@@ -124,6 +124,29 @@ class SoftcappedAttention(Attention):
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
 
+class SinkAttention(Attention):
+    """Attention with one learned logit per query head in each row's softmax denominator (gpt-oss's
+    sinks): out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink)). The sinks are the model's
+    parameter (its checkpoint names them self_attn.sinks), handed in at each call. Only a backend
+    with supports_sinks computes it; the model picks one at init (model/decoder.py)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, rotary,
+                 sliding_window: Optional[int] = None, backend: Optional["AttentionBackend"] = None,
+                 scale: Optional[float] = None):
+        super().__init__(num_heads, num_kv_heads, head_dim, rotary, sliding_window, backend, scale)
+        if not self.backend.supports_sinks:
+            raise ValueError(f"the {self.backend.name} attention backend takes no attention sinks")
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        k_cache, v_cache, k_scale, v_scale, group = KVCache(*kv_cache)
+        meta = meta.for_group(group)
+        scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
+        q = self.backend.rope_and_write_step(q, k, v, positions, self.rotary, k_cache, v_cache, meta, **scales)
+        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.sliding_window, sinks=sinks, **scales)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+
 class AttentionBackend:
     """The interface a fast path implements; see ReferenceBackend for the semantics.
 
@@ -135,6 +158,8 @@ class AttentionBackend:
     name = "abstract"
     # Whether attend takes softcap= (attention logit soft-capping); the fused kernels do not.
     supports_softcap = False
+    # Whether attend takes sinks= (a [num_heads] logit per head in the softmax denominator: gpt-oss).
+    supports_sinks = False
 
     def rope_and_write(self, q, k, v, positions, rotary, k_cache, v_cache, slot_mapping,
                        k_scale=None, v_scale=None) -> torch.Tensor:
@@ -165,10 +190,11 @@ class ReferenceBackend(AttentionBackend):
 
     name = "reference"
     supports_softcap = True
+    supports_sinks = True
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
         write_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def attend(self, q, k_cache, v_cache, meta, scale, sliding_window, k_scale=None, v_scale=None,
-               softcap=None) -> torch.Tensor:
-        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, softcap)
+               softcap=None, sinks=None) -> torch.Tensor:
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, softcap, sinks)

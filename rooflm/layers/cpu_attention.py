@@ -89,12 +89,12 @@ class CpuBackend(ReferenceBackend):
         return q
 
     def attend(self, q, k_cache, v_cache, meta, scale, sliding_window, k_scale=None, v_scale=None,
-               softcap=None) -> torch.Tensor:
+               softcap=None, sinks=None) -> torch.Tensor:
         plan = meta.plan
-        # Soft-capped scores (Gemma 2): SDPA has no cap, so the reference's math path.
-        if k_scale is not None or softcap is not None or not isinstance(plan, CpuStepPlan) or (
+        # Soft-capped scores (Gemma 2), sinks (gpt-oss): SDPA has neither, so the reference's math path.
+        if k_scale is not None or softcap is not None or sinks is not None or not isinstance(plan, CpuStepPlan) or (
                 plan.decode_len is None or (sliding_window is not None and plan.decode_len > sliding_window)):
-            return super().attend(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, softcap)
+            return super().attend(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, softcap, sinks)
         return self._single_decode(q, k_cache, v_cache, meta, plan, scale)
 
     @staticmethod

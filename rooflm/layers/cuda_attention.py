@@ -23,6 +23,7 @@ code does not change.
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -36,10 +37,13 @@ from rooflm.kernels.rope_kv_write import rope_kv_write, write_kv
 from rooflm.kernels.utils import cdiv
 from rooflm.layers.attention import AttentionBackend, AttentionMetadata
 
+log = logging.getLogger(__name__)
+
 
 class TritonBackend(AttentionBackend):
     name = "triton"
     supports_softcap = True  # the Triton kernels' SOFTCAP_LOG2 (FA4 and the FP8 MMA decode step aside)
+    supports_sinks = True  # the Triton kernels' HAS_SINKS (likewise: FA4 and the FP8 MMA decode step aside)
 
     def __init__(self, decode_num_splits: Optional[int] = None, split_span: Optional[int] = None,
                  deterministic: bool = False, prefill_fa4: bool = False):
@@ -62,6 +66,7 @@ class TritonBackend(AttentionBackend):
         # Prefill chunks through FlashAttention-4's Hopper kernel where it takes them
         # (kernels/fa4_prefill.py: fa4_enabled decides, fa4_supports per step).
         self.prefill_fa4 = prefill_fa4 and not deterministic
+        self._fa4_sinks_logged = False
 
     def rope_and_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                        rotary, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -86,9 +91,10 @@ class TritonBackend(AttentionBackend):
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, sliding_window: Optional[int], k_scale: Optional[torch.Tensor] = None,
                v_scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-               softcap: Optional[float] = None) -> torch.Tensor:
+               softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.split is not None:
-            return self.split.attend(q, k_cache, v_cache, scale, sliding_window, k_scale, v_scale, softcap)
+            extra = {} if sinks is None else {"sinks": sinks}
+            return self.split.attend(q, k_cache, v_cache, scale, sliding_window, k_scale, v_scale, softcap, **extra)
         if out is None:
             out = torch.empty_like(q)
         # One plan per window a step: a model whose layers alternate sliding and global attention
@@ -99,9 +105,11 @@ class TritonBackend(AttentionBackend):
         plan = plans.get(sliding_window)
         if plan is None:
             plan = plans[sliding_window] = self.plan(q, k_cache, v_cache, meta, sliding_window, out, k_scale,
-                                                     v_scale, softcap)
+                                                     v_scale, softcap, sinks)
         decode, prefill = plan
         scales = dict(k_scale=k_scale, v_scale=v_scale, softcap=softcap)
+        if sinks is not None:
+            scales["sinks"] = sinks
         if isinstance(decode, PrefillPlan):  # --deterministic: decodes through the uniform path
             prefill_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out, plan=decode, **scales)
         elif decode is not None:
@@ -115,10 +123,11 @@ class TritonBackend(AttentionBackend):
     def plan(self, q, k_cache, v_cache, meta: AttentionMetadata, sliding_window: Optional[int],
              out: torch.Tensor, k_scale: Optional[torch.Tensor] = None,
              v_scale: Optional[torch.Tensor] = None,
-             softcap: Optional[float] = None) -> tuple[Optional[DecodePlan | PrefillPlan],
-                                                       Optional[PrefillPlan | FA4Plan]]:
+             softcap: Optional[float] = None,
+             sinks: Optional[torch.Tensor] = None) -> tuple[Optional[DecodePlan | PrefillPlan],
+                                                            Optional[PrefillPlan | FA4Plan]]:
         """The step's launches, the same for every layer with this window: decodes first, then
-        prefill chunks (FA4 takes neither windows nor soft-capping: those go through Triton)."""
+        prefill chunks (FA4 takes no windows, soft-capping or sinks: those go through Triton)."""
         num_decodes = meta.num_decodes
         if self.deterministic:
             return self._plan_uniform(q, k_cache, v_cache, meta, sliding_window, out, k_scale, v_scale)
@@ -138,7 +147,10 @@ class TritonBackend(AttentionBackend):
                                            num_seqs=num_decodes, num_splits=num_splits, config=config,
                                            k_scale=k_scale, v_scale=v_scale)
         prefill = None
-        if (num_decodes < meta.num_seqs and self.prefill_fa4 and softcap is None
+        if sinks is not None and self.prefill_fa4 and not self._fa4_sinks_logged:
+            log.info("prefill attention: the Triton kernel, not FlashAttention-4 (FA4 takes no attention sinks)")
+            self._fa4_sinks_logged = True
+        if (num_decodes < meta.num_seqs and self.prefill_fa4 and softcap is None and sinks is None
                 and fa4_supports(q, k_cache, meta, sliding_window)):
             prefill = plan_fa4_prefill(meta)
         elif num_decodes < meta.num_seqs:

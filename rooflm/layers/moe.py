@@ -462,7 +462,7 @@ class SparseMoeBlock(torch.nn.Module):
 def hub_tensors(cfg: MoeConfig, params: dict[str, torch.Tensor],
                 projs: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
     """A whole (one-rank) block's parameters, named as SparseMoeBlock.named_parameters() names
-    them, as the per-expert checkpoint tensors load_weight takes back: (name relative to the
+    them, as the per-expert (gpt-oss: stacked) checkpoint tensors load_weight takes back: (name relative to the
     block, tensor view). projs: the family's names of an expert's gate, up and down (Mixtral:
     w1, w3, w2). Dummy checkpoints and the loader's expected shapes (hub_shapes) come from here."""
     gate, up, down = projs
@@ -471,7 +471,11 @@ def hub_tensors(cfg: MoeConfig, params: dict[str, torch.Tensor],
     if cfg.router_bias:
         yield "router.bias", params["router.bias"]
     w13, w2 = params["experts.w13"], params["experts.w2"]
-    for e in range(experts):
+    if cfg.gate_up_interleaved:  # gpt-oss's checkpoints: stacked, x @ W, gate and up columns alternating
+        gate_up = torch.stack((w13[:, :inter], w13[:, inter:]), dim=2).reshape(experts, 2 * inter, -1)
+        yield "experts.gate_up_proj", gate_up.transpose(1, 2)
+        yield "experts.down_proj", w2.transpose(1, 2)
+    for e in range(0 if cfg.gate_up_interleaved else experts):
         yield f"experts.{e}.{gate}.weight", w13[e, :inter]
         yield f"experts.{e}.{up}.weight", w13[e, inter:]
         yield f"experts.{e}.{down}.weight", w2[e]

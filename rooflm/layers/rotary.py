@@ -1,4 +1,4 @@
-"""Rotary position embedding (RoPE): plain, Llama-3.1, linear and LongRoPE scaling; over the
+"""Rotary position embedding (RoPE): plain, Llama-3.1, linear, LongRoPE and YaRN scaling; over the
 whole head or its first rotary_dim features (partial rotary); or none (a layer without RoPE).
 
 The cos/sin table is built once, in fp32, for every position up to the
@@ -40,6 +40,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling]) -
         return inv_freq / scaling.factor
     if scaling.rope_type == "longrope":
         return longrope_inv_freq(head_dim, theta, scaling.short_factor)
+    if scaling.rope_type == "yarn":
+        return yarn_inv_freq(head_dim, theta, scaling)
     # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the
     # band between is interpolated smoothly (Meta's reference implementation).
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
@@ -59,6 +61,40 @@ def longrope_inv_freq(dim: int, theta: float, factors: Sequence[float]) -> torch
         raise ValueError(f"longrope needs {dim // 2} factors for a rotated width of {dim}, got {len(factors)}")
     ext = torch.tensor(factors, dtype=torch.float32)
     return 1.0 / (ext * theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def yarn_inv_freq(dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """YaRN's frequencies as HF computes them (_compute_yarn_parameters): the plain frequency where
+    a dimension turns more than beta_fast times over the original context, the interpolated one
+    (divided by factor) where it turns fewer than beta_slow times, a linear ramp between."""
+    def correction_dim(rotations: float) -> float:
+        original = scaling.original_max_position_embeddings
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # HF's guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # the share of the plain frequency
+    plain = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return plain / scaling.factor * (1 - extrapolation) + plain * extrapolation
+
+
+def yarn_attention_factor(scaling: RopeScaling) -> float:
+    """The factor on cos and sin: given, or 0.1 ln(factor) + 1 (the mscale / mscale_all_dim ratio
+    of that form where both are given), HF's."""
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return mscale(scaling.factor, scaling.mscale) / mscale(scaling.factor, scaling.mscale_all_dim)
+    return mscale(scaling.factor)
 
 
 def longrope_attention_factor(scaling: RopeScaling) -> float:
@@ -87,6 +123,9 @@ def build_cos_sin_cache(head_dim: int, max_positions: int, theta: float,
         return torch.cat([freqs.cos() * mscale, freqs.sin() * mscale], dim=-1)
     inv_freq = rope_inv_freq(head_dim, theta, scaling)
     freqs = torch.outer(positions, inv_freq)
+    if scaling is not None and scaling.rope_type == "yarn":
+        mscale = yarn_attention_factor(scaling)
+        return torch.cat([freqs.cos() * mscale, freqs.sin() * mscale], dim=-1)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_positions, head_dim]
 
 
@@ -165,6 +204,16 @@ def rope_scaling_from_hf(scaling: dict[str, Any], max_position_embeddings: int,
                                original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
         if rope_type == "linear":
             return RopeScaling("linear", factor=float(scaling["factor"]))
+        if rope_type == "yarn":
+            original = int(scaling["original_max_position_embeddings"])
+            factor = scaling.get("factor")
+            optional = {key: float(scaling[key]) for key in ("attention_factor", "mscale", "mscale_all_dim")
+                        if scaling.get(key) is not None}
+            # HF's `or`: a beta of 0 or None takes the default
+            return RopeScaling("yarn", factor=float(factor) if factor is not None else max_position_embeddings / original,
+                               original_max_position_embeddings=original,
+                               beta_fast=float(scaling.get("beta_fast") or 32), beta_slow=float(scaling.get("beta_slow") or 1),
+                               truncate=bool(scaling.get("truncate", True)), **optional)
         if rope_type == "longrope":
             original = int(original_max_position_embeddings or scaling.get("original_max_position_embeddings")
                            or max_position_embeddings)

@@ -38,7 +38,8 @@ from rooflm.config import ModelConfig
 from rooflm.distributed import layers as tp_layers
 from rooflm.distributed.group import SINGLE, TPGroup
 from rooflm.layers.activation import GeluTanhAndMul, SiluAndMul
-from rooflm.layers.attention import Attention, AttentionBackend, AttentionMetadata, ReferenceBackend, SoftcappedAttention
+from rooflm.layers.attention import (Attention, AttentionBackend, AttentionMetadata, ReferenceBackend, SinkAttention,
+                                    SoftcappedAttention)
 from rooflm.layers.kernels import TORCH_KERNELS, Kernels
 from rooflm.layers.kv_cache import KVCache
 from rooflm.layers.linear import FusedLinear, Linear
@@ -72,7 +73,7 @@ class DecoderAttention(torch.nn.Module):
         self.heads = tp.heads(cfg.num_attention_heads, cfg.num_key_value_heads)
         self.qkv_proj = tp_layers.qkv_linear(cfg.hidden_size, self.heads, cfg.head_dim, cfg.attention_bias, tp,
                                              kernels.linear)
-        self.o_proj = tp_layers.row_linear(cfg.q_size, cfg.hidden_size, tp, kernels.linear)
+        self.o_proj = tp_layers.row_linear(cfg.q_size, cfg.hidden_size, tp, kernels.linear, bias=spec.o_proj_bias)
         self.qk_norm = spec.qk_norm
         eps = cfg.rms_norm_eps
         if spec.qk_norm == QK_NORM_HEAD:  # over each head ([T, H, D]): torch, or Kernels.head_norm
@@ -85,10 +86,22 @@ class DecoderAttention(torch.nn.Module):
             self.q_norm = make_norm(spec, cfg.q_size, eps, kernels.rmsnorm)
             self.k_norm = make_norm(spec, cfg.kv_size, eps, kernels.rmsnorm)
         heads = (self.heads.num_heads, self.heads.num_kv_heads, cfg.head_dim, rotary)
+        # gpt-oss's sink logits, one per query head of this rank (checkpoint: self_attn.sinks).
+        self.sinks = torch.nn.Parameter(torch.empty(self.heads.num_heads)) if spec.attn_sinks else None
+        if spec.attn_softcap is not None and spec.attn_sinks:
+            raise ValueError("attention with both soft-capping and sinks has no backend form")
         if spec.attn_softcap is not None:
             self.attn = SoftcappedAttention(*heads, spec.attn_softcap, window, backend, spec.attn_scale)
+        elif spec.attn_sinks:
+            self.attn = SinkAttention(*heads, window, backend, spec.attn_scale)
         else:
             self.attn = Attention(*heads, window, backend, spec.attn_scale)
+
+    def checkpoint_shard(self, param_kind: str, tensor) -> torch.Tensor:
+        """This rank's sinks: those of its query heads (the module's one parameter of its own)."""
+        if param_kind != "sinks":
+            raise ValueError(f"self_attn.{param_kind}: not a parameter of the attention block")
+        return tp_layers.narrow(tensor, 0, self.heads.first_head, self.heads.num_heads)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -108,6 +121,8 @@ class DecoderAttention(torch.nn.Module):
         v = v.view(t, heads.num_kv_heads, head_dim)
         if self.qk_norm == QK_NORM_HEAD:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.sinks is not None:
+            return self.attn(positions, q, k, v, kv_cache, meta, sinks=self.sinks)
         return self.attn(positions, q, k, v, kv_cache, meta)
 
 
@@ -352,8 +367,9 @@ def _row_gemv(gemv, x: torch.Tensor, linear: Linear, residual: Optional[torch.Te
     and one all-reduce sums them."""
     if isinstance(linear, tp_layers.RowParallelLinear):
         partial = None if residual is None else linear.partial_with_residual(residual)
-        return linear.tp.all_reduce(gemv(x, linear.weight, residual=partial))
-    return gemv(x, linear.weight, residual=residual)
+        out = linear.tp.all_reduce(gemv(x, linear.weight, residual=partial))
+        return out if linear.bias is None else out + linear.bias  # gpt-oss's o_proj: once, after the sum
+    return gemv(x, linear.weight, bias=linear.bias, residual=residual)
 
 
 class DecoderModel(torch.nn.Module):

@@ -67,6 +67,9 @@ def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
             cfg["moe_intermediate_size"] = config.moe_intermediate_size
         if config.shared_expert_intermediate_size:
             cfg["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
+    if config.o_proj_bias:  # gpt-oss: attention_bias covers o_proj too; its experts' SwiGLU clamps
+        cfg.update(attention_bias=config.attention_bias, swiglu_alpha=config.swiglu_alpha,
+                   swiglu_limit=config.swiglu_limit)
     if config.bos_token_id is not None:
         cfg["bos_token_id"] = config.bos_token_id
     if config.eos_token_ids:
@@ -85,6 +88,14 @@ def _rope_scaling_dict(scaling: RopeScaling) -> dict[str, Any]:
                "original_max_position_embeddings": scaling.original_max_position_embeddings}
         if scaling.attention_factor is not None:
             out["attention_factor"] = scaling.attention_factor
+        return out
+    if scaling.rope_type == "yarn":
+        out = {"rope_type": "yarn", "factor": scaling.factor, "beta_fast": scaling.beta_fast,
+               "beta_slow": scaling.beta_slow, "truncate": scaling.truncate,
+               "original_max_position_embeddings": scaling.original_max_position_embeddings}
+        for key in ("attention_factor", "mscale", "mscale_all_dim"):
+            if getattr(scaling, key) is not None:
+                out[key] = getattr(scaling, key)
         return out
     return {"rope_type": scaling.rope_type, "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
             "high_freq_factor": scaling.high_freq_factor,

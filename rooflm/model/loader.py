@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from rooflm.config import ModelConfig, RopeScaling
-from rooflm.model import hub, presets
+from rooflm.model import hub, mxfp4, presets
 from rooflm.errors import ModelLoadError, load_error  # noqa: F401 (ModelLoadError is re-exported)
 from rooflm.layers.moe import hub_shapes
 from rooflm.model.registry import SUPPORTED_ARCHITECTURES, TEXT_MODEL_OF, get_family, model_spec
@@ -186,8 +186,8 @@ def _parse_rope(cfg: dict[str, Any], config_path: str) -> tuple[float, Optional[
         rope_scaling = rope_scaling_from_hf(scaling, int(cfg.get("max_position_embeddings", 4096)),
                                             cfg.get("original_max_position_embeddings"))
     except ValueError as exc:
-        raise load_error(config_path, f"{exc}; rooflm runs plain RoPE and 'llama3', 'linear' and "
-                                      f"'longrope' scaling") from exc
+        raise load_error(config_path, f"{exc}; rooflm runs plain RoPE and 'llama3', 'linear', "
+                                      f"'longrope' and 'yarn' scaling") from exc
     return float(rope_theta), rope_scaling
 
 
@@ -232,11 +232,16 @@ def _load_hf_config(model_dir: str) -> ModelConfig:
 
     if cfg.get("mlp_bias", False):
         raise load_error(config_path, "mlp_bias=true is not supported")
+    try:
+        family_fields = get_family(architecture).config_fields(cfg)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise load_error(config_path, f"invalid {architecture} config: {exc}") from exc
     # Qwen2 always has q/k/v bias and never an o_proj bias; Llama and Qwen3 use
-    # attention_bias for all four projections, and the o_proj bias has no place here.
+    # attention_bias for all four projections, and the o_proj bias has no place here but in a
+    # family that takes it (gpt-oss: its config_fields say o_proj_bias).
     if architecture == "Qwen2ForCausalLM":
         attention_bias = True
-    elif cfg.get("attention_bias", False):
+    elif cfg.get("attention_bias", False) and not family_fields.get("o_proj_bias"):
         raise load_error(
             config_path, f"attention_bias=true on {architecture} puts a bias on o_proj too, "
                          f"which rooflm does not support")
@@ -276,10 +281,6 @@ def _load_hf_config(model_dir: str) -> ModelConfig:
         if bos_token_id is None:
             bos_token_id = generation_cfg.get("bos_token_id")
 
-    try:
-        family_fields = get_family(architecture).config_fields(cfg)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise load_error(config_path, f"invalid {architecture} config: {exc}") from exc
     try:
         fields: dict[str, Any] = dict(
             architecture=architecture,
@@ -334,6 +335,10 @@ def weight_shapes(config: ModelConfig, kv_scales: bool = False) -> dict[str, tup
             shapes[layer + "self_attn.q_proj.bias"] = (config.q_size,)
             shapes[layer + "self_attn.k_proj.bias"] = (config.kv_size,)
             shapes[layer + "self_attn.v_proj.bias"] = (config.kv_size,)
+        if spec.o_proj_bias:
+            shapes[layer + "self_attn.o_proj.bias"] = (hidden,)
+        if spec.attn_sinks:
+            shapes[layer + "self_attn.sinks"] = (config.num_attention_heads,)
         if qk_norm_sizes is not None:
             shapes[layer + "self_attn.q_norm.weight"] = (qk_norm_sizes[0],)
             shapes[layer + "self_attn.k_norm.weight"] = (qk_norm_sizes[1],)
@@ -391,10 +396,13 @@ def iter_weights(path: str, load_format: str, keep_quantized: bool = False,
         path, load_format = resolve_model(path, load_format)
     if load_format == "safetensors":
         config = _load_hf_config(path)
-        stream = _family_tensors(_iter_safetensors(path, config, lazy), config)
         from rooflm.quant.checkpoint import group_quantized, parse_kv_cache_scheme, parse_quant_config
         config_path = os.path.join(path, "config.json")
         raw = _read_json(config_path)
+        stream = _iter_safetensors(path, config, lazy)
+        if mxfp4.declared(raw):  # gpt-oss's experts: each _blocks / _scales pair as its bf16 tensor
+            stream = _mxfp4_dequantized(stream)
+        stream = _family_tensors(stream, config)
         scheme = parse_quant_config(raw, config_path)
         kv_scales = parse_kv_cache_scheme(raw, config_path)
         if scheme is not None:  # GPTQ/AWQ parts come grouped as one quantized '<linear>.weight'
@@ -414,6 +422,13 @@ def iter_weights(path: str, load_format: str, keep_quantized: bool = False,
         raise ModelLoadError(
             f"iter_weights needs a concrete format (safetensors, gguf); got {load_format!r}")
     return _check_shapes(stream, config, path, kv_scales)
+
+
+def _mxfp4_dequantized(stream: Iterator[tuple[str, Any, str]]) -> Iterator[tuple[str, Any, str]]:
+    try:
+        yield from mxfp4.dequantized_stream(stream)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
 
 
 def _family_tensors(stream: Iterator[tuple[str, Any, str]],

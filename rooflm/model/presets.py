@@ -146,6 +146,19 @@ PRESETS: dict[str, ModelConfig] = {
         num_key_value_heads=16, head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0,
         max_position_embeddings=4096, eos_token_ids=(50279,), num_experts=64,
         num_experts_per_tok=8),
+    # gpt-oss-20b (model/gpt_oss.py): sinks, 128-token windows on even layers, YaRN, 32 experts
+    # top-4 with biases and clamped SwiGLU. 20.91B parameters, 4.19B active with the embedding
+    # (OpenAI's 3.61B leaves the embedding out).
+    "gpt-oss-20b": ModelConfig(
+        architecture="GptOssForCausalLM", vocab_size=201088, hidden_size=2880,
+        intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=150000.0,
+        rope_scaling=RopeScaling("yarn", factor=32.0, original_max_position_embeddings=4096,
+                                 beta_fast=32.0, beta_slow=1.0, truncate=False),
+        max_position_embeddings=131072, sliding_window=128,
+        layer_types=("sliding_attention", "full_attention") * 12, attention_bias=True,
+        o_proj_bias=True, attention_sinks=True, moe_bias=True, num_experts=32,
+        num_experts_per_tok=4, bos_token_id=199998, eos_token_ids=(200002, 199999, 200012)),
     "smollm2-135m": ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576,
         intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from rooflm.config import ModelConfig
 from rooflm.model.gguf_layout import GGUFLayout
-from rooflm.model import gemma2, gemma3, granite, mixtral, olmo2, olmoe, phi3, qwen2_moe, qwen3_moe, smollm3
+from rooflm.model import gemma2, gemma3, gpt_oss, granite, mixtral, olmo2, olmoe, phi3, qwen2_moe, qwen3_moe, smollm3
 from rooflm.model.llama import LlamaForCausalLM
 from rooflm.model.spec import ModelSpec, llama_spec
 
@@ -60,6 +60,7 @@ FAMILIES = {f.architecture: f for f in (
     Family(mixtral.ARCHITECTURE, mixtral.MODEL_TYPE, mixtral.spec, mixtral.MixtralForCausalLM, mixtral.config_fields),
     Family(olmoe.ARCHITECTURE, olmoe.MODEL_TYPE, olmoe.spec, olmoe.OlmoeForCausalLM, olmoe.config_fields),
     Family(qwen2_moe.ARCHITECTURE, qwen2_moe.MODEL_TYPE, qwen2_moe.spec, qwen2_moe.Qwen2MoeForCausalLM, qwen2_moe.config_fields),
+    Family(gpt_oss.ARCHITECTURE, gpt_oss.MODEL_TYPE, gpt_oss.spec, gpt_oss.GptOssForCausalLM, gpt_oss.config_fields),
 )}
 
 # Multimodal architectures served as their text model: config.json -> the text model's config.json

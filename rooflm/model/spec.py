@@ -62,6 +62,10 @@ class ModelSpec:
     moe: Optional[MoeConfig] = None
     moe_prefix: str = "mlp"
     expert_projs: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # gpt-oss: one learned logit per query head in each softmax's denominator (self_attn.sinks),
+    # and a bias on o_proj (self_attn.o_proj.bias) beside the q/k/v ones of cfg.attention_bias.
+    attn_sinks: bool = False
+    o_proj_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.norm not in (RMS, RMS_ONE_PLUS):
@@ -85,7 +89,7 @@ class ModelSpec:
                 and self.attn_softcap is None and self.final_softcap is None
                 and len(set(self.layer_windows)) <= 1 and self.embed_scale is None and self.mlp_act == SILU
                 and not self.layer_ropes and self.residual_scale is None and self.logit_divisor is None
-                and MOE not in self.layer_mlps)
+                and MOE not in self.layer_mlps and not self.attn_sinks and not self.o_proj_bias)
 
     def native_reason(self) -> Optional[str]:
         """Why the native C decoder (quant/csrc/decode_layer.c) cannot compute this model's layers,
@@ -97,6 +101,10 @@ class ModelSpec:
             return "q/k norms over the whole projection"
         if self.attn_softcap is not None:
             return "attention soft-capping"
+        if self.attn_sinks:
+            return "attention sinks"
+        if self.o_proj_bias:
+            return "an o_proj bias"
         if MOE in self.layer_mlps:
             return "mixture-of-experts blocks"
         return None
@@ -119,6 +127,8 @@ class ModelSpec:
         attention, or None when it can."""
         if backend is not None and self.attn_softcap is not None and not backend.supports_softcap:
             return f"attention logit soft-capping: the {backend.name} backend has none"
+        if backend is not None and self.attn_sinks and not backend.supports_sinks:
+            return f"attention sinks: the {backend.name} backend has none"
         return None
 
 

@@ -82,6 +82,10 @@ def param_counts(config: ModelConfig) -> ParamCounts:
         layer_other += config.q_size + 2 * config.kv_size
     if config.qk_norm:
         layer_other += 2 * config.head_dim
+    if config.o_proj_bias:  # gpt-oss: o_proj's bias and one sink logit per query head
+        layer_other += h
+    if config.attention_sinks:
+        layer_other += config.num_attention_heads
     head = 0 if config.tie_word_embeddings else vocab * h
     counts = ParamCounts(
         linear=config.num_hidden_layers * attn_linear + mlps + head,

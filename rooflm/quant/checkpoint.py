@@ -101,6 +101,8 @@ def parse_quant_config(cfg: dict[str, Any], config_path: str) -> Optional[QuantS
         return QuantScheme("fp8", 8, -1, activations=act)
     if method == "compressed-tensors":
         return _compressed_tensors_scheme(qc, config_path)
+    if method == "mxfp4":  # gpt-oss's experts: dequantized to bf16 as they are read (model/mxfp4.py)
+        return None
     raise load_error(config_path, f"quantization scheme {method!r} is not supported; rooflm loads "
                                   f"'gptq', 'awq', 'fp8' and compressed-tensors (fp8, pack-quantized "
                                   f"int4/int8) checkpoints (and GGUF Q4_0/Q4_1/Q8_0/Q4_K)")

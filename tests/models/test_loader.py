@@ -324,8 +324,8 @@ def test_unsupported_architecture(tiny_llama, tmp_path):
 def test_unsupported_rope_scaling(tiny_llama, tmp_path):
     path = copy_checkpoint(tiny_llama[0], tmp_path)
     edit_json(os.path.join(path, "config.json"),
-              rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
-    with pytest.raises(ModelLoadError, match=r"config\.json: rope scaling type 'yarn'"):
+              rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0})
+    with pytest.raises(ModelLoadError, match=r"config\.json: rope scaling type 'dynamic'"):
         load_model_config(path, "safetensors")
 
 
