@@ -24,10 +24,13 @@ Every server gets --max-queued-requests large enough that nothing is refused for
 
 Prints a table with the targets and writes JSON (--out).
 
-    # the issue's run (H200, Llama-3-8B shape, dummy weights)
-    python benchmarks/overload_priority.py --model llama-3-8b --load-format dummy --out op.json
+    # the issue's run (H200, Llama-3-8B shape, dummy weights; the directory holds config.json and
+    # tokenizer files, so the server streams text token by token)
+    python benchmarks/make_dummy_model_dir.py --preset llama-3-8b --out benchmarks/models/llama-3-8b-dummy
+    python benchmarks/overload_priority.py --model benchmarks/models/llama-3-8b-dummy --out op.json
     # smoke test on the CPU (numbers mean nothing)
-    python benchmarks/overload_priority.py --model smollm2-135m --load-format dummy --device cpu \\
+    python benchmarks/make_dummy_model_dir.py --preset smollm2-135m --out /tmp/smollm2-dummy
+    python benchmarks/overload_priority.py --model /tmp/smollm2-dummy --device cpu \\
         --input-len 16 --output-len 4 --capacity-requests 8 --duration-s 4 --client-processes 1 \\
         --warmup-requests 2 --ttft-slo-ms 2000 --tpot-slo-ms 2000
 """
@@ -121,6 +124,20 @@ class Server:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
+
+
+def check_model_dir(args) -> None:
+    """The served model must have a tokenizer: without one the server streams no text, so no
+    chunk marks a token's arrival and TTFT/TPOT cannot be measured. Sets args.vocab_size from
+    its config.json when unset."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if not os.path.isdir(args.model) or not any(os.path.exists(os.path.join(args.model, n)) for n in names):
+        sys.exit(f"{args.model}: serve a model directory with tokenizer files, e.g. one made by "
+                 f"`python benchmarks/make_dummy_model_dir.py --preset llama-3-8b --out DIR` (per-token "
+                 f"streaming needs text)")
+    if args.vocab_size is None:
+        with open(os.path.join(args.model, "config.json")) as f:
+            args.vocab_size = json.load(f)["vocab_size"]
 
 
 # ---------------------------------------------------------------- the client
@@ -267,7 +284,8 @@ def main(argv=None) -> int:
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in len*(1 +- r)")
-    p.add_argument("--vocab-size", type=int, default=32000, help="prompt token ids are drawn below this")
+    p.add_argument("--vocab-size", type=int, default=None, help="prompt token ids are drawn below this "
+                   "(default: the model directory's config.json)")
     p.add_argument("--capacity-requests", type=int, default=1024, help="the saturating burst")
     p.add_argument("--warmup-requests", type=int, default=64)
     p.add_argument("--overload", type=float, default=1.5, help="the overload's rate over the capacity")
@@ -287,6 +305,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the results as JSON")
     args = p.parse_args(argv)
+    check_model_dir(args)
     raise_open_files_limit()
     args.server_args = args.server_args.split()
     args.log_dir = args.log_dir or (os.path.dirname(os.path.abspath(args.out)) if args.out else "/tmp")

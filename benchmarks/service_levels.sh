@@ -7,8 +7,13 @@
 # README-ready tables go under $OUT (service-levels.md gathers the tables).
 # Usage (GPU machine, repo root; carry .whl/ from benchmarks/fetch_serving_wheels.sh):
 #   OUT=dir bash benchmarks/service_levels.sh
-# CPU smoke run of the script itself (numbers mean nothing):
-#   OUT=/tmp/sl MODEL=smollm2-135m DEVICE=cpu SMOKE=1 bash benchmarks/service_levels.sh
+# MODEL: the in-process engine's model (multi-turn), default the llama-3-8b preset. MODEL_DIR: what
+# the servers serve, a directory with config.json and tokenizer files (per-token streaming needs
+# text), default benchmarks/models/llama-3-8b-dummy: make it before the device call, where the
+# tokenizer source is installed (it is untracked and not ignored, so it travels):
+#   python benchmarks/make_dummy_model_dir.py --preset llama-3-8b --out benchmarks/models/llama-3-8b-dummy
+# CPU smoke run of the script itself (numbers mean nothing), MODEL_DIR a tiny model with a tokenizer:
+#   OUT=/tmp/sl MODEL=DIR MODEL_DIR=DIR DEVICE=cpu SMOKE=1 bash benchmarks/service_levels.sh
 set -uo pipefail
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -19,6 +24,9 @@ ulimit -n "$(ulimit -Hn)" 2>/dev/null || true  # an overload holds over a thousa
 PY=${PYTHON:-python3}
 OUT=${OUT:-benchmarks/results/service-levels}
 MODEL=${MODEL:-llama-3-8b}
+MODEL_DIR=${MODEL_DIR:-benchmarks/models/llama-3-8b-dummy}
+[ -f "$MODEL_DIR/config.json" ] || $PY benchmarks/make_dummy_model_dir.py --preset llama-3-8b --out "$MODEL_DIR" \
+  || { echo "no $MODEL_DIR: make it where the tokenizer source is (see above)"; }
 DEVICE_FLAG=${DEVICE:+--device $DEVICE}
 T1=${T1:-210} T2=${T2:-240} T3=${T3:-90}  # seconds per step; the sum stays under 9 minutes
 mkdir -p "$OUT"
@@ -28,8 +36,8 @@ mkdir -p "$OUT"
 if [ -n "${SMOKE:-}" ]; then  # tiny counts: the scripts run end to end, nothing more
   MT="--conversations 4 --turns 2 --system-len 32 --user-len 8 --answer-len 4"
   OP="--input-len 16 --output-len 4 --capacity-requests 6 --duration-s 3 --client-processes 1 --warmup-requests 2
-      --ttft-slo-ms 5000 --tpot-slo-ms 5000 --vocab-size 512"
-  SW="--cycles 1 --output-len 4 --input-len 16 --vocab-size 512"
+      --ttft-slo-ms 5000 --tpot-slo-ms 5000"
+  SW="--cycles 1 --output-len 4 --input-len 16"
 else
   MT="" OP="" SW=""
 fi
@@ -45,9 +53,9 @@ step() {  # name, seconds, command...: run under timeout, keep going on failure
 
 step multi_turn_prefix "$T1" $PY benchmarks/multi_turn_prefix.py --model "$MODEL" --load-format dummy $DEVICE_FLAG \
   $MT --out "$OUT/multi_turn_prefix.json"
-step overload_priority "$T2" $PY benchmarks/overload_priority.py --model "$MODEL" --load-format dummy $DEVICE_FLAG \
+step overload_priority "$T2" $PY benchmarks/overload_priority.py --model "$MODEL_DIR" --load-format dummy $DEVICE_FLAG \
   $OP --log-dir "$OUT" --out "$OUT/overload_priority.json"
-step sleep_wake "$T3" $PY benchmarks/sleep_wake.py --model "$MODEL" --load-format dummy $DEVICE_FLAG \
+step sleep_wake "$T3" $PY benchmarks/sleep_wake.py --model "$MODEL_DIR" --load-format dummy $DEVICE_FLAG \
   $SW --log-dir "$OUT" --out "$OUT/sleep_wake.json"
 
 # The README-ready tables, in one file: each script writes its table into its JSON.

@@ -10,11 +10,11 @@ and the request's TTFT are reported beside it.
 
 Prints a table with the target and writes JSON (--out).
 
-    # the issue's run (H200, Llama-3-8B shape, dummy weights)
-    python benchmarks/sleep_wake.py --model llama-3-8b --load-format dummy --out sw.json
+    # the issue's run (H200, Llama-3-8B shape, dummy weights; a directory with tokenizer files,
+    # from benchmarks/make_dummy_model_dir.py, so the first token arrives as text)
+    python benchmarks/sleep_wake.py --model benchmarks/models/llama-3-8b-dummy --out sw.json
     # smoke test on the CPU (numbers mean nothing; no GPU memory to read)
-    python benchmarks/sleep_wake.py --model smollm2-135m --load-format dummy --device cpu --cycles 1 \\
-        --output-len 4
+    python benchmarks/sleep_wake.py --model /tmp/smollm2-dummy --device cpu --cycles 1 --output-len 4
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from overload_priority import Server  # noqa: E402
+from overload_priority import Server, check_model_dir  # noqa: E402
 from rooflm.bench.stream_client import SampleRequest, send_request  # noqa: E402
 
 TARGET_WAKE_S = 2.0  # level 1, wake-up call to first token
@@ -117,7 +117,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=16)
-    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--vocab-size", type=int, default=None, help="prompt token ids are drawn below this "
+                   "(default: the model directory's config.json)")
     p.add_argument("--levels", default="1,2")
     p.add_argument("--cycles", type=int, default=3, help="sleep/wake cycles per level")
     p.add_argument("--server-args", default="", help="more `rooflm serve` flags, one string")
@@ -125,6 +126,7 @@ def main(argv=None) -> int:
     p.add_argument("--log-dir", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    check_model_dir(args)
     args.server_args = args.server_args.split() + ["--enable-sleep-mode"]
     args.max_queued_requests = 64
     args.log_dir = args.log_dir or (os.path.dirname(os.path.abspath(args.out)) if args.out else "/tmp")
