@@ -200,7 +200,7 @@ def offload_gb_for(engine: LLMEngine, args) -> float:
     """Host memory for the whole working set plus a quarter: the tier never drops what the run
     comes back for, and pinning no more than that keeps the engine's start short."""
     per_block = engine.runner.kv_bytes_per_block()
-    return round(1.25 * working_set_blocks(args) * per_block / 2**30, 3)
+    return 1.25 * working_set_blocks(args) * per_block / 2**30
 
 
 def table(args, capacity, results) -> str:
@@ -299,7 +299,8 @@ def main(argv=None) -> int:
         # Warm-up outside the clock: the system prompt (cached, as in a server that has run a
         # while) and other ids, so graphs and kernels are ready.
         warm = SamplingParams(temperature=0, max_tokens=args.answer_len, ignore_eos=True, output_kind="final")
-        engine.add_request("warmup", work.system + [work.rng.randrange(1, work.vocab) for _ in range(64)], warm)
+        engine.add_request("warmup", work.system + [work.rng.randrange(1, work.vocab) for _ in range(args.user_len)],
+                           warm)
         drain(engine)
         print(f"{mode}: engine ready in {time.monotonic() - t0:.1f} s (host tier "
               f"{engine.info.num_offload_blocks} blocks)", flush=True)
@@ -314,11 +315,13 @@ def main(argv=None) -> int:
               f"{r['output_tokens_per_s']:.1f} output tok/s, prefill computed {r['prefill_tokens_computed']:,}, "
               f"hits device {r['prefix_hit_tokens_device']:,} / host {r['prefix_hit_tokens_host']:,} tokens, "
               f"{r['preemptions']} preemptions, {r['makespan_s']:.1f} s", flush=True)
-    report = table(args, capacity, results)
+        # After each mode: a run cut short by its time limit still leaves the modes it finished.
+        report = table(args, capacity, results)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"args": vars(args), "capacity": capacity, "results": results, "table": report}, f,
+                          indent=2)
     print("\n" + report)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "capacity": capacity, "results": results, "table": report}, f, indent=2)
     return 0
 
 

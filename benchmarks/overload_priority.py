@@ -41,6 +41,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -119,7 +120,7 @@ class Server:
     def __exit__(self, *exc) -> None:
         self.proc.terminate()
         try:
-            self.proc.wait(timeout=60)
+            self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
@@ -286,7 +287,7 @@ def main(argv=None) -> int:
     p.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in len*(1 +- r)")
     p.add_argument("--vocab-size", type=int, default=None, help="prompt token ids are drawn below this "
                    "(default: the model directory's config.json)")
-    p.add_argument("--capacity-requests", type=int, default=1024, help="the saturating burst")
+    p.add_argument("--capacity-requests", type=int, default=512, help="the saturating burst")
     p.add_argument("--warmup-requests", type=int, default=64)
     p.add_argument("--overload", type=float, default=1.5, help="the overload's rate over the capacity")
     p.add_argument("--duration-s", type=float, default=15.0, help="the overload's arrival window")
@@ -306,6 +307,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write the results as JSON")
     args = p.parse_args(argv)
     check_model_dir(args)
+    # `timeout` sends SIGTERM: exit through the servers' context managers, which stop them (an
+    # orphaned server would hold the GPU through the next benchmark).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     raise_open_files_limit()
     args.server_args = args.server_args.split()
     args.log_dir = args.log_dir or (os.path.dirname(os.path.abspath(args.out)) if args.out else "/tmp")
@@ -328,6 +332,7 @@ def main(argv=None) -> int:
         classes = [HIGH if pick.random() < args.high_share else LOW for _ in range(n)]
         outputs, duration = send(server, requests, offsets, args)
         runs["fcfs overload"] = summarize(outputs, classes, duration, args)
+    save(args, capacity, runs, startup)
 
     def with_priority(reqs, cls):
         return [SampleRequest(r.prompt, r.prompt_len, r.output_len, {"priority": c}) for r, c in zip(reqs, cls)]
@@ -343,6 +348,7 @@ def main(argv=None) -> int:
               flush=True)
         outputs, duration = send(server, with_priority(requests, classes), offsets, args)
         runs["priority overload"] = summarize(outputs, classes, duration, args)
+    save(args, capacity, runs, startup)
 
     slo_flags = ["--ttft-slo-ms", f"{args.ttft_slo_ms:g}", "--scheduling-policy", args.slo_policy]
     with Server(args, "slo", slo_flags) as server:
@@ -352,13 +358,20 @@ def main(argv=None) -> int:
         outputs, duration = send(server, reqs, offsets, args)
         runs["slo overload"] = summarize(outputs, classes, duration, args)
 
-    report, verdict = table(args, capacity, runs)
+    report = save(args, capacity, runs, startup)
     print("\n" + report, flush=True)
+    return 0
+
+
+def save(args, capacity: dict, runs: dict, startup: dict) -> str:
+    """The table, and the JSON when --out is set; called after each server, so that a run cut
+    short by its time limit still leaves what it finished."""
+    report, verdict = table(args, capacity, runs)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "capacity": capacity, "server_startup_s": startup, "runs": runs,
                        "verdict": verdict, "table": report}, f, indent=2)
-    return 0
+    return report
 
 
 if __name__ == "__main__":

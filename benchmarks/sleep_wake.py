@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -127,6 +128,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     check_model_dir(args)
+    # `timeout` sends SIGTERM: exit through the servers' context managers, which stop them (an
+    # orphaned server would hold the GPU through the next benchmark).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.server_args = args.server_args.split() + ["--enable-sleep-mode"]
     args.max_queued_requests = 64
     args.log_dir = args.log_dir or (os.path.dirname(os.path.abspath(args.out)) if args.out else "/tmp")
