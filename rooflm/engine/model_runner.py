@@ -661,7 +661,8 @@ class ModelRunner:
     def _copy_to_host(self, pairs: list[tuple[int, int]]) -> None:
         """(device, host) blocks: per chunk one gather on the device into block-major order,
         then one non_blocking copy per run of consecutive host blocks (pinned: the host does
-        not wait; the host pool is touched only by copies on this stream)."""
+        not wait; the host pool is written only by copies on this stream, and read on the copy
+        stream only after an event that follows them: _stage_restores)."""
         for chunk in self._host_copy_chunks(pairs, 1):
             dev = self._host([d for d, _ in chunk], torch.int64).to(self.device, non_blocking=True)
             runs = _runs([h for _, h in chunk])
