@@ -19,7 +19,7 @@ import multiprocessing as mp
 import os
 import random
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 
 _WORKER_ARGS = ("temperature", "ignore_eos", "request_timeout", "api_key")
@@ -72,10 +72,13 @@ def _worker(rank: int, base_url, endpoint, model, jobs, args, ready, start, resu
         results.put((rank, [], time.process_time() - cpu0, f"{type(exc).__name__}: {exc}"))
 
 
-def run_pool(base_url: str, endpoint: str, model: str, requests: Sequence, args, processes: int):
+def run_pool(base_url: str, endpoint: str, model: str, requests: Sequence, args, processes: int,
+             offsets: Optional[Sequence[float]] = None):
     """Send `requests` from `processes` client processes; returns (outputs in request order,
-    duration from the shared start to the last response, CPU seconds of the busiest process)."""
-    offsets = arrival_offsets(len(requests), args.request_rate, args.burstiness, args.seed)
+    duration from the shared start to the last response, CPU seconds of the busiest process).
+    offsets: each request's send time from the start (default: drawn as bench serve draws them)."""
+    if offsets is None:
+        offsets = arrival_offsets(len(requests), args.request_rate, args.burstiness, args.seed)
     jobs = [[] for _ in range(processes)]
     for i, (req, off) in enumerate(zip(requests, offsets)):
         jobs[i % processes].append((i, req, off))

@@ -10,7 +10,7 @@ import argparse
 import json
 import time
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 from rooflm.perf.serving_metrics import RequestOutput
 
@@ -22,6 +22,8 @@ class SampleRequest:
     prompt: Union[str, list[int]]
     prompt_len: int
     output_len: int
+    # Request fields of this request alone (priority, deadline_ms): merged into the body last.
+    extra_body: Optional[dict] = None
 
 
 def _is_chat(endpoint: str) -> bool:
@@ -37,6 +39,8 @@ def _payload(req: SampleRequest, model: str, endpoint: str, args: argparse.Names
         body["prompt"] = req.prompt
     if args.ignore_eos:
         body["ignore_eos"] = True  # vLLM / rooflm extension: generate exactly max_tokens
+    if req.extra_body:
+        body.update(req.extra_body)
     return body
 
 

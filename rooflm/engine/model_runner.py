@@ -39,6 +39,10 @@ LOGITS_ROW_ALIGN = 64
 # swaps and host-tier copies take outside the profiled memory, in the headroom the KV budget
 # leaves (gpu_memory_utilization), while keeping each copy large (~2.5 ms over PCIe 5).
 HOST_COPY_CHUNK_BYTES = 128 * 2**20
+# Restores staged ahead on the copy stream (apply_block_ops), per step: their staging lives
+# until the step's scatter, so it is bounded apart; the rest of a larger step's restores take
+# the in-order path.
+RESTORE_AHEAD_BYTES = 2 * HOST_COPY_CHUNK_BYTES
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -187,6 +191,10 @@ class ModelRunner:
         self.kv_scales: Optional[torch.Tensor] = None
         self.host_kv_cache: Optional[torch.Tensor] = None
         self.host_kv_scales: Optional[torch.Tensor] = None
+        # CUDA: the side stream host-to-device restores are staged on, and the event recorded on
+        # the step's stream after the last device-to-host copies (what those restores wait for).
+        self._copy_stream = None
+        self._offloads_done = None
         self.kv_cache_dtype = config.cache.kv_cache_dtype
         self.kv_cache_scales = config.cache.kv_cache_scales
         self.kv_dtype = kv_format.storage_dtype(self.kv_cache_dtype, self.dtype)
@@ -617,11 +625,27 @@ class ModelRunner:
         forward pass writes new K/V, in this order on the step's stream: every device-to-host
         copy reads its block before anything of this step writes one (a popped block's
         offload before its new contents), and a restore reads its host block after an
-        offload of the same step wrote it."""
+        offload of the same step wrote it.
+
+        On CUDA the slow half of a restore, host to device over PCIe, is issued first on a side
+        stream into a staging buffer, so it runs while the step before this one (still on the
+        device under async scheduling) computes; the step's stream waits for that step's copies
+        alone (an event) and scatters the staging into the pool in its own order, after the
+        offloads: no block of the pool is touched off the step's stream. The side stream waits
+        for earlier steps' device-to-host copies (they may have written the host blocks it
+        reads); a restore whose host block this step's own offloads write, and restores beyond
+        RESTORE_AHEAD_BYTES, go the in-order way after the offloads."""
+        ahead, in_order = self._split_restores(out)
+        staged = self._stage_restores(ahead) if ahead else None
         if out.blocks_to_swap_out:
             self._copy_to_host(out.blocks_to_swap_out)
-        if out.blocks_to_swap_in:
-            self._copy_from_host(out.blocks_to_swap_in)
+            if self.device.type == "cuda":
+                self._offloads_done = torch.cuda.Event()
+                self._offloads_done.record()
+        if staged is not None:
+            self._scatter_staged(*staged)
+        if in_order:
+            self._copy_from_host(in_order)
         if out.blocks_to_copy:
             # Through pinned memory: a pageable copy would wait here for the step in flight.
             src = self._host([s for s, _ in out.blocks_to_copy], torch.int64).to(self.device, non_blocking=True)
@@ -640,7 +664,8 @@ class ModelRunner:
     def _copy_to_host(self, pairs: list[tuple[int, int]]) -> None:
         """(device, host) blocks: per chunk one gather on the device into block-major order,
         then one non_blocking copy per run of consecutive host blocks (pinned: the host does
-        not wait; the host pool is touched only by copies on this stream)."""
+        not wait; the host pool is written only by copies on this stream, and read on the copy
+        stream only after an event that follows them: _stage_restores)."""
         for chunk in self._host_copy_chunks(pairs, 1):
             dev = self._host([d for d, _ in chunk], torch.int64).to(self.device, non_blocking=True)
             runs = _runs([h for _, h in chunk])
@@ -649,6 +674,55 @@ class ModelRunner:
                 staged = pool.movedim(2, 0)[dev]  # [n, layers, 2, block_size, ...], one kernel
                 for i, h, k in runs:
                     host_pool[h:h + k].copy_(staged[i:i + k], non_blocking=True)
+
+    def _split_restores(self, out: SchedulerOutput) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(host, device) restores to stage ahead on the copy stream, and those to copy in order."""
+        pairs = out.blocks_to_swap_in
+        if not pairs or self.device.type != "cuda":
+            return [], list(pairs)
+        written = {h for _, h in out.blocks_to_swap_out}
+        per_block = sum(host.stride(0) * host.element_size() for _, host in self._pools())
+        room = max(1, RESTORE_AHEAD_BYTES // per_block)
+        ahead, in_order = [], []
+        for pair in pairs:
+            (ahead if pair[0] not in written and len(ahead) < room else in_order).append(pair)
+        return ahead, in_order
+
+    def _stage_restores(self, pairs: list[tuple[int, int]]):
+        """Host-to-device copies of the restores' host blocks into staging tensors, on the copy
+        stream; returns (chunks with their staging tensors, the event that marks them done)."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        side, step_stream = self._copy_stream, torch.cuda.current_stream(self.device)
+        if self._offloads_done is not None:
+            side.wait_event(self._offloads_done)
+        staged = []
+        with torch.cuda.stream(side):
+            for chunk in self._host_copy_chunks(pairs, 0):
+                runs = _runs([h for h, _ in chunk])
+                tensors = []
+                for pool, host_pool in self._pools():
+                    pool, host_pool = _as_bytes(pool), _as_bytes(host_pool)
+                    t = torch.empty((len(chunk),) + tuple(host_pool.shape[1:]), dtype=pool.dtype,
+                                    device=self.device)
+                    for i, h, k in runs:
+                        t[i:i + k].copy_(host_pool[h:h + k], non_blocking=True)
+                    # Read on the step's stream: the allocator must not hand it out again
+                    # before that use is done.
+                    t.record_stream(step_stream)
+                    tensors.append(t)
+                staged.append((chunk, tensors))
+            done = torch.cuda.Event()
+            done.record(side)
+        return staged, done
+
+    def _scatter_staged(self, staged, done) -> None:
+        """On the step's stream, once the staging copies are done: one scatter per pool."""
+        torch.cuda.current_stream(self.device).wait_event(done)
+        for chunk, tensors in staged:
+            dev = self._host([d for _, d in chunk], torch.int64).to(self.device, non_blocking=True)
+            for (pool, _), t in zip(self._pools(), tensors):
+                _as_bytes(pool).index_copy_(2, dev, t.movedim(0, 2))
 
     def _copy_from_host(self, pairs: list[tuple[int, int]]) -> None:
         """(host, device) blocks: per chunk one non_blocking copy per run of consecutive host
@@ -1183,6 +1257,7 @@ class ModelRunner:
         weights into pinned host memory (on the CPU they are there already: kept), level 2
         drops them. The host swap pool stays: it is host memory."""
         self.release_graphs()
+        self._offloads_done = None  # the device is synchronised below: nothing left to wait for
         self._slept_num_blocks = self.kv_cache.shape[2]
         self.kv_cache = self.kv_caches = self.kv_scales = None
         self._meta_cache = ([], None)
