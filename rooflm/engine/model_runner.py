@@ -1066,8 +1066,17 @@ class ModelRunner:
         return None
 
     def _piecewise_runs(self, inputs: StepInputs) -> bool:
+        # A step with adapters runs eagerly: its SGMV segments and grids are sized per step on
+        # the host, which the pieces (captured without adapters) cannot replay.
         return (self.piecewise is not None and not inputs.prompt_logprob_spans
-                and inputs.host.input_ids.shape[0] <= self.piecewise.max_tokens)
+                and inputs.host.input_ids.shape[0] <= self.piecewise.max_tokens
+                and not (self.lora_mapping is not None and self.lora_mapping.active))
+
+    def _lora_graph_slots(self) -> Optional[torch.Tensor]:
+        """The decode step's per-row adapter slots (on the device, set by _set_lora_mapping) for
+        the graph's static buffer, or None: no row of the step has an adapter."""
+        m = self.lora_mapping
+        return m.token_slots if m is not None and m.active else None
 
     def _forward(self, inputs: StepInputs, result: StepResult, fixup=None,
                  graph: Optional[tuple[int, int]] = None, gather: bool = True) -> Optional[torch.Tensor]:
@@ -1081,7 +1090,8 @@ class ModelRunner:
             with self.tracer.phase("graph"):
                 if graph[0] == 1:
                     logits = self.graphs.run(h.input_ids, h.positions, h.slot_mapping, h.seq_lens,
-                                             h.block_tables, fixup, groups=h.groups)
+                                             h.block_tables, fixup, groups=h.groups,
+                                             lora_slots=self._lora_graph_slots())
                     indices = inputs.logits_indices
                 else:
                     logits, rows = self.uniform_graphs.run(graph, h.input_ids, h.positions, h.slot_mapping,
@@ -1128,15 +1138,11 @@ class ModelRunner:
         if self.model.graph_unsafe_reason is not None:
             logger.info("CUDA graphs off, every step eager: %s", self.model.graph_unsafe_reason)
             return
-        if self.lora is not None:
-            # The hooks' segments and grids are sized per step on the host (rooflm/lora/mapping.py);
-            # a graph would replay the captured step's.
-            logger.info("CUDA graphs off, every step eager: --enable-lora (adapter index not a graph input yet)")
-            return
         from rooflm.engine.cuda_graph import CUDAGraphRunner
         max_batch = self._graph_max_batch()
         self.graphs = CUDAGraphRunner(self.model, self.kv_caches, self.backend, max_batch,
-                                      self.max_model_len, self.block_size, self.device)
+                                      self.max_model_len, self.block_size, self.device,
+                                      lora_mapping=self.lora_mapping)
         self.timings["capture_s"] = self.graphs.capture()
         spec = self.config.speculative
         if spec.speculative_method and self.backend.name == "triton" and self.tp.size == 1:

@@ -28,6 +28,8 @@ write dominate, which a fused epilogue in the base GEMM would save (later).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -70,20 +72,25 @@ def _sgmv_expand_kernel(h_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, slots_ptr, O
 @triton.jit
 def _bgmv_expand_kernel(h_ptr, b_ptr, y_ptr, order_ptr, token_slots_ptr, OUT, R, h_col0, out_col0,
                         stride_hm, stride_bs, stride_bn, stride_ym,
-                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    tok = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
+                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DENSE: tl.constexpr):
+    # DENSE: one program per row of a CUDA graph's batch; slot -1 rows keep y as it is.
+    if DENSE:
+        tok = tl.program_id(0).to(tl.int64)
+    else:
+        tok = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
     slot = tl.load(token_slots_ptr + tok).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < OUT
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < R
-    hr = tl.load(h_ptr + tok * stride_hm + h_col0 + offs_r, mask=r_ok, other=0.0).to(tl.float32)
-    bt = tl.load(b_ptr + slot * stride_bs + (out_col0 + offs_n)[:, None] * stride_bn + offs_r[None, :],
-                 mask=n_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
-    acc = tl.sum(bt * hr[None, :], axis=1)
-    y_at = y_ptr + tok * stride_ym + out_col0 + offs_n
-    y = tl.load(y_at, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(y_at, (y + acc).to(y_ptr.dtype.element_ty), mask=n_ok)
+    if slot >= 0:
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < OUT
+        offs_r = tl.arange(0, BLOCK_R)
+        r_ok = offs_r < R
+        hr = tl.load(h_ptr + tok * stride_hm + h_col0 + offs_r, mask=r_ok, other=0.0).to(tl.float32)
+        bt = tl.load(b_ptr + slot * stride_bs + (out_col0 + offs_n)[:, None] * stride_bn + offs_r[None, :],
+                     mask=n_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+        acc = tl.sum(bt * hr[None, :], axis=1)
+        y_at = y_ptr + tok * stride_ym + out_col0 + offs_n
+        y = tl.load(y_at, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(y_at, (y + acc).to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 # --------------------------------------------------------------------------
@@ -91,26 +98,31 @@ def _bgmv_expand_kernel(h_ptr, b_ptr, y_ptr, order_ptr, token_slots_ptr, OUT, R,
 # --------------------------------------------------------------------------
 
 def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, y: torch.Tensor, shards: list[tuple[int, int]],
-                rank: int, token_slots: torch.Tensor, token_order: torch.Tensor, seg_starts: torch.Tensor,
-                seg_slots: torch.Tensor, max_seg_len: int, decode_only: bool) -> torch.Tensor:
+                rank: int, token_slots: torch.Tensor, token_order: Optional[torch.Tensor],
+                seg_starts: Optional[torch.Tensor], seg_slots: Optional[torch.Tensor], max_seg_len: int,
+                decode_only: bool) -> torch.Tensor:
     """y[t, shard i] += h[t, i R:(i + 1) R] @ B_{slot(t)}[shard i]^T in place, for the tokens in
-    token_order. shards: (output offset, size) per shard, in h's order."""
+    token_order. shards: (output offset, size) per shard, in h's order. token_order None: every
+    row, slot -1 skipped in the kernel (a CUDA graph's decode step; see lora_shrink)."""
     check_last_dim_contiguous("y", y)
     if lora_b.dim() != 3 or lora_b.shape[1] != y.shape[1] or lora_b.shape[2] != rank or not lora_b.is_contiguous():
         raise ValueError(f"lora_b must be a contiguous [slots, {y.shape[1]}, {rank}], got {tuple(lora_b.shape)}")
     if h.shape[1] != len(shards) * rank:
         raise ValueError(f"h has {h.shape[1]} columns, {len(shards)} shards of rank {rank} need {len(shards) * rank}")
-    num_tokens = token_order.numel()
+    dense = token_order is None
+    if dense and not decode_only:
+        raise ValueError("lora_expand without token_order (every row) is the decode-only kernel")
+    num_tokens = y.shape[0] if dense else token_order.numel()
     if num_tokens == 0:
         return y
     block_r = max(16, triton.next_power_of_2(rank))
     for i, (offset, size) in enumerate(shards):
         block_n = min(64, max(16, triton.next_power_of_2(size)))
-        args = (h, lora_b, y, token_order)
+        args = (h, lora_b, y, token_slots if dense else token_order)
         tail = (size, rank, i * rank, offset, h.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0))
         if decode_only:
             _bgmv_expand_kernel[(num_tokens, triton.cdiv(size, block_n))](
-                *args, token_slots, *tail, BLOCK_N=block_n, BLOCK_R=block_r)
+                *args, token_slots, *tail, BLOCK_N=block_n, BLOCK_R=block_r, DENSE=dense)
             continue
         block_m = 16 if max_seg_len <= 16 else 32
         grid = (seg_slots.numel(), triton.cdiv(size, block_n), triton.cdiv(max_seg_len, block_m))

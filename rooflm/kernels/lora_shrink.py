@@ -72,46 +72,58 @@ def _sgmv_shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, starts_ptr, slots_ptr, N
 @triton.jit
 def _bgmv_shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, token_slots_ptr, N, K,
                         stride_xm, stride_as, stride_an, stride_hm,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    tok = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DENSE: tl.constexpr):
+    # DENSE (a CUDA graph's decode rows): one program per row, whatever its slot, so the grid
+    # is the graph's batch; a row without an adapter (slot -1, padding too) does nothing.
+    if DENSE:
+        tok = tl.program_id(0).to(tl.int64)
+    else:
+        tok = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
     slot = tl.load(token_slots_ptr + tok).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        xk = tl.load(x_ptr + tok * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        at = tl.load(a_ptr + slot * stride_as + offs_n[:, None] * stride_an + offs_k[None, :],
-                     mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(at * xk[None, :], axis=1)
-    tl.store(h_ptr + tok * stride_hm + offs_n, acc, mask=n_ok)
+    if slot >= 0:
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            xk = tl.load(x_ptr + tok * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            at = tl.load(a_ptr + slot * stride_as + offs_n[:, None] * stride_an + offs_k[None, :],
+                         mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(at * xk[None, :], axis=1)
+        tl.store(h_ptr + tok * stride_hm + offs_n, acc, mask=n_ok)
 
 
 # --------------------------------------------------------------------------
 # Wrapper
 # --------------------------------------------------------------------------
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor, token_order: torch.Tensor,
-                seg_starts: torch.Tensor, seg_slots: torch.Tensor, max_seg_len: int, decode_only: bool,
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor,
+                token_order: Optional[torch.Tensor], seg_starts: Optional[torch.Tensor],
+                seg_slots: Optional[torch.Tensor], max_seg_len: int, decode_only: bool,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """h [T, N] fp32 = x_t @ A_{slot(t)}^T for the tokens in token_order (rows of others untouched)."""
+    """h [T, N] fp32 = x_t @ A_{slot(t)}^T for the tokens in token_order (rows of others untouched).
+    token_order None (a CUDA graph's decode step, decode_only): every row of x is a program that
+    reads its slot from token_slots and skips slot -1, a launch grid fixed by T alone."""
     check_last_dim_contiguous("x", x)
     if lora_a.dim() != 3 or lora_a.shape[2] != x.shape[1] or not lora_a.is_contiguous():
         raise ValueError(f"lora_a must be a contiguous [slots, N, {x.shape[1]}], got {tuple(lora_a.shape)}")
     t, k = x.shape
     n = lora_a.shape[1]
     h = out if out is not None else torch.zeros(t, n, dtype=torch.float32, device=x.device)
-    num_tokens = token_order.numel()
+    dense = token_order is None
+    if dense and not decode_only:
+        raise ValueError("lora_shrink without token_order (every row) is the decode-only kernel")
+    num_tokens = t if dense else token_order.numel()
     if num_tokens == 0:
         return h
     block_n = min(64, max(16, triton.next_power_of_2(n)))
     block_k = min(128, max(16, triton.next_power_of_2(k)))
     if decode_only:
         grid = (num_tokens, triton.cdiv(n, block_n))
-        _bgmv_shrink_kernel[grid](x, lora_a, h, token_order, token_slots, n, k, x.stride(0),
-                                  lora_a.stride(0), lora_a.stride(1), h.stride(0),
-                                  BLOCK_N=block_n, BLOCK_K=block_k)
+        _bgmv_shrink_kernel[grid](x, lora_a, h, token_slots if dense else token_order, token_slots, n, k,
+                                  x.stride(0), lora_a.stride(0), lora_a.stride(1), h.stride(0),
+                                  BLOCK_N=block_n, BLOCK_K=block_k, DENSE=dense)
         return h
     block_m = 16 if max_seg_len <= 16 else 32
     grid = (seg_slots.numel(), triton.cdiv(n, block_n), triton.cdiv(max_seg_len, block_m))

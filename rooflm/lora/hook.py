@@ -63,11 +63,25 @@ class LoRALinearHook:
                             m.max_seg_len, m.decode_only)
             return lora_expand(h, self.lora_b, y, self.shards, self.rank, m.token_slots, m.token_order,
                                m.seg_starts, m.seg_slots, m.max_seg_len, m.decode_only)
+        if m.dense:
+            return self._dense_torch(x, y, m.token_slots)
         rank = self.rank
         for slot, idx in m.groups:
             h = x[idx] @ self.lora_a[slot].T
             for i, (offset, size) in enumerate(self.shards):
                 y[idx, offset:offset + size] += h[:, i * rank:(i + 1) * rank] @ self.lora_b[slot, offset:offset + size].T
+        return y
+
+    def _dense_torch(self, x: torch.Tensor, y: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+        """The graph form on the torch path: each row gathers its slot's A and B (slot -1: a
+        zero contribution), no host read of the slots, as a captured step must."""
+        under = token_slots >= 0
+        index = token_slots.clamp(min=0).long()
+        h = torch.bmm(self.lora_a[index], x.unsqueeze(2)).squeeze(2) * under.unsqueeze(1).to(x.dtype)
+        rank = self.rank
+        for i, (offset, size) in enumerate(self.shards):
+            b = self.lora_b[index, offset:offset + size]
+            y[:, offset:offset + size] += torch.bmm(b, h[:, i * rank:(i + 1) * rank].unsqueeze(2)).squeeze(2)
         return y
 
 

@@ -8,6 +8,12 @@ Tokens are grouped by slot (Punica's SGMV): `token_order` lists the tokens that 
 adapter, slot by slot; segment g is token_order[seg_starts[g]:seg_starts[g + 1]], all under
 seg_slots[g]. Tokens without an adapter (slot -1) are in no segment: no LoRA work is done
 for them. A step of decodes only takes the one-token-per-program kernels (BGMV).
+
+A CUDA graph cannot take a new grid or new segments each step, so a captured decode step runs
+the mapping in its graph form (`use_graph_slots`): token_slots is a view of the graph's static
+buffer [batch] int32, written before each replay (engine/cuda_graph.py), and the BGMV kernels
+launch one program per row of the batch; rows without an adapter and padding rows hold -1 and
+the kernels skip them.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ class LoRAMapping:
         self.device = device
         self.active = False  # some token of this step runs under an adapter
         self.decode_only = False  # every sequence of the step has one query token (BGMV)
+        self.dense = False  # a graph's step: every row is a program, its slot read on the device
         empty = torch.empty(0, dtype=torch.int32, device=device)
         self.token_slots = empty  # [T] int32: each token's slot, -1 for none
         self.token_order = empty  # [tokens under an adapter] int32, grouped by slot
@@ -38,6 +45,7 @@ class LoRAMapping:
         """token_slots: each packed token's slot (NO_ADAPTER for none), in the step's token order."""
         slots = np.asarray(token_slots, dtype=np.int32)
         under = np.flatnonzero(slots >= 0)
+        self.dense = False
         self.active = under.size > 0
         if not self.active:
             self.groups = []
@@ -57,6 +65,18 @@ class LoRAMapping:
         self.groups = [(int(seg_slots[g]), self.token_order[starts[g]:starts[g + 1]].long())
                        for g in range(seg_slots.size)]
 
+    def use_graph_slots(self, token_slots: torch.Tensor) -> None:
+        """The graph form of a decode step: token_slots [batch] int32 is the graph's static slot
+        buffer (the view captured and replayed); nothing of it is read on the host."""
+        self.active = True
+        self.decode_only = True
+        self.dense = True
+        self.token_slots = token_slots
+        self.token_order = self.seg_starts = self.seg_slots = None
+        self.max_seg_len = 1
+        self.groups = []
+
     def clear(self) -> None:
         self.active = False
+        self.dense = False
         self.groups = []
