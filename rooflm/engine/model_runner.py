@@ -1047,7 +1047,11 @@ class ModelRunner:
 
     def logits_of(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The model's forward and LM head over device tensors, every row: a caller that builds
-        its own inputs on the device and may capture the call in a CUDA graph (spec/loop.py)."""
+        its own inputs on the device and may capture the call in a CUDA graph (spec/loop.py).
+        Its requests run without LoRA adapters (spec.loop.loop_sampling keeps those on the host
+        path), so the last host step's adapter map must not apply."""
+        if self.lora_mapping is not None:
+            self.lora_mapping.clear()
         return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))
 
     def _pick_graph(self, inputs: StepInputs, fixup=None) -> Optional[tuple[int, int]]:
@@ -1061,7 +1065,9 @@ class ModelRunner:
         if self.graphs is not None and inputs.num_decodes == num_seqs:
             size = self.graphs.graph_size(num_seqs)
             return None if size is None else (1, size)
-        if self.uniform_graphs is not None and fixup is None:
+        if self.uniform_graphs is not None and fixup is None and not self._lora_active():
+            # The verify graphs are captured without adapters: a verify step under one runs
+            # the piecewise or eager path, its SGMV segments sized per step.
             return self.uniform_graphs.pick(inputs.max_query_len, inputs.seq_lens_cpu)
         return None
 
@@ -1070,13 +1076,16 @@ class ModelRunner:
         # the host, which the pieces (captured without adapters) cannot replay.
         return (self.piecewise is not None and not inputs.prompt_logprob_spans
                 and inputs.host.input_ids.shape[0] <= self.piecewise.max_tokens
-                and not (self.lora_mapping is not None and self.lora_mapping.active))
+                and not self._lora_active())
+
+    def _lora_active(self) -> bool:
+        """Whether some token of the step being run is under a LoRA adapter."""
+        return self.lora_mapping is not None and self.lora_mapping.active
 
     def _lora_graph_slots(self) -> Optional[torch.Tensor]:
         """The decode step's per-row adapter slots (on the device, set by _set_lora_mapping) for
         the graph's static buffer, or None: no row of the step has an adapter."""
-        m = self.lora_mapping
-        return m.token_slots if m is not None and m.active else None
+        return self.lora_mapping.token_slots if self._lora_active() else None
 
     def _forward(self, inputs: StepInputs, result: StepResult, fixup=None,
                  graph: Optional[tuple[int, int]] = None, gather: bool = True) -> Optional[torch.Tensor]:
