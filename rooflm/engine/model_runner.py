@@ -369,9 +369,9 @@ class ModelRunner:
                              "(adapters are not sharded like their base linears)")
         cfg = self.config.lora
         self.lora_mapping = LoRAMapping(self.device)
-        hooks = install_lora(self.model, self.lora_mapping, cfg.max_loras, cfg.max_lora_rank,
-                             use_triton=self.device.type == "cuda")
-        self.lora = LoRAManager(self.model_config, cfg, hooks)
+        hooks, pool = install_lora(self.model, self.lora_mapping, cfg.max_loras, cfg.max_lora_rank,
+                                   use_triton=self.device.type == "cuda")
+        self.lora = LoRAManager(self.model_config, cfg, hooks, pool)
         logger.info("LoRA: %d slots of rank %d on %d linears, host cache of %d adapters",
                     cfg.max_loras, cfg.max_lora_rank, len(hooks), cfg.host_cache_size)
 

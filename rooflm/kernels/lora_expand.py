@@ -17,7 +17,8 @@ tl.dot and adds into y in place (each element of y belongs to one program: no at
 
 Shapes
 ------
-h [T, shards x R] fp32, lora_b [S, OUT, R] contiguous, y [T, OUT] (unit last stride), updated in place.
+h [T, shards x R] fp32, lora_b [S, OUT, R] with each slot contiguous (any slot stride),
+y [T, OUT] (unit last stride), updated in place.
 
 Work
 ----
@@ -34,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rooflm.kernels.lora_shrink import slots_contiguous
 from rooflm.kernels.utils import check_last_dim_contiguous
 
 
@@ -105,8 +107,10 @@ def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, y: torch.Tensor, shards: 
     token_order. shards: (output offset, size) per shard, in h's order. token_order None: every
     row, slot -1 skipped in the kernel (a CUDA graph's decode step; see lora_shrink)."""
     check_last_dim_contiguous("y", y)
-    if lora_b.dim() != 3 or lora_b.shape[1] != y.shape[1] or lora_b.shape[2] != rank or not lora_b.is_contiguous():
-        raise ValueError(f"lora_b must be a contiguous [slots, {y.shape[1]}, {rank}], got {tuple(lora_b.shape)}")
+    if (lora_b.dim() != 3 or lora_b.shape[1] != y.shape[1] or lora_b.shape[2] != rank
+            or not slots_contiguous(lora_b)):
+        raise ValueError(f"lora_b must be [slots, {y.shape[1]}, {rank}], each slot contiguous, got "
+                         f"{tuple(lora_b.shape)} with strides {lora_b.stride()}")
     if h.shape[1] != len(shards) * rank:
         raise ValueError(f"h has {h.shape[1]} columns, {len(shards)} shards of rank {rank} need {len(shards) * rank}")
     dense = token_order is None

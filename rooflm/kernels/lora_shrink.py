@@ -18,7 +18,8 @@ h is fp32 [T, N]; rows of tokens without an adapter are left as they were (the e
 
 Shapes
 ------
-x [T, K] (unit last stride), lora_a [S, N, K] contiguous, token_order/seg_starts/seg_slots int32.
+x [T, K] (unit last stride), lora_a [S, N, K] with each slot contiguous (any slot stride: the
+hooks' are views into one pool whose row is a whole adapter), token_order/seg_starts/seg_slots int32.
 
 Work
 ----
@@ -98,6 +99,11 @@ def _bgmv_shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, token_slots_ptr, N, K,
 # Wrapper
 # --------------------------------------------------------------------------
 
+def slots_contiguous(t: torch.Tensor) -> bool:
+    """Each slot's matrix contiguous; the slot stride is free (a view into the slot pool)."""
+    return t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.stride(0) >= t.shape[1] * t.shape[2]
+
+
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor,
                 token_order: Optional[torch.Tensor], seg_starts: Optional[torch.Tensor],
                 seg_slots: Optional[torch.Tensor], max_seg_len: int, decode_only: bool,
@@ -106,8 +112,9 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor
     token_order None (a CUDA graph's decode step, decode_only): every row of x is a program that
     reads its slot from token_slots and skips slot -1, a launch grid fixed by T alone."""
     check_last_dim_contiguous("x", x)
-    if lora_a.dim() != 3 or lora_a.shape[2] != x.shape[1] or not lora_a.is_contiguous():
-        raise ValueError(f"lora_a must be a contiguous [slots, N, {x.shape[1]}], got {tuple(lora_a.shape)}")
+    if lora_a.dim() != 3 or lora_a.shape[2] != x.shape[1] or not slots_contiguous(lora_a):
+        raise ValueError(f"lora_a must be [slots, N, {x.shape[1]}], each slot contiguous, got "
+                         f"{tuple(lora_a.shape)} with strides {lora_a.stride()}")
     t, k = x.shape
     n = lora_a.shape[1]
     h = out if out is not None else torch.zeros(t, n, dtype=torch.float32, device=x.device)

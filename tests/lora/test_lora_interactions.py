@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rooflm.llm import LLM
+from rooflm.lora.adapter import load_adapter
 from rooflm.lora.request import LoRARequest
 from rooflm.sampling_params import SamplingParams, StructuredOutputsParams
 from rooflm.spec.replay import ReplayProposer
@@ -103,7 +104,7 @@ def test_hook_adds_the_adapter_to_a_quantized_linear(tiny):
     runner = llm.engine.runner
     lora = tiny["loras"][0]
     slot = runner.lora.activate([lora])[lora]
-    adapter = runner.lora.load(lora)
+    adapter = load_adapter("one", lora.lora_path, runner.model_config, max_rank=8)
     qkv = runner.model.model.layers[1].self_attn.qkv_proj
     assert qkv.quant is not None, "the base weight is FP8"
     x = torch.randn(5, qkv.in_features)
