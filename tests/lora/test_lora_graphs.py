@@ -11,7 +11,7 @@ import torch
 
 from rooflm.engine.cuda_graph import CUDAGraphRunner
 from rooflm.kernels.lora_expand import lora_expand, lora_expand_ref
-from rooflm.kernels.lora_shrink import lora_shrink, lora_shrink_ref
+from rooflm.kernels.lora_shrink import lora_shrink, lora_shrink_ref, shrink_total
 from rooflm.layers.linear import FusedLinear
 from rooflm.llm import LLM
 from rooflm.lora.hook import LoRALinearHook
@@ -212,8 +212,9 @@ def test_engine_decode_through_the_graph_runner_equals_eager(tiny):
 # GPU: the dense kernels, and real graphs against eager
 # --------------------------------------------------------------------------
 
+@pytest.mark.parametrize("num_splits", [None, 3])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_dense_decode_kernels_skip_rows_without_an_adapter(dtype):
+def test_dense_decode_kernels_skip_rows_without_an_adapter(dtype, num_splits):
     """token_order None: one program per row, slot -1 (base rows, graph padding) skipped."""
     gen = torch.Generator().manual_seed(3)
     rank, k, shards = 8, 40, [(0, 24), (24, 8), (32, 8)]
@@ -224,9 +225,11 @@ def test_dense_decode_kernels_skip_rows_without_an_adapter(dtype):
     lora_b = torch.randn(3, 40, rank, generator=gen).to(dtype).to(DEVICE)
     y = torch.randn(t, 40, generator=gen).to(dtype).to(DEVICE)
     token_slots = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
-    h = lora_shrink(x, lora_a, token_slots, None, None, None, 1, True)
+    h = lora_shrink(x, lora_a, token_slots, None, None, None, 1, True, num_splits=num_splits)
+    if num_splits:
+        assert h.shape[0] == num_splits, "K split over programs, partial sums apart"
     h_ref = lora_shrink_ref(x, lora_a, token_slots)
-    assert_close(h, h_ref, dtype, "dense shrink")
+    assert_close(shrink_total(h, token_slots), h_ref, dtype, "dense shrink")
     out = y.clone()
     lora_expand(h, lora_b, out, shards, rank, token_slots, None, None, None, 1, True)
     assert_close(out, lora_expand_ref(h_ref, lora_b, y, shards, rank, token_slots), dtype, "dense expand")
