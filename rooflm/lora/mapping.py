@@ -38,8 +38,10 @@ class LoRAMapping:
         self.seg_starts = empty  # [segments + 1] int32
         self.seg_slots = empty  # [segments] int32
         self.max_seg_len = 0
-        # The torch path's view of the same: (slot, token indices) per segment.
-        self.groups: list[tuple[int, torch.Tensor]] = []
+        # The torch path's view of the same, (slot, token indices) per segment, built when
+        # first read (the Triton path never reads it): the step's host arrays until then.
+        self._groups: list[tuple[int, torch.Tensor]] = []
+        self._host_segments = None
 
     def set_step(self, token_slots: Sequence[int], decode_only: bool) -> None:
         """token_slots: each packed token's slot (NO_ADAPTER for none), in the step's token order."""
@@ -47,8 +49,8 @@ class LoRAMapping:
         under = np.flatnonzero(slots >= 0)
         self.dense = False
         self.active = under.size > 0
+        self._groups, self._host_segments = [], None
         if not self.active:
-            self.groups = []
             return
         self.decode_only = decode_only
         order = under[np.argsort(slots[under], kind="stable")].astype(np.int32)
@@ -56,14 +58,29 @@ class LoRAMapping:
         cuts = np.flatnonzero(np.diff(sorted_slots)) + 1
         starts = np.concatenate(([0], cuts, [order.size])).astype(np.int32)
         seg_slots = sorted_slots[starts[:-1]]
-        dev = self.device
-        self.token_slots = torch.from_numpy(slots).to(dev, non_blocking=True)
-        self.token_order = torch.from_numpy(order).to(dev, non_blocking=True)
-        self.seg_starts = torch.from_numpy(starts).to(dev, non_blocking=True)
-        self.seg_slots = torch.from_numpy(seg_slots).to(dev, non_blocking=True)
+        self.token_slots = self._to_device(slots)
+        self.token_order = self._to_device(order)
+        self.seg_starts = self._to_device(starts)
+        self.seg_slots = self._to_device(seg_slots)
         self.max_seg_len = int(np.diff(starts).max())
-        self.groups = [(int(seg_slots[g]), self.token_order[starts[g]:starts[g + 1]].long())
-                       for g in range(seg_slots.size)]
+        self._host_segments = (order, starts, seg_slots)
+
+    @property
+    def groups(self) -> list[tuple[int, torch.Tensor]]:
+        if self._host_segments is not None:
+            order, starts, seg_slots = self._host_segments
+            self._groups = [(int(seg_slots[g]), torch.from_numpy(order[starts[g]:starts[g + 1]]).long().to(self.device))
+                            for g in range(seg_slots.size)]
+            self._host_segments = None
+        return self._groups
+
+    def _to_device(self, values: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(values)
+        if self.device.type == "cuda":
+            # From pageable memory CUDA syncs the stream before the copy: the host would wait
+            # for the step in flight (async scheduling) four times a step.
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
 
     def use_graph_slots(self, token_slots: torch.Tensor) -> None:
         """The graph form of a decode step: token_slots [batch] int32 is the graph's static slot
@@ -74,9 +91,9 @@ class LoRAMapping:
         self.token_slots = token_slots
         self.token_order = self.seg_starts = self.seg_slots = None
         self.max_seg_len = 1
-        self.groups = []
+        self._groups, self._host_segments = [], None
 
     def clear(self) -> None:
         self.active = False
         self.dense = False
-        self.groups = []
+        self._groups, self._host_segments = [], None
