@@ -57,7 +57,12 @@ class RowParallelLinear(Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        y = F.linear(x, self.weight)
+        if self.lora is not None:
+            # This rank's columns of A give a partial delta; the all-reduce sums it with the
+            # partial products (rooflm/lora/hook.py).
+            y = self.lora(x, y)
+        return self.tp.all_reduce(y)
 
     def forward_folded(self, x: torch.Tensor, **_) -> None:
         """Never folded: a partial sum must be all-reduced before any residual add."""

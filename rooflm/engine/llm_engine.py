@@ -65,12 +65,6 @@ class LLMEngine:
         if config.runtime.enable_sleep_mode and config.speculative.speculative_method:
             # A draft model's weights and pool, and the device loop's graphs, would stay.
             raise ValueError("--enable-sleep-mode does not run with speculative decoding yet")
-        if config.lora.enable_lora and config.parallel.tensor_parallel_size > 1:
-            # Refused before any worker starts: the hooks' A and B are not sharded like their
-            # base linears (column-parallel B, row-parallel A) yet.
-            raise ValueError(f"--enable-lora with --tensor-parallel-size "
-                             f"{config.parallel.tensor_parallel_size} is not supported yet (LoRA adapters "
-                             f"are not sharded like their base linears); run LoRA with tensor_parallel_size 1")
         if config.lora.enable_lora and config.runtime.enable_sleep_mode:
             raise ValueError("--enable-lora does not run with --enable-sleep-mode yet (the slots would be lost)")
         self.model_path, self.load_format = resolve_model(

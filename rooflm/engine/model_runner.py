@@ -364,9 +364,6 @@ class ModelRunner:
         from rooflm.lora.manager import LoRAManager
         from rooflm.lora.mapping import LoRAMapping
 
-        if self.tp.size > 1:
-            raise ValueError("--enable-lora with tensor_parallel_size > 1 is not supported yet "
-                             "(adapters are not sharded like their base linears)")
         cfg = self.config.lora
         self.lora_mapping = LoRAMapping(self.device)
         hooks, pool = install_lora(self.model, self.lora_mapping, cfg.max_loras, cfg.max_lora_rank,
@@ -814,6 +811,7 @@ class ModelRunner:
         slots first (a cold one is copied from the host cache into its slot)."""
         adapters = {sch.request.lora_request for sch in inputs.order} - {None}
         if not adapters:
+            self.lora.step_writes = []
             self.lora_mapping.clear()
             return
         slot_of = self.lora.activate(adapters)
@@ -939,7 +937,15 @@ class ModelRunner:
             pending_rows=pending_rows,
             prompt_logprob_spans=[(base, count) for _, base, _, count in inputs.prompt_logprob_spans],
             blocks_to_swap_out=list(out.blocks_to_swap_out), blocks_to_swap_in=list(out.blocks_to_swap_in),
-            blocks_to_copy=list(out.blocks_to_copy)))
+            blocks_to_copy=list(out.blocks_to_copy), **self._lora_packet()))
+
+    def _lora_packet(self) -> dict:
+        """The step's adapter slots and slot writes, for the workers (none without LoRA)."""
+        if self.lora is None:
+            return {}
+        slots = self.lora_mapping.host_token_slots
+        return dict(lora_token_slots=[] if slots is None else slots.tolist(),
+                    lora_writes=[(slot, r.lora_int_id, r.lora_name, r.lora_path) for slot, r in self.lora.step_writes])
 
     @torch.inference_mode()
     def sample_constrained(self, handle: "StepHandle", bitmask: torch.Tensor) -> None:

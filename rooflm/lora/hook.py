@@ -36,6 +36,12 @@ class LoRALinearHook:
         self.rank = rank
         self.mapping = mapping
         self.use_triton = use_triton
+        # Tensor parallelism: adapters are sharded like their base linear. A column-parallel
+        # linear (`slices`: each shard's checkpoint rows this rank holds) takes those rows of B
+        # and all of A; a row-parallel one (`start`: its first input column) takes those columns
+        # of A and all of B, and its partial delta is summed by the linear's own all-reduce.
+        self.b_rows = {name: start for name, (start, _) in getattr(linear, "slices", {}).items()}
+        self.a_cols = getattr(linear, "start", None) if hasattr(linear, "tp") else None
         a_shape = (len(self.shards) * rank, linear.in_features)
         b_shape = (linear.out_features, rank)
         if pool is None:
@@ -76,6 +82,10 @@ class LoRALinearHook:
         i = self.shard_names.index(shard)
         offset, size = self.shards[i]
         r = a.shape[0]
+        if self.a_cols is not None:
+            a = a[:, self.a_cols:self.a_cols + lora_a.shape[1]]
+        if shard in self.b_rows:
+            b = b[self.b_rows[shard]:self.b_rows[shard] + size]
         lora_a[i * self.rank:i * self.rank + r].copy_(a)
         lora_b[offset:offset + size, :r].copy_(b.float() * scaling)
 
@@ -136,9 +146,8 @@ def install_lora(model: torch.nn.Module, mapping: LoRAMapping, num_slots: int, r
     targets = []
     for index, layer in enumerate(model.model.layers):
         for name, linear in lora_targets(layer):
-            if type(linear) not in (Linear, FusedLinear):
-                raise ValueError(f"LoRA on {type(linear).__name__} (layer {index} {name}) is not served: "
-                                 f"tensor-parallel adapters are not sharded yet")
+            if not isinstance(linear, Linear):
+                raise ValueError(f"LoRA on {type(linear).__name__} (layer {index} {name}) is not served")
             targets.append((index, name, linear))
         layer.lora_mapping = mapping
     first = targets[0][2].weight

@@ -39,6 +39,9 @@ class LoRAManager:
         self.resident: OrderedDict[LoRARequest, int] = OrderedDict()  # adapter -> slot, LRU first
         self.free_slots = list(range(config.max_loras))
         self.num_disk_loads = 0
+        # The (slot, adapter) writes of the last activate: tensor parallelism's workers make
+        # the same writes (write_slot), so every rank's slot s holds the same adapter.
+        self.step_writes: list[tuple[int, LoRARequest]] = []
 
     def load(self, request: LoRARequest) -> torch.Tensor:
         """The adapter's slot image in host memory: from the cache, else read, checked
@@ -70,6 +73,7 @@ class LoRAManager:
         """Slots for the step's adapters: resident ones stay, others take a free slot or the
         least recently used slot of an adapter this step does not use."""
         needed = list(dict.fromkeys(requests))
+        self.step_writes = []
         if len(needed) > self.config.max_loras:
             raise RuntimeError(f"a step uses {len(needed)} LoRA adapters but there are {self.config.max_loras} "
                                f"slots (the scheduler should have kept it to --max-loras)")
@@ -86,7 +90,19 @@ class LoRAManager:
             self.pool[slot].copy_(self.load(request), non_blocking=True)
             self.resident[request] = slot
             slots[request] = slot
+            self.step_writes.append((slot, request))
         return slots
+
+    def write_slot(self, slot: int, request: LoRARequest) -> None:
+        """Put `request` in slot `slot` as rank 0 decided (a tensor-parallel worker's side of
+        activate): whatever held the slot leaves it."""
+        for held, at in list(self.resident.items()):
+            if at == slot:
+                del self.resident[held]
+        if slot in self.free_slots:
+            self.free_slots.remove(slot)
+        self.pool[slot].copy_(self.load(request), non_blocking=True)
+        self.resident[request] = slot
 
     def _evict(self, keep: set) -> int:
         victim = next(r for r in self.resident if r not in keep)

@@ -32,6 +32,7 @@ class LoRAMapping:
         self.active = False  # some token of this step runs under an adapter
         self.decode_only = False  # every sequence of the step has one query token (BGMV)
         self.dense = False  # a graph's step: every row is a program, its slot read on the device
+        self.host_token_slots = None
         empty = torch.empty(0, dtype=torch.int32, device=device)
         self.token_slots = empty  # [T] int32: each token's slot, -1 for none
         self.token_order = empty  # [tokens under an adapter] int32, grouped by slot
@@ -50,6 +51,8 @@ class LoRAMapping:
         self.dense = False
         self.active = under.size > 0
         self._groups, self._host_segments = [], None
+        # The step's slots on the host, for tensor parallelism's step packet (None: no adapter).
+        self.host_token_slots = slots if self.active else None
         if not self.active:
             return
         self.decode_only = decode_only
@@ -92,8 +95,10 @@ class LoRAMapping:
         self.token_order = self.seg_starts = self.seg_slots = None
         self.max_seg_len = 1
         self._groups, self._host_segments = [], None
+        self.host_token_slots = None
 
     def clear(self) -> None:
         self.active = False
         self.dense = False
+        self.host_token_slots = None
         self._groups, self._host_segments = [], None

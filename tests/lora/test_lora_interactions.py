@@ -1,7 +1,8 @@
 """LoRA beside the engine's other features (issue 49's "Interaction"): speculative decoding (the
 verify forward runs under each request's adapter; drafts come from the base), structured outputs,
-quantized base weights (the hook adds to the quantized linear's output), and the combinations
-still refused at start-up, each refusal naming its flags."""
+quantized base weights (the hook adds to the quantized linear's output), tensor parallelism
+(adapters sharded like their base linears), and the combination still refused at start-up,
+naming its flags."""
 
 import pytest
 import torch
@@ -133,12 +134,21 @@ def test_quantized_base_serves_adapters_and_keeps_its_own_tokens(tiny, quantizat
     assert [g for g, lora in zip(mixed, tiny["loras"]) if lora] != [b for b, lora in zip(alone, tiny["loras"]) if lora]
 
 
+# ---- tensor parallelism (gloo, 2 ranks on the CPU) --------------------------------------------
+
+
+def test_tensor_parallel_shards_adapters_like_their_linears(tiny, reference):
+    """qkv and gate_up column-parallel (B's rows split), o and down row-parallel (A's columns
+    split, the partial deltas summed by the linear's all-reduce); rank 1 mirrors rank 0's slot
+    writes from the step packet. Two adapters and the base in one batch give TP=1's tokens."""
+    llm = LLM(model=tiny["base_path"], tensor_parallel_size=2, **BASE)
+    try:
+        assert _tokens(llm.generate(PROMPTS, GREEDY, lora_request=tiny["loras"])) == reference
+    finally:
+        llm.shutdown()
+
+
 # ---- what is still refused, by name ------------------------------------------------------------
-
-
-def test_tensor_parallel_with_lora_is_refused_before_any_worker_starts(tiny):
-    with pytest.raises(ValueError, match=r"--enable-lora with --tensor-parallel-size 2 is not supported"):
-        LLM(model=tiny["base_path"], tensor_parallel_size=2, **BASE)
 
 
 def test_sleep_mode_with_lora_is_refused(tiny):

@@ -93,3 +93,28 @@ def test_kernels_read_slots_at_the_pools_stride(decode_only):
                 m.max_seg_len, decode_only)
     assert_close(out, lora_expand_ref(h_ref, lora_b, y, shards, rank, token_slots), torch.float32,
                  "expand on pool views")
+
+
+def test_the_step_packet_carries_the_adapter_slots_and_writes():
+    """Tensor parallelism: rank 0's token -> slot map and its slot writes reach the workers."""
+    from rooflm.distributed.step_broadcast import StepPacket, payload_size
+
+    packet = StepPacket(
+        input_ids=torch.arange(4), positions=torch.arange(4), slot_mapping=torch.arange(4),
+        query_start_loc=torch.tensor([0, 1, 4], dtype=torch.int32), seq_lens=torch.tensor([5, 3], dtype=torch.int32),
+        block_tables=torch.zeros(2, 16, dtype=torch.int32), logits_indices=[0, 3], max_query_len=3, num_decodes=1,
+        blocks_to_copy=[(1, 2)], lora_token_slots=[1, -1, -1, -1],
+        lora_writes=[(1, 7, "sql", "/adapters/sql"), (0, 12, "ünïcode-name", "/tmp/a b/€")])
+    header, payload = packet.pack()
+    assert payload.numel() == payload_size(header.tolist())
+    back = StepPacket.unpack(header.tolist(), payload)
+    assert back.lora_token_slots == [1, -1, -1, -1]
+    assert back.lora_writes == packet.lora_writes
+    assert back.blocks_to_copy == [(1, 2)] and back.logits_indices == [0, 3]
+    plain_header, plain_payload = StepPacket(
+        input_ids=torch.arange(1), positions=torch.arange(1), slot_mapping=torch.arange(1),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32), seq_lens=torch.tensor([2], dtype=torch.int32),
+        block_tables=torch.zeros(1, 16, dtype=torch.int32), logits_indices=[0], max_query_len=1,
+        num_decodes=1).pack()
+    plain = StepPacket.unpack(plain_header.tolist(), plain_payload)
+    assert plain.lora_token_slots == [] and plain.lora_writes == []
