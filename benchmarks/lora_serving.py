@@ -27,11 +27,11 @@ Adapters are PEFT directories (adapter_config.json + adapter_model.safetensors) 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -171,12 +171,11 @@ def swap_latency(llm, main: list, extra_paths: list[str], next_id: int, trials: 
 # ---------------------------------------------------------------- the run
 
 
-def make_vocab_probe(args) -> int:
-    """The model's vocabulary size, from its config (no engine)."""
+def model_config_of(args):
+    """The model's config (no engine): its shape for the adapters, its vocabulary for the prompts."""
     from rooflm.model.loader import load_model_config, resolve_model
 
-    path, load_format = resolve_model(args.model, "dummy")
-    return load_model_config(path, load_format).vocab_size
+    return load_model_config(*resolve_model(args.model, "dummy"))
 
 
 def engine_kwargs(args) -> dict:
@@ -192,16 +191,15 @@ def release(llm) -> None:
     llm.shutdown()
 
 
-def measure_base(args, offline) -> tuple[dict, object]:
+def measure_base(args, offline) -> dict:
     base = LLM(**engine_kwargs(args))
     run_requests(base, [r.prompt for r in offline[:4]], [4] * 4, [None] * 4, "warm")
     result = {"b1": decode_tpot(base, 1, args.prompt_len, args.decode_tokens, [None], seed=11),
               "mixed": decode_tpot(base, args.batch, args.prompt_len, args.decode_tokens, [None] * args.batch,
                                    seed=12),
               "offline": offline_throughput(base, offline, [None] * len(offline), "offline-base")}
-    model_config = base.engine.model_config
     release(base)
-    return result, model_config
+    return result
 
 
 def measure_lora(args, offline, paths: list[str]) -> dict:
@@ -243,35 +241,49 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true",
                    help="CPU smoke run: smollm2-135m, fp32, batch 8, 4 adapters of rank 8, a few requests")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--part", choices=("all", "base", "lora"), default="all",
+                   help="all: the base and the LoRA engine, each in a child process of its own")
+    p.add_argument("--part-json", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.tiny:
         args.model, args.dtype, args.device = "smollm2-135m", "float32", "cpu"
         args.num_adapters, args.rank, args.batch = 4, 8, 8
-        args.prompt_len, args.decode_tokens, args.num_prompts = 16, 6, 12
-        args.input_len, args.output_len, args.swap_trials, args.max_model_len = 24, 8, 2, 256
+        args.prompt_len, args.decode_tokens, args.num_prompts = 16, 5, 8
+        args.input_len, args.output_len, args.swap_trials, args.max_model_len = 24, 6, 1, 256
     if args.batch % args.num_adapters:
         raise SystemExit(f"--batch {args.batch} must be a multiple of --num-adapters {args.num_adapters}")
     dtype = getattr(torch, args.dtype)
     results: dict = {"args": vars(args)}
 
-    vocab = make_vocab_probe(args)
-    offline = random_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, seed=1,
-                              vocab_size=vocab)
-    results["base"], model_config = measure_base(args, offline)
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-    root = tempfile.mkdtemp(prefix="rooflm-lora-bench-")
-    paths = [os.path.join(root, f"adapter{i}") for i in range(args.num_adapters + 2)]
-    t0 = time.perf_counter()
-    for i, path in enumerate(paths):
-        write_peft_adapter(path, model_config, args.rank, 2.0 * args.rank, seed=i, dtype=dtype)
-    print(f"wrote {len(paths)} adapters to {root} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    try:
-        results["lora"] = measure_lora(args, offline, paths)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)  # ~84 MB an adapter at the 8B shape
+    if args.part == "all":
+        # Each engine in its own process: the second then has the whole device, whatever the
+        # first left behind (graph pools, the caching allocator).
+        for part in ("base", "lora"):
+            with tempfile.NamedTemporaryFile(suffix=".json") as f:
+                subprocess.run([sys.executable, os.path.abspath(__file__), *(sys.argv[1:] if argv is None else argv),
+                                "--part", part, "--part-json", f.name], check=True)
+                with open(f.name) as back:
+                    results[part] = json.load(back)
+    else:
+        model_config = model_config_of(args)
+        offline = random_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, seed=1,
+                                  vocab_size=model_config.vocab_size)
+        if args.part == "base":
+            part = measure_base(args, offline)
+        else:
+            root = tempfile.mkdtemp(prefix="rooflm-lora-bench-")
+            try:
+                paths = [os.path.join(root, f"adapter{i}") for i in range(args.num_adapters + 2)]
+                t0 = time.perf_counter()
+                for i, path in enumerate(paths):
+                    write_peft_adapter(path, model_config, args.rank, 2.0 * args.rank, seed=i, dtype=dtype)
+                print(f"wrote {len(paths)} adapters to {root} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+                part = measure_lora(args, offline, paths)
+            finally:
+                shutil.rmtree(root, ignore_errors=True)  # ~84 MB an adapter at the 8B shape
+        with open(args.part_json, "w") as f:
+            json.dump(part, f)
+        return 0
     print_table(results, args)
     if args.output_json:
         with open(args.output_json, "w") as f:
