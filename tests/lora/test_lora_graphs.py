@@ -240,7 +240,6 @@ def test_dense_decode_kernels_skip_rows_without_an_adapter(dtype, num_splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graphs_with_adapters_equal_eager_on_the_gpu(tiny):
     opts = dict(model=tiny["base_path"], dtype="float32", block_size=16, enable_lora=True, max_loras=2,
                 max_lora_rank=8, max_num_seqs=16)
