@@ -57,7 +57,12 @@ class RowParallelLinear(Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = F.linear(x, self.weight)
+        if self.lora is not None:
+            # This rank's columns of A give a partial delta; the all-reduce sums it with the
+            # partial products (rooflm/lora/hook.py).
+            y = self.lora(x, y)
+        y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias  # whole on every rank: added once, after the sum
 
     def forward_folded(self, x: torch.Tensor, **_) -> None:

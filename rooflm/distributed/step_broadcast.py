@@ -42,17 +42,24 @@ class StepPacket:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # --enable-lora: each token's adapter slot (empty: no token under an adapter), and the
+    # adapters rank 0 put into slots this step, (slot, lora_int_id, name, path): each worker
+    # reads the adapter and writes the same slot (its own shard of it).
+    lora_token_slots: list[int] = field(default_factory=list)
+    lora_writes: list[tuple[int, int, str, str]] = field(default_factory=list)
 
     def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
         num_seqs, width = self.block_tables.shape
+        writes = _encode_writes(self.lora_writes)
         header = torch.tensor(
             [OP_STEP, self.input_ids.numel(), num_seqs, width, len(self.logits_indices),
              len(self.pending_positions), len(self.prompt_logprob_spans), len(self.blocks_to_swap_out),
              len(self.blocks_to_swap_in), len(self.blocks_to_copy), self.max_query_len,
-             self.num_decodes] + [0] * (HEADER_LEN - 12), dtype=torch.int64)
+             self.num_decodes, len(self.lora_token_slots), len(writes)]
+            + [0] * (HEADER_LEN - 14), dtype=torch.int64)
         tail = (self.logits_indices + self.pending_positions + self.pending_rows
                 + _flat(self.prompt_logprob_spans) + _flat(self.blocks_to_swap_out)
-                + _flat(self.blocks_to_swap_in) + _flat(self.blocks_to_copy))
+                + _flat(self.blocks_to_swap_in) + _flat(self.blocks_to_copy) + list(self.lora_token_slots) + writes)
         # numpy, not torch.cat/.long(): torch's CPU ops run on its intra-op thread pool, and with
         # the workers' pools beside it on the host a 50k-int cat took 2.5 ms (H200 x2 cProfile).
         payload = np.concatenate([self.input_ids.numpy(), self.positions.numpy(), self.slot_mapping.numpy(),
@@ -64,6 +71,7 @@ class StepPacket:
     @classmethod
     def unpack(cls, header: list[int], payload: torch.Tensor) -> "StepPacket":
         _, tokens, num_seqs, width, logits, pending, spans, swap_out, swap_in, copies, max_q, decodes = header[:12]
+        lora_tokens, lora_writes = header[12:14]
         sizes = [tokens, tokens, tokens, num_seqs + 1, num_seqs, num_seqs * width]
         values = payload.numpy()
         parts = np.split(values[:sum(sizes)], np.cumsum(sizes)[:-1])
@@ -82,13 +90,36 @@ class StepPacket:
                    max_query_len=max_q, num_decodes=decodes, pending_positions=take(pending),
                    pending_rows=take(pending), prompt_logprob_spans=_pairs(take(2 * spans)),
                    blocks_to_swap_out=_pairs(take(2 * swap_out)), blocks_to_swap_in=_pairs(take(2 * swap_in)),
-                   blocks_to_copy=_pairs(take(2 * copies)))
+                   blocks_to_copy=_pairs(take(2 * copies)), lora_token_slots=take(lora_tokens),
+                   lora_writes=_decode_writes(take(lora_writes)))
 
 
 def payload_size(header: list[int]) -> int:
     """Int64s in the payload a header announces (what pack writes after it)."""
     tokens, num_seqs, width, logits, pending = header[1:6]
-    return 3 * tokens + 2 * num_seqs + 1 + num_seqs * width + logits + 2 * pending + 2 * sum(header[6:10])
+    return (3 * tokens + 2 * num_seqs + 1 + num_seqs * width + logits + 2 * pending + 2 * sum(header[6:10])
+            + header[12] + header[13])
+
+
+def _encode_writes(writes: list[tuple[int, int, str, str]]) -> list[int]:
+    """(slot, id, name, path) each as slot, id, the names' byte counts, then their UTF-8 bytes."""
+    out: list[int] = []
+    for slot, lora_id, name, path in writes:
+        name_b, path_b = name.encode(), path.encode()
+        out += [slot, lora_id, len(name_b), len(path_b), *name_b, *path_b]
+    return out
+
+
+def _decode_writes(values: list[int]) -> list[tuple[int, int, str, str]]:
+    writes, i = [], 0
+    while i < len(values):
+        slot, lora_id, n_name, n_path = values[i:i + 4]
+        i += 4
+        name = bytes(values[i:i + n_name]).decode()
+        path = bytes(values[i + n_name:i + n_name + n_path]).decode()
+        i += n_name + n_path
+        writes.append((slot, lora_id, name, path))
+    return writes
 
 
 def _int32(values: np.ndarray) -> torch.Tensor:

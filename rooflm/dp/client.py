@@ -30,7 +30,7 @@ from rooflm.dp.router import Router
 from rooflm.engine.block_manager import hash_block
 from rooflm.engine.client import EngineClient, RequestStream
 from rooflm.engine.core_client import EngineCoreClient
-from rooflm.engine.report import EngineSnapshot, SpecSnapshot
+from rooflm.engine.report import EngineSnapshot, SpecSnapshot, merge_lora_snapshots
 from rooflm.engine.request_types import (AdmissionLimits, AdmissionRejected, EngineDeadError,
                                          GenerateRequest)
 
@@ -209,12 +209,13 @@ def sum_snapshots(snapshots: list[EngineSnapshot]) -> EngineSnapshot:
     (the router sends a request where the load is least), sleeping is any replica's."""
     fields = {}
     for field in dataclasses.fields(EngineSnapshot):
-        if field.name in ("spec", "predicted_wait_s", "is_sleeping"):
+        if field.name in ("spec", "predicted_wait_s", "is_sleeping", "lora"):
             continue
         fields[field.name] = sum(getattr(s, field.name) for s in snapshots)
     fields["predicted_wait_s"] = min(s.predicted_wait_s for s in snapshots)
     fields["is_sleeping"] = any(s.is_sleeping for s in snapshots)
     specs = [s.spec for s in snapshots if s.spec is not None]
+    fields["lora"] = merge_lora_snapshots([s.lora for s in snapshots if s.lora is not None])
     return EngineSnapshot(**fields, spec=_sum_specs(specs) if specs else None)
 
 

@@ -279,6 +279,7 @@ class NullMetrics:
     def set_kv_offload_state(self, used_blocks, offloaded, restored): pass
     def add_preemptions(self, count): pass
     def add_tokens(self, prompt_tokens, generation_tokens): pass
+    def set_lora_state(self, max_loras, running, waiting, added_requests): pass
     def observe_first_token(self, ttft_seconds): pass
     def observe_inter_token(self, seconds): pass
     def observe_finished(self, reason, e2e_seconds, queue_seconds): pass
@@ -294,6 +295,7 @@ class SnapshotMetrics:
         self._seen_prefix = (0, 0, 0)
         self._seen_preemptions = 0
         self._seen_spec = None  # the last SpecSnapshot published
+        self._seen_lora_requests: dict[str, int] = {}
 
     def publish(self, snap: EngineSnapshot, tokens_in_flight: int) -> None:
         metrics = self.metrics
@@ -311,6 +313,14 @@ class SnapshotMetrics:
         self._seen_preemptions = snap.num_preemptions
         if snap.spec is not None:
             self._publish_spec(snap.spec)
+        if snap.lora is not None:
+            self._publish_lora(snap.lora)
+
+    def _publish_lora(self, lora) -> None:
+        seen = self._seen_lora_requests
+        added = {name: n - seen.get(name, 0) for name, n in lora.requests if n > seen.get(name, 0)}
+        self._seen_lora_requests = dict(lora.requests)
+        self.metrics.set_lora_state(lora.max_loras, dict(lora.running), dict(lora.waiting), added)
 
     def _publish_spec(self, spec) -> None:
         seen = self._seen_spec

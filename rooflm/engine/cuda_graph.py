@@ -15,6 +15,11 @@ replays the whole forward (and the LM head) with one launch.
 - KV cache groups (engine/kv_groups.py): each further group has its own static slot
   mapping and block tables, copied in like group 0's; its layers read them through
   meta.for_group, so the graph captures every group's addresses.
+- LoRA (rooflm/lora/): each size is captured twice, with the adapters' kernels (the step has
+  an adapter) and without (a step of the base model only keeps its fused one-token forms).
+  Each row's adapter slot is a static input like the slot mapping, written before replay;
+  rows of the base model and padding rows hold -1, which the kernels skip. The adapters' A
+  and B live in the hooks' fixed slot tensors, so a replay sees whatever is loaded there now.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ class GraphBuffers:
     logits: torch.Tensor | None = None  # [B, vocab] fp32, written by the graph
     # KV cache groups 1..: each group's (slot_mapping [B] int64, block_tables [B, max_blocks] int32).
     groups: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    # --enable-lora: each row's adapter slot [B] int32, -1 for none (rooflm/lora/mapping.py).
+    lora_slots: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, max_batch: int, max_blocks: int, device, num_groups: int = 1) -> "GraphBuffers":
@@ -81,7 +88,7 @@ class GraphBuffers:
 
 class CUDAGraphRunner:
     def __init__(self, model, kv_caches, backend, max_batch: int, max_model_len: int, block_size: int,
-                 device: torch.device):
+                 device: torch.device, lora_mapping=None):
         self.model = model
         self.kv_caches = kv_caches
         self.backend = backend
@@ -92,48 +99,68 @@ class CUDAGraphRunner:
         self.max_blocks = -(-(-(-max_model_len // block_size)) // 16) * 16
         self.buffers = GraphBuffers.allocate(self.sizes[-1], self.max_blocks, device, num_kv_groups(kv_caches))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # --enable-lora: the model's LoRAMapping, put in its graph form for the adapter graphs.
+        self.lora_mapping = lora_mapping
+        self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if lora_mapping is not None:
+            self.buffers.lora_slots = torch.full((self.sizes[-1],), -1, dtype=torch.int32, device=device)
         # One fp32 logits buffer [max_batch, vocab], outside the pool, that every graph widens its
         # logits into: a tensor per graph, kept alive in the pool, would hold the sum of all
         # captured batch sizes' rows (~2.4 GB for an 8B model at 512 sequences, ~8.8 at 1024).
         self.logits: Optional[torch.Tensor] = None
         self.pool = None
 
-    def _forward(self, batch: int) -> torch.Tensor:
+    def _forward(self, batch: int, lora: bool = False) -> torch.Tensor:
         # The metadata says every sequence is max_model_len long: the Triton backend then sizes
         # each window's split-KV grid for that span (TritonBackend.split_span), as eager steps do,
         # so graphs and eager sum alike per window (sliding and global layers differ).
         b = self.buffers
-        meta = b.meta(batch, self.max_model_len)
+        meta = self._meta(batch)
+        if lora:
+            self.lora_mapping.use_graph_slots(b.lora_slots[:batch])
+        elif self.lora_mapping is not None:
+            self.lora_mapping.clear()
         hidden = self.model(b.input_ids[:batch], b.positions[:batch], self.kv_caches, meta)
         return self.model.compute_logits(hidden, out=None if self.logits is None else self.logits[:batch])
+
+    def _meta(self, batch: int) -> AttentionMetadata:
+        return self.buffers.meta(batch, self.max_model_len)
 
     @torch.inference_mode()
     def capture(self) -> float:
         t0 = time.perf_counter()
+        modes = (False, True) if self.lora_mapping is not None else (False,)
         for batch in reversed(self.sizes):
-            for _ in range(2):  # warm-up: compile the kernels outside the capture
-                logits = self._forward(batch)
-            if self.logits is None:  # the largest batch comes first
-                self.logits = torch.empty_like(logits)
-            del logits
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._forward(batch)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[batch] = graph
+            for lora in modes:
+                self._capture_one(batch, lora)
+        if self.lora_mapping is not None:
+            self.lora_mapping.clear()  # each step sets its own form again
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
-        logger.info("captured %d CUDA graphs (batch %d..%d) in %.1f s", len(self.sizes), self.sizes[0],
-                    self.sizes[-1], elapsed)
+        logger.info("captured %d CUDA graphs (batch %d..%d%s) in %.1f s", len(self.graphs) + len(self.lora_graphs),
+                    self.sizes[0], self.sizes[-1], ", with and without LoRA" if self.lora_graphs else "", elapsed)
         return elapsed
+
+    def _capture_one(self, batch: int, lora: bool) -> None:
+        for _ in range(2):  # warm-up: compile the kernels outside the capture
+            logits = self._forward(batch, lora)
+        if self.logits is None:  # the largest batch comes first
+            self.logits = torch.empty_like(logits)
+        del logits
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._forward(batch, lora)
+        if self.pool is None:
+            self.pool = graph.pool()
+        (self.lora_graphs if lora else self.graphs)[batch] = graph
 
     def release(self) -> None:
         """Destroy the graphs (reset frees each executable graph and its hold on the pool)."""
-        for graph in self.graphs.values():
+        for graph in list(self.graphs.values()) + list(self.lora_graphs.values()):
             graph.reset()
         self.graphs.clear()
+        self.lora_graphs.clear()
         self.logits = None
         self.pool = None
 
@@ -143,10 +170,20 @@ class CUDAGraphRunner:
                 return size
         return None
 
-    def run(self, input_ids, positions, slots, seq_lens, block_tables, fixup=None, groups=()) -> torch.Tensor:
+    def run(self, input_ids, positions, slots, seq_lens, block_tables, fixup=None, groups=(),
+            lora_slots=None) -> torch.Tensor:
         """Host tensors (pinned) of a decode batch -> logits [batch, vocab]. fixup = (token
         indices, token ids) on the device: pending token ids written after the copy. groups:
-        the further KV cache groups' (slots, block tables), as HostInputs.groups."""
+        the further KV cache groups' (slots, block tables), as HostInputs.groups. lora_slots:
+        each row's adapter slot [batch] int32 (-1: none) when some row has one, else None."""
+        size = self.write_inputs(input_ids, positions, slots, seq_lens, block_tables, fixup, groups, lora_slots)
+        (self.graphs if lora_slots is None else self.lora_graphs)[size].replay()
+        return self.logits[:input_ids.shape[0]]
+
+    def write_inputs(self, input_ids, positions, slots, seq_lens, block_tables, fixup=None, groups=(),
+                     lora_slots=None) -> int:
+        """A decode batch copied into the static buffers, padding rows made inert; returns the
+        captured size that holds it."""
         batch = input_ids.shape[0]
         size = self.graph_size(batch)
         b = self.buffers
@@ -164,10 +201,14 @@ class CUDAGraphRunner:
             g_tables[:batch, :tables_g.shape[1]].copy_(tables_g, non_blocking=True)
             if batch < size:
                 g_slots[batch:size].fill_(-1)
+        if lora_slots is not None:
+            if b.lora_slots is None:
+                raise ValueError("a decode step with LoRA adapters, but the graphs were captured without LoRA")
+            b.lora_slots[:batch].copy_(lora_slots, non_blocking=True)
+            b.lora_slots[batch:size].fill_(-1)  # padding rows: no adapter work
         if fixup is not None:
             b.input_ids[fixup[0]] = fixup[1]
-        self.graphs[size].replay()
-        return self.logits[:batch]
+        return size
 
 
 # --------------------------------------------------------------------------

@@ -24,8 +24,8 @@ from rooflm.layers import kv_cache as kv_format
 from rooflm.engine.model_runner import ModelRunner, StepHandle, StepResult, resolve_device
 from rooflm.engine.output_processor import OutputProcessor
 from rooflm.engine.outputs import RequestOutput
-from rooflm.engine.report import (NULL_TRACER, EngineInfo, EngineSnapshot, PhaseTracer, StepReport,
-                                  StepTimings, batch_shape)
+from rooflm.engine.report import (NULL_TRACER, EngineInfo, EngineSnapshot, LoRASnapshot, PhaseTracer,
+                                  StepReport, StepTimings, batch_shape)
 from rooflm.engine.request import Request, RequestStatus, Sequence
 from rooflm.engine.scheduler import Scheduler, SchedulerOutput
 from rooflm.engine.step_cost import StepCostEstimator, predict_queue_wait
@@ -65,9 +65,6 @@ class LLMEngine:
         if config.runtime.enable_sleep_mode and config.speculative.speculative_method:
             # A draft model's weights and pool, and the device loop's graphs, would stay.
             raise ValueError("--enable-sleep-mode does not run with speculative decoding yet")
-        if config.lora.enable_lora and config.speculative.speculative_method:
-            # The proposers and the device loop run the base model: drafts would ignore the adapter.
-            raise ValueError("--enable-lora does not run with speculative decoding yet")
         if config.lora.enable_lora and config.runtime.enable_sleep_mode:
             raise ValueError("--enable-lora does not run with --enable-sleep-mode yet (the slots would be lost)")
         self.model_path, self.load_format = resolve_model(
@@ -118,6 +115,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.eos_token_ids,
                                                 self.max_model_len, itertools.count())
         self._num_prompt_tokens = 0
+        self._lora_requests: dict[str, int] = {}  # adapter name -> requests admitted since start
         self._num_steps = 0
         self.strategy = self.strategy.attach(self)
         self._observe_result = self.strategy.observe_result
@@ -209,7 +207,26 @@ class LLMEngine:
             generation_tokens=self.output_processor.num_generated_tokens, steps=self._num_steps,
             kv_admission_stalls=sched.num_kv_stalls, spec=self.strategy.spec_snapshot(),
             predicted_wait_s=self._predicted_wait_gauge(), is_sleeping=self.is_sleeping,
-            prefix_host_hit_tokens=bm.prefix_host_hits, **_tier_counts(bm.host_tier))
+            prefix_host_hit_tokens=bm.prefix_host_hits, lora=self._lora_snapshot(),
+            **_tier_counts(bm.host_tier))
+
+    def _lora_snapshot(self) -> Optional[LoRASnapshot]:
+        """The adapters of the running and waiting requests, by name (None: LoRA off)."""
+        if self.runner.lora is None:
+            return None
+
+        def by_adapter(requests) -> tuple[tuple[str, int], ...]:
+            counts: dict[str, int] = {}
+            for req in requests:
+                if req.lora_request is not None:
+                    name = req.lora_request.lora_name
+                    counts[name] = counts.get(name, 0) + 1
+            return tuple(sorted(counts.items()))
+
+        sched = self.scheduler
+        return LoRASnapshot(max_loras=self.config.lora.max_loras, running=by_adapter(sched.running),
+                            waiting=by_adapter(list(sched.waiting) + list(sched.swapped)),
+                            requests=tuple(sorted(self._lora_requests.items())))
 
     def predicted_queue_wait(self, priority: int = 0, arrival: Optional[float] = None) -> float:
         """Seconds a request of this priority, arriving at `arrival` (monotonic; None: now),
@@ -321,6 +338,9 @@ class LLMEngine:
                       priority=priority)
         req.grammar = grammar
         req.lora_request = lora_request
+        if lora_request is not None:
+            name = lora_request.lora_name
+            self._lora_requests[name] = self._lora_requests.get(name, 0) + 1
         if grammar is not None:
             self._compiling.append(req)
         req.seqs.append(self._new_seq(req, 0, list(token_ids)))

@@ -375,14 +375,11 @@ class ModelRunner:
         from rooflm.lora.manager import LoRAManager
         from rooflm.lora.mapping import LoRAMapping
 
-        if self.tp.size > 1:
-            raise ValueError("--enable-lora with tensor_parallel_size > 1 is not supported yet "
-                             "(adapters are not sharded like their base linears)")
         cfg = self.config.lora
         self.lora_mapping = LoRAMapping(self.device)
-        hooks = install_lora(self.model, self.lora_mapping, cfg.max_loras, cfg.max_lora_rank,
-                             use_triton=self.device.type == "cuda")
-        self.lora = LoRAManager(self.model_config, cfg, hooks)
+        hooks, pool = install_lora(self.model, self.lora_mapping, cfg.max_loras, cfg.max_lora_rank,
+                                   use_triton=self.device.type == "cuda")
+        self.lora = LoRAManager(self.model_config, cfg, hooks, pool)
         logger.info("LoRA: %d slots of rank %d on %d linears, host cache of %d adapters",
                     cfg.max_loras, cfg.max_lora_rank, len(hooks), cfg.host_cache_size)
 
@@ -891,6 +888,7 @@ class ModelRunner:
         slots first (a cold one is copied from the host cache into its slot)."""
         adapters = {sch.request.lora_request for sch in inputs.order} - {None}
         if not adapters:
+            self.lora.step_writes = []
             self.lora_mapping.clear()
             return
         slot_of = self.lora.activate(adapters)
@@ -1016,7 +1014,15 @@ class ModelRunner:
             pending_rows=pending_rows,
             prompt_logprob_spans=[(base, count) for _, base, _, count in inputs.prompt_logprob_spans],
             blocks_to_swap_out=list(out.blocks_to_swap_out), blocks_to_swap_in=list(out.blocks_to_swap_in),
-            blocks_to_copy=list(out.blocks_to_copy)))
+            blocks_to_copy=list(out.blocks_to_copy), **self._lora_packet()))
+
+    def _lora_packet(self) -> dict:
+        """The step's adapter slots and slot writes, for the workers (none without LoRA)."""
+        if self.lora is None:
+            return {}
+        slots = self.lora_mapping.host_token_slots
+        return dict(lora_token_slots=[] if slots is None else slots.tolist(),
+                    lora_writes=[(slot, r.lora_int_id, r.lora_name, r.lora_path) for slot, r in self.lora.step_writes])
 
     @torch.inference_mode()
     def sample_constrained(self, handle: "StepHandle", bitmask: torch.Tensor) -> None:
@@ -1124,7 +1130,11 @@ class ModelRunner:
 
     def logits_of(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The model's forward and LM head over device tensors, every row: a caller that builds
-        its own inputs on the device and may capture the call in a CUDA graph (spec/loop.py)."""
+        its own inputs on the device and may capture the call in a CUDA graph (spec/loop.py).
+        Its requests run without LoRA adapters (spec.loop.loop_sampling keeps those on the host
+        path), so the last host step's adapter map must not apply."""
+        if self.lora_mapping is not None:
+            self.lora_mapping.clear()
         return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))
 
     def _pick_graph(self, inputs: StepInputs, fixup=None) -> Optional[tuple[int, int]]:
@@ -1138,13 +1148,27 @@ class ModelRunner:
         if self.graphs is not None and inputs.num_decodes == num_seqs:
             size = self.graphs.graph_size(num_seqs)
             return None if size is None else (1, size)
-        if self.uniform_graphs is not None and fixup is None:
+        if self.uniform_graphs is not None and fixup is None and not self._lora_active():
+            # The verify graphs are captured without adapters: a verify step under one runs
+            # the piecewise or eager path, its SGMV segments sized per step.
             return self.uniform_graphs.pick(inputs.max_query_len, inputs.seq_lens_cpu)
         return None
 
     def _piecewise_runs(self, inputs: StepInputs) -> bool:
+        # A step with adapters runs eagerly: its SGMV segments and grids are sized per step on
+        # the host, which the pieces (captured without adapters) cannot replay.
         return (self.piecewise is not None and not inputs.prompt_logprob_spans
-                and inputs.host.input_ids.shape[0] <= self.piecewise.max_tokens)
+                and inputs.host.input_ids.shape[0] <= self.piecewise.max_tokens
+                and not self._lora_active())
+
+    def _lora_active(self) -> bool:
+        """Whether some token of the step being run is under a LoRA adapter."""
+        return self.lora_mapping is not None and self.lora_mapping.active
+
+    def _lora_graph_slots(self) -> Optional[torch.Tensor]:
+        """The decode step's per-row adapter slots (on the device, set by _set_lora_mapping) for
+        the graph's static buffer, or None: no row of the step has an adapter."""
+        return self.lora_mapping.token_slots if self._lora_active() else None
 
     def _forward(self, inputs: StepInputs, result: StepResult, fixup=None,
                  graph: Optional[tuple[int, int]] = None, gather: bool = True) -> Optional[torch.Tensor]:
@@ -1158,7 +1182,8 @@ class ModelRunner:
             with self.tracer.phase("graph"):
                 if graph[0] == 1:
                     logits = self.graphs.run(h.input_ids, h.positions, h.slot_mapping, h.seq_lens,
-                                             h.block_tables, fixup, groups=h.groups)
+                                             h.block_tables, fixup, groups=h.groups,
+                                             lora_slots=self._lora_graph_slots())
                     indices = inputs.logits_indices
                 else:
                     logits, rows = self.uniform_graphs.run(graph, h.input_ids, h.positions, h.slot_mapping,
@@ -1205,15 +1230,11 @@ class ModelRunner:
         if self.model.graph_unsafe_reason is not None:
             logger.info("CUDA graphs off, every step eager: %s", self.model.graph_unsafe_reason)
             return
-        if self.lora is not None:
-            # The hooks' segments and grids are sized per step on the host (rooflm/lora/mapping.py);
-            # a graph would replay the captured step's.
-            logger.info("CUDA graphs off, every step eager: --enable-lora (adapter index not a graph input yet)")
-            return
         from rooflm.engine.cuda_graph import CUDAGraphRunner
         max_batch = self._graph_max_batch()
         self.graphs = CUDAGraphRunner(self.model, self.kv_caches, self.backend, max_batch,
-                                      self.max_model_len, self.block_size, self.device)
+                                      self.max_model_len, self.block_size, self.device,
+                                      lora_mapping=self.lora_mapping)
         self.timings["capture_s"] = self.graphs.capture()
         spec = self.config.speculative
         if spec.speculative_method and self.backend.name == "triton" and self.tp.size == 1:

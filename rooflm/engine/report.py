@@ -91,6 +91,33 @@ class SpecSnapshot:
 
 
 @dataclass(frozen=True)
+class LoRASnapshot:
+    """--enable-lora: the adapters of the queues now, and requests per adapter since start
+    (vLLM's vllm:lora_requests_info and rooflm's per-adapter counts). Adapters by name,
+    (name, count) pairs sorted by name."""
+
+    max_loras: int
+    running: tuple[tuple[str, int], ...] = ()
+    waiting: tuple[tuple[str, int], ...] = ()
+    requests: tuple[tuple[str, int], ...] = ()  # admitted since start
+
+
+def merge_lora_snapshots(snaps: list["LoRASnapshot"]) -> Optional["LoRASnapshot"]:
+    """Data-parallel replicas' LoRA snapshots as one: counts summed per adapter."""
+    if not snaps:
+        return None
+
+    def merged(part: str) -> tuple[tuple[str, int], ...]:
+        counts: dict[str, int] = {}
+        for snap in snaps:
+            for name, n in getattr(snap, part):
+                counts[name] = counts.get(name, 0) + n
+        return tuple(sorted(counts.items()))
+
+    return LoRASnapshot(max(s.max_loras for s in snaps), merged("running"), merged("waiting"), merged("requests"))
+
+
+@dataclass(frozen=True)
 class EngineSnapshot:
     num_running_reqs: int
     num_waiting_reqs: int  # waiting for admission, preempted-by-recompute included
@@ -119,6 +146,7 @@ class EngineSnapshot:
     num_offload_used_blocks: int = 0
     num_offloaded_blocks: int = 0
     num_restored_blocks: int = 0
+    lora: Optional[LoRASnapshot] = None  # None without --enable-lora
 
     @property
     def kv_usage(self) -> float:

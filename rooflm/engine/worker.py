@@ -55,6 +55,8 @@ class WorkerRunner(ModelRunner):
     @torch.inference_mode()
     def replay(self, packet: StepPacket) -> None:
         self.apply_block_ops(packet)  # the packet carries the SchedulerOutput's block lists
+        if self.lora is not None:
+            self._replay_lora(packet)
         host = HostInputs(input_ids=self._pin(packet.input_ids), positions=self._pin(packet.positions),
                           slot_mapping=self._pin(packet.slot_mapping),
                           query_start_loc=self._pin(packet.query_start_loc),
@@ -77,6 +79,18 @@ class WorkerRunner(ModelRunner):
         if packet.logits_indices:  # rank 0 sampled these rows: receive their ids
             sampled = torch.empty(len(packet.logits_indices), dtype=torch.int64, device=self.device)
             self.prev_sampled = self.tp.broadcast_device(sampled)
+
+    def _replay_lora(self, packet: StepPacket) -> None:
+        """Rank 0's slot writes and token -> slot map, on this rank's shard of the slot pool."""
+        from rooflm.lora.request import LoRARequest
+
+        for slot, lora_id, name, path in packet.lora_writes:
+            self.lora.write_slot(slot, LoRARequest(name, lora_id, path))
+        if packet.lora_token_slots:
+            num_seqs = packet.seq_lens.numel()
+            self.lora_mapping.set_step(packet.lora_token_slots, decode_only=packet.num_decodes == num_seqs)
+        else:
+            self.lora_mapping.clear()
 
     def _prompt_logprobs(self, hidden, inputs, result) -> None:
         """Rank 0 computes prompt logprobs; the LM head's all-gather needs every rank."""

@@ -11,14 +11,20 @@ all under slot seg_slots[g].
   * SGMV (prefill and mixed steps): one program per (segment, N block, M block) gathers
     BLOCK_M of the segment's token rows of x and multiplies them by the slot's A tile with
     tl.dot, so a slot's A is read once per BLOCK_M tokens, not once per token.
-  * BGMV (steps of decodes only): one program per (token, N block) reduces x_t against the
-    rows of its slot's A (a GEMV); the few slots' A stay in L2 across the batch.
+  * BGMV (steps of decodes only): one program per (token, N block, K split) reduces x_t
+    against the rows of its slot's A (a GEMV); the few slots' A stay in L2 across the batch.
+    K is split so that a small batch still fills the GPU: at batch 1 one program per token
+    would stream a whole A ([48, 4096] bf16, 384 KiB) alone, ~6 us; 16 splits take ~1 us. Each
+    split writes its partial sums; lora_expand adds them as it reads h (no atomics: the sum's
+    order is fixed, so graphs and eager steps agree bit for bit).
 
-h is fp32 [T, N]; rows of tokens without an adapter are left as they were (the expand skips them).
+h is fp32 [S, T, N] partial sums (S = 1 for SGMV); rows of tokens without an adapter are
+undefined (the expand skips them).
 
 Shapes
 ------
-x [T, K] (unit last stride), lora_a [S, N, K] contiguous, token_order/seg_starts/seg_slots int32.
+x [T, K] (unit last stride), lora_a [S, N, K] with each slot contiguous (any slot stride: the
+hooks' are views into one pool whose row is a whole adapter), token_order/seg_starts/seg_slots int32.
 
 Work
 ----
@@ -29,6 +35,7 @@ Bytes: Ta * K * e (x) + segments * N * K * e (A; BGMV: per token, mostly from L2
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -70,53 +77,102 @@ def _sgmv_shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, starts_ptr, slots_ptr, N
 
 
 @triton.jit
-def _bgmv_shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, token_slots_ptr, N, K,
-                        stride_xm, stride_as, stride_an, stride_hm,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    tok = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
+def _bgmv_shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, token_slots_ptr, N, K, K_PER_SPLIT,
+                        stride_xm, stride_as, stride_an, stride_hs, stride_hm,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DENSE: tl.constexpr):
+    # DENSE (a CUDA graph's decode rows): one program per row, whatever its slot, so the grid
+    # is the graph's batch; a row without an adapter (slot -1, padding too) does nothing.
+    if DENSE:
+        tok = tl.program_id(0).to(tl.int64)
+    else:
+        tok = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
     slot = tl.load(token_slots_ptr + tok).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        xk = tl.load(x_ptr + tok * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        at = tl.load(a_ptr + slot * stride_as + offs_n[:, None] * stride_an + offs_k[None, :],
-                     mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(at * xk[None, :], axis=1)
-    tl.store(h_ptr + tok * stride_hm + offs_n, acc, mask=n_ok)
+    if slot >= 0:
+        split = tl.program_id(2)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, K_PER_SPLIT, BLOCK_K):
+            offs_k = split * K_PER_SPLIT + k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            xk = tl.load(x_ptr + tok * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            at = tl.load(a_ptr + slot * stride_as + offs_n[:, None] * stride_an + offs_k[None, :],
+                         mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(at * xk[None, :], axis=1)
+        tl.store(h_ptr + split * stride_hs + tok * stride_hm + offs_n, acc, mask=n_ok)
 
 
 # --------------------------------------------------------------------------
 # Wrapper
 # --------------------------------------------------------------------------
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor, token_order: torch.Tensor,
-                seg_starts: torch.Tensor, seg_slots: torch.Tensor, max_seg_len: int, decode_only: bool,
-                out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """h [T, N] fp32 = x_t @ A_{slot(t)}^T for the tokens in token_order (rows of others untouched)."""
+def slots_contiguous(t: torch.Tensor) -> bool:
+    """Each slot's matrix contiguous; the slot stride is free (a view into the slot pool)."""
+    return t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.stride(0) >= t.shape[1] * t.shape[2]
+
+
+def decode_splits(num_tokens: int, n: int, k: int, device: torch.device) -> int:
+    """How many K splits a BGMV shrink takes: enough programs to fill the GPU twice over when
+    the batch is small (at batch 1 one program would stream all of A alone), each split at
+    least MIN_SPLIT_K long. A function of the shapes only, so a captured graph keeps it."""
+    programs = num_tokens * triton.cdiv(n, 64)
+    target = 2 * _num_sms(device)
+    return max(1, min(triton.cdiv(k, MIN_SPLIT_K), target // max(programs, 1)))
+
+
+MIN_SPLIT_K = 256
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few splits, so the tests cover them
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor,
+                token_order: Optional[torch.Tensor], seg_starts: Optional[torch.Tensor],
+                seg_slots: Optional[torch.Tensor], max_seg_len: int, decode_only: bool,
+                num_splits: Optional[int] = None) -> torch.Tensor:
+    """Partial sums h [S, T, N] fp32 whose sum over S is x_t @ A_{slot(t)}^T, for the tokens in
+    token_order (rows of other tokens are undefined: the expand never reads them). S = 1 for
+    SGMV; the BGMV kernel splits K over S programs per token (decode_splits, or num_splits),
+    and lora_expand adds the partials as it reads them.
+    token_order None (a CUDA graph's decode step, decode_only): every row of x is a program that
+    reads its slot from token_slots and skips slot -1, a launch grid fixed by T alone."""
     check_last_dim_contiguous("x", x)
-    if lora_a.dim() != 3 or lora_a.shape[2] != x.shape[1] or not lora_a.is_contiguous():
-        raise ValueError(f"lora_a must be a contiguous [slots, N, {x.shape[1]}], got {tuple(lora_a.shape)}")
+    if lora_a.dim() != 3 or lora_a.shape[2] != x.shape[1] or not slots_contiguous(lora_a):
+        raise ValueError(f"lora_a must be [slots, N, {x.shape[1]}], each slot contiguous, got "
+                         f"{tuple(lora_a.shape)} with strides {lora_a.stride()}")
     t, k = x.shape
     n = lora_a.shape[1]
-    h = out if out is not None else torch.zeros(t, n, dtype=torch.float32, device=x.device)
-    num_tokens = token_order.numel()
+    dense = token_order is None
+    if dense and not decode_only:
+        raise ValueError("lora_shrink without token_order (every row) is the decode-only kernel")
+    num_tokens = t if dense else token_order.numel()
+    block_n = min(64, max(16, triton.next_power_of_2(n)))
+    if decode_only:
+        splits = num_splits or decode_splits(num_tokens, n, k, x.device)
+        k_per_split = triton.cdiv(k, splits)
+        block_k = min(128, max(16, triton.next_power_of_2(k_per_split)))
+        k_per_split = triton.cdiv(k_per_split, block_k) * block_k
+        splits = triton.cdiv(k, k_per_split)
+        # No memset: every split of every token under an adapter writes its row.
+        h = torch.empty(splits, t, n, dtype=torch.float32, device=x.device)
+        if num_tokens:
+            grid = (num_tokens, triton.cdiv(n, block_n), splits)
+            _bgmv_shrink_kernel[grid](x, lora_a, h, token_slots if dense else token_order, token_slots, n, k,
+                                      k_per_split, x.stride(0), lora_a.stride(0), lora_a.stride(1),
+                                      h.stride(0), h.stride(1), BLOCK_N=block_n, BLOCK_K=block_k, DENSE=dense)
+        return h
+    h = torch.empty(1, t, n, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return h
-    block_n = min(64, max(16, triton.next_power_of_2(n)))
     block_k = min(128, max(16, triton.next_power_of_2(k)))
-    if decode_only:
-        grid = (num_tokens, triton.cdiv(n, block_n))
-        _bgmv_shrink_kernel[grid](x, lora_a, h, token_order, token_slots, n, k, x.stride(0),
-                                  lora_a.stride(0), lora_a.stride(1), h.stride(0),
-                                  BLOCK_N=block_n, BLOCK_K=block_k)
-        return h
     block_m = 16 if max_seg_len <= 16 else 32
     grid = (seg_slots.numel(), triton.cdiv(n, block_n), triton.cdiv(max_seg_len, block_m))
     _sgmv_shrink_kernel[grid](x, lora_a, h, token_order, seg_starts, seg_slots, n, k, x.stride(0),
-                              lora_a.stride(0), lora_a.stride(1), h.stride(0),
+                              lora_a.stride(0), lora_a.stride(1), h.stride(1),
                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return h
 
@@ -134,3 +190,10 @@ def lora_shrink_ref(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Te
         idx = (token_slots == slot).nonzero().flatten()
         h[idx] = x[idx].float() @ lora_a[slot].float().T
     return h
+
+
+def shrink_total(h: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """lora_shrink's partial sums [S, T, N] as the whole [T, N] the reference gives: summed,
+    rows of tokens without an adapter (undefined in h) zero."""
+    under = (token_slots >= 0).unsqueeze(1)
+    return torch.where(under, h.sum(0), torch.zeros((), dtype=h.dtype, device=h.device))

@@ -1,6 +1,7 @@
 """The per-linear LoRA hook and its installation on a decoder's targeted linears.
 
-Beside a linear (fused or not) the hook holds every slot's A and B:
+Beside a linear (fused or not) the hook holds every slot's A and B, views into the model's one
+slot pool [slots, elements] (a slot is one row, so an adapter's host image goes in with one copy):
     lora_a [slots, shards x R, in]   shard i's A in rows [i R, i R + r) (zero-padded to R)
     lora_b [slots, out, R]           shard i's B in its output rows, the adapter's scaling folded in
 and adds, for each token t under slot s = slot(t):
@@ -23,18 +24,45 @@ from rooflm.lora.mapping import LoRAMapping
 
 
 class LoRALinearHook:
-    def __init__(self, linear: Linear, num_slots: int, rank: int, mapping: LoRAMapping, use_triton: bool):
+    def __init__(self, linear: Linear, num_slots: int, rank: int, mapping: LoRAMapping, use_triton: bool,
+                 pool: Optional[torch.Tensor] = None, offset: int = 0):
+        """pool [slots, elements]: the model's slot pool (install_lora), of which this hook's A
+        and B are the columns [offset, offset + slot_elements(...)); None: a pool of its own."""
         if isinstance(linear, FusedLinear):
             self.shard_names: list[Optional[str]] = list(linear.shard_offsets)
             self.shards = list(linear.shard_offsets.values())
         else:
             self.shard_names, self.shards = [None], [(0, linear.out_features)]
-        dtype, device = linear.weight.dtype, linear.weight.device
         self.rank = rank
         self.mapping = mapping
         self.use_triton = use_triton
-        self.lora_a = torch.zeros(num_slots, len(self.shards) * rank, linear.in_features, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(num_slots, linear.out_features, rank, dtype=dtype, device=device)
+        # Tensor parallelism: adapters are sharded like their base linear. A column-parallel
+        # linear (`slices`: each shard's checkpoint rows this rank holds) takes those rows of B
+        # and all of A; a row-parallel one (`start`: its first input column) takes those columns
+        # of A and all of B, and its partial delta is summed by the linear's own all-reduce.
+        self.b_rows = {name: start for name, (start, _) in getattr(linear, "slices", {}).items()}
+        self.a_cols = getattr(linear, "start", None) if hasattr(linear, "tp") else None
+        a_shape = (len(self.shards) * rank, linear.in_features)
+        b_shape = (linear.out_features, rank)
+        if pool is None:
+            pool = torch.zeros(num_slots, slot_elements(linear, rank), dtype=linear.weight.dtype,
+                               device=linear.weight.device)
+        self.a_span = (offset, offset + a_shape[0] * a_shape[1], a_shape)
+        self.b_span = (self.a_span[1], self.a_span[1] + b_shape[0] * b_shape[1], b_shape)
+        # Views into the pool: slot s's A and B are contiguous inside row s, the slot stride is
+        # the pool's row (the kernels take any slot stride), so one copy fills a whole slot.
+        self.lora_a = self._view(pool, self.a_span)
+        self.lora_b = self._view(pool, self.b_span)
+
+    @staticmethod
+    def _view(pool: torch.Tensor, span) -> torch.Tensor:
+        start, end, shape = span
+        return pool[:, start:end].view(pool.shape[0], *shape)
+
+    def slot_views(self, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This hook's (A, B) inside one slot's row of the pool layout (a slot, or a host image)."""
+        (a0, a1, a_shape), (b0, b1, b_shape) = self.a_span, self.b_span
+        return row[a0:a1].view(a_shape), row[b0:b1].view(b_shape)
 
     @property
     def active(self) -> bool:
@@ -46,11 +74,20 @@ class LoRALinearHook:
 
     def write(self, slot: int, shard: Optional[str], a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
         """Shard `shard`'s A [r, in] and B [out_shard, r] into slot `slot`, B scaled."""
+        self.write_into(self.lora_a[slot], self.lora_b[slot], shard, a, b, scaling)
+
+    def write_into(self, lora_a: torch.Tensor, lora_b: torch.Tensor, shard: Optional[str], a: torch.Tensor,
+                   b: torch.Tensor, scaling: float) -> None:
+        """The same into one slot's A [shards x R, in] and B [out, R] wherever they live."""
         i = self.shard_names.index(shard)
         offset, size = self.shards[i]
         r = a.shape[0]
-        self.lora_a[slot, i * self.rank:i * self.rank + r].copy_(a)
-        self.lora_b[slot, offset:offset + size, :r].copy_(b.float() * scaling)
+        if self.a_cols is not None:
+            a = a[:, self.a_cols:self.a_cols + lora_a.shape[1]]
+        if shard in self.b_rows:
+            b = b[self.b_rows[shard]:self.b_rows[shard] + size]
+        lora_a[i * self.rank:i * self.rank + r].copy_(a)
+        lora_b[offset:offset + size, :r].copy_(b.float() * scaling)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         m = self.mapping
@@ -63,11 +100,25 @@ class LoRALinearHook:
                             m.max_seg_len, m.decode_only)
             return lora_expand(h, self.lora_b, y, self.shards, self.rank, m.token_slots, m.token_order,
                                m.seg_starts, m.seg_slots, m.max_seg_len, m.decode_only)
+        if m.dense:
+            return self._dense_torch(x, y, m.token_slots)
         rank = self.rank
         for slot, idx in m.groups:
             h = x[idx] @ self.lora_a[slot].T
             for i, (offset, size) in enumerate(self.shards):
                 y[idx, offset:offset + size] += h[:, i * rank:(i + 1) * rank] @ self.lora_b[slot, offset:offset + size].T
+        return y
+
+    def _dense_torch(self, x: torch.Tensor, y: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+        """The graph form on the torch path: each row gathers its slot's A and B (slot -1: a
+        zero contribution), no host read of the slots, as a captured step must."""
+        under = token_slots >= 0
+        index = token_slots.clamp(min=0).long()
+        h = torch.bmm(self.lora_a[index], x.unsqueeze(2)).squeeze(2) * under.unsqueeze(1).to(x.dtype)
+        rank = self.rank
+        for i, (offset, size) in enumerate(self.shards):
+            b = self.lora_b[index, offset:offset + size]
+            y[:, offset:offset + size] += torch.bmm(b, h[:, i * rank:(i + 1) * rank].unsqueeze(2)).squeeze(2)
         return y
 
 
@@ -81,18 +132,31 @@ def lora_targets(layer: torch.nn.Module) -> list[tuple[str, Linear]]:
     return targets
 
 
+def slot_elements(linear: Linear, rank: int) -> int:
+    """Elements of one slot's A and B for `linear`."""
+    shards = len(linear.shard_offsets) if isinstance(linear, FusedLinear) else 1
+    return shards * rank * linear.in_features + linear.out_features * rank
+
+
 def install_lora(model: torch.nn.Module, mapping: LoRAMapping, num_slots: int, rank: int,
-                 use_triton: bool) -> dict[tuple[int, str], LoRALinearHook]:
-    """A hook on every targeted linear of every decoder layer, all reading `mapping`; returns
-    them by (layer index, linear name)."""
-    hooks = {}
+                 use_triton: bool) -> tuple[dict[tuple[int, str], LoRALinearHook], torch.Tensor]:
+    """A hook on every targeted linear of every decoder layer, all reading `mapping`, their A
+    and B in one slot pool [slots, elements] (a slot is one row: an adapter goes in with one
+    copy); returns the hooks by (layer index, linear name), and the pool."""
+    targets = []
     for index, layer in enumerate(model.model.layers):
         for name, linear in lora_targets(layer):
-            if type(linear) not in (Linear, FusedLinear):
-                raise ValueError(f"LoRA on {type(linear).__name__} (layer {index} {name}) is not served: "
-                                 f"tensor-parallel adapters are not sharded yet")
-            hook = LoRALinearHook(linear, num_slots, rank, mapping, use_triton)
-            linear.lora = hook
-            hooks[(index, name)] = hook
+            if not isinstance(linear, Linear):
+                raise ValueError(f"LoRA on {type(linear).__name__} (layer {index} {name}) is not served")
+            targets.append((index, name, linear))
         layer.lora_mapping = mapping
-    return hooks
+    first = targets[0][2].weight
+    total = sum(slot_elements(linear, rank) for _, _, linear in targets)
+    pool = torch.zeros(num_slots, total, dtype=first.dtype, device=first.device)
+    hooks, offset = {}, 0
+    for index, name, linear in targets:
+        hook = LoRALinearHook(linear, num_slots, rank, mapping, use_triton, pool=pool, offset=offset)
+        offset += slot_elements(linear, rank)
+        linear.lora = hook
+        hooks[(index, name)] = hook
+    return hooks, pool

@@ -8,6 +8,12 @@ Tokens are grouped by slot (Punica's SGMV): `token_order` lists the tokens that 
 adapter, slot by slot; segment g is token_order[seg_starts[g]:seg_starts[g + 1]], all under
 seg_slots[g]. Tokens without an adapter (slot -1) are in no segment: no LoRA work is done
 for them. A step of decodes only takes the one-token-per-program kernels (BGMV).
+
+A CUDA graph cannot take a new grid or new segments each step, so a captured decode step runs
+the mapping in its graph form (`use_graph_slots`): token_slots is a view of the graph's static
+buffer [batch] int32, written before each replay (engine/cuda_graph.py), and the BGMV kernels
+launch one program per row of the batch; rows without an adapter and padding rows hold -1 and
+the kernels skip them.
 """
 
 from __future__ import annotations
@@ -25,22 +31,29 @@ class LoRAMapping:
         self.device = device
         self.active = False  # some token of this step runs under an adapter
         self.decode_only = False  # every sequence of the step has one query token (BGMV)
+        self.dense = False  # a graph's step: every row is a program, its slot read on the device
+        self.host_token_slots = None
         empty = torch.empty(0, dtype=torch.int32, device=device)
         self.token_slots = empty  # [T] int32: each token's slot, -1 for none
         self.token_order = empty  # [tokens under an adapter] int32, grouped by slot
         self.seg_starts = empty  # [segments + 1] int32
         self.seg_slots = empty  # [segments] int32
         self.max_seg_len = 0
-        # The torch path's view of the same: (slot, token indices) per segment.
-        self.groups: list[tuple[int, torch.Tensor]] = []
+        # The torch path's view of the same, (slot, token indices) per segment, built when
+        # first read (the Triton path never reads it): the step's host arrays until then.
+        self._groups: list[tuple[int, torch.Tensor]] = []
+        self._host_segments = None
 
     def set_step(self, token_slots: Sequence[int], decode_only: bool) -> None:
         """token_slots: each packed token's slot (NO_ADAPTER for none), in the step's token order."""
         slots = np.asarray(token_slots, dtype=np.int32)
         under = np.flatnonzero(slots >= 0)
+        self.dense = False
         self.active = under.size > 0
+        self._groups, self._host_segments = [], None
+        # The step's slots on the host, for tensor parallelism's step packet (None: no adapter).
+        self.host_token_slots = slots if self.active else None
         if not self.active:
-            self.groups = []
             return
         self.decode_only = decode_only
         order = under[np.argsort(slots[under], kind="stable")].astype(np.int32)
@@ -48,15 +61,44 @@ class LoRAMapping:
         cuts = np.flatnonzero(np.diff(sorted_slots)) + 1
         starts = np.concatenate(([0], cuts, [order.size])).astype(np.int32)
         seg_slots = sorted_slots[starts[:-1]]
-        dev = self.device
-        self.token_slots = torch.from_numpy(slots).to(dev, non_blocking=True)
-        self.token_order = torch.from_numpy(order).to(dev, non_blocking=True)
-        self.seg_starts = torch.from_numpy(starts).to(dev, non_blocking=True)
-        self.seg_slots = torch.from_numpy(seg_slots).to(dev, non_blocking=True)
+        self.token_slots = self._to_device(slots)
+        self.token_order = self._to_device(order)
+        self.seg_starts = self._to_device(starts)
+        self.seg_slots = self._to_device(seg_slots)
         self.max_seg_len = int(np.diff(starts).max())
-        self.groups = [(int(seg_slots[g]), self.token_order[starts[g]:starts[g + 1]].long())
-                       for g in range(seg_slots.size)]
+        self._host_segments = (order, starts, seg_slots)
+
+    @property
+    def groups(self) -> list[tuple[int, torch.Tensor]]:
+        if self._host_segments is not None:
+            order, starts, seg_slots = self._host_segments
+            self._groups = [(int(seg_slots[g]), torch.from_numpy(order[starts[g]:starts[g + 1]]).long().to(self.device))
+                            for g in range(seg_slots.size)]
+            self._host_segments = None
+        return self._groups
+
+    def _to_device(self, values: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(values)
+        if self.device.type == "cuda":
+            # From pageable memory CUDA syncs the stream before the copy: the host would wait
+            # for the step in flight (async scheduling) four times a step.
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
+    def use_graph_slots(self, token_slots: torch.Tensor) -> None:
+        """The graph form of a decode step: token_slots [batch] int32 is the graph's static slot
+        buffer (the view captured and replayed); nothing of it is read on the host."""
+        self.active = True
+        self.decode_only = True
+        self.dense = True
+        self.token_slots = token_slots
+        self.token_order = self.seg_starts = self.seg_slots = None
+        self.max_seg_len = 1
+        self._groups, self._host_segments = [], None
+        self.host_token_slots = None
 
     def clear(self) -> None:
         self.active = False
-        self.groups = []
+        self.dense = False
+        self.host_token_slots = None
+        self._groups, self._host_segments = [], None

@@ -20,7 +20,7 @@ A request's path through the server:
      which frees their KV blocks at the engine's next step.
 
 Every response carries X-Request-Id (request_id.py): the client's, or a new one.
-Besides the OpenAI routes: /tokenize, /detokenize, /version (tokenize.py, vLLM's
+Besides the OpenAI routes: /tokenize, /detokenize, /tokenizer_info, /version (tokenize.py, vLLM's
 shapes), /v1/responses (responses.py) and /docs (FastAPI's page over /openapi.json).
 Each request ends with one access log line (access_log.py) unless --disable-log-requests. Any other path is a 404 in OpenAI's
 error shape naming the endpoint as unsupported; a wrong method is a 405.
@@ -65,7 +65,7 @@ from rooflm.server.middleware import DOCS_PATH, OPENAPI_PATH, APIKeyMiddleware, 
 from rooflm.server.request_id import HEADER as REQUEST_ID_HEADER
 from rooflm.server.request_id import RequestIdMiddleware, request_id
 from rooflm.server.responses import create_response
-from rooflm.server.tokenize import detokenize, tokenize, version
+from rooflm.server.tokenize import detokenize, tokenize, tokenizer_info, version
 from rooflm.server.state import ServerState
 from rooflm.version import __version__
 
@@ -270,6 +270,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/version")
     async def get_version():
         return JSONResponse(version().model_dump())
+
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info():
+        return JSONResponse(tokenizer_info(state))
 
     @app.post("/tokenize")
     async def post_tokenize(raw: Request):

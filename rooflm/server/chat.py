@@ -47,7 +47,8 @@ class ChatHandler:
         # Chat has no default max_tokens: up to the context length.
         generation = await submit(self.state, self.id, [prompt], request, self.arrival, None)
         return await answer(raw, generation, request.stream, self, request.include_usage_in_stream,
-                            lambda finals: self.response(finals[0], generation.usage()))
+                            lambda finals: self.response(finals[0], generation.usage()),
+                            continuous_usage=request.continuous_usage_in_stream)
 
     def _logprobs(self, token_ids: list[int], entries: list[Optional[dict]]) -> Optional[p.ChatLogprobs]:
         if self.num_top is None:

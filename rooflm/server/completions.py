@@ -49,7 +49,8 @@ class CompletionHandler:
         generation = await submit(self.state, self.id, self.prompts, request, self.arrival,
                                   p.CompletionRequest.DEFAULT_MAX_TOKENS, prompt_logprobs)
         return await answer(raw, generation, request.stream, self, request.include_usage_in_stream,
-                            lambda finals: self.response(finals, generation.usage()))
+                            lambda finals: self.response(finals, generation.usage()),
+                            continuous_usage=request.continuous_usage_in_stream)
 
     # ---- logprobs and echo -----------------------------------------------------------------------
 

@@ -139,12 +139,13 @@ async def run_unless_disconnected(request: Request, work):
 
 
 async def answer(raw: Request, generation: Generation, stream: bool, fmt: ChunkFormat,
-                 include_usage: bool, build: Callable[[list[RequestOutput]], BaseModel]) -> Response:
+                 include_usage: bool, build: Callable[[list[RequestOutput]], BaseModel],
+                 continuous_usage: bool = False) -> Response:
     """An SSE stream of the generation's chunks, or the JSON of build(final outputs) once all
     are done; a client gone before then gets nothing."""
     note_generation(raw.scope, generation)
     if stream:
-        return EngineStreamingResponse(stream_events(generation, fmt, include_usage),
+        return EngineStreamingResponse(stream_events(generation, fmt, include_usage, continuous_usage),
                                        on_close=generation.close)
     try:
         finals = await run_unless_disconnected(raw, generation.finals())

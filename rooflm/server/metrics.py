@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
+import time
+
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -51,6 +53,14 @@ def build_1_2_5_buckets(max_value: int) -> list[float]:
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 LABEL_NAMES = ["model_name", "engine"]
+
+
+def family_unlabelled(metrics: "ServerMetrics", cls, name: str, doc: str, labels: tuple):
+    """A family without the model_name/engine labels (vLLM's own for a few info gauges),
+    shared by every engine's view of the registry."""
+    if name not in metrics._families:
+        metrics._families[name] = cls(name, doc, list(labels), registry=metrics.registry)
+    return metrics._families[name]
 
 
 class ServerMetrics:
@@ -197,6 +207,19 @@ class ServerMetrics:
         self.spec_decode_verify_time = counter("rooflm:spec_decode_verify_seconds",
                                                "Seconds of steps that verified draft tokens.")
 
+        # --enable-lora. vLLM's info gauge: labels only (no model_name, engine), the adapters of
+        # the running and waiting requests comma-joined, its value the wall-clock time of the
+        # update (gateways read the newest series). Only the current series is kept.
+        self._lora_info = family_unlabelled(self, Gauge, "vllm:lora_requests_info",
+                                            "Running stats on lora requests.",
+                                            ("max_lora", "waiting_lora_adapters", "running_lora_adapters"))
+        lora_counts = {"rooflm:lora_requests": (Counter, "LoRA requests admitted, by adapter."),
+                       "rooflm:lora_requests_running": (Gauge, "Requests running, by LoRA adapter."),
+                       "rooflm:lora_requests_waiting": (Gauge, "Requests waiting, by LoRA adapter.")}
+        self._lora_families = {name: family(cls, name, doc, ("lora_name",))
+                               for name, (cls, doc) in lora_counts.items()}
+        self._lora_names: set[str] = set()  # adapters with a running/waiting series
+
     def for_engine(self, engine_index: str) -> "ServerMetrics":
         """The series of another engine core (a data-parallel replica) in this registry."""
         return ServerMetrics(self.model_name, engine_index, self.max_model_len, _shared=self)
@@ -298,6 +321,21 @@ class ServerMetrics:
             self.request_prefill_time.observe(max(prefill_seconds, 0.0))
         if decode_seconds is not None:
             self.request_decode_time.observe(max(decode_seconds, 0.0))
+
+    def set_lora_state(self, max_loras: int, running: dict[str, int], waiting: dict[str, int],
+                       added_requests: dict[str, int]) -> None:
+        """The adapters' queues now (name -> requests) and the requests admitted per adapter
+        since the previous call."""
+        self._lora_info.clear()
+        self._lora_info.labels(str(max_loras), ",".join(sorted(waiting)),
+                               ",".join(sorted(running))).set(time.time())
+        families = self._lora_families
+        for name, n in added_requests.items():
+            families["rooflm:lora_requests"].labels(*self._labels, name).inc(n)
+        self._lora_names |= set(running) | set(waiting)
+        for name in self._lora_names:  # an adapter whose queue emptied reads 0, not its last count
+            families["rooflm:lora_requests_running"].labels(*self._labels, name).set(running.get(name, 0))
+            families["rooflm:lora_requests_waiting"].labels(*self._labels, name).set(waiting.get(name, 0))
 
     def record_step(self, stats: "StepStats") -> None:
         """One step as the StepMeter costed it: its time, and its MBU and MFU where the

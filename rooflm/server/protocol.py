@@ -134,6 +134,8 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: Optional[bool] = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (guidellm sends it).
+    continuous_usage_stats: Optional[bool] = False
 
 
 class SamplingRequest(OpenAIModel):
@@ -197,6 +199,11 @@ class SamplingRequest(OpenAIModel):
     @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage_in_stream(self) -> bool:
+        """Usage in every chunk, as vLLM: continuous_usage_stats counts only with include_usage."""
+        return self.include_usage_in_stream and bool(self.stream_options.continuous_usage_stats)
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_tokens
@@ -558,8 +565,21 @@ def validate_request(model: type[OpenAIModel], body: dict) -> OpenAIModel:
 
 
 def ignored_fields(request: OpenAIModel) -> list[str]:
-    """Top-level fields the server does not know and ignores."""
-    return sorted((request.model_extra or {}).keys())
+    """Fields the server does not know and ignores: top-level ones by name, nested ones by
+    their path ("stream_options.foo", "messages[].foo"), each path once."""
+    names: list[str] = []
+    _collect_ignored(request, "", names)
+    return sorted(dict.fromkeys(names))
+
+
+def _collect_ignored(value: Any, prefix: str, names: list[str]) -> None:
+    if isinstance(value, OpenAIModel):
+        names.extend(prefix + key for key in (value.model_extra or {}))
+        for field in type(value).model_fields:
+            _collect_ignored(getattr(value, field), f"{prefix}{field}.", names)
+    elif isinstance(value, list):
+        for item in value:
+            _collect_ignored(item, prefix[:-1] + "[].", names)
 
 
 # ---- responses ----------------------------------------------------------------------------------

@@ -45,14 +45,16 @@ class ChunkFormat(Protocol):
 
 
 async def stream_events(generation: "Generation", fmt: ChunkFormat,
-                        include_usage: bool) -> AsyncIterator[str]:
+                        include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[str]:
+    """continuous_usage (stream_options.continuous_usage_stats): each output chunk carries the
+    usage so far (the prompts, the tokens generated up to it), as vLLM's do."""
     for chunk in fmt.opening():
         yield chunk
     try:
         async for index, out in generation.outputs():
             choices = fmt.stream_choices(index, out)
             if choices:
-                yield fmt.chunk(choices)
+                yield fmt.chunk(choices, usage=generation.usage() if continuous_usage else None)
         if include_usage:
             yield fmt.chunk([], usage=generation.usage())
     except Exception as exc:  # noqa: BLE001 - the status line is sent; errors go in the stream

@@ -1,9 +1,11 @@
-"""POST /tokenize and /detokenize in vLLM's shapes, and GET /version.
+"""POST /tokenize and /detokenize in vLLM's shapes, GET /tokenizer_info and GET /version.
 
 /tokenize takes a prompt ({"prompt"}) or a conversation ({"messages", "tools",
 "add_generation_prompt"}), which goes through the same chat-template path as
 /v1/chat/completions, so a client can count exactly the tokens a chat request
-will cost. /detokenize turns ids back into text. `model` is optional, as in
+will cost. /detokenize turns ids back into text. /tokenizer_info is vLLM's: the tokenizer's
+configuration as tokenizer_config.json holds it (tokenizer_class, the special tokens, the chat
+template, ...), which lm-eval reads instead of fetching the tokenizer from a model hub. `model` is optional, as in
 vLLM; when sent it must be the served model's name.
 """
 
@@ -58,6 +60,42 @@ class DetokenizeResponse(BaseModel):
 
 class VersionResponse(BaseModel):
     version: str
+
+
+# Keys of a tokenizer's init arguments that name files on the server: not the client's business.
+_PATH_KEYS = ("name_or_path", "vocab_file", "merges_file", "tokenizer_file", "special_tokens_map_file")
+
+
+def tokenizer_info(state: "ServerState") -> dict[str, Any]:
+    """The tokenizer's configuration in tokenizer_config.json's shape (vLLM's /tokenizer_info)."""
+    hf = _tokenizer(state, "tokenizer").hf
+    info = {key: _json_value(value) for key, value in getattr(hf, "init_kwargs", {}).items()
+            if key not in _PATH_KEYS}
+    info["tokenizer_class"] = type(hf).__name__
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        token = getattr(hf, name, None)
+        if token is not None:
+            info[name] = str(token)
+    # The engine's context, not the tokenizer's nominal one (often 1e30 for "no limit").
+    info["model_max_length"] = state.info.max_model_len
+    template = state.tokenizer.chat_template
+    if template:
+        info["chat_template"] = template  # --chat-template's, when it replaced the model's
+    return info
+
+
+def _json_value(value: Any) -> Any:
+    """A tokenizer init argument as JSON: AddedToken as tokenizer_config.json writes it."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, dict):
+        return {str(key): _json_value(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(item) for item in value]
+    if hasattr(value, "content"):  # tokenizers.AddedToken
+        return {"content": value.content, **{flag: getattr(value, flag) for flag in
+                ("lstrip", "rstrip", "normalized", "single_word", "special") if hasattr(value, flag)}}
+    return str(value)
 
 
 def version() -> VersionResponse:

@@ -66,9 +66,12 @@ class DraftModelProposer(Proposer):
         max_batch = max(1, (spec.speculative_max_batch_tokens or 2) // 2)
         sched = replace(config.scheduler, max_num_batched_tokens=DRAFT_GRAPH_TOKENS)
         runtime = replace(config.runtime, cuda_graph_max_batch=max_batch)
+        # The draft model proposes without adapters (they are the target's): the target's
+        # verify forward, under the request's adapter, decides which drafts stand.
         draft_config = replace(config, scheduler=sched, runtime=runtime,
                                load=replace(config.load, model=spec.draft_model,
-                                            load_format=self.load_format))
+                                            load_format=self.load_format),
+                               lora=replace(config.lora, enable_lora=False))
         self.runner = ModelRunner(draft_config, draft_cfg, max_model_len)
         self.runner.load_model(self.path, self.load_format)
         self.vocab_size = draft_cfg.vocab_size

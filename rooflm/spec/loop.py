@@ -67,9 +67,10 @@ MAX_SAMPLED_BATCH = 16
 def loop_sampling(req: Request) -> Optional[str]:
     """How the loop can take a request: "greedy" (argmaxes of the raw logits), "temperature"
     (draws from softmax(logits / T): no top-k, top-p or min-p, no seed), or None: the host path
-    (n > 1, logprobs, a grammar, penalties, bias, a seed, pending min_tokens)."""
+    (n > 1, logprobs, a grammar, penalties, bias, a seed, pending min_tokens, a LoRA adapter:
+    the loop's forward, captured once, has no adapter map)."""
     p = req.params
-    if len(req.seqs) != 1 or p.n != 1 or req.grammar is not None:
+    if len(req.seqs) != 1 or p.n != 1 or req.grammar is not None or req.lora_request is not None:
         return None
     if p.logprobs is not None or p.logit_bias or p.structured_outputs is not None:
         return None

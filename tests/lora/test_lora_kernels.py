@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rooflm.kernels.lora_expand import lora_expand, lora_expand_ref
-from rooflm.kernels.lora_shrink import lora_shrink, lora_shrink_ref
+from rooflm.kernels.lora_shrink import lora_shrink, lora_shrink_ref, shrink_total
 from rooflm.lora.mapping import LoRAMapping
 from tests.kernels.helpers import DEVICE, assert_close
 
@@ -16,9 +16,9 @@ def _mapping(slots: list[int], decode_only: bool) -> LoRAMapping:
     return m
 
 
-def _run(x, lora_a, lora_b, y, shards, rank, m: LoRAMapping):
+def _run(x, lora_a, lora_b, y, shards, rank, m: LoRAMapping, num_splits=None):
     h = lora_shrink(x, lora_a, m.token_slots, m.token_order, m.seg_starts, m.seg_slots, m.max_seg_len,
-                    m.decode_only)
+                    m.decode_only, num_splits=num_splits)
     out = y.clone()
     lora_expand(h, lora_b, out, shards, rank, m.token_slots, m.token_order, m.seg_starts, m.seg_slots,
                 m.max_seg_len, m.decode_only)
@@ -26,9 +26,11 @@ def _run(x, lora_a, lora_b, y, shards, rank, m: LoRAMapping):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("decode_only", [False, True])
+@pytest.mark.parametrize("decode_only,num_splits", [(False, None), (True, None), (True, 3)])
 @pytest.mark.parametrize("rank", [4, 16])
-def test_shrink_expand_match_reference_on_a_mixed_batch(dtype, decode_only, rank):
+def test_shrink_expand_match_reference_on_a_mixed_batch(dtype, decode_only, num_splits, rank):
+    """Decode steps' BGMV splits K (num_splits partial sums, added by the expand) and expands
+    every shard in one launch: the shard boundaries fall inside one 64-column block here."""
     gen = torch.Generator().manual_seed(rank + 7 * decode_only)
     num_slots, k = 3, 40  # K not a multiple of the block: masked tails
     shards = [(0, 24), (24, 8), (32, 8)]  # q, k, v of a tiny GQA layer
@@ -43,10 +45,11 @@ def test_shrink_expand_match_reference_on_a_mixed_batch(dtype, decode_only, rank
     lora_b = torch.randn(num_slots, out_features, rank, generator=gen).to(dtype).to(DEVICE)
     y = torch.randn(t, out_features, generator=gen).to(dtype).to(DEVICE)
     m = _mapping(slots, decode_only)
-    h, out = _run(x, lora_a, lora_b, y, shards, rank, m)
+    h, out = _run(x, lora_a, lora_b, y, shards, rank, m, num_splits)
+    assert h.shape[0] == (num_splits or 1)
     token_slots = torch.tensor(slots, device=DEVICE)
     h_ref = lora_shrink_ref(x, lora_a, token_slots)
-    assert_close(h, h_ref, dtype, "shrink")
+    assert_close(shrink_total(h, token_slots), h_ref, dtype, "shrink")
     ref = lora_expand_ref(h_ref, lora_b, y, shards, rank, token_slots)
     assert_close(out, ref, dtype, "expand")
     none = token_slots < 0
@@ -88,7 +91,7 @@ def test_kernels_gpu_llama8b_shapes_bf16(num_tokens, decode_only):
     m = _mapping(slots, decode_only)
     h, out = _run(x, lora_a, lora_b, y, shards, rank, m)
     token_slots = torch.tensor(slots, device="cuda")
-    assert_close(h, lora_shrink_ref(x, lora_a, token_slots), dtype, "shrink")
+    assert_close(shrink_total(h, token_slots), lora_shrink_ref(x, lora_a, token_slots), dtype, "shrink")
     assert_close(out, lora_expand_ref(lora_shrink_ref(x, lora_a, token_slots), lora_b, y, shards, rank,
                                       token_slots), dtype, "expand")
 
