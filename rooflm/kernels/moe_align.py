@@ -95,8 +95,10 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int)
     num_pairs = flat.numel()
     size = max_padded_rows(num_pairs, num_experts, block_m)
     # -1 pairs count in an extra bucket E with no padded rows: they sort last and land in a dump
-    # row past the end (no host sync, so a CUDA graph captures it)
-    flat = torch.where(flat >= 0, flat, num_experts)
+    # row past the end (no host sync, so a CUDA graph captures it). Ids past E go there too: a
+    # router fed NaNs (a piecewise capture's unwritten attention output) must not trip the
+    # scatter's device-side bounds assert, which kills the process; the Triton align skips them.
+    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
 
     counts_all = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
     counts_all.scatter_add_(0, flat, torch.ones_like(flat))
@@ -136,6 +138,7 @@ def _moe_align_kernel(topk_ids_ptr, sorted_ptr, expert_ids_ptr, post_padded_ptr,
     for start in range(0, num_pairs, CHUNK):
         pairs = start + chunk
         ids = tl.load(topk_ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
+        ids = tl.where(ids < num_experts, ids, -1)  # an id past E (a router fed NaNs) is no expert's
         counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_end = tl.cumsum(padded, axis=0)
@@ -147,6 +150,7 @@ def _moe_align_kernel(topk_ids_ptr, sorted_ptr, expert_ids_ptr, post_padded_ptr,
         pairs = start + chunk
         valid = pairs < num_pairs
         ids = tl.load(topk_ids_ptr + pairs, mask=valid, other=-1).to(tl.int32)
+        ids = tl.where(ids < num_experts, ids, -1)
         onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
         before = tl.cumsum(onehot, axis=0) - onehot  # same-expert pairs ahead in this chunk
         rows = tl.sum(onehot * (padded_start + seen)[None, :] + onehot * before, axis=1)

@@ -91,3 +91,13 @@ def test_pairs_of_another_ranks_experts_are_sorted_nowhere(num_tokens, num_exper
     local_pairs = (ids.reshape(-1) >= 0).nonzero().reshape(-1).tolist()
     placed = [p for p in want.sorted_token_ids.tolist() if p < ids.numel()]
     assert sorted(placed) == local_pairs
+
+
+def test_ids_past_the_experts_are_sorted_nowhere_too():
+    """A router fed NaNs (the piecewise capture's unwritten attention output) may hand out ids past
+    E: both aligns skip them like -1 (no scatter bounds assert on CUDA, no block of a missing expert)."""
+    ids = torch.tensor([[0, 7], [9, 1], [2, -1]], dtype=torch.int64)
+    want = moe_align_block_size_ref(ids, 2, 4)
+    _assert_same(moe_align_block_size(ids, 2, 4), want)
+    _assert_same(moe_align_block_size_triton(ids.to(DEVICE), 2, 4), want)
+    assert sorted(p for p in want.sorted_token_ids.tolist() if p < 6) == [0, 3, 4]
