@@ -89,21 +89,25 @@ class Attention(torch.nn.Module):
         self.sliding_window = sliding_window
         self.backend = backend or ReferenceBackend()
 
+    # The backend's attend options this layer always passes (SoftcappedAttention: softcap=).
+    attend_options: dict = {}
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, H_kv, D] (views are fine) -> [T, H*D]."""
+                kv_cache: KVCache, meta: AttentionMetadata, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, H_kv, D] (views are fine) -> [T, H*D]. sinks: SinkAttention's."""
         k_cache, v_cache, k_scale, v_scale, group = KVCache(*kv_cache)
         meta = meta.for_group(group)
         scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
         q = self.backend.rope_and_write_step(q, k, v, positions, self.rotary, k_cache, v_cache, meta, **scales)
-        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.sliding_window, **scales)
+        options = self.attend_options if sinks is None else {**self.attend_options, "sinks": sinks}
+        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.sliding_window, **options, **scales)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
 
 class SoftcappedAttention(Attention):
     """Attention whose scaled scores are soft-capped, softcap * tanh(s / softcap), before the
     softmax (Gemma 2). Only a backend with supports_softcap computes it; the model picks one at
-    init (model/decoder.py), so the plain Attention's forward carries no option."""
+    init (model/decoder.py), so a plain Attention passes the backend no option."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, rotary, softcap: float,
                  sliding_window: Optional[int] = None, backend: Optional["AttentionBackend"] = None,
@@ -112,23 +116,15 @@ class SoftcappedAttention(Attention):
         if not self.backend.supports_softcap:
             raise ValueError(f"the {self.backend.name} attention backend cannot soft-cap attention scores")
         self.softcap = softcap
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        k_cache, v_cache, k_scale, v_scale, group = KVCache(*kv_cache)
-        meta = meta.for_group(group)
-        scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
-        q = self.backend.rope_and_write_step(q, k, v, positions, self.rotary, k_cache, v_cache, meta, **scales)
-        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.sliding_window,
-                                  softcap=self.softcap, **scales)
-        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+        self.attend_options = {"softcap": softcap}
 
 
 class SinkAttention(Attention):
     """Attention with one learned logit per query head in each row's softmax denominator (gpt-oss's
     sinks): out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink)). The sinks are the model's
     parameter (its checkpoint names them self_attn.sinks), handed in at each call. Only a backend
-    with supports_sinks computes it; the model picks one at init (model/decoder.py)."""
+    with supports_sinks computes it; the model picks one at init (model/decoder.py) and passes
+    forward its sinks=."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, rotary,
                  sliding_window: Optional[int] = None, backend: Optional["AttentionBackend"] = None,
@@ -136,15 +132,6 @@ class SinkAttention(Attention):
         super().__init__(num_heads, num_kv_heads, head_dim, rotary, sliding_window, backend, scale)
         if not self.backend.supports_sinks:
             raise ValueError(f"the {self.backend.name} attention backend takes no attention sinks")
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: KVCache, meta: AttentionMetadata, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-        k_cache, v_cache, k_scale, v_scale, group = KVCache(*kv_cache)
-        meta = meta.for_group(group)
-        scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
-        q = self.backend.rope_and_write_step(q, k, v, positions, self.rotary, k_cache, v_cache, meta, **scales)
-        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.sliding_window, sinks=sinks, **scales)
-        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
 
 class AttentionBackend:
