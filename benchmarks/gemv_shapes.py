@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.gemv import time_graph  # noqa: E402  (a CUDA graph of fn, best of three)
 from rooflm import envs  # noqa: E402
 from rooflm.kernels.gemv import DEFAULT_CONFIG, GemvConfig, gemv  # noqa: E402
 from rooflm.kernels.tuned_configs import GEMV_TABLE_PATH  # noqa: E402
@@ -48,30 +49,6 @@ def preset_shapes(name: str) -> list[dict]:
             dict(name="gate_up", n=c.intermediate_size, k=c.hidden_size, norm=True, gated=True, act=act),
             dict(name="down", n=c.hidden_size, k=c.intermediate_size, residual=True),
             dict(name="head", n=c.vocab_size, k=c.hidden_size, fp32=True)]
-
-
-def time_graph(fn, reps: int = 20) -> float:
-    """Seconds per replay of a CUDA graph of fn() (best of three timed batches)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(3):
-        start.record()
-        for _ in range(reps):
-            g.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3 / reps)
-    return best
 
 
 def sweep_shape(shape: dict) -> list[dict]:

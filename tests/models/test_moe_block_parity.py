@@ -125,23 +125,30 @@ def test_stacked_transformers_layout_loads_too():
         torch.testing.assert_close(ours(x), hf_forward("qwen3_moe", hf, x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss"])
-def test_tensor_parallel_shards_sum_to_the_block(family):
-    """Two ranks' partial sums (before the all-reduce) add up to the one-rank block: the
-    intermediate split of experts and shared expert, and gpt-oss's down bias added once."""
+def assert_two_ranks_sum_to_the_block(family, check_rank, expert_parallel=False):
+    """Two ranks' blocks (before the all-reduce) on the same input add up to HF's one-rank block;
+    check_rank(block) asserts what each rank holds."""
     hf, cfg = hf_block(family)
     checkpoint = hub_checkpoint(family, hf)
-    x = torch.randn(7, HIDDEN, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(3))
     partials = []
     for rank in range(2):
         tp = SimpleNamespace(rank=rank, size=2, all_reduce=lambda t: t)
-        block = rooflm_block(family, cfg, checkpoint, tp=tp)
-        assert block.experts.w2.shape[-1] == block.cfg.intermediate_size // 2
+        block = rooflm_block(family, cfg, checkpoint, tp=tp, expert_parallel=expert_parallel)
+        check_rank(block.experts)
         with torch.no_grad():
             partials.append(block(x))
     with torch.no_grad():
         want = hf_forward(family, hf, x)
     torch.testing.assert_close(partials[0] + partials[1], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss"])
+def test_tensor_parallel_shards_sum_to_the_block(family):
+    """The intermediate split of experts and shared expert, and gpt-oss's down bias added once."""
+    def half_of_each_expert(experts):
+        assert experts.w2.shape[-1] == experts.cfg.intermediate_size // 2
+    assert_two_ranks_sum_to_the_block(family, half_of_each_expert)
 
 
 def test_loader_names_what_it_does_not_know():
@@ -208,23 +215,11 @@ def test_fused_path_matches_the_torch_path_bf16(family, num_tokens):
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "gpt_oss"])
 def test_expert_parallel_ranks_sum_to_the_block(family):
     """--enable-expert-parallel: each of two ranks holds half the experts whole (their biases
-    too) and the shared expert's half; the ranks' parts (before the all-reduce) add up to the
-    one-rank block."""
-    hf, cfg = hf_block(family)
-    checkpoint = hub_checkpoint(family, hf)
-    x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(4))
-    partials = []
-    for rank in range(2):
-        tp = SimpleNamespace(rank=rank, size=2, all_reduce=lambda t: t)
-        block = rooflm_block(family, cfg, checkpoint, tp=tp, expert_parallel=True)
-        experts = block.experts
+    too) and the shared expert's half; the ranks' parts add up to the one-rank block."""
+    def half_the_experts_whole(experts):
         assert experts.w13.shape[0] == experts.cfg.num_experts // 2
-        assert experts.w2.shape[-1] == experts.cfg.intermediate_size  # whole experts, not slices
-        with torch.no_grad():
-            partials.append(block(x))
-    with torch.no_grad():
-        want = hf_forward(family, hf, x)
-    torch.testing.assert_close(partials[0] + partials[1], want, rtol=1e-5, atol=1e-5)
+        assert experts.w2.shape[-1] == experts.cfg.intermediate_size
+    assert_two_ranks_sum_to_the_block(family, half_the_experts_whole, expert_parallel=True)
 
 
 def test_expert_parallel_needs_experts_that_split_evenly():
