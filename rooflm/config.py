@@ -431,10 +431,16 @@ class ParallelConfig:
     # above; "nccl" always NCCL; "auto" symm where every GPU pair has peer access, else NCCL.
     # The CPU (gloo) ignores it.
     tp_allreduce: str = "auto"
+    # Pipeline parallelism (rooflm/distributed/pipeline.py): the layers split into this many
+    # stages, one TP group of tensor_parallel_size ranks each; stage 0 also holds the embedding,
+    # the LM head and the sampler, the last stage the final norm.
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
         if self.tp_allreduce not in ("auto", "nccl", "symm"):
             raise ValueError(f"tp_allreduce must be one of auto, nccl, symm; got {self.tp_allreduce!r}")
 

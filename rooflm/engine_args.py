@@ -102,6 +102,8 @@ HELP: dict[str, str] = {
                                "CUDA graphs run it)",
     # parallel
     "tensor_parallel_size": "GPUs one model is split over (one worker process per rank)",
+    "pipeline_parallel_size": "pipeline stages the layers are split over (each a TP group of "
+                              "tensor_parallel_size worker processes; docs/parallelism.md)",
     "tp_allreduce": "the row-parallel all-reduce on CUDA. symm: a one-shot kernel over symmetric "
                     "memory up to 4 MiB, NCCL above; nccl: always NCCL; auto: symm where every "
                     "GPU pair has peer access",
@@ -132,7 +134,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 # Short forms vLLM's flags have too.
-_ALIASES = {"tensor_parallel_size": ("-tp",)}
+_ALIASES = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",)}
 
 
 def engine_fields() -> list[dataclasses.Field]:

@@ -78,12 +78,12 @@ class LLMEngine:
         # Tensor parallelism: the executor checks the size, starts ranks 1..N-1 and this process
         # joins as rank 0 (under torchrun, ranks > 0 become workers here).
         self.executor = None
-        tp = None
-        if config.parallel.tensor_parallel_size > 1:
+        tp = stage = world = None
+        if config.parallel.tensor_parallel_size > 1 or config.parallel.pipeline_parallel_size > 1:
             self.executor = self._start_workers()
-            tp = self.executor.tp
+            tp, stage, world = self.executor.tp, self.executor.stage, self.executor.world
         self.tokenizer = self._load_tokenizer()
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len, tp or SINGLE)
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len, tp or SINGLE, stage, world)
         if self.executor is not None:  # NCCL waits on graphs that captured it: they go first
             self.executor.release_before_shutdown(self.runner.release_graphs)
         self.strategy: StepStrategy = strategy_for(config, self.model_config, self.max_model_len)
@@ -138,6 +138,8 @@ class LLMEngine:
 
     def _start_workers(self):
         from rooflm.engine.executor import TPExecutor
+        if self.config.parallel.pipeline_parallel_size > 1:
+            self._check_pipeline_features()
         if self.config.runtime.enable_sleep_mode:  # the workers' weights and pools would stay
             raise ValueError("--enable-sleep-mode does not run with tensor_parallel_size > 1 yet")
         if self.config.speculative.speculative_method:
@@ -146,6 +148,19 @@ class LLMEngine:
             raise ValueError("--deterministic does not run with tensor_parallel_size > 1 yet")
         return TPExecutor.start(self.config, self.model_config, self.max_model_len,
                                 self.model_path, self.load_format)
+
+    def _check_pipeline_features(self) -> None:
+        """What does not compose with --pipeline-parallel-size yet, named by its flag."""
+        cfg = self.config
+        refused = [flag for flag, on in (
+            ("--speculative-method", cfg.speculative.speculative_method),
+            ("--enable-lora", cfg.lora.enable_lora),
+            ("--enable-sleep-mode", cfg.runtime.enable_sleep_mode),
+            ("--deterministic", cfg.runtime.deterministic)) if on]
+        if refused:
+            raise ValueError(f"{', '.join(refused)} does not run with --pipeline-parallel-size > 1 yet")
+        if self.load_format == "gguf":
+            raise ValueError("GGUF checkpoints are not loaded with --pipeline-parallel-size > 1 yet (untested)")
 
     def check_alive(self) -> None:
         """Raise if part of the engine is gone (a tensor-parallel worker that died)."""

@@ -158,18 +158,22 @@ def _to_pinned_host(t: torch.Tensor) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
-                 tp: TPGroup = SINGLE):
+                 tp: TPGroup = SINGLE, stage=None, world: Optional[TPGroup] = None):
         self.config = config
         # Tensor parallelism (rooflm/distributed/): this rank's shard of the model and its own
         # KV pool (its KV heads, the same block tables). Rank 0 sends each step's inputs to
         # the other ranks (step_broadcast.py) and samples; they run the same forward.
         self.tp = tp
+        # Pipeline parallelism (distributed/pipeline.py): this rank's stage (its layers, its pool
+        # of their KV), None without; world: every rank of every stage (the tp group without PP).
+        self.stage = stage
+        self.world = world or tp
         self.num_kv_heads = tp.heads(model_config.num_attention_heads,
                                      model_config.num_key_value_heads).num_kv_heads
         self.step_channel = None
-        if tp.size > 1 and tp.is_driver:
+        if self.world.size > 1 and self.world.is_driver:
             from rooflm.distributed.step_broadcast import StepChannel
-            self.step_channel = StepChannel(tp)
+            self.step_channel = StepChannel(self.world)
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.device = resolve_device(config.device.device)
@@ -269,6 +273,8 @@ class ModelRunner:
             return "--disable-hybrid-kv-cache-manager"
         if self.tp.size > 1:
             return "tensor parallelism sends one block table per step"
+        if self.stage is not None:
+            return "pipeline parallelism sends one block table per step"
         if self.config.speculative.speculative_method:
             return "speculative decoding's proposers and device loop read one block table"
         return None
@@ -276,7 +282,8 @@ class ModelRunner:
     def set_kv_layout(self) -> None:
         """The KV cache groups of the loaded model's layers: sliding-window layers in groups of
         their own, which hold only their window, unless hybrid_kv_off_reason says why not."""
-        windows = [layer.self_attn.attn.sliding_window for layer in self.model.model.layers]
+        windows = [layer.self_attn.attn.sliding_window if hasattr(layer, "self_attn") else None
+                   for layer in self.model.model.layers]  # another pipeline stage's layer: None
         reason = self.hybrid_kv_off_reason()
         self.kv_layout = kv_layout(windows, self.max_model_len, hybrid=reason is None)
         self.group_block_tables = [BlockTableArray() for _ in range(self.kv_layout.num_groups - 1)]
@@ -304,7 +311,7 @@ class ModelRunner:
 
         cfg, sched = self.model_config, self.config.scheduler
         elem = self.dtype.itemsize
-        weights = cfg.num_params() * elem // self.tp.size  # about: norms are replicated
+        weights = cfg.num_params() * elem // self.world.size  # about: norms are replicated
         if load_format == "gguf" and self.keeps_quantized():
             # At most the file's blocks plus the embedding in float (its lookup table). On CUDA
             # the kernels' form is up to 4/3 of the file (Q4_K: fp32 scales and zeros per 32,
@@ -333,7 +340,8 @@ class ModelRunner:
         try:
             with torch.device(self.device):
                 model = cls(self.model_config, max_positions=self.max_model_len, backend=self.backend,
-                            kernels=self._make_kernels(), tp=self.tp)
+                            kernels=self._make_kernels(), tp=self.tp,
+                            stage=None if self.stage is None else self.stage.layout)
         finally:
             torch.set_default_dtype(prev)
         if self.tp.size > 1:
@@ -342,6 +350,8 @@ class ModelRunner:
             weights = (model.dummy_weights(self.config.load.seed) if load_format == "dummy"
                        else iter_weights(path, load_format, lazy=True))
             model.load_weights(weights)
+        elif load_format == "dummy" and self.stage is not None:  # a stage's part of the same draws
+            model.load_weights(model.dummy_weights(self.config.load.seed))
         elif load_format == "dummy":
             model.init_dummy_weights(self.config.load.seed)
         else:
@@ -455,8 +465,12 @@ class ModelRunner:
         """This rank's bytes per block: its KV heads only, of the layers a block holds (all of
         them, or one KV cache group's: kv_groups.py)."""
         whole = self.model_config.kv_bytes_per_token(self.kv_bytes_per_element()) * self.block_size
-        layers = self.kv_layout.group_size / self.model_config.num_hidden_layers
+        layers = self._pool_layers() / self.model_config.num_hidden_layers
         return round(whole * layers * self.num_kv_heads / self.model_config.num_key_value_heads)
+
+    def _pool_layers(self) -> int:
+        """Layers a KV block holds here: a KV cache group's, or a pipeline stage's."""
+        return self.kv_layout.group_size if self.stage is None else self.stage.end - self.stage.start
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -481,13 +495,13 @@ class ModelRunner:
             cap = self.config.scheduler.max_num_seqs * blocks_per_seq(self.kv_layout, self.max_model_len,
                                                                       self.block_size)
         # Every rank's pool has the same number of blocks (one block table for all): the least.
-        return self.tp.min_over_ranks(max(1, min(int(budget // per_block), cap)))
+        return self.world.min_over_ranks(max(1, min(int(budget // per_block), cap)))
 
     def graph_logits_bytes(self) -> int:
         """What the decode CUDA graphs' LM head holds outside the profiled step: the fp32 logits
         buffer of the largest captured batch (cuda_graph.py) and, in the graphs' own pool, its
         logits in the weights' dtype before they are widened (2 bytes). 0 without graphs."""
-        if self.device.type != "cuda" or self.config.runtime.enforce_eager:
+        if self.device.type != "cuda" or self.config.runtime.enforce_eager or self.stage is not None:
             return 0
         return self._graph_max_batch() * self.model_config.vocab_size * (4 + 2)
 
@@ -523,10 +537,12 @@ class ModelRunner:
             block_tables=torch.tensor(tables, dtype=torch.int32, device=dev), max_query_len=max(lens),
             max_seq_len=max(lens), num_decodes=0, query_start_loc_cpu=starts, seq_lens_cpu=lens)
         ids = torch.randint(0, self.model_config.vocab_size, (num_tokens,), device=dev)
-        hidden = self.model(ids, torch.tensor(positions, device=dev), self.kv_caches, meta)
+        hidden = self._profile_forward(ids, torch.tensor(positions, device=dev), meta)
         rows = min(sched.max_num_seqs, num_tokens)
-        logits = self.model.compute_logits(hidden[:rows])
-        torch.softmax(logits, -1).argmax(-1)
+        logits = None
+        if self.stage is None or self.stage.is_first:  # the LM head and the sampler's rank
+            logits = self.model.compute_logits(hidden[:rows])
+            torch.softmax(logits, -1).argmax(-1)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del hidden, logits
@@ -535,12 +551,24 @@ class ModelRunner:
         self.timings["profile_s"] = time.perf_counter() - t0
         return peak
 
+    def _profile_forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The model's forward for profile_run; a pipeline stage after the first runs its layers
+        on random hidden states of the step's shape (the activations it would receive)."""
+        if self.stage is None:
+            return self.model(ids, positions, self.kv_caches, meta)
+        intermediate = None
+        if not self.stage.is_first:
+            x = torch.randn((ids.shape[0], self.model_config.hidden_size), dtype=self.dtype, device=ids.device)
+            intermediate = (x, torch.zeros_like(x))
+        out = self.model(ids, positions, self.kv_caches, meta, intermediate=intermediate)
+        return out if self.stage.is_last else out[0]
+
     def allocate_kv_cache(self, num_blocks: int, quiet: bool = False) -> None:
         cfg = self.model_config
         # One slot per layer of a block: all layers, or a KV cache group's (kv_groups.py). Zeroed:
         # a sliding group's given-back entries point at block 0, which the kernels may read
         # (masked), so it must hold finite values before anything is written.
-        shape = (self.kv_layout.group_size, 2, num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
+        shape = (self._pool_layers(), 2, num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_scales = None
         mode = self.kv_scale_mode()
@@ -548,7 +576,8 @@ class ModelRunner:
             self.kv_scales = torch.zeros(shape[:-1], dtype=torch.float32, device=self.device)
         elif mode == "static":
             self.kv_scales = self._static_kv_scales(quiet)
-        self.kv_caches = [self._layer_cache(i) for i in range(cfg.num_hidden_layers)]
+        held = range(cfg.num_hidden_layers) if self.stage is None else range(self.stage.start, self.stage.end)
+        self.kv_caches = [self._layer_cache(i) if i in held else None for i in range(cfg.num_hidden_layers)]
         if not quiet:
             logger.info("KV cache: %d blocks of %d tokens, %s%s (%.2f GiB)", num_blocks, self.block_size,
                         str(self.kv_dtype).replace("torch.", ""), f", {mode} scales" if mode else "",
@@ -557,7 +586,7 @@ class ModelRunner:
     def _layer_cache(self, layer: int) -> KVCache:
         layout = self.kv_layout
         group = layout.group_of_layer(layer)
-        slot = layout.groups[group].layers.index(layer)
+        slot = layout.groups[group].layers.index(layer) if self.stage is None else layer - self.stage.start
         k, v = self.kv_cache[slot, 0], self.kv_cache[slot, 1]
         if self.kv_scales is None:
             return KVCache(k, v, group=group)
@@ -604,8 +633,8 @@ class ModelRunner:
         from rooflm.engine.memory_check import available_bytes
 
         available = available_bytes(torch.device("cpu")) or 0
-        share = min(KV_OFFLOAD_AUTO_SHARE * available / self.tp.size, KV_OFFLOAD_AUTO_MAX_GB * 2**30)
-        return self.tp.min_over_ranks(int(share // self.kv_bytes_per_block()))
+        share = min(KV_OFFLOAD_AUTO_SHARE * available / self.world.size, KV_OFFLOAD_AUTO_MAX_GB * 2**30)
+        return self.world.min_over_ranks(int(share // self.kv_bytes_per_block()))
 
     # ---- a step ----------------------------------------------------------------------------
 
@@ -1108,7 +1137,9 @@ class ModelRunner:
             if fixup is not None:
                 input_ids[fixup[0]] = fixup[1]
             with self.tracer.phase("forward"):
-                hidden = self.model(input_ids, positions, self.kv_caches, meta)
+                hidden = self._model_forward(input_ids, positions, meta, inputs)
+            if hidden is None:  # a pipeline stage after the first: stage 0 scores the rows
+                return None
         if inputs.prompt_logprob_spans:
             self._prompt_logprobs(hidden, inputs, result)
         if not inputs.logits_indices:
@@ -1121,9 +1152,23 @@ class ModelRunner:
         with self.tracer.phase("lm_head"):
             return self.model.compute_logits(hidden.index_select(0, idx))[:len(rows)]
 
+    def _model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       inputs: StepInputs) -> Optional[torch.Tensor]:
+        """The final hidden states of the step's tokens; with pipeline parallelism this stage's
+        part (distributed/pipeline.py): stage 0 gets the scored rows back, the others None."""
+        if self.stage is None:
+            return self.model(input_ids, positions, self.kv_caches, meta)
+        from rooflm.distributed.pipeline import scored_rows
+        rows = scored_rows(inputs.logits_indices, [(base, count) for _, base, _, count in inputs.prompt_logprob_spans])
+        return self.stage.run(self.model, input_ids, positions, self.kv_caches, meta, rows, self.dtype)
+
     def capture_graphs(self) -> None:
         """CUDA graphs for decode, unless on CPU or --enforce-eager."""
         if self.device.type != "cuda" or self.config.runtime.enforce_eager:
+            return
+        if self.stage is not None:
+            # A captured step would need its point-to-point transfers captured with it.
+            logger.info("CUDA graphs off, every step eager: pipeline parallelism (not captured yet)")
             return
         if self.model.graph_unsafe_reason is not None:
             logger.info("CUDA graphs off, every step eager: %s", self.model.graph_unsafe_reason)

@@ -30,7 +30,8 @@ import torch
 
 import rooflm.envs as envs
 from rooflm.config import EngineConfig, ModelConfig
-from rooflm.distributed.group import TPGroup, destroy_group, init_group
+from rooflm.distributed.group import TPGroup, destroy_group
+from rooflm.distributed.pipeline import configured_partition, init_parallel
 from rooflm.distributed.hang_dump import HangWatch
 from rooflm.distributed.step_broadcast import StepChannel, StepPacket
 from rooflm.engine.model_runner import HostInputs, ModelRunner, StepInputs, StepResult
@@ -47,8 +48,12 @@ MAX_TRACEBACK_CHARS = 20_000  # the tail: where it failed
 class WorkerRunner(ModelRunner):
     """Rank r > 0's runner: replays the steps rank 0 describes."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, tp: TPGroup):
-        super().__init__(config, model_config, max_model_len, tp)
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, tp: TPGroup,
+                 stage=None, world: Optional[TPGroup] = None):
+        super().__init__(config, model_config, max_model_len, tp, stage, world)
+        # Pipeline stages after the first embed nothing: the pending ids and the sampled-ids
+        # broadcast (stage 0's TP group) are not theirs.
+        self.embeds = stage is None or stage.is_first
         self.prev_sampled: Optional[torch.Tensor] = None  # the last step's sampled ids, on the device
         self.kinds = {"graph": 0, "piecewise": 0, "eager": 0}  # how its forwards ran
 
@@ -67,14 +72,14 @@ class WorkerRunner(ModelRunner):
                                                 for base, count in packet.prompt_logprob_spans],
             pending_positions=[])
         fixup = None
-        if packet.pending_positions:
+        if packet.pending_positions and self.embeds:
             dst = self._host(packet.pending_positions, torch.int64).to(self.device, non_blocking=True)
             src = self._host(packet.pending_rows, torch.int64).to(self.device, non_blocking=True)
             fixup = (dst, self.prev_sampled.index_select(0, src))
         graph = self._pick_graph(inputs, fixup)
         self._forward(inputs, StepResult({}, {}, {}), fixup, graph, gather=False)
         self.kinds[_kind(graph, self._piecewise_runs(inputs))] += 1
-        if packet.logits_indices:  # rank 0 sampled these rows: receive their ids
+        if packet.logits_indices and self.embeds:  # rank 0 sampled these rows: receive their ids
             sampled = torch.empty(len(packet.logits_indices), dtype=torch.int64, device=self.device)
             self.prev_sampled = self.tp.broadcast_device(sampled)
 
@@ -136,10 +141,13 @@ def _serve(rank: int, size: int, init_method: str, config: EngineConfig, model_c
         # decode step at 355 sequences on H200 x2, cProfile), so one thread, as vLLM's workers.
         torch.set_num_threads(1)
     config = replace(config, device=replace(config.device, device=str(device)))
-    tp = init_group(rank, size, init_method, device, config.parallel.tp_allreduce)
-    runner = WorkerRunner(config, model_config, max_model_len, tp)
+    parallel = config.parallel
+    layers = configured_partition(model_config.num_hidden_layers, parallel.pipeline_parallel_size)
+    groups = init_parallel(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, init_method,
+                           device, parallel.tp_allreduce, layers)
+    runner = WorkerRunner(config, model_config, max_model_len, groups.tp, groups.stage, groups.world)
     runner.initialize(model_path, load_format)
-    channel = StepChannel(tp)
+    channel = StepChannel(groups.world)
     fault_step = fault_step_from_env(rank)
     steps, waited, busy = 0, 0.0, 0.0
     profile_dir = envs.get(PROFILE_ENV)
@@ -165,7 +173,7 @@ def _serve(rank: int, size: int, init_method: str, config: EngineConfig, model_c
               f"waiting for packets {waited:.3f} s; forwards {runner.kinds}", file=sys.stderr, flush=True)
     watch.arm()  # the teardown gets its own N seconds
     runner.release_graphs()  # before the group goes: NCCL waits on graphs that captured it
-    if not destroy_group(tp):
+    if not destroy_group(groups.world):
         os._exit(0)  # a stuck NCCL teardown: rank 0 asked to stop, so leave without it
 
 
