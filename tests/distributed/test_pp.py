@@ -1,0 +1,184 @@
+"""Pipeline parallelism on the CPU (gloo): PP=2 gives the tokens PP=1 gives on tiny random
+models of every family, PP=2 x TP=2 too; the layer split; sizes and features that do not
+compose fail at start, naming the flag; a stage that dies fails the engine.
+
+Each family runs one PP=1 engine (in this process) and one PP=2 engine (rank 1 spawned). The
+tiny checkpoints are the parity tests' (tests/models/), each family's options turned on, so the
+stage boundary falls between layers of different kinds where a family has them (Gemma 3's
+sliding and global layers, Qwen2-MoE's dense and sparse ones). fp32, exact tokens and logprobs
+to 1e-4. The llama case adds what crosses stages besides the layers: async scheduling (pending
+ids, filled on stage 0 only), prompt logprobs (their rows come back from the last stage), n > 1
+(copy-on-write in every stage's pool), and swap preemption of an FP8 cache with static scales
+(each stage's layers' scales).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from rooflm import LLM
+from rooflm.distributed.pipeline import even_partition, layer_partition, scored_rows
+from rooflm.engine.executor import WorkerDied
+from rooflm.engine.llm_engine import LLMEngine
+from rooflm.sampling_params import SamplingParams
+from tests.models.test_families_parity import make_tiny
+from tests.models.test_moe_parity import make_tiny_moe
+from tests.models.tiny_models import make_tiny_model
+
+PROMPTS = [[5, 9, 33, 7, 81, 12], [100, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [17]]
+FRESH = list(range(40, 53))  # no prefix of it cached: every prompt position gets its logprobs
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+def _tiny_family(root, family: str):
+    """The checkpoint of a tiny model of `family` (every registry family has one)."""
+    if family in ("llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma2"):
+        options = {"llama": dict(num_hidden_layers=3), "qwen2": dict(tied=True, attention="mqa", vocab_size=250),
+                   "gemma2": dict(num_hidden_layers=3)}.get(family, {})
+        return str(make_tiny_model(root, family, **options)[0])
+    if family in ("gemma3", "phi3", "granite", "smollm3"):
+        return make_tiny(root, family)[0]
+    return make_tiny_moe(root, family)[0]
+
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3", "phi3", "granite", "smollm3",
+            "qwen3_moe", "mixtral", "olmoe", "qwen2_moe"]
+
+
+def _run(path: str, engine_options: dict, extra: bool = False):
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, **engine_options)
+    try:
+        outs = llm.generate(PROMPTS, GREEDY)
+        more = None
+        if extra:
+            more = llm.generate([FRESH], SamplingParams(max_tokens=6, n=2, temperature=1.0, seed=7,
+                                                             ignore_eos=True, prompt_logprobs=1))[0]
+        return outs, more, llm.engine.snapshot()
+    finally:
+        llm.shutdown()
+
+
+def _assert_same(one, two) -> None:
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+    for a, b in zip(one, two):
+        for lp_a, lp_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert lp_a.keys() == lp_b.keys()
+            for token in lp_a:
+                assert lp_b[token].logprob == pytest.approx(lp_a[token].logprob, abs=1e-4)
+
+
+def test_the_registry_has_no_family_this_test_misses():
+    from rooflm.model.registry import FAMILIES as REGISTERED
+    assert len(REGISTERED) == len(FAMILIES)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pp2_gives_the_tokens_of_pp1(tmp_path, family):
+    path = _tiny_family(tmp_path, family)
+    one, _, _ = _run(path, {})
+    two, _, _ = _run(path, {"pipeline_parallel_size": 2})
+    _assert_same(one, two)
+
+
+def test_pp2_features_cross_the_stages(tmp_path):
+    """Async scheduling, prompt logprobs, n > 1 and swap preemption of a static-scale FP8 cache."""
+    path = str(make_tiny_model(tmp_path, "llama", num_hidden_layers=3)[0])
+    options = {"async_scheduling": True, "preemption_mode": "swap", "num_blocks": 8, "swap_space_gb": 0.01,
+               "reserve_new_tokens": False, "kv_cache_dtype": "fp8", "kv_cache_scales": "static"}
+    one, one_extra, _ = _run(path, options, extra=True)
+    two, two_extra, snapshot = _run(path, {**options, "pipeline_parallel_size": 2}, extra=True)
+    _assert_same(one, two)
+    assert [s.token_ids for s in two_extra.outputs] == [s.token_ids for s in one_extra.outputs]
+    assert len(two_extra.prompt_logprobs) == len(one_extra.prompt_logprobs) == len(FRESH)
+    for a, b in zip(one_extra.prompt_logprobs[1:], two_extra.prompt_logprobs[1:]):
+        assert a.keys() == b.keys()
+        for token in a:
+            assert b[token].logprob == pytest.approx(a[token].logprob, abs=1e-4)
+    assert snapshot.num_preemptions > 0  # the swap path ran on every stage's pool
+
+
+def test_pp2_x_tp2_gives_the_tokens_of_one_process(tmp_path):
+    """Four processes: two stages of two TP ranks (each stage's TP group its own)."""
+    path = str(make_tiny_model(tmp_path, "llama", attention="gqa", num_hidden_layers=3)[0])
+    one, _, _ = _run(path, {})
+    four, _, _ = _run(path, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2})
+    _assert_same(one, four)
+
+
+def test_three_stages_and_a_partition_override(tmp_path, monkeypatch):
+    """Three stages (a middle one that neither embeds nor scores), split 1 + 1 + 2 by the
+    override; a stage-2 worker that dies fails the engine with WorkerDied, nothing left behind."""
+    path = str(make_tiny_model(tmp_path, "llama", num_hidden_layers=4)[0])
+    one, _, _ = _run(path, {})
+    monkeypatch.setenv("ROOFLM_PP_LAYER_PARTITION", "1,1,2")  # read by rank 0 and the spawned ranks
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, pipeline_parallel_size=3)
+    try:
+        assert (llm.engine.runner.stage.start, llm.engine.runner.stage.end) == (0, 1)
+        assert llm.engine.runner.kv_cache.shape[0] == 1  # stage 0's pool: its one layer
+        _assert_same(one, llm.generate(PROMPTS, GREEDY))
+        _kill_a_worker_mid_request(llm.engine, llm.engine.executor.processes[1])
+    finally:
+        llm.shutdown()
+
+
+def _kill_a_worker_mid_request(engine: LLMEngine, worker) -> None:
+    engine.add_request("long", PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.step()
+    os.kill(worker.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    with pytest.raises((WorkerDied, RuntimeError)):
+        while time.monotonic() < deadline:
+            engine.step()
+    assert time.monotonic() < deadline
+    with pytest.raises(WorkerDied, match="exited with code -9"):
+        engine.check_alive()
+    assert not any(p.is_alive() for p in engine.executor.processes)
+
+
+def test_layer_partition():
+    assert even_partition(32, 2) == [16, 16]
+    assert even_partition(30, 4) == [7, 7, 8, 8]  # the remainder to the last stages: stage 0 scores
+    assert layer_partition(5, 2) == [(0, 2), (2, 5)]
+    assert layer_partition(5, 2, (4, 1)) == [(0, 4), (4, 5)]
+    with pytest.raises(ValueError, match="pipeline_parallel_size 3 exceeds the model's 2 layers"):
+        layer_partition(2, 3)
+    with pytest.raises(ValueError, match="names 3 stages but pipeline_parallel_size is 2"):
+        layer_partition(6, 2, (2, 2, 2))
+    with pytest.raises(ValueError, match="sum to the model's 6 layers"):
+        layer_partition(6, 2, (2, 2))
+    with pytest.raises(ValueError, match="at least one layer"):
+        layer_partition(6, 2, (6, 0))
+    assert scored_rows([9, 3], [(4, 3), (2, 2)]) == [2, 3, 4, 5, 6, 9]
+
+
+def test_what_does_not_compose_fails_at_start_naming_the_flag(tmp_path):
+    path = str(make_tiny_model(tmp_path, "llama")[0])  # 2 layers
+    with pytest.raises(ValueError, match="pipeline_parallel_size 3 exceeds the model's 2 layers"):
+        LLM(model=path, dtype="float32", device="cpu", pipeline_parallel_size=3)
+    with pytest.raises(ValueError, match="--speculative-method does not run with --pipeline-parallel-size"):
+        LLM(model=path, dtype="float32", device="cpu", pipeline_parallel_size=2, speculative_method="ngram",
+            num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="--enable-lora does not run with --pipeline-parallel-size"):
+        LLM(model=path, dtype="float32", device="cpu", pipeline_parallel_size=2, enable_lora=True)
+
+
+def test_the_flag_and_its_short_form():
+    import argparse
+
+    from rooflm.config import engine_config_from_kwargs
+    from rooflm.engine_args import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+
+    def size(argv: list[str]) -> int:
+        return engine_config_from_kwargs(**engine_kwargs(parser.parse_args(argv))).parallel.pipeline_parallel_size
+
+    assert size(["-pp", "2"]) == 2
+    assert size(["--pipeline-parallel-size", "4"]) == 4
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be >= 1"):
+        size(["-pp", "0"])
