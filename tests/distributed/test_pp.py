@@ -182,3 +182,43 @@ def test_the_flag_and_its_short_form():
     assert size(["--pipeline-parallel-size", "4"]) == 4
     with pytest.raises(ValueError, match="pipeline_parallel_size must be >= 1"):
         size(["-pp", "0"])
+
+
+def test_memory_plans_each_stage(capsys):
+    from rooflm.cli import main
+    from rooflm.model.presets import PRESETS
+    from rooflm.perf.memory import inference_memory, stage_weight_bytes, weight_bytes
+
+    cfg = PRESETS["llama-3-8b"]
+    parts = [stage_weight_bytes(cfg, "bf16", 2, 16, True, False), stage_weight_bytes(cfg, "bf16", 2, 16, False, True)]
+    assert sum(parts) == pytest.approx(weight_bytes(cfg, "bf16", 2), rel=1e-9)  # every weight once
+    assert parts[0] - parts[1] == pytest.approx(2 * cfg.vocab_size * cfg.hidden_size * 2 / 2, rel=1e-3)
+    one = inference_memory(cfg, gpu_mem_gb=141, context=8192)
+    two = inference_memory(cfg, gpu_mem_gb=141, context=8192, pp=2)
+    assert [s.layers for s in two.stages] == [(0, 16), (16, 32)]
+    assert two.stages[0].num_blocks < two.stages[1].num_blocks  # stage 0 also holds the embedding and head
+    assert two.num_blocks == two.stages[0].num_blocks
+    assert two.block_bytes == pytest.approx(one.block_bytes / 2)  # a block holds half the layers
+    assert 2 * one.num_blocks < two.num_blocks < 2.2 * one.num_blocks
+    assert main(["memory", "--model", "llama-3-8b", "-pp", "2", "--gpu", "h200"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline stage 0: layers 0-15 + embedding + LM head" in out
+    assert "pipeline stage 1: layers 16-31 + final norm" in out
+    assert "2 x 16 layers" in out
+
+
+def test_simulator_prices_the_stages_in_turn():
+    from rooflm.engine.report import BatchShape
+    from rooflm.model.presets import PRESETS
+    from rooflm.perf.gpus import get_gpu
+    from rooflm.sim.cost_model import RooflineCostModel
+
+    cfg = PRESETS["llama-3-8b"]
+    one, two = (RooflineCostModel(cfg, get_gpu("h200"), pp=pp) for pp in (1, 2))
+    shape = BatchShape(num_decode_seqs=64, decode_context_tokens=64 * 1000)
+    p2p = two.pipeline_seconds(shape)
+    link = get_gpu("h200").interconnect_gbs * 1e9 * two.link_efficiency
+    assert p2p == pytest.approx((2 * 64 * 4096 * 2 + 64 * 4096 * 2) / link + 2 * two.allreduce_latency_s)
+    assert two.device_seconds(shape) == pytest.approx(one.device_seconds(shape) + p2p)
+    assert (one.bubble, two.bubble) == (0.0, 0.5)
+    assert "PP 2" in two.describe() and "idles 50%" in two.describe()
