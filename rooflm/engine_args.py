@@ -104,6 +104,8 @@ HELP: dict[str, str] = {
     "tensor_parallel_size": "GPUs one model is split over (one worker process per rank)",
     "pipeline_parallel_size": "pipeline stages the layers are split over (each a TP group of "
                               "tensor_parallel_size worker processes; docs/parallelism.md)",
+    "pipeline_micro_batches": "batches in flight through the pipeline at once, each of other requests "
+                              "(unset: --pipeline-parallel-size; 1: one step at a time through the stages)",
     "tp_allreduce": "the row-parallel all-reduce on CUDA. symm: a one-shot kernel over symmetric "
                     "memory up to 4 MiB, NCCL above; nccl: always NCCL; auto: symm where every "
                     "GPU pair has peer access",

@@ -97,13 +97,18 @@ class PipelineStage:
     """A rank's place in the pipeline and the point-to-point transfers of its activations."""
 
     def __init__(self, stage: int, num_stages: int, tp_rank: int, tp_size: int,
-                 layers: tuple[int, int], device_group=None):
+                 layers: tuple[int, int], device_group=None, return_group=None):
         self.stage = stage
         self.num_stages = num_stages
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.start, self.end = layers
-        self.device_group = device_group  # the world's: NCCL on CUDA, gloo on the CPU
+        self.device_group = device_group  # the world's: NCCL on CUDA, gloo on the CPU; stage to stage
+        # The last stage's sends back to stage 0 go over a group of their own: with two stages
+        # they link the same pair of ranks as the forward sends, and NCCL would queue both
+        # directions on one communicator's stream, the return behind the next forward send.
+        self.return_group = return_group if return_group is not None else device_group
+        self._sends: list = []  # (Work, tensor) of sends not known to have completed
 
     @property
     def is_first(self) -> bool:
@@ -124,32 +129,57 @@ class PipelineStage:
 
     def run(self, model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta,
             scored_rows: list[int], dtype: torch.dtype) -> Optional[torch.Tensor]:
-        """This stage's part of a step's forward. Returns the final hidden states [tokens,
-        hidden] on stage 0, with the scored rows filled in (the rows of `scored_rows`; the
-        others are zeros and never read), and None on the other stages."""
+        """This stage's part of a step, to the end: forward(), then on stage 0 receive_final()
+        (the final hidden states [tokens, hidden], None on the other stages)."""
+        self.forward(model, input_ids, positions, kv_caches, meta, scored_rows, dtype)
+        if not self.is_first:
+            return None
+        return self.receive_final(input_ids.shape[0], scored_rows, model.cfg.hidden_size, dtype, input_ids.device)
+
+    def forward(self, model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta,
+                scored_rows: list[int], dtype: torch.dtype) -> None:
+        """Receive the step's activations (after stage 0), run this stage's layers, send them on,
+        or from the last stage send the scored rows' final hidden states back to stage 0."""
         num_tokens = input_ids.shape[0]
-        hidden_size = model.cfg.hidden_size
         intermediate = None
         if not self.is_first:
-            received = torch.empty((2, num_tokens, hidden_size), dtype=dtype, device=input_ids.device)
+            received = torch.empty((2, num_tokens, model.cfg.hidden_size), dtype=dtype, device=input_ids.device)
             dist.recv(received, src=self.global_rank(self.stage - 1), group=self.device_group)
             intermediate = (received[0], received[1])
         out = model(input_ids, positions, kv_caches, meta, intermediate=intermediate)
         if not self.is_last:
             x, residual = out
-            dist.send(torch.stack((x, residual)), dst=self.global_rank(self.stage + 1), group=self.device_group)
-        elif not self.is_first and scored_rows:
+            self._send(torch.stack((x, residual)), self.global_rank(self.stage + 1), self.device_group)
+        elif scored_rows:
             rows = torch.tensor(scored_rows, dtype=torch.int64).to(out.device, non_blocking=True)
-            dist.send(out.index_select(0, rows).contiguous(), dst=self.global_rank(0), group=self.device_group)
-        if not self.is_first:
-            return None
-        hidden = torch.zeros((num_tokens, hidden_size), dtype=dtype, device=input_ids.device)
+            self._send(out.index_select(0, rows), self.global_rank(0), self.return_group)
+
+    def receive_final(self, num_tokens: int, scored_rows: list[int], hidden_size: int, dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor:
+        """Stage 0: the last stage's final hidden states of a step's scored rows, in a [tokens,
+        hidden] tensor at their packed places (the other rows are zeros and never read)."""
+        hidden = torch.zeros((num_tokens, hidden_size), dtype=dtype, device=device)
         if scored_rows:
-            final = torch.empty((len(scored_rows), hidden_size), dtype=dtype, device=input_ids.device)
-            dist.recv(final, src=self.global_rank(self.num_stages - 1), group=self.device_group)
-            rows = torch.tensor(scored_rows, dtype=torch.int64).to(final.device, non_blocking=True)
+            final = torch.empty((len(scored_rows), hidden_size), dtype=dtype, device=device)
+            dist.recv(final, src=self.global_rank(self.num_stages - 1), group=self.return_group)
+            rows = torch.tensor(scored_rows, dtype=torch.int64).to(device, non_blocking=True)
             hidden.index_copy_(0, rows, final)
         return hidden
+
+    def _send(self, tensor: torch.Tensor, dst: int, group) -> None:
+        """Send without waiting for the receiver. With micro-batches in flight, stage 0 sends
+        batch B on while the last stage sends batch A back: a send that waited for its receive
+        would hold each side in its send (gloo blocks the host; an NCCL send blocks its stream).
+        The tensor and its Work stay referenced until the transfer completes."""
+        self._sends = [(work, t) for work, t in self._sends if not work.is_completed()]
+        tensor = tensor.contiguous()
+        self._sends.append((dist.isend(tensor, dst=dst, group=group), tensor))
+
+    def wait_sends(self) -> None:
+        """Wait until every send has completed (teardown: a peer still receiving)."""
+        for work, _ in self._sends:
+            work.wait()
+        self._sends = []
 
 
 def scored_rows(logits_indices: Sequence[int], prompt_logprob_spans: Sequence[tuple[int, int]]) -> list[int]:
@@ -184,6 +214,7 @@ def init_parallel(rank: int, tp_size: int, pp_size: int, init_method: str, devic
     world_size = tp_size * pp_size
     device_group, host_group = start_world(rank, world_size, init_method, device)
     world = TPGroup(rank, world_size, device_group, host_group)
+    return_group = new_subgroup(None, None, COLLECTIVE_TIMEOUT if device.type == "cuda" else IDLE_TIMEOUT)
     stage, tp_rank = divmod(rank, tp_size)
     tp = TPGroup(tp_rank, 1, root=rank)
     if tp_size > 1:
@@ -199,4 +230,5 @@ def init_parallel(rank: int, tp_size: int, pp_size: int, init_method: str, devic
             logger.warning("--tp-allreduce symm is not wired under pipeline parallelism yet: NCCL all-reduces")
     logger.info("pipeline parallelism: stage %d of %d (layers %d-%d), tp rank %d of %d",
                 stage, pp_size, layers[stage][0], layers[stage][1] - 1, tp_rank, tp_size)
-    return ParallelGroups(tp, world, PipelineStage(stage, pp_size, tp_rank, tp_size, layers[stage], device_group))
+    return ParallelGroups(tp, world, PipelineStage(stage, pp_size, tp_rank, tp_size, layers[stage], device_group,
+                                                   return_group))

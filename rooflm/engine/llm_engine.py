@@ -9,6 +9,7 @@ over step().
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -29,7 +30,7 @@ from rooflm.engine.report import (NULL_TRACER, EngineInfo, EngineSnapshot, Phase
 from rooflm.engine.request import Request, RequestStatus, Sequence
 from rooflm.engine.scheduler import Scheduler, SchedulerOutput
 from rooflm.engine.step_cost import StepCostEstimator, predict_queue_wait
-from rooflm.engine.step_strategy import InFlightStep, PlainStep, StepStrategy
+from rooflm.engine.step_strategy import InFlightStep, PipelineStep, PlainStep, StepStrategy
 from rooflm.kernels.fa4_prefill import fa4_block_size
 from rooflm.errors import InvalidRequest
 from rooflm.sampling_params import SamplingParams, resolve_max_tokens
@@ -46,6 +47,8 @@ def strategy_for(config: EngineConfig, target: ModelConfig, max_model_len: int) 
     built in the engine's own core process (engine/core.py) as well as by LLM, the server, the
     CLI and benchmarks, so no single builder above the engine could attach speculative decoding
     for all of them; the engine asks spec's factory here instead, only when the config asks."""
+    if config.parallel.batches_in_flight > 1:
+        return PipelineStep(config.parallel.batches_in_flight)
     if not config.speculative.speculative_method:
         return PlainStep()
     from rooflm.spec.factory import speculative_strategy
@@ -108,6 +111,8 @@ class LLMEngine:
         if self.async_scheduling is None:
             self.async_scheduling = self.runner.device.type == "cuda"
         self._in_flight: Optional[InFlightStep] = None  # launched, not yet processed
+        # Pipeline parallelism's batches in flight, oldest first (step_strategy.PipelineStep).
+        self.pipeline: collections.deque[InFlightStep] = collections.deque()
         self._last_collect = time.perf_counter()
         self._observers: list[Callable[[StepReport], None]] = []
         self.tracer: PhaseTracer = NULL_TRACER
@@ -509,7 +514,7 @@ class LLMEngine:
         logger.info("awake in %.2f s", time.perf_counter() - t0)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self.pipeline)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -587,7 +592,18 @@ class LLMEngine:
         """Finish the step in flight, if any (async scheduling), and return its outputs; after
         it nothing is queued on the device, so async scheduling can be switched."""
         step, self._in_flight = self._in_flight, None
-        return self._finish_step(step) if step is not None else []
+        outputs = self._finish_step(step) if step is not None else []
+        while self.pipeline:
+            outputs += self.finish_pipelined()
+        return outputs
+
+    def finish_pipelined(self) -> list[RequestOutput]:
+        """Finish the oldest of pipeline parallelism's batches in flight and process it."""
+        step = self.pipeline.popleft()
+        self.runner.complete(step.handle)  # its rows back from the last stage, LM head, samples
+        if step.handle.needs_bitmask:
+            self._sample_constrained(step.handle)
+        return self._finish_step(step)
 
     def _finish_step(self, step: InFlightStep) -> list[RequestOutput]:
         """Read a launched step's samples back, process them, and report the step."""

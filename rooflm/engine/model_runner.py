@@ -115,6 +115,9 @@ class StepHandle:
     constrained_rows: list[int] = field(default_factory=list)  # rows with a grammar
     num_accepted: Optional[torch.Tensor] = None  # [verifying sequences] accepted drafts (spec)
     spec: object = None  # the proposer's draft distributions (SchedulerOutput.spec)
+    # Pipeline parallelism with batches in flight: the step's inputs while its rows are still to
+    # come back from the last stage (ModelRunner.complete); None once they have, or without.
+    deferred: Optional[StepInputs] = None
 
     @property
     def needs_bitmask(self) -> bool:
@@ -168,6 +171,10 @@ class ModelRunner:
         # of their KV), None without; world: every rank of every stage (the tp group without PP).
         self.stage = stage
         self.world = world or tp
+        # Stage 0 with batches in flight (ParallelConfig.batches_in_flight): a launch runs the
+        # stage's layers and sends them on; complete() later takes the rows back and samples.
+        self.defers_return = (stage is not None and stage.is_first
+                              and config.parallel.batches_in_flight > 1)
         self.num_kv_heads = tp.heads(model_config.num_attention_heads,
                                      model_config.num_key_value_heads).num_kv_heads
         self.step_channel = None
@@ -902,7 +909,46 @@ class ModelRunner:
         handle = StepHandle(inputs, StepResult({}, {}, {}), spec=out.spec)
         graph = self._pick_graph(inputs, fixup)
         handle.graph = "full" if graph else ("piecewise" if self._piecewise_runs(inputs) else "eager")
-        logits = self._forward(inputs, handle.result, fixup, graph)
+        if self.defers_return:
+            with self.tracer.phase("forward"):
+                self._forward_stage(inputs, fixup)
+            handle.deferred = inputs
+            return handle
+        return self._after_forward(handle, self._forward(inputs, handle.result, fixup, graph))
+
+    @torch.inference_mode()
+    def complete(self, handle: "StepHandle") -> None:
+        """Pipeline parallelism with batches in flight: a step stage 0 launched earlier gets its
+        scored rows back from the last stage, its LM head and its samples (or, with constrained
+        rows, its logits kept for the engine's bitmask, as launch would). No-op otherwise."""
+        inputs, handle.deferred = handle.deferred, None
+        if inputs is None:
+            return
+        if self.step_channel is not None and self.tp.size > 1:
+            self.step_channel.send_finish()  # stage 0's other TP ranks run the LM head with this one
+        logits = self._score(self._receive_final(inputs), inputs, handle.result)
+        self._after_forward(handle, logits)
+
+    def _forward_stage(self, inputs: "StepInputs", fixup) -> None:
+        """Stage 0's layers of a step, sent on to stage 1 (distributed/pipeline.py)."""
+        input_ids, positions, meta = self.to_device(inputs)
+        if fixup is not None:
+            input_ids[fixup[0]] = fixup[1]
+        self.stage.forward(self.model, input_ids, positions, self.kv_caches, meta, self._scored_rows(inputs),
+                           self.dtype)
+
+    def _receive_final(self, inputs: "StepInputs") -> torch.Tensor:
+        return self.stage.receive_final(inputs.host.input_ids.shape[0], self._scored_rows(inputs),
+                                        self.model_config.hidden_size, self.dtype, self.device)
+
+    @staticmethod
+    def _scored_rows(inputs: "StepInputs") -> list[int]:
+        from rooflm.distributed.pipeline import scored_rows
+        return scored_rows(inputs.logits_indices, [(base, count) for _, base, _, count in inputs.prompt_logprob_spans])
+
+    def _after_forward(self, handle: "StepHandle", logits: Optional[torch.Tensor]) -> "StepHandle":
+        """A launched step's sampling, once its logits exist (launch, or complete)."""
+        inputs = handle.inputs
         if inputs.rows:
             meta = self._sampling_metadata(inputs.rows)
             handle.row_of = {sch.seq.seq_id: r for r, sch in enumerate(inputs.row_owner)}
@@ -1015,6 +1061,8 @@ class ModelRunner:
         step that sampled nothing is waited for only with wait_device (async scheduling, where the
         next step is already queued: the wait costs the device nothing and the step's time is
         then its own, not carried by the next step's)."""
+        if handle.deferred is not None:  # a pipeline step whose rows have not come back yet
+            self.complete(handle)
         result, inputs = handle.result, handle.inputs
         if handle.sampled is None:
             if wait_device and handle.ready is not None:
@@ -1140,6 +1188,10 @@ class ModelRunner:
                 hidden = self._model_forward(input_ids, positions, meta, inputs)
             if hidden is None:  # a pipeline stage after the first: stage 0 scores the rows
                 return None
+        return self._score(hidden, inputs, result)
+
+    def _score(self, hidden: torch.Tensor, inputs: StepInputs, result: StepResult) -> Optional[torch.Tensor]:
+        """The prompt logprobs and the logits of the sampling rows, from the final hidden states."""
         if inputs.prompt_logprob_spans:
             self._prompt_logprobs(hidden, inputs, result)
         if not inputs.logits_indices:
@@ -1158,9 +1210,8 @@ class ModelRunner:
         part (distributed/pipeline.py): stage 0 gets the scored rows back, the others None."""
         if self.stage is None:
             return self.model(input_ids, positions, self.kv_caches, meta)
-        from rooflm.distributed.pipeline import scored_rows
-        rows = scored_rows(inputs.logits_indices, [(base, count) for _, base, _, count in inputs.prompt_logprob_spans])
-        return self.stage.run(self.model, input_ids, positions, self.kv_caches, meta, rows, self.dtype)
+        return self.stage.run(self.model, input_ids, positions, self.kv_caches, meta, self._scored_rows(inputs),
+                              self.dtype)
 
     def capture_graphs(self) -> None:
         """CUDA graphs for decode, unless on CPU or --enforce-eager."""

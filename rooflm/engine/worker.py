@@ -15,6 +15,7 @@ worker that raises sends its traceback to rank 0 through a pipe and exits (execu
 
 from __future__ import annotations
 
+import collections
 import cProfile
 import logging
 import os
@@ -33,7 +34,7 @@ from rooflm.config import EngineConfig, ModelConfig
 from rooflm.distributed.group import TPGroup, destroy_group
 from rooflm.distributed.pipeline import configured_partition, init_parallel
 from rooflm.distributed.hang_dump import HangWatch
-from rooflm.distributed.step_broadcast import StepChannel, StepPacket
+from rooflm.distributed.step_broadcast import FINISH, StepChannel, StepPacket
 from rooflm.engine.model_runner import HostInputs, ModelRunner, StepInputs, StepResult
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ class WorkerRunner(ModelRunner):
         # Pipeline stages after the first embed nothing: the pending ids and the sampled-ids
         # broadcast (stage 0's TP group) are not theirs.
         self.embeds = stage is None or stage.is_first
+        # Stage 0 with batches in flight: steps whose LM head waits for rank 0's FINISH, oldest first.
+        self.deferred: collections.deque[StepInputs] = collections.deque()
         self.prev_sampled: Optional[torch.Tensor] = None  # the last step's sampled ids, on the device
         self.kinds = {"graph": 0, "piecewise": 0, "eager": 0}  # how its forwards ran
 
@@ -77,11 +80,30 @@ class WorkerRunner(ModelRunner):
             src = self._host(packet.pending_rows, torch.int64).to(self.device, non_blocking=True)
             fixup = (dst, self.prev_sampled.index_select(0, src))
         graph = self._pick_graph(inputs, fixup)
-        self._forward(inputs, StepResult({}, {}, {}), fixup, graph, gather=False)
         self.kinds[_kind(graph, self._piecewise_runs(inputs))] += 1
-        if packet.logits_indices and self.embeds:  # rank 0 sampled these rows: receive their ids
-            sampled = torch.empty(len(packet.logits_indices), dtype=torch.int64, device=self.device)
-            self.prev_sampled = self.tp.broadcast_device(sampled)
+        if self.defers_return:
+            self._forward_stage(inputs, fixup)
+            self.deferred.append(inputs)
+            return
+        self._forward(inputs, StepResult({}, {}, {}), fixup, graph, gather=False)
+        if inputs.logits_indices and self.embeds:
+            self._receive_sampled(len(inputs.logits_indices))
+
+    @torch.inference_mode()
+    def finish_oldest(self) -> None:
+        """Rank 0 finishes its oldest batch in flight (FINISH): on stage 0, this rank's part of
+        it: the rows back from its peer on the last stage, the LM head's all-gather, the ids."""
+        if not self.defers_return:
+            return  # another stage's rank: nothing of it is left here
+        inputs = self.deferred.popleft()
+        self._score(self._receive_final(inputs), inputs, StepResult({}, {}, {}))
+        if inputs.logits_indices:
+            self._receive_sampled(len(inputs.logits_indices))
+
+    def _receive_sampled(self, rows: int) -> None:
+        """Rank 0 sampled these rows: their ids, for the next step's pending inputs."""
+        sampled = torch.empty(rows, dtype=torch.int64, device=self.device)
+        self.prev_sampled = self.tp.broadcast_device(sampled)
 
     def _prompt_logprobs(self, hidden, inputs, result) -> None:
         """Rank 0 computes prompt logprobs; the LM head's all-gather needs every rank."""
@@ -161,7 +183,10 @@ def _serve(rank: int, size: int, init_method: str, config: EngineConfig, model_c
         steps += 1
         if steps == fault_step:
             raise RuntimeError(f"fault injected at tp rank {rank} step {steps} ({FAULT_INJECT_ENV})")
-        runner.replay(packet)
+        if packet is FINISH:
+            runner.finish_oldest()
+        else:
+            runner.replay(packet)
         t0, waited, busy = time.perf_counter(), waited + t1 - t0, busy + time.perf_counter() - t1
     if profiler is not None:
         profiler.disable()

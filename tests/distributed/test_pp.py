@@ -101,6 +101,29 @@ def test_pp2_features_cross_the_stages(tmp_path):
     assert snapshot.num_preemptions > 0  # the swap path ran on every stage's pool
 
 
+def test_batches_in_flight_split_the_requests(tmp_path):
+    """Two batches in flight (the default at PP=2) hold different requests and alternate, each
+    request's tokens those of one step at a time (--pipeline-micro-batches 1) and of PP=1."""
+    path = str(make_tiny_model(tmp_path, "llama", num_hidden_layers=3)[0])
+    prompts = PROMPTS + [[8, 8, 9], [200, 201, 3, 3]]
+    runs = {}
+    for name, options in (("pp1", {}), ("one", {"pipeline_parallel_size": 2, "pipeline_micro_batches": 1}),
+                          ("two", {"pipeline_parallel_size": 2})):
+        llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, **options)
+        try:
+            batches = []  # each finished batch: (its requests, batches still in flight after it)
+            llm.engine._observers.append(lambda r: batches.append(len(llm.engine.pipeline)))
+            outs = llm.generate(prompts, GREEDY)
+            runs[name] = (outs, llm.engine.num_steps, batches)
+        finally:
+            llm.shutdown()
+    _assert_same(runs["pp1"][0], runs["one"][0])
+    _assert_same(runs["pp1"][0], runs["two"][0])
+    assert runs["one"][1] == runs["pp1"][1] == GREEDY.max_tokens  # every request in every step
+    assert runs["two"][1] == 2 * GREEDY.max_tokens  # two batches, of 3 and 2 requests, alternate
+    assert max(runs["two"][2]) == 1  # a batch finished while the other was in flight
+
+
 def test_pp2_x_tp2_gives_the_tokens_of_one_process(tmp_path):
     """Four processes: two stages of two TP ranks (each stage's TP group its own)."""
     path = str(make_tiny_model(tmp_path, "llama", attention="gqa", num_hidden_layers=3)[0])
