@@ -564,7 +564,7 @@ class LLMEngine:
 
     @property
     def has_step_in_flight(self) -> bool:
-        return self._in_flight is not None
+        return self._in_flight is not None or bool(self.pipeline)
 
     def finish_now(self, launched: Optional[InFlightStep], outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Synchronous scheduling, or a step whose results decide the next schedule (a verify
