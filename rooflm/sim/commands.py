@@ -144,6 +144,8 @@ def replica_config(args, model, gpu_key: str, tp: int, tables) -> tuple:
     from rooflm.sim.replica import ReplicaConfig
 
     gpu = get_gpu(gpu_key)
+    pp = getattr(args, "pipeline_parallel_size", 1)
+    micro_batches = 1 if pp == 1 else (getattr(args, "pipeline_micro_batches", None) or pp)
     max_num_seqs = resolve_max_num_seqs(args.max_num_seqs, "cuda", gpu.mem_gb)
     block_size = args.block_size or CUDA_BLOCK_SIZE  # the engine's CUDA default too
     max_model_len = args.max_model_len or model.max_position_embeddings
@@ -162,7 +164,6 @@ def replica_config(args, model, gpu_key: str, tp: int, tables) -> tuple:
         source = f"measured by the engine on {measured[0].device_name}"
         layout = single_group(model.num_hidden_layers)
     else:
-        pp = getattr(args, "pipeline_parallel_size", 1)
         mem = inference_memory(model, args.weight_dtype, kv_dtype(args), context=max_model_len,
                                gpu_mem_gb=gpu.mem_gb, tp=tp, block_size=block_size,
                                gpu_memory_utilization=args.gpu_memory_utilization,
@@ -182,7 +183,7 @@ def replica_config(args, model, gpu_key: str, tp: int, tables) -> tuple:
     async_scheduling = True if args.async_scheduling is None else args.async_scheduling
     num_host_blocks = num_offload_blocks = 0
     block_bytes = block_size * kv_bytes_per_token_per_gpu(model, KV_CACHE_BYTES[kv_dtype(args)], tp)
-    block_bytes *= layout.group_size / model.num_hidden_layers / getattr(args, "pipeline_parallel_size", 1)
+    block_bytes *= layout.group_size / model.num_hidden_layers / pp
     if args.preemption_mode == "swap":  # the engine's rule: swap space over one block's K/V (one GPU)
         num_host_blocks = int(args.swap_space_gb * 2**30 // block_bytes)
     if args.enable_prefix_caching and args.kv_offload_gb:
@@ -193,7 +194,8 @@ def replica_config(args, model, gpu_key: str, tp: int, tables) -> tuple:
                         num_offload_blocks=num_offload_blocks,
                         host_copy_s_per_block=block_bytes / (HOST_LINK_GBS * 1e9),
                         max_model_len=max_model_len, async_scheduling=async_scheduling,
-                        sliding_window=model.sliding_window, kv_windows=layout.windows)
+                        sliding_window=model.sliding_window, kv_windows=layout.windows,
+                        pipeline_stages=pp, micro_batches=micro_batches)
     return cfg, source
 
 

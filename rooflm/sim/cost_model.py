@@ -39,8 +39,9 @@ Pipeline parallelism (pp=N, distributed/pipeline.py): the engine runs a step thr
 stages one after another, so a step's device time is the whole model's (each TP group's share,
 as above) plus the activations sent between stages: [2, tokens, hidden] (hidden states and
 residual) over each of the N - 1 boundaries, and the scored rows' [rows, hidden] back to stage 0,
-each at the link's rate plus one collective's latency. Each GPU then idles (N - 1) / N of a step:
-the bubble, which describe() prints (micro-batches in flight would fill it; not modelled).
+each at the link's rate plus one collective's latency. One step at a time, each GPU idles
+(N - 1) / N of it (the bubble, which describe() prints); with batches in flight the simulated
+replica (sim/replica.py) starts the next batch after 1 / N of a step, which fills it.
 """
 
 from __future__ import annotations
@@ -285,6 +286,6 @@ class RooflineCostModel:
     def describe(self) -> str:
         tp = f", TP {self.tp} (all-reduce at {self.link_efficiency:.0%} of {self.gpu.interconnect_gbs:g} "\
              f"GB/s + {self.allreduce_latency_s * 1e6:g} us per collective)" if self.tp > 1 else ""
-        pp = (f", PP {self.pp} (stages in turn: each GPU idles {self.bubble:.0%} of a step; activations at "
-              f"{self.link_efficiency:.0%} of the link)") if self.pp > 1 else ""
+        pp = (f", PP {self.pp} (a step's stages in turn, each GPU idle {self.bubble:.0%} of it unless batches "
+              f"are in flight; activations at {self.link_efficiency:.0%} of the link)") if self.pp > 1 else ""
         return f"{self.gpu.name} roofline ({self.gpu.source}){tp}{pp}; correction: {self.correction.source}"

@@ -244,4 +244,27 @@ def test_simulator_prices_the_stages_in_turn():
     assert p2p == pytest.approx((2 * 64 * 4096 * 2 + 64 * 4096 * 2) / link + 2 * two.allreduce_latency_s)
     assert two.device_seconds(shape) == pytest.approx(one.device_seconds(shape) + p2p)
     assert (one.bubble, two.bubble) == (0.0, 0.5)
-    assert "PP 2" in two.describe() and "idles 50%" in two.describe()
+    assert "PP 2" in two.describe() and "idle 50%" in two.describe()
+
+
+def test_simulated_replica_keeps_batches_in_flight():
+    """The simulated engine runs the engine's scheduler with batches in flight: each batch takes
+    half the sequences, the stages overlap, and the same work ends sooner than one step at a
+    time (priced by one step-cost model: a fixed cost per step plus one per sequence)."""
+    from dataclasses import replace
+
+    from rooflm.config import SchedulerConfig
+    from rooflm.sim.cost_model import SyntheticCostModel
+    from rooflm.sim.replica import ReplicaConfig
+    from rooflm.sim.simulator import SimConfig, simulate
+    from rooflm.sim.workload import LengthDist, synthetic_workload
+
+    sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)
+    base = ReplicaConfig(sched, num_blocks=1000, block_size=4, max_model_len=128, pipeline_stages=2)
+    reqs = synthetic_workload(16, LengthDist("fixed", 8), LengthDist("fixed", 12), "offline", 1.0, seed=0)
+    cost = SyntheticCostModel(step_s=0.004, per_seq_s=1e-3)
+    one = simulate(SimConfig(base, ingress_s=0.0), cost, reqs)
+    two = simulate(SimConfig(replace(base, micro_batches=2), ingress_s=0.0), cost, reqs)
+    assert all(r.finish_s is not None and len(r.token_times) == 12 for r in one.records + two.records)
+    assert two.duration_s < 0.8 * one.duration_s
+    assert two.num_steps == 2 * one.num_steps  # two batches of 4 for every step of 8
