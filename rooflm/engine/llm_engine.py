@@ -173,8 +173,14 @@ class LLMEngine:
             self.executor.check_alive()
 
     def shutdown(self) -> None:
-        """Stop the engine's worker processes, if it has any (tensor parallelism)."""
+        """Stop the engine's worker processes, if it has any (tensor or pipeline parallelism)."""
         if self.executor is not None:
+            if self.pipeline:  # batches in flight: their transfers end before the groups do
+                try:
+                    self.drain()
+                except Exception as exc:  # noqa: BLE001 - a broken group: the shutdown below terminates
+                    logger.warning("batches in flight at shutdown were not finished: %s", exc)
+                    self.pipeline.clear()
             self.executor.shutdown()
 
     def _make_info(self) -> EngineInfo:
