@@ -448,6 +448,8 @@ class ParallelConfig:
             raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
         if self.pipeline_micro_batches is not None and self.pipeline_micro_batches < 1:
             raise ValueError(f"pipeline_micro_batches must be >= 1, got {self.pipeline_micro_batches}")
+        if self.tp_allreduce not in ("auto", "nccl", "symm"):
+            raise ValueError(f"tp_allreduce must be one of auto, nccl, symm; got {self.tp_allreduce!r}")
 
     @property
     def batches_in_flight(self) -> int:
@@ -455,8 +457,6 @@ class ParallelConfig:
         if self.pipeline_parallel_size == 1:
             return 1
         return self.pipeline_micro_batches or self.pipeline_parallel_size
-        if self.tp_allreduce not in ("auto", "nccl", "symm"):
-            raise ValueError(f"tp_allreduce must be one of auto, nccl, symm; got {self.tp_allreduce!r}")
 
 
 @dataclass(frozen=True)

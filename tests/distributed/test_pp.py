@@ -268,3 +268,14 @@ def test_simulated_replica_keeps_batches_in_flight():
     assert all(r.finish_s is not None and len(r.token_times) == 12 for r in one.records + two.records)
     assert two.duration_s < 0.8 * one.duration_s
     assert two.num_steps == 2 * one.num_steps  # two batches of 4 for every step of 8
+
+
+def test_config_checks_the_pipeline_fields():
+    from rooflm.config import ParallelConfig
+    assert ParallelConfig().batches_in_flight == 1
+    assert ParallelConfig(pipeline_parallel_size=3).batches_in_flight == 3
+    assert ParallelConfig(pipeline_parallel_size=3, pipeline_micro_batches=1).batches_in_flight == 1
+    with pytest.raises(ValueError, match="pipeline_micro_batches must be >= 1"):
+        ParallelConfig(pipeline_parallel_size=2, pipeline_micro_batches=0)
+    with pytest.raises(ValueError, match="tp_allreduce must be one of"):
+        ParallelConfig(pipeline_parallel_size=2, tp_allreduce="fast")
