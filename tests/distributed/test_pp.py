@@ -279,3 +279,31 @@ def test_config_checks_the_pipeline_fields():
         ParallelConfig(pipeline_parallel_size=2, pipeline_micro_batches=0)
     with pytest.raises(ValueError, match="tp_allreduce must be one of"):
         ParallelConfig(pipeline_parallel_size=2, tp_allreduce="fast")
+
+
+def test_scheduler_splits_the_requests_between_batches_in_flight():
+    """Device-free: with two batches in flight each step takes half the sequences, and a sequence
+    whose token is on its way (pending) waits for it instead of joining the next batch."""
+    from rooflm.config import SchedulerConfig
+    from rooflm.engine.block_manager import BlockManager
+    from rooflm.engine.scheduler import Scheduler
+    from tests.unit.test_scheduler import make_request
+
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), BlockManager(64, 4))
+    sched.use_micro_batches(2)
+    reqs = {rid: make_request(rid, 3) for rid in "abcde"}
+    for req in reqs.values():
+        sched.add(req)
+
+    def ids(out):
+        return [s.request.request_id for s in out.scheduled]
+
+    a = sched.schedule()
+    assert ids(a) == ["a", "b", "c"]  # ceil(5 / 2)
+    b = sched.schedule()
+    assert ids(b) == ["d", "e"]  # a, b, c wait for their tokens
+    assert sched.schedule().is_empty  # every sequence has a token in flight
+    for s in a.scheduled:  # batch A's tokens reach the host
+        s.seq.append_token(7)
+    assert ids(sched.schedule()) == ["a", "b", "c"]  # decodes, while d and e are still in flight
+    assert sched.schedule().is_empty  # all five in flight again
