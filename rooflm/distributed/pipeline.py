@@ -24,6 +24,13 @@ tensors crosses. Point-to-point runs on the world's device group (NCCL on CUDA, 
 
 Each stage allocates KV only for its layers: the pools hold the same number of blocks (one block
 table for every rank), the least any rank can hold.
+
+Batches in flight (ParallelConfig.batches_in_flight, vLLM's virtual engines): the scheduler keeps
+a sequence out of the next batches until its sampled token reaches the host, so the batches in
+flight hold different requests, and nothing crosses from one to the next but the KV cache, which
+each stage reads and writes in the order the batches arrive. Stage 0 then runs forward() for
+batch B before receive_final() for batch A (engine/step_strategy.PipelineStep); its other TP
+ranks follow rank 0's FINISH message (step_broadcast.py) to run the LM head with it.
 """
 
 from __future__ import annotations

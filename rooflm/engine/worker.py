@@ -1,4 +1,9 @@
-"""A tensor-parallel worker: ranks 1..N-1, each in its own process.
+"""A tensor- or pipeline-parallel worker: ranks 1..N-1, each in its own process.
+
+Under pipeline parallelism (distributed/pipeline.py) a worker holds its stage's layers and their
+KV: after stage 0 it receives each step's activations from the stage before and sends them on
+(the last stage sends the scored rows back to stage 0); stage 0's other TP ranks run the LM head
+with rank 0, when rank 0 launches the step or, with batches in flight, when it sends FINISH.
 
 A worker is a ModelRunner over its shard of the model and its own KV pool. It goes through
 the same start-up as rank 0 (weights, the memory profile, the KV pool, CUDA graphs: each has
