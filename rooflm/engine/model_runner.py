@@ -8,6 +8,7 @@ tensor; the sampled token ids are the one device-to-host transfer of a step.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from dataclasses import dataclass, field
@@ -203,7 +204,9 @@ class ModelRunner:
         self.kv_dtype = kv_format.storage_dtype(self.kv_cache_dtype, self.dtype)
         self.sampler = Sampler()
         # (rows, metadata) of the last step whose metadata may serve again (_sampling_metadata).
-        self._meta_cache: tuple[list[SamplingRow], Optional[SamplingMetadata]] = ([], None)
+        # One per batch in flight (pipeline parallelism alternates batches of different requests).
+        self._meta_caches: collections.deque[tuple[list[SamplingRow], SamplingMetadata]] = collections.deque(
+            maxlen=config.parallel.batches_in_flight)
         # The steps' block tables, updated in place where tables changed (block_table_array.py).
         self.block_tables = BlockTableArray()
         # Which KV cache group and pool slot each layer uses (kv_groups.py): one group until the
@@ -976,16 +979,20 @@ class ModelRunner:
         batch): the metadata is a function of those alone, unless it holds token counts
         (penalties, from the histories) or a grammar's bitmask (set on it after the build), and
         such metadata is never kept. Saves the per-row Python of the build and its host-to-device
-        copies on most steps at a large batch."""
-        prev_rows, prev = self._meta_cache
-        if prev is not None and len(rows) == len(prev_rows) and all(
-                a.params is b.params and a.generator is b.generator and a.suppress_token_ids == b.suppress_token_ids
-                for a, b in zip(rows, prev_rows)):
-            return prev
+        copies on most steps at a large batch. With batches in flight (pipeline parallelism) the
+        step before is another batch's: each batch's last metadata is kept."""
+        for prev_rows, prev in self._meta_caches:
+            if len(rows) == len(prev_rows) and all(
+                    a.params is b.params and a.generator is b.generator and a.suppress_token_ids == b.suppress_token_ids
+                    for a, b in zip(rows, prev_rows)):
+                return prev
         meta = SamplingMetadata.build(rows, self.model_config.vocab_size, self.device)
         reusable = (meta.seen_mask is None and meta.output_counts is None
                     and all(row.params.structured_outputs is None for row in rows))
-        self._meta_cache = (rows, meta) if reusable else ([], None)
+        if reusable:
+            self._meta_caches.append((rows, meta))
+        else:
+            self._meta_caches.clear()
         return meta
 
     def _sample(self, handle: "StepHandle", logits: torch.Tensor, meta: SamplingMetadata) -> None:
@@ -1278,7 +1285,7 @@ class ModelRunner:
         self.release_graphs()
         self._slept_num_blocks = self.kv_cache.shape[2]
         self.kv_cache = self.kv_caches = self.kv_scales = None
-        self._meta_cache = ([], None)
+        self._meta_caches.clear()
         if level == 2:
             self.model = None
         elif self.device.type != "cpu":

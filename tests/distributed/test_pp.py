@@ -101,20 +101,27 @@ def test_pp2_features_cross_the_stages(tmp_path):
     assert snapshot.num_preemptions > 0  # the swap path ran on every stage's pool
 
 
-def test_batches_in_flight_split_the_requests(tmp_path):
+def test_batches_in_flight_split_the_requests(tmp_path, monkeypatch):
     """Two batches in flight (the default at PP=2) hold different requests and alternate, each
-    request's tokens those of one step at a time (--pipeline-micro-batches 1) and of PP=1."""
+    request's tokens those of one step at a time (--pipeline-micro-batches 1) and of PP=1; each
+    batch keeps its sampling metadata while the other runs."""
+    from rooflm.layers.sampler import SamplingMetadata
+
+    builds = []
+    build = SamplingMetadata.build
+    monkeypatch.setattr(SamplingMetadata, "build", staticmethod(lambda *a, **k: builds.append(1) or build(*a, **k)))
     path = str(make_tiny_model(tmp_path, "llama", num_hidden_layers=3)[0])
     prompts = PROMPTS + [[8, 8, 9], [200, 201, 3, 3]]
     runs = {}
     for name, options in (("pp1", {}), ("one", {"pipeline_parallel_size": 2, "pipeline_micro_batches": 1}),
                           ("two", {"pipeline_parallel_size": 2})):
         llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, **options)
+        builds.clear()
         try:
-            batches = []  # each finished batch: (its requests, batches still in flight after it)
+            batches = []  # at each finished batch: the batches still in flight
             llm.engine._observers.append(lambda r: batches.append(len(llm.engine.pipeline)))
             outs = llm.generate(prompts, GREEDY)
-            runs[name] = (outs, llm.engine.num_steps, batches)
+            runs[name] = (outs, llm.engine.num_steps, batches, len(builds))
         finally:
             llm.shutdown()
     _assert_same(runs["pp1"][0], runs["one"][0])
@@ -122,6 +129,7 @@ def test_batches_in_flight_split_the_requests(tmp_path):
     assert runs["one"][1] == runs["pp1"][1] == GREEDY.max_tokens  # every request in every step
     assert runs["two"][1] == 2 * GREEDY.max_tokens  # two batches, of 3 and 2 requests, alternate
     assert max(runs["two"][2]) == 1  # a batch finished while the other was in flight
+    assert runs["two"][3] == runs["one"][3] + 1 == 2  # one build per batch: both kept
 
 
 def test_pp2_x_tp2_gives_the_tokens_of_one_process(tmp_path):
