@@ -158,8 +158,7 @@ class PipelineStage:
             x, residual = out
             self._send(torch.stack((x, residual)), self.global_rank(self.stage + 1), self.device_group)
         elif scored_rows:
-            rows = torch.tensor(scored_rows, dtype=torch.int64).to(out.device, non_blocking=True)
-            self._send(out.index_select(0, rows), self.global_rank(0), self.return_group)
+            self._send(out.index_select(0, _on_device(scored_rows, out.device)), self.global_rank(0), self.return_group)
 
     def receive_final(self, num_tokens: int, scored_rows: list[int], hidden_size: int, dtype: torch.dtype,
                       device: torch.device) -> torch.Tensor:
@@ -169,8 +168,7 @@ class PipelineStage:
         if scored_rows:
             final = torch.empty((len(scored_rows), hidden_size), dtype=dtype, device=device)
             dist.recv(final, src=self.global_rank(self.num_stages - 1), group=self.return_group)
-            rows = torch.tensor(scored_rows, dtype=torch.int64).to(device, non_blocking=True)
-            hidden.index_copy_(0, rows, final)
+            hidden.index_copy_(0, _on_device(scored_rows, device), final)
         return hidden
 
     def _send(self, tensor: torch.Tensor, dst: int, group) -> None:
@@ -187,6 +185,15 @@ class PipelineStage:
         for work, _ in self._sends:
             work.wait()
         self._sends = []
+
+
+def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 indices on the device through pinned memory: a copy from pageable memory would make
+    the host wait for the stream's earlier work (this stage's layers) before it returns."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def scored_rows(logits_indices: Sequence[int], prompt_logprob_spans: Sequence[tuple[int, int]]) -> list[int]:
