@@ -9,6 +9,8 @@
 # a user gets) and --enforce-eager (the same kernels as PP). Every step runs under `timeout`
 # within BUDGET_S; a step that would not fit is skipped and says so. $OUT ends with summary.md,
 # results.json and logs.tar.gz.
+# The runs go in order of value (PP=2, TP=1 eager, PP=2 one at a time, TP=2 eager, then the graph runs
+# and batch-1); a second call can take the rest: SKIP_TESTS=1 RUNS="tp1 tp2" (RUNS: which offline runs).
 # Usage (GPU machine, repo root): OUT=dir bash benchmarks/pp.sh
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -16,7 +18,7 @@ export NCCL_DEBUG=WARN ROOFLM_HANG_DUMP_S=120
 OUT=${OUT:-benchmarks/results/pp}
 LOGS="$OUT/logs"
 mkdir -p "$LOGS"
-BUDGET_S=${BUDGET_S:-540}
+BUDGET_S=${BUDGET_S:-560}
 MODEL="--model llama-3-8b --load-format dummy --max-model-len 2048"
 N=${PP_PROMPTS:-256}
 SUMMARY="$OUT/summary.md"
@@ -40,19 +42,23 @@ step() {  # NAME LIMIT_S CMD...
 say "# benchmarks/pp.sh, $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null)"
 say "GPUs: $(nvidia-smi --query-gpu=name --format=csv,noheader | tr '\n' ';')"
 if [ "$(nvidia-smi -L | wc -l)" -lt 2 ]; then say "benchmarks/pp.sh needs 2 GPUs"; exit 1; fi
-step gpu-tests 150 python -m pytest -q -p no:cacheprovider -m gpu -s tests/distributed/test_pp_gpu.py
+[ -n "${SKIP_TESTS:-}" ] || step gpu-tests 130 python -m pytest -q -p no:cacheprovider -m gpu -s tests/distributed/test_pp_gpu.py
 
 throughput() {  # NAME FLAGS...
   local name=$1; shift
-  step "throughput-$name" 75 python -m rooflm bench throughput $MODEL "$@" --num-prompts "$N" \
+  step "throughput-$name" 80 python -m rooflm bench throughput $MODEL "$@" --num-prompts "$N" \
     --input-len 1024 --output-len 1024 --disable-tqdm --output-json "$LOGS/throughput-$name.json"
 }
-throughput pp2 --pipeline-parallel-size 2
-throughput tp1-eager --enforce-eager
-throughput pp2-sync --pipeline-parallel-size 2 --pipeline-micro-batches 1
-throughput tp2-eager --tensor-parallel-size 2 --enforce-eager
-throughput tp1
-throughput tp2 --tensor-parallel-size 2
+for run in ${RUNS:-pp2 tp1-eager pp2-sync tp2-eager tp1 tp2}; do
+  case $run in
+    pp2) throughput pp2 --pipeline-parallel-size 2 ;;
+    pp2-sync) throughput pp2-sync --pipeline-parallel-size 2 --pipeline-micro-batches 1 ;;
+    tp1-eager) throughput tp1-eager --enforce-eager ;;
+    tp2-eager) throughput tp2-eager --tensor-parallel-size 2 --enforce-eager ;;
+    tp1) throughput tp1 ;;
+    tp2) throughput tp2 --tensor-parallel-size 2 ;;
+  esac
+done
 step latency-tp1 60 python -m rooflm bench latency $MODEL --batch-size 1 --input-len 128 --output-len 256 \
   --num-iters 3 --num-iters-warmup 1 --disable-tqdm --enforce-eager --output-json "$LOGS/latency-tp1.json"
 step latency-pp2 60 python -m rooflm bench latency $MODEL --pipeline-parallel-size 2 --batch-size 1 \
