@@ -164,8 +164,6 @@ class LLMEngine:
             ("--deterministic", cfg.runtime.deterministic)) if on]
         if refused:
             raise ValueError(f"{', '.join(refused)} does not run with --pipeline-parallel-size > 1 yet")
-        if self.load_format == "gguf":
-            raise ValueError("GGUF checkpoints are not loaded with --pipeline-parallel-size > 1 yet (untested)")
 
     def check_alive(self) -> None:
         """Raise if part of the engine is gone (a tensor-parallel worker that died)."""

@@ -315,3 +315,19 @@ def test_scheduler_splits_the_requests_between_batches_in_flight():
         s.seq.append_token(7)
     assert ids(sched.schedule()) == ["a", "b", "c"]  # decodes, while d and e are still in flight
     assert sched.schedule().is_empty  # all five in flight again
+
+
+@pytest.mark.slow
+def test_the_default_model_gguf_splits_into_stages():
+    """SmolLM2-135M as its Q4_1 GGUF (the default model): each stage keeps its layers' quantized
+    blocks, stage 0 the tied head's; PP=2 greedy text equals PP=1's."""
+    prompts = ["The capital of France is", "def fib(n):"]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    texts = []
+    for pp in (1, 2):
+        llm = LLM(max_model_len=256, num_blocks=64, block_size=16, pipeline_parallel_size=pp)
+        try:
+            texts.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        finally:
+            llm.shutdown()
+    assert texts[0] == texts[1]
