@@ -331,3 +331,39 @@ def test_the_default_model_gguf_splits_into_stages():
         finally:
             llm.shutdown()
     assert texts[0] == texts[1]
+
+
+def test_a_pp_server_serves_concurrent_requests(tmp_path):
+    """`rooflm serve -pp 2`: the engine core process runs stage 0 and spawns stage 1; concurrent
+    requests get PP=1's greedy tokens."""
+    import concurrent.futures
+
+    import httpx
+
+    from tests.server.server_utils import start_server
+
+    path = str(make_tiny_model(tmp_path, "llama", num_hidden_layers=3)[0])
+    one, _, _ = _run(path, {})
+    server = start_server(tmp_path, "pp2", [
+        "--model", path, "--pipeline-parallel-size", "2", "--device", "cpu", "--dtype", "float32",
+        "--max-model-len", "256", "--num-blocks", "64", "--block-size", "4", "--log-interval", "0"])
+    try:
+        server.wait_ready()
+
+        def complete(prompt):
+            body = {"model": "llama-gqa-untied-seed0", "prompt": prompt, "max_tokens": GREEDY.max_tokens,
+                    "temperature": 0, "ignore_eos": True, "logprobs": 1}
+            response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]["logprobs"]["token_logprobs"]
+
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            served = list(pool.map(complete, PROMPTS))
+    finally:
+        server.stop()
+    # The served tokens' logprobs are those of PP=1's greedy tokens (this model has no tokenizer
+    # to name them): the same tokens at every position.
+    for logprobs, out in zip(served, one):
+        sample = out.outputs[0]
+        expected = [entry[t].logprob for entry, t in zip(sample.logprobs, sample.token_ids)]
+        assert logprobs == pytest.approx(expected, abs=1e-4)
