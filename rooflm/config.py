@@ -464,12 +464,32 @@ class ParallelConfig:
     # holds E / N whole experts) instead of sharding every expert's intermediate dimension;
     # attention stays tensor-parallel (layers/moe.py, docs/moe.md). vLLM's --enable-expert-parallel.
     enable_expert_parallel: bool = False
+    # Pipeline parallelism (rooflm/distributed/pipeline.py): the layers split into this many
+    # stages, one TP group of tensor_parallel_size ranks each; stage 0 also holds the embedding,
+    # the LM head and the sampler, the last stage the final norm.
+    pipeline_parallel_size: int = 1
+    # Batches in flight through the pipeline at once (vLLM's virtual engines): the scheduler hands
+    # out up to this many, each of requests the others do not hold, before the first returns, so
+    # the stages work on different batches at once. None: pipeline_parallel_size; 1: one step at
+    # a time through every stage (each GPU idles (PP - 1) / PP of it).
+    pipeline_micro_batches: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.pipeline_micro_batches is not None and self.pipeline_micro_batches < 1:
+            raise ValueError(f"pipeline_micro_batches must be >= 1, got {self.pipeline_micro_batches}")
         if self.tp_allreduce not in ("auto", "nccl", "symm"):
             raise ValueError(f"tp_allreduce must be one of auto, nccl, symm; got {self.tp_allreduce!r}")
+
+    @property
+    def batches_in_flight(self) -> int:
+        """Batches the engine keeps in flight: 1 without pipeline parallelism."""
+        if self.pipeline_parallel_size == 1:
+            return 1
+        return self.pipeline_micro_batches or self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,10 @@ HELP: dict[str, str] = {
     "tensor_parallel_size": "GPUs one model is split over (one worker process per rank)",
     "enable_expert_parallel": "MoE layers split whole experts across the tensor-parallel ranks "
                               "instead of sharding each expert (attention stays tensor-parallel)",
+    "pipeline_parallel_size": "pipeline stages the layers are split over (each a TP group of "
+                              "tensor_parallel_size worker processes; docs/parallelism.md)",
+    "pipeline_micro_batches": "batches in flight through the pipeline at once, each of other requests "
+                              "(unset: --pipeline-parallel-size; 1: one step at a time through the stages)",
     "tp_allreduce": "the row-parallel all-reduce on CUDA. symm: a one-shot kernel over symmetric "
                     "memory up to 4 MiB, NCCL above; nccl: always NCCL; auto: symm where every "
                     "GPU pair has peer access",
@@ -134,7 +138,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 # Short forms vLLM's flags have too.
-_ALIASES = {"tensor_parallel_size": ("-tp",)}
+_ALIASES = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",)}
 
 
 def engine_fields() -> list[dataclasses.Field]:

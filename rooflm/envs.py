@@ -153,6 +153,9 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("ROOFLM_ALLOW_RUNTIME_LORA_UPDATING", _ON_OFF, _bool, False,
            "the server's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
            "VLLM_ALLOW_RUNTIME_LORA_UPDATING); 0: they answer 404"),
+    Switch("ROOFLM_PP_LAYER_PARTITION", "comma-separated layer counts, one per stage", _ints, None,
+           "pipeline parallelism: the layers each stage holds (vLLM's VLLM_PP_LAYER_PARTITION); "
+           "unset: an even split, the remainder to the last stages"),
     # Diagnostics.
     Switch("ROOFLM_ENGINE_CORE_PROFILE", "a file path", str, None,
            "the engine core process's serving loop runs under cProfile; stats written there at exit"),

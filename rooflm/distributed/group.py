@@ -50,12 +50,16 @@ class HeadShard:
 class TPGroup:
     """Rank and size, plus the collectives; size 1 makes every collective a no-op."""
 
-    def __init__(self, rank: int = 0, size: int = 1, device_group=None, host_group=None, symm=None):
+    def __init__(self, rank: int = 0, size: int = 1, device_group=None, host_group=None, symm=None,
+                 root: int = 0):
         self.rank = rank
         self.size = size
         self.device_group = device_group
         self.host_group = host_group
         self.symm = symm  # allreduce.SymmAllReduce: small all-reduces over symmetric memory, or None
+        # The global rank of this group's rank 0, the source of its broadcasts: 0 for the whole
+        # world, stage * TP for a pipeline stage's TP group (distributed/pipeline.py).
+        self.root = root
 
     @property
     def is_driver(self) -> bool:
@@ -107,19 +111,19 @@ class TPGroup:
     def broadcast_device(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x into every rank's x (same shape and dtype), on the device group."""
         if self.size > 1:
-            dist.broadcast(x, src=0, group=self.device_group)
+            dist.broadcast(x, src=self.root, group=self.device_group)
         return x
 
     def broadcast_host(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            dist.broadcast(x, src=0, group=self.host_group)
+            dist.broadcast(x, src=self.root, group=self.host_group)
         return x
 
     def broadcast_host_async(self, x: torch.Tensor):
         """Rank 0's x to the other ranks without waiting: the Work handle, or None (one rank).
         x must stay alive and unchanged until the handle's wait() returns."""
         if self.size > 1:
-            return dist.broadcast(x, src=0, group=self.host_group, async_op=True)
+            return dist.broadcast(x, src=self.root, group=self.host_group, async_op=True)
         return None
 
     def min_over_ranks(self, value: int) -> int:
@@ -150,6 +154,14 @@ def init_group(rank: int, size: int, init_method: str, device: torch.device,
                allreduce: str = "auto") -> TPGroup:
     """Join the group (blocks until every rank has). allreduce: ParallelConfig.tp_allreduce."""
     from rooflm.distributed.allreduce import make_symm_all_reduce
+    device_group, host_group = start_world(rank, size, init_method, device)
+    symm = make_symm_all_reduce(allreduce, size, device, device_group, host_group)
+    return TPGroup(rank, size, device_group, host_group, symm)
+
+
+def start_world(rank: int, size: int, init_method: str, device: torch.device) -> tuple:
+    """Join the default process group; (device group, host group) over every rank (one gloo
+    group for both on the CPU)."""
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
@@ -161,9 +173,13 @@ def init_group(rank: int, size: int, init_method: str, device: torch.device,
     dist.init_process_group(backend, rank=rank, world_size=size,
                             timeout=COLLECTIVE_TIMEOUT if backend == "nccl" else IDLE_TIMEOUT, **kwargs)
     device_group = dist.group.WORLD
-    host_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT) if backend == "nccl" else device_group
-    symm = make_symm_all_reduce(allreduce, size, device, device_group, host_group)
-    return TPGroup(rank, size, device_group, host_group, symm)
+    host_group = new_subgroup(None, "gloo", IDLE_TIMEOUT) if backend == "nccl" else device_group
+    return device_group, host_group
+
+
+def new_subgroup(ranks: Optional[list[int]], backend: Optional[str], timeout: datetime.timedelta):
+    """dist.new_group: every rank of the world must call it, in the same order, for every group."""
+    return dist.new_group(ranks, backend=backend, timeout=timeout)
 
 
 def destroy_group(group: TPGroup, clean: bool = True, timeout_s: Optional[float] = None) -> bool:

@@ -22,7 +22,11 @@ import torch
 from rooflm.distributed.group import TPGroup
 
 HEADER_LEN = 16
-OP_STEP, OP_STOP = 0, 1
+OP_STEP, OP_STOP, OP_FINISH = 0, 1, 2
+# What receive() returns for OP_FINISH: pipeline parallelism with batches in flight, where rank 0
+# finishes its oldest batch (the last stage's rows back, the LM head, the sampled ids) later than
+# it launched it; stage 0's other TP ranks do the same then (distributed/pipeline.py).
+FINISH = "finish"
 
 
 @dataclass
@@ -162,16 +166,25 @@ class StepChannel:
                 if work is not None:
                     work.wait()
 
+    def send_finish(self) -> None:
+        """Tell the workers that rank 0 finishes its oldest batch in flight now."""
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        header[0] = OP_FINISH
+        self.flush()
+        self._in_flight = [[self.tp.broadcast_host_async(header)], header]
+
     def send_stop(self) -> None:
         self.flush()
         header = torch.zeros(HEADER_LEN, dtype=torch.int64)
         header[0] = OP_STOP
         self.tp.broadcast_host(header)
 
-    def receive(self) -> Optional[StepPacket]:
-        """The next step, or None when rank 0 stops the group."""
+    def receive(self):
+        """The next step (a StepPacket), FINISH, or None when rank 0 stops the group."""
         header = self.tp.broadcast_host(torch.empty(HEADER_LEN, dtype=torch.int64)).tolist()
         if header[0] == OP_STOP:
             return None
+        if header[0] == OP_FINISH:
+            return FINISH
         payload = self.tp.broadcast_host(torch.empty(payload_size(header), dtype=torch.int64))
         return StepPacket.unpack(header, payload)

@@ -45,11 +45,12 @@ def replica_gpus(config: EngineConfig, data_parallel_size: int) -> Optional[list
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = ([d.strip() for d in visible.split(",") if d.strip()] if visible
            else [str(i) for i in range(torch.cuda.device_count())])
-    tp = config.parallel.tensor_parallel_size
+    tp = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size  # GPUs a replica takes
     needed = data_parallel_size * tp
     if needed > len(ids):
-        raise ValueError(f"data_parallel_size {data_parallel_size} x tensor_parallel_size {tp} "
-                         f"needs {needed} GPUs; {len(ids)} are visible")
+        raise ValueError(f"data_parallel_size {data_parallel_size} x tensor_parallel_size "
+                         f"{config.parallel.tensor_parallel_size} x pipeline_parallel_size "
+                         f"{config.parallel.pipeline_parallel_size} needs {needed} GPUs; {len(ids)} are visible")
     return [",".join(ids[r * tp:(r + 1) * tp]) for r in range(data_parallel_size)]
 
 

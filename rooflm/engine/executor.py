@@ -1,4 +1,7 @@
-"""The engine's handle on its tensor-parallel workers: start them, watch them, stop them.
+"""The engine's handle on its tensor- and pipeline-parallel workers: start them, watch them, stop them.
+
+With pipeline parallelism (distributed/pipeline.py) there are PP x TP ranks, rank =
+stage * TP + tp_rank; everything below holds for all of them (rank 0 is stage 0's TP rank 0).
 
 Rank 0 is the engine's own process (LLMEngine, in-process or in the engine-core process):
 it schedules, runs its shard of the model and samples. Ranks 1..N-1 are worker processes
@@ -34,7 +37,8 @@ from typing import Optional
 import torch
 
 from rooflm.config import EngineConfig, ModelConfig
-from rooflm.distributed.group import TPGroup, abort_group, check_divisible, destroy_group, init_group, visible_devices
+from rooflm.distributed.group import TPGroup, abort_group, check_divisible, destroy_group, visible_devices
+from rooflm.distributed.pipeline import ParallelGroups, configured_partition, init_parallel
 from rooflm.distributed.hang_dump import HangWatch
 from rooflm.distributed.step_broadcast import StepChannel
 
@@ -65,14 +69,27 @@ def check_tensor_parallel(size: int, model_config: ModelConfig, device: torch.de
                          f"(and CUDA_VISIBLE_DEVICES), not {device}")
 
 
+def check_pipeline_parallel(size: int, tp_size: int, model_config: ModelConfig, device: torch.device) -> None:
+    """Refuse, before anything starts, stages the model or the host cannot take (ValueError)."""
+    configured_partition(model_config.num_hidden_layers, size)  # raises on too many stages
+    visible = visible_devices(device)
+    if visible is not None and size * tp_size > visible:
+        raise ValueError(f"pipeline_parallel_size {size} x tensor_parallel_size {tp_size} needs "
+                         f"{size * tp_size} GPUs; {visible} visible (one GPU per rank)")
+
+
 def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
 class TPExecutor:
     def __init__(self, tp: TPGroup, processes: list[multiprocessing.process.BaseProcess],
-                 error_pipes: Optional[list] = None, watch: Optional[HangWatch] = None):
-        self.tp = tp
+                 error_pipes: Optional[list] = None, watch: Optional[HangWatch] = None,
+                 groups: Optional[ParallelGroups] = None):
+        self.tp = tp  # rank 0's TP group (stage 0's under pipeline parallelism)
+        groups = groups or ParallelGroups(tp, tp)
+        self.world = groups.world  # every rank: the step broadcast, stop and teardown
+        self.stage = groups.stage  # rank 0's pipeline stage, or None
         self.processes = processes
         # The receiving end of each worker's error pipe (worker.WorkerError), by process.
         self.error_pipes = dict(zip(processes, error_pipes or []))
@@ -97,16 +114,21 @@ class TPExecutor:
         from rooflm.engine.worker import rank_device, run_worker
         from rooflm.engine.model_runner import resolve_device
 
-        size = config.parallel.tensor_parallel_size
+        tp_size = config.parallel.tensor_parallel_size
+        pp_size = config.parallel.pipeline_parallel_size
+        size = tp_size * pp_size
         base = resolve_device(config.device.device)
-        check_tensor_parallel(size, model_config, base)
+        check_tensor_parallel(tp_size, model_config, base)
+        check_pipeline_parallel(pp_size, tp_size, model_config, base)
+        layers = configured_partition(model_config.num_hidden_layers, pp_size)
         args = (config, model_config, max_model_len, model_path, load_format)
         processes, pipes = [], []
         watch = HangWatch(0)
         if launched_by_torchrun():
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             if world != size:
-                raise ValueError(f"torchrun started {world} processes but tensor_parallel_size is {size}")
+                raise ValueError(f"torchrun started {world} processes but tensor_parallel_size x "
+                                 f"pipeline_parallel_size is {size}")
             init_method = "env://"
             if rank != 0:  # this process is a worker from here on
                 run_worker(rank, size, init_method, *args, parent_pid=0)
@@ -127,14 +149,15 @@ class TPExecutor:
         device = rank_device(base, int(os.environ.get("LOCAL_RANK", 0)))
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        logger.info("tensor parallelism: %d ranks (%s)", size, "nccl" if device.type == "cuda" else "gloo")
+        logger.info("tensor x pipeline parallelism: %d x %d ranks (%s)", tp_size, pp_size,
+                    "nccl" if device.type == "cuda" else "gloo")
         try:
-            tp = init_group(0, size, init_method, device, config.parallel.tp_allreduce)
+            groups = init_parallel(0, tp_size, pp_size, init_method, device, config.parallel.tp_allreduce, layers)
         except BaseException:
             _terminate(processes)
             watch.stop()
             raise
-        return cls(tp, processes, pipes, watch)
+        return cls(groups.tp, processes, pipes, watch, groups)
 
     def release_before_shutdown(self, release) -> None:
         """Have shutdown call release() (rank 0's ModelRunner.release_graphs) before the group
@@ -219,7 +242,7 @@ class TPExecutor:
                 self.error_rank = self.processes.index(dead) + 1
             logger.error("%s; stopping the other ranks", self.error)
             _terminate(self.processes)
-        if self.tp.device_group is not self.tp.host_group:
+        if self.world.device_group is not self.world.host_group:
             abort_group()  # NCCL would wait for its timeout; gloo sees the closed sockets
 
     def shutdown(self, clean: bool = True) -> None:
@@ -240,8 +263,8 @@ class TPExecutor:
                 self._release()
             if clean:
                 watchdog.start()
-                StepChannel(self.tp).send_stop()
-                if not destroy_group(self.tp, clean=True):
+                StepChannel(self.world).send_stop()
+                if not destroy_group(self.world, clean=True):
                     clean, abandoned = False, True
                 for process in self.processes:
                     process.join(JOIN_TIMEOUT_S)
@@ -253,7 +276,7 @@ class TPExecutor:
             _terminate(self.processes)
             if not clean and not abandoned:  # a group left behind would stop this process joining another
                 try:
-                    destroy_group(self.tp, clean=False)
+                    destroy_group(self.world, clean=False)
                 except Exception:  # noqa: BLE001
                     pass
             self.watch.stop()

@@ -9,6 +9,7 @@ over step().
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -29,7 +30,7 @@ from rooflm.engine.report import (NULL_TRACER, EngineInfo, EngineSnapshot, LoRAS
 from rooflm.engine.request import Request, RequestStatus, Sequence
 from rooflm.engine.scheduler import Scheduler, SchedulerOutput
 from rooflm.engine.step_cost import StepCostEstimator, predict_queue_wait
-from rooflm.engine.step_strategy import InFlightStep, PlainStep, StepStrategy
+from rooflm.engine.step_strategy import InFlightStep, PipelineStep, PlainStep, StepStrategy
 from rooflm.kernels.fa4_prefill import fa4_block_size
 from rooflm.errors import InvalidRequest
 from rooflm.sampling_params import SamplingParams, resolve_max_tokens
@@ -46,6 +47,8 @@ def strategy_for(config: EngineConfig, target: ModelConfig, max_model_len: int) 
     built in the engine's own core process (engine/core.py) as well as by LLM, the server, the
     CLI and benchmarks, so no single builder above the engine could attach speculative decoding
     for all of them; the engine asks spec's factory here instead, only when the config asks."""
+    if config.parallel.batches_in_flight > 1:
+        return PipelineStep(config.parallel.batches_in_flight)
     if not config.speculative.speculative_method:
         return PlainStep()
     from rooflm.spec.factory import speculative_strategy
@@ -75,12 +78,12 @@ class LLMEngine:
         # Tensor parallelism: the executor checks the size, starts ranks 1..N-1 and this process
         # joins as rank 0 (under torchrun, ranks > 0 become workers here).
         self.executor = None
-        tp = None
-        if config.parallel.tensor_parallel_size > 1:
+        tp = stage = world = None
+        if config.parallel.tensor_parallel_size > 1 or config.parallel.pipeline_parallel_size > 1:
             self.executor = self._start_workers()
-            tp = self.executor.tp
+            tp, stage, world = self.executor.tp, self.executor.stage, self.executor.world
         self.tokenizer = self._load_tokenizer()
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len, tp or SINGLE)
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len, tp or SINGLE, stage, world)
         if self.executor is not None:  # NCCL waits on graphs that captured it: they go first
             self.executor.release_before_shutdown(self.runner.release_graphs)
         self.strategy: StepStrategy = strategy_for(config, self.model_config, self.max_model_len)
@@ -105,6 +108,8 @@ class LLMEngine:
         if self.async_scheduling is None:
             self.async_scheduling = self.runner.device.type == "cuda"
         self._in_flight: Optional[InFlightStep] = None  # launched, not yet processed
+        # Pipeline parallelism's batches in flight, oldest first (step_strategy.PipelineStep).
+        self.pipeline: collections.deque[InFlightStep] = collections.deque()
         self._last_collect = time.perf_counter()
         self._observers: list[Callable[[StepReport], None]] = []
         self.tracer: PhaseTracer = NULL_TRACER
@@ -136,6 +141,8 @@ class LLMEngine:
 
     def _start_workers(self):
         from rooflm.engine.executor import TPExecutor
+        if self.config.parallel.pipeline_parallel_size > 1:
+            self._check_pipeline_features()
         if self.config.runtime.enable_sleep_mode:  # the workers' weights and pools would stay
             raise ValueError("--enable-sleep-mode does not run with tensor_parallel_size > 1 yet")
         if self.config.speculative.speculative_method:
@@ -145,14 +152,31 @@ class LLMEngine:
         return TPExecutor.start(self.config, self.model_config, self.max_model_len,
                                 self.model_path, self.load_format)
 
+    def _check_pipeline_features(self) -> None:
+        """What does not compose with --pipeline-parallel-size yet, named by its flag."""
+        cfg = self.config
+        refused = [flag for flag, on in (
+            ("--speculative-method", cfg.speculative.speculative_method),
+            ("--enable-lora", cfg.lora.enable_lora),
+            ("--enable-sleep-mode", cfg.runtime.enable_sleep_mode),
+            ("--deterministic", cfg.runtime.deterministic)) if on]
+        if refused:
+            raise ValueError(f"{', '.join(refused)} does not run with --pipeline-parallel-size > 1 yet")
+
     def check_alive(self) -> None:
         """Raise if part of the engine is gone (a tensor-parallel worker that died)."""
         if self.executor is not None:
             self.executor.check_alive()
 
     def shutdown(self) -> None:
-        """Stop the engine's worker processes, if it has any (tensor parallelism)."""
+        """Stop the engine's worker processes, if it has any (tensor or pipeline parallelism)."""
         if self.executor is not None:
+            if self.pipeline:  # batches in flight: their transfers end before the groups do
+                try:
+                    self.drain()
+                except Exception as exc:  # noqa: BLE001 - a broken group: the shutdown below terminates
+                    logger.warning("batches in flight at shutdown were not finished: %s", exc)
+                    self.pipeline.clear()
             self.executor.shutdown()
 
     def _make_info(self) -> EngineInfo:
@@ -514,7 +538,7 @@ class LLMEngine:
         logger.info("awake in %.2f s", time.perf_counter() - t0)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self.pipeline)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -564,7 +588,7 @@ class LLMEngine:
 
     @property
     def has_step_in_flight(self) -> bool:
-        return self._in_flight is not None
+        return self._in_flight is not None or bool(self.pipeline)
 
     def finish_now(self, launched: Optional[InFlightStep], outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Synchronous scheduling, or a step whose results decide the next schedule (a verify
@@ -592,7 +616,18 @@ class LLMEngine:
         """Finish the step in flight, if any (async scheduling), and return its outputs; after
         it nothing is queued on the device, so async scheduling can be switched."""
         step, self._in_flight = self._in_flight, None
-        return self._finish_step(step) if step is not None else []
+        outputs = self._finish_step(step) if step is not None else []
+        while self.pipeline:
+            outputs += self.finish_pipelined()
+        return outputs
+
+    def finish_pipelined(self) -> list[RequestOutput]:
+        """Finish the oldest of pipeline parallelism's batches in flight and process it."""
+        step = self.pipeline.popleft()
+        self.runner.complete(step.handle)  # its rows back from the last stage, LM head, samples
+        if step.handle.needs_bitmask:
+            self._sample_constrained(step.handle)
+        return self._finish_step(step)
 
     def _finish_step(self, step: InFlightStep) -> list[RequestOutput]:
         """Read a launched step's samples back, process them, and report the step."""

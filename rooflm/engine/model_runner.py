@@ -8,6 +8,7 @@ tensor; the sampled token ids are the one device-to-host transfer of a step.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from dataclasses import dataclass, field
@@ -119,6 +120,9 @@ class StepHandle:
     constrained_rows: list[int] = field(default_factory=list)  # rows with a grammar
     num_accepted: Optional[torch.Tensor] = None  # [verifying sequences] accepted drafts (spec)
     spec: object = None  # the proposer's draft distributions (SchedulerOutput.spec)
+    # Pipeline parallelism with batches in flight: the step's inputs while its rows are still to
+    # come back from the last stage (ModelRunner.complete); None once they have, or without.
+    deferred: Optional[StepInputs] = None
 
     @property
     def needs_bitmask(self) -> bool:
@@ -162,18 +166,26 @@ def _to_pinned_host(t: torch.Tensor) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
-                 tp: TPGroup = SINGLE):
+                 tp: TPGroup = SINGLE, stage=None, world: Optional[TPGroup] = None):
         self.config = config
         # Tensor parallelism (rooflm/distributed/): this rank's shard of the model and its own
         # KV pool (its KV heads, the same block tables). Rank 0 sends each step's inputs to
         # the other ranks (step_broadcast.py) and samples; they run the same forward.
         self.tp = tp
+        # Pipeline parallelism (distributed/pipeline.py): this rank's stage (its layers, its pool
+        # of their KV), None without; world: every rank of every stage (the tp group without PP).
+        self.stage = stage
+        self.world = world or tp
+        # Stage 0 with batches in flight (ParallelConfig.batches_in_flight): a launch runs the
+        # stage's layers and sends them on; complete() later takes the rows back and samples.
+        self.defers_return = (stage is not None and stage.is_first
+                              and config.parallel.batches_in_flight > 1)
         self.num_kv_heads = tp.heads(model_config.num_attention_heads,
                                      model_config.num_key_value_heads).num_kv_heads
         self.step_channel = None
-        if tp.size > 1 and tp.is_driver:
+        if self.world.size > 1 and self.world.is_driver:
             from rooflm.distributed.step_broadcast import StepChannel
-            self.step_channel = StepChannel(tp)
+            self.step_channel = StepChannel(self.world)
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.device = resolve_device(config.device.device)
@@ -200,7 +212,9 @@ class ModelRunner:
         self.kv_dtype = kv_format.storage_dtype(self.kv_cache_dtype, self.dtype)
         self.sampler = Sampler()
         # (rows, metadata) of the last step whose metadata may serve again (_sampling_metadata).
-        self._meta_cache: tuple[list[SamplingRow], Optional[SamplingMetadata]] = ([], None)
+        # One per batch in flight (pipeline parallelism alternates batches of different requests).
+        self._meta_caches: collections.deque[tuple[list[SamplingRow], SamplingMetadata]] = collections.deque(
+            maxlen=config.parallel.batches_in_flight)
         # The steps' block tables, updated in place where tables changed (block_table_array.py).
         self.block_tables = BlockTableArray()
         # Which KV cache group and pool slot each layer uses (kv_groups.py): one group until the
@@ -277,6 +291,8 @@ class ModelRunner:
             return "--disable-hybrid-kv-cache-manager"
         if self.tp.size > 1:
             return "tensor parallelism sends one block table per step"
+        if self.stage is not None:
+            return "pipeline parallelism sends one block table per step"
         if self.config.speculative.speculative_method:
             return "speculative decoding's proposers and device loop read one block table"
         return None
@@ -284,7 +300,8 @@ class ModelRunner:
     def set_kv_layout(self) -> None:
         """The KV cache groups of the loaded model's layers: sliding-window layers in groups of
         their own, which hold only their window, unless hybrid_kv_off_reason says why not."""
-        windows = [layer.self_attn.attn.sliding_window for layer in self.model.model.layers]
+        windows = [layer.self_attn.attn.sliding_window if hasattr(layer, "self_attn") else None
+                   for layer in self.model.model.layers]  # another pipeline stage's layer: None
         reason = self.hybrid_kv_off_reason()
         self.kv_layout = kv_layout(windows, self.max_model_len, hybrid=reason is None)
         self.group_block_tables = [BlockTableArray() for _ in range(self.kv_layout.num_groups - 1)]
@@ -312,7 +329,7 @@ class ModelRunner:
 
         cfg, sched = self.model_config, self.config.scheduler
         elem = self.dtype.itemsize
-        weights = cfg.num_params() * elem // self.tp.size  # about: norms are replicated
+        weights = cfg.num_params() * elem // self.world.size  # about: norms are replicated
         if load_format == "gguf" and self.keeps_quantized():
             # At most the file's blocks plus the embedding in float (its lookup table). On CUDA
             # the kernels' form is up to 4/3 of the file (Q4_K: fp32 scales and zeros per 32,
@@ -344,7 +361,8 @@ class ModelRunner:
                 # argument): whole experts per rank instead of a slice of every expert
                 ep = {"expert_parallel": True} if self.config.parallel.enable_expert_parallel else {}
                 model = cls(self.model_config, max_positions=self.max_model_len, backend=self.backend,
-                            kernels=self._make_kernels(), tp=self.tp, **ep)
+                            kernels=self._make_kernels(), tp=self.tp,
+                            stage=None if self.stage is None else self.stage.layout, **ep)
         finally:
             torch.set_default_dtype(prev)
         if self.tp.size > 1:
@@ -353,6 +371,8 @@ class ModelRunner:
             weights = (model.dummy_weights(self.config.load.seed) if load_format == "dummy"
                        else iter_weights(path, load_format, lazy=True))
             model.load_weights(weights)
+        elif load_format == "dummy" and self.stage is not None:  # a stage's part of the same draws
+            model.load_weights(model.dummy_weights(self.config.load.seed))
         elif load_format == "dummy":
             model.init_dummy_weights(self.config.load.seed)
         else:
@@ -463,8 +483,12 @@ class ModelRunner:
         """This rank's bytes per block: its KV heads only, of the layers a block holds (all of
         them, or one KV cache group's: kv_groups.py)."""
         whole = self.model_config.kv_bytes_per_token(self.kv_bytes_per_element()) * self.block_size
-        layers = self.kv_layout.group_size / self.model_config.num_hidden_layers
+        layers = self._pool_layers() / self.model_config.num_hidden_layers
         return round(whole * layers * self.num_kv_heads / self.model_config.num_key_value_heads)
+
+    def _pool_layers(self) -> int:
+        """Layers a KV block holds here: a KV cache group's, or a pipeline stage's."""
+        return self.kv_layout.group_size if self.stage is None else self.stage.end - self.stage.start
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -489,13 +513,13 @@ class ModelRunner:
             cap = self.config.scheduler.max_num_seqs * blocks_per_seq(self.kv_layout, self.max_model_len,
                                                                       self.block_size)
         # Every rank's pool has the same number of blocks (one block table for all): the least.
-        return self.tp.min_over_ranks(max(1, min(int(budget // per_block), cap)))
+        return self.world.min_over_ranks(max(1, min(int(budget // per_block), cap)))
 
     def graph_logits_bytes(self) -> int:
         """What the decode CUDA graphs' LM head holds outside the profiled step: the fp32 logits
         buffer of the largest captured batch (cuda_graph.py) and, in the graphs' own pool, its
         logits in the weights' dtype before they are widened (2 bytes). 0 without graphs."""
-        if self.device.type != "cuda" or self.config.runtime.enforce_eager:
+        if self.device.type != "cuda" or self.config.runtime.enforce_eager or self.stage is not None:
             return 0
         return self._graph_max_batch() * self.model_config.vocab_size * (4 + 2)
 
@@ -531,10 +555,12 @@ class ModelRunner:
             block_tables=torch.tensor(tables, dtype=torch.int32, device=dev), max_query_len=max(lens),
             max_seq_len=max(lens), num_decodes=0, query_start_loc_cpu=starts, seq_lens_cpu=lens)
         ids = torch.randint(0, self.model_config.vocab_size, (num_tokens,), device=dev)
-        hidden = self.model(ids, torch.tensor(positions, device=dev), self.kv_caches, meta)
+        hidden = self._profile_forward(ids, torch.tensor(positions, device=dev), meta)
         rows = min(sched.max_num_seqs, num_tokens)
-        logits = self.model.compute_logits(hidden[:rows])
-        torch.softmax(logits, -1).argmax(-1)
+        logits = None
+        if self.stage is None or self.stage.is_first:  # the LM head and the sampler's rank
+            logits = self.model.compute_logits(hidden[:rows])
+            torch.softmax(logits, -1).argmax(-1)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del hidden, logits
@@ -543,12 +569,24 @@ class ModelRunner:
         self.timings["profile_s"] = time.perf_counter() - t0
         return peak
 
+    def _profile_forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The model's forward for profile_run; a pipeline stage after the first runs its layers
+        on random hidden states of the step's shape (the activations it would receive)."""
+        if self.stage is None:
+            return self.model(ids, positions, self.kv_caches, meta)
+        intermediate = None
+        if not self.stage.is_first:
+            x = torch.randn((ids.shape[0], self.model_config.hidden_size), dtype=self.dtype, device=ids.device)
+            intermediate = (x, torch.zeros_like(x))
+        out = self.model(ids, positions, self.kv_caches, meta, intermediate=intermediate)
+        return out if self.stage.is_last else out[0]
+
     def allocate_kv_cache(self, num_blocks: int, quiet: bool = False) -> None:
         cfg = self.model_config
         # One slot per layer of a block: all layers, or a KV cache group's (kv_groups.py). Zeroed:
         # a sliding group's given-back entries point at block 0, which the kernels may read
         # (masked), so it must hold finite values before anything is written.
-        shape = (self.kv_layout.group_size, 2, num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
+        shape = (self._pool_layers(), 2, num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_scales = None
         mode = self.kv_scale_mode()
@@ -556,7 +594,8 @@ class ModelRunner:
             self.kv_scales = torch.zeros(shape[:-1], dtype=torch.float32, device=self.device)
         elif mode == "static":
             self.kv_scales = self._static_kv_scales(quiet)
-        self.kv_caches = [self._layer_cache(i) for i in range(cfg.num_hidden_layers)]
+        held = range(cfg.num_hidden_layers) if self.stage is None else range(self.stage.start, self.stage.end)
+        self.kv_caches = [self._layer_cache(i) if i in held else None for i in range(cfg.num_hidden_layers)]
         if not quiet:
             logger.info("KV cache: %d blocks of %d tokens, %s%s (%.2f GiB)", num_blocks, self.block_size,
                         str(self.kv_dtype).replace("torch.", ""), f", {mode} scales" if mode else "",
@@ -565,7 +604,7 @@ class ModelRunner:
     def _layer_cache(self, layer: int) -> KVCache:
         layout = self.kv_layout
         group = layout.group_of_layer(layer)
-        slot = layout.groups[group].layers.index(layer)
+        slot = layout.groups[group].layers.index(layer) if self.stage is None else layer - self.stage.start
         k, v = self.kv_cache[slot, 0], self.kv_cache[slot, 1]
         if self.kv_scales is None:
             return KVCache(k, v, group=group)
@@ -612,8 +651,8 @@ class ModelRunner:
         from rooflm.engine.memory_check import available_bytes
 
         available = available_bytes(torch.device("cpu")) or 0
-        share = min(KV_OFFLOAD_AUTO_SHARE * available / self.tp.size, KV_OFFLOAD_AUTO_MAX_GB * 2**30)
-        return self.tp.min_over_ranks(int(share // self.kv_bytes_per_block()))
+        share = min(KV_OFFLOAD_AUTO_SHARE * available / self.world.size, KV_OFFLOAD_AUTO_MAX_GB * 2**30)
+        return self.world.min_over_ranks(int(share // self.kv_bytes_per_block()))
 
     # ---- a step ----------------------------------------------------------------------------
 
@@ -948,7 +987,46 @@ class ModelRunner:
         handle = StepHandle(inputs, StepResult({}, {}, {}), spec=out.spec)
         graph = self._pick_graph(inputs, fixup)
         handle.graph = "full" if graph else ("piecewise" if self._piecewise_runs(inputs) else "eager")
-        logits = self._forward(inputs, handle.result, fixup, graph)
+        if self.defers_return:
+            with self.tracer.phase("forward"):
+                self._forward_stage(inputs, fixup)
+            handle.deferred = inputs
+            return handle
+        return self._after_forward(handle, self._forward(inputs, handle.result, fixup, graph))
+
+    @torch.inference_mode()
+    def complete(self, handle: "StepHandle") -> None:
+        """Pipeline parallelism with batches in flight: a step stage 0 launched earlier gets its
+        scored rows back from the last stage, its LM head and its samples (or, with constrained
+        rows, its logits kept for the engine's bitmask, as launch would). No-op otherwise."""
+        inputs, handle.deferred = handle.deferred, None
+        if inputs is None:
+            return
+        if self.step_channel is not None and self.tp.size > 1:
+            self.step_channel.send_finish()  # stage 0's other TP ranks run the LM head with this one
+        logits = self._score(self._receive_final(inputs), inputs, handle.result)
+        self._after_forward(handle, logits)
+
+    def _forward_stage(self, inputs: "StepInputs", fixup) -> None:
+        """Stage 0's layers of a step, sent on to stage 1 (distributed/pipeline.py)."""
+        input_ids, positions, meta = self.to_device(inputs)
+        if fixup is not None:
+            input_ids[fixup[0]] = fixup[1]
+        self.stage.forward(self.model, input_ids, positions, self.kv_caches, meta, self._scored_rows(inputs),
+                           self.dtype)
+
+    def _receive_final(self, inputs: "StepInputs") -> torch.Tensor:
+        return self.stage.receive_final(inputs.host.input_ids.shape[0], self._scored_rows(inputs),
+                                        self.model_config.hidden_size, self.dtype, self.device)
+
+    @staticmethod
+    def _scored_rows(inputs: "StepInputs") -> list[int]:
+        from rooflm.distributed.pipeline import scored_rows
+        return scored_rows(inputs.logits_indices, [(base, count) for _, base, _, count in inputs.prompt_logprob_spans])
+
+    def _after_forward(self, handle: "StepHandle", logits: Optional[torch.Tensor]) -> "StepHandle":
+        """A launched step's sampling, once its logits exist (launch, or complete)."""
+        inputs = handle.inputs
         if inputs.rows:
             meta = self._sampling_metadata(inputs.rows)
             handle.row_of = {sch.seq.seq_id: r for r, sch in enumerate(inputs.row_owner)}
@@ -976,16 +1054,20 @@ class ModelRunner:
         batch): the metadata is a function of those alone, unless it holds token counts
         (penalties, from the histories) or a grammar's bitmask (set on it after the build), and
         such metadata is never kept. Saves the per-row Python of the build and its host-to-device
-        copies on most steps at a large batch."""
-        prev_rows, prev = self._meta_cache
-        if prev is not None and len(rows) == len(prev_rows) and all(
-                a.params is b.params and a.generator is b.generator and a.suppress_token_ids == b.suppress_token_ids
-                for a, b in zip(rows, prev_rows)):
-            return prev
+        copies on most steps at a large batch. With batches in flight (pipeline parallelism) the
+        step before is another batch's: each batch's last metadata is kept."""
+        for prev_rows, prev in self._meta_caches:
+            if len(rows) == len(prev_rows) and all(
+                    a.params is b.params and a.generator is b.generator and a.suppress_token_ids == b.suppress_token_ids
+                    for a, b in zip(rows, prev_rows)):
+                return prev
         meta = SamplingMetadata.build(rows, self.model_config.vocab_size, self.device)
         reusable = (meta.seen_mask is None and meta.output_counts is None
                     and all(row.params.structured_outputs is None for row in rows))
-        self._meta_cache = (rows, meta) if reusable else ([], None)
+        if reusable:
+            self._meta_caches.append((rows, meta))
+        else:
+            self._meta_caches.clear()
         return meta
 
     def _sample(self, handle: "StepHandle", logits: torch.Tensor, meta: SamplingMetadata) -> None:
@@ -1069,6 +1151,8 @@ class ModelRunner:
         step that sampled nothing is waited for only with wait_device (async scheduling, where the
         next step is already queued: the wait costs the device nothing and the step's time is
         then its own, not carried by the next step's)."""
+        if handle.deferred is not None:  # a pipeline step whose rows have not come back yet
+            self.complete(handle)
         result, inputs = handle.result, handle.inputs
         if handle.sampled is None:
             if wait_device and handle.ready is not None:
@@ -1210,7 +1294,13 @@ class ModelRunner:
             if fixup is not None:
                 input_ids[fixup[0]] = fixup[1]
             with self.tracer.phase("forward"):
-                hidden = self.model(input_ids, positions, self.kv_caches, meta)
+                hidden = self._model_forward(input_ids, positions, meta, inputs)
+            if hidden is None:  # a pipeline stage after the first: stage 0 scores the rows
+                return None
+        return self._score(hidden, inputs, result)
+
+    def _score(self, hidden: torch.Tensor, inputs: StepInputs, result: StepResult) -> Optional[torch.Tensor]:
+        """The prompt logprobs and the logits of the sampling rows, from the final hidden states."""
         if inputs.prompt_logprob_spans:
             self._prompt_logprobs(hidden, inputs, result)
         if not inputs.logits_indices:
@@ -1223,9 +1313,22 @@ class ModelRunner:
         with self.tracer.phase("lm_head"):
             return self.model.compute_logits(hidden.index_select(0, idx))[:len(rows)]
 
+    def _model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       inputs: StepInputs) -> Optional[torch.Tensor]:
+        """The final hidden states of the step's tokens; with pipeline parallelism this stage's
+        part (distributed/pipeline.py): stage 0 gets the scored rows back, the others None."""
+        if self.stage is None:
+            return self.model(input_ids, positions, self.kv_caches, meta)
+        return self.stage.run(self.model, input_ids, positions, self.kv_caches, meta, self._scored_rows(inputs),
+                              self.dtype)
+
     def capture_graphs(self) -> None:
         """CUDA graphs for decode, unless on CPU or --enforce-eager."""
         if self.device.type != "cuda" or self.config.runtime.enforce_eager:
+            return
+        if self.stage is not None:
+            # A captured step would need its point-to-point transfers captured with it.
+            logger.info("CUDA graphs off, every step eager: pipeline parallelism (not captured yet)")
             return
         if self.model.graph_unsafe_reason is not None:
             logger.info("CUDA graphs off, every step eager: %s", self.model.graph_unsafe_reason)
@@ -1281,7 +1384,7 @@ class ModelRunner:
         self._offloads_done = None  # the device is synchronised below: nothing left to wait for
         self._slept_num_blocks = self.kv_cache.shape[2]
         self.kv_cache = self.kv_caches = self.kv_scales = None
-        self._meta_cache = ([], None)
+        self._meta_caches.clear()
         if level == 2:
             self.model = None
         elif self.device.type != "cpu":

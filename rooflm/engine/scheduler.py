@@ -35,6 +35,7 @@ import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Optional
 
 from rooflm.config import SchedulerConfig
 from rooflm.engine.block_manager import NO_HIT, BlockManager, PrefixHit
@@ -113,6 +114,19 @@ class Scheduler:
         # --enable-lora: the most distinct adapters the running requests may use (the device's
         # slots, --max-loras); 0: no LoRA.
         self.max_loras = 0
+        # Pipeline parallelism with batches in flight: a sequence whose sampled token has not
+        # reached the host waits for it (as a request that needs host tokens does), so each
+        # batch in flight holds requests the others do not (vLLM's virtual engines).
+        self.hold_pending = False
+        # Batches in flight (PipelineStep): each step takes at most 1 / micro_batches of the
+        # sequences that could run, so that the next batches have requests of their own.
+        self.micro_batches = 1
+        self._step_cap: Optional[int] = None
+
+    def use_micro_batches(self, depth: int) -> None:
+        """Schedule for pipeline parallelism with `depth` batches in flight."""
+        self.micro_batches = depth
+        self.hold_pending = depth > 1
 
     # ---- queue management ----------------------------------------------------------------
 
@@ -250,6 +264,7 @@ class Scheduler:
         if self.by_priority and self.waiting and self.running:
             self._preempt_for_priority(out)
         num_for_priority = len(out.preempted)
+        self._step_cap = self._micro_batch_cap()
         budget = self._schedule_running(out, budget)
         ran_short = len(out.preempted) > num_for_priority  # the running requests outgrew the pool
         self._update_ratio(ran_short)
@@ -271,6 +286,17 @@ class Scheduler:
         out.blocks_to_swap_in.extend(restores)
         self._carry_swap_outs(out)
         return out
+
+    def _micro_batch_cap(self) -> Optional[int]:
+        """Sequences one step may take with batches in flight: an even share of those running and
+        of the queues (at most max_num_seqs of them), or None without micro-batches."""
+        if self.micro_batches == 1:
+            return None
+        total = min(self.cfg.max_num_seqs, self.num_running_seqs() + len(self.waiting) + len(self.swapped))
+        return max(1, -(-total // self.micro_batches))
+
+    def _full(self, out: SchedulerOutput) -> bool:
+        return self._step_cap is not None and len(out.scheduled) >= self._step_cap
 
     def _carry_swap_outs(self, out: SchedulerOutput) -> None:
         """A step can preempt by swapping and then schedule nothing (its requests wait for
@@ -300,7 +326,7 @@ class Scheduler:
         if len(req.seqs) == 1:
             return self._plan_one(req, req.seqs[0], budget)
         live = req.live_seqs
-        if req.needs_host_tokens and any(s.num_pending for s in live):
+        if (req.needs_host_tokens or self.hold_pending) and any(s.num_pending for s in live):
             return None  # the group waits a step for its tokens to reach the host
         seqs = [s for s in live if self._schedulable(req, s)]
         if not seqs or budget < len(seqs):
@@ -317,7 +343,7 @@ class Scheduler:
     def _plan_one(self, req: Request, seq: Sequence, budget: int) -> list[_Planned] | None:
         """_plan for a group of one sequence (n = 1, or before the fork): the common case,
         run for every running request every step, so without the group's lists."""
-        if seq.finished or budget < 1 or (seq.num_pending and req.needs_host_tokens):
+        if seq.finished or budget < 1 or (seq.num_pending and (req.needs_host_tokens or self.hold_pending)):
             return None
         if not self._schedulable(req, seq):
             return None
@@ -389,6 +415,9 @@ class Scheduler:
         kept: list[Request] = []
         while queue:
             req = queue.popleft()
+            if self._full(out):
+                kept.append(req)  # the next batch in flight takes it
+                continue
             if self._schedule_plain_decode(req, budget, out):
                 budget -= 1
                 kept.append(req)
@@ -426,7 +455,7 @@ class Scheduler:
         if (seq.finish_reason is not None or seq.num_spec_slots
                 or len(seq.token_ids) + seq.num_pending - start != 1):
             return False
-        if seq.num_pending and (req.needs_host_tokens or not self._schedulable(req, seq)):
+        if seq.num_pending and (req.needs_host_tokens or self.hold_pending or not self._schedulable(req, seq)):
             return False
         ids = seq.block_table.ids
         block_size = self.bm.block_size
@@ -462,7 +491,7 @@ class Scheduler:
         return self._seqs_running + len(req.live_seqs) <= self.cfg.max_num_seqs
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
-        while self.swapped:
+        while self.swapped and not self._full(out):
             req = self.swapped[0]
             if any(s.num_pending for s in req.live_seqs):
                 break  # its last tokens are still on their way to the host
@@ -481,7 +510,7 @@ class Scheduler:
         reserved = None  # blocks kept for the running requests' growth, counted once per step
         compiling: list[Request] = []
         self.capacity_blocked = False
-        while self.waiting and budget > 0:
+        while self.waiting and budget > 0 and not self._full(out):
             req = self.waiting[0]
             if req.waiting_for_grammar:
                 # Its grammar compiles on a worker thread: the requests behind it go first,

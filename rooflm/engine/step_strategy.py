@@ -12,6 +12,7 @@ and runs it through the engine's step methods:
 
 Strategies:
     PlainStep                     schedule, launch, finish (below)
+    PipelineStep                  pipeline parallelism: up to N batches in flight through the stages
     spec.strategy.SpecHostStep    speculative decoding on the host: draft slots before scheduling,
                                   proposals after it; a verify step runs synchronously
     spec.strategy.SpecLoopStep    speculative decoding's device loop where the batch fits it, the
@@ -99,3 +100,30 @@ class PlainStep(StepStrategy):
         if engine.async_scheduling:
             return engine.overlap(launched, outputs)
         return engine.finish_now(launched, outputs)
+
+
+class PipelineStep(StepStrategy):
+    """Pipeline parallelism with batches in flight (vLLM's virtual engines): each step schedules
+    a batch of the requests no batch in flight holds (Scheduler.hold_pending) and launches it
+    on stage 0, which runs its layers and sends them on at once; once `depth` batches are in
+    flight, or nothing more can be scheduled, the oldest is finished (its rows back from the
+    last stage, LM head, samples) and processed. So stage 0 runs batch B's layers while the
+    later stages run batch A's, and the stages do not idle for each other."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+
+    def attach(self, engine: "LLMEngine") -> "StepStrategy":
+        engine.scheduler.use_micro_batches(self.depth)
+        return super().attach(engine)
+
+    def step(self, t0: float, outputs: list["RequestOutput"]) -> list["RequestOutput"]:
+        engine = self.engine
+        with engine.tracer.phase("schedule"):
+            out = engine.scheduler.schedule()
+        launched = engine.launch(out, t0)
+        if launched is not None:
+            engine.pipeline.append(launched)
+        if engine.pipeline and (launched is None or len(engine.pipeline) >= self.depth):
+            return outputs + engine.finish_pipelined()
+        return outputs

@@ -1,4 +1,9 @@
-"""A tensor-parallel worker: ranks 1..N-1, each in its own process.
+"""A tensor- or pipeline-parallel worker: ranks 1..N-1, each in its own process.
+
+Under pipeline parallelism (distributed/pipeline.py) a worker holds its stage's layers and their
+KV: after stage 0 it receives each step's activations from the stage before and sends them on
+(the last stage sends the scored rows back to stage 0); stage 0's other TP ranks run the LM head
+with rank 0, when rank 0 launches the step or, with batches in flight, when it sends FINISH.
 
 A worker is a ModelRunner over its shard of the model and its own KV pool. It goes through
 the same start-up as rank 0 (weights, the memory profile, the KV pool, CUDA graphs: each has
@@ -15,6 +20,7 @@ worker that raises sends its traceback to rank 0 through a pipe and exits (execu
 
 from __future__ import annotations
 
+import collections
 import cProfile
 import logging
 import os
@@ -30,9 +36,10 @@ import torch
 
 import rooflm.envs as envs
 from rooflm.config import EngineConfig, ModelConfig
-from rooflm.distributed.group import TPGroup, destroy_group, init_group
+from rooflm.distributed.group import TPGroup, destroy_group
+from rooflm.distributed.pipeline import configured_partition, init_parallel
 from rooflm.distributed.hang_dump import HangWatch
-from rooflm.distributed.step_broadcast import StepChannel, StepPacket
+from rooflm.distributed.step_broadcast import FINISH, StepChannel, StepPacket
 from rooflm.engine.model_runner import HostInputs, ModelRunner, StepInputs, StepResult
 
 logger = logging.getLogger(__name__)
@@ -47,8 +54,14 @@ MAX_TRACEBACK_CHARS = 20_000  # the tail: where it failed
 class WorkerRunner(ModelRunner):
     """Rank r > 0's runner: replays the steps rank 0 describes."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, tp: TPGroup):
-        super().__init__(config, model_config, max_model_len, tp)
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, tp: TPGroup,
+                 stage=None, world: Optional[TPGroup] = None):
+        super().__init__(config, model_config, max_model_len, tp, stage, world)
+        # Pipeline stages after the first embed nothing: the pending ids and the sampled-ids
+        # broadcast (stage 0's TP group) are not theirs.
+        self.embeds = stage is None or stage.is_first
+        # Stage 0 with batches in flight: steps whose LM head waits for rank 0's FINISH, oldest first.
+        self.deferred: collections.deque[StepInputs] = collections.deque()
         self.prev_sampled: Optional[torch.Tensor] = None  # the last step's sampled ids, on the device
         self.kinds = {"graph": 0, "piecewise": 0, "eager": 0}  # how its forwards ran
 
@@ -69,16 +82,35 @@ class WorkerRunner(ModelRunner):
                                                 for base, count in packet.prompt_logprob_spans],
             pending_positions=[])
         fixup = None
-        if packet.pending_positions:
+        if packet.pending_positions and self.embeds:
             dst = self._host(packet.pending_positions, torch.int64).to(self.device, non_blocking=True)
             src = self._host(packet.pending_rows, torch.int64).to(self.device, non_blocking=True)
             fixup = (dst, self.prev_sampled.index_select(0, src))
         graph = self._pick_graph(inputs, fixup)
-        self._forward(inputs, StepResult({}, {}, {}), fixup, graph, gather=False)
         self.kinds[_kind(graph, self._piecewise_runs(inputs))] += 1
-        if packet.logits_indices:  # rank 0 sampled these rows: receive their ids
-            sampled = torch.empty(len(packet.logits_indices), dtype=torch.int64, device=self.device)
-            self.prev_sampled = self.tp.broadcast_device(sampled)
+        if self.defers_return:
+            self._forward_stage(inputs, fixup)
+            self.deferred.append(inputs)
+            return
+        self._forward(inputs, StepResult({}, {}, {}), fixup, graph, gather=False)
+        if inputs.logits_indices and self.embeds:
+            self._receive_sampled(len(inputs.logits_indices))
+
+    @torch.inference_mode()
+    def finish_oldest(self) -> None:
+        """Rank 0 finishes its oldest batch in flight (FINISH): on stage 0, this rank's part of
+        it: the rows back from its peer on the last stage, the LM head's all-gather, the ids."""
+        if not self.defers_return:
+            return  # another stage's rank: nothing of it is left here
+        inputs = self.deferred.popleft()
+        self._score(self._receive_final(inputs), inputs, StepResult({}, {}, {}))
+        if inputs.logits_indices:
+            self._receive_sampled(len(inputs.logits_indices))
+
+    def _receive_sampled(self, rows: int) -> None:
+        """Rank 0 sampled these rows: their ids, for the next step's pending inputs."""
+        sampled = torch.empty(rows, dtype=torch.int64, device=self.device)
+        self.prev_sampled = self.tp.broadcast_device(sampled)
 
     def _replay_lora(self, packet: StepPacket) -> None:
         """Rank 0's slot writes and token -> slot map, on this rank's shard of the slot pool."""
@@ -150,10 +182,13 @@ def _serve(rank: int, size: int, init_method: str, config: EngineConfig, model_c
         # decode step at 355 sequences on H200 x2, cProfile), so one thread, as vLLM's workers.
         torch.set_num_threads(1)
     config = replace(config, device=replace(config.device, device=str(device)))
-    tp = init_group(rank, size, init_method, device, config.parallel.tp_allreduce)
-    runner = WorkerRunner(config, model_config, max_model_len, tp)
+    parallel = config.parallel
+    layers = configured_partition(model_config.num_hidden_layers, parallel.pipeline_parallel_size)
+    groups = init_parallel(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, init_method,
+                           device, parallel.tp_allreduce, layers)
+    runner = WorkerRunner(config, model_config, max_model_len, groups.tp, groups.stage, groups.world)
     runner.initialize(model_path, load_format)
-    channel = StepChannel(tp)
+    channel = StepChannel(groups.world)
     fault_step = fault_step_from_env(rank)
     steps, waited, busy = 0, 0.0, 0.0
     profile_dir = envs.get(PROFILE_ENV)
@@ -167,7 +202,10 @@ def _serve(rank: int, size: int, init_method: str, config: EngineConfig, model_c
         steps += 1
         if steps == fault_step:
             raise RuntimeError(f"fault injected at tp rank {rank} step {steps} ({FAULT_INJECT_ENV})")
-        runner.replay(packet)
+        if packet is FINISH:
+            runner.finish_oldest()
+        else:
+            runner.replay(packet)
         t0, waited, busy = time.perf_counter(), waited + t1 - t0, busy + time.perf_counter() - t1
     if profiler is not None:
         profiler.disable()
@@ -179,7 +217,7 @@ def _serve(rank: int, size: int, init_method: str, config: EngineConfig, model_c
               f"waiting for packets {waited:.3f} s; forwards {runner.kinds}", file=sys.stderr, flush=True)
     watch.arm()  # the teardown gets its own N seconds
     runner.release_graphs()  # before the group goes: NCCL waits on graphs that captured it
-    if not destroy_group(tp):
+    if not destroy_group(groups.world):
         os._exit(0)  # a stuck NCCL teardown: rank 0 asked to stop, so leave without it
 
 

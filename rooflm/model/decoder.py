@@ -37,6 +37,7 @@ import torch
 from rooflm.config import ModelConfig
 from rooflm.distributed import layers as tp_layers
 from rooflm.distributed.group import SINGLE, TPGroup
+from rooflm.distributed.pipeline import StageLayout
 from rooflm.layers.activation import GeluTanhAndMul, SiluAndMul
 from rooflm.layers.attention import (Attention, AttentionBackend, AttentionMetadata, ReferenceBackend, SinkAttention,
                                     SoftcappedAttention)
@@ -372,18 +373,28 @@ def _row_gemv(gemv, x: torch.Tensor, linear: Linear, residual: Optional[torch.Te
     return gemv(x, linear.weight, bias=linear.bias, residual=residual)
 
 
+class MissingLayer(torch.nn.Module):
+    """A layer another pipeline stage holds: keeps the layer indices (and so the checkpoint
+    names) of the held ones, holds nothing, and is never run."""
+
+
 class DecoderModel(torch.nn.Module):
-    """Embedding (scaled where the spec says), the layers, the final norm."""
+    """Embedding (scaled where the spec says), the layers, the final norm. stage: a pipeline
+    stage's part (distributed/pipeline.py), its layer range and ends; None: all of it."""
 
     def __init__(self, cfg: ModelConfig, spec: ModelSpec, max_positions: int, backend: Optional[AttentionBackend],
-                 kernels: Kernels = TORCH_KERNELS, tp: TPGroup = SINGLE, expert_parallel: bool = False):
+                 kernels: Kernels = TORCH_KERNELS, tp: TPGroup = SINGLE, stage: Optional[StageLayout] = None,
+                 expert_parallel: bool = False):
         super().__init__()
+        self.stage = stage
+        self.start, self.end = (0, cfg.num_hidden_layers) if stage is None else (stage.start, stage.end)
         # Where the given backend cannot compute a part, the reference takes the model's attention;
         # it reads the step's host-side lists, which a CUDA graph would replay as captured, so the
         # model runner captures no graphs when this is set (eager steps).
         self.graph_unsafe_reason = spec.attention_fallback(backend)
         backend = attention_backend(spec, backend)
-        self.embed_tokens = tp_layers.vocab_embedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.embed_tokens = (tp_layers.vocab_embedding(cfg.vocab_size, cfg.hidden_size, tp)
+                             if stage is None or stage.has_embedding else None)
         # A 0-dim tensor in the model's dtype: HF multiplies by the scale rounded to it (Gemma).
         self.register_buffer("embed_scale", None if spec.embed_scale is None else torch.tensor(spec.embed_scale),
                              persistent=False)
@@ -393,8 +404,11 @@ class DecoderModel(torch.nn.Module):
         mlps = spec.layer_mlps or (DENSE,) * cfg.num_hidden_layers
         self.layers = torch.nn.ModuleList(
             DecoderLayer(cfg, spec, window, rotary, backend, kernels, tp, mlp, expert_parallel)
-            for window, rotary, mlp in zip(windows, rotaries, mlps))
-        self.norm = make_norm(spec, cfg.hidden_size, cfg.rms_norm_eps, kernels.rmsnorm)
+            if self.start <= i < self.end else MissingLayer()
+            for i, (window, rotary, mlp) in enumerate(zip(windows, rotaries, mlps)))
+        self.held_layers = list(self.layers)[self.start:self.end]  # a plain list: not registered twice
+        self.norm = (make_norm(spec, cfg.hidden_size, cfg.rms_norm_eps, kernels.rmsnorm)
+                     if stage is None or stage.has_final_norm else None)
         log.info("decoder path: %s", decoder_path(spec, kernels))
         # rooflm/quant/native_decode.py: single-sequence CPU steps as one C call over all layers,
         # where the weights allow it; decided at the first forward (the weights are loaded then).
@@ -404,24 +418,38 @@ class DecoderModel(torch.nn.Module):
     def choose_decoder_path(self) -> None:
         """Decide (again) whether single-sequence CPU steps run natively, from the weights as
         loaded now and ROOFLM_NATIVE_DECODE; the first forward does it when nobody did."""
-        # The C decoder computes the base layers only: with LoRA hooks every step runs here.
-        lora = any(layer.lora_mapping is not None for layer in self.layers)
-        self.native_decoder = None if lora else NativeDecoder.build(self)
+        # The C decoder computes the base layers only: with LoRA hooks every step runs here; it
+        # runs every layer, from the embedding to the final norm: not a pipeline stage's part.
+        lora = self.stage is None and any(layer.lora_mapping is not None for layer in self.layers)
+        self.native_decoder = None if lora or self.stage is not None else NativeDecoder.build(self)
         self._native_decoder_checked = True
 
-    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata):
+    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata,
+                intermediate: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+        """The final hidden states [T, hidden]; on a pipeline stage before the last, the
+        (hidden states, residual stream) its layers leave. intermediate: that pair from the
+        stage before, in place of the embedding (stages after the first)."""
         if not self._native_decoder_checked:
             self.choose_decoder_path()
         if self.native_decoder is not None:
             hidden = self.native_decoder.forward(input_ids, positions, kv_caches, meta)
             if hidden is not None:
                 return hidden
-        x = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        if intermediate is None:
+            x = self.embed_tokens(input_ids)
+            if self.embed_scale is not None:
+                x = x * self.embed_scale
+            residual = None
+        else:
+            x, residual = intermediate
+        if self.stage is None:
+            held = zip(self.layers, kv_caches)
+        else:
+            held = zip(self.held_layers, kv_caches[self.start:self.end])
+        for layer, kv_cache in held:
             x, residual = layer(positions, x, residual, kv_cache, meta)
+        if self.norm is None:  # the next stage's first pre-norm adds the two (zeros: x is whole)
+            return x, torch.zeros_like(x) if residual is None else residual
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
@@ -465,17 +493,19 @@ class CausalLM(torch.nn.Module):
 
     def __init__(self, cfg: ModelConfig, max_positions: Optional[int] = None,
                  backend: Optional[AttentionBackend] = None, kernels: Kernels = TORCH_KERNELS,
-                 tp: TPGroup = SINGLE, expert_parallel: bool = False):
+                 tp: TPGroup = SINGLE, stage: Optional[StageLayout] = None, expert_parallel: bool = False):
         super().__init__()
         self.cfg = cfg
         self.spec = self.spec_of(cfg)
+        self.stage = stage  # a pipeline stage's part (DecoderModel), None: the whole model
         self.heads = tp.heads(cfg.num_attention_heads, cfg.num_key_value_heads)  # this rank's
         self.model = DecoderModel(cfg, self.spec, max_positions or cfg.max_position_embeddings, backend, kernels, tp,
-                                  expert_parallel)
+                                  stage, expert_parallel)
         # Why this model must run eagerly (no CUDA graphs), or None.
         self.graph_unsafe_reason: Optional[str] = self.model.graph_unsafe_reason
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = tp_layers.lm_head(cfg.hidden_size, cfg.vocab_size, tp, tied)
+        self.lm_head = (tp_layers.lm_head(cfg.hidden_size, cfg.vocab_size, tp, tied)
+                        if stage is None or stage.has_head else None)
         self.final_softcap = self.spec.final_softcap
         self.logit_divisor = self.spec.logit_divisor  # Granite's logits_scaling
         self.gemv = kernels.gemv  # as DecoderLayer.gemv: the LM head of one token
@@ -488,9 +518,12 @@ class CausalLM(torch.nn.Module):
         self.checkpoint_kv_scales: Optional[torch.Tensor] = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        """Returns the final hidden states [T, hidden]; logits are computed only where needed."""
-        return self.model(input_ids, positions, kv_caches, meta)
+                kv_caches: list[KVCache], meta: AttentionMetadata, intermediate=None) -> torch.Tensor:
+        """Returns the final hidden states [T, hidden]; logits are computed only where needed.
+        A pipeline stage: DecoderModel.forward's intermediate in and out."""
+        if intermediate is None:
+            return self.model(input_ids, positions, kv_caches, meta)
+        return self.model(input_ids, positions, kv_caches, meta, intermediate=intermediate)
 
     def compute_logits(self, hidden: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[rows, hidden] -> fp32 logits [rows, vocab]. out: an fp32 buffer to widen them into
@@ -530,6 +563,8 @@ class CausalLM(torch.nn.Module):
         for name, tensor in weights:
             if self.cfg.tie_word_embeddings and name == "lm_head.weight":
                 continue  # some tied checkpoints still store the head; the embedding is used
+            if self.stage is not None and not self.holds_weight(name):
+                continue  # another pipeline stage's
             if name.endswith(("self_attn.k_scale", "self_attn.v_scale")):
                 self._load_kv_scale(name, tensor)
                 continue
@@ -566,6 +601,21 @@ class CausalLM(torch.nn.Module):
         missing = [n for n in self._expected_weight_names() if n not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def holds_weight(self, name: str) -> bool:
+        """Whether a checkpoint tensor belongs to this pipeline stage's part of the model."""
+        stage = self.stage
+        if stage is None:
+            return True
+        if name.startswith("model.layers."):
+            return stage.holds_layer(int(name.split(".")[2]))
+        if name.startswith("model.embed_tokens."):
+            return stage.has_embedding
+        if name.startswith("model.norm."):
+            return stage.has_final_norm
+        if name.startswith("lm_head."):
+            return stage.has_head
+        return True
 
     def finish_loading(self) -> None:
         """Values derived from the loaded weights, once: fused linears' layouts, (1 + w) norms'

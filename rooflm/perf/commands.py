@@ -85,6 +85,9 @@ def register(subparsers) -> None:
     p.add_argument("--gpu", default=None, choices=sorted(GPUS), help="take --gpu-mem from this GPU")
     p.add_argument("--tensor-parallel-size", "-tp", dest="tp", type=int, default=1,
                    help="tensor-parallel GPUs (inference: per-GPU figures)")
+    p.add_argument("--pipeline-parallel-size", "-pp", dest="pp", type=int, default=1,
+                   help="pipeline stages (inference: each stage's weights and KV; the figures are the "
+                        "stage with the fewest KV blocks)")
     p.add_argument("--block-size", type=int, default=CUDA_BLOCK_SIZE,
                    help=f"KV cache block size in tokens (default: {CUDA_BLOCK_SIZE}, the engine's CUDA default)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -391,11 +394,16 @@ def _format_inference(args: argparse.Namespace, name: str, config: ModelConfig, 
                             gpu_mem_gb=gpu_mem, tp=args.tp, block_size=args.block_size,
                             gpu_memory_utilization=args.gpu_memory_utilization,
                             max_num_batched_tokens=args.max_num_batched_tokens,
-                            max_num_seqs=args.max_num_seqs)
+                            max_num_seqs=args.max_num_seqs, pp=args.pp)
     kv_elem = KV_CACHE_BYTES[kv_dtype]
     kv_heads_local = kv_bytes_per_token_per_gpu(config, 1, args.tp) / (2 * config.num_hidden_layers
                                                                       * config.head_dim)
     tp_note = f" per GPU of TP {args.tp}" if args.tp > 1 else ""
+    kv_layers = config.num_hidden_layers
+    if args.pp > 1:
+        least = min(plan.stages, key=lambda st: st.num_blocks)
+        tp_note += f", PP {args.pp}: stage {least.stage}'s GPU (the fewest KV blocks)"
+        kv_layers = least.layers[1] - least.layers[0]
     lines = [
         f"{name}: {plan.num_params / 1e9:.2f}B params, weights {dtype} ({WEIGHT_FORMATS[dtype].note}), KV {kv_dtype}"
         f"{tp_note}, {gpu_mem:g} GB GPU x {args.gpu_memory_utilization:g} utilization",
@@ -406,7 +414,7 @@ def _format_inference(args: argparse.Namespace, name: str, config: ModelConfig, 
         f"{'KV cache pool':<34} {plan.kv_pool / GB:>10.2f} GB"
         f"   (= {plan.usable / GB:.2f} usable - weights - reserve)",
         "",
-        f"KV bytes per token: 2 x {config.num_hidden_layers} layers x {kv_heads_local:g} KV heads x "
+        f"KV bytes per token: 2 x {kv_layers} layers x {kv_heads_local:g} KV heads x "
         f"{config.head_dim} head dim x {kv_elem:g} B = {plan.kv_bytes_per_token / 1e3:,.1f} kB"
         + (f" (GQA: {config.num_attention_heads // config.num_key_value_heads} query heads share "
            f"each KV head)" if config.num_key_value_heads < config.num_attention_heads else ""),
@@ -425,6 +433,12 @@ def _format_inference(args: argparse.Namespace, name: str, config: ModelConfig, 
             f"concurrent sequences at {context} tokens: {plan.hybrid_concurrent_seqs:,} with sliding-window "
             f"layers holding only their window ({ratio:.1f}x; {plan.hybrid_num_blocks:,} blocks of "
             f"{layout.group_size} layers, {plan.hybrid_blocks_per_seq} each over groups {groups})")
+    for st in plan.stages:
+        lines.append(f"pipeline stage {st.stage}: layers {st.layers[0]}-{st.layers[1] - 1}"
+                     f"{' + embedding + LM head' if st.stage == 0 else ''}"
+                     f"{' + final norm' if st.stage == len(plan.stages) - 1 else ''}: weights "
+                     f"{st.weights / GB:.2f} GB, KV pool {st.kv_pool / GB:.2f} GB, blocks of {st.block_bytes / MB:.2f} MB, "
+                     f"{st.num_blocks:,} fit")
     lines.append(_host_tier_line(args, plan, config))
     if plan.kv_pool <= 0:
         lines.append("the weights and reserve do not fit: no room for a KV cache (try -tp or a "

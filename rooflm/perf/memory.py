@@ -109,6 +109,35 @@ def weight_bytes(config: ModelConfig, dtype: str = "bf16", tp: int = 1) -> float
             + counts.other * dense_bytes)
 
 
+def stage_weight_bytes(config: ModelConfig, dtype: str, tp: int, num_layers: int, first: bool,
+                       last: bool) -> float:
+    """Bytes of weights on one GPU of a pipeline stage of num_layers layers (distributed/pipeline.py):
+    stage 0 also holds the embedding and the LM head, the last stage the final norm. The layers
+    are counted as equal shares (an MoE model's dense and sparse layers as their mean)."""
+    if dtype not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight dtype {dtype!r}; known: {', '.join(WEIGHT_FORMATS)}")
+    counts = param_counts(config)
+    dense_bytes = 4.0 if dtype == "fp32" else 2.0
+    head = 0 if config.tie_word_embeddings else counts.embedding
+    share = num_layers / config.num_hidden_layers
+    linear = (counts.linear - head) * share + (head if first else 0)
+    embedding = counts.embedding if first else 0
+    other = (counts.other - config.hidden_size) * share + (config.hidden_size if last else 0)
+    return (linear * WEIGHT_FORMATS[dtype].bytes_per_param + embedding * dense_bytes) / tp + other * dense_bytes
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One pipeline stage's GPU: its layers, weights and KV blocks (each GPU of its TP group)."""
+
+    stage: int
+    layers: tuple[int, int]  # [start, end)
+    weights: float
+    kv_pool: float
+    block_bytes: float
+    num_blocks: int  # what this stage's pool could hold; the engine takes the least over stages
+
+
 @dataclass(frozen=True)
 class InferenceMemory:
     """The memory plan of one GPU serving a model, all sizes in bytes."""
@@ -135,14 +164,22 @@ class InferenceMemory:
     hybrid_num_blocks: int = 0
     hybrid_blocks_per_seq: int = 0
     hybrid_concurrent_seqs: int = 0  # the same as max_concurrent_seqs without sliding layers
+    # Pipeline parallelism: every stage's plan; the figures above are then the stage with the
+    # fewest blocks (every stage's pool has as many blocks as the least: one block table).
+    stages: tuple[StageMemory, ...] = ()
 
 
 def inference_memory(config: ModelConfig, weight_dtype: str = "bf16", kv_dtype: str = "bf16",
                      context: int = 4096, gpu_mem_gb: float = 80.0, tp: int = 1,
                      block_size: int = 16, gpu_memory_utilization: float = 0.9,
-                     max_num_batched_tokens: int = 2048, max_num_seqs: Optional[int] = None) -> InferenceMemory:
+                     max_num_batched_tokens: int = 2048, max_num_seqs: Optional[int] = None,
+                     pp: int = 1) -> InferenceMemory:
     """Plan one GPU's memory: weights, an activation reserve, and KV blocks in what remains.
-    max_num_seqs: None is the engine's default on a GPU of gpu_mem_gb."""
+    max_num_seqs: None is the engine's default on a GPU of gpu_mem_gb. pp > 1: the pipeline
+    stage that holds the fewest blocks (InferenceMemory.stages has each)."""
+    if pp > 1:
+        return _pipeline_memory(config, weight_dtype, kv_dtype, context, gpu_mem_gb, tp, block_size,
+                                gpu_memory_utilization, max_num_batched_tokens, max_num_seqs, pp)
     max_num_seqs = resolve_max_num_seqs(max_num_seqs, "cuda", gpu_mem_gb)
     if kv_dtype not in KV_CACHE_BYTES:
         raise ValueError(f"unknown KV dtype {kv_dtype!r}; known: {', '.join(KV_CACHE_BYTES)}")
@@ -169,6 +206,33 @@ def inference_memory(config: ModelConfig, weight_dtype: str = "bf16", kv_dtype: 
         num_blocks=num_blocks, context=context, blocks_per_seq=blocks_per_seq,
         max_concurrent_seqs=num_blocks // blocks_per_seq,
         max_cached_tokens=num_blocks * block_size)
+
+
+def _pipeline_memory(config: ModelConfig, weight_dtype: str, kv_dtype: str, context: int, gpu_mem_gb: float,
+                     tp: int, block_size: int, gpu_memory_utilization: float, max_num_batched_tokens: int,
+                     max_num_seqs: Optional[int], pp: int) -> InferenceMemory:
+    """inference_memory over pp stages: each holds its layers' weights and KV (the engine's
+    stage layout, the even split or ROOFLM_PP_LAYER_PARTITION); hybrid KV groups are off."""
+    from dataclasses import replace
+
+    from rooflm.distributed.pipeline import configured_partition
+    from rooflm.engine.kv_groups import single_group
+
+    whole = inference_memory(config, weight_dtype, kv_dtype, context, gpu_mem_gb, tp, block_size,
+                             gpu_memory_utilization, max_num_batched_tokens, max_num_seqs)
+    stages = []
+    for s, (start, end) in enumerate(configured_partition(config.num_hidden_layers, pp)):
+        weights = stage_weight_bytes(config, weight_dtype, tp, end - start, s == 0, s == pp - 1)
+        pool = max(whole.usable - weights - whole.activation_reserve, 0.0)
+        block_bytes = whole.block_bytes * (end - start) / config.num_hidden_layers
+        stages.append(StageMemory(s, (start, end), weights, pool, block_bytes, int(pool // block_bytes)))
+    least = min(stages, key=lambda st: st.num_blocks)
+    num_blocks = least.num_blocks
+    return replace(whole, weights=least.weights, kv_pool=least.kv_pool, block_bytes=least.block_bytes,
+                   kv_bytes_per_token=least.block_bytes / block_size, kv_bytes_per_seq=context * least.block_bytes
+                   / block_size, num_blocks=num_blocks, max_concurrent_seqs=num_blocks // whole.blocks_per_seq,
+                   max_cached_tokens=num_blocks * block_size, kv_layout=single_group(config.num_hidden_layers),
+                   hybrid_num_blocks=0, hybrid_blocks_per_seq=0, hybrid_concurrent_seqs=0, stages=tuple(stages))
 
 
 def model_kv_layout(config: ModelConfig, max_model_len: int) -> "KVLayout":

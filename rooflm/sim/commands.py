@@ -144,6 +144,8 @@ def replica_config(args, model, gpu_key: str, tp: int, tables) -> tuple:
     from rooflm.sim.replica import ReplicaConfig
 
     gpu = get_gpu(gpu_key)
+    pp = getattr(args, "pipeline_parallel_size", 1)
+    micro_batches = 1 if pp == 1 else (getattr(args, "pipeline_micro_batches", None) or pp)
     max_num_seqs = resolve_max_num_seqs(args.max_num_seqs, "cuda", gpu.mem_gb)
     block_size = args.block_size or CUDA_BLOCK_SIZE  # the engine's CUDA default too
     max_model_len = args.max_model_len or model.max_position_embeddings
@@ -165,8 +167,11 @@ def replica_config(args, model, gpu_key: str, tp: int, tables) -> tuple:
         mem = inference_memory(model, args.weight_dtype, kv_dtype(args), context=max_model_len,
                                gpu_mem_gb=gpu.mem_gb, tp=tp, block_size=block_size,
                                gpu_memory_utilization=args.gpu_memory_utilization,
-                               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max_num_seqs)
-        num_blocks, source = mem.hybrid_num_blocks, f"perf/memory estimate for {gpu.mem_gb:g} GB x TP {tp}"
+                               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                               pp=pp)
+        num_blocks = mem.num_blocks if pp > 1 else mem.hybrid_num_blocks  # PP: one group (hybrid off)
+        layout = mem.kv_layout if pp > 1 else layout
+        source = f"perf/memory estimate for {gpu.mem_gb:g} GB x TP {tp}" + (f" x PP {pp}" if pp > 1 else "")
     if layout.hybrid:
         source += f", blocks of {layout.group_size} layers (sliding layers hold their window)"
     # Millions of blocks would take seconds per replica to build, for nothing.
@@ -178,7 +183,7 @@ def replica_config(args, model, gpu_key: str, tp: int, tables) -> tuple:
     async_scheduling = True if args.async_scheduling is None else args.async_scheduling
     num_host_blocks = num_offload_blocks = 0
     block_bytes = block_size * kv_bytes_per_token_per_gpu(model, KV_CACHE_BYTES[kv_dtype(args)], tp)
-    block_bytes *= layout.group_size / model.num_hidden_layers
+    block_bytes *= layout.group_size / model.num_hidden_layers / pp
     if args.preemption_mode == "swap":  # the engine's rule: swap space over one block's K/V (one GPU)
         num_host_blocks = int(args.swap_space_gb * 2**30 // block_bytes)
     if args.enable_prefix_caching and args.kv_offload_gb:
@@ -189,7 +194,8 @@ def replica_config(args, model, gpu_key: str, tp: int, tables) -> tuple:
                         num_offload_blocks=num_offload_blocks,
                         host_copy_s_per_block=block_bytes / (HOST_LINK_GBS * 1e9),
                         max_model_len=max_model_len, async_scheduling=async_scheduling,
-                        sliding_window=model.sliding_window, kv_windows=layout.windows)
+                        sliding_window=model.sliding_window, kv_windows=layout.windows,
+                        pipeline_stages=pp, micro_batches=micro_batches)
     return cfg, source
 
 
@@ -201,7 +207,7 @@ def cost_model_for(args, model, gpu_key: str, tp: int, tables, async_scheduling:
     gpu = get_gpu(gpu_key)
     correction, note = correction_for(gpu, model, tables)
     return RooflineCostModel(model, gpu, tp, args.weight_dtype, kv_dtype(args), correction,
-                             async_scheduling), note
+                             async_scheduling, pp=getattr(args, "pipeline_parallel_size", 1)), note
 
 
 def workload_for(args, rate: float, num_prompts: Optional[int] = None, seed: Optional[int] = None):
@@ -261,7 +267,8 @@ def _run(args, out: TextIO) -> int:
     cost, note = cost_model_for(args, model, gpu_key, args.tensor_parallel_size, tables, replica.async_scheduling)
     slos = parse_goodput(args.goodput)
     rates = [math.inf] if args.trace else list(args.request_rate)
-    out.write(f"model {name}; {args.data_parallel_size} x {gpu_key} TP {args.tensor_parallel_size} ({args.dp_routing} router); "
+    pp = f" x PP {args.pipeline_parallel_size}" if args.pipeline_parallel_size > 1 else ""
+    out.write(f"model {name}; {args.data_parallel_size} x {gpu_key} TP {args.tensor_parallel_size}{pp} ({args.dp_routing} router); "
               f"{replica.num_blocks} KV blocks of {replica.block_size} ({kv_source}); "
               f"max {replica.scheduler.max_num_seqs} seqs, {replica.scheduler.max_num_batched_tokens} "
               f"tokens/step; {'async' if replica.async_scheduling else 'sync'} scheduling\n"

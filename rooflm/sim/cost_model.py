@@ -34,6 +34,14 @@ would go, and the output says so.
 Tensor parallelism: step_cost(tp=N) gives one rank's share of the work and the bytes each
 GPU sends; an all-reduce costs its bytes over the link bandwidth (x LINK_EFFICIENCY) plus
 a fixed latency per collective (2 per layer, one for the embedding, one logits gather).
+
+Pipeline parallelism (pp=N, distributed/pipeline.py): the engine runs a step through the
+stages one after another, so a step's device time is the whole model's (each TP group's share,
+as above) plus the activations sent between stages: [2, tokens, hidden] (hidden states and
+residual) over each of the N - 1 boundaries, and the scored rows' [rows, hidden] back to stage 0,
+each at the link's rate plus one collective's latency. One step at a time, each GPU idles
+(N - 1) / N of it (the bubble, which describe() prints); with batches in flight the simulated
+replica (sim/replica.py) starts the next batch after 1 / N of a step, which fills it.
 """
 
 from __future__ import annotations
@@ -184,6 +192,7 @@ class RooflineCostModel:
     async_scheduling: bool = True
     link_efficiency: float = LINK_EFFICIENCY
     allreduce_latency_s: float = ALLREDUCE_LATENCY_S
+    pp: int = 1  # pipeline stages, each a TP group of tp GPUs
 
     def __post_init__(self) -> None:
         fmt = WEIGHT_FORMATS[self.weight_dtype]
@@ -193,8 +202,9 @@ class RooflineCostModel:
         self._ops = ops(lambda **s: step_cost(
             self.model, **s, weight_bytes=fmt.bytes_per_param, kv_bytes=KV_CACHE_BYTES[self.kv_dtype],
             act_bytes=act, tp=self.tp, compute_dtype=fmt.compute_dtype))
-        if self.tp > 1 and self.gpu.interconnect_gbs is None:
-            raise ValueError(f"{self.gpu.name} has no GPU-to-GPU link in the table; tp must be 1")
+        if self.tp * self.pp > 1 and self.gpu.interconnect_gbs is None:
+            raise ValueError(f"{self.gpu.name} has no GPU-to-GPU link in the table; tp and pp must be 1")
+        self._act_bytes = act
         peaks = {MATMUL: self.gpu.peak_flops(fmt.compute_dtype), ATTENTION: self.gpu.peak_flops("bf16")}
         vector_peak = self.gpu.peak_flops("fp32")
         self._peak = [peaks.get(k, vector_peak) for k in self._ops.kinds]
@@ -234,11 +244,26 @@ class RooflineCostModel:
                         attn_mem += memory
             else:
                 vector += max(flops / peak, nbytes / self._bw)
+        comm += self.pipeline_seconds(shape)
         prefill = 1.0 if shape.prefill_tokens else 0.0
         gemv_mem = 0.0
         if x[0] + x[2] == 1:  # one token: the fused GEMV path reads the weights
             gemv_mem, lin_mem = lin_mem, 0.0
         return [1.0 - prefill, prefill, lin_mem, lin_comp, attn_mem, attn_comp, vector, gemv_mem], comm
+
+    def pipeline_seconds(self, shape: BatchShape) -> float:
+        """The point-to-point transfers of a step between pipeline stages (0 without PP)."""
+        if self.pp == 1:
+            return 0.0
+        hidden_bytes = self.model.hidden_size * self._act_bytes
+        rows = shape.num_decode_seqs + shape.num_sampled_prefills
+        nbytes = (self.pp - 1) * 2 * shape.num_tokens * hidden_bytes + rows * hidden_bytes
+        return nbytes / self._link + self.pp * self.allreduce_latency_s
+
+    @property
+    def bubble(self) -> float:
+        """The share of a step each GPU idles, waiting for the other stages (0 without PP)."""
+        return (self.pp - 1) / self.pp
 
     def device_seconds(self, shape: BatchShape) -> float:
         feats, comm = self.features(shape)
@@ -261,4 +286,6 @@ class RooflineCostModel:
     def describe(self) -> str:
         tp = f", TP {self.tp} (all-reduce at {self.link_efficiency:.0%} of {self.gpu.interconnect_gbs:g} "\
              f"GB/s + {self.allreduce_latency_s * 1e6:g} us per collective)" if self.tp > 1 else ""
-        return f"{self.gpu.name} roofline ({self.gpu.source}){tp}; correction: {self.correction.source}"
+        pp = (f", PP {self.pp} (a step's stages in turn, each GPU idle {self.bubble:.0%} of it unless batches "
+              f"are in flight; activations at {self.link_efficiency:.0%} of the link)") if self.pp > 1 else ""
+        return f"{self.gpu.name} roofline ({self.gpu.source}){tp}{pp}; correction: {self.correction.source}"

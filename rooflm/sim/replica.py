@@ -11,7 +11,12 @@ says the request stops early. `step_call` mirrors LLMEngine.step(), sync and asy
   sync   schedule step t, run it, process its tokens;
   async  schedule step t and queue it behind step t-1 on the device, then wait for step
          t-1's tokens and process them (the host's work overlaps the device's, and a new
-         request reaches the scheduler only at the next call).
+         request reaches the scheduler only at the next call);
+  pipeline parallelism with N batches in flight (engine/step_strategy.PipelineStep): schedule
+         a batch of requests no batch in flight holds, launch it, and process the oldest once
+         N are in flight. A batch takes its step's time from launch to tokens (every stage in
+         turn), but stage 0 takes the next one after 1 / stages of it: the stages work on
+         different batches at once.
 
 What the real engine does around that (validation in add_request, max_tokens resolution,
 the KV-fits check) is called through the same functions the engine calls.
@@ -20,6 +25,7 @@ the KV-fits check) is called through the same functions the engine calls.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -62,6 +68,9 @@ class ReplicaConfig:
     # the step's stream, before its forward.
     num_offload_blocks: int = 0
     host_copy_s_per_block: float = 0.0
+    # Pipeline parallelism: its stages, and the batches in flight (ParallelConfig.batches_in_flight).
+    pipeline_stages: int = 1
+    micro_batches: int = 1
 
 
 @dataclass
@@ -121,6 +130,9 @@ class SimReplica:
         self._requests: dict[str, Request] = {}
         self._stop_at: dict[str, int] = {}  # request id -> output length where EOS is sampled
         self.in_flight: Optional[_Launched] = None
+        self.pipeline: deque[_Launched] = deque()  # batches in flight, oldest first (micro_batches > 1)
+        if cfg.micro_batches > 1:
+            self.scheduler.use_micro_batches(cfg.micro_batches)
         self.device_free_s = 0.0
         self.num_steps = 0
         self.busy_s = 0.0
@@ -173,7 +185,7 @@ class SimReplica:
         return self.block_manager.usage()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished() or self.in_flight is not None
+        return self.scheduler.has_unfinished() or self.in_flight is not None or bool(self.pipeline)
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -184,6 +196,8 @@ class SimReplica:
         launched = None
         if not out.is_empty:
             launched = self._launch(out, now)
+        if self.cfg.micro_batches > 1:
+            return self._pipelined(launched, now)
         if not self.cfg.async_scheduling:
             if launched is None:
                 return None
@@ -195,13 +209,26 @@ class SimReplica:
             return max(now, previous.end_s)
         return now if launched is not None else None
 
+    def _pipelined(self, launched: Optional[_Launched], now: float) -> Optional[float]:
+        """step_call's end with batches in flight: the oldest is processed once the pipeline is
+        full, or when nothing more could be scheduled."""
+        if launched is not None:
+            self.pipeline.append(launched)
+        if self.pipeline and (launched is None or len(self.pipeline) >= self.cfg.micro_batches):
+            oldest = self.pipeline.popleft()
+            self._process(oldest)
+            return max(now, oldest.end_s)
+        return now if launched is not None else None
+
     def _launch(self, out: SchedulerOutput, now: float) -> _Launched:
         shape = batch_shape(out, self.cfg.sliding_window)
         start = max(now, self.device_free_s)
         seconds = self.cost_model.step_seconds(shape, len(out.scheduled))
         seconds += (len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out)) * self.cfg.host_copy_s_per_block
         end = start + seconds
-        self.device_free_s = end
+        if self.cfg.micro_batches > 1:
+            seconds /= self.cfg.pipeline_stages  # stage 0 is free for the next batch (equal stages)
+        self.device_free_s = start + seconds
         self.num_steps += 1
         self.busy_s += seconds
         for sch in out.scheduled:
