@@ -42,11 +42,14 @@ def _tiny_family(root, family: str):
         return str(make_tiny_model(root, family, **options)[0])
     if family in ("gemma3", "phi3", "granite", "smollm3"):
         return make_tiny(root, family)[0]
+    if family == "gpt_oss":
+        from tests.models.test_gpt_oss import make_tiny_gpt_oss
+        return make_tiny_gpt_oss(root)[0]
     return make_tiny_moe(root, family)[0]
 
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3", "phi3", "granite", "smollm3",
-            "qwen3_moe", "mixtral", "olmoe", "qwen2_moe"]
+            "qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss"]
 
 
 def _run(path: str, engine_options: dict, extra: bool = False):
