@@ -65,6 +65,7 @@ from rooflm.server.middleware import DOCS_PATH, OPENAPI_PATH, APIKeyMiddleware, 
 from rooflm.server.request_id import HEADER as REQUEST_ID_HEADER
 from rooflm.server.request_id import RequestIdMiddleware, request_id
 from rooflm.server.responses import create_response
+from rooflm.server.slow_clients import BodyTimeoutMiddleware
 from rooflm.server.tokenize import detokenize, tokenize, version
 from rooflm.server.state import ServerState
 from rooflm.version import __version__
@@ -135,6 +136,9 @@ def create_app(engine_kwargs: Optional[dict] = None, config: Optional[ServerConf
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
     app.add_middleware(HeaderLimitMiddleware, max_header_bytes=config.max_header_bytes)
+    # Inside the id and access-log middleware, so a 408 or 503 for a slow body has both.
+    app.add_middleware(BodyTimeoutMiddleware, timeout_s=config.body_timeout_s,
+                       gate=state.body_gate)
     if config.allowed_origins:
         # Added last, so it runs first: preflights and 401s carry CORS headers.
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),

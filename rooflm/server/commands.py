@@ -63,6 +63,17 @@ def register(subparsers) -> None:
                             "overrides it (default: 0, no budget)")
     group.add_argument("--request-timeout", type=float, default=600.0,
                        help="seconds before a request is aborted (default: 600; 0: never)")
+    group.add_argument("--header-timeout-s", type=float, default=60.0,
+                       help="a request head (line + headers) not complete this many seconds after "
+                            "its first byte gets 408 and its connection closed (default: 60, as "
+                            "nginx; 0: none)")
+    group.add_argument("--body-timeout-s", type=float, default=60.0,
+                       help="a request body not complete this many seconds after its head gets "
+                            "408 and its connection closed (default: 60, as nginx; 0: none)")
+    group.add_argument("--max-reading-connections", type=int, default=256,
+                       help="request heads (and, apart, bodies) still arriving at once; past it "
+                            "new connections (slow bodies) get 503 at once, admitted requests are "
+                            "untouched (default: 256)")
     group.add_argument("--health-stall-seconds", type=float, default=30.0,
                        help="/health fails when the engine loop makes no progress this long")
     group.add_argument("--keep-running-on-error", action="store_true",
@@ -115,6 +126,9 @@ def server_config(args: argparse.Namespace):
         max_body_bytes=args.max_body_bytes,
         max_header_bytes=args.max_header_bytes,
         request_timeout=args.request_timeout,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        max_reading_connections=args.max_reading_connections,
         health_stall_seconds=args.health_stall_seconds,
         keep_running_on_error=args.keep_running_on_error,
         shutdown_timeout=args.shutdown_timeout,
@@ -233,6 +247,7 @@ def _serve_on(args: argparse.Namespace, config, listeners: list[socket.socket]) 
     import uvicorn
 
     from rooflm.server.app import create_app
+    from rooflm.server.slow_clients import head_timeout_protocol
     from rooflm.server.state import FLUSH_GRACE_S
 
     from rooflm.engine.core_process import EngineStartError
@@ -252,7 +267,8 @@ def _serve_on(args: argparse.Namespace, config, listeners: list[socket.socket]) 
         return 2
     state = app.state.rooflm
     uvicorn_config = uvicorn.Config(
-        app, host=args.host, port=args.port, http="h11", lifespan="on",
+        app, host=args.host, port=args.port, lifespan="on",
+        http=head_timeout_protocol(config.header_timeout_s, state.head_gate),
         log_level=args.uvicorn_log_level, server_header=False,
         # Twice our own limit: a head arriving in pieces is buffered long enough
         # for the app to answer 431 in OpenAI's shape, and never without bound.

@@ -26,6 +26,11 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     max_header_bytes: int = 16 * 1024
     request_timeout: float = 600.0  # seconds; 0: none
+    # Slow clients (server/slow_clients.py): a request head or body that takes longer gets 408;
+    # past max_reading_connections heads (or bodies) still arriving, new ones get 503. 0 s: none.
+    header_timeout_s: float = 60.0
+    body_timeout_s: float = 60.0
+    max_reading_connections: int = 256
     health_stall_seconds: float = 30.0
     keep_running_on_error: bool = False
     shutdown_timeout: float = 30.0
@@ -48,11 +53,13 @@ class ServerConfig:
     lora_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("max_queued_requests", "max_n", "max_body_bytes", "max_header_bytes"):
+        for name in ("max_queued_requests", "max_n", "max_body_bytes", "max_header_bytes",
+                     "max_reading_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("request_timeout", "health_stall_seconds", "shutdown_timeout",
-                     "log_interval", "peak_bandwidth_gbs", "ttft_slo_ms"):
+                     "log_interval", "peak_bandwidth_gbs", "ttft_slo_ms", "header_timeout_s",
+                     "body_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.data_parallel_size < 1:
