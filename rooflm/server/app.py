@@ -26,7 +26,10 @@ Each request ends with one access log line (access_log.py) unless --disable-log-
 error shape naming the endpoint as unsupported; a wrong method is a 405.
 
 Health: /health is 200 while the engine loop is alive and making progress;
-/ready is 200 once a warm-up generation has run, until shutdown begins.
+/ready is 200 once a warm-up generation has run, until shutdown begins. An
+engine core that dies is restarted (--engine-restart, the default): both answer
+503 only while the new core starts; requests that had streamed tokens fail,
+the others are run on the new core (engine/core_client.py).
 
 Sleep mode (vLLM's endpoints, with --enable-sleep-mode; without it they answer 404
 naming the flag): POST /sleep?level=1|2 aborts what runs and frees the device (the
@@ -98,13 +101,14 @@ def create_app(engine_kwargs: Optional[dict] = None, config: Optional[ServerConf
         from rooflm.dp.replicas import ReplicaSet
         engine = ReplicaSet.launch(engine_config_from_kwargs(**(engine_kwargs or {})),
                                    config.data_parallel_size)
-        front = partial(DPClient, policy=config.dp_routing)
+        front = partial(DPClient, policy=config.dp_routing, restart=config.restart_policy())
     elif engine is None and engine_process:
         from rooflm.config import engine_config_from_kwargs
         from rooflm.engine.core_client import EngineCoreClient
         from rooflm.engine.core_process import EngineCoreProcess
+        from functools import partial
         engine = EngineCoreProcess.launch(engine_config_from_kwargs(**(engine_kwargs or {})))
-        front = EngineCoreClient
+        front = partial(EngineCoreClient, restart=config.restart_policy())
     elif engine is None:
         from rooflm.engine.llm_engine import LLMEngine
         engine = LLMEngine.from_kwargs(**(engine_kwargs or {}))
@@ -205,7 +209,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def ready():
         if state.draining:
             return error_response(server_error("the server is shutting down", 503, "not_ready"))
-        if not state.ready or state.engine_client.is_dead:
+        if not state.ready or state.engine_client.is_dead or state.engine_client.is_restarting:
             return error_response(server_error("the server is not ready", 503, "not_ready"))
         if state.engine_client.is_sleeping:
             return error_response(server_error("the engine is sleeping", 503, "sleeping"))

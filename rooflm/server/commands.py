@@ -76,6 +76,15 @@ def register(subparsers) -> None:
                             "untouched (default: 256)")
     group.add_argument("--health-stall-seconds", type=float, default=30.0,
                        help="/health fails when the engine loop makes no progress this long")
+    group.add_argument("--engine-restart", action=argparse.BooleanOptionalAction, default=True,
+                       help="restart an engine core that dies, with the same configuration: "
+                            "requests that had streamed tokens fail, queued ones run on the new "
+                            "core (default: on; --no-engine-restart: the server fails as a whole)")
+    group.add_argument("--engine-restart-max-deaths", type=int, default=5,
+                       help="crash-loop guard: a core that dies this many times within "
+                            "--engine-restart-window-s stays down (default: 5)")
+    group.add_argument("--engine-restart-window-s", type=float, default=60.0,
+                       help="the crash-loop guard's window in seconds (default: 60)")
     group.add_argument("--keep-running-on-error", action="store_true",
                        help="after an engine failure stay up (unhealthy) instead of exiting with 1")
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -130,6 +139,9 @@ def server_config(args: argparse.Namespace):
         body_timeout_s=args.body_timeout_s,
         max_reading_connections=args.max_reading_connections,
         health_stall_seconds=args.health_stall_seconds,
+        engine_restart=args.engine_restart,
+        engine_restart_max_deaths=args.engine_restart_max_deaths,
+        engine_restart_window_s=args.engine_restart_window_s,
         keep_running_on_error=args.keep_running_on_error,
         shutdown_timeout=args.shutdown_timeout,
         log_interval=args.log_interval,
