@@ -36,8 +36,10 @@ from typing import Callable, Optional
 import msgspec
 import zmq
 
+import rooflm.envs as envs
 from rooflm.config import EngineConfig
 from rooflm.engine.core import run_engine_core
+from rooflm.engine.cpu_threads import child_environment, machine_plan, spawn_environment
 from rooflm.engine.core_protocol import (CoreState, EngineDead, EngineReady, Shutdown, encoder,
                                          output_decoder)
 from rooflm.engine.report import EngineInfo, StepReport
@@ -130,7 +132,8 @@ class EngineCoreProcess:
                   logging.getLogger("rooflm").getEffectiveLevel()))
         core = cls(process, context, input_socket, output_socket, socket_dir)
         core._launch_args = (config, dict(env or {}))
-        process.start()
+        with spawn_environment(_cpu_environment(config)):
+            process.start()
         atexit.register(core.close)
         return core
 
@@ -211,7 +214,23 @@ def _run_engine_core_in(env: dict[str, str], *args) -> None:
     when it starts, which is later, when the engine is built)."""
     import os
     os.environ.update(env)
+    pinned = envs.get("ROOFLM_CPU_THREADS")
+    if pinned > 0:
+        import torch
+        torch.set_num_threads(pinned)
     run_engine_core(*args)
+
+
+def _cpu_environment(config: EngineConfig) -> dict[str, str]:
+    """A CPU core's threads and OpenMP wait policy for this machine now (cpu_threads.py)."""
+    device = config.device.device
+    if device != "cpu":
+        import torch
+        if device != "auto" or torch.cuda.is_available():
+            return {}
+    plan = machine_plan()
+    logger.info("engine core CPU threads: %s", plan.reason)
+    return child_environment(plan)
 
 
 def load_tokenizer(config: EngineConfig):

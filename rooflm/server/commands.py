@@ -116,6 +116,10 @@ def register(subparsers) -> None:
     group.add_argument("--lora-modules", nargs="+", default=(), metavar="NAME=PATH",
                        help="LoRA adapters (PEFT directories) served under these model names "
                             "(needs --enable-lora)")
+    group.add_argument("--cpu-threads", type=int, default=None,
+                       help="a CPU engine core's torch threads, pinned (default: chosen for the "
+                            "machine: fewer than its cores, with a passive OpenMP wait, when the "
+                            "load average says other work runs; ROOFLM_CPU_CONTENTION=off: torch's)")
     group.add_argument("--uvicorn-log-level", default="warning")
     add_engine_args(parser)
     parser.set_defaults(func=cmd_serve)
@@ -266,6 +270,12 @@ def _serve_on(args: argparse.Namespace, config, listeners: list[socket.socket]) 
     from rooflm.server.chat_template import ChatTemplateError
 
     _show_server_logs()
+    if args.cpu_threads is not None:
+        if args.cpu_threads < 1:
+            print(f"rooflm: error: --cpu-threads must be >= 1, got {args.cpu_threads}",
+                  file=sys.stderr)
+            return 2
+        envs.put("ROOFLM_CPU_THREADS", str(args.cpu_threads))  # the engine core reads it
     try:
         app = create_app(engine_kwargs(args), config, engine_process=args.engine_process)
     except ChatTemplateError as exc:
