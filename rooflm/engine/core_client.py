@@ -580,7 +580,14 @@ class EngineCoreClient(EngineClient):
             if pending.future.done():
                 del self._adds[batch_id]  # its caller gave up
                 continue
-            self._retried.update(r.request_id for r in pending.requests)
+            ids = [r.request_id for r in pending.requests]
+            if any(request_id in self._retried for request_id in ids):
+                del self._adds[batch_id]
+                self._retried.difference_update(ids)
+                pending.future.set_exception(EngineDeadError(
+                    "the engine core died twice while this request waited to be admitted"))
+                continue
+            self._retried.update(ids)
             # Limits were checked when it was first sent; the new core's queue is empty.
             self._send(AddRequests(batch_id, pending.requests, True))
         kept = list(self._tracked.values())
