@@ -9,9 +9,7 @@ descriptors, KV blocks in use and Triton cache entries; growth is judged over th
 under --out and ends with one verdict line (exit status 0 when it passes).
 
     # the CPU, 30 s, the default model (a smoke run of the whole harness)
-    python benchmarks/soak.py --out /tmp/soak-cpu --minutes 0.5 --rate 2 --max-tokens 16 \
-        --prompt-words 40 --long-prompt-words 200 \
-        --serve-args "--device cpu --max-model-len 1024 --max-queued-requests 64"
+    CPU=1 OUT=/tmp/soak-cpu bash benchmarks/soak.sh
 
     # against a server it starts (the GPU command: benchmarks/soak.sh, docs/serving.md)
     python benchmarks/soak.py --out benchmarks/results/soak --minutes 10 --rate 8 \\
@@ -419,12 +417,15 @@ def verdict(result: dict) -> tuple[bool, str]:
     """One line: what the soak must show, and whether it did."""
     g = result["growth_last_window"]
     hostile_5xx = result["requests"].get("hostile 5xx", 0)
+    # Growth over a short window is caches filling, not a leak: judged only over at least half
+    # the window asked for (a 30-s smoke run reports it, unjudged).
+    judged = result["growth_window_s"] >= 0.5 * result["args"]["growth_window_s"]
     checks = {
         "failures": result["failures"] == 0,
         "hostile_5xx": hostile_5xx == 0,
         "kv_blocks_end": result["kv_blocks_leaked"] == 0,
-        "rss": g["rss"] is None or g["rss"] <= GROWTH_LIMIT,
-        "device": g["device"] is None or g["device"] <= GROWTH_LIMIT,
+        "rss": not judged or g["rss"] is None or g["rss"] <= GROWTH_LIMIT,
+        "device": not judged or g["device"] is None or g["device"] <= GROWTH_LIMIT,
         "health": result.get("health_after") == 200,
         "exit": result["server_exit_code"] in (None, 0),
     }
@@ -435,7 +436,8 @@ def verdict(result: dict) -> tuple[bool, str]:
             f"kv_blocks_end={result['kv_blocks_leaked']:.0f} "
             f"over the last {result['growth_window_s']:.0f} s: rss={pct(g['rss'])} "
             f"device={pct(g['device'])} fds={g['fds_delta']} "
-            f"triton_cache={g['triton_cache_delta']} exit={result['server_exit_code']}"
+            f"triton_cache={g['triton_cache_delta']}{'' if judged else ' (growth not judged)'} "
+            f"exit={result['server_exit_code']}"
             + ("" if all(checks.values()) else
                " (missed: " + ", ".join(k for k, ok in checks.items() if not ok) + ")"))
     return all(checks.values()), line

@@ -151,7 +151,6 @@ class _PendingAdd:
     requests: list[GenerateRequest]
     streams: list[RequestStream]
     abort_reason: Optional[str] = None  # abort_all came first: abort it as soon as it is in
-    bypass_limits: bool = False
     # Tracked requests sent again to a restarted core: nobody awaits the reply.
     resubmitted: bool = False
 
@@ -262,8 +261,7 @@ class EngineCoreClient(EngineClient):
 
         def send(streams: list[RequestStream]) -> asyncio.Future:
             batch_id = next(self._batch_ids)
-            pending = _PendingAdd(self._loop.create_future(), list(requests), streams,
-                                  bypass_limits=bypass_limits)
+            pending = _PendingAdd(self._loop.create_future(), list(requests), streams)
             self._adds[batch_id] = pending
             self._send(AddRequests(batch_id, list(requests), bypass_limits))
             return pending.future
