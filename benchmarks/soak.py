@@ -484,6 +484,10 @@ def summarise(args, samples, traffic, idle_after, exit_code, model) -> dict:
     }
 
 
+def _pct(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value:+.2%}"
+
+
 def write_markdown(result: dict, path: Path) -> None:
     a = result["args"]
     lines = [
@@ -501,8 +505,8 @@ def write_markdown(result: dict, path: Path) -> None:
         f"| valid request latency p50 / p99, s | {result['valid_latency_s']['p50']} / "
         f"{result['valid_latency_s']['p99']} |",
         f"| growth over the last {result['growth_window_s']:.0f} s: host RSS / device memory "
-        f"(goal <= 1%) | {result['growth_last_window']['rss']} / "
-        f"{result['growth_last_window']['device']} |",
+        f"(goal <= 1%) | {_pct(result['growth_last_window']['rss'])} / "
+        f"{_pct(result['growth_last_window']['device'])} |",
         f"| ... open file descriptors / Triton cache entries | "
         f"{result['growth_last_window']['fds_delta']} / "
         f"{result['growth_last_window']['triton_cache_delta']} |",
