@@ -142,6 +142,13 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "the C block matmuls for GGUF weights on the CPU; 0: torch's kernels"),
     Switch("ROOFLM_NATIVE_DECODE", _ON_OFF, _bool, True,
            "one-token CPU steps through the native C decoder where the model fits it; 0: off"),
+    Switch("ROOFLM_CPU_CONTENTION", "auto, on or off", _choice("auto", "on", "off"), "auto",
+           "a CPU engine core's threads and OpenMP wait policy on a shared machine "
+           "(engine/cpu_threads.py): auto decides from the load average at start-up; on: as if "
+           "other work were running; off: torch's defaults"),
+    Switch("ROOFLM_CPU_THREADS", "an integer >= 0", int, 0,
+           "pins a CPU engine core's torch threads (`rooflm serve --cpu-threads`); 0: chosen "
+           "by ROOFLM_CPU_CONTENTION"),
     # Places and identities.
     Switch("ROOFLM_CACHE_DIR", "a directory", str, None,
            "rooflm's cache (converted tokenizers, built C kernels); unset: ~/.cache/rooflm"),

@@ -11,7 +11,11 @@ burst of arrivals spreads before any reply comes back; released as each request
 finishes). A replica that refuses the group as busy (429) passes it to the next
 least-loaded one; only when all refuse does the client see 429.
 
-Failure is vLLM's rule: one dead engine core is a dead engine. /health names
+Restart (RestartPolicy, engine/core_client.py): a replica whose core dies is
+restarted on its own; while it starts, the router sends nothing there (a group
+routed to it goes to the least-loaded live replica), and /health names it (503).
+Only a replica that stays down (its crash-loop guard tripped, or restart off)
+is a failure, by vLLM's rule: one dead engine core is a dead engine. /health names
 the replica and answers 503, the other replicas' requests are aborted, and the
 server exits (or stays up answering 503 with --keep-running-on-error). A
 replica that lives on after its sibling died would keep a half-capacity server
@@ -29,7 +33,7 @@ from rooflm.dp.replicas import ReplicaSet
 from rooflm.dp.router import Router
 from rooflm.engine.block_manager import hash_block
 from rooflm.engine.client import EngineClient, RequestStream
-from rooflm.engine.core_client import EngineCoreClient
+from rooflm.engine.core_client import EngineCoreClient, RestartPolicy
 from rooflm.engine.report import EngineSnapshot, SpecSnapshot, merge_lora_snapshots
 from rooflm.engine.request_types import (AdmissionLimits, AdmissionRejected, EngineDeadError,
                                          GenerateRequest)
@@ -51,16 +55,17 @@ class ReplicaLoad:
 
 class DPClient(EngineClient):
     def __init__(self, engine: ReplicaSet, limits: Optional[AdmissionLimits] = None,
-                 metrics=None, policy: str = "cache_aware"):
+                 metrics=None, policy: str = "cache_aware",
+                 restart: Optional[RestartPolicy] = None):
         """engine: launched replicas, owned by this client from start() on. limits apply to
         each replica (its own queue and KV pool). metrics: a ServerMetrics (replica r writes
-        its for_engine(r) series) or None."""
+        its for_engine(r) series) or None. restart: each replica's, on its own."""
         self.engine = engine
         self.clients: list[EngineCoreClient] = []
         self.loads: list[ReplicaLoad] = []
         for r, core in enumerate(engine.replicas):
             replica_metrics = None if metrics is None else metrics.for_engine(str(r))
-            client = self.make_client(core, limits, replica_metrics)
+            client = self.make_client(core, limits, replica_metrics, restart)
             client.on_request_done = lambda request, r=r: self._request_done(r, request)
             self.clients.append(client)
             self.loads.append(ReplicaLoad())
@@ -73,9 +78,10 @@ class DPClient(EngineClient):
         self._on_dead: Optional[Callable[[BaseException], None]] = None
 
     @staticmethod
-    def make_client(core, limits: Optional[AdmissionLimits], metrics) -> EngineCoreClient:
+    def make_client(core, limits: Optional[AdmissionLimits], metrics,
+                    restart: Optional[RestartPolicy] = None) -> EngineCoreClient:
         """One replica's client (the unit tests put a stand-in here)."""
-        return EngineCoreClient(core, limits, metrics)
+        return EngineCoreClient(core, limits, metrics, restart)
 
     # ---- lifecycle -----------------------------------------------------------------------------------
 
@@ -105,7 +111,9 @@ class DPClient(EngineClient):
         first = self.router.pick(self.loads, hashes)
         others = sorted((r for r in range(len(self.clients)) if r != first),
                         key=lambda r: (self.loads[r].num_unfinished, r))
-        for attempt, replica in enumerate([first] + others):
+        # A replica whose core is restarting goes last: its generate() waits for the new core.
+        order = sorted([first] + others, key=self._is_restarting)
+        for attempt, replica in enumerate(order):
             try:
                 return await self._generate_on(replica, requests, bypass_limits)
             except AdmissionRejected:
@@ -126,6 +134,9 @@ class DPClient(EngineClient):
             for request in requests:
                 self._owner.pop(request.request_id, None)
             raise
+
+    def _is_restarting(self, replica: int) -> bool:
+        return getattr(self.clients[replica], "is_restarting", False)
 
     def _request_done(self, replica: int, request: GenerateRequest) -> None:
         self.loads[replica].charge([request], -1)
@@ -178,6 +189,11 @@ class DPClient(EngineClient):
     @property
     def is_dead(self) -> bool:
         return self._dead is not None or any(client.is_dead for client in self.clients)
+
+    @property
+    def is_restarting(self) -> bool:
+        """Every replica is restarting: nothing can run until one is back."""
+        return all(self._is_restarting(r) for r in range(len(self.clients)))
 
     @property
     def num_in_flight(self) -> int:

@@ -149,6 +149,12 @@ class EngineClient(abc.ABC):
         """Whether the engine sleeps (as of the last sleep() or wake_up() that returned)."""
 
     @property
+    def is_restarting(self) -> bool:
+        """Whether a failed engine is being restarted (engine-core front ends with a restart
+        policy); while it is, new requests wait for it and health() says so."""
+        return False
+
+    @property
     @abc.abstractmethod
     def is_dead(self) -> bool:
         """The engine failed: no request can make progress any more."""

@@ -19,6 +19,17 @@ Per message from the core:
 A core that exits without EngineDead (killed, crashed) is noticed through its
 process sentinel and treated the same way.
 
+Restart (RestartPolicy, `rooflm serve --engine-restart`, on by default there):
+a core that dies is replaced by a fresh one of the same configuration
+(EngineCoreProcess.restart) instead. What it held is sorted by what the client
+has seen of it: a request that already streamed tokens fails with an
+EngineDeadError saying so (its tokens cannot be taken back); one that had none
+yet (queued, or in its prefill), and every group sent but not yet answered, is
+sent to the new core once, as it was. New requests wait for the new core;
+health() says "restarting" meanwhile. The crash-loop guard: a core that dies
+max_deaths times within window_s seconds stays down, and on_dead is called as
+without restart.
+
 Admission runs in the core, where the real queue is; aborts are sent and
 forgotten here at once (the core frees the blocks at its next chance).
 """
@@ -26,6 +37,7 @@ forgotten here at once (the core frees the blocks at its next chance).
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
@@ -54,6 +66,22 @@ logger = logging.getLogger(__name__)
 # After the core's process exits, how long its last messages (EngineDead and its
 # error) get to arrive before the exit itself is reported as the failure.
 EXIT_REPORT_GRACE_S = 0.5
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """Whether a core that dies is restarted, and when it stays down: at its max_deaths-th
+    death within window_s seconds (a crash loop: a restart would only die again)."""
+
+    enabled: bool = False
+    max_deaths: int = 5
+    window_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_deaths < 1:
+            raise ValueError(f"the crash-loop guard's max_deaths must be >= 1, got {self.max_deaths}")
+        if self.window_s <= 0:
+            raise ValueError(f"the crash-loop guard's window_s must be > 0, got {self.window_s}")
 
 
 @dataclass
@@ -123,13 +151,23 @@ class _PendingAdd:
     requests: list[GenerateRequest]
     streams: list[RequestStream]
     abort_reason: Optional[str] = None  # abort_all came first: abort it as soon as it is in
+    # Tracked requests sent again to a restarted core: nobody awaits the reply.
+    resubmitted: bool = False
 
 
 class EngineCoreClient(EngineClient):
     def __init__(self, core: EngineCoreProcess, limits: Optional[AdmissionLimits] = None,
-                 metrics=None):
-        """core: a launched EngineCoreProcess, owned by this client from start() on."""
+                 metrics=None, restart: Optional[RestartPolicy] = None):
+        """core: a launched EngineCoreProcess, owned by this client from start() on.
+        restart: what to do when the core dies (module docstring); default: stay down."""
         self.core = core
+        self.restart = restart or RestartPolicy()
+        self._deaths: collections.deque[float] = collections.deque()  # within the guard's window
+        self._restarting: Optional[str] = None  # why, while a new core is being started
+        self._restarted: Optional[asyncio.Event] = None
+        self._restart_task: Optional[asyncio.Task] = None
+        self._retried: set[str] = set()  # request ids sent again once already
+        self.num_restarts = 0
         self.limits = limits or AdmissionLimits()
         self.metrics = metrics or NullMetrics()
         self._snapshot: EngineSnapshot = core.ready_state.snapshot
@@ -165,13 +203,17 @@ class EngineCoreClient(EngineClient):
         self._send(Configure(self.limits.max_queued_requests, self.limits.max_tokens_in_flight,
                              self.limits.ttft_slo_ms))
         self._publish(self.core.ready_state)
-        socket = zmq.asyncio.Socket.from_socket(self.core.output_socket)
-        self._reader = self._loop.create_task(self._read_forever(socket), name="rooflm-core-reader")
-        self._loop.add_reader(self.core.sentinel, self._on_core_exit)
+        self._start_reading()
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Abort everything, let the core exit (killed after `timeout`), free the sockets."""
         self._begin_stop()
+        if self._restart_task is not None and not self._restart_task.done():
+            # A core being started got no Shutdown: close() sends one once it is up.
+            await asyncio.wait({self._restart_task}, timeout=timeout)
+            await self._stop_reading()
+            await asyncio.to_thread(self.core.close, timeout)
+            return
         await asyncio.to_thread(self.core.join, timeout)
         await self._stop_reading()
         self.core.close(timeout=0)  # it had its time: kill it if it is still there
@@ -189,8 +231,13 @@ class EngineCoreClient(EngineClient):
         self._stopped = True
         self._abort_tracked(list(self._tracked), "the server is stopping")
         self._fail_adds(EngineDeadError("the engine loop has stopped"))
-        if self._dead is None:
+        if self._dead is None and self._restarting is None:
             self._send_quietly(Shutdown())
+
+    def _start_reading(self) -> None:
+        socket = zmq.asyncio.Socket.from_socket(self.core.output_socket)
+        self._reader = self._loop.create_task(self._read_forever(socket), name="rooflm-core-reader")
+        self._loop.add_reader(self.core.sentinel, self._on_core_exit)
 
     async def _stop_reading(self) -> None:
         if self._loop is not None:
@@ -198,11 +245,18 @@ class EngineCoreClient(EngineClient):
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
+            if self._loop is not None and not self.core.output_socket.closed:
+                # zmq.asyncio watches the socket's descriptor until its wrapper is closed, which
+                # the core's own close() skips: a restarted core's socket may get the same
+                # number, and the stale watch would hide it from the new reader.
+                self._loop.remove_reader(self.core.output_socket.FD)
 
     # ---- requests ------------------------------------------------------------------------------------
 
     async def generate(self, requests: list[GenerateRequest],
                        bypass_limits: bool = False) -> list[RequestStream]:
+        if self._restarting is not None:
+            await self._restarted.wait()  # the new core takes it; or it stayed down (raised below)
         self._raise_if_unavailable()
 
         def send(streams: list[RequestStream]) -> asyncio.Future:
@@ -248,6 +302,8 @@ class EngineCoreClient(EngineClient):
         """None while the engine core is alive and making progress; else why not."""
         if self._dead is not None:
             return f"the engine failed: {self._dead}"
+        if self._restarting is not None:
+            return f"the engine core is restarting after it failed: {self._restarting}"
         if not self._started or self._stopped:
             return "the engine loop is not running"
         # The core's own clock reading: monotonic time is one clock for the whole host.
@@ -259,6 +315,10 @@ class EngineCoreClient(EngineClient):
     @property
     def is_dead(self) -> bool:
         return self._dead is not None
+
+    @property
+    def is_restarting(self) -> bool:
+        return self._restarting is not None
 
     @property
     def num_in_flight(self) -> int:
@@ -282,6 +342,8 @@ class EngineCoreClient(EngineClient):
 
     def _send_quietly(self, message) -> None:
         """For aborts: a core that cannot be reached holds nothing to free."""
+        if self._restarting is not None:
+            return  # the dead core held it; the new one never will
         try:
             self._send(message)
         except EngineDeadError:
@@ -326,9 +388,13 @@ class EngineCoreClient(EngineClient):
 
     def _on_add_reply(self, reply: AddReply) -> None:
         pending = self._adds.pop(reply.batch_id, None)
+        if pending is not None and pending.resubmitted:
+            self._on_resubmit_reply(pending, reply)
+            return
         if pending is None or pending.future.done():
             return  # the caller gave up (cancelled): its abort is on its way to the core
         if reply.error is not None:
+            self._retried.difference_update(r.request_id for r in pending.requests)
             pending.future.set_exception(_add_error(reply.error))
             return
         for request, stream in zip(pending.requests, pending.streams):
@@ -377,6 +443,7 @@ class EngineCoreClient(EngineClient):
     def _finish(self, tracked: _Tracked, reason: str, now: float,
                 out: Optional[RequestOutput] = None) -> None:
         self._tracked.pop(tracked.request.request_id, None)
+        self._retried.discard(tracked.request.request_id)
         if self.on_request_done is not None:
             self.on_request_done(tracked.request)
         tracked.observe_end(self.metrics, reason, now, out)
@@ -393,7 +460,9 @@ class EngineCoreClient(EngineClient):
 
     def _fail_adds(self, error: BaseException) -> None:
         for pending in self._adds.values():
-            if not pending.future.done():
+            if pending.resubmitted:
+                pending.future.cancel()  # nobody awaits it: its requests' streams are told
+            elif not pending.future.done():
                 pending.future.set_exception(error)
         self._adds.clear()
         for future, _ in self._sleep_calls.values():
@@ -411,15 +480,32 @@ class EngineCoreClient(EngineClient):
     def _on_core_exit(self) -> None:
         self._loop.remove_reader(self.core.sentinel)
         if not self._stopped and self._dead is None:
-            self._loop.call_later(EXIT_REPORT_GRACE_S, self._report_exit)
+            self._loop.call_later(EXIT_REPORT_GRACE_S, self._report_exit, self.core.process)
 
-    def _report_exit(self) -> None:
-        if not self._stopped and self._dead is None:
-            self._die(f"the engine core process exited with code {self.core.exitcode}", None)
+    def _report_exit(self, process) -> None:
+        # A restart may have replaced the process meanwhile: its death was handled already.
+        if not self._stopped and self._dead is None and process is self.core.process:
+            self._die(f"the engine core process exited with code {process.exitcode}", None)
 
     def _die(self, error: str, state: Optional[CoreState]) -> None:
-        if self._dead is not None:
+        """The core failed: restart it (RestartPolicy), or fail everything for good."""
+        if self._dead is not None or self._restarting is not None:
             return
+        if not self.restart.enabled or self._stopped:
+            self._fail_for_good(error, state)
+            return
+        now = time.monotonic()
+        self._deaths.append(now)
+        while now - self._deaths[0] > self.restart.window_s:
+            self._deaths.popleft()
+        if len(self._deaths) >= self.restart.max_deaths:
+            self._fail_for_good(f"{error}; it died {len(self._deaths)} times within "
+                                f"{self.restart.window_s:g} s, so it stays down (crash-loop guard)",
+                                state)
+            return
+        self._begin_restart(error)
+
+    def _fail_for_good(self, error: str, state: Optional[CoreState]) -> None:
         self._dead = error
         logger.error("the engine failed (%s); failing %d in-flight requests", error,
                      len(self._tracked))
@@ -433,6 +519,103 @@ class EngineCoreClient(EngineClient):
             self._publish(state)
         if self._on_dead is not None:
             self._on_dead(exc)
+
+
+    # ---- restart -------------------------------------------------------------------------------------
+
+    def _begin_restart(self, error: str) -> None:
+        self._restarting = error
+        self._restarted = asyncio.Event()
+        lost = EngineDeadError(f"the engine failed: {error}; this request had produced tokens, "
+                               f"which cannot be taken back: retry it (the engine core is restarting)")
+        kept = failed = 0
+        for request_id, tracked in list(self._tracked.items()):
+            if tracked.first_token_time is None and request_id not in self._retried:
+                kept += 1
+                continue  # nothing streamed yet: the new core runs it from the start
+            failed += 1
+            self._fail_tracked(tracked, lost)
+        for future, _ in self._sleep_calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(f"the engine failed: {error}"))
+        self._sleep_calls.clear()
+        logger.error("the engine core failed (%s); restarting it: %d requests failed (they had "
+                     "streamed tokens), %d kept for the new core, %d groups to send again", error,
+                     failed, kept, len(self._adds))
+        self._restart_task = self._loop.create_task(self._restart_core(error),
+                                                    name="rooflm-core-restart")
+
+    async def _restart_core(self, error: str) -> None:
+        await self._stop_reading()
+        started = time.monotonic()
+        try:
+            await asyncio.to_thread(self.core.restart)
+        except Exception as exc:  # noqa: BLE001 - EngineStartError or worse: the engine stays down
+            self._restarting = None
+            if not self._stopped:
+                self._fail_for_good(f"{error}; restarting the engine core failed: {exc}", None)
+            self._restarted.set()
+            return
+        if self._stopped:
+            self._restarted.set()
+            return  # shutdown() closes the new core
+        self.num_restarts += 1
+        self._restarting = None
+        self._sleeping = self.core.ready_state.snapshot.is_sleeping  # a new core starts awake
+        self._last_progress = time.monotonic()
+        self._publish(self.core.ready_state)
+        self._send(Configure(self.limits.max_queued_requests, self.limits.max_tokens_in_flight,
+                             self.limits.ttft_slo_ms))
+        self._start_reading()
+        self._resubmit()
+        logger.warning("engine core back after %.1f s (restart %d)", time.monotonic() - started,
+                       self.num_restarts)
+        self._restarted.set()
+
+    def _resubmit(self) -> None:
+        """Send the new core what the dead one held that had produced nothing, once each."""
+        for batch_id, pending in list(self._adds.items()):
+            if pending.future.done():
+                del self._adds[batch_id]  # its caller gave up
+                continue
+            ids = [r.request_id for r in pending.requests]
+            if any(request_id in self._retried for request_id in ids):
+                del self._adds[batch_id]
+                self._retried.difference_update(ids)
+                pending.future.set_exception(EngineDeadError(
+                    "the engine core died twice while this request waited to be admitted"))
+                continue
+            self._retried.update(ids)
+            # Limits were checked when it was first sent; the new core's queue is empty.
+            self._send(AddRequests(batch_id, pending.requests, True))
+        kept = list(self._tracked.values())
+        if kept:
+            requests = [tracked.request for tracked in kept]
+            self._retried.update(r.request_id for r in requests)
+            batch_id = next(self._batch_ids)
+            self._adds[batch_id] = _PendingAdd(self._loop.create_future(), requests,
+                                               [t.stream for t in kept], resubmitted=True)
+            self._send(AddRequests(batch_id, requests, True))
+
+    def _on_resubmit_reply(self, pending: _PendingAdd, reply: AddReply) -> None:
+        pending.future.set_result(None)  # nobody awaits it
+        if reply.error is None:
+            return
+        error = EngineDeadError(f"the restarted engine core refused a request it was sent again: "
+                                f"{reply.error.message}")
+        for request in pending.requests:
+            tracked = self._tracked.get(request.request_id)
+            if tracked is not None:
+                self._fail_tracked(tracked, error)
+
+    def _fail_tracked(self, tracked: _Tracked, error: EngineDeadError) -> None:
+        """One request ends in error while the engine lives on (a router's load is released)."""
+        self._tracked.pop(tracked.request.request_id, None)
+        self._retried.discard(tracked.request.request_id)
+        if self.on_request_done is not None:
+            self.on_request_done(tracked.request)
+        tracked.observe_failure(self.metrics)
+        tracked.stream.put(error)
 
 
 def _add_error(error: AddError) -> Exception:

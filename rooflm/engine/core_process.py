@@ -14,6 +14,10 @@ EngineCoreClient (core_client.py) does the talking over the sockets.
 The sockets are ipc:// files in a private temporary directory (mode 0700, so
 only this user can connect), removed by close().
 
+restart() replaces a core that died with a fresh one built from the same
+configuration, environment and tokenizer, in place: the server's references to
+this handle (its info, tokenizer, observers) stay valid across it.
+
 No orphans: the core polls this process's pid and exits when it is gone
 (core.py); close() ends it from here (Shutdown, a wait, then SIGKILL: the core
 ignores SIGTERM), and an atexit hook calls close() for exits that skip it.
@@ -32,8 +36,10 @@ from typing import Callable, Optional
 import msgspec
 import zmq
 
+import rooflm.envs as envs
 from rooflm.config import EngineConfig
 from rooflm.engine.core import run_engine_core
+from rooflm.engine.cpu_threads import child_environment, machine_plan, spawn_environment
 from rooflm.engine.core_protocol import (CoreState, EngineDead, EngineReady, Shutdown, encoder,
                                          output_decoder)
 from rooflm.engine.report import EngineInfo, StepReport
@@ -64,6 +70,8 @@ class EngineCoreProcess:
         self.ready_state: Optional[CoreState] = None  # the core's state at EngineReady
         self.observers: list[Callable[[StepReport], None]] = []
         self._closed = False
+        # What launch() was given, for restart(): (config, env).
+        self._launch_args: Optional[tuple[EngineConfig, dict[str, str]]] = None
 
     @classmethod
     def launch(cls, config: EngineConfig, env: Optional[dict[str, str]] = None,
@@ -72,6 +80,39 @@ class EngineCoreProcess:
 
         env: variables the core sets before it builds the engine (a data-parallel replica's
         CUDA_VISIBLE_DEVICES); tokenizer: one already loaded (the replicas share one)."""
+        core = cls._spawn(config, env)
+        try:
+            core.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
+            core._become_ready()
+        except BaseException:
+            core.close(timeout=0)
+            raise
+        return core
+
+    def restart(self) -> None:
+        """Replace a core that died (or is to be dropped) with a fresh one of the same
+        configuration; blocks until it is ready. Raises EngineStartError, leaving this handle
+        closed. The caller stops using the sockets first: they are replaced."""
+        config, env = self._launch_args
+        old_pid = self.process.pid
+        self.close(timeout=0)
+        fresh = type(self)._spawn(config, env)
+        # Take over the fresh process's resources: this object is the one the server holds.
+        self.process, self.context = fresh.process, fresh.context
+        self.input_socket, self.output_socket = fresh.input_socket, fresh.output_socket
+        self.socket_dir, self._closed = fresh.socket_dir, False
+        atexit.unregister(fresh.close)
+        atexit.register(self.close)
+        try:
+            self._become_ready()
+        except BaseException:
+            self.close(timeout=0)
+            raise
+        logger.warning("engine core restarted: pid %d replaces pid %s", self.process.pid, old_pid)
+
+    @classmethod
+    def _spawn(cls, config: EngineConfig, env: Optional[dict[str, str]]) -> "EngineCoreProcess":
+        """The core's process started and its sockets open; not yet ready."""
         socket_dir = tempfile.mkdtemp(prefix="rooflm-core-")
         input_address = f"ipc://{socket_dir}/input"
         output_address = f"ipc://{socket_dir}/output"
@@ -90,18 +131,17 @@ class EngineCoreProcess:
                   multiprocessing.current_process().pid, logging.getLogger().getEffectiveLevel(),
                   logging.getLogger("rooflm").getEffectiveLevel()))
         core = cls(process, context, input_socket, output_socket, socket_dir)
-        process.start()
+        core._launch_args = (config, dict(env or {}))
+        with spawn_environment(_cpu_environment(config)):
+            process.start()
         atexit.register(core.close)
-        try:
-            core.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
-            ready = core._wait_ready()
-        except BaseException:
-            core.close(timeout=0)
-            raise
-        core.info, core.ready_state = ready.info, ready.state
-        logger.info("engine core ready (pid %d): %s on %s, %d KV blocks", process.pid,
-                    core.info.model, core.info.device, core.info.num_blocks)
         return core
+
+    def _become_ready(self) -> None:
+        ready = self._wait_ready()
+        self.info, self.ready_state = ready.info, ready.state
+        logger.info("engine core ready (pid %d): %s on %s, %d KV blocks", self.process.pid,
+                    self.info.model, self.info.device, self.info.num_blocks)
 
     def _wait_ready(self) -> EngineReady:
         decode = output_decoder().decode
@@ -174,7 +214,23 @@ def _run_engine_core_in(env: dict[str, str], *args) -> None:
     when it starts, which is later, when the engine is built)."""
     import os
     os.environ.update(env)
+    pinned = envs.get("ROOFLM_CPU_THREADS")
+    if pinned > 0:
+        import torch
+        torch.set_num_threads(pinned)
     run_engine_core(*args)
+
+
+def _cpu_environment(config: EngineConfig) -> dict[str, str]:
+    """A CPU core's threads and OpenMP wait policy for this machine now (cpu_threads.py)."""
+    device = config.device.device
+    if device != "cpu":
+        import torch
+        if device != "auto" or torch.cuda.is_available():
+            return {}
+    plan = machine_plan()
+    logger.info("engine core CPU threads: %s", plan.reason)
+    return child_environment(plan)
 
 
 def load_tokenizer(config: EngineConfig):

@@ -26,7 +26,10 @@ Each request ends with one access log line (access_log.py) unless --disable-log-
 error shape naming the endpoint as unsupported; a wrong method is a 405.
 
 Health: /health is 200 while the engine loop is alive and making progress;
-/ready is 200 once a warm-up generation has run, until shutdown begins.
+/ready is 200 once a warm-up generation has run, until shutdown begins. An
+engine core that dies is restarted (--engine-restart, the default): both answer
+503 only while the new core starts; requests that had streamed tokens fail,
+the others are run on the new core (engine/core_client.py).
 
 Sleep mode (vLLM's endpoints, with --enable-sleep-mode; without it they answer 404
 naming the flag): POST /sleep?level=1|2 aborts what runs and frees the device (the
@@ -65,6 +68,7 @@ from rooflm.server.middleware import DOCS_PATH, OPENAPI_PATH, APIKeyMiddleware, 
 from rooflm.server.request_id import HEADER as REQUEST_ID_HEADER
 from rooflm.server.request_id import RequestIdMiddleware, request_id
 from rooflm.server.responses import create_response
+from rooflm.server.slow_clients import BodyTimeoutMiddleware
 from rooflm.server.tokenize import detokenize, tokenize, tokenizer_info, version
 from rooflm.server.state import ServerState
 from rooflm.version import __version__
@@ -97,13 +101,14 @@ def create_app(engine_kwargs: Optional[dict] = None, config: Optional[ServerConf
         from rooflm.dp.replicas import ReplicaSet
         engine = ReplicaSet.launch(engine_config_from_kwargs(**(engine_kwargs or {})),
                                    config.data_parallel_size)
-        front = partial(DPClient, policy=config.dp_routing)
+        front = partial(DPClient, policy=config.dp_routing, restart=config.restart_policy())
     elif engine is None and engine_process:
         from rooflm.config import engine_config_from_kwargs
         from rooflm.engine.core_client import EngineCoreClient
         from rooflm.engine.core_process import EngineCoreProcess
+        from functools import partial
         engine = EngineCoreProcess.launch(engine_config_from_kwargs(**(engine_kwargs or {})))
-        front = EngineCoreClient
+        front = partial(EngineCoreClient, restart=config.restart_policy())
     elif engine is None:
         from rooflm.engine.llm_engine import LLMEngine
         engine = LLMEngine.from_kwargs(**(engine_kwargs or {}))
@@ -135,6 +140,9 @@ def create_app(engine_kwargs: Optional[dict] = None, config: Optional[ServerConf
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
     app.add_middleware(HeaderLimitMiddleware, max_header_bytes=config.max_header_bytes)
+    # Inside the id and access-log middleware, so a 408 or 503 for a slow body has both.
+    app.add_middleware(BodyTimeoutMiddleware, timeout_s=config.body_timeout_s,
+                       gate=state.body_gate)
     if config.allowed_origins:
         # Added last, so it runs first: preflights and 401s carry CORS headers.
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
@@ -201,7 +209,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def ready():
         if state.draining:
             return error_response(server_error("the server is shutting down", 503, "not_ready"))
-        if not state.ready or state.engine_client.is_dead:
+        if not state.ready or state.engine_client.is_dead or state.engine_client.is_restarting:
             return error_response(server_error("the server is not ready", 503, "not_ready"))
         if state.engine_client.is_sleeping:
             return error_response(server_error("the engine is sleeping", 503, "sleeping"))

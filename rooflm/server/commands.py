@@ -63,8 +63,28 @@ def register(subparsers) -> None:
                             "overrides it (default: 0, no budget)")
     group.add_argument("--request-timeout", type=float, default=600.0,
                        help="seconds before a request is aborted (default: 600; 0: never)")
+    group.add_argument("--header-timeout-s", type=float, default=60.0,
+                       help="a request head (line + headers) not complete this many seconds after "
+                            "its first byte gets 408 and its connection closed (default: 60, as "
+                            "nginx; 0: none)")
+    group.add_argument("--body-timeout-s", type=float, default=60.0,
+                       help="a request body not complete this many seconds after its head gets "
+                            "408 and its connection closed (default: 60, as nginx; 0: none)")
+    group.add_argument("--max-reading-connections", type=int, default=256,
+                       help="request heads (and, apart, bodies) still arriving at once; past it "
+                            "new connections (slow bodies) get 503 at once, admitted requests are "
+                            "untouched (default: 256)")
     group.add_argument("--health-stall-seconds", type=float, default=30.0,
                        help="/health fails when the engine loop makes no progress this long")
+    group.add_argument("--engine-restart", action=argparse.BooleanOptionalAction, default=True,
+                       help="restart an engine core that dies, with the same configuration: "
+                            "requests that had streamed tokens fail, queued ones run on the new "
+                            "core (default: on; --no-engine-restart: the server fails as a whole)")
+    group.add_argument("--engine-restart-max-deaths", type=int, default=5,
+                       help="crash-loop guard: a core that dies this many times within "
+                            "--engine-restart-window-s stays down (default: 5)")
+    group.add_argument("--engine-restart-window-s", type=float, default=60.0,
+                       help="the crash-loop guard's window in seconds (default: 60)")
     group.add_argument("--keep-running-on-error", action="store_true",
                        help="after an engine failure stay up (unhealthy) instead of exiting with 1")
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -96,6 +116,10 @@ def register(subparsers) -> None:
     group.add_argument("--lora-modules", nargs="+", default=(), metavar="NAME=PATH",
                        help="LoRA adapters (PEFT directories) served under these model names "
                             "(needs --enable-lora)")
+    group.add_argument("--cpu-threads", type=int, default=None,
+                       help="a CPU engine core's torch threads, pinned (default: chosen for the "
+                            "machine: fewer than its cores, with a passive OpenMP wait, when the "
+                            "load average says other work runs; ROOFLM_CPU_CONTENTION=off: torch's)")
     group.add_argument("--uvicorn-log-level", default="warning")
     add_engine_args(parser)
     parser.set_defaults(func=cmd_serve)
@@ -115,7 +139,13 @@ def server_config(args: argparse.Namespace):
         max_body_bytes=args.max_body_bytes,
         max_header_bytes=args.max_header_bytes,
         request_timeout=args.request_timeout,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        max_reading_connections=args.max_reading_connections,
         health_stall_seconds=args.health_stall_seconds,
+        engine_restart=args.engine_restart,
+        engine_restart_max_deaths=args.engine_restart_max_deaths,
+        engine_restart_window_s=args.engine_restart_window_s,
         keep_running_on_error=args.keep_running_on_error,
         shutdown_timeout=args.shutdown_timeout,
         log_interval=args.log_interval,
@@ -233,12 +263,19 @@ def _serve_on(args: argparse.Namespace, config, listeners: list[socket.socket]) 
     import uvicorn
 
     from rooflm.server.app import create_app
+    from rooflm.server.slow_clients import head_timeout_protocol
     from rooflm.server.state import FLUSH_GRACE_S
 
     from rooflm.engine.core_process import EngineStartError
     from rooflm.server.chat_template import ChatTemplateError
 
     _show_server_logs()
+    if args.cpu_threads is not None:
+        if args.cpu_threads < 1:
+            print(f"rooflm: error: --cpu-threads must be >= 1, got {args.cpu_threads}",
+                  file=sys.stderr)
+            return 2
+        envs.put("ROOFLM_CPU_THREADS", str(args.cpu_threads))  # the engine core reads it
     try:
         app = create_app(engine_kwargs(args), config, engine_process=args.engine_process)
     except ChatTemplateError as exc:
@@ -252,7 +289,8 @@ def _serve_on(args: argparse.Namespace, config, listeners: list[socket.socket]) 
         return 2
     state = app.state.rooflm
     uvicorn_config = uvicorn.Config(
-        app, host=args.host, port=args.port, http="h11", lifespan="on",
+        app, host=args.host, port=args.port, lifespan="on",
+        http=head_timeout_protocol(config.header_timeout_s, state.head_gate),
         log_level=args.uvicorn_log_level, server_header=False,
         # Twice our own limit: a head arriving in pieces is buffered long enough
         # for the app to answer 431 in OpenAI's shape, and never without bound.

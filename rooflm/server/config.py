@@ -26,7 +26,17 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     max_header_bytes: int = 16 * 1024
     request_timeout: float = 600.0  # seconds; 0: none
+    # Slow clients (server/slow_clients.py): a request head or body that takes longer gets 408;
+    # past max_reading_connections heads (or bodies) still arriving, new ones get 503. 0 s: none.
+    header_timeout_s: float = 60.0
+    body_timeout_s: float = 60.0
+    max_reading_connections: int = 256
     health_stall_seconds: float = 30.0
+    # An engine core that dies is restarted (engine/core_client.py), unless it died
+    # engine_restart_max_deaths times within engine_restart_window_s: then it stays down.
+    engine_restart: bool = True
+    engine_restart_max_deaths: int = 5
+    engine_restart_window_s: float = 60.0
     keep_running_on_error: bool = False
     shutdown_timeout: float = 30.0
     log_interval: float = 10.0  # seconds; 0: no periodic log line
@@ -48,19 +58,28 @@ class ServerConfig:
     lora_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("max_queued_requests", "max_n", "max_body_bytes", "max_header_bytes"):
+        for name in ("max_queued_requests", "max_n", "max_body_bytes", "max_header_bytes",
+                     "max_reading_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("request_timeout", "health_stall_seconds", "shutdown_timeout",
-                     "log_interval", "peak_bandwidth_gbs", "ttft_slo_ms"):
+                     "log_interval", "peak_bandwidth_gbs", "ttft_slo_ms", "header_timeout_s",
+                     "body_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        self.restart_policy()  # raises, naming what is wrong
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         from rooflm.dp.router import canonical_policy
         canonical_policy(self.dp_routing)  # raises, naming the policies
         if self.max_tokens_in_flight is not None and self.max_tokens_in_flight < 0:
             raise ValueError(f"max_tokens_in_flight must be >= 0, got {self.max_tokens_in_flight}")
+
+    def restart_policy(self):
+        """What an engine-core front end does when its core dies."""
+        from rooflm.engine.core_client import RestartPolicy
+        return RestartPolicy(self.engine_restart, self.engine_restart_max_deaths,
+                             self.engine_restart_window_s)
 
     def tokens_in_flight_cap(self, kv_capacity_tokens: int) -> int:
         """The cap on tokens reserved by admitted requests; 0: none."""

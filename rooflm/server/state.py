@@ -15,6 +15,8 @@ import time
 import uuid
 from typing import Callable, Optional
 
+from prometheus_client import Gauge
+
 from rooflm.engine.client import EngineClient, EngineClientFactory
 from rooflm.engine.host_gc import tune_gc_for_serving
 from rooflm.engine.request_types import AdmissionLimits, GenerateRequest
@@ -26,6 +28,7 @@ from rooflm.server.config import ServerConfig
 from rooflm.server.errors import server_error
 from rooflm.server.logprobs import LogprobFormatter
 from rooflm.server.metrics import ServerMetrics
+from rooflm.server.slow_clients import ReadingGate
 from rooflm.server.stats import attach_step_meter, log_stats_forever
 
 logger = logging.getLogger(__name__)
@@ -70,6 +73,14 @@ class ServerState:
         self.limits = p.RequestLimits(max_n=config.max_n, vocab_size=self.info.model_config.vocab_size,
                                       max_model_len=self.info.max_model_len)
         self.logprobs = LogprobFormatter(self.tokenizer)
+        # Heads (uvicorn's protocol) and bodies (the app's middleware) still arriving, each
+        # bounded on its own: slow bodies never crowd out a fast request's head.
+        self.head_gate = ReadingGate(config.max_reading_connections)
+        self.body_gate = ReadingGate(config.max_reading_connections)
+        for gate, name, what in ((self.head_gate, "rooflm:reading_heads", "request heads"),
+                                 (self.body_gate, "rooflm:reading_bodies", "request bodies")):
+            Gauge(name, f"Connections whose {what} are still arriving.",
+                  registry=self.metrics.registry).set_function(lambda gate=gate: gate.reading)
         self.ready = False
         self.draining = False
         self.exit_code = 0

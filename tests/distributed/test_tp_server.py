@@ -19,7 +19,8 @@ def tp_server(tmp_path):
     path, _ = make_tiny_model(tmp_path, "llama", attention="gqa")
     server = start_server(tmp_path, "tp2", [
         "--model", str(path), "--tensor-parallel-size", "2", "--device", "cpu", "--dtype", "float32",
-        "--max-model-len", "256", "--num-blocks", "64", "--log-interval", "0", "--keep-running-on-error"])
+        "--max-model-len", "256", "--num-blocks", "64", "--log-interval", "0", "--keep-running-on-error",
+        "--no-engine-restart"])
     try:
         server.wait_ready()
         yield server
@@ -54,7 +55,8 @@ def test_a_worker_that_raises_makes_the_server_report_its_rank_and_error(tmp_pat
     path, _ = make_tiny_model(tmp_path, "llama", attention="gqa")
     server = start_server(tmp_path, "tp2-fault", [
         "--model", str(path), "--tensor-parallel-size", "2", "--device", "cpu", "--dtype", "float32",
-        "--max-model-len", "256", "--num-blocks", "64", "--log-interval", "0", "--keep-running-on-error"],
+        "--max-model-len", "256", "--num-blocks", "64", "--log-interval", "0", "--keep-running-on-error",
+        "--no-engine-restart"],
         env={"ROOFLM_TP_FAULT_INJECT": "1:2"})
     try:
         server.wait_ready()

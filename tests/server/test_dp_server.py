@@ -35,7 +35,9 @@ def model(tmp_path_factory):
 def _args(model: str, routing: str) -> list[str]:
     return ["--model", model, "--device", "cpu", "--dtype", "float32", "--num-blocks", "64",
             "--served-model-name", "tiny", "--log-interval", "0", "--disable-log-requests",
-            "--data-parallel-size", "2", "--dp-routing", routing, "--keep-running-on-error"]
+            "--data-parallel-size", "2", "--dp-routing", routing, "--keep-running-on-error",
+            # A killed replica stays down here; its restart is test_engine_restart's.
+            "--no-engine-restart"]
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,9 @@ def servers(tmp_path_factory):
         # Its core runs under cProfile (ROOFLM_ENGINE_CORE_PROFILE): the SIGTERM test reads the stats.
         "core": start_server(tmp, "core", SMALL_ENGINE_ARGS,
                              env={"ROOFLM_ENGINE_CORE_PROFILE": str(tmp / "core.prof")}),
-        "crash": start_server(tmp, "crash", SMALL_ENGINE_ARGS + ["--keep-running-on-error"]),
+        # --no-engine-restart: the server as a whole fails (a restart is test_engine_restart's).
+        "crash": start_server(tmp, "crash", SMALL_ENGINE_ARGS + ["--keep-running-on-error",
+                                                                 "--no-engine-restart"]),
         "orphan": start_server(tmp, "orphan", SMALL_ENGINE_ARGS),
         "thread": start_server(tmp, "thread", SMALL_ENGINE_ARGS + ["--no-engine-process",
                                                                    "--disable-log-requests"]),

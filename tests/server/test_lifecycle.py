@@ -37,10 +37,12 @@ TOO_LONG_TOKENS = 2000  # two of these fit the 300 blocks; the 2 s timeout needs
 def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lifecycle")
     fault = {"ROOFLM_FAULT_INJECT_STEP": str(FAULT_STEP)}
+    # --no-engine-restart: a failure ends the server as a whole (test_engine_restart* restart it).
+    no_restart = SMALL_ENGINE_ARGS + ["--no-engine-restart"]
     started = {
-        "keep": start_server(tmp, "fault-keep", SMALL_ENGINE_ARGS + ["--keep-running-on-error"],
+        "keep": start_server(tmp, "fault-keep", no_restart + ["--keep-running-on-error"],
                              env=fault),
-        "exit": start_server(tmp, "fault-exit", SMALL_ENGINE_ARGS, env=fault),
+        "exit": start_server(tmp, "fault-exit", no_restart, env=fault),
         "drain": start_server(tmp, "drain", LONG_ENGINE_ARGS + [
             "--shutdown-timeout", "8", "--peak-bandwidth-gbs", "50"]),
         "timeout": start_server(tmp, "timeout", LONG_ENGINE_ARGS + ["--request-timeout", "2"]),

@@ -15,8 +15,9 @@ from rooflm.sampling_params import SamplingParams
 class StandInClient:
     """What DPClient uses of an EngineCoreClient; admits at once, finishes when told."""
 
-    def __init__(self, core, limits, metrics):
+    def __init__(self, core, limits, metrics, restart=None):
         self.index = core.index
+        self.is_restarting = False
         self.admitted: list[GenerateRequest] = []
         self.aborted: list = []
         self.busy = False
