@@ -14,7 +14,6 @@ exactly as rank 0 does, so every rank launches the same kernels in the same orde
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 import torch
