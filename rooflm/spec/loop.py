@@ -206,7 +206,7 @@ class SpecLoop:
     def _accept_torch(self, b: int, target: torch.Tensor) -> None:
         """Step 4 in torch ops, from _targets' [B, W]: the CPU path, and the reference of
         kernels/spec_loop_step.py."""
-        w = self.width
+        w, k = self.width, self.k
         drafts = self.drafts[:b]
         valid = self.cols_k[None, :] < self.num_drafts[:b, None]
         accepted = ((drafts == target[:, :k]) & valid).long().cumprod(dim=1).sum(dim=1)  # [B]
