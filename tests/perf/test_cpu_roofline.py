@@ -1,7 +1,8 @@
 """`rooflm roofline` on a CPU speaks of the CPU (SIMD FMA, DRAM, its measured roofs) and prices the
 precision the CPU engine runs: the default model's Q4_1 blocks at 5 bits a weight with int8
-activations, its Q8_0 tied head, fp32 activations and KV (issue 52). Whether the bound is near
-`bench latency` is a timing, measured by hand (docs/roofline.md); here, its inputs."""
+activations, its Q8_0 tied head, fp32 activations and KV (issue 52), with the int8 roof the native
+block kernels' own measured rate. Here, the model's inputs; the bound against a measured decode step
+is tests/models/test_cpu_roofline_measured.py."""
 
 import io
 
@@ -84,4 +85,7 @@ def test_cpu_is_a_device_choice_and_a_measured_cpu_is_one(monkeypatch):
     measured = get_gpu("cpu")
     assert measured.is_cpu and measured.mem_bw_gbs > 0 and measured.peak_flops("int8") > 0
     assert measured.compute_roof_name("int8") == "int8 SIMD dot" and measured.memory_name == "DRAM"
+    # The int8 roof is the native block kernels' rate, not the fp32 FMA's taken for it.
+    assert "native int8 block dot" in measured.source
+    assert measured.peak_flops("int8") != measured.peak_flops("fp32")
     assert not get_gpu("h100").is_cpu and get_gpu("h100").memory_name == "HBM"
