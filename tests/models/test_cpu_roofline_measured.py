@@ -72,3 +72,9 @@ def test_cpu_roofline_bound_is_within_2x_of_a_measured_decode_step(smollm2, monk
     ratio = measured / bound
     assert 0.5 <= ratio <= 2.0, (f"best decode step {measured * 1e3:.2f} ms (CPU time, 1 thread) is "
                                  f"{ratio:.2f}x the roofline's step floor {bound * 1e3:.2f} ms")
+
+
+def test_the_cpu_engine_reports_its_int8_block_matmuls(smollm2):
+    """`bench latency` and the live meter price the engine's steps from EngineInfo: on a CPU the
+    default model's linears run in the native int8 block kernels, so at that roof."""
+    assert smollm2.engine.info.matmul_dtype == "int8"
