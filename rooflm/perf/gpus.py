@@ -284,7 +284,7 @@ def measure_gpu(device: Optional[str] = None, copy_bytes: int = 1 << 30, matmul_
 #     datasheet counts it; all threads timed together on a shared machine time the neighbours
 #     instead: an OpenMP region waits for its slowest thread, and at load 7 on the shared 2-core
 #     Xeon a 3 ms block matmul took 20-30 ms at 2 threads in 29 runs of 30, 2026-11-29):
-#       - fp32 and bf16: a 1024^3 matmul (the dtypes the CPU's float paths run in);
+#       - fp32 and bf16: a 1024^3 and a 512^3 matmul (the dtypes the CPU's float paths run in);
 #       - int8: rooflm's own GGUF block matmuls (quant/native.py), the kernels a GGUF model's
 #         layers run in on a CPU, on a weight that stays in cache (CPU_BLOCK_DOT_SHAPE), counted
 #         in the model's FLOPs (2 a weight a token). Their integer dot of 32 codes an instruction
@@ -302,6 +302,9 @@ def measure_gpu(device: Optional[str] = None, copy_bytes: int = 1 << 30, matmul_
 
 CPU_COPY_BYTES = 128 << 20
 CPU_MATMUL_N = 1024
+# bf16 without AMX runs at a fraction of the fp32 rate on a CPU: a 512^3 matmul shows the same
+# rate in an eighth of the time (a 1024^3 one took 0.4 s a run on one core of the shared Xeon).
+CPU_BF16_MATMUL_N = 512
 # (rows N, columns K, tokens M) of the block matmul timed for the int8 roof: N x K Q4_1 blocks
 # (1.3 MB: in L2 or L3, so the kernel, not DRAM, sets the time) against M tokens, a multiple of
 # the kernel's tile of 4 tokens a row unpacking (block_matmul.c), its best case.
@@ -372,15 +375,15 @@ def measure_cpu() -> GpuSpec:
     src = torch.randn(CPU_COPY_BYTES // 4)  # random, non-zero: nothing compresses it
     dst = torch.empty_like(src)
     copy_s = _best_seconds(lambda: dst.copy_(src))
-    n = CPU_MATMUL_N
+    n, n16 = CPU_MATMUL_N, CPU_BF16_MATMUL_N
     a = torch.randn(n, n)
     b = torch.randn(n, n)
     torch.set_num_threads(1)
     try:
         copy_s = min(copy_s, _best_seconds(lambda: dst.copy_(src)))
         one_core = {"fp32": 2 * n**3 / _best_seconds(lambda: torch.mm(a, b)) / 1e12}
-        a16, b16 = a.bfloat16(), b.bfloat16()
-        one_core["bf16"] = 2 * n**3 / _best_seconds(lambda: torch.mm(a16, b16)) / 1e12
+        a16, b16 = a[:n16, :n16].bfloat16(), b[:n16, :n16].bfloat16()
+        one_core["bf16"] = 2 * n16**3 / _best_seconds(lambda: torch.mm(a16, b16)) / 1e12
         block_dot = measure_block_dot_tflops()
     finally:
         torch.set_num_threads(threads)
@@ -396,7 +399,7 @@ def measure_cpu() -> GpuSpec:
         key="cpu", name=f"{cpu_model()} ({threads} threads, measured)", peak_tflops=tflops,
         mem_bw_gbs=copy_gbs, device="cpu",
         source=(f"measured, best of {REPEATS}: {CPU_COPY_BYTES >> 20} MiB copy {copy_gbs:.1f} GB/s; one core: "
-                f"{n}^3 matmul fp32 {one_core['fp32'] * 1e3:.1f} / bf16 {one_core['bf16'] * 1e3:.1f}, "
+                f"matmul fp32 {one_core['fp32'] * 1e3:.1f} ({n}^3) / bf16 {one_core['bf16'] * 1e3:.1f} ({n16}^3), "
                 f"{int8_note} GFLOP/s, x {threads} threads"))
 
 

@@ -6,7 +6,7 @@ waits on its slowest thread, a neighbour takes the core away mid-step), so both 
 where load cannot reach them:
   - one thread: the decoder's OpenMP region never waits on a second, descheduled thread;
   - the step in CPU seconds (time.process_time): time the scheduler gave a neighbour is not in it;
-  - the best of ~90 decode steps (three requests of 32 steps): a step a neighbour's cache
+  - the best of ~70 decode steps (three requests of 24): a step a neighbour's cache
     traffic slowed is not the best one;
   - the roofs as the roofline measures them (perf/gpus.py: best of 5 runs, this thread count).
 Load can still slow what remains (shared L3 and DRAM), which pushes the measurement up, away
@@ -25,8 +25,9 @@ import torch
 from rooflm.cli import build_parser
 from rooflm.sampling_params import SamplingParams
 
-PROMPT_TOKENS = 32
-OUTPUT_TOKENS = 33
+# A short prompt: at one thread its prefill costs about a decode step a token.
+PROMPT_TOKENS = 8
+OUTPUT_TOKENS = 26
 REQUESTS = 3
 
 
