@@ -18,6 +18,7 @@ from rooflm.perf.roofline import (
     engine_precision,
     expected_active_experts,
     kv_bytes_per_token_per_gpu,
+    layer_roof,
     phase_step_cost,
     roofline,
     summarize,
@@ -279,8 +280,9 @@ def format_roofline(step, gpu: GpuSpec, model_name: str, config: ModelConfig, ph
     lines.append(f"{model_name}: {config.num_params() / 1e9:.2f}B params{active}, {phase}, batch {batch_size}, "
                  f"context {context}, weights {weight_dtype} ({precision_note or fmt.note}), KV {kv_dtype}{tp_note}")
     if gpu.is_cpu:
-        lines.append(f"{gpu.name} [{gpu.source}]: {gpu.peak_flops(step.compute_dtype) / 1e9:,.1f} GFLOP/s "
-                     f"{gpu.compute_roof_name(step.compute_dtype)}, {gpu.peak_flops('fp32') / 1e9:,.1f} GFLOP/s "
+        roof = layer_roof(step, gpu)
+        lines.append(f"{gpu.name} [{gpu.source}]: {gpu.peak_flops(roof) / 1e9:,.1f} GFLOP/s "
+                     f"{gpu.compute_roof_name(roof)}, {gpu.peak_flops('fp32') / 1e9:,.1f} GFLOP/s "
                      f"{gpu.vector_roof_name}, {gpu.memory_name} {gpu.mem_bw_gbs:,.1f} GB/s")
     else:
         lines.append(f"{gpu.name} [{gpu.source}]: {gpu.peak_flops(step.compute_dtype) / 1e12:,.0f} "
@@ -323,8 +325,8 @@ def format_roofline(step, gpu: GpuSpec, model_name: str, config: ModelConfig, ph
     lines.append(f"step floor {summary.floor_s * 1e3:.3f} ms -> at most {rate}  [{per_what}]")
     if tp > 1:
         lines.append(_tp_line(step, gpu, config))
-    lines.append(f"ridge point of {gpu.key}: {gpu.ridge_point(step.compute_dtype):.0f} FLOP/B "
-                 f"({gpu.compute_roof_name(step.compute_dtype)}), {gpu.ridge_point('fp32'):.0f} FLOP/B "
+    lines.append(f"ridge point of {gpu.key}: {gpu.ridge_point(layer_roof(step, gpu)):.0f} FLOP/B "
+                 f"({gpu.compute_roof_name(layer_roof(step, gpu))}), {gpu.ridge_point('fp32'):.0f} FLOP/B "
                  f"({gpu.vector_roof_name}); this step's linear layers: {summary.matmul_intensity:.1f} FLOP/B")
     lines.append("")
     lines.extend(_wrap(verdict(step, gpu, phase, fmt.bytes_per_param), 100))

@@ -89,3 +89,22 @@ def test_cpu_is_a_device_choice_and_a_measured_cpu_is_one(monkeypatch):
     assert "native int8 block dot" in measured.source
     assert measured.peak_flops("int8") != measured.peak_flops("fp32")
     assert not get_gpu("h100").is_cpu and get_gpu("h100").memory_name == "HBM"
+
+
+def test_the_block_kernels_one_token_rate_prices_a_small_decode(default_model):
+    """Below the kernel's tile of 4 tokens a row, every token unpacks the weight blocks again: a
+    decode of 1-3 sequences runs at the one-token rate, 4 and more at the tile's."""
+    from rooflm.perf.gpus import BLOCK_DOT_TILE, INT8_ONE_TOKEN
+    from rooflm.perf.roofline import layer_roof, roofline
+
+    slow = GpuSpec(key="cpu", name="test CPU", peak_tflops={"fp32": 0.1, "int8": 0.04, INT8_ONE_TOKEN: 0.01},
+                   mem_bw_gbs=1000.0, device="cpu", source="test")  # DRAM out of the way: compute decides
+    precision = engine_precision("q4_1", on_cpu=True)
+    for batch, rate in ((1, 0.01), (BLOCK_DOT_TILE - 1, 0.01), (BLOCK_DOT_TILE, 0.04)):
+        step = phase_step_cost(default_model.config, "decode", batch, 64, weight_dtype="q4_1", kv_dtype="fp32",
+                               precision=precision)
+        gate_up = next(r for r in roofline(step, slow) if r.op.name == "gate_up_proj")
+        assert gate_up.peak_flops == rate * 1e12, batch
+        assert slow.peak_flops(layer_roof(step, slow)) == rate * 1e12
+    # The roof of one token a row is a CPU's only: a GPU's int8 stays its own.
+    assert layer_roof(step, get_gpu("h100")) == "int8"
