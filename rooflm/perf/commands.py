@@ -211,14 +211,13 @@ def gguf_embedding_bytes(gguf_path: str) -> Optional[float]:
     """Bytes per weight of a GGUF file's token embedding as stored (the default model's is Q8_0:
     34 bytes a block of 32), or None for a type the table lacks. The CPU engine keeps a tied LM
     head in those blocks (rooflm/quant/linear_method.py), so a CPU step reads it at that size."""
-    from gguf import GGUFReader
+    from rooflm.model.gguf_loader import tensor_type
 
-    for tensor in GGUFReader(gguf_path).tensors:
-        if tensor.name == "token_embd.weight":
-            kind = tensor.tensor_type.name
-            fmt = WEIGHT_FORMATS.get(kind.lower())
-            return fmt.bytes_per_param if fmt is not None else _GGML_FLOAT_BYTES.get(kind)
-    return None
+    kind = tensor_type(gguf_path, "token_embd.weight")
+    if kind is None:
+        return None
+    fmt = WEIGHT_FORMATS.get(kind.lower())
+    return fmt.bytes_per_param if fmt is not None else _GGML_FLOAT_BYTES.get(kind)
 
 
 # The analytic dtypes, and the engine's --kv-cache-dtype spellings (auto, fp8_e4m3) beside them.
