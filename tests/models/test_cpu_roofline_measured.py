@@ -10,10 +10,11 @@ where load cannot reach them:
     traffic slowed is not the best one;
   - the roofs as the roofline measures them (perf/gpus.py: best of 5 runs, this thread count).
 Load can still slow what remains (shared L3 and DRAM), which pushes the measurement up, away
-from the bound: on the shared Xeon at load 6 the best step was 1.3x the bound (docs/performance.md).
+from the bound: on the shared Xeon at load 5-10 the best step was 0.9-1.5x the bound
+(docs/performance.md).
 The check goes both ways: a bound far under the step is the bug issue 52 reported (the native
 int8 block dot priced at the fp32 FMA rate, 4x under), a bound far over it is a floor that is not
-one."""
+one. The same floor at 2 threads against `bench latency`'s wall clock: benchmarks/cpu_roofline_check.py."""
 
 import io
 import random
