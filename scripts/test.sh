@@ -15,7 +15,8 @@ fi
 # The suite's wall time, printed last whatever the outcome (target: under 15 min on 2 quiet cores).
 started=$SECONDS
 rc=0
-python -m pytest -q -p no:cacheprovider "$@" || rc=$?
+# --durations=25: every CI log names the slowest tests, so a test that grows shows up where it lands.
+python -m pytest -q -p no:cacheprovider --durations=25 "$@" || rc=$?
 elapsed=$((SECONDS - started))
 printf 'test suite wall time: %dm %02ds (pytest exit code %d)\n' $((elapsed / 60)) $((elapsed % 60)) "$rc"
 exit "$rc"

@@ -2,8 +2,22 @@
 `pytestmark`); without CUDA it is skipped here, saying so. `pytest -m gpu` runs only those,
 `pytest -m 'not gpu'` only the rest, plain `pytest` everything this machine can run."""
 
-import pytest
-import torch
+import os
+
+# One intra-op thread for the suite and every process it starts (servers, CLI runs, TP ranks):
+# its models are tiny, and an OpenMP region of 2 threads on a 2-core machine waits for its
+# slowest thread, which a neighbouring job (or the suite's own server subprocess) keeps off a
+# core: a tiny Gemma 3's 32 greedy tokens took 13.5 s at 2 threads and 1.8 s at 1 beside other
+# jobs (4.3 and 0.4 CPU seconds: the rest is spinning). Set before torch loads libgomp, which
+# reads it once; a test that needs more threads sets them itself (test_native_decode), and
+# OMP_NUM_THREADS=2 pytest ... still asks for two.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if os.environ["OMP_NUM_THREADS"].isdigit():  # the same, should a plugin have loaded torch first
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_collection_modifyitems(config, items):

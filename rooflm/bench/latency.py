@@ -175,7 +175,7 @@ def decode_step_cost(engine, batch_size: int, input_len: int, output_len: int):
                      decode_context_tokens=round(batch_size * mean_context),
                      weight_bytes=info.weight_dtype_bytes, kv_bytes=info.kv_dtype_bytes, act_bytes=act,
                      head_bytes=info.head_dtype_bytes or None, tp=info.tensor_parallel_size,
-                     compute_dtype=compute_dtype_name(getattr(torch, info.dtype)))
+                     compute_dtype=info.matmul_dtype or compute_dtype_name(getattr(torch, info.dtype)))
 
 
 def mbu_fields(step, tpot_s: Optional[float], gpu) -> dict:
@@ -192,7 +192,10 @@ def mbu_fields(step, tpot_s: Optional[float], gpu) -> dict:
     fields["bandwidth_gbs"] = gpu.mem_bw_gbs
     fields["bandwidth_source"] = gpu.source
     fields["bandwidth_device"] = gpu.name
-    fields["decode_floor_ms"] = step.bytes / gpu.mem_bw * 1e3
+    try:  # each operation at its own roof: a CPU's int8 block kernels are slower than its DRAM
+        fields["decode_floor_ms"] = step.floor_seconds(gpu) * 1e3
+    except KeyError:  # no FLOP rates (a CPU given only --cpu-bandwidth-gbs): the bandwidth floor
+        fields["decode_floor_ms"] = step.bytes / gpu.mem_bw * 1e3
     if tpot_s:
         fields["mbu"] = step.mbu(tpot_s, gpu)
     return fields
@@ -230,7 +233,7 @@ def prefill_floor_s(engine, batch_size: int, input_len: int, gpu) -> Optional[fl
                              prefill_context_tokens=context, num_sampled_prefills=sampled,
                              weight_bytes=info.weight_dtype_bytes, kv_bytes=info.kv_dtype_bytes,
                              act_bytes=act, head_bytes=info.head_dtype_bytes or None,
-                             compute_dtype=compute_dtype_name(getattr(torch, info.dtype)))
+                             compute_dtype=info.matmul_dtype or compute_dtype_name(getattr(torch, info.dtype)))
             total += step.floor_seconds(gpu)
     except KeyError:  # no FLOP rate for this device (a CPU given only its bandwidth)
         return None

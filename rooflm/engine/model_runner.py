@@ -426,13 +426,18 @@ class ModelRunner:
         return stored / weights if weights else float(self.dtype.itemsize)
 
     def matmul_dtype(self) -> str:
-        """"fp8" when the decoder's linears run W8A8 (EngineInfo.matmul_dtype), else ""."""
+        """"fp8" when the decoder's linears run W8A8, "int8" when they run in the CPU's native
+        block kernels (int8 activations: their roof is the measured block-dot rate, perf/gpus.py),
+        else "" (EngineInfo.matmul_dtype)."""
         from rooflm.layers.linear import Linear
         from rooflm.layers.moe import Experts
-        formats = {getattr(m.quant, "format", "") for m in self.model.model.layers.modules()
-                   if isinstance(m, Linear) and m.quant is not None}
+        from rooflm.quant.linear_method import NativeBlockLinear
+        quants = [m.quant for m in self.model.model.layers.modules() if isinstance(m, Linear) and m.quant is not None]
+        formats = {getattr(q, "format", "") for q in quants}
         formats |= {m.quant_format for m in self.model.model.layers.modules() if isinstance(m, Experts)}
-        return "fp8" if "fp8" in formats else ""
+        if "fp8" in formats:
+            return "fp8"
+        return "int8" if any(isinstance(q, NativeBlockLinear) for q in quants) else ""
 
     def head_bytes_per_weight(self) -> float:
         """Bytes per LM head weight as stored: its own Linear, or for a tied head the

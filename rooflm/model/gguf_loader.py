@@ -221,6 +221,13 @@ def layer_weight_types(path: str) -> dict[str, int]:
     return counts
 
 
+def tensor_type(path: str, name: str) -> Optional[str]:
+    """The GGML type name of one tensor ("Q8_0", "F16", ...) from the cached header, or None
+    where the file has no such tensor (a second GGUFReader costs seconds on a 49k vocabulary)."""
+    tensor = _open(path).tensors.get(name)
+    return tensor.tensor_type.name if tensor is not None else None
+
+
 def _family_layout(gguf_file: GGUFFile) -> tuple[str, GGUFLayout]:
     """(HF architecture, GGUFLayout) of the file's general.architecture."""
     from rooflm.model.registry import GGUF_ARCHITECTURES, get_family

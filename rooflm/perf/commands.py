@@ -18,6 +18,7 @@ from rooflm.perf.roofline import (
     engine_precision,
     expected_active_experts,
     kv_bytes_per_token_per_gpu,
+    layer_roof,
     phase_step_cost,
     roofline,
     summarize,
@@ -213,14 +214,13 @@ def gguf_embedding_bytes(gguf_path: str) -> Optional[float]:
     """Bytes per weight of a GGUF file's token embedding as stored (the default model's is Q8_0:
     34 bytes a block of 32), or None for a type the table lacks. The CPU engine keeps a tied LM
     head in those blocks (rooflm/quant/linear_method.py), so a CPU step reads it at that size."""
-    from gguf import GGUFReader
+    from rooflm.model.gguf_loader import tensor_type
 
-    for tensor in GGUFReader(gguf_path).tensors:
-        if tensor.name == "token_embd.weight":
-            kind = tensor.tensor_type.name
-            fmt = WEIGHT_FORMATS.get(kind.lower())
-            return fmt.bytes_per_param if fmt is not None else _GGML_FLOAT_BYTES.get(kind)
-    return None
+    kind = tensor_type(gguf_path, "token_embd.weight")
+    if kind is None:
+        return None
+    fmt = WEIGHT_FORMATS.get(kind.lower())
+    return fmt.bytes_per_param if fmt is not None else _GGML_FLOAT_BYTES.get(kind)
 
 
 # The analytic dtypes, and the engine's --kv-cache-dtype spellings (auto, fp8_e4m3) beside them.
@@ -282,8 +282,9 @@ def format_roofline(step, gpu: GpuSpec, model_name: str, config: ModelConfig, ph
     lines.append(f"{model_name}: {config.num_params() / 1e9:.2f}B params{active}, {phase}, batch {batch_size}, "
                  f"context {context}, weights {weight_dtype} ({precision_note or fmt.note}), KV {kv_dtype}{tp_note}")
     if gpu.is_cpu:
-        lines.append(f"{gpu.name} [{gpu.source}]: {gpu.peak_flops(step.compute_dtype) / 1e9:,.1f} GFLOP/s "
-                     f"{gpu.compute_roof_name(step.compute_dtype)}, {gpu.peak_flops('fp32') / 1e9:,.1f} GFLOP/s "
+        roof = layer_roof(step, gpu)
+        lines.append(f"{gpu.name} [{gpu.source}]: {gpu.peak_flops(roof) / 1e9:,.1f} GFLOP/s "
+                     f"{gpu.compute_roof_name(roof)}, {gpu.peak_flops('fp32') / 1e9:,.1f} GFLOP/s "
                      f"{gpu.vector_roof_name}, {gpu.memory_name} {gpu.mem_bw_gbs:,.1f} GB/s")
     else:
         lines.append(f"{gpu.name} [{gpu.source}]: {gpu.peak_flops(step.compute_dtype) / 1e12:,.0f} "
@@ -326,8 +327,8 @@ def format_roofline(step, gpu: GpuSpec, model_name: str, config: ModelConfig, ph
     lines.append(f"step floor {summary.floor_s * 1e3:.3f} ms -> at most {rate}  [{per_what}]")
     if tp > 1:
         lines.append(_tp_line(step, gpu, config))
-    lines.append(f"ridge point of {gpu.key}: {gpu.ridge_point(step.compute_dtype):.0f} FLOP/B "
-                 f"({gpu.compute_roof_name(step.compute_dtype)}), {gpu.ridge_point('fp32'):.0f} FLOP/B "
+    lines.append(f"ridge point of {gpu.key}: {gpu.ridge_point(layer_roof(step, gpu)):.0f} FLOP/B "
+                 f"({gpu.compute_roof_name(layer_roof(step, gpu))}), {gpu.ridge_point('fp32'):.0f} FLOP/B "
                  f"({gpu.vector_roof_name}); this step's linear layers: {summary.matmul_intensity:.1f} FLOP/B")
     lines.append("")
     lines.extend(_wrap(verdict(step, gpu, phase, fmt.bytes_per_param), 100))

@@ -33,6 +33,12 @@ from typing import Callable, Optional
 # holds its fp16 rate for that reason), and so on down to plain fp32.
 _FALLBACK = {"fp8": "bf16", "int8": "bf16", "bf16": "fp32", "fp16": "bf16", "tf32": "fp32"}
 
+# A CPU's native int8 block kernels (rooflm/quant/csrc/block_matmul.c) unpack each weight block
+# once for a tile of BLOCK_DOT_TILE tokens; a matmul of fewer tokens a row (a decode of 1-3
+# sequences) unpacks it for every token and runs at the rate measured under this key.
+BLOCK_DOT_TILE = 4
+INT8_ONE_TOKEN = "int8-1tok"
+
 
 @dataclass(frozen=True)
 class GpuSpec:
@@ -56,6 +62,8 @@ class GpuSpec:
         """What runs matmuls of `dtype`: tensor cores on a GPU, the SIMD units on a CPU (fp32:
         FMA; int8: the native kernels' integer dot of GGUF blocks with int8 activations)."""
         if self.is_cpu:
+            if dtype == INT8_ONE_TOKEN:
+                return "int8 SIMD dot, 1 token a row"
             return "int8 SIMD dot" if dtype == "int8" else f"{dtype} SIMD FMA"
         return f"{dtype} tensor cores"
 
@@ -278,16 +286,38 @@ def measure_gpu(device: Optional[str] = None, copy_bytes: int = 1 << 30, matmul_
 # No table lists CPUs, so a CPU is measured here, the same way in spirit:
 #
 #   * bandwidth: a copy of 128 MiB (larger than the L3 of the machines here, so every byte goes
-#     to DRAM), counted as bytes read + written, median of 5 after a warm-up;
-#   * FLOP rate: a 1024^3 matmul in fp32 and in bf16 (the dtypes the CPU paths run in), median
-#     of 5 after a warm-up, with the threads torch uses now.
+#     to DRAM), counted as bytes read + written, with the threads torch uses now and with one
+#     (the better of the two: on a busy machine a parallel copy waits on its descheduled thread);
+#   * FLOP rates, one core's times the threads torch uses (a compute roof is its cores' sum, as a
+#     datasheet counts it; all threads timed together on a shared machine time the neighbours
+#     instead: an OpenMP region waits for its slowest thread, and at load 7 on the shared 2-core
+#     Xeon a 3 ms block matmul took 20-30 ms at 2 threads in 29 runs of 30, 2026-11-29):
+#       - fp32 and bf16: a 1024^3 and a 512^3 matmul (the dtypes the CPU's float paths run in);
+#       - int8: rooflm's own GGUF block matmuls (quant/native.py), the kernels a GGUF model's
+#         layers run in on a CPU, on a weight that stays in cache (CPU_BLOCK_DOT_SHAPE), counted
+#         in the model's FLOPs (2 a weight a token). Their integer dot of 32 codes an instruction
+#         sounds faster than the fp32 FMA; it is not: two int8 activation levels, the nibble
+#         unpacking and the scale FMAs of each block run at about a third of a 1024^3 fp32
+#         matmul's rate on AVX2, which makes a batch-1 decode of the default model compute-bound
+#         on this roof, not DRAM-bound. Taking the fp32 rate for it (as this did before issue 52)
+#         put the bound 3-4x under what `bench latency` measures.
 #
-# The result is a GpuSpec (key "cpu") so every consumer reads peaks one way: mem_bw_gbs and
-# peak_flops(dtype). Measurements are cached per process and thread count: a CPU measurement
-# takes about a second, and a bench that measured twice would print two different roofs.
+# Each rate is the best of REPEATS runs after a warm-up: a peak is the fastest a run went, and a
+# neighbour only ever makes a run slower (a median taken beside other jobs understated the roofs
+# up to 2x). One core's runs are timed in its thread's CPU seconds, which leave out the time the
+# scheduler gave other jobs. The result is a GpuSpec (key "cpu") so every consumer reads peaks one way:
+# mem_bw_gbs and peak_flops(dtype). Measurements are cached per process and thread count: a CPU
+# measurement takes a few seconds, and a bench that measured twice would print two different roofs.
 
 CPU_COPY_BYTES = 128 << 20
 CPU_MATMUL_N = 1024
+# bf16 without AMX runs at a fraction of the fp32 rate on a CPU: a 512^3 matmul shows the same
+# rate in an eighth of the time (a 1024^3 one took 0.4 s a run on one core of the shared Xeon).
+CPU_BF16_MATMUL_N = 512
+# (rows N, columns K, tokens M) of the block matmul timed for the int8 roof: N x K blocks (1.3 MB
+# of Q4, 2.2 MB of Q8: in L2 or L3, so the kernel, not DRAM, sets the time) against M tokens, two
+# of the kernel's tiles (its best case); the one-token roof times the same weight against 1.
+CPU_BLOCK_DOT_SHAPE = (2048, 1024, 2 * BLOCK_DOT_TILE)
 REPEATS = 5
 
 _cache: dict[tuple, GpuSpec] = {}
@@ -310,43 +340,89 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int = REPEATS) -> float:
+def _best_seconds(fn: Callable[[], object], repeats: int = REPEATS,
+                  clock: Callable[[], float] = time.perf_counter) -> float:
     fn()  # warm-up: page faults, thread pool start, kernel selection
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        times.append(clock() - t0)
+    return min(times)
+
+
+def _best_thread_seconds(fn: Callable[[], object]) -> float:
+    """The best of REPEATS runs of `fn` on this thread alone, in this thread's CPU seconds: the time
+    the scheduler gave other jobs is not in it (a 128 MiB copy beside load 13 on 2 cores read
+    3.3 GB/s by the wall clock, every run sliced)."""
+    return _best_seconds(fn, clock=time.thread_time)
+
+
+def measure_block_dot_tflops(shape: tuple[int, int, int] = CPU_BLOCK_DOT_SHAPE,
+                             clock: Callable[[], float] = time.perf_counter) -> Optional[float]:
+    """The int8 roof of this CPU: rooflm's native Q4_1 and Q8_0 block matmuls on an in-cache
+    weight (the faster of the two: a roof is the best rate), in TFLOP/s of the model's FLOPs;
+    None where the native kernels do not run (no compiler, no AVX2: the engine then takes
+    torch's weight-only kernels, priced at the bf16 rate through GpuSpec's fallback). clock:
+    time.thread_time for a one-thread measurement that the scheduler's slicing cannot reach."""
+    import torch
+
+    from rooflm.quant import native
+
+    lib = native.library()
+    if lib is None:
+        return None
+    n, k, m = shape
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=gen)
+    scale = (torch.rand(n, k // 32, generator=gen) * 1e-2).half()
+    codes4 = torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8, generator=gen)
+    codes8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    offset = -8 * scale
+    q4 = _best_seconds(lambda: native.q4_linear(lib, x, codes4, scale, offset), clock=clock)
+    q8 = _best_seconds(lambda: native.q8_linear(lib, x, codes8, scale), clock=clock)
+    return 2 * n * k * m / min(q4, q8) / 1e12
 
 
 def measure_cpu() -> GpuSpec:
-    """This CPU's copy bandwidth and fp32 / bf16 matmul rates, as a GpuSpec."""
+    """This CPU's copy bandwidth, fp32 / bf16 matmul rates and native int8 block-dot rate."""
     import torch
 
     threads = torch.get_num_threads()
-    _say(f"measuring this CPU ({threads} threads): {CPU_COPY_BYTES >> 20} MiB copy, {CPU_MATMUL_N}^3 matmuls")
+    _say(f"measuring this CPU ({threads} threads): {CPU_COPY_BYTES >> 20} MiB copy, {CPU_MATMUL_N}^3 "
+         f"matmuls, the native block matmuls")
     src = torch.randn(CPU_COPY_BYTES // 4)  # random, non-zero: nothing compresses it
     dst = torch.empty_like(src)
-    copy_gbs = 2 * CPU_COPY_BYTES / _median_seconds(lambda: dst.copy_(src)) / 1e9
+    copy_s = _best_seconds(lambda: dst.copy_(src))
+    n, n16 = CPU_MATMUL_N, CPU_BF16_MATMUL_N
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
+    torch.set_num_threads(1)
+    try:
+        copy_s = min(copy_s, _best_thread_seconds(lambda: dst.copy_(src)))
+        one_core = {"fp32": 2 * n**3 / _best_thread_seconds(lambda: torch.mm(a, b)) / 1e12}
+        a16, b16 = a[:n16, :n16].bfloat16(), b[:n16, :n16].bfloat16()
+        one_core["bf16"] = 2 * n16**3 / _best_thread_seconds(lambda: torch.mm(a16, b16)) / 1e12
+        block_dot = measure_block_dot_tflops(clock=time.thread_time)
+        n_rows, k_cols, _ = CPU_BLOCK_DOT_SHAPE
+        one_token = measure_block_dot_tflops((n_rows, k_cols, 1), clock=time.thread_time)
+    finally:
+        torch.set_num_threads(threads)
     del src, dst
-    n = CPU_MATMUL_N
-    tflops = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        a = torch.randn(n, n).to(dtype)
-        b = torch.randn(n, n).to(dtype)
-        tflops[name] = 2 * n**3 / _median_seconds(lambda: torch.mm(a, b)) / 1e12
-    # GGUF blocks run in rooflm's native kernels (rooflm/quant/native.py): int8 activations, an
-    # integer dot of 32 codes an instruction. Not measured here: taken at the fp32 FMA rate,
-    # since the dot's two activation levels and its scale FMAs cost about what its wider integer
-    # lanes gain. A CPU's decode step is DRAM-bound well before this roof matters.
-    tflops["int8"] = tflops["fp32"]
+    copy_gbs = 2 * CPU_COPY_BYTES / copy_s / 1e9
+    if block_dot is not None:
+        one_core["int8"] = block_dot
+        one_core[INT8_ONE_TOKEN] = one_token
+        int8_note = f"native int8 block dot {block_dot * 1e3:.1f} ({one_token * 1e3:.1f} at 1 token a row)"
+    else:
+        int8_note = "no native block kernels (int8 at the bf16 rate)"
+    tflops = {name: rate * threads for name, rate in one_core.items()}
     return GpuSpec(
         key="cpu", name=f"{cpu_model()} ({threads} threads, measured)", peak_tflops=tflops,
         mem_bw_gbs=copy_gbs, device="cpu",
-        source=(f"measured: {CPU_COPY_BYTES >> 20} MiB copy {copy_gbs:.1f} GB/s, {n}^3 matmul "
-                f"fp32 {tflops['fp32'] * 1e3:.1f} / bf16 {tflops['bf16'] * 1e3:.1f} GFLOP/s, "
-                f"{threads} threads; int8 dot taken at the fp32 rate"))
+        source=(f"measured, best of {REPEATS}: {CPU_COPY_BYTES >> 20} MiB copy {copy_gbs:.1f} GB/s; one core: "
+                f"matmul fp32 {one_core['fp32'] * 1e3:.1f} ({n}^3) / bf16 {one_core['bf16'] * 1e3:.1f} ({n16}^3), "
+                f"{int8_note} GFLOP/s, x {threads} threads"))
 
 
 def measure_host(device=None) -> GpuSpec:

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from rooflm.config import ModelConfig
-from rooflm.perf.gpus import GpuSpec
+from rooflm.perf.gpus import BLOCK_DOT_TILE, INT8_ONE_TOKEN, GpuSpec
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,7 @@ class OpCost:
     weight_bytes: float = 0.0
     kv_bytes: float = 0.0
     latency_s: float = 0.0  # COMM: the collectives' fixed cost, paid per message whatever its size
+    rows: int = 0  # MATMUL: tokens each weight row meets (a CPU's block kernels are slower below 4); 0: many
 
     @property
     def intensity(self) -> float:
@@ -302,7 +303,7 @@ def step_cost(
     if config.attention_bias:
         flops += tokens * qkv_out
         traffic += qkv_out * a
-    ops.append(OpCost("qkv_proj", MATMUL, layers * flops, layers * traffic, weight_bytes=layers * w))
+    ops.append(OpCost("qkv_proj", MATMUL, layers * flops, layers * traffic, weight_bytes=layers * w, rows=tokens))
 
     # Rotary embedding on q and k, fused with writing the new K and V into the paged cache.
     kv_write = tokens * 2 * kv * kv_bytes
@@ -324,7 +325,7 @@ def step_cost(
     # Output projection: [T, q] x [q, h], row-parallel.
     w = q * h * weight_bytes
     ops.append(OpCost("o_proj", MATMUL, layers * 2 * tokens * q * h,
-                      layers * (w + tokens * q * a + tokens * h * a), weight_bytes=layers * w))
+                      layers * (w + tokens * q * a + tokens * h * a), weight_bytes=layers * w, rows=tokens))
 
     # Residual adds: two per layer, each reads two [T, h] tensors and writes one.
     # (A fused add+RMSNorm kernel would save one of those passes.)
@@ -339,7 +340,7 @@ def step_cost(
         w = h * 2 * inter * weight_bytes
         ops.append(OpCost("gate_up_proj", MATMUL, dense * 2 * tokens * h * 2 * inter,
                           dense * (w + tokens * h * a + tokens * 2 * inter * a),
-                          weight_bytes=dense * w))
+                          weight_bytes=dense * w, rows=tokens))
 
         # SiLU(gate) * up: reads [T, 2I], writes [T, I].
         ops.append(OpCost("act (silu*mul)", VECTOR, dense * _SILU_MUL_FLOPS * tokens * inter,
@@ -348,7 +349,8 @@ def step_cost(
         # Down projection: [T, I] x [I, h], row-parallel.
         w = inter * h * weight_bytes
         ops.append(OpCost("down_proj", MATMUL, dense * 2 * tokens * inter * h,
-                          dense * (w + tokens * inter * a + tokens * h * a), weight_bytes=dense * w))
+                          dense * (w + tokens * inter * a + tokens * h * a), weight_bytes=dense * w,
+                          rows=tokens))
     if moe_layers:
         ops.extend(_moe_ops(config, moe_layers, tokens, weight_bytes, a, tp))
 
@@ -357,7 +359,7 @@ def step_cost(
         head_bytes = embed_bytes if config.tie_word_embeddings else weight_bytes
     w = h * vocab * head_bytes if sampled else 0.0
     ops.append(OpCost("lm_head", MATMUL, 2 * sampled * h * vocab,
-                      w + sampled * h * a + sampled * vocab * a, weight_bytes=w))
+                      w + sampled * h * a + sampled * vocab * a, weight_bytes=w, rows=sampled))
 
     # Sampling over the full (gathered) vocabulary: a fused kernel reads the logits once.
     ops.append(OpCost("sampling", VECTOR, _SAMPLING_FLOPS * sampled * config.vocab_size,
@@ -517,6 +519,20 @@ class OpRoofline:
         return self.peak_flops / self.bandwidth if self.bandwidth else math.inf
 
 
+def matmul_roof(gpu: GpuSpec, compute_dtype: str, rows: int = 0) -> str:
+    """The roof a weight matmul of `rows` tokens runs under: its compute dtype's, except a CPU's
+    native int8 block kernels meeting fewer tokens a row than their tile (a batch-1 decode), which
+    unpack every weight block for each token and run at their measured one-token rate (perf/gpus.py)."""
+    if gpu.is_cpu and compute_dtype == "int8" and 0 < rows < BLOCK_DOT_TILE and INT8_ONE_TOKEN in gpu.peak_tflops:
+        return INT8_ONE_TOKEN
+    return compute_dtype
+
+
+def layer_roof(step: "StepCost", gpu: GpuSpec) -> str:
+    """The roof the step's layer matmuls run under (matmul_roof at the step's tokens)."""
+    return matmul_roof(gpu, step.compute_dtype, step.num_tokens)
+
+
 def op_roofline(op: OpCost, gpu: GpuSpec, compute_dtype: str = "bf16") -> OpRoofline:
     """Place one operation under the roof that applies to its kind of work."""
     if op.kind == COMM:
@@ -525,7 +541,7 @@ def op_roofline(op: OpCost, gpu: GpuSpec, compute_dtype: str = "bf16") -> OpRoof
         link = gpu.interconnect_gbs * 1e9
         return OpRoofline(op, 0.0, link, 0.0, op.bytes / link + op.latency_s)
     if op.kind == MATMUL:
-        peak = gpu.peak_flops(compute_dtype)
+        peak = gpu.peak_flops(matmul_roof(gpu, compute_dtype, op.rows))
     elif op.kind == ATTENTION:
         # Attention multiplies activations, not weights: bf16 for every weight format but a
         # float32 model's (whose attention in bf16 would be priced at a CPU's scalar bf16 rate),
@@ -573,7 +589,7 @@ def summarize(step: StepCost, gpu: GpuSpec) -> StepSummary:
         link_s=sum(r.floor_s for r in rows if r.bound == "link"),
         weight_bytes=weight, kv_bytes=kv, other_bytes=step.bytes - weight - kv,
         matmul_intensity=matmul_flops / matmul_bytes if matmul_bytes else 0.0,
-        matmul_ridge=gpu.ridge_point(step.compute_dtype),
+        matmul_ridge=gpu.ridge_point(layer_roof(step, gpu)),
         tokens_per_s=step.num_tokens / floor if floor else 0.0,
         sampled_per_s=step.num_sampled / floor if floor else 0.0,
     )
@@ -624,7 +640,7 @@ def verdict(step: StepCost, gpu: GpuSpec, phase: str, weight_bytes_per_param: fl
             f"so memory keeps up and the {units} are the limit: {bound} "
             f"({100 * s.compute_bound_s / s.floor_s:.0f}% of the floor is in compute-bound ops). "
             f"The ceiling is peak FLOP/s / FLOPs per step = "
-            f"{_flops_text(gpu.peak_flops(step.compute_dtype))} / "
+            f"{_flops_text(gpu.peak_flops(layer_roof(step, gpu)))} / "
             f"{step.flops / 1e12:.4g} TFLOP = {s.floor_s * 1e3:.2f} ms per step, at most "
             f"{s.tokens_per_s:,.0f} tokens/s.")
     if s.link_s > 0.1 * s.floor_s:

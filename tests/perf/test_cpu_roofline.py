@@ -1,7 +1,8 @@
 """`rooflm roofline` on a CPU speaks of the CPU (SIMD FMA, DRAM, its measured roofs) and prices the
 precision the CPU engine runs: the default model's Q4_1 blocks at 5 bits a weight with int8
-activations, its Q8_0 tied head, fp32 activations and KV (issue 52). Whether the bound is near
-`bench latency` is a timing, measured by hand (docs/roofline.md); here, its inputs."""
+activations, its Q8_0 tied head, fp32 activations and KV (issue 52), with the int8 roof the native
+block kernels' own measured rate. Here, the model's inputs; the bound against a measured decode step
+is tests/models/test_cpu_roofline_measured.py."""
 
 import io
 
@@ -84,4 +85,26 @@ def test_cpu_is_a_device_choice_and_a_measured_cpu_is_one(monkeypatch):
     measured = get_gpu("cpu")
     assert measured.is_cpu and measured.mem_bw_gbs > 0 and measured.peak_flops("int8") > 0
     assert measured.compute_roof_name("int8") == "int8 SIMD dot" and measured.memory_name == "DRAM"
+    # The int8 roof is the native block kernels' rate, not the fp32 FMA's taken for it.
+    assert "native int8 block dot" in measured.source
+    assert measured.peak_flops("int8") != measured.peak_flops("fp32")
     assert not get_gpu("h100").is_cpu and get_gpu("h100").memory_name == "HBM"
+
+
+def test_the_block_kernels_one_token_rate_prices_a_small_decode(default_model):
+    """Below the kernel's tile of 4 tokens a row, every token unpacks the weight blocks again: a
+    decode of 1-3 sequences runs at the one-token rate, 4 and more at the tile's."""
+    from rooflm.perf.gpus import BLOCK_DOT_TILE, INT8_ONE_TOKEN
+    from rooflm.perf.roofline import layer_roof, roofline
+
+    slow = GpuSpec(key="cpu", name="test CPU", peak_tflops={"fp32": 0.1, "int8": 0.04, INT8_ONE_TOKEN: 0.01},
+                   mem_bw_gbs=1000.0, device="cpu", source="test")  # DRAM out of the way: compute decides
+    precision = engine_precision("q4_1", on_cpu=True)
+    for batch, rate in ((1, 0.01), (BLOCK_DOT_TILE - 1, 0.01), (BLOCK_DOT_TILE, 0.04)):
+        step = phase_step_cost(default_model.config, "decode", batch, 64, weight_dtype="q4_1", kv_dtype="fp32",
+                               precision=precision)
+        gate_up = next(r for r in roofline(step, slow) if r.op.name == "gate_up_proj")
+        assert gate_up.peak_flops == rate * 1e12, batch
+        assert slow.peak_flops(layer_roof(step, slow)) == rate * 1e12
+    # The roof of one token a row is a CPU's only: a GPU's int8 stays its own.
+    assert layer_roof(step, get_gpu("h100")) == "int8"
