@@ -19,6 +19,14 @@ import torch  # noqa: E402
 if os.environ["OMP_NUM_THREADS"].isdigit():  # the same, should a plugin have loaded torch first
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+# Triton's interpreter on a machine without CUDA, set before any test module is collected: a
+# @triton.jit function decorated before TRITON_INTERPRET=1 stays a compiled-mode function, and an
+# interpreted kernel that calls it fails ("Cannot call @triton.jit'd outside of the scope of a
+# kernel"). tests/distributed collects before tests/kernels/conftest.py sets it, and its modules
+# import kernel modules (through tests/models); every kernel test then failed in the suite.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

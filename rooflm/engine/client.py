@@ -27,11 +27,28 @@ from __future__ import annotations
 
 import abc
 import asyncio
+from dataclasses import dataclass
 from typing import Awaitable, Callable, Optional, Union
 
 from rooflm.engine.outputs import RequestOutput, merge_outputs
 from rooflm.engine.report import EngineSnapshot
 from rooflm.engine.request_types import AdmissionLimits, GenerateRequest
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """Whether a core that dies is restarted, and when it stays down: at its max_deaths-th
+    death within window_s seconds (a crash loop: a restart would only die again)."""
+
+    enabled: bool = False
+    max_deaths: int = 5
+    window_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_deaths < 1:
+            raise ValueError(f"the crash-loop guard's max_deaths must be >= 1, got {self.max_deaths}")
+        if self.window_s <= 0:
+            raise ValueError(f"the crash-loop guard's window_s must be > 0, got {self.window_s}")
 
 
 class RequestStream:

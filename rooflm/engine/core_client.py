@@ -48,7 +48,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from rooflm.engine.client import (SLEEP_ABORT_REASON, EngineClient, NullMetrics, RequestStream,
+from rooflm.engine.client import (SLEEP_ABORT_REASON, EngineClient, NullMetrics, RequestStream, RestartPolicy,
                                   SnapshotMetrics, StepTokens, TrackedRequest, admit_group,
                                   finish_reason_of)
 from rooflm.engine.core_process import EngineCoreProcess
@@ -66,22 +66,6 @@ logger = logging.getLogger(__name__)
 # After the core's process exits, how long its last messages (EngineDead and its
 # error) get to arrive before the exit itself is reported as the failure.
 EXIT_REPORT_GRACE_S = 0.5
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    """Whether a core that dies is restarted, and when it stays down: at its max_deaths-th
-    death within window_s seconds (a crash loop: a restart would only die again)."""
-
-    enabled: bool = False
-    max_deaths: int = 5
-    window_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if self.max_deaths < 1:
-            raise ValueError(f"the crash-loop guard's max_deaths must be >= 1, got {self.max_deaths}")
-        if self.window_s <= 0:
-            raise ValueError(f"the crash-loop guard's window_s must be > 0, got {self.window_s}")
 
 
 @dataclass

@@ -32,7 +32,7 @@ class ServerConfig:
     body_timeout_s: float = 60.0
     max_reading_connections: int = 256
     health_stall_seconds: float = 30.0
-    # An engine core that dies is restarted (engine/core_client.py), unless it died
+    # An engine core that dies is restarted (engine/core_client.py; the policy in engine/client.py), unless it died
     # engine_restart_max_deaths times within engine_restart_window_s: then it stays down.
     engine_restart: bool = True
     engine_restart_max_deaths: int = 5
@@ -77,7 +77,7 @@ class ServerConfig:
 
     def restart_policy(self):
         """What an engine-core front end does when its core dies."""
-        from rooflm.engine.core_client import RestartPolicy
+        from rooflm.engine.client import RestartPolicy
         return RestartPolicy(self.engine_restart, self.engine_restart_max_deaths,
                              self.engine_restart_window_s)
 
