@@ -10,7 +10,7 @@
 # MODEL: the in-process engine's model (multi-turn), default the llama-3-8b preset. MODEL_DIR: what
 # the servers serve, a directory with config.json and tokenizer files (per-token streaming needs
 # text), default benchmarks/models/llama-3-8b-dummy: make it before the device call, where the
-# tokenizer source is installed (it is untracked and not ignored, so it travels):
+# tokenizer source is installed (git-ignored: name it in the device call's carry):
 #   python benchmarks/make_dummy_model_dir.py --preset llama-3-8b --out benchmarks/models/llama-3-8b-dummy
 # CPU smoke run of the script itself (numbers mean nothing), MODEL_DIR a tiny model with a tokenizer:
 #   OUT=/tmp/sl MODEL=DIR MODEL_DIR=DIR DEVICE=cpu SMOKE=1 bash benchmarks/service_levels.sh
