@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (~6 minutes on an H100): how well `rooflm simulate` predicts real serving.
+# One device call (~6 minutes on an H100; GPU=h200 on an H200): how well `rooflm simulate` predicts real serving.
 #   1. `rooflm simulate --calibrate` on the Llama-3-8B shape (dummy weights): the calibration table;
 #   2. the offline engine on ShareGPT-like traffic (`rooflm bench throughput`, as benchmarks/traffic.sh);
 #   3. `rooflm serve` + `rooflm bench serve` on the same kind of traffic at three Poisson rates: low,
@@ -7,8 +7,9 @@
 #   4. the simulator on exactly those workloads (the result files' send times and lengths), and a
 #      table of simulated vs measured throughput and median/P99 TTFT and TPOT with the errors;
 #   5. if time is left, docs/simulate.md's 1000 req/s plan priced with this calibration.
-# The table $OUT/calibration-h100-llama-3-8b.json is what rooflm/sim/calibrations/ ships (copy it
-# there to make it the default for h100, and the closest measured correction for other GPUs).
+# The table $OUT/calibration-$GPU-llama-3-8b.json is what rooflm/sim/calibrations/ ships (copy it
+# there as $GPU-llama-3-8b-dummy.json to make it the default for that GPU, and the closest measured
+# correction for other GPUs).
 # Usage (GPU machine, repo root): OUT=dir bash benchmarks/simulate_fidelity.sh
 #   Carry .whl/ (benchmarks/fetch_serving_wheels.sh: the GPU machine has no server stack) and
 #   benchmarks/models/llama-3-8b-dummy (benchmarks/make_dummy_model_dir.py; made here if missing).
@@ -36,7 +37,8 @@ T0=$(date +%s)
 [ -f "$MODEL_DIR/config.json" ] || python3 benchmarks/make_dummy_model_dir.py --preset llama-3-8b --out "$MODEL_DIR"
 NAME=$(basename "$MODEL_DIR")
 VOCAB=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['vocab_size'])" "$MODEL_DIR/config.json")
-CAL="$OUT/calibration-h100-llama-3-8b.json"
+GPU=${GPU:-h100}  # names the table: the GPU this call runs on
+CAL="$OUT/calibration-$GPU-llama-3-8b.json"
 
 # (1) Calibration: real engine steps over a grid of batch sizes and context lengths.
 python3 -m rooflm --log-level INFO simulate --calibrate --model "$MODEL_DIR" --load-format dummy \

@@ -106,6 +106,8 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "programmatic dependent launch for the decode-path kernels (Hopper and later); 0: off"),
     Switch("ROOFLM_GEMV_TUNED", _ON_OFF, _bool, True,
            "the batch-1 GEMV's launch shape from kernels/tuned/gemv.json per GPU and weight shape; 0: one default"),
+    Switch("ROOFLM_TF32", _ON_OFF, _bool, True,
+           "fp32 matmuls (--dtype float32) on TF32 tensor cores; 0: full fp32 (numerics checks)"),
     Switch("ROOFLM_FP8_PAIRS", _ON_OFF, _bool, True,
            "FP8 KV tiles loaded and widened two bytes at a time; 0: a byte at a time"),
     Switch("ROOFLM_FP8_DECODE_MMA", _ON_OFF, _bool, True,

@@ -17,6 +17,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from rooflm import envs
 from rooflm.config import (KV_OFFLOAD_AUTO_MAX_GB, KV_OFFLOAD_AUTO_SHARE, EngineConfig, ModelConfig, kv_blocks_cap,
                            step_activation_bytes)
 from rooflm.distributed.group import SINGLE, TPGroup
@@ -235,8 +236,11 @@ class ModelRunner:
         self.lora = None
         self.lora_mapping = None
         if self.device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = True  # any fp32 matmul (e.g. --dtype float32)
-            torch.backends.cudnn.allow_tf32 = True
+            # Any fp32 matmul (e.g. --dtype float32) on TF32 unless ROOFLM_TF32=0, which numerics
+            # checks use to tell a logic difference from rounding (TF32 keeps 10 mantissa bits).
+            tf32 = envs.get("ROOFLM_TF32")
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            torch.backends.cudnn.allow_tf32 = tf32
 
     def _make_backend(self):
         choice = self.config.runtime.attention_backend

@@ -143,6 +143,9 @@ class GGUFFile:
         field = self.reader.fields.get(key)
         if field is None:
             return default
+        if key in self.reader.skipped_arrays:
+            raise load_error(self.path, f"GGUF metadata {key!r} is a long array this reader skips "
+                                        f"({self.reader.skipped_arrays[key]} items)")
         try:
             return field.contents()
         except (UnicodeDecodeError, ValueError, IndexError) as exc:
@@ -161,10 +164,60 @@ class GGUFFile:
         return value
 
 
-# Parsing the header of SmolLM2's GGUF takes ~2.5 s on the CI CPUs (the
-# tokenizer's 49k tokens and 49k merges are fields), and callers read the config
-# and then the weights of the same file; so the last file parsed is kept,
-# keyed by its identity on disk so an edited or replaced file is read again.
+# Arrays longer than this are metadata rooflm never reads (the tokenizer's tokens, scores, types
+# and merges: transformers converts the tokenizer from its own reader, once, into a cache).
+LONG_ARRAY = 1024
+
+
+def _header_reader(base: type) -> type:
+    """gguf-py's GGUFReader, except that long arrays are stepped over, not parsed: the stock
+    reader makes a numpy view per element, ~7 CPU-s for SmolLM2's 49k tokens and 48k merges,
+    paid by every process that opens the default model. Their names and lengths stay in
+    `skipped_arrays`; every other field and every tensor is the stock reader's."""
+    import struct
+
+    from gguf.constants import GGUFValueType
+
+    class HeaderReader(base):
+        def _get_field_parts(self, orig_offs: int, raw_type: int):
+            if GGUFValueType(raw_type) != GGUFValueType.ARRAY or self.byte_order != "I":
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            alen = self._get(orig_offs + 4, np.uint64)
+            count = int(alen[0])
+            if count <= LONG_ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            itype = GGUFValueType(int(raw_itype[0]))
+            offs = orig_offs + 12
+            if itype == GGUFValueType.STRING:
+                buf, unpack = memoryview(self.data), struct.Struct("<Q").unpack_from
+                for _ in range(count):
+                    offs += 8 + unpack(buf, offs)[0]
+            elif itype in self.gguf_scalar_to_np:
+                offs += count * np.dtype(self.gguf_scalar_to_np[itype]).itemsize
+            else:  # arrays of arrays: rare and short in practice; the stock walk handles them
+                return super()._get_field_parts(orig_offs, raw_type)
+            self._skipped_count = count
+            return offs - orig_offs, [raw_itype, alen], [], [GGUFValueType.ARRAY, itype]
+
+        def __init__(self, path, mode="r"):
+            self.skipped_arrays: dict[str, int] = {}
+            self._skipped_count = None
+            super().__init__(path, mode)
+
+        def _push_field(self, field, skip_sum: bool = False) -> int:
+            count = self._skipped_count
+            if count is not None:
+                self.skipped_arrays[field.name] = count
+                self._skipped_count = None
+            return super()._push_field(field, skip_sum)
+
+    return HeaderReader
+
+
+# Callers read the config and then the weights of the same file, so the last file parsed is
+# kept (its tensors stay memory-mapped), keyed by its identity on disk so an edited or replaced
+# file is read again.
 _last_opened: Optional[tuple[tuple[str, int, int], GGUFFile]] = None
 
 
@@ -192,7 +245,7 @@ def _open(path: str) -> GGUFFile:
         raise load_error(path, "reading GGUF files needs the `gguf` package "
                                "(pip install gguf); it is not installed") from exc
     try:
-        reader = GGUFReader(path)
+        reader = _header_reader(GGUFReader)(path)
     except Exception as exc:  # bad magic, short file, bad field types: all ValueError/IndexError inside gguf
         raise load_error(path, f"not a valid GGUF file (corrupt or truncated): "
                                f"{type(exc).__name__}: {exc}") from exc

@@ -42,6 +42,7 @@ def test_batch1_decode_gemv_path_matches_reference(tmp_path, family):
     for a, b in zip(fast.logprobs, ref.logprobs):
         assert a.keys() == b.keys()
         assert all(abs(a[t].logprob - b[t].logprob) < 1e-3 for t in a)
+    # decode_gemv=False takes the layer's plain path (test_triton_backend_matches_reference_in_engine
+    # runs it); building the engine is enough to see the switch.
     off = LLM(attention_backend="triton", decode_gemv=False, **kw)
     assert off.engine.runner.model.model.layers[0].gemv is None
-    assert off.generate(prompt, params)[0].outputs[0].token_ids == ref.token_ids

@@ -162,7 +162,7 @@ async def _abandon_many(url: str, headers: dict, count: int, concurrency: int, b
         return await asyncio.wait_for(asyncio.gather(*jobs), timeout=bound_s)
 
 
-ABANDONED = 120
+ABANDONED = 60
 
 
 # Bounded by the work, not by a quiet machine's speed: 120 requests on a 2-core machine at load
