@@ -80,7 +80,8 @@ def test_sleep_and_wake_keep_greedy_outputs_and_refuse_work_while_asleep(model, 
             assert error["code"] == "sleeping" and "sleeping" in error["message"]
             assert int(refused.headers["Retry-After"]) >= 1
             _wait_until(lambda: _metric(client, "rooflm:is_sleeping") == 1, "the sleeping gauge")
-            assert client.post("/wake_up").status_code == 200
+            woke = client.post("/wake_up")
+            assert woke.status_code == 200 and woke.json()["phases"]["level"] == level, woke.text
             assert client.get("/is_sleeping").json() == {"is_sleeping": False}
             after = _greedy(client)
             assert after.status_code == 200, after.text
