@@ -660,7 +660,8 @@ class ModelRunner:
         elem = torch.empty(0, dtype=self.kv_dtype).element_size()
         cache_bytes = round_up(int(np.prod(shape)) * elem, ALIGN)
         scale_bytes = int(np.prod(shape[:-1])) * 4 if per_token_scales else 0
-        region = Region(driver, "kv cache", cache_bytes + scale_bytes)
+        # One chunk: nothing is moved in piecemeal, and wake_up maps it with one call each.
+        region = Region(driver, "kv cache", cache_bytes + scale_bytes, chunk=cache_bytes + scale_bytes)
         region.map_all()
         self.kv_region = region
         self.kv_cache = region.tensor(0, shape, self.kv_dtype).zero_()

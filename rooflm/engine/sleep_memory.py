@@ -135,10 +135,12 @@ class CuMemDriver:
         return handle.value
 
     def unmap(self, address: int, nbytes: int, handle: int) -> None:
+        torch.cuda.set_device(self.device)
         self._check("cuMemUnmap", address, nbytes)
         self._check("cuMemRelease", handle)
 
     def free(self, address: int, nbytes: int) -> None:
+        torch.cuda.set_device(self.device)
         self._check("cuMemAddressFree", address, nbytes)
 
     def storage(self, address: int, nbytes: int) -> torch.UntypedStorage:
@@ -157,11 +159,11 @@ class Region:
     """A reserved virtual address range with physical memory mapped into it in chunks; `data`
     is one uint8 tensor over the whole range, valid while mapped."""
 
-    def __init__(self, driver: Driver, name: str, nbytes: int):
+    def __init__(self, driver: Driver, name: str, nbytes: int, chunk: Optional[int] = None):
         self.driver = driver
         self.name = name
         self.nbytes = round_up(max(nbytes, 1), driver.granularity)
-        self.chunk = round_up(min(CHUNK_BYTES, self.nbytes), driver.granularity)
+        self.chunk = round_up(min(chunk or CHUNK_BYTES, self.nbytes), driver.granularity)
         self.address = driver.reserve(self.nbytes)
         self.handles: list[tuple[int, int, object]] = []  # (offset, nbytes, handle), in order
         self.data = torch.empty(0, dtype=torch.uint8, device=getattr(driver, "device", "cpu"))
@@ -251,6 +253,7 @@ def adopt_tensors(model: torch.nn.Module, driver: Driver, name: str = "weights",
         else:
             module._buffers[attr] = new
         del t
+    region.chunk = region.nbytes  # moved in: wake_up maps it back with one call
     return region
 
 
