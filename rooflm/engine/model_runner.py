@@ -25,8 +25,8 @@ from rooflm.engine.block_table_array import BlockTableArray, block_table_array
 from rooflm.engine.kv_groups import KVLayout, blocks_per_seq, kv_layout, single_group
 from rooflm.engine.report import NULL_TRACER
 from rooflm.engine.scheduler import ScheduledSeq, SchedulerOutput
-from rooflm.engine.sleep_memory import (ALIGN, CuMemDriver, Region, WakePhases, adopt_tensors, host_backup,
-                                        round_up, stale_addresses, tensor_addresses)
+from rooflm.engine.sleep_memory import (ALIGN, WAKE_CHUNK_BYTES, CuMemDriver, Region, WakePhases, adopt_tensors,
+                                        host_backup, round_up, stale_addresses, tensor_addresses)
 from rooflm.layers.attention import AttentionMetadata, ReferenceBackend
 from rooflm.layers import kv_cache as kv_format
 from rooflm.layers.kernels import TORCH_KERNELS, Kernels, triton_kernels
@@ -660,8 +660,7 @@ class ModelRunner:
         elem = torch.empty(0, dtype=self.kv_dtype).element_size()
         cache_bytes = round_up(int(np.prod(shape)) * elem, ALIGN)
         scale_bytes = int(np.prod(shape[:-1])) * 4 if per_token_scales else 0
-        # One chunk: nothing is moved in piecemeal, and wake_up maps it with one call each.
-        region = Region(driver, "kv cache", cache_bytes + scale_bytes, chunk=cache_bytes + scale_bytes)
+        region = Region(driver, "kv cache", cache_bytes + scale_bytes, chunk=WAKE_CHUNK_BYTES)
         region.map_all()
         self.kv_region = region
         self.kv_cache = region.tensor(0, shape, self.kv_dtype).zero_()

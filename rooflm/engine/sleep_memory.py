@@ -34,7 +34,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 ALIGN = 256  # bytes: every tensor moved onto a region starts at a multiple (any dtype, any kernel)
-CHUNK_BYTES = 1 << 30  # physical memory is mapped in chunks of this size (rounded to the granularity)
+CHUNK_BYTES = 1 << 30  # weights move in through chunks of this size (rounded to the granularity)
+# Chunks once nothing moves in piecemeal (the pool; the weights at wake_up): few driver calls,
+# each of a size the field's allocators map routinely (vLLM's per-layer KV tensors are GBs).
+WAKE_CHUNK_BYTES = 4 << 30
 
 
 class Driver(Protocol):
@@ -78,8 +81,10 @@ _GRANULARITY_RECOMMENDED = 1
 
 class CuMemDriver:
     """cuMemAddressReserve / cuMemCreate / cuMemMap / cuMemSetAccess / cuMemUnmap / cuMemRelease /
-    cuMemAddressFree through ctypes on libcuda (no compiler needed). Calls run with the device's
-    primary context current (torch.cuda.set_device makes it so on the calling thread)."""
+    cuMemAddressFree through ctypes on libcuda (no compiler needed). Every call first makes the
+    device's primary context (the one PyTorch's runtime uses) current on the calling thread:
+    sleep and wake_up may run on another thread than the one that loaded the model, and
+    torch.cuda.set_device skips the driver when the thread's device index already matches."""
 
     def __init__(self, device: torch.device):
         self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
@@ -95,6 +100,9 @@ class CuMemDriver:
             "cuMemUnmap": [u64, size_t],
             "cuMemSetAccess": [u64, size_t, ctypes.POINTER(_AccessDesc), size_t],
             "cuGetErrorString": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+            "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
+            "cuDevicePrimaryCtxRetain": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int],
+            "cuCtxSetCurrent": [ctypes.c_void_p],
         }.items():
             fn = getattr(self.lib, name)
             fn.argtypes, fn.restype = args, ctypes.c_int
@@ -102,7 +110,12 @@ class CuMemDriver:
         self.prop.type = _ALLOCATION_TYPE_PINNED
         self.prop.location = _Location(_LOCATION_TYPE_DEVICE, self.device.index)
         self.access = _AccessDesc(_Location(_LOCATION_TYPE_DEVICE, self.device.index), _ACCESS_READWRITE)
-        torch.cuda.set_device(self.device)  # the primary context, current on this thread
+        torch.cuda.init()
+        ordinal = ctypes.c_int()
+        self._check("cuDeviceGet", ctypes.byref(ordinal), self.device.index)
+        self.context = ctypes.c_void_p()
+        self._check("cuDevicePrimaryCtxRetain", ctypes.byref(self.context), ordinal.value)
+        self._current()
         granularity = ctypes.c_size_t()
         self._check("cuMemGetAllocationGranularity", ctypes.byref(granularity), ctypes.byref(self.prop),
                     _GRANULARITY_RECOMMENDED)
@@ -116,14 +129,17 @@ class CuMemDriver:
             raise RuntimeError(f"{name} failed on {self.device}: CUDA driver error {rc} "
                                f"({(text.value or b'?').decode()})")
 
+    def _current(self) -> None:
+        self._check("cuCtxSetCurrent", self.context)
+
     def reserve(self, nbytes: int) -> int:
-        torch.cuda.set_device(self.device)
+        self._current()
         address = ctypes.c_ulonglong()
         self._check("cuMemAddressReserve", ctypes.byref(address), nbytes, self.granularity, 0, 0)
         return address.value
 
     def map(self, address: int, nbytes: int) -> int:
-        torch.cuda.set_device(self.device)
+        self._current()
         handle = ctypes.c_ulonglong()
         self._check("cuMemCreate", ctypes.byref(handle), nbytes, ctypes.byref(self.prop), 0)
         try:
@@ -135,12 +151,12 @@ class CuMemDriver:
         return handle.value
 
     def unmap(self, address: int, nbytes: int, handle: int) -> None:
-        torch.cuda.set_device(self.device)
+        self._current()
         self._check("cuMemUnmap", address, nbytes)
         self._check("cuMemRelease", handle)
 
     def free(self, address: int, nbytes: int) -> None:
-        torch.cuda.set_device(self.device)
+        self._current()
         self._check("cuMemAddressFree", address, nbytes)
 
     def storage(self, address: int, nbytes: int) -> torch.UntypedStorage:
@@ -253,7 +269,7 @@ def adopt_tensors(model: torch.nn.Module, driver: Driver, name: str = "weights",
         else:
             module._buffers[attr] = new
         del t
-    region.chunk = region.nbytes  # moved in: wake_up maps it back with one call
+    region.chunk = round_up(min(WAKE_CHUNK_BYTES, region.nbytes), driver.granularity)  # moved in
     return region
 
 
