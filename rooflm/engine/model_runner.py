@@ -638,8 +638,16 @@ class ModelRunner:
             self.kv_region.close()
             self.kv_region = None
         if driver is not None:
-            self._kv_on_region(driver, shape, mode == "per-token")
-        else:
+            try:
+                self._kv_on_region(driver, shape, mode == "per-token")
+            except RuntimeError as exc:  # a driver call refused: a plain pool, graphs captured at wake
+                logger.warning("KV pool off CUDA virtual memory (%s): wake_up will capture the CUDA graphs "
+                               "again", exc)
+                if self.kv_region is not None:
+                    self.kv_region.close()
+                self.kv_region = None
+                driver = None
+        if driver is None:
             self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             self.kv_scales = None
             if mode == "per-token":
@@ -660,9 +668,8 @@ class ModelRunner:
         elem = torch.empty(0, dtype=self.kv_dtype).element_size()
         cache_bytes = round_up(int(np.prod(shape)) * elem, ALIGN)
         scale_bytes = int(np.prod(shape[:-1])) * 4 if per_token_scales else 0
-        region = Region(driver, "kv cache", cache_bytes + scale_bytes, chunk=WAKE_CHUNK_BYTES)
+        region = self.kv_region = Region(driver, "kv cache", cache_bytes + scale_bytes, chunk=WAKE_CHUNK_BYTES)
         region.map_all()
-        self.kv_region = region
         self.kv_cache = region.tensor(0, shape, self.kv_dtype).zero_()
         if per_token_scales:
             self.kv_scales = region.tensor(cache_bytes, shape[:-1], torch.float32).zero_()

@@ -120,6 +120,17 @@ class CuMemDriver:
         self._check("cuMemGetAllocationGranularity", ctypes.byref(granularity), ctypes.byref(self.prop),
                     _GRANULARITY_RECOMMENDED)
         self.granularity = granularity.value
+        self._probe()
+
+    def _probe(self) -> None:
+        """One granule reserved, mapped, unmapped and freed: a driver that refuses virtual memory
+        management says so here, while the engine can still fall back, not halfway through
+        moving the weights."""
+        address = self.reserve(self.granularity)
+        try:
+            self.unmap(address, self.granularity, self.map(address, self.granularity))
+        finally:
+            self.free(address, self.granularity)
 
     def _check(self, name: str, *args) -> None:
         rc = getattr(self.lib, name)(*args)
@@ -241,8 +252,11 @@ def adopt_tensors(model: torch.nn.Module, driver: Driver, name: str = "weights",
     # Each tensor's storage address, size and offset before the move (a tied Parameter met a
     # second time is on the region already). No reference to an old storage is kept: each is
     # freed as its last tensor moves, so `release` can give it back before the next chunk.
+    device = torch.device(getattr(driver, "device", "cpu"))
     entries = []
     for module, kind, attr, t in module_tensors(model):
+        if t.device != device:  # a tensor kept elsewhere on purpose (host-side tables) stays there
+            continue
         s = t.untyped_storage()
         entries.append((module, kind, attr, s.data_ptr(), s.nbytes(), t.storage_offset()))
     offsets: dict[int, int] = {}  # storage address -> byte offset on the region
