@@ -6,7 +6,9 @@ Per level (1: weights moved to host memory; 2: weights dropped, loaded again at 
 few cycles of: warm request -> POST /sleep?level=L (timed) -> GPU memory read (nvidia-smi) and a
 request that must get 503 -> POST /wake_up (t0) -> a streamed completion sent as soon as the
 wake-up answers -> its first token (t1). wake to first token = t1 - t0; the wake-up call alone
-and the request's TTFT are reported beside it.
+and the request's TTFT are reported beside it, and the engine's own phases of the wake-up
+(POST /wake_up's JSON: weights copied back or loaded, KV pool mapped and zeroed, CUDA graphs
+kept or captured again), so one run tells where the time goes.
 
 Prints a table with the target and writes JSON (--out).
 
@@ -52,13 +54,15 @@ def gpu_memory_used_mib() -> Optional[float]:
         return None
 
 
-def post(url: str, timeout: float = 600.0) -> int:
+def post(url: str, timeout: float = 600.0) -> tuple[int, dict]:
+    """(status, the JSON body or {})."""
     req = urllib.request.Request(url, data=b"", method="POST")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status
+            body = resp.read()
+            return resp.status, json.loads(body) if body else {}
     except urllib.error.HTTPError as exc:
-        return exc.code
+        return exc.code, {}
 
 
 def stream_one(server: Server, args, seed: int, origin: Optional[float] = None):
@@ -84,14 +88,14 @@ def cycle(server: Server, args, level: int, index: int) -> dict:
         raise RuntimeError(f"the request before sleep failed: {warm.error}")
     awake_mib = gpu_memory_used_mib()
     t0 = time.perf_counter()
-    status = post(f"{server.url}/sleep?level={level}")
+    status, _ = post(f"{server.url}/sleep?level={level}")
     sleep_s = time.perf_counter() - t0
     if status != 200:
         raise RuntimeError(f"POST /sleep?level={level} answered {status}")
     asleep_mib = gpu_memory_used_mib()
     refused = stream_one(server, args, seed=999)
     t0 = time.perf_counter()
-    status = post(f"{server.url}/wake_up")
+    status, body = post(f"{server.url}/wake_up")
     woke = time.perf_counter()
     if status != 200:
         raise RuntimeError(f"POST /wake_up answered {status}")
@@ -107,7 +111,17 @@ def cycle(server: Server, args, level: int, index: int) -> dict:
         "gpu_mib_freed": None if awake_mib is None or asleep_mib is None else awake_mib - asleep_mib,
         "asleep_request_503": refused.error.startswith("HTTP 503") if not refused.success else False,
         "asleep_request_error": refused.error[:200],
+        # The engine's own account of the wake-up (LLMEngine.wake_up): seconds per phase, and
+        # whether the CUDA graphs were kept or captured again.
+        "wake_phases": body.get("phases"),
     }
+
+
+def phases_text(phases: Optional[dict]) -> str:
+    if not phases:
+        return "n/a"
+    return (f"weights {phases['weights_s']:.2f} ({phases['weights']}), kv {phases['kv_s']:.2f}, "
+            f"graphs {phases['graphs_s']:.2f} ({phases['graphs']})")
 
 
 def main(argv=None) -> int:
@@ -144,11 +158,13 @@ def main(argv=None) -> int:
                 cycles.append(c)
                 print(f"level {level} #{i}: sleep {c['sleep_s']:.2f} s, wake_up {c['wake_up_call_s']:.2f} s, "
                       f"first token {c['wake_to_first_token_s']:.2f} s after the wake-up call, "
-                      f"freed {c['gpu_mib_freed']} MiB, asleep request 503: {c['asleep_request_503']}", flush=True)
+                      f"freed {c['gpu_mib_freed']} MiB, asleep request 503: {c['asleep_request_503']}; "
+                      f"wake_up phases: {phases_text(c['wake_phases'])}", flush=True)
     lines = [f"Sleep mode: {args.model}, {args.cycles} cycles per level; a {args.input_len}-token request "
              f"right after POST /wake_up", "",
-             "| level | GPU MiB awake | GPU MiB asleep | freed MiB | sleep s | wake_up s | wake to first token s "
-             "(median / max) | target |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| level | GPU MiB awake | GPU MiB asleep | freed MiB | sleep s | wake_up s | wake_up phases s "
+             "(last cycle) | wake to first token s (median / max) | target |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     summary = {}
     for level in levels:
         cs = [c for c in cycles if c["level"] == level]
@@ -158,13 +174,14 @@ def main(argv=None) -> int:
             "wake_up_call_median_s": statistics.median(c["wake_up_call_s"] for c in cs),
             "sleep_median_s": statistics.median(c["sleep_s"] for c in cs),
             "gpu_mib_awake": cs[0]["gpu_mib_awake"], "gpu_mib_asleep": cs[0]["gpu_mib_asleep"],
-            "gpu_mib_freed": cs[0]["gpu_mib_freed"], "all_asleep_requests_503": all(c["asleep_request_503"] for c in cs)}
+            "gpu_mib_freed": cs[0]["gpu_mib_freed"], "all_asleep_requests_503": all(c["asleep_request_503"] for c in cs),
+            "wake_phases_last": cs[-1]["wake_phases"]}
         mib = lambda v: "n/a" if v is None else f"{v:,.0f}"
         target = ""
         if level == 1:
             target = f"<= {TARGET_WAKE_S:g} s: {'met' if s['wake_to_first_token_max_s'] <= TARGET_WAKE_S else 'MISSED'}"
         lines.append(f"| {level} | {mib(s['gpu_mib_awake'])} | {mib(s['gpu_mib_asleep'])} | {mib(s['gpu_mib_freed'])} | "
-                     f"{s['sleep_median_s']:.2f} | {s['wake_up_call_median_s']:.2f} | "
+                     f"{s['sleep_median_s']:.2f} | {s['wake_up_call_median_s']:.2f} | {phases_text(s['wake_phases_last'])} | "
                      f"{s['wake_to_first_token_median_s']:.2f} / {s['wake_to_first_token_max_s']:.2f} | {target} |")
     report = "\n".join(lines)
     print("\n" + report, flush=True)

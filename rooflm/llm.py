@@ -90,8 +90,9 @@ class LLM:
         weights to host memory (level 1) or drop them (level 2) until wake_up()."""
         self.engine.sleep(level)
 
-    def wake_up(self) -> None:
-        self.engine.wake_up()
+    def wake_up(self) -> Optional[dict]:
+        """Undo sleep(); where the time went (LLMEngine.wake_up), None when awake."""
+        return self.engine.wake_up()
 
     def chat(self, messages: Union[list[dict], list[list[dict]]],
              params: Optional[SamplingParams] = None, use_tqdm: bool = False) -> list[RequestOutput]:

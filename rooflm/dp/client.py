@@ -172,8 +172,10 @@ class DPClient(EngineClient):
         ready with half its capacity)."""
         await asyncio.gather(*(client.sleep(level) for client in self.clients))
 
-    async def wake_up(self) -> None:
-        await asyncio.gather(*(client.wake_up() for client in self.clients))
+    async def wake_up(self) -> Optional[dict]:
+        """The slowest replica's phases (the server is ready when it is)."""
+        phases = [p for p in await asyncio.gather(*(client.wake_up() for client in self.clients)) if p]
+        return max(phases, key=lambda p: p["total_s"], default=None)
 
     @property
     def is_sleeping(self) -> bool:

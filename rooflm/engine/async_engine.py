@@ -180,14 +180,14 @@ class AsyncLLMEngine(EngineClient):
     async def sleep(self, level: int = 1) -> None:
         await self._sleep_command(level)
 
-    async def wake_up(self) -> None:
-        await self._sleep_command(None)
+    async def wake_up(self) -> Optional[dict]:
+        return await self._sleep_command(None)
 
-    async def _sleep_command(self, level: Optional[int]) -> None:
+    async def _sleep_command(self, level: Optional[int]) -> Optional[dict]:
         self._raise_if_unavailable()
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(_Sleep(level, future))
-        await asyncio.wrap_future(future)
+        return await asyncio.wrap_future(future)
 
     @property
     def is_sleeping(self) -> bool:
@@ -312,9 +312,10 @@ class AsyncLLMEngine(EngineClient):
         future = command.future
         if not future.set_running_or_notify_cancel():
             return
+        phases = None
         try:
             if command.level is None:
-                self.engine.wake_up()
+                phases = self.engine.wake_up()
             else:
                 self.engine.check_sleep_level(command.level)
                 self._abort_tracked(list(self._tracked), SLEEP_ABORT_REASON)
@@ -322,7 +323,7 @@ class AsyncLLMEngine(EngineClient):
         except Exception as exc:  # noqa: BLE001 - the caller is told
             future.set_exception(exc)
         else:
-            future.set_result(None)
+            future.set_result(phases)
         finally:
             self._sleeping = self.engine.is_sleeping
 

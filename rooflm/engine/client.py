@@ -157,8 +157,9 @@ class EngineClient(abc.ABC):
         (param "level") for a level other than 1 or 2. Sleeping again is a no-op."""
 
     @abc.abstractmethod
-    async def wake_up(self) -> None:
-        """Undo sleep(): the weights back, a fresh KV pool; a no-op when awake."""
+    async def wake_up(self) -> Optional[dict]:
+        """Undo sleep(): the weights back, a fresh KV pool; a no-op when awake. Returns where
+        the time went (LLMEngine.wake_up: seconds per phase), None when it was awake."""
 
     @property
     @abc.abstractmethod

@@ -180,30 +180,30 @@ class EngineCore:
             ids = list(self._tracked) if message.request_ids is None else message.request_ids
             self._abort(ids)
         elif isinstance(message, Sleep):
-            error = self._sleep(message.level)
-            self._send(SleepReply(message.call_id, self.engine.is_sleeping, error))
+            error, phases = self._sleep(message.level)
+            self._send(SleepReply(message.call_id, self.engine.is_sleeping, error, phases))
         elif isinstance(message, Configure):
             self.limits = AdmissionLimits(message.max_queued_requests, message.max_tokens_in_flight,
                                           message.ttft_slo_ms)
 
-    def _sleep(self, level: Optional[int]) -> Optional[AddError]:
+    def _sleep(self, level: Optional[int]) -> tuple[Optional[AddError], Optional[dict]]:
         """Sleep at `level` (every request aborted first: the API process tells their streams
-        when the reply arrives), or wake up (None); the error that stopped it, if any."""
+        when the reply arrives), or wake up (None); the error that stopped it, if any, and a
+        wake-up's phases (LLMEngine.wake_up)."""
         try:
             if level is None:
-                self.engine.wake_up()
-            else:
-                self.engine.check_sleep_level(level)
-                self.abort_all()
-                self.engine.sleep(level)
+                return None, self.engine.wake_up()
+            self.engine.check_sleep_level(level)
+            self.abort_all()
+            self.engine.sleep(level)
         except InvalidRequest as exc:
-            return AddError("invalid", exc.message, param=exc.param)
+            return AddError("invalid", exc.message, param=exc.param), None
         except ValueError as exc:
-            return AddError("value", str(exc))
+            return AddError("value", str(exc)), None
         except Exception as exc:  # noqa: BLE001 - the caller is told
             logger.exception("sleep mode: %s failed", "wake_up" if level is None else "sleep")
-            return AddError("error", f"{type(exc).__name__}: {exc}")
-        return None
+            return AddError("error", f"{type(exc).__name__}: {exc}"), None
+        return None, None
 
     def _add(self, message: AddRequests) -> Optional[AddError]:
         """Admit the group, all or nothing; the error that refused it, if any."""

@@ -267,16 +267,16 @@ class EngineCoreClient(EngineClient):
     async def sleep(self, level: int = 1) -> None:
         await self._sleep_call(level)
 
-    async def wake_up(self) -> None:
-        await self._sleep_call(None)
+    async def wake_up(self) -> Optional[dict]:
+        return await self._sleep_call(None)
 
-    async def _sleep_call(self, level: Optional[int]) -> None:
+    async def _sleep_call(self, level: Optional[int]) -> Optional[dict]:
         self._raise_if_unavailable()
         call_id = next(self._batch_ids)
         future = self._loop.create_future()
         self._sleep_calls[call_id] = (future, level)
         self._send(Sleep(call_id, level))
-        await future
+        return await future
 
     @property
     def is_sleeping(self) -> bool:
@@ -399,7 +399,7 @@ class EngineCoreClient(EngineClient):
         if reply.error is not None:
             future.set_exception(_add_error(reply.error))
         else:
-            future.set_result(None)
+            future.set_result(reply.wake_phases)
 
     def _on_step(self, message: StepOutputs) -> None:
         now = time.monotonic()

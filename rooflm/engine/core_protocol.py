@@ -111,6 +111,7 @@ class SleepReply(msgspec.Struct, tag=True):
     call_id: int
     is_sleeping: bool
     error: Optional[AddError] = None  # None: done
+    wake_phases: Optional[dict] = None  # a wake-up's LLMEngine.wake_up() answer: where its time went
 
 
 class SampleDelta(msgspec.Struct, array_like=True):

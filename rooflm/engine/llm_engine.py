@@ -134,6 +134,8 @@ class LLMEngine:
         self._observers.append(self.step_cost.observe)
         self._wait_gauge = (-1, -1, 0.0)  # (steps, waiting) it was computed at, seconds
         self._sleep_level: Optional[int] = None
+        self.last_wake_phases: Optional[dict] = None  # the last wake_up's WakePhases.as_dict()
+        self._woke_at: Optional[float] = None  # perf_counter of the last wake_up, until its first step
         if config.runtime.tune_gc:
             tune_gc_for_serving()
         logger.info("ready in %.1f s (%s)", self.startup_s,
@@ -500,9 +502,12 @@ class LLMEngine:
     def sleep(self, level: int = 1) -> None:
         """Free the device: the KV pool always (its contents and the prefix cache are
         forgotten), and the weights, moved to host memory (level 1) or dropped (level 2: wake_up
-        loads them again from the model source). The CUDA graphs, which hold the pool's and the
-        weights' addresses, are released and captured again at wake_up. On the CPU the weights
-        already live in host memory: level 1 keeps them, level 2 drops them too.
+        loads them again from the model source). On one GPU the weights and the pool live on
+        regions whose physical memory is given back while their addresses stay reserved
+        (engine/sleep_memory.py), so the CUDA graphs, which hold those addresses, survive level
+        1; level 2, or a device without them, releases the graphs and wake_up captures them
+        again. On the CPU the weights already live in host memory: level 1 keeps them, level 2
+        drops them too.
 
         Every request must have finished or been aborted (the front ends abort theirs first);
         a step still in flight is finished. Sleeping again is a no-op."""
@@ -527,15 +532,20 @@ class LLMEngine:
         if isinstance(level, bool) or level not in (1, 2):
             raise InvalidRequest(f"sleep level must be 1 or 2, got {level!r}", param="level")
 
-    def wake_up(self) -> None:
-        """Undo sleep(): the weights back on the device (or loaded again), a fresh KV pool of the
-        same size, the CUDA graphs captured again. Waking an awake engine is a no-op."""
+    def wake_up(self) -> Optional[dict]:
+        """Undo sleep(): the weights back on the device (or loaded again), the KV pool back, the
+        CUDA graphs kept where their addresses are (level 1 on one GPU) or captured again.
+        Returns the phases' seconds (weights, kv, graphs, total; sleep_memory.WakePhases), also
+        logged on one line; None when the engine was awake (a no-op)."""
         if self._sleep_level is None:
-            return
-        t0 = time.perf_counter()
-        self.runner.wake_up(self.model_path, self.load_format)
+            return None
+        level = self._sleep_level
+        phases = self.runner.wake_up(self.model_path, self.load_format)
         self._sleep_level = None
-        logger.info("awake in %.2f s", time.perf_counter() - t0)
+        self._woke_at = time.perf_counter()
+        logger.info(phases.line(level))
+        self.last_wake_phases = {"level": level, **phases.as_dict()}
+        return self.last_wake_phases
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self.pipeline)
@@ -562,7 +572,13 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.check_alive()
         failed = self._reap_failed_grammars() if self._compiling else []
-        return self.strategy.step(t0, failed)
+        outputs = self.strategy.step(t0, failed)
+        if self._woke_at is not None and outputs:
+            # The rest of a wake-up's cost: what the first step after it paid (a kernel's
+            # first launch, a graph captured lazily), next to the phases' line.
+            logger.info("first step after wake_up: its outputs %.2f s after it", time.perf_counter() - self._woke_at)
+            self._woke_at = None
+        return outputs
 
     # ---- what step strategies run a step with (engine/step_strategy.py) ----------------------
 

@@ -26,6 +26,8 @@ from rooflm.engine.block_table_array import BlockTableArray, block_table_array
 from rooflm.engine.kv_groups import KVLayout, blocks_per_seq, kv_layout, single_group
 from rooflm.engine.report import NULL_TRACER
 from rooflm.engine.scheduler import ScheduledSeq, SchedulerOutput
+from rooflm.engine.sleep_memory import (ALIGN, WAKE_CHUNK_BYTES, CuMemDriver, Region, WakePhases, adopt_tensors,
+                                        host_backup, round_up, stale_addresses, tensor_addresses)
 from rooflm.layers.attention import AttentionMetadata, ReferenceBackend
 from rooflm.layers import kv_cache as kv_format
 from rooflm.layers.kernels import TORCH_KERNELS, Kernels, triton_kernels
@@ -231,6 +233,16 @@ class ModelRunner:
         self.tracer = NULL_TRACER  # names the phases of a step for the profiler
         self.timings: dict[str, float] = {}
         self._slept_num_blocks = 0  # the pool's size while sleep() has freed it
+        # Sleep mode on one GPU (sleep_memory.py): the weights and the KV pool live on regions
+        # whose physical memory sleep gives back and wake_up maps again at the same addresses,
+        # so the CUDA graphs survive. sleep_driver: the driver's bindings (None: not yet, or
+        # not used: the CPU, or the driver refused: then sleep frees and wake_up recaptures).
+        self.sleep_driver = None
+        self._sleep_driver_tried = False
+        self.weights_region: Optional[Region] = None
+        self.kv_region: Optional[Region] = None
+        self._weights_host: Optional[torch.Tensor] = None  # level 1: the weights region's bytes
+        self._graph_addresses: dict[str, int] = {}  # what the graphs captured (tensor_addresses)
         # --enable-lora (rooflm/lora/): the adapters' host cache and device slots, and the step's
         # token -> slot map the model's hooks read; set when the model is loaded.
         self.lora = None
@@ -276,7 +288,7 @@ class ModelRunner:
         if self.device.type == "cuda" and self.config.cache.num_blocks is None:
             logger.info("profiling memory: a forward of the largest step, to size the KV cache ...")
         num_blocks = self.determine_num_blocks()
-        self.allocate_kv_cache(num_blocks)
+        self.allocate_kv_cache(num_blocks, sleepable=True)
         if self.device.type == "cuda" and not self.config.runtime.enforce_eager:
             logger.info("capturing CUDA graphs ...")
         self.capture_graphs()
@@ -391,7 +403,33 @@ class ModelRunner:
         self.model = model.eval()
         if self.config.lora.enable_lora:
             self._install_lora()
+        driver = self._sleep_driver()
+        if driver is not None:
+            self.weights_region = adopt_tensors(self.model, driver, "weights", release=self._release_cached)
+            self._release_cached()
         self.timings["load_s"] = time.perf_counter() - t0
+
+    def _sleep_driver(self):
+        """The driver sleep mode's regions come from (sleep_memory.py), or None: sleep mode off,
+        not one CUDA device (tensor and pipeline parallelism refuse sleep mode), or the
+        driver's virtual memory calls unavailable (logged once; sleep then frees the tensors
+        and wake_up captures the graphs again)."""
+        if self.sleep_driver is not None or self._sleep_driver_tried:
+            return self.sleep_driver
+        self._sleep_driver_tried = True
+        if (not self.config.runtime.enable_sleep_mode or self.device.type != "cuda" or self.tp.size > 1
+                or self.stage is not None):
+            return None
+        try:
+            self.sleep_driver = CuMemDriver(self.device)
+        except (OSError, AttributeError, RuntimeError) as exc:
+            logger.warning("sleep mode without CUDA virtual memory (%s): wake_up will capture the CUDA "
+                           "graphs again", exc)
+        return self.sleep_driver
+
+    def _release_cached(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _install_lora(self) -> None:
         """LoRA hooks on the decoder's targeted linears, a slot pool of --max-loras adapters."""
@@ -590,18 +628,35 @@ class ModelRunner:
         out = self.model(ids, positions, self.kv_caches, meta, intermediate=intermediate)
         return out if self.stage.is_last else out[0]
 
-    def allocate_kv_cache(self, num_blocks: int, quiet: bool = False) -> None:
+    def allocate_kv_cache(self, num_blocks: int, quiet: bool = False, sleepable: bool = False) -> None:
+        """The device pool. sleepable: on a region of the sleep driver when there is one (the
+        engine's pool; profile_run's scratch pool is a plain allocation)."""
         cfg = self.model_config
         # One slot per layer of a block: all layers, or a KV cache group's (kv_groups.py). Zeroed:
         # a sliding group's given-back entries point at block 0, which the kernels may read
         # (masked), so it must hold finite values before anything is written.
         shape = (self._pool_layers(), 2, num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-        self.kv_scales = None
         mode = self.kv_scale_mode()
-        if mode == "per-token":
-            self.kv_scales = torch.zeros(shape[:-1], dtype=torch.float32, device=self.device)
-        elif mode == "static":
+        driver = self._sleep_driver() if sleepable else None
+        if self.kv_region is not None:  # never while graphs hold it: only initialize asks twice
+            self.kv_region.close()
+            self.kv_region = None
+        if driver is not None:
+            try:
+                self._kv_on_region(driver, shape, mode == "per-token")
+            except RuntimeError as exc:  # a driver call refused: a plain pool, graphs captured at wake
+                logger.warning("KV pool off CUDA virtual memory (%s): wake_up will capture the CUDA graphs "
+                               "again", exc)
+                if self.kv_region is not None:
+                    self.kv_region.close()
+                self.kv_region = None
+                driver = None
+        if driver is None:
+            self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            self.kv_scales = None
+            if mode == "per-token":
+                self.kv_scales = torch.zeros(shape[:-1], dtype=torch.float32, device=self.device)
+        if mode == "static":
             self.kv_scales = self._static_kv_scales(quiet)
         held = range(cfg.num_hidden_layers) if self.stage is None else range(self.stage.start, self.stage.end)
         self.kv_caches = [self._layer_cache(i) if i in held else None for i in range(cfg.num_hidden_layers)]
@@ -609,6 +664,19 @@ class ModelRunner:
             logger.info("KV cache: %d blocks of %d tokens, %s%s (%.2f GiB)", num_blocks, self.block_size,
                         str(self.kv_dtype).replace("torch.", ""), f", {mode} scales" if mode else "",
                         num_blocks * self.kv_bytes_per_block() / 2**30)
+
+    def _kv_on_region(self, driver, shape: tuple, per_token_scales: bool) -> None:
+        """The pool (and per-token scales) on one region, zeroed."""
+        self.kv_cache = self.kv_scales = None  # a pool being replaced is given back first
+        self._release_cached()
+        elem = torch.empty(0, dtype=self.kv_dtype).element_size()
+        cache_bytes = round_up(int(np.prod(shape)) * elem, ALIGN)
+        scale_bytes = int(np.prod(shape[:-1])) * 4 if per_token_scales else 0
+        region = self.kv_region = Region(driver, "kv cache", cache_bytes + scale_bytes, chunk=WAKE_CHUNK_BYTES)
+        region.map_all()
+        self.kv_cache = region.tensor(0, shape, self.kv_dtype).zero_()
+        if per_token_scales:
+            self.kv_scales = region.tensor(cache_bytes, shape[:-1], torch.float32).zero_()
 
     def _layer_cache(self, layer: int) -> KVCache:
         layout = self.kv_layout
@@ -1361,6 +1429,7 @@ class ModelRunner:
             self.piecewise = PiecewiseGraphRunner(self.model, self.kv_caches, self.backend,
                                                   self.config.scheduler.max_num_batched_tokens, self.device)
             self.timings["piecewise_capture_s"] = self.piecewise.capture()
+        self._graph_addresses = tensor_addresses(self.model, self.kv_caches)
 
     def release_graphs(self) -> None:
         """Drop the captured CUDA graphs and their memory pool, once the device has run them.
@@ -1386,31 +1455,92 @@ class ModelRunner:
     # ---- sleep mode (LLMEngine.sleep) ----------------------------------------------------------
 
     def sleep(self, level: int) -> None:
-        """Free the device pool and the graphs that hold its addresses; level 1 moves the
-        weights into pinned host memory (on the CPU they are there already: kept), level 2
-        drops them. The host swap pool stays: it is host memory."""
-        self.release_graphs()
+        """Give the device back. The KV pool always; the weights moved into pinned host memory
+        (level 1; on the CPU they are there already: kept) or dropped (level 2). On regions
+        (sleep_memory.py) the physical memory is unmapped and the addresses stay reserved, so
+        the CUDA graphs are kept through level 1; without regions, or at level 2 (new weights
+        will be loaded at new addresses), the graphs go too. The host swap pool stays: it is
+        host memory."""
         self._offloads_done = None  # the device is synchronised below: nothing left to wait for
         self._slept_num_blocks = self.kv_cache.shape[2]
-        self.kv_cache = self.kv_caches = self.kv_scales = None
         self._meta_caches.clear()
+        if self.kv_region is None or level == 2:
+            self.release_graphs()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no step or replay still reads what goes below
+        if self.kv_region is not None:
+            self.kv_region.unmap_all()  # the tensors on it stay, unbacked until wake_up
+        else:
+            self.kv_cache = self.kv_caches = self.kv_scales = None
         if level == 2:
             self.model = None
+            if self.weights_region is not None:
+                self.weights_region.close()
+                self.weights_region = None
+        elif self.weights_region is not None:
+            self._weights_host = host_backup(self.weights_region.nbytes, self.device)
+            self._weights_host.copy_(self.weights_region.data)
+            self.weights_region.unmap_all()
         elif self.device.type != "cpu":
             self.model._apply(_to_pinned_host)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
-    def wake_up(self, path: str, load_format: str) -> None:
-        """The weights back on the device (level 2: loaded again from path), a fresh pool of the
-        same size, the graphs captured again."""
+    def wake_up(self, path: str, load_format: str) -> WakePhases:
+        """The weights back on the device (level 2: loaded again from path), the KV pool back
+        (zeroed, same size), the CUDA graphs kept when every address they captured is
+        unchanged, else captured again. Returns where the time went."""
+        t0 = time.perf_counter()
+        weights = self._wake_weights(path, load_format)
+        self._sync()
+        t1 = time.perf_counter()
+        if self.kv_region is not None:
+            self.kv_region.map_all()
+            self.kv_cache.zero_()  # as allocate_kv_cache: finite values before any read
+            if self.kv_scale_mode() == "per-token":
+                self.kv_scales.zero_()
+        else:
+            self.allocate_kv_cache(self._slept_num_blocks, quiet=True)
+        self._sync()
+        t2 = time.perf_counter()
+        graphs = self._revalidate_graphs()
+        self._sync()
+        self._weights_host = None  # its copy has landed (synchronised above)
+        t3 = time.perf_counter()
+        return WakePhases(t1 - t0, t2 - t1, t3 - t2, t3 - t0, graphs, weights)
+
+    def _wake_weights(self, path: str, load_format: str) -> str:
         if self.model is None:
             self.load_model(path, load_format)
-        elif self.device.type != "cpu":
+            return "loaded"
+        if self.weights_region is not None:
+            self.weights_region.map_all()
+            # One copy from one pinned buffer; waited for once, with the pool's zeroing.
+            self.weights_region.data.copy_(self._weights_host, non_blocking=True)
+            return "copied"
+        if self.device.type != "cpu":
             self.model._apply(lambda t: t.to(self.device, non_blocking=True))
-        self.allocate_kv_cache(self._slept_num_blocks, quiet=True)
+            return "copied"
+        return "kept"
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _revalidate_graphs(self) -> str:
+        """"kept" when graphs exist and every address they captured is where it was (a replay
+        on a moved tensor would read freed memory: then they are captured again, and the log
+        names what moved); "captured" when captured (again); "none" when steps run eagerly."""
+        if self.graphs is not None or self.piecewise is not None or self.uniform_graphs is not None:
+            moved = stale_addresses(self._graph_addresses, tensor_addresses(self.model, self.kv_caches))
+            if not moved:
+                return "kept"
+            logger.warning("wake_up: %d captured addresses moved (%s%s): capturing the CUDA graphs again",
+                           len(moved), ", ".join(moved[:4]), ", ..." if len(moved) > 4 else "")
+            self.release_graphs()
         self.capture_graphs()
+        return "none" if self.graphs is None and self.piecewise is None else "captured"
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs, result: StepResult) -> None:
         for sch, base, first, count in inputs.prompt_logprob_spans:

@@ -228,8 +228,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/wake_up")
     async def wake_up(raw: Request):
         _check_sleep_mode(state, raw)
-        await state.engine_client.wake_up()
-        return Response(status_code=200)
+        phases = await state.engine_client.wake_up()
+        # vLLM answers an empty 200; the body here says where the wake-up's time went.
+        return JSONResponse({"phases": phases}) if phases else Response(status_code=200)
 
     @app.get("/is_sleeping")
     async def is_sleeping(raw: Request):
