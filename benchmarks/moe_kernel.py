@@ -13,13 +13,11 @@ the fused path eagerly too for a like-for-like number.
 Bytes count the experts this routing actually touched (distinct ids), once each, plus the
 activations (fused_moe_bytes); floor = max(bytes / HBM bandwidth, FLOPs / peak bf16). Printed:
 us per layer, the floor, % of floor, GB/s, TFLOP/s, the speedup over the loop (issue 48's
-targets at Qwen3's shape: >= 1.5x at batch 1, >= 3x at batch 64), moe_align's share, and the
-grouped GEMMs forced (path="grouped") beside the default choice (the pairs path at batch 1-2).
+targets at Qwen3's shape: >= 1.5x at batch 1, >= 3x at batch 64), and moe_align's share.
 
 The whole routed layer, as SparseMoeBlock runs it on CUDA, in one graph over L layers:
-  layer      router matmul + moe_router (one launch) + fused_moe's own choice (the pairs path's two
-             launches up to PAIRS_MAX_PAIRS pairs, else the Triton align, the two grouped GEMMs and
-             the sum): the Kernels path of rooflm/layers/moe.py
+  layer      router matmul + moe_router (one launch) + moe_align_block_size_triton (one launch)
+             + the two grouped GEMMs + the sum: the Kernels path of rooflm/layers/moe.py
   layer_old  router matmul + torch's fp32 softmax / topk / renormalise + the torch align (about
              a dozen launches) + the same GEMMs: what the path was before the one-launch kernels
 and both aligns alone (align_triton_us, align_torch_us). --fp8 adds the FP8 W8A8 experts
@@ -102,7 +100,7 @@ def routed_layer(x, router_w, w13, w2, top_k, new: bool, **fp8):
     logits = x @ router_w.T
     if new:
         weights, ids = moe_router(logits, top_k, "softmax", True)
-        return fused_moe(x, w13, w2, weights, ids, **fp8)  # the engine's choice: pairs or Triton align
+        return fused_moe(x, w13, w2, weights, ids, align=moe_align_block_size_triton, **fp8)
     top, ids = torch.softmax(logits.float(), -1).topk(top_k, dim=-1)
     return fused_moe(x, w13, w2, top / top.sum(-1, keepdim=True), ids, align=moe_align_block_size, **fp8)
 
@@ -129,8 +127,6 @@ def bench_shape(name: str, shape: dict, batches: list[int], layers: int, bw: flo
 
         fused_graph = time_graph(lambda: [fused_moe(x, a, b, weights, ids) for a, b in zip(w13, w2)]) / layers
         fused_eager = time_eager(lambda: [fused_moe(x, a, b, weights, ids) for a, b in zip(w13, w2)]) / layers
-        grouped = time_graph(lambda: [fused_moe(x, a, b, weights, ids, path="grouped")
-                                      for a, b in zip(w13, w2)]) / layers
         align = time_graph(lambda: moe_align_block_size(ids, cfg.block_m, e))
         align_triton = time_graph(lambda: moe_align_block_size_triton(ids, cfg.block_m, e))
         layer = time_graph(lambda: [routed_layer(x, r, a, b, k, True) for r, a, b in zip(router_w, w13, w2)]) / layers
@@ -140,7 +136,6 @@ def bench_shape(name: str, shape: dict, batches: list[int], layers: int, bw: flo
                                     for a, b in zip(w13, w2)]) / layers
         row = dict(shape=name, batch=t, active_experts=active, bytes=nbytes, flops=flops,
                    floor_us=floor * 1e6, fused_graph_us=fused_graph * 1e6, fused_eager_us=fused_eager * 1e6,
-                   grouped_graph_us=grouped * 1e6,
                    align_us=align * 1e6, align_torch_us=align * 1e6, align_triton_us=align_triton * 1e6,
                    layer_us=layer * 1e6, layer_old_us=layer_old * 1e6, naive_eager_us=naive * 1e6,
                    pct_of_floor=100 * floor / fused_graph, gb_s=nbytes / fused_graph / 1e9,
@@ -148,7 +143,7 @@ def bench_shape(name: str, shape: dict, batches: list[int], layers: int, bw: flo
                    speedup_eager_vs_naive=naive / fused_eager, config=cfg.to_dict())
         line = (f"{name:14s} T={t:5d} experts {active:3d}  {nbytes / 1e6:8.1f} MB  floor {floor * 1e6:7.1f} us  "
                 f"fused {fused_graph * 1e6:7.1f} us ({row['pct_of_floor']:5.1f}% of floor, {row['gb_s']:6.0f} GB/s, "
-                f"{row['tflop_s']:6.1f} TFLOP/s)  grouped {grouped * 1e6:7.1f}  eager {fused_eager * 1e6:7.1f}  align torch {align * 1e6:5.1f} "
+                f"{row['tflop_s']:6.1f} TFLOP/s)  eager {fused_eager * 1e6:7.1f}  align torch {align * 1e6:5.1f} "
                 f"triton {align_triton * 1e6:5.1f}  layer {layer * 1e6:7.1f} (was {layer_old * 1e6:7.1f})  "
                 f"naive {naive * 1e6:8.1f} us  x{row['speedup_vs_naive']:.2f}")
         if fp8:

@@ -21,18 +21,6 @@ them once; the fused path (vLLM's and SGLang's fused_moe design) runs the whole 
      y [T * top_k, H].
   4. out = y.view(T, top_k, H).sum(1): a torch reduction (deterministic: no atomics).
 
-The pairs path (a step of one or two tokens: T * top_k <= PAIRS_MAX_PAIRS, bf16/fp16/fp32
-experts): no sort and no sum. Every pair has its own expert at that size, so the grouped GEMMs'
-blocks would each hold one row; instead
-  1'. gate_up: one program per (pair, BLOCK_N columns of I) reads its expert from topk_ids and
-      reduces x[t] against the gate and up rows (a GEMV, tl.sum), activation in the epilogue;
-  2'. down: one program per (token, BLOCK_N columns of H) loops over the token's top_k pairs and
-      adds weight * (w2_e rows . h[pair]) (+ the expert's bias) in a fixed order: out directly.
-Two launches instead of four (align, two GEMMs, the sum): at Qwen3-30B-A3B's batch 1 the align
-(8.4 us) and the sum (4.8 us) were 13 us of each layer's ~73 (rooflm profile, H200). The bytes are
-the same (one read of each chosen expert); past a few tokens the grouped GEMMs read an expert
-that several tokens share once, and win.
-
 Programs whose block lies past num_tokens_post_padded return at once: the launch grid is sized
 from T, top_k and E only (a CUDA graph replays it), the routing decides which programs work.
 
@@ -182,75 +170,6 @@ def _fused_moe_kernel(
              mask=row_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
-def _act(gate, up, ACTIVATION: tl.constexpr, alpha, limit):
-    if ACTIVATION == 1:  # silu(gate) * up
-        return gate / (1.0 + tl.exp(-gate)) * up
-    gate = tl.minimum(gate, limit)  # gpt-oss: clamped SwiGLU with (up + 1)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    return (up + 1.0) * gate / (1.0 + tl.exp(-alpha * gate))
-
-
-@triton.jit
-def _moe_pairs_gate_up_kernel(h_ptr, x_ptr, w_ptr, bias_ptr, ids_ptr, N, K, stride_xm, stride_we, stride_wn,
-                              stride_bias_e, stride_hm, alpha, limit,
-                              TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """h[pair, n] = act(w13_e[n] . x[t], w13_e[N + n] . x[t]) for e = topk_ids[pair]: a GEMV."""
-    pair = tl.program_id(0).to(tl.int64)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    if expert >= 0:  # -1: an expert another rank holds (expert parallelism); down skips the pair
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
-        rows = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
-        x_row = x_ptr + (pair // TOP_K) * stride_xm
-        gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < K
-            xk = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            mask = n_mask[:, None] & k_mask[None, :]
-            g = tl.load(rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(rows + N * stride_wn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-            gate += tl.sum(g * xk[None, :], axis=1)
-            up += tl.sum(u * xk[None, :], axis=1)
-        if HAS_BIAS:
-            bias_row = bias_ptr + expert * stride_bias_e
-            gate += tl.load(bias_row + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            up += tl.load(bias_row + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        out = _act(gate, up, ACTIVATION, alpha, limit)
-        tl.store(h_ptr + pair * stride_hm + offs_n, out.to(h_ptr.dtype.element_ty), mask=n_mask)
-
-
-@triton.jit
-def _moe_pairs_down_kernel(out_ptr, h_ptr, w_ptr, bias_ptr, ids_ptr, weights_ptr, N, K,
-                           stride_hm, stride_we, stride_wn, stride_bias_e, stride_om,
-                           TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[t, n] = sum_k weight[t, k] * (w2_e[n] . h[t top_k + k] + b2_e[n]), k in order."""
-    t = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in range(TOP_K):
-        pair = t * TOP_K + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        if expert >= 0:
-            rows = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
-            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                k_mask = offs_k < K
-                hk = tl.load(h_ptr + pair * stride_hm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-                w = tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                acc += tl.sum(w.to(tl.float32) * hk[None, :], axis=1)
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + expert * stride_bias_e + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            total += tl.load(weights_ptr + pair).to(tl.float32) * acc
-    tl.store(out_ptr + t * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
 # --------------------------------------------------------------------------
 # Tiles
 # --------------------------------------------------------------------------
@@ -282,9 +201,6 @@ class FusedMoeConfig:
 
 TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned", "fused_moe.json")
 ALIGN_TRITON_MAX_PAIRS = 512  # fused_moe's align: Triton's one launch up to here, torch's beyond
-PAIRS_MAX_PAIRS = 16  # the pairs path (no sort, no sum) up to here: batch 1-2 of top-8, 1-4 of top-4
-PAIRS_BLOCK_N = 16  # GEMV rows per program: I = 768 gives 48 programs per pair, H = 2048 128 per token
-PAIRS_BLOCK_K = 256
 
 
 def lookup_tuned(device_name: Optional[str], num_experts: int, top_k: int, hidden: int, inter: int,
@@ -415,7 +331,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
               config: Optional[FusedMoeConfig] = None, align: Optional[Callable] = None,
               w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
-              local_only: bool = False, path: str = "auto") -> torch.Tensor:
+              local_only: bool = False) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for x [T, H]; returns [T, H] in x's dtype.
 
     w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], optional biases b13 [E, 2I], b2 [E, H];
@@ -426,25 +342,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     scales w13_scale [E, 2I], w2_scale [E, H]; x and h are quantized per token on the way in
     (kernels/fp8_quant.py), two launches more than bf16's four.
     local_only (expert parallelism, layers/moe.py): topk_ids hold -1 for experts other ranks
-    hold; those pairs are sorted nowhere and their rows stay zero (one memset more).
-    path: "pairs" (no sort, no sum: the module docstring), "grouped" (align + grouped GEMMs),
-    "auto": pairs for float experts up to PAIRS_MAX_PAIRS pairs without an explicit config."""
+    hold; those pairs are sorted nowhere and their rows stay zero (one memset more)."""
     fp8 = _check_inputs(x, w13, w2, topk_weights, topk_ids, b13, b2, activation, w13_scale, w2_scale)
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
     top_k = topk_ids.shape[1]
-    if path not in ("auto", "pairs", "grouped"):
-        raise ValueError(f"path must be 'auto', 'pairs' or 'grouped', got {path!r}")
     if num_tokens == 0:
         return torch.empty_like(x)
-    if path == "auto":
-        small = num_tokens * top_k <= PAIRS_MAX_PAIRS
-        path = "pairs" if small and not fp8 and config is None and align is None else "grouped"
-    if path == "pairs":
-        if fp8:
-            raise ValueError("the pairs path takes float experts; FP8 experts run the grouped GEMMs")
-        return _fused_moe_pairs(x, w13, w2, topk_weights, topk_ids, b13, b2, activation, alpha, limit)
     cfg = config or pick_config(num_tokens, num_experts, top_k, hidden, inter, x.device)
     if align is None:
         # The one-launch Triton align walks every (token, expert) pair in one program: 9 us against
@@ -472,31 +377,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
                 alpha, limit)
         _launch(y, h, w2, b2, weights, aligned, num_pairs, 1, "none", True, cfg.block_m, cfg.down, alpha, limit)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)
-
-
-def _fused_moe_pairs(x, w13, w2, topk_weights, topk_ids, b13, b2, activation, alpha, limit) -> torch.Tensor:
-    """The pairs path: two launches, out [T, H] written by the down kernel (no y, no sum)."""
-    num_tokens, hidden = x.shape
-    inter = w13.shape[1] // 2
-    top_k = topk_ids.shape[1]
-    ids = topk_ids.reshape(-1)
-    weights = topk_weights.reshape(-1)
-    ids = ids if ids.is_contiguous() else ids.contiguous()
-    weights = weights if weights.is_contiguous() else weights.contiguous()
-    h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    out = torch.empty_like(x)
-    block_k = min(PAIRS_BLOCK_K, triton.next_power_of_2(hidden))
-    _moe_pairs_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, PAIRS_BLOCK_N))](
-        h, x, w13, b13 if b13 is not None else w13, ids, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
-        b13.stride(0) if b13 is not None else 0, h.stride(0), alpha, limit,
-        TOP_K=top_k, ACTIVATION=ACTIVATIONS[activation], HAS_BIAS=b13 is not None,
-        BLOCK_N=PAIRS_BLOCK_N, BLOCK_K=block_k)
-    block_k = min(PAIRS_BLOCK_K, triton.next_power_of_2(inter))
-    _moe_pairs_down_kernel[(num_tokens, triton.cdiv(hidden, PAIRS_BLOCK_N))](
-        out, h, w2, b2 if b2 is not None else w2, ids, weights, hidden, inter, h.stride(0), w2.stride(0),
-        w2.stride(1), b2.stride(0) if b2 is not None else 0, out.stride(0),
-        TOP_K=top_k, HAS_BIAS=b2 is not None, BLOCK_N=PAIRS_BLOCK_N, BLOCK_K=block_k)
-    return out
 
 
 def fp8_dot_supported(device: torch.device) -> bool:

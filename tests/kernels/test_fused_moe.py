@@ -118,41 +118,6 @@ def test_fused_moe_gpt_oss_activation_and_biases(dtype):
     assert_close(out, ref, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("num_tokens,num_experts,top_k,hidden,inter", [
-    (1, 8, 2, 32, 32),     # decode of a top-2 model
-    (2, 16, 8, 48, 40),    # two tokens of top-8; H and I not multiples of the GEMV's blocks
-    (3, 4, 4, 32, 24),     # every expert chosen by every token
-])
-def test_pairs_path_matches_reference(num_tokens, num_experts, top_k, hidden, inter, dtype):
-    """The pairs path (no sort, no sum) against the definition, and "auto" takes it at this size."""
-    gen = torch.Generator().manual_seed(num_tokens + 5 * top_k)
-    w13, w2, _, _ = make_layer(num_experts, hidden, inter, dtype, gen)
-    x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE, dtype)
-    weights, ids = random_routing(num_tokens, num_experts, top_k, gen)
-    ref = fused_moe_ref(x, w13, w2, weights, ids)
-    out = fused_moe(x, w13, w2, weights, ids, path="pairs")
-    assert out.dtype == dtype and out.shape == x.shape
-    assert_close(out, ref, dtype)
-    assert torch.equal(fused_moe(x, w13, w2, weights, ids), out)  # auto: the same launches
-
-
-def test_pairs_path_gpt_oss_activation_biases_and_remote_experts():
-    """Clamped SwiGLU with biases, and -1 ids (experts another rank holds) contributing nothing."""
-    from rooflm.layers.moe import local_expert_ids
-    gen = torch.Generator().manual_seed(8)
-    w13, w2, b13, b2 = make_layer(8, 32, 32, torch.float32, gen, bias=True)
-    x = (4 * torch.randn(2, 32, generator=gen)).to(DEVICE)
-    weights, ids = random_routing(2, 8, 4, gen)
-    kw = dict(b13=b13, b2=b2, activation="swigluoai", alpha=1.702, limit=7.0)
-    assert_close(fused_moe(x, w13, w2, weights, ids, path="pairs", **kw),
-                 fused_moe_ref(x, w13, w2, weights, ids, **kw), torch.float32, "gpt-oss")
-    halves = [fused_moe(x, w13[r * 4:(r + 1) * 4], w2[r * 4:(r + 1) * 4], weights, local_expert_ids(ids, r * 4, 4),
-                        b13=b13[r * 4:(r + 1) * 4], b2=b2[r * 4:(r + 1) * 4], activation="swigluoai",
-                        local_only=True, path="pairs") for r in range(2)]
-    assert_close(halves[0] + halves[1], fused_moe_ref(x, w13, w2, weights, ids, **kw), torch.float32, "EP halves")
-
-
 def test_fused_moe_default_config_and_larger_blocks():
     """The heuristic's tiles (BLOCK_K 128 over H 64: masked K) and BLOCK_M 32 with GROUP_M 8."""
     gen = torch.Generator().manual_seed(5)
@@ -229,17 +194,16 @@ def test_fused_moe_gpu_gpt_oss_bf16():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["grouped", "pairs"])
-def test_fused_moe_gpu_replays_in_a_cuda_graph_with_new_routing(path):
+def test_fused_moe_gpu_replays_in_a_cuda_graph_with_new_routing():
     """No host sync in align or the launches: a captured call follows the routing of each replay."""
     gen = torch.Generator().manual_seed(2)
     w13, w2, _, _ = make_layer(16, 256, 128, torch.bfloat16, gen)
     x = torch.randn(8, 256, generator=gen).to(DEVICE, torch.bfloat16)
     weights, ids = random_routing(8, 16, 2, gen)
-    fused_moe(x, w13, w2, weights, ids, path=path)  # compile outside the capture
+    fused_moe(x, w13, w2, weights, ids)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_moe(x, w13, w2, weights, ids, path=path)
+        out = fused_moe(x, w13, w2, weights, ids)
     for crowd in (None, 2):
         new_w, new_ids = random_routing(8, 16, 2, gen, experts=crowd)
         weights.copy_(new_w)
