@@ -10,9 +10,12 @@
 #   4. `rooflm serve` DP=1: the 1000 requests all at once (served DP=1), if time is left
 #      (PART=serve-dp1 runs only this part).
 # Shared-prompt workload: 32 system prompts of 2048 tokens, each request one of them plus 64 own
-# tokens, 64 out, 480 requests at 16/s; every replica's KV pool is cut to 4000 blocks (64k tokens),
-# so one replica holds half the prompts but not all of them: round-robin sends every prompt to
-# both replicas and they evict each other's; cache-aware keeps each prompt on one replica.
+# tokens, 64 out, 480 requests at 16/s. Every replica's KV pool is sized from the workload so that
+# the prompts are ~1.6x what one replica holds (PREFIX_OVER): a replica keeps about 60% of them, so
+# round-robin, which sends every prompt to both replicas, must evict and recompute, while
+# cache-aware keeps each prompt on one replica and both pools hold the whole set. (An earlier
+# 4000-block pool of 64-token blocks held all 32 x 2048 tokens 4x over: round-robin never evicted
+# and the run could not tell the routers apart.) least_loaded is the third row.
 # Usage (GPU machine, repo root): OUT=dir bash benchmarks/dp.sh     (PART=offline|serve|serve-dp1|all)
 # Carry .whl/ (benchmarks/fetch_serving_wheels.sh): the GPU machine has no server stack.
 set -uo pipefail
@@ -37,8 +40,16 @@ SERVE_MODEL=${SERVE_MODEL:-"--model $MODEL_DIR --load-format dummy --max-model-l
 NAME=$(basename "$MODEL_DIR")
 VOCAB=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['vocab_size'])" "$MODEL_DIR/config.json" 2>/dev/null || echo 32000)
 WORKLOAD=${WORKLOAD:-"--num-prompts 1000 --input-len 230 --output-len 200 --range-ratio 0.9"}
-PREFIX=${PREFIX:-"--dataset-name prefix --num-prefixes 32 --prefix-len 2048 --input-len 64 --output-len 64 --num-prompts 480 --request-rate 16"}
-PREFIX_BLOCKS=${PREFIX_BLOCKS:-4000}
+NUM_PREFIXES=${NUM_PREFIXES:-32}
+PREFIX_LEN=${PREFIX_LEN:-2048}
+PREFIX=${PREFIX:-"--dataset-name prefix --num-prefixes $NUM_PREFIXES --prefix-len $PREFIX_LEN --input-len 64 --output-len 64 --num-prompts 480 --request-rate 16"}
+BLOCK_SIZE=${BLOCK_SIZE:-64}  # the engine's KV block on CUDA (rooflm serve --block-size)
+PREFIX_OVER=${PREFIX_OVER:-1.6}
+# Running sequences share their prompt's cached blocks and need blocks only for their own 64 + 64
+# tokens (and a partial one): ~16 in flight per replica at this rate (16/s, ~1 s each).
+HEADROOM_BLOCKS=${HEADROOM_BLOCKS:-$(( 16 * ((128 + BLOCK_SIZE - 1) / BLOCK_SIZE + 1) ))}
+PREFIX_BLOCKS=${PREFIX_BLOCKS:-$(python3 -c "import math,sys; n,l,b,o,h=map(float,sys.argv[1:]); print(int(math.ceil(n*l/b/o)+h))" \
+  "$NUM_PREFIXES" "$PREFIX_LEN" "$BLOCK_SIZE" "$PREFIX_OVER" "$HEADROOM_BLOCKS")}
 mkdir -p "$OUT"
 { date -Is; git rev-parse --short HEAD 2>/dev/null
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null; } | tee "$OUT/env.txt"
@@ -99,6 +110,10 @@ if [ "$PART" = all ] || [ "$PART" = serve ]; then
     serve prefix-round_robin $PREFIX --seed 7
     stop_server
   fi
+  if start_server dp2-ll-prefix --data-parallel-size 2 --dp-routing least_loaded --num-blocks "$PREFIX_BLOCKS"; then
+    serve prefix-least_loaded $PREFIX --seed 7
+    stop_server
+  fi
 fi
 if [ "$PART" = serve-dp1 ] || { [ "$PART" = all ] && [ "$SECONDS" -lt 380 ]; }; then
   if start_server dp1 --data-parallel-size 1; then
@@ -109,7 +124,7 @@ elif [ "$PART" = all ]; then
   echo "served DP=1 skipped after ${SECONDS}s: rerun with PART=serve-dp1"
 fi
 
-python3 - "$OUT" <<'PY' | tee "$OUT/summary.txt"
+PREFIX_BLOCKS=$PREFIX_BLOCKS python3 - "$OUT" <<'PY' | tee "$OUT/summary.txt"
 import json, os, sys
 out = sys.argv[1]
 def get(name, *keys):
@@ -142,14 +157,19 @@ def hits(tag):
         return "-"
     return " / ".join(f"{int(total[e]):,}" for e in sorted(total))
 print()
-print("| shared system prompts, 480 req at 16/s, 2 replicas | TTFT mean ms | median | p99 | "
+blocks = os.environ.get("PREFIX_BLOCKS", "?")
+print(f"| shared system prompts, 480 req at 16/s, 2 replicas of {blocks} blocks | TTFT mean ms | median | p99 | "
       "out tok/s | prefix-hit tokens per replica |")
 print("| --- | --- | --- | --- | --- | --- |")
-for policy in ("cache_aware", "round_robin"):
+medians = {}
+for policy in ("cache_aware", "round_robin", "least_loaded"):
     name = f"serve-prefix-{policy}.json"
     ttft = get(name, "ttft_ms") or {}
     print(f"| {policy} | {fmt(ttft.get('mean'))} | {fmt(ttft.get('median'))} | {fmt(ttft.get('p99'))} | "
           f"{fmt(get(name, 'output_throughput'))} | {hits('prefix-' + policy)} |")
+    medians[policy] = ttft.get("median")
+print(f"cache-aware median TTFT / round-robin's: {ratio(medians['cache_aware'], medians['round_robin'])} "
+      f"(target <= 0.5x)")
 for name in sorted(os.listdir(out)):
     if name.startswith("serve-") and name.endswith(".json") and get(name, "failed"):
         print(f"{name}: {get(name, 'failed')} failed requests: {get(name, 'errors')}")
