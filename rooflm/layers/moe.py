@@ -27,7 +27,12 @@ all-reduce sums the ranks' parts, as under TP. This is the all-gather + reduce-s
 EP with the gather free (TP's attention output is replicated); an all-to-all that moves only the
 routed tokens pays off once attention is data-parallel (not built). The shared expert stays
 tensor-parallel. Per step a rank reads its own active experts whole: at decode, the experts
-touched split unevenly over the ranks (the imbalance rooflm profile would show: not built).
+touched split unevenly over the ranks (the imbalance `rooflm profile` shows: ExpertLoadCounter).
+
+Load counting (ExpertLoadCounter, on only where the engine was built with count_expert_load, as
+`rooflm profile` builds it): each block adds its step's routed (token, expert) pairs into a
+device tensor [steps, layers, experts] ring, inside the CUDA graphs too; the host reads it only
+when asked (between profiled passes), so a step never waits for it.
 
 Weights come from HF checkpoints through SparseMoeBlock.load_weight, with names relative to the
 block (the model strips "model.layers.{i}.mlp." or Mixtral's "...block_sparse_moe."):
@@ -394,6 +399,9 @@ class SparseMoeBlock(torch.nn.Module):
         super().__init__()
         rank, world = (0, 1) if tp is None else (tp.rank, tp.size)
         self.cfg = cfg
+        # attach_expert_load_counter: the counter this block adds its routing to, and its row
+        self.load_counter: Optional[ExpertLoadCounter] = None
+        self.load_layer = 0
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.router = Router(cfg, kernels.moe_router)
         self.experts = Experts(cfg, kernels.fused_moe, rank, world, kernels.moe_align, expert_parallel)
@@ -403,6 +411,8 @@ class SparseMoeBlock(torch.nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         topk_weights, topk_ids = self.router(x)
+        if self.load_counter is not None:
+            self.load_counter.add(self.load_layer, topk_ids)
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
@@ -457,6 +467,73 @@ class SparseMoeBlock(torch.nn.Module):
             if self.shared_expert.gate is not None:
                 pieces.append("shared_expert_gate")
         return tuple(pieces)
+
+
+# ---- load counting -------------------------------------------------------------------------
+
+class ExpertLoadCounter:
+    """Tokens routed to each expert, per MoE layer and step, counted on the device.
+
+    counts [layers, history, experts] int32 keeps the last `history` steps (a ring): begin_step
+    clears the step's slot and marks which of the step's token rows are real (a CUDA graph's
+    batch is padded to its captured size; the padding rows route too, and are not counted).
+    Both are device tensors written in place, so the captured graphs read the current step's
+    values; nothing waits for the host, and a block's count is two launches (the index, the
+    index_add). Forwards outside a step (the memory profile, graph capture) count nothing:
+    no row is real until the first step."""
+
+    def __init__(self, num_layers: int, num_experts: int, top_k: int, device, max_tokens: int,
+                 history: int = 256, names: tuple[str, ...] = ()):
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.history = history
+        self.names = names or tuple(str(i) for i in range(num_layers))  # the blocks' module names
+        self.counts = torch.zeros(num_layers, history, num_experts, dtype=torch.int32, device=device)
+        # 1 for the step's real rows, as the index_add's source: [rows, top_k], read flat
+        self.real = torch.zeros(max_tokens, top_k, dtype=torch.int32, device=device)
+        self.num_tokens = torch.zeros((), dtype=torch.int64, device=device)  # for longer forwards
+        self.offset = torch.zeros((), dtype=torch.int64, device=device)  # the slot's first index
+        self.steps = 0  # steps begun since start (host-side: the ring's position)
+
+    def begin_step(self, num_tokens: int) -> None:
+        slot = self.steps % self.history
+        self.counts[:, slot].zero_()
+        self.offset.fill_(slot * self.num_experts)
+        self.real.zero_()
+        self.real[:num_tokens].fill_(1)
+        self.num_tokens.fill_(num_tokens)
+        self.steps += 1
+
+    def add(self, layer: int, topk_ids: torch.Tensor) -> None:
+        tokens, k = topk_ids.shape
+        if tokens <= self.real.shape[0]:
+            real = self.real[:tokens].view(-1)
+        else:  # more rows than the runner said a step has: mask them here
+            rows = torch.arange(tokens, device=topk_ids.device) < self.num_tokens
+            real = rows.to(torch.int32).unsqueeze(1).expand(tokens, k).reshape(-1)
+        self.counts[layer].view(-1).index_add_(0, (topk_ids + self.offset).view(-1), real)
+
+    def recent(self, steps: int) -> torch.Tensor:
+        """The last min(steps, history, steps begun) steps' counts, oldest first, on the host
+        [steps, layers, experts] (a device sync: call it between steps, not in one)."""
+        steps = min(steps, self.history, self.steps)
+        slots = [(self.steps - steps + i) % self.history for i in range(steps)]
+        return self.counts[:, slots].transpose(0, 1).cpu()
+
+
+def attach_expert_load_counter(model: torch.nn.Module, device, max_tokens: int) -> Optional[ExpertLoadCounter]:
+    """One counter for every SparseMoeBlock of `model`, rows in module order; None without any.
+    max_tokens: the most token rows a forward has (graph padding included)."""
+    named = [(name, m) for name, m in model.named_modules() if isinstance(m, SparseMoeBlock)]
+    if not named:
+        return None
+    names, blocks = zip(*named)
+    cfg = blocks[0].cfg
+    counter = ExpertLoadCounter(len(blocks), cfg.num_experts, cfg.top_k, device, max_tokens, names=names)
+    for row, block in enumerate(blocks):
+        block.load_counter = counter
+        block.load_layer = row
+    return counter
 
 
 def hub_tensors(cfg: MoeConfig, params: dict[str, torch.Tensor],
