@@ -116,3 +116,33 @@ def test_profile_prints_the_expert_load_of_a_tiny_moe(capsys, moe_path, tmp_path
         assert 1.0 <= row["step_imbalance"] <= 4.0 and 2.0 <= row["experts_touched_per_step"] <= 4.0
         assert row["hottest_share"] >= 0.25
     assert "MoE expert load (2 MoE layers, 4 experts, top-2; 24 routed token-expert pairs" in out
+
+
+def _routed_per_expert(moe_path, **kwargs):
+    from rooflm.engine.llm_engine import LLMEngine
+    from rooflm.sampling_params import SamplingParams
+
+    engine = LLMEngine.from_kwargs(model=moe_path, device="cuda", dtype="float32", count_expert_load=True,
+                                   max_num_seqs=8, **kwargs)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        for i in range(3):
+            engine.add_request(f"r{i}", [5 + i, 7, 9, 11], params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        load = engine.expert_load(10_000)
+    finally:
+        engine.shutdown()
+    return [[sum(step[layer][e] for step in load.counts) for e in range(load.num_experts)]
+            for layer in range(len(load.layers))]
+
+
+@pytest.mark.gpu
+def test_counts_inside_cuda_graphs_leave_the_padding_out(moe_path):
+    """Decode steps of 3 sequences replay the batch-4 graph (one padding row); the counts inside
+    the graph equal eager steps' counts, and every layer routed exactly the real tokens."""
+    graphs = _routed_per_expert(moe_path)
+    eager = _routed_per_expert(moe_path, enforce_eager=True)
+    # 3 prompts of 4 tokens, then 5 decode steps of 3 tokens: 27 tokens, top-2
+    assert [sum(layer) for layer in graphs] == [27 * 2, 27 * 2]
+    assert graphs == eager
