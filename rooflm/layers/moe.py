@@ -46,6 +46,12 @@ block (the model strips "model.layers.{i}.mlp." or Mixtral's "...block_sparse_mo
   router.weight, router.bias                          gpt-oss's router
   shared_expert.{gate,up,down}_proj.weight, shared_expert_gate.weight    Qwen2-MoE
   shared_experts.{gate,up,down}_proj.weight           DeepSeek (no sigmoid gate)
+
+Quantized checkpoints (GPTQ, AWQ, compressed-tensors int4/int8, FP8, GGUF): the loader hands an
+expert's qweight / qzeros / scales / g_idx over as one rooflm.quant.formats weight under the float
+name (experts.{e}.up_proj.weight); the block dequantizes it as it copies it in (act-order undone),
+so the experts run as float (FP8 again under --quantization fp8). An int4 fused kernel that keeps
+the codes is not built.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ from rooflm.kernels.fp8_quant import per_token_fp8_ref
 from rooflm.layers.activation import silu_and_mul_torch
 from rooflm.layers.kernels import TORCH_KERNELS, Kernels
 from rooflm.quant.fp8 import quantize_fp8_experts
+from rooflm.quant.formats import is_quantized_tensor
 
 if TYPE_CHECKING:
     from rooflm.distributed.group import TPGroup
@@ -582,14 +589,23 @@ def hub_shapes(cfg: MoeConfig, projs: tuple[str, str, str] = ("gate_proj", "up_p
 # ---- helpers -------------------------------------------------------------------------------
 
 def _materialize(tensor) -> torch.Tensor:
-    """A tensor, or a lazy checkpoint slice (model/loader.LazySlice) read whole."""
-    return tensor if isinstance(tensor, torch.Tensor) else tensor.load()
+    """A tensor, a lazy checkpoint slice (model/loader.LazySlice) read whole, or a quantized
+    checkpoint weight (GPTQ / AWQ / compressed-tensors int4 or int8, FP8, GGUF blocks: the
+    rooflm.quant.formats runtime forms) dequantized to fp32, act-order permutation undone: the
+    experts keep float weights (the module docstring's "Quantized checkpoints")."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor
+    if is_quantized_tensor(tensor):
+        return tensor.dequantize()
+    return tensor.load()
 
 
 def _narrow(tensor, dim: int, start: int, size: int) -> torch.Tensor:
     """tensor.narrow; a lazy slice reads only those rows or columns."""
     if start == 0 and size == tensor.shape[dim]:
         return _materialize(tensor)
+    if is_quantized_tensor(tensor):
+        return _materialize(tensor).narrow(dim, start, size)
     return tensor.narrow(dim, start, size)
 
 
