@@ -49,9 +49,11 @@ block (the model strips "model.layers.{i}.mlp." or Mixtral's "...block_sparse_mo
 
 Quantized checkpoints (GPTQ, AWQ, compressed-tensors int4/int8, FP8, GGUF): the loader hands an
 expert's qweight / qzeros / scales / g_idx over as one rooflm.quant.formats weight under the float
-name (experts.{e}.up_proj.weight); the block dequantizes it as it copies it in (act-order undone),
-so the experts run as float (FP8 again under --quantization fp8). An int4 fused kernel that keeps
-the codes is not built.
+name (experts.{e}.up_proj.weight). int4 group-wise weights (GroupWeight, bits 4) without act-order
+stay int4 where the fused kernel runs (CUDA) and each rank holds whole experts (one rank, or expert
+parallelism): packed codes with per-expert group scales and zeros (Experts.int4_group; the kernel's
+W4A16 path). Everything else is dequantized as it is copied in (act-order undone), and the experts
+run as float (FP8 again under --quantization fp8).
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ from rooflm.kernels.fp8_quant import per_token_fp8_ref
 from rooflm.layers.activation import silu_and_mul_torch
 from rooflm.layers.kernels import TORCH_KERNELS, Kernels
 from rooflm.quant.fp8 import quantize_fp8_experts
-from rooflm.quant.formats import is_quantized_tensor
+from rooflm.kernels.int4_pack import int4_split, pack_int4
+from rooflm.quant.formats import GroupWeight, is_quantized_tensor
 
 if TYPE_CHECKING:
     from rooflm.distributed.group import TPGroup
@@ -243,10 +246,16 @@ class Experts(torch.nn.Module):
         # buffers, so .to() moves them and the runner's weight_bytes counts them
         self.register_buffer("w13_scale", None)
         self.register_buffer("w2_scale", None)
+        # int4 experts (an int4 checkpoint, _to_int4): the group size, 0 while the experts are float;
+        # packed codes w13_q [E, 2I, S_H], w2_q [E, H, S_I] and scales / zeros [E, K/g, rows]
+        self.int4_group = 0
 
     @property
     def quant_format(self) -> str:
-        """"fp8" once quantize_fp8 ran, else "" (the weights in the model's dtype)."""
+        """"fp8" once quantize_fp8 ran, "int4" for an int4 checkpoint's experts, else "" (the
+        weights in the model's dtype)."""
+        if self.int4_group:
+            return "int4"
         return "fp8" if self.w13_scale is not None else ""
 
     @torch.no_grad()
@@ -256,6 +265,8 @@ class Experts(torch.nn.Module):
         then quantizes activations per token (W8A8). Biases stay in the model's dtype."""
         if self.w13_scale is not None:
             return
+        if self.int4_group:
+            raise ValueError("--quantization fp8 on int4 experts (an int4 checkpoint): they are already quantized")
         w13_codes, w13_scale = quantize_fp8_experts(self.w13.data)
         w2_codes, w2_scale = quantize_fp8_experts(self.w2.data)
         self.w13 = torch.nn.Parameter(w13_codes, requires_grad=False)
@@ -265,11 +276,15 @@ class Experts(torch.nn.Module):
 
     def weight_count(self) -> int:
         """Expert weights this rank holds (E x 3 x H x I_local), whatever their format."""
-        return self.w13.numel() + self.w2.numel()
+        return self.num_local * 3 * self.cfg.hidden_size * self.inter
 
     def stored_weight_bytes(self) -> int:
-        """Bytes the expert weights hold as stored: bf16 codes, or E4M3 codes plus their scales."""
-        tensors = [self.w13, self.w2] + ([self.w13_scale, self.w2_scale] if self.w13_scale is not None else [])
+        """Bytes the expert weights hold as stored: bf16 codes, E4M3 codes plus their scales, or
+        packed int4 codes plus their group scales and zeros."""
+        if self.int4_group:
+            tensors = [self.w13_q, self.w13_s, self.w13_z, self.w2_q, self.w2_s, self.w2_z]
+        else:
+            tensors = [self.w13, self.w2] + ([self.w13_scale, self.w2_scale] if self.w13_scale is not None else [])
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def act(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -285,6 +300,12 @@ class Experts(torch.nn.Module):
             extra = {} if self.align is None else {"align": self.align}
             if local_only:
                 extra["local_only"] = True
+            if self.int4_group:
+                extra.update(w13_scale=self.w13_s, w2_scale=self.w2_s, w13_zeros=self.w13_z, w2_zeros=self.w2_z,
+                             group_size=self.int4_group)
+                return self.kernel(x, self.w13_q, self.w2_q, topk_weights, topk_ids, b13=self.b13, b2=self.b2,
+                                   activation=self.cfg.activation, alpha=self.cfg.swiglu_alpha,
+                                   limit=self.cfg.swiglu_limit, **extra)
             if self.w13_scale is not None:
                 extra.update(w13_scale=self.w13_scale, w2_scale=self.w2_scale)
             return self.kernel(x, self.w13, self.w2, topk_weights, topk_ids, b13=self.b13, b2=self.b2,
@@ -314,12 +335,68 @@ class Experts(torch.nn.Module):
         expert -= self.expert_start
         if not 0 <= expert < self.num_local:
             return
+        if self._keeps_int4(tensor):
+            self._load_int4(expert, proj, tensor)
+            return
+        if self.int4_group:
+            raise ValueError(f"expert {expert + self.expert_start} {proj}_proj: a {type(tensor).__name__} among int4 "
+                             f"experts (group {self.int4_group}); a checkpoint mixing expert formats is not supported")
         with torch.no_grad():
             if proj == "down":
                 _copy(self.w2[expert], self._rows(tensor, 1), f"expert {expert} down_proj")
             else:
                 offset = 0 if proj == "gate" else self.inter
                 _copy(self.w13[expert, offset:offset + self.inter], self._rows(tensor, 0), f"expert {expert} {proj}_proj")
+
+    # -- int4 checkpoints kept as codes -----------------------------------------------------
+
+    def _keeps_int4(self, tensor) -> bool:
+        """Whether a checkpoint weight stays int4: a 4-bit GroupWeight without act-order, the
+        fused kernel here to multiply it, whole experts on this rank, its group size the kernel
+        takes (a power of two >= 16 dividing H and I) and the same as the experts already kept."""
+        if not isinstance(tensor, GroupWeight) or tensor.bits != 4 or tensor.perm is not None:
+            return False
+        g = tensor.group_size
+        if self.kernel is None or self.inter != self.cfg.intermediate_size or self.w13_scale is not None:
+            return False
+        if g < 16 or g & (g - 1) or self.cfg.hidden_size % g or self.inter % g:
+            return False
+        return self.int4_group in (0, g)
+
+    def _to_int4(self, group: int) -> None:
+        """The experts' storage becomes packed codes, group scales and zeros (the float stacks
+        are dropped: only int4 weights load from here on)."""
+        e, h, i = self.num_local, self.cfg.hidden_size, self.inter
+        device, dtype = self.w13.device, self.w13.dtype
+        self.register_buffer("w13_q", torch.zeros(e, 2 * i, int4_split(h, group), dtype=torch.uint8, device=device))
+        self.register_buffer("w13_s", torch.zeros(e, h // group, 2 * i, dtype=dtype, device=device))
+        self.register_buffer("w13_z", torch.zeros(e, h // group, 2 * i, dtype=dtype, device=device))
+        self.register_buffer("w2_q", torch.zeros(e, h, int4_split(i, group), dtype=torch.uint8, device=device))
+        self.register_buffer("w2_s", torch.zeros(e, i // group, h, dtype=dtype, device=device))
+        self.register_buffer("w2_z", torch.zeros(e, i // group, h, dtype=dtype, device=device))
+        self.w13 = torch.nn.Parameter(torch.empty(0, device=device, dtype=dtype), requires_grad=False)
+        self.w2 = torch.nn.Parameter(torch.empty(0, device=device, dtype=dtype), requires_grad=False)
+        self.int4_group = group
+
+    @torch.no_grad()
+    def _load_int4(self, expert: int, proj: str, weight: "GroupWeight") -> None:
+        if not self.int4_group:
+            self._to_int4(weight.group_size)
+        h, i = self.cfg.hidden_size, self.inter
+        want = (h, i) if proj == "down" else (i, h)
+        if tuple(weight.shape) != want:
+            raise ValueError(f"expert {expert} {proj}_proj: checkpoint shape {tuple(weight.shape)}, the block "
+                             f"expects {want}")
+        packed = pack_int4(weight.codes, weight.group_size)
+        if proj == "down":
+            self.w2_q[expert].copy_(packed)
+            self.w2_s[expert].copy_(weight.scales)
+            self.w2_z[expert].copy_(weight.zeros)
+            return
+        rows = slice(0, i) if proj == "gate" else slice(i, 2 * i)
+        self.w13_q[expert, rows].copy_(packed)
+        self.w13_s[expert, :, rows].copy_(weight.scales)
+        self.w13_z[expert, :, rows].copy_(weight.zeros)
 
     def load_stacked(self, name: str, tensor) -> None:
         """A stacked checkpoint tensor (transformers 5 / gpt-oss layouts, module docstring)."""

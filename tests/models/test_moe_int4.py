@@ -100,3 +100,73 @@ def test_block_takes_quantized_expert_weights_under_expert_parallel_ranks():
         block.load_weight("experts.3.up_proj.weight", q)
     torch.testing.assert_close(ep_block.experts.w13[1, 32:], q.dequantize(), rtol=0, atol=0)
     torch.testing.assert_close(tp_block.experts.w13[3, 16:], q.dequantize()[16:], rtol=0, atol=0)
+
+
+def _int4_weights(cfg: MoeConfig, seed: int = 0, perm: bool = False):
+    """Per-expert GroupWeights (group 32) of random experts, under the Hub's names."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for e in range(cfg.num_experts):
+        for proj, shape in (("gate", (cfg.intermediate_size, cfg.hidden_size)),
+                            ("up", (cfg.intermediate_size, cfg.hidden_size)),
+                            ("down", (cfg.hidden_size, cfg.intermediate_size))):
+            w = torch.randn(shape, generator=gen) * 0.2
+            order = torch.randperm(shape[1], generator=gen) if perm else None
+            q = rtn_int4(w if order is None else w[:, order], 32)
+            weights[f"experts.{e}.{proj}_proj.weight"] = formats.GroupWeight(q.codes, q.scales.float(),
+                                                                              q.zeros.float(), 32, perm=order)
+    weights["gate.weight"] = torch.randn(cfg.num_experts, cfg.hidden_size, generator=gen)
+    return weights
+
+
+def test_int4_experts_stay_int4_where_the_fused_kernel_runs():
+    """With the fused kernel (the interpreter here, CUDA in serving) the experts keep the codes: a
+    quarter of the float bytes plus the group scales and zeros, and the block's output equals the
+    float block holding the decoded values. Act-order weights are decoded instead."""
+    from rooflm.kernels.fused_moe import fused_moe
+    from rooflm.layers.kernels import Kernels
+
+    cfg = MoeConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=64, norm_topk_prob=True)
+    weights = _int4_weights(cfg)
+    int4_block, float_block = SparseMoeBlock(cfg, Kernels(fused_moe=fused_moe)), SparseMoeBlock(cfg)
+    for name, w in weights.items():
+        int4_block.load_weight(name, w)
+        float_block.load_weight(name, w)  # the torch path: dequantized
+    experts = int4_block.experts
+    assert experts.int4_group == 32 and experts.quant_format == "int4" and experts.w13.numel() == 0
+    assert float_block.experts.int4_group == 0 and float_block.experts.quant_format == ""
+    assert experts.weight_count() == float_block.experts.weight_count() == 4 * 3 * 64 * 64
+    # codes: half a byte a weight; scales and zeros: two fp32 values per 32 weights
+    assert experts.stored_weight_bytes() == experts.weight_count() * (0.5 + 2 * 4 / 32)
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(int4_block(x), float_block(x), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="already quantized"):
+        experts.quantize_fp8()
+
+    act_order = SparseMoeBlock(cfg, Kernels(fused_moe=fused_moe))
+    for name, w in _int4_weights(cfg, perm=True).items():
+        act_order.load_weight(name, w)
+    assert act_order.experts.int4_group == 0 and act_order.experts.w13.numel() == 4 * 128 * 64
+
+
+@pytest.mark.gpu
+def test_int4_checkpoint_runs_int4_experts_on_cuda(moe_dir, tmp_path):
+    """A GPTQ Qwen3-MoE on the GPU: the experts stay int4 (the fused kernel's W4A16 path), and the
+    greedy tokens equal the float checkpoint of the decoded values (fp32, graphs on)."""
+    from safetensors.torch import save_file
+    reference, cfg = _write_quantized_copy(moe_dir, str(tmp_path / "q"), "gptq", WeightScheme.parse("int4-g32"))
+    ref_dir = tmp_path / "ref"
+    os.makedirs(ref_dir)
+    save_file({k: v.contiguous() for k, v in reference.items()}, str(ref_dir / "model.safetensors"))
+    cfg.pop("quantization_config")
+    with open(ref_dir / "config.json", "w") as f:
+        json.dump(cfg, f)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = []
+    for path in (tmp_path / "q", ref_dir):
+        llm = LLM(model=str(path), dtype="float32", device="cuda", max_num_seqs=8)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)])
+        if path == tmp_path / "q":
+            assert llm.engine.model.model.layers[0].mlp.experts.quant_format == "int4"
+        llm.engine.shutdown()
+    assert outs[0] == outs[1]
