@@ -73,3 +73,26 @@ def test_int4_experts_refuse_bad_layouts():
         fused_moe(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2, w13_zeros=z13, w2_zeros=z2, group_size=24)
     with pytest.raises(ValueError, match="w2_zeros"):
         fused_moe(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2, w13_zeros=z13, w2_zeros=None, group_size=32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("e,top_k,h,i,group", [(128, 8, 2048, 768, 128), (8, 2, 4096, 1792, 64)])
+@pytest.mark.parametrize("tokens", [1, 16, 256])
+def test_int4_experts_bf16_on_the_gpu(e, top_k, h, i, group, tokens):
+    """bf16 x at Qwen3-30B-A3B's layer shape (g 128) and a Mixtral-like one (I cut to 1792, g 64),
+    decode to prefill sizes, with the default tiles: within bf16 rounding of the fp32 definition."""
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, h, generator=gen).to(torch.bfloat16)
+    w13 = torch.randn(e, 2 * i, h, generator=gen) * 0.02
+    w2 = torch.randn(e, h, i, generator=gen) * 0.02
+    q13, s13, z13 = pack_int4_experts(w13, group, torch.bfloat16)
+    q2, s2, z2 = pack_int4_experts(w2, group, torch.bfloat16)
+    weights, ids = torch.topk(torch.softmax(torch.randn(tokens, e, generator=gen), -1), top_k, dim=-1)
+    ref = fused_moe_ref(x, dequantize_int4_experts(q13, s13, z13, group, h),
+                        dequantize_int4_experts(q2, s2, z2, group, i), weights, ids)
+    cuda = [t.cuda() for t in (x, q13, q2, weights, ids, s13, s2, z13, z2)]
+    x, q13, q2, weights, ids, s13, s2, z13, z2 = cuda
+    out = fused_moe(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2, w13_zeros=z13, w2_zeros=z2,
+                    group_size=group)
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2 * scale)
