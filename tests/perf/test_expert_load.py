@@ -122,8 +122,9 @@ def _routed_per_expert(moe_path, **kwargs):
     from rooflm.engine.llm_engine import LLMEngine
     from rooflm.sampling_params import SamplingParams
 
+    # synchronous steps: each launched step is one the requests needed (exact token totals)
     engine = LLMEngine.from_kwargs(model=moe_path, device="cuda", dtype="float32", count_expert_load=True,
-                                   max_num_seqs=8, **kwargs)
+                                   max_num_seqs=8, async_scheduling=False, **kwargs)
     try:
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         for i in range(3):
