@@ -1,8 +1,8 @@
-"""Mixture-of-experts GGUF files (Qwen3-MoE as llama.cpp's "qwen3moe", Mixtral as a "llama" with
-llama.expert_count), written here the way convert_hf_to_gguf.py lays them out: the router as
+"""Mixture-of-experts GGUF files (Qwen3-MoE as llama.cpp's "qwen3moe", OLMoE as "olmoe", Mixtral as
+a "llama" with llama.expert_count), written here the way convert_hf_to_gguf.py lays them out: the router as
 blk.N.ffn_gate_inp, every expert's gate / up / down stacked into blk.N.ffn_{gate,up,down}_exps
 [E, rows, cols], expert_count / expert_used_count / expert_feed_forward_length, Mixtral's q/k
-permuted. The tiny HF models' weights are first rounded to the file's storage (Q4_0, Q8_0), so the
+permuted. The tiny HF models' weights are first rounded to the file's storage (Q4_0, Q8_0, F16), so the
 file and the safetensors checkpoint hold the same model: loaded from the GGUF, rooflm must read the
 safetensors config and weights exactly, and give the same greedy tokens and logprobs."""
 
@@ -22,7 +22,7 @@ from tests.unit.test_gguf_formats import _word_level_tokenizer
 
 gguf = pytest.importorskip("gguf")
 
-GGUF_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe"}
 
 
 def _rounded_model(root, family: str, fmt: str, **overrides):
@@ -93,7 +93,8 @@ def write_moe_gguf(path: str, hf_model, family: str, fmt: str) -> None:
 
 
 # Qwen3-MoE's layer 1 is dense (mlp_only_layers=[1]): no router tensor there.
-VARIANTS = [("qwen3_moe", "Q4_0", {}), ("mixtral", "Q8_0", dict(intermediate_size=64))]
+VARIANTS = [("qwen3_moe", "Q4_0", {}), ("mixtral", "Q8_0", dict(intermediate_size=64)),
+            ("olmoe", "F16", {})]
 
 
 @pytest.mark.parametrize("family,fmt,overrides", VARIANTS, ids=[f"{f}-{q}" for f, q, _ in VARIANTS])
