@@ -80,6 +80,9 @@ _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # family's ModelSpec.expert_projs: gate, up, down).
 ROUTER_TENSOR = "ffn_gate_inp"
 EXPERT_TENSORS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
+# Qwen2-MoE's shared expert and its sigmoid gate ([1, H], as the converter writes HF's tensor)
+SHARED_EXPERT_TENSORS = {"ffn_gate_shexp": "shared_expert.gate_proj", "ffn_up_shexp": "shared_expert.up_proj",
+                         "ffn_down_shexp": "shared_expert.down_proj", "ffn_gate_inp_shexp": "shared_expert_gate"}
 
 
 def hf_tensor_names(gguf_name: str, layout: GGUFLayout,
@@ -92,7 +95,7 @@ def hf_tensor_names(gguf_name: str, layout: GGUFLayout,
     if match is None:
         return ()
     layer, module, suffix = match.groups()
-    if module == ROUTER_TENSOR or module in EXPERT_TENSORS:
+    if module == ROUTER_TENSOR or module in EXPERT_TENSORS or module in SHARED_EXPERT_TENSORS:
         return _moe_tensor_names(int(layer), module, suffix, config)
     fused = layout.fused(config) if layout.fused is not None else {}
     if module in fused:
@@ -115,6 +118,8 @@ def _moe_tensor_names(layer: int, module: str, suffix: str,
     block = f"model.layers.{layer}.{spec.moe_prefix}"
     if module == ROUTER_TENSOR:
         return ((f"{block}.gate.{suffix}", None),)
+    if module in SHARED_EXPERT_TENSORS:
+        return ((f"{block}.{SHARED_EXPERT_TENSORS[module]}.{suffix}", None),)
     proj = spec.expert_projs[EXPERT_TENSORS[module]]
     return tuple((f"{block}.experts.{e}.{proj}.{suffix}", 1) for e in range(config.num_experts))
 

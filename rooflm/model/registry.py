@@ -62,7 +62,8 @@ FAMILIES = {f.architecture: f for f in (
            gguf=mixtral.GGUF),
     Family(olmoe.ARCHITECTURE, olmoe.MODEL_TYPE, olmoe.spec, olmoe.OlmoeForCausalLM, olmoe.config_fields,
            gguf=olmoe.GGUF),
-    Family(qwen2_moe.ARCHITECTURE, qwen2_moe.MODEL_TYPE, qwen2_moe.spec, qwen2_moe.Qwen2MoeForCausalLM, qwen2_moe.config_fields),
+    Family(qwen2_moe.ARCHITECTURE, qwen2_moe.MODEL_TYPE, qwen2_moe.spec, qwen2_moe.Qwen2MoeForCausalLM,
+           qwen2_moe.config_fields, gguf=qwen2_moe.GGUF),
     Family(gpt_oss.ARCHITECTURE, gpt_oss.MODEL_TYPE, gpt_oss.spec, gpt_oss.GptOssForCausalLM, gpt_oss.config_fields),
 )}
 

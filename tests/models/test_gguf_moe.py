@@ -1,4 +1,5 @@
-"""Mixture-of-experts GGUF files (Qwen3-MoE as llama.cpp's "qwen3moe", OLMoE as "olmoe", Mixtral as
+"""Mixture-of-experts GGUF files (Qwen3-MoE as llama.cpp's "qwen3moe", Qwen2-MoE as "qwen2moe" with its
+shared expert, OLMoE as "olmoe", Mixtral as
 a "llama" with llama.expert_count), written here the way convert_hf_to_gguf.py lays them out: the router as
 blk.N.ffn_gate_inp, every expert's gate / up / down stacked into blk.N.ffn_{gate,up,down}_exps
 [E, rows, cols], expert_count / expert_used_count / expert_feed_forward_length, Mixtral's q/k
@@ -22,7 +23,7 @@ from tests.unit.test_gguf_formats import _word_level_tokenizer
 
 gguf = pytest.importorskip("gguf")
 
-GGUF_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe"}
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe", "qwen2_moe": "qwen2moe"}
 
 
 def _rounded_model(root, family: str, fmt: str, **overrides):
@@ -54,8 +55,10 @@ def write_moe_gguf(path: str, hf_model, family: str, fmt: str) -> None:
     experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
     w.add_expert_count(experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
-    if family == "qwen3_moe":  # Qwen2MoeModel.set_gguf_parameters
+    if family in ("qwen3_moe", "qwen2_moe"):  # Qwen2MoeModel.set_gguf_parameters
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "shared_expert_intermediate_size", None):
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     else:  # LlamaModel: the vocabulary and the rotated width
         w.add_vocab_size(cfg.vocab_size)
         w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
@@ -94,7 +97,10 @@ def write_moe_gguf(path: str, hf_model, family: str, fmt: str) -> None:
 
 # Qwen3-MoE's layer 1 is dense (mlp_only_layers=[1]): no router tensor there.
 VARIANTS = [("qwen3_moe", "Q4_0", {}), ("mixtral", "Q8_0", dict(intermediate_size=64)),
-            ("olmoe", "F16", {})]
+            ("olmoe", "F16", {}),
+            # layers 1 and 3 sparse (decoder_sparse_step 2), a gated shared expert beside the experts
+            ("qwen2_moe", "Q8_0", dict(moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                                       intermediate_size=64))]
 
 
 @pytest.mark.parametrize("family,fmt,overrides", VARIANTS, ids=[f"{f}-{q}" for f, q, _ in VARIANTS])
