@@ -1,6 +1,6 @@
-"""Mixture-of-experts GGUF files (Qwen3-MoE as llama.cpp's "qwen3moe", Qwen2-MoE as "qwen2moe" with its
-shared expert, OLMoE as "olmoe", Mixtral as
-a "llama" with llama.expert_count), written here the way convert_hf_to_gguf.py lays them out: the router as
+"""Mixture-of-experts GGUF files (Qwen3-MoE as llama.cpp's "qwen3moe", Qwen2-MoE as "qwen2moe" with
+its shared expert, OLMoE as "olmoe", Mixtral as a "llama" with llama.expert_count), written here the
+way convert_hf_to_gguf.py lays them out: the router as
 blk.N.ffn_gate_inp, every expert's gate / up / down stacked into blk.N.ffn_{gate,up,down}_exps
 [E, rows, cols], expert_count / expert_used_count / expert_feed_forward_length, Mixtral's q/k
 permuted. The tiny HF models' weights are first rounded to the file's storage (Q4_0, Q8_0, F16), so the
