@@ -23,8 +23,10 @@ The whole routed layer, as SparseMoeBlock runs it on CUDA, in one graph over L l
 and both aligns alone (align_triton_us, align_torch_us). --fp8 adds the FP8 W8A8 experts
 (E4M3 codes, per-channel scales, per-token activations: two quantize launches more) at each
 batch, with its floor from one-byte weights (issue 48: FP8 experts >= 1.4x bf16 offline).
+--int4 adds int4 weight-only experts (round to nearest, group 128, bf16 scales and zeros: a GPTQ
+checkpoint's layout as Experts keeps it) with their floor from half-byte weights.
 
-    python benchmarks/moe_kernel.py OUT.json [--layers 4] [--batches 1,2,4,...] [--shape qwen3-30b-a3b] [--gpu h200] [--fp8]
+    python benchmarks/moe_kernel.py OUT.json [--layers 4] [--batches 1,2,4,...] [--shape qwen3-30b-a3b] [--gpu h200] [--fp8] [--int4]
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ import torch  # noqa: E402
 from rooflm.kernels.fused_moe import fused_moe, fused_moe_bytes, fused_moe_flops, pick_config  # noqa: E402
 from rooflm.kernels.moe_align import moe_align_block_size, moe_align_block_size_triton  # noqa: E402
 from rooflm.kernels.moe_router import moe_router  # noqa: E402
+from rooflm.kernels.int4_pack import pack_int4  # noqa: E402
 from rooflm.quant.fp8 import quantize_fp8_experts  # noqa: E402
+from rooflm.quant.rtn import rtn_int4  # noqa: E402
 from rooflm.layers.activation import silu_and_mul_torch  # noqa: E402
 from rooflm.layers.moe import experts_torch  # noqa: E402
 from rooflm.perf.gpus import get_gpu  # noqa: E402
@@ -105,8 +109,19 @@ def routed_layer(x, router_w, w13, w2, top_k, new: bool, **fp8):
     return fused_moe(x, w13, w2, top / top.sum(-1, keepdim=True), ids, align=moe_align_block_size, **fp8)
 
 
+INT4_GROUP = 128
+
+
+def int4_experts(w: torch.Tensor) -> dict:
+    """Float experts [E, N, K] -> the int4 kernel's packed codes and [E, K/g, N] scales / zeros."""
+    qs = [rtn_int4(expert, INT4_GROUP) for expert in w]
+    return dict(codes=torch.stack([pack_int4(q.codes, INT4_GROUP) for q in qs]),
+                scales=torch.stack([q.scales.to(w.dtype) for q in qs]),
+                zeros=torch.stack([q.zeros.to(w.dtype) for q in qs]))
+
+
 def bench_shape(name: str, shape: dict, batches: list[int], layers: int, bw: float, peak: float,
-                fp8: bool = False) -> list[dict]:
+                fp8: bool = False, int4: bool = False) -> list[dict]:
     e, k, h, i = shape["num_experts"], shape["top_k"], shape["hidden"], shape["inter"]
     dt = torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -115,6 +130,8 @@ def bench_shape(name: str, shape: dict, batches: list[int], layers: int, bw: flo
     router_w = [torch.randn(e, h, device="cuda", dtype=dt, generator=gen) * 0.02 for _ in range(layers)]
     q13 = [quantize_fp8_experts(w) for w in w13] if fp8 else []
     q2 = [quantize_fp8_experts(w) for w in w2] if fp8 else []
+    i13 = [int4_experts(w) for w in w13] if int4 else []
+    i2 = [int4_experts(w) for w in w2] if int4 else []
     rows = []
     for t in batches:
         x = torch.randn(t, h, device="cuda", dtype=dt, generator=gen)
@@ -160,9 +177,22 @@ def bench_shape(name: str, shape: dict, batches: list[int], layers: int, bw: flo
             line += (f"\n{'':14s} fp8 experts {fp8_experts * 1e6:7.1f} us (floor {fp8_floor * 1e6:7.1f}, "
                      f"{row['fp8_pct_of_floor']:5.1f}%; x{row['fp8_speedup_vs_bf16']:.2f} bf16)  "
                      f"fp8 layer {fp8_layer * 1e6:7.1f} us")
+        if int4:
+            weight_bytes = active * 3 * h * i
+            int4_bytes = nbytes - 2 * weight_bytes + weight_bytes * (0.5 + 2 * 2 / INT4_GROUP)
+            int4_floor = max(int4_bytes / bw, flops / peak)
+            int4_experts_s = time_graph(lambda: [
+                fused_moe(x, a["codes"], b["codes"], weights, ids, w13_scale=a["scales"], w2_scale=b["scales"],
+                          w13_zeros=a["zeros"], w2_zeros=b["zeros"], group_size=INT4_GROUP)
+                for a, b in zip(i13, i2)]) / layers
+            row.update(int4_bytes=int4_bytes, int4_floor_us=int4_floor * 1e6, int4_graph_us=int4_experts_s * 1e6,
+                       int4_pct_of_floor=100 * int4_floor / int4_experts_s,
+                       int4_speedup_vs_bf16=fused_graph / int4_experts_s)
+            line += (f"\n{'':14s} int4 experts {int4_experts_s * 1e6:7.1f} us (floor {int4_floor * 1e6:7.1f}, "
+                     f"{row['int4_pct_of_floor']:5.1f}%; x{row['int4_speedup_vs_bf16']:.2f} bf16)")
         rows.append(row)
         print(line, flush=True)
-    del w13, w2, q13, q2
+    del w13, w2, q13, q2, i13, i2
     torch.cuda.empty_cache()
     return rows
 
@@ -175,6 +205,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), action="append", help="default: all")
     parser.add_argument("--gpu", default="h200", help="rooflm/perf/gpus.py entry whose HBM and bf16 peak set the floor")
     parser.add_argument("--fp8", action="store_true", help="also time FP8 W8A8 experts (sm89+)")
+    parser.add_argument("--int4", action="store_true", help="also time int4 weight-only experts (group 128)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("moe_kernel.py needs a CUDA GPU")
@@ -185,7 +216,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     rows = []
     for name in args.shape or sorted(SHAPES):
-        rows += bench_shape(name, SHAPES[name], batches, args.layers, bw, peak, args.fp8)
+        rows += bench_shape(name, SHAPES[name], batches, args.layers, bw, peak, args.fp8, args.int4)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     report = dict(date=datetime.date.today().isoformat(), gpu=device_name, commit=commit, torch=torch.__version__,

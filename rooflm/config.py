@@ -392,6 +392,9 @@ class RuntimeConfig:
     # vLLM's sleep mode: the engine may free its KV pool and move (level 1) or drop (level 2)
     # its weights while idle (LLMEngine.sleep / wake_up; the server's /sleep and /wake_up).
     enable_sleep_mode: bool = False
+    # Count the tokens routed to each expert, per MoE layer and step, on the device (inside the
+    # CUDA graphs: decided before they are captured); `rooflm profile` turns it on.
+    count_expert_load: bool = False
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "triton", "reference"):

@@ -83,6 +83,9 @@ HELP: dict[str, str] = {
     "tune_gc": "freeze the start-up heap and collect young objects less often (process-wide)",
     "deterministic": "batch-invariant kernels: a request's tokens do not depend on the rest of "
                      "the batch (slower; turns --decode-gemv off)",
+    "count_expert_load": "count the tokens routed to each expert per MoE layer and step (on the "
+                         "device, no host sync in the step); rooflm profile turns it on and "
+                         "prints the load imbalance",
     "enable_sleep_mode": "the engine may sleep: free its KV pool and move its weights to host "
                          "memory (level 1) or drop them (level 2) until woken (the server's "
                          "POST /sleep, /wake_up)",

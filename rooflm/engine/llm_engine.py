@@ -25,7 +25,7 @@ from rooflm.layers import kv_cache as kv_format
 from rooflm.engine.model_runner import ModelRunner, StepHandle, StepResult, resolve_device
 from rooflm.engine.output_processor import OutputProcessor
 from rooflm.engine.outputs import RequestOutput
-from rooflm.engine.report import (NULL_TRACER, EngineInfo, EngineSnapshot, LoRASnapshot, PhaseTracer,
+from rooflm.engine.report import (NULL_TRACER, EngineInfo, EngineSnapshot, ExpertLoad, LoRASnapshot, PhaseTracer,
                                   StepReport, StepTimings, batch_shape)
 from rooflm.engine.request import Request, RequestStatus, Sequence
 from rooflm.engine.scheduler import Scheduler, SchedulerOutput
@@ -235,6 +235,22 @@ class LLMEngine:
             predicted_wait_s=self._predicted_wait_gauge(), is_sleeping=self.is_sleeping,
             prefix_host_hit_tokens=bm.prefix_host_hits, lora=self._lora_snapshot(),
             **_tier_counts(bm.host_tier))
+
+    def expert_load(self, steps: int) -> Optional[ExpertLoad]:
+        """Tokens routed to each expert over the last `steps` steps (at most the counter's
+        history); None unless the engine counts (count_expert_load) and the model has MoE
+        layers. Reads the device: call it between steps. Under tensor parallelism the driver's
+        count is every rank's: the router is replicated."""
+        counter = self.runner.expert_load
+        if counter is None:
+            return None
+        counts = counter.recent(steps).tolist()
+        parallel = self.config.parallel
+        return ExpertLoad(layers=tuple(counter.names), num_experts=counter.num_experts,
+                          top_k=self.model_config.num_experts_per_tok,
+                          ep_ranks=parallel.tensor_parallel_size if parallel.enable_expert_parallel else 1,
+                          steps_begun=counter.steps,
+                          counts=tuple(tuple(tuple(layer) for layer in step) for step in counts))
 
     def _lora_snapshot(self) -> Optional[LoRASnapshot]:
         """The adapters of the running and waiting requests, by name (None: LoRA off)."""

@@ -247,6 +247,7 @@ class ModelRunner:
         # token -> slot map the model's hooks read; set when the model is loaded.
         self.lora = None
         self.lora_mapping = None
+        self.expert_load = None  # ExpertLoadCounter under --count-expert-load with an MoE model
         if self.device.type == "cuda":
             # Any fp32 matmul (e.g. --dtype float32) on TF32 unless ROOFLM_TF32=0, which numerics
             # checks use to tell a logic difference from rounding (TF32 keeps 10 mantissa bits).
@@ -401,6 +402,11 @@ class ModelRunner:
             from rooflm.model.quantize_on_load import quantize_fp8
             quantize_fp8(model)
         self.model = model.eval()
+        if self.config.runtime.count_expert_load:
+            from rooflm.layers.moe import attach_expert_load_counter
+            sched, spec = self.config.scheduler, self.config.speculative
+            rows = max(sched.max_num_batched_tokens, sched.max_num_seqs * (1 + spec.num_speculative_tokens))
+            self.expert_load = attach_expert_load_counter(self.model, self.device, rows)
         if self.config.lora.enable_lora:
             self._install_lora()
         driver = self._sleep_driver()
@@ -1061,6 +1067,8 @@ class ModelRunner:
             with self.tracer.phase("broadcast"):
                 self._send_step(out, inputs, prev)
         fixup = self._pending_fixup(inputs, prev)
+        if self.expert_load is not None:  # the real tokens: a graph's padding rows are not counted
+            self.expert_load.begin_step(inputs.query_start_loc_cpu[-1])
         handle = StepHandle(inputs, StepResult({}, {}, {}), spec=out.spec)
         graph = self._pick_graph(inputs, fixup)
         handle.graph = "full" if graph else ("piecewise" if self._piecewise_runs(inputs) else "eager")

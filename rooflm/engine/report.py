@@ -9,6 +9,8 @@ them reaches into the scheduler, the block manager or the runner.
 - StepReport: one executed step, delivered to observers (`LLMEngine.add_observer`):
   what ran (sequences and tokens by kind, the batch's shape for the cost model),
   whether a CUDA graph ran it, and host timings by phase.
+- ExpertLoad: tokens routed to each expert of each MoE layer over recent steps
+  (`LLMEngine.expert_load()`, with count_expert_load on).
 - PhaseTracer: the hook the profiler uses to put named ranges around the
   phases of a step. The default does nothing; the engine never imports perf/.
 """
@@ -151,6 +153,20 @@ class EngineSnapshot:
     @property
     def kv_usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+@dataclass(frozen=True)
+class ExpertLoad:
+    """Tokens routed to each expert over the last `len(counts)` steps the engine began:
+    counts[step][layer][expert], oldest step first; layers names the MoE blocks (module names).
+    Under expert parallelism rank r holds experts [r E/ep_ranks, (r+1) E/ep_ranks)."""
+
+    layers: tuple[str, ...]
+    num_experts: int
+    top_k: int
+    ep_ranks: int  # 1 without expert parallelism
+    steps_begun: int  # since start
+    counts: tuple[tuple[tuple[int, ...], ...], ...]
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,16 @@ at batch 64, D ~ 126 of 128. Decode is bandwidth-bound until the pairs per activ
 in the hundreds (arithmetic intensity ~ 2 N / D FLOP/byte in bf16); its floor is those bytes
 over HBM bandwidth.
 
+int4 experts (W4A16: GPTQ / AWQ / compressed-tensors checkpoints kept as codes)
+-----------------------------------------------------------------------------
+w13 / w2 are uint8 [E, rows, S] in the W4A16 kernels' packing (kernels/int4_pack.py): byte j of
+a row holds input j (low nibble) and input S + j (high nibble), S half of K in whole groups; one
+(scale, zero) per expert, group of g inputs and row: scales / zeros [E, K/g, rows], value =
+(code - zero) * scale. Each K step loads one [BLOCK_K, BLOCK_N] byte tile, unpacks it into the
+low and the high half's weights in registers (BLOCK_K divides g: one group a half), and does two
+dots against x's two matching K ranges. A quarter of bf16's weight bytes (plus 2 scale/zero
+values per g weights), the same dots.
+
 Tiles
 -----
 A FusedMoeConfig per call (pick_config): BLOCK_M from the expected pairs per expert (small at
@@ -77,13 +87,15 @@ ACTIVATIONS = {"none": 0, "silu": 1, "swigluoai": 2}
 def _fused_moe_kernel(
     c_ptr, a_ptr, b_ptr, bias_ptr, topk_weights_ptr,
     sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
-    a_scale_ptr, b_scale_ptr,
+    a_scale_ptr, b_scale_ptr, b_zero_ptr,
     N, K, EM, num_valid_pairs,
     stride_am, stride_be, stride_bn, stride_cm, stride_bias_e, stride_bs_e,
     alpha, limit,
+    SPLIT, NUM_GROUPS, stride_bs_g,
     TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_DOT: tl.constexpr,
+    INT4: tl.constexpr = False, GROUP_SIZE: tl.constexpr = 1,
 ):
     """c[pair, n] = epilogue(sum_k a[pair // TOP_K, k] * b[expert, n, k]) for one expert's block.
 
@@ -122,29 +134,51 @@ def _fused_moe_kernel(
     up_ptrs = b_ptrs + N * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
-        else:
-            k_mask = offs_k < K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if FP8 and not FP8_DOT:  # e4m3 codes are exact in fp16; the products and sums as the fp8 MMA's
-            a = a.to(tl.float16)
-            b = b.to(tl.float16)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        if ACTIVATION > 0:
+    if INT4:  # b: packed bytes [rows, SPLIT]; scales / zeros [NUM_GROUPS, rows] per expert
+        s_ptrs = b_scale_ptr + expert * stride_bs_e + offs_n
+        z_ptrs = b_zero_ptr + expert * stride_bs_e + offs_n
+        for k in range(0, tl.cdiv(SPLIT, BLOCK_K)):
+            k_lo = k * BLOCK_K
+            hi_mask = SPLIT + k_lo + offs_k < K  # the high half past K is padding (K / g odd)
+            a_lo = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+            a_hi = tl.load(a_ptrs + SPLIT, mask=row_mask[:, None] & hi_mask[None, :], other=0.0)
+            g_lo = k_lo // GROUP_SIZE
+            g_hi = (SPLIT + k_lo) // GROUP_SIZE
+            w_lo, w_hi = _int4_tiles(b_ptrs, s_ptrs, z_ptrs, g_lo, g_hi, NUM_GROUPS, stride_bs_g, n_mask)
+            acc = tl.dot(a_lo, w_lo.to(a_lo.dtype), acc, input_precision=PRECISION)
+            acc = tl.dot(a_hi, w_hi.to(a_lo.dtype), acc, input_precision=PRECISION)
+            if ACTIVATION > 0:  # the up rows: N rows further in the bytes, N columns in the scales
+                u_lo, u_hi = _int4_tiles(up_ptrs, s_ptrs + N, z_ptrs + N, g_lo, g_hi, NUM_GROUPS, stride_bs_g,
+                                         n_mask)
+                acc_up = tl.dot(a_lo, u_lo.to(a_lo.dtype), acc_up, input_precision=PRECISION)
+                acc_up = tl.dot(a_hi, u_hi.to(a_lo.dtype), acc_up, input_precision=PRECISION)
+                up_ptrs += BLOCK_K
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+    else:
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
             if EVEN_K:
-                u = tl.load(up_ptrs, mask=n_mask[None, :], other=0.0)
+                a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
             else:
-                u = tl.load(up_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            if FP8 and not FP8_DOT:
-                u = u.to(tl.float16)
-            acc_up = tl.dot(a, u, acc_up, input_precision=PRECISION)
-            up_ptrs += BLOCK_K
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+                k_mask = offs_k < K - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if FP8 and not FP8_DOT:  # e4m3 codes are exact in fp16; the products and sums as the fp8 MMA's
+                a = a.to(tl.float16)
+                b = b.to(tl.float16)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if ACTIVATION > 0:
+                if EVEN_K:
+                    u = tl.load(up_ptrs, mask=n_mask[None, :], other=0.0)
+                else:
+                    u = tl.load(up_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                if FP8 and not FP8_DOT:
+                    u = u.to(tl.float16)
+                acc_up = tl.dot(a, u, acc_up, input_precision=PRECISION)
+                up_ptrs += BLOCK_K
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
 
     if FP8:
         a_scale = tl.load(a_scale_ptr + pair // TOP_K, mask=row_mask, other=0.0)
@@ -168,6 +202,22 @@ def _fused_moe_kernel(
         acc = acc * w[:, None]
     tl.store(c_ptr + pair[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _int4_tiles(b_ptrs, s_ptrs, z_ptrs, g_lo, g_hi, num_groups, stride_g, n_mask):
+    """One [BLOCK_K, BLOCK_N] byte tile -> the low and the high half's weights in fp32,
+    (code - zero) * scale with group g_lo's and g_hi's values. g_hi past the last group is the
+    padding of K / g odd: any finite weight does, x's matching columns are loaded as zeros."""
+    packed = tl.load(b_ptrs, mask=n_mask[None, :], other=0)
+    g_hi = tl.minimum(g_hi, num_groups - 1)
+    s_lo = tl.load(s_ptrs + g_lo * stride_g, mask=n_mask, other=0.0).to(tl.float32)
+    z_lo = tl.load(z_ptrs + g_lo * stride_g, mask=n_mask, other=0.0).to(tl.float32)
+    s_hi = tl.load(s_ptrs + g_hi * stride_g, mask=n_mask, other=0.0).to(tl.float32)
+    z_hi = tl.load(z_ptrs + g_hi * stride_g, mask=n_mask, other=0.0).to(tl.float32)
+    w_lo = ((packed & 0xF).to(tl.float32) - z_lo[None, :]) * s_lo[None, :]
+    w_hi = ((packed >> 4).to(tl.float32) - z_hi[None, :]) * s_hi[None, :]
+    return w_lo, w_hi
 
 
 # --------------------------------------------------------------------------
@@ -303,27 +353,58 @@ def _check_inputs(x, w13, w2, topk_weights, topk_ids, b13, b2, activation, w13_s
 
 def _launch(c, a, b, bias, topk_weights, aligned, num_pairs, top_k, activation, mul_routed_weight,
             block_m, tile: GemmTile, alpha: float, limit: float, a_scale=None, b_scale=None,
-            fp8_dot: bool = False) -> None:
-    fp8 = b_scale is not None
+            fp8_dot: bool = False, b_zero=None, group_size: int = 0) -> None:
+    int4 = b_zero is not None  # b: packed uint8 [E, rows, S], b_scale / b_zero [E, K/g, rows]
+    fp8 = b_scale is not None and not int4
     num_cols = c.shape[1]
     k_dim = a.shape[1]
     em = aligned.sorted_token_ids.numel()
+    block_k = tile.block_k
+    if int4:  # a K step's two halves each lie in one group
+        while group_size % block_k:
+            block_k //= 2
     grid = (triton.cdiv(em, block_m) * triton.cdiv(num_cols, tile.block_n),)
     _fused_moe_kernel[grid](
         c, a, b, bias if bias is not None else b, topk_weights,
         aligned.sorted_token_ids, aligned.expert_ids, aligned.num_tokens_post_padded,
-        a_scale if fp8 else topk_weights, b_scale if fp8 else topk_weights,
+        a_scale if fp8 else topk_weights, b_scale if b_scale is not None else topk_weights,
+        b_zero if int4 else topk_weights,
         num_cols, k_dim, em, num_pairs,
         a.stride(0), b.stride(0), b.stride(1), c.stride(0), bias.stride(0) if bias is not None else 0,
-        b_scale.stride(0) if fp8 else 0,
+        b_scale.stride(0) if b_scale is not None else 0,
         alpha, limit,
+        b.shape[2] if int4 else 0, b_scale.shape[1] if int4 else 0, b_scale.stride(1) if int4 else 0,
         TOP_K=top_k, ACTIVATION=ACTIVATIONS[activation], HAS_BIAS=bias is not None,
         MUL_ROUTED_WEIGHT=mul_routed_weight,
-        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-        EVEN_K=k_dim % tile.block_k == 0, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        FP8=fp8, FP8_DOT=fp8_dot,
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k, GROUP_M=tile.group_m,
+        EVEN_K=k_dim % block_k == 0, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        FP8=fp8, FP8_DOT=fp8_dot, INT4=int4, GROUP_SIZE=group_size if int4 else 1,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
+
+
+def _check_int4(x, w13, w2, w13_scale, w2_scale, w13_zeros, w2_zeros, group_size: int) -> None:
+    """int4 experts: packed codes, scales and zeros consistent with x [T, H] (the layout in the
+    module docstring), every group whole and at least one tensor-core K step wide."""
+    from rooflm.kernels.int4_pack import int4_split
+
+    num_experts, two_i, _ = w13.shape
+    hidden, inter = x.shape[1], two_i // 2
+    if group_size < 16 or group_size & (group_size - 1) or hidden % group_size or inter % group_size:
+        raise ValueError(f"int4 experts need a power-of-two group size >= 16 dividing H={hidden} and "
+                         f"I={inter}; got {group_size}")
+    want = {"w13": (w13, (num_experts, two_i, int4_split(hidden, group_size)), torch.uint8),
+            "w2": (w2, (num_experts, hidden, int4_split(inter, group_size)), torch.uint8),
+            "w13_scale": (w13_scale, (num_experts, hidden // group_size, two_i), None),
+            "w13_zeros": (w13_zeros, (num_experts, hidden // group_size, two_i), None),
+            "w2_scale": (w2_scale, (num_experts, inter // group_size, hidden), None),
+            "w2_zeros": (w2_zeros, (num_experts, inter // group_size, hidden), None)}
+    for name, (t, shape, dtype) in want.items():
+        if t is None or tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype) or not t.is_contiguous():
+            raise ValueError(f"int4 experts: {name} must be a contiguous {dtype or 'float'} tensor {shape}; got "
+                             f"{None if t is None else (tuple(t.shape), t.dtype)}")
+    if w13_scale.shape != w13_zeros.shape or w2_scale.stride() != w2_zeros.stride():
+        raise ValueError("int4 experts: scales and zeros must share their layout")
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -331,7 +412,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
               config: Optional[FusedMoeConfig] = None, align: Optional[Callable] = None,
               w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
-              local_only: bool = False) -> torch.Tensor:
+              local_only: bool = False, w13_zeros: Optional[torch.Tensor] = None,
+              w2_zeros: Optional[torch.Tensor] = None, group_size: int = 0) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for x [T, H]; returns [T, H] in x's dtype.
 
     w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], optional biases b13 [E, 2I], b2 [E, H];
@@ -342,8 +424,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     scales w13_scale [E, 2I], w2_scale [E, H]; x and h are quantized per token on the way in
     (kernels/fp8_quant.py), two launches more than bf16's four.
     local_only (expert parallelism, layers/moe.py): topk_ids hold -1 for experts other ranks
-    hold; those pairs are sorted nowhere and their rows stay zero (one memset more)."""
-    fp8 = _check_inputs(x, w13, w2, topk_weights, topk_ids, b13, b2, activation, w13_scale, w2_scale)
+    hold; those pairs are sorted nowhere and their rows stay zero (one memset more).
+    int4 experts (W4A16): w13 / w2 uint8 packed codes [E, 2I, S_H] / [E, H, S_I], scales and
+    zeros w13_scale / w13_zeros [E, H/g, 2I], w2_scale / w2_zeros [E, I/g, H], group_size g (the
+    module docstring's layout); x stays in its dtype."""
+    int4 = w13.dtype == torch.uint8
+    if int4:
+        _check_int4(x, w13, w2, w13_scale, w2_scale, w13_zeros, w2_zeros, group_size)
+        fp8 = False
+    else:
+        fp8 = _check_inputs(x, w13, w2, topk_weights, topk_ids, b13, b2, activation, w13_scale, w2_scale)
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -364,7 +454,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         weights = weights.contiguous()
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     y = (torch.zeros if local_only else torch.empty)(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    if fp8:
+    if int4:
+        _launch(h, x, w13, b13, weights, aligned, num_pairs, top_k, activation, False, cfg.block_m, cfg.gate_up,
+                alpha, limit, b_scale=w13_scale, b_zero=w13_zeros, group_size=group_size)
+        _launch(y, h, w2, b2, weights, aligned, num_pairs, 1, "none", True, cfg.block_m, cfg.down, alpha, limit,
+                b_scale=w2_scale, b_zero=w2_zeros, group_size=group_size)
+    elif fp8:
         fp8_dot = fp8_dot_supported(x.device)
         qx, sx = per_token_fp8(x)
         _launch(h, qx, w13, b13, weights, aligned, num_pairs, top_k, activation, False, cfg.block_m, cfg.gate_up,
@@ -414,6 +509,16 @@ def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, *, b13=None, b2=None, acti
         y = y + (0 if b2 is None else b2[e].float())
         out += weight * y
     return out
+
+
+def dequantize_int4_experts(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                            group_size: int, k: int) -> torch.Tensor:
+    """Packed int4 experts [E, N, S] with scales / zeros [E, K/g, N] -> fp32 weights [E, N, K]."""
+    from rooflm.kernels.int4_pack import unpack_int4
+    codes = torch.stack([unpack_int4(p, k) for p in packed]).float()
+    s = scales.float().transpose(1, 2).repeat_interleave(group_size, dim=2)
+    z = zeros.float().transpose(1, 2).repeat_interleave(group_size, dim=2)
+    return (codes - z) * s
 
 
 def dequantize_fp8_experts(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,12 @@ all-reduce sums the ranks' parts, as under TP. This is the all-gather + reduce-s
 EP with the gather free (TP's attention output is replicated); an all-to-all that moves only the
 routed tokens pays off once attention is data-parallel (not built). The shared expert stays
 tensor-parallel. Per step a rank reads its own active experts whole: at decode, the experts
-touched split unevenly over the ranks (the imbalance rooflm profile would show: not built).
+touched split unevenly over the ranks (the imbalance `rooflm profile` shows: ExpertLoadCounter).
+
+Load counting (ExpertLoadCounter, on only where the engine was built with count_expert_load, as
+`rooflm profile` builds it): each block adds its step's routed (token, expert) pairs into a
+device tensor [steps, layers, experts] ring, inside the CUDA graphs too; the host reads it only
+when asked (between profiled passes), so a step never waits for it.
 
 Weights come from HF checkpoints through SparseMoeBlock.load_weight, with names relative to the
 block (the model strips "model.layers.{i}.mlp." or Mixtral's "...block_sparse_moe."):
@@ -41,6 +46,14 @@ block (the model strips "model.layers.{i}.mlp." or Mixtral's "...block_sparse_mo
   router.weight, router.bias                          gpt-oss's router
   shared_expert.{gate,up,down}_proj.weight, shared_expert_gate.weight    Qwen2-MoE
   shared_experts.{gate,up,down}_proj.weight           DeepSeek (no sigmoid gate)
+
+Quantized checkpoints (GPTQ, AWQ, compressed-tensors int4/int8, FP8, GGUF): the loader hands an
+expert's qweight / qzeros / scales / g_idx over as one rooflm.quant.formats weight under the float
+name (experts.{e}.up_proj.weight). int4 group-wise weights (GroupWeight, bits 4) without act-order
+stay int4 where the fused kernel runs (CUDA) and each rank holds whole experts (one rank, or expert
+parallelism): packed codes with per-expert group scales and zeros (Experts.int4_group; the kernel's
+W4A16 path). Everything else is dequantized as it is copied in (act-order undone), and the experts
+run as float (FP8 again under --quantization fp8).
 """
 
 from __future__ import annotations
@@ -56,6 +69,8 @@ from rooflm.kernels.fp8_quant import per_token_fp8_ref
 from rooflm.layers.activation import silu_and_mul_torch
 from rooflm.layers.kernels import TORCH_KERNELS, Kernels
 from rooflm.quant.fp8 import quantize_fp8_experts
+from rooflm.kernels.int4_pack import int4_split, pack_int4
+from rooflm.quant.formats import GroupWeight, is_quantized_tensor
 
 if TYPE_CHECKING:
     from rooflm.distributed.group import TPGroup
@@ -231,10 +246,16 @@ class Experts(torch.nn.Module):
         # buffers, so .to() moves them and the runner's weight_bytes counts them
         self.register_buffer("w13_scale", None)
         self.register_buffer("w2_scale", None)
+        # int4 experts (an int4 checkpoint, _to_int4): the group size, 0 while the experts are float;
+        # packed codes w13_q [E, 2I, S_H], w2_q [E, H, S_I] and scales / zeros [E, K/g, rows]
+        self.int4_group = 0
 
     @property
     def quant_format(self) -> str:
-        """"fp8" once quantize_fp8 ran, else "" (the weights in the model's dtype)."""
+        """"fp8" once quantize_fp8 ran, "int4" for an int4 checkpoint's experts, else "" (the
+        weights in the model's dtype)."""
+        if self.int4_group:
+            return "int4"
         return "fp8" if self.w13_scale is not None else ""
 
     @torch.no_grad()
@@ -244,6 +265,8 @@ class Experts(torch.nn.Module):
         then quantizes activations per token (W8A8). Biases stay in the model's dtype."""
         if self.w13_scale is not None:
             return
+        if self.int4_group:
+            raise ValueError("--quantization fp8 on int4 experts (an int4 checkpoint): they are already quantized")
         w13_codes, w13_scale = quantize_fp8_experts(self.w13.data)
         w2_codes, w2_scale = quantize_fp8_experts(self.w2.data)
         self.w13 = torch.nn.Parameter(w13_codes, requires_grad=False)
@@ -253,11 +276,15 @@ class Experts(torch.nn.Module):
 
     def weight_count(self) -> int:
         """Expert weights this rank holds (E x 3 x H x I_local), whatever their format."""
-        return self.w13.numel() + self.w2.numel()
+        return self.num_local * 3 * self.cfg.hidden_size * self.inter
 
     def stored_weight_bytes(self) -> int:
-        """Bytes the expert weights hold as stored: bf16 codes, or E4M3 codes plus their scales."""
-        tensors = [self.w13, self.w2] + ([self.w13_scale, self.w2_scale] if self.w13_scale is not None else [])
+        """Bytes the expert weights hold as stored: bf16 codes, E4M3 codes plus their scales, or
+        packed int4 codes plus their group scales and zeros."""
+        if self.int4_group:
+            tensors = [self.w13_q, self.w13_s, self.w13_z, self.w2_q, self.w2_s, self.w2_z]
+        else:
+            tensors = [self.w13, self.w2] + ([self.w13_scale, self.w2_scale] if self.w13_scale is not None else [])
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def act(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -273,6 +300,12 @@ class Experts(torch.nn.Module):
             extra = {} if self.align is None else {"align": self.align}
             if local_only:
                 extra["local_only"] = True
+            if self.int4_group:
+                extra.update(w13_scale=self.w13_s, w2_scale=self.w2_s, w13_zeros=self.w13_z, w2_zeros=self.w2_z,
+                             group_size=self.int4_group)
+                return self.kernel(x, self.w13_q, self.w2_q, topk_weights, topk_ids, b13=self.b13, b2=self.b2,
+                                   activation=self.cfg.activation, alpha=self.cfg.swiglu_alpha,
+                                   limit=self.cfg.swiglu_limit, **extra)
             if self.w13_scale is not None:
                 extra.update(w13_scale=self.w13_scale, w2_scale=self.w2_scale)
             return self.kernel(x, self.w13, self.w2, topk_weights, topk_ids, b13=self.b13, b2=self.b2,
@@ -302,12 +335,68 @@ class Experts(torch.nn.Module):
         expert -= self.expert_start
         if not 0 <= expert < self.num_local:
             return
+        if self._keeps_int4(tensor):
+            self._load_int4(expert, proj, tensor)
+            return
+        if self.int4_group:
+            raise ValueError(f"expert {expert + self.expert_start} {proj}_proj: a {type(tensor).__name__} among int4 "
+                             f"experts (group {self.int4_group}); a checkpoint mixing expert formats is not supported")
         with torch.no_grad():
             if proj == "down":
                 _copy(self.w2[expert], self._rows(tensor, 1), f"expert {expert} down_proj")
             else:
                 offset = 0 if proj == "gate" else self.inter
                 _copy(self.w13[expert, offset:offset + self.inter], self._rows(tensor, 0), f"expert {expert} {proj}_proj")
+
+    # -- int4 checkpoints kept as codes -----------------------------------------------------
+
+    def _keeps_int4(self, tensor) -> bool:
+        """Whether a checkpoint weight stays int4: a 4-bit GroupWeight without act-order, the
+        fused kernel here to multiply it, whole experts on this rank, its group size the kernel
+        takes (a power of two >= 16 dividing H and I) and the same as the experts already kept."""
+        if not isinstance(tensor, GroupWeight) or tensor.bits != 4 or tensor.perm is not None:
+            return False
+        g = tensor.group_size
+        if self.kernel is None or self.inter != self.cfg.intermediate_size or self.w13_scale is not None:
+            return False
+        if g < 16 or g & (g - 1) or self.cfg.hidden_size % g or self.inter % g:
+            return False
+        return self.int4_group in (0, g)
+
+    def _to_int4(self, group: int) -> None:
+        """The experts' storage becomes packed codes, group scales and zeros (the float stacks
+        are dropped: only int4 weights load from here on)."""
+        e, h, i = self.num_local, self.cfg.hidden_size, self.inter
+        device, dtype = self.w13.device, self.w13.dtype
+        self.register_buffer("w13_q", torch.zeros(e, 2 * i, int4_split(h, group), dtype=torch.uint8, device=device))
+        self.register_buffer("w13_s", torch.zeros(e, h // group, 2 * i, dtype=dtype, device=device))
+        self.register_buffer("w13_z", torch.zeros(e, h // group, 2 * i, dtype=dtype, device=device))
+        self.register_buffer("w2_q", torch.zeros(e, h, int4_split(i, group), dtype=torch.uint8, device=device))
+        self.register_buffer("w2_s", torch.zeros(e, i // group, h, dtype=dtype, device=device))
+        self.register_buffer("w2_z", torch.zeros(e, i // group, h, dtype=dtype, device=device))
+        self.w13 = torch.nn.Parameter(torch.empty(0, device=device, dtype=dtype), requires_grad=False)
+        self.w2 = torch.nn.Parameter(torch.empty(0, device=device, dtype=dtype), requires_grad=False)
+        self.int4_group = group
+
+    @torch.no_grad()
+    def _load_int4(self, expert: int, proj: str, weight: "GroupWeight") -> None:
+        if not self.int4_group:
+            self._to_int4(weight.group_size)
+        h, i = self.cfg.hidden_size, self.inter
+        want = (h, i) if proj == "down" else (i, h)
+        if tuple(weight.shape) != want:
+            raise ValueError(f"expert {expert} {proj}_proj: checkpoint shape {tuple(weight.shape)}, the block "
+                             f"expects {want}")
+        packed = pack_int4(weight.codes, weight.group_size)
+        if proj == "down":
+            self.w2_q[expert].copy_(packed)
+            self.w2_s[expert].copy_(weight.scales)
+            self.w2_z[expert].copy_(weight.zeros)
+            return
+        rows = slice(0, i) if proj == "gate" else slice(i, 2 * i)
+        self.w13_q[expert, rows].copy_(packed)
+        self.w13_s[expert, :, rows].copy_(weight.scales)
+        self.w13_z[expert, :, rows].copy_(weight.zeros)
 
     def load_stacked(self, name: str, tensor) -> None:
         """A stacked checkpoint tensor (transformers 5 / gpt-oss layouts, module docstring)."""
@@ -394,6 +483,9 @@ class SparseMoeBlock(torch.nn.Module):
         super().__init__()
         rank, world = (0, 1) if tp is None else (tp.rank, tp.size)
         self.cfg = cfg
+        # attach_expert_load_counter: the counter this block adds its routing to, and its row
+        self.load_counter: Optional[ExpertLoadCounter] = None
+        self.load_layer = 0
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.router = Router(cfg, kernels.moe_router)
         self.experts = Experts(cfg, kernels.fused_moe, rank, world, kernels.moe_align, expert_parallel)
@@ -403,6 +495,8 @@ class SparseMoeBlock(torch.nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         topk_weights, topk_ids = self.router(x)
+        if self.load_counter is not None:
+            self.load_counter.add(self.load_layer, topk_ids)
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
@@ -459,6 +553,73 @@ class SparseMoeBlock(torch.nn.Module):
         return tuple(pieces)
 
 
+# ---- load counting -------------------------------------------------------------------------
+
+class ExpertLoadCounter:
+    """Tokens routed to each expert, per MoE layer and step, counted on the device.
+
+    counts [layers, history, experts] int32 keeps the last `history` steps (a ring): begin_step
+    clears the step's slot and marks which of the step's token rows are real (a CUDA graph's
+    batch is padded to its captured size; the padding rows route too, and are not counted).
+    Both are device tensors written in place, so the captured graphs read the current step's
+    values; nothing waits for the host, and a block's count is two launches (the index, the
+    index_add). Forwards outside a step (the memory profile, graph capture) count nothing:
+    no row is real until the first step."""
+
+    def __init__(self, num_layers: int, num_experts: int, top_k: int, device, max_tokens: int,
+                 history: int = 256, names: tuple[str, ...] = ()):
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.history = history
+        self.names = names or tuple(str(i) for i in range(num_layers))  # the blocks' module names
+        self.counts = torch.zeros(num_layers, history, num_experts, dtype=torch.int32, device=device)
+        # 1 for the step's real rows, as the index_add's source: [rows, top_k], read flat
+        self.real = torch.zeros(max_tokens, top_k, dtype=torch.int32, device=device)
+        self.num_tokens = torch.zeros((), dtype=torch.int64, device=device)  # for longer forwards
+        self.offset = torch.zeros((), dtype=torch.int64, device=device)  # the slot's first index
+        self.steps = 0  # steps begun since start (host-side: the ring's position)
+
+    def begin_step(self, num_tokens: int) -> None:
+        slot = self.steps % self.history
+        self.counts[:, slot].zero_()
+        self.offset.fill_(slot * self.num_experts)
+        self.real.zero_()
+        self.real[:num_tokens].fill_(1)
+        self.num_tokens.fill_(num_tokens)
+        self.steps += 1
+
+    def add(self, layer: int, topk_ids: torch.Tensor) -> None:
+        tokens, k = topk_ids.shape
+        if tokens <= self.real.shape[0]:
+            real = self.real[:tokens].view(-1)
+        else:  # more rows than the runner said a step has: mask them here
+            rows = torch.arange(tokens, device=topk_ids.device) < self.num_tokens
+            real = rows.to(torch.int32).unsqueeze(1).expand(tokens, k).reshape(-1)
+        self.counts[layer].view(-1).index_add_(0, (topk_ids + self.offset).view(-1), real)
+
+    def recent(self, steps: int) -> torch.Tensor:
+        """The last min(steps, history, steps begun) steps' counts, oldest first, on the host
+        [steps, layers, experts] (a device sync: call it between steps, not in one)."""
+        steps = min(steps, self.history, self.steps)
+        slots = [(self.steps - steps + i) % self.history for i in range(steps)]
+        return self.counts[:, slots].transpose(0, 1).cpu()
+
+
+def attach_expert_load_counter(model: torch.nn.Module, device, max_tokens: int) -> Optional[ExpertLoadCounter]:
+    """One counter for every SparseMoeBlock of `model`, rows in module order; None without any.
+    max_tokens: the most token rows a forward has (graph padding included)."""
+    named = [(name, m) for name, m in model.named_modules() if isinstance(m, SparseMoeBlock)]
+    if not named:
+        return None
+    names, blocks = zip(*named)
+    cfg = blocks[0].cfg
+    counter = ExpertLoadCounter(len(blocks), cfg.num_experts, cfg.top_k, device, max_tokens, names=names)
+    for row, block in enumerate(blocks):
+        block.load_counter = counter
+        block.load_layer = row
+    return counter
+
+
 def hub_tensors(cfg: MoeConfig, params: dict[str, torch.Tensor],
                 projs: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
     """A whole (one-rank) block's parameters, named as SparseMoeBlock.named_parameters() names
@@ -505,14 +666,23 @@ def hub_shapes(cfg: MoeConfig, projs: tuple[str, str, str] = ("gate_proj", "up_p
 # ---- helpers -------------------------------------------------------------------------------
 
 def _materialize(tensor) -> torch.Tensor:
-    """A tensor, or a lazy checkpoint slice (model/loader.LazySlice) read whole."""
-    return tensor if isinstance(tensor, torch.Tensor) else tensor.load()
+    """A tensor, a lazy checkpoint slice (model/loader.LazySlice) read whole, or a quantized
+    checkpoint weight (GPTQ / AWQ / compressed-tensors int4 or int8, FP8, GGUF blocks: the
+    rooflm.quant.formats runtime forms) dequantized to fp32, act-order permutation undone: the
+    experts keep float weights (the module docstring's "Quantized checkpoints")."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor
+    if is_quantized_tensor(tensor):
+        return tensor.dequantize()
+    return tensor.load()
 
 
 def _narrow(tensor, dim: int, start: int, size: int) -> torch.Tensor:
     """tensor.narrow; a lazy slice reads only those rows or columns."""
     if start == 0 and size == tensor.shape[dim]:
         return _materialize(tensor)
+    if is_quantized_tensor(tensor):
+        return _materialize(tensor).narrow(dim, start, size)
     return tensor.narrow(dim, start, size)
 
 

@@ -54,6 +54,29 @@ class GGUFLayout:
     # (the file, the fields every family reads) -> the ModelConfig fields this family adds or
     # replaces, from its metadata keys (or llama.cpp's hard-coded values where it writes none).
     config_fields: Callable[[GGUFMetadata, dict[str, Any]], dict[str, Any]] = no_gguf_fields
+    # The architecture string's mixture-of-experts variant: the family a file of that string with
+    # `<arch>.expert_count` > 0 is (llama.cpp writes Mixtral as "llama" with experts).
+    moe: bool = False
+
+
+def moe_gguf_fields(gguf_file: GGUFMetadata, num_layers: int, norm_topk_prob: bool) -> dict[str, Any]:
+    """The ModelConfig MoE fields from llama.cpp's keys: expert_count, expert_used_count,
+    expert_feed_forward_length (absent for Mixtral, whose experts are feed_forward_length wide),
+    expert_weights_norm where the file has it (else the family's rule: llama.cpp's graph
+    renormalises Qwen3-MoE's and Mixtral's top-k weights), expert_shared_feed_forward_length
+    (Qwen2-MoE's shared expert). Which layers are sparse is which have a router tensor
+    (blk.N.ffn_gate_inp), written as HF writes it: decoder_sparse_step where the sparse layers are
+    every step-th one, else mlp_only_layers."""
+    sparse = {i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in gguf_file.tensors}
+    step = next((s for s in range(1, num_layers + 1) if sparse == {i for i in range(num_layers) if (i + 1) % s == 0}),
+                None)
+    return dict(num_experts=int(gguf_file.required_arch_field("expert_count")),
+                num_experts_per_tok=int(gguf_file.required_arch_field("expert_used_count")),
+                moe_intermediate_size=int(gguf_file.arch_field("expert_feed_forward_length", 0) or 0),
+                norm_topk_prob=bool(gguf_file.arch_field("expert_weights_norm", norm_topk_prob)),
+                shared_expert_intermediate_size=int(gguf_file.arch_field("expert_shared_feed_forward_length", 0) or 0),
+                decoder_sparse_step=step or 1,
+                mlp_only_layers=() if step else tuple(i for i in range(num_layers) if i not in sparse))
 
 
 def swa_layer_types(gguf_file: GGUFMetadata, num_layers: int, period: int) -> tuple[str, ...]:

@@ -75,6 +75,15 @@ LAYER_MODULE_NAMES = {
 
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
+# Mixture of experts (llama.cpp's names): the router, and each projection of every expert stacked
+# into one [E, rows, cols] tensor, which is read as E per-expert HF tensors (the index is into the
+# family's ModelSpec.expert_projs: gate, up, down).
+ROUTER_TENSOR = "ffn_gate_inp"
+EXPERT_TENSORS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
+# Qwen2-MoE's shared expert and its sigmoid gate ([1, H], as the converter writes HF's tensor)
+SHARED_EXPERT_TENSORS = {"ffn_gate_shexp": "shared_expert.gate_proj", "ffn_up_shexp": "shared_expert.up_proj",
+                         "ffn_down_shexp": "shared_expert.down_proj", "ffn_gate_inp_shexp": "shared_expert_gate"}
+
 
 def hf_tensor_names(gguf_name: str, layout: GGUFLayout,
                     config: ModelConfig) -> tuple[tuple[str, Optional[int]], ...]:
@@ -86,6 +95,8 @@ def hf_tensor_names(gguf_name: str, layout: GGUFLayout,
     if match is None:
         return ()
     layer, module, suffix = match.groups()
+    if module == ROUTER_TENSOR or module in EXPERT_TENSORS or module in SHARED_EXPERT_TENSORS:
+        return _moe_tensor_names(int(layer), module, suffix, config)
     fused = layout.fused(config) if layout.fused is not None else {}
     if module in fused:
         return tuple((f"model.layers.{layer}.{part}.{suffix}", rows) for part, rows in fused[module])
@@ -93,6 +104,24 @@ def hf_tensor_names(gguf_name: str, layout: GGUFLayout,
     if hf_module is None:
         return ()
     return ((f"model.layers.{layer}.{hf_module}.{suffix}", None),)
+
+
+def _moe_tensor_names(layer: int, module: str, suffix: str,
+                      config: ModelConfig) -> tuple[tuple[str, Optional[int]], ...]:
+    """The router's HF name, or the E per-expert names of a stacked expert tensor (one row
+    of its dim 0 each); none in a dense model."""
+    from rooflm.model.registry import model_spec
+
+    if not config.num_experts:
+        return ()
+    spec = model_spec(config)
+    block = f"model.layers.{layer}.{spec.moe_prefix}"
+    if module == ROUTER_TENSOR:
+        return ((f"{block}.gate.{suffix}", None),)
+    if module in SHARED_EXPERT_TENSORS:
+        return ((f"{block}.{SHARED_EXPERT_TENSORS[module]}.{suffix}", None),)
+    proj = spec.expert_projs[EXPERT_TENSORS[module]]
+    return tuple((f"{block}.experts.{e}.{proj}.{suffix}", 1) for e in range(config.num_experts))
 
 
 def undo_rotary_permutation(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -268,7 +297,7 @@ def layer_weight_types(path: str) -> dict[str, int]:
     the bytes a step reads."""
     counts: dict[str, int] = {}
     for name, tensor in _open(path).tensors.items():
-        if name.startswith("blk.") and len(tensor.shape) == 2:
+        if name.startswith("blk.") and len(tensor.shape) >= 2:  # 3-D: the stacked experts
             kind = tensor.tensor_type.name
             counts[kind] = counts.get(kind, 0) + int(tensor.n_elements)
     return counts
@@ -283,14 +312,22 @@ def tensor_type(path: str, name: str) -> Optional[str]:
 
 def _family_layout(gguf_file: GGUFFile) -> tuple[str, GGUFLayout]:
     """(HF architecture, GGUFLayout) of the file's general.architecture."""
-    from rooflm.model.registry import GGUF_ARCHITECTURES, get_family
+    from rooflm.model.registry import GGUF_ARCHITECTURES, GGUF_MOE_ARCHITECTURES, get_family
 
     gguf_arch = gguf_file.gguf_architecture
-    if gguf_arch not in GGUF_ARCHITECTURES:
+    experts = int(gguf_file.arch_field("expert_count", 0) or 0)
+    if gguf_arch in GGUF_MOE_ARCHITECTURES and (experts or gguf_arch not in GGUF_ARCHITECTURES):
+        architecture = GGUF_MOE_ARCHITECTURES[gguf_arch]
+    elif gguf_arch in GGUF_ARCHITECTURES:
+        if experts:
+            raise load_error(gguf_file.path, f"GGUF architecture {gguf_arch!r} with {experts} experts: rooflm "
+                                             f"runs mixture-of-experts GGUFs of "
+                                             f"{', '.join(GGUF_MOE_ARCHITECTURES)} only")
+        architecture = GGUF_ARCHITECTURES[gguf_arch]
+    else:
+        known = sorted(set(GGUF_ARCHITECTURES) | set(GGUF_MOE_ARCHITECTURES))
         raise load_error(
-            gguf_file.path, f"unsupported GGUF architecture {gguf_arch!r}; rooflm runs "
-                            f"{', '.join(GGUF_ARCHITECTURES)}")
-    architecture = GGUF_ARCHITECTURES[gguf_arch]
+            gguf_file.path, f"unsupported GGUF architecture {gguf_arch!r}; rooflm runs {', '.join(known)}")
     return architecture, get_family(architecture).gguf
 
 
@@ -493,7 +530,9 @@ def _iter_tensors(gguf_file: GGUFFile, keep_quantized: bool = False) -> Iterator
         start = 0
         for name, rows in hf_tensor_names(tensor.name, layout, config):
             weight = whole
-            if rows is not None:
+            if rows is not None and len(whole.shape) == 3:  # stacked experts: one expert a name
+                weight, start = whole[start], start + rows
+            elif rows is not None:
                 weight, start = _rows(whole, start, rows), start + rows
             module = name.rpartition(".")[0].split(".", 3)[-1]
             if layout.rotary_permuted and module in heads:

@@ -9,6 +9,7 @@ from typing import Any
 
 from rooflm.config import ModelConfig
 from rooflm.model.decoder import CausalLM
+from rooflm.model.gguf_layout import GGUFLayout, GGUFMetadata, moe_gguf_fields
 from rooflm.model.moe_config import moe_config_fields
 from rooflm.model.spec import QK_NORM_PROJ, ModelSpec, layer_windows, moe_parts
 
@@ -24,6 +25,20 @@ def config_fields(raw: dict[str, Any]) -> dict[str, Any]:
 
 def spec(cfg: ModelConfig) -> ModelSpec:
     return ModelSpec(qk_norm=QK_NORM_PROJ, layer_windows=layer_windows(cfg), **moe_parts(cfg))
+
+
+def gguf_config(gguf_file: GGUFMetadata, fields: dict[str, Any]) -> dict[str, Any]:
+    clamp = gguf_file.arch_field("attention.clamp_kqv")
+    if clamp is not None:
+        raise ValueError(f"attention.clamp_kqv={clamp}: rooflm does not clamp q, k and v")
+    # OLMoE's router weights are not renormalised (llama.cpp's graph, HF's default); its q/k norms
+    # are the family's own (spec), whatever the reader inferred from attn_q_norm
+    return dict(qk_norm=False, **moe_gguf_fields(gguf_file, fields["num_hidden_layers"], norm_topk_prob=False))
+
+
+# llama.cpp's "olmoe": NEOX rotary (q/k unpermuted), attn_q_norm / attn_k_norm over the whole
+# projections, the experts stacked as in Qwen3-MoE's files.
+GGUF = GGUFLayout("olmoe", config_fields=gguf_config, moe=True)
 
 
 class OlmoeForCausalLM(CausalLM):

@@ -11,6 +11,7 @@ from typing import Any
 
 from rooflm.config import ModelConfig
 from rooflm.model.decoder import CausalLM
+from rooflm.model.gguf_layout import GGUFLayout, GGUFMetadata, moe_gguf_fields
 from rooflm.model.moe_config import moe_config_fields, no_qwen_sliding_window
 from rooflm.model.spec import QK_NORM_HEAD, ModelSpec, layer_windows, moe_parts
 
@@ -25,6 +26,15 @@ def config_fields(raw: dict[str, Any]) -> dict[str, Any]:
 
 def spec(cfg: ModelConfig) -> ModelSpec:
     return ModelSpec(qk_norm=QK_NORM_HEAD, layer_windows=layer_windows(cfg), **moe_parts(cfg))
+
+
+def gguf_config(gguf_file: GGUFMetadata, fields: dict[str, Any]) -> dict[str, Any]:
+    return dict(qk_norm=True, **moe_gguf_fields(gguf_file, fields["num_hidden_layers"], norm_topk_prob=True))
+
+
+# llama.cpp's "qwen3moe": Qwen3's tensors (NEOX rotary, unpermuted) and the stacked experts
+# blk.N.ffn_{gate,up,down}_exps [E, rows, cols] beside the router blk.N.ffn_gate_inp (gguf_loader).
+GGUF = GGUFLayout("qwen3moe", config_fields=gguf_config, moe=True)
 
 
 class Qwen3MoeForCausalLM(CausalLM):

@@ -56,10 +56,14 @@ FAMILIES = {f.architecture: f for f in (
            granite.config_fields, gguf=granite.GGUF),
     Family(smollm3.ARCHITECTURE, smollm3.MODEL_TYPE, smollm3.spec, smollm3.SmolLM3ForCausalLM,
            smollm3.config_fields, gguf=smollm3.GGUF),
-    Family(qwen3_moe.ARCHITECTURE, qwen3_moe.MODEL_TYPE, qwen3_moe.spec, qwen3_moe.Qwen3MoeForCausalLM, qwen3_moe.config_fields),
-    Family(mixtral.ARCHITECTURE, mixtral.MODEL_TYPE, mixtral.spec, mixtral.MixtralForCausalLM, mixtral.config_fields),
-    Family(olmoe.ARCHITECTURE, olmoe.MODEL_TYPE, olmoe.spec, olmoe.OlmoeForCausalLM, olmoe.config_fields),
-    Family(qwen2_moe.ARCHITECTURE, qwen2_moe.MODEL_TYPE, qwen2_moe.spec, qwen2_moe.Qwen2MoeForCausalLM, qwen2_moe.config_fields),
+    Family(qwen3_moe.ARCHITECTURE, qwen3_moe.MODEL_TYPE, qwen3_moe.spec, qwen3_moe.Qwen3MoeForCausalLM, qwen3_moe.config_fields,
+           gguf=qwen3_moe.GGUF),
+    Family(mixtral.ARCHITECTURE, mixtral.MODEL_TYPE, mixtral.spec, mixtral.MixtralForCausalLM, mixtral.config_fields,
+           gguf=mixtral.GGUF),
+    Family(olmoe.ARCHITECTURE, olmoe.MODEL_TYPE, olmoe.spec, olmoe.OlmoeForCausalLM, olmoe.config_fields,
+           gguf=olmoe.GGUF),
+    Family(qwen2_moe.ARCHITECTURE, qwen2_moe.MODEL_TYPE, qwen2_moe.spec, qwen2_moe.Qwen2MoeForCausalLM,
+           qwen2_moe.config_fields, gguf=qwen2_moe.GGUF),
     Family(gpt_oss.ARCHITECTURE, gpt_oss.MODEL_TYPE, gpt_oss.spec, gpt_oss.GptOssForCausalLM, gpt_oss.config_fields),
 )}
 
@@ -69,7 +73,11 @@ TEXT_MODEL_OF = {gemma3.MULTIMODAL_ARCHITECTURE: gemma3.text_config}
 
 # HF architecture names we run, and the GGUF architecture strings (general.architecture) that map to them.
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
-GGUF_ARCHITECTURES = {f.gguf.architecture: f.architecture for f in FAMILIES.values() if f.gguf is not None}
+GGUF_ARCHITECTURES = {f.gguf.architecture: f.architecture for f in FAMILIES.values()
+                      if f.gguf is not None and not f.gguf.moe}
+# ... and the families a file of that string is when it has experts (expert_count > 0)
+GGUF_MOE_ARCHITECTURES = {f.gguf.architecture: f.architecture for f in FAMILIES.values()
+                          if f.gguf is not None and f.gguf.moe}
 
 
 def get_family(architecture: str) -> Family:

@@ -137,7 +137,9 @@ def _register_profile(subparsers, gpu_choices: list[str]) -> None:
     p.add_argument("--gpu", default="auto", choices=["auto"] + gpu_choices,
                    help="peaks for MBU/MFU on CUDA: auto matches the device name to the table")
     add_engine_args(p)
-    p.set_defaults(func=_run_profile)
+    # MoE load imbalance is part of the profile (one index_add per MoE layer and step, in the
+    # graphs); --no-count-expert-load profiles the step without it.
+    p.set_defaults(func=_run_profile, count_expert_load=True)
 
 
 def _run_profile(args: argparse.Namespace) -> int:

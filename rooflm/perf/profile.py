@@ -31,6 +31,10 @@ The verdict, first match wins, always with the fraction of each roof beside it:
     time outside any op and the small ops), kernel-bound when it is the matmul
     and attention kernels' own time over the step's floor. Every share is
     printed as evidence.
+An MoE model's routing is counted too (the engine's count_expert_load, on by default here):
+tokens routed to each expert per MoE layer over the profiled steps, as the busiest expert's
+load over the mean (per step, then over the whole pass), the hottest expert, and under expert
+parallelism the busiest rank's load over the mean (the rank every other waits for).
 Notes flag a measurement to distrust: timed and profiled steps far apart, or a
 CPU shared with other processes (load average above the core count).
 """
@@ -401,8 +405,11 @@ def profile_engine(engine, *, batch_size: int, input_len: int, output_len: Optio
         activities = [torch.profiler.ProfilerActivity.CPU]
         if on_cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
+        load_before = engine.expert_load(0)
         with torch.profiler.profile(activities=activities) as prof:
             profiled = instrument.run_pass(steps)
+        load = None if load_before is None else engine.expert_load(
+            engine.expert_load(0).steps_begun - load_before.steps_begun)
         prof.export_chrome_trace(trace_path)
     finally:
         instrument.uninstall()
@@ -413,6 +420,7 @@ def profile_engine(engine, *, batch_size: int, input_len: int, output_len: Optio
     with open(trace_path) as f:
         trace = json.load(f)
     summary = _summarise(engine, instrument, meter, gpu_spec, warm, timed, profiled, prof, trace)
+    summary["expert_load"] = None if load is None else expert_load_summary(load)
     summary.update(
         model=info.model if info.model != "default" else "default (SmolLM2-135M-Instruct)",
         device=str(device), dtype=info.dtype,
@@ -488,6 +496,78 @@ def _summarise(engine, instrument: EngineInstrument, meter: StepMeter, gpu: Opti
     s["notes"] = _notes(s)
     s["verdict"], s["evidence"] = _verdict(s, meter.compute_dtype)
     return s
+
+
+def _imbalance(loads: list[int]) -> float:
+    """max / mean of the loads (1.0: even); 1.0 for no tokens at all."""
+    total = sum(loads)
+    return max(loads) * len(loads) / total if total else 1.0
+
+
+def _rank_loads(loads: list[int], ranks: int) -> list[int]:
+    per = len(loads) // ranks
+    return [sum(loads[r * per:(r + 1) * per]) for r in range(ranks)]
+
+
+def expert_load_summary(load) -> dict:
+    """Routing over the profiled steps (an engine ExpertLoad), per MoE layer and overall.
+
+    Per layer: routed (token, expert) pairs; step_imbalance, the busiest expert's load over the
+    mean in each step that routed tokens, averaged over those steps (at decode the experts
+    touched are few and the busiest one is what a grouped GEMM waits for); pass_imbalance, the
+    same over the pass's totals; the hottest expert and its share. Under expert parallelism the
+    same per rank (rank_step_imbalance, rank_pass_imbalance, rank_share)."""
+    layers = []
+    for li, name in enumerate(load.layers):
+        steps = [step[li] for step in load.counts if sum(step[li])]
+        totals = [sum(col) for col in zip(*steps)] if steps else [0] * load.num_experts
+        routed = sum(totals)
+        hottest = max(range(load.num_experts), key=lambda e: totals[e])
+        row = {"layer": name, "routed": routed, "steps": len(steps),
+               "step_imbalance": statistics.fmean(_imbalance(s) for s in steps) if steps else 1.0,
+               "pass_imbalance": _imbalance(totals), "hottest_expert": hottest,
+               "hottest_share": totals[hottest] / routed if routed else 0.0,
+               "experts_touched_per_step": (statistics.fmean(sum(1 for c in s if c) for s in steps)
+                                            if steps else 0.0)}
+        if load.ep_ranks > 1:
+            ranks = _rank_loads(totals, load.ep_ranks)
+            row["rank_step_imbalance"] = (statistics.fmean(_imbalance(_rank_loads(s, load.ep_ranks))
+                                                           for s in steps) if steps else 1.0)
+            row["rank_pass_imbalance"] = _imbalance(ranks)
+            row["rank_share"] = [r / routed if routed else 0.0 for r in ranks]
+        layers.append(row)
+    counted = [row for row in layers if row["routed"]]
+    out = {"num_layers": len(layers), "num_experts": load.num_experts, "top_k": load.top_k,
+           "ep_ranks": load.ep_ranks, "steps": len(load.counts), "layers": layers,
+           "routed": sum(row["routed"] for row in layers)}
+    for key in ("step_imbalance", "pass_imbalance", "experts_touched_per_step") + (
+            ("rank_step_imbalance", "rank_pass_imbalance") if load.ep_ranks > 1 else ()):
+        out[key] = statistics.fmean(row[key] for row in counted) if counted else 1.0
+    if counted:
+        worst = max(counted, key=lambda row: row["step_imbalance"])
+        hot = max(counted, key=lambda row: row["hottest_share"])
+        out["worst_layer"] = {"layer": worst["layer"], "step_imbalance": worst["step_imbalance"]}
+        out["hottest"] = {"layer": hot["layer"], "expert": hot["hottest_expert"], "share": hot["hottest_share"]}
+    return out
+
+
+def format_expert_load(e: dict) -> list[str]:
+    lines = [f"MoE expert load ({e['num_layers']} MoE layers, {e['num_experts']} experts, top-{e['top_k']}; "
+             f"{e['routed']:,} routed token-expert pairs over {e['steps']} profiled steps):"]
+    if not e["routed"]:
+        return lines + ["  no tokens routed in the profiled steps"]
+    worst, hot = e["worst_layer"], e["hottest"]
+    lines.append(f"  busiest expert per step: {e['step_imbalance']:.2f}x the mean (max/mean, averaged over "
+                 f"layers and steps; worst layer {worst['layer']}: {worst['step_imbalance']:.2f}x); "
+                 f"{e['experts_touched_per_step']:.1f} of {e['num_experts']} experts touched per step")
+    lines.append(f"  over the pass: {e['pass_imbalance']:.2f}x the mean; hottest expert {hot['expert']} of "
+                 f"{hot['layer']}, {hot['share']:.1%} of that layer's pairs "
+                 f"(even: {1 / e['num_experts']:.1%})")
+    if e["ep_ranks"] > 1:
+        lines.append(f"  expert parallel over {e['ep_ranks']} ranks: the busiest rank gets "
+                     f"{e['rank_step_imbalance']:.2f}x the mean per step, {e['rank_pass_imbalance']:.2f}x "
+                     f"over the pass (every rank waits for it)")
+    return lines
 
 
 def _notes(s: dict) -> list[str]:
@@ -695,6 +775,8 @@ def format_summary(s: dict) -> str:
         lines.append(f"roofline: {s['bytes_per_step'] / 1e6:,.1f} MB and {s['flops_per_step'] / 1e9:,.4g} "
                      f"GFLOP per step -> {s['achieved_gbps']:,.1f} GB/s, {s['achieved_gflops']:,.1f} "
                      f"GFLOP/s: bandwidth {s['mbu']:.1%}, FLOP/s {s['mfu']:.1%} {what}")
+    if s.get("expert_load"):
+        lines += format_expert_load(s["expert_load"])
     for note in s.get("notes", []):
         lines.append(f"note: {note}")
     lines.append("")

@@ -67,6 +67,7 @@ def test_profile_writes_a_trace_and_a_summary_and_calls_a_tiny_batch_cpu_bound(
     assert summary["tokens_per_step"] == 1.0
     assert summary["bytes_per_step"] > 0 and summary["kv"]["preemptions_run"] == 0
     assert set(summary["phase_ms_per_step"]) >= {"schedule", "prepare", "forward", "process"}
+    assert summary["expert_load"] is None and "MoE expert load" not in text  # a dense model
 
 
 @pytest.mark.parametrize("reserve", [False, True])
