@@ -21,8 +21,12 @@ Under --scheduling-policy priority (vLLM's semantics) every queue is kept in
 order of (priority, arrival time), lower first: waiting requests are admitted
 in that order, the running ones are served in it (so the preemption victim of
 step 1, taken from the back, is the lowest-priority, latest-arrived one), and
-before step 1 a waiting request that the KV pool cannot take preempts running
-requests of lower priority, lowest first, until it fits (_preempt_for_priority).
+before step 1 a waiting request that the KV pool or the sequence cap cannot take
+preempts running requests of lower priority, lowest first, until it fits
+(_preempt_for_priority). Two extensions of vLLM's rules keep a high-priority arrival
+from waiting steps under load: running requests' prefill chunks leave the budget that
+waiting requests of higher priority need (their decodes never wait: _Outranking), and a
+swapped-out request does not come back before a waiting one that outranks it.
 Under fcfs (the default) the queues keep arrival order, as described above.
 
 Block tables are the block manager's; the engine's output processor changes
@@ -69,6 +73,39 @@ class _Planned:
     num_new_tokens: int
     hit: PrefixHit = NO_HIT  # a waiting sequence's cached prefix, taken on admission
     num_spec: int = 0  # draft slots after the sequence's last token (speculative decoding)
+
+
+class _Outranking:
+    """Under the priority policy, the step's token budget that waiting requests hold against
+    running ones they outrank: a running request of a larger (priority, arrival) key gets no
+    prefill tokens that a waiting request of a smaller key could use this step. Its decode
+    token is never held (one token, and its TPOT is what is at stake); its prompt's next
+    chunk is. Without this, the chunks of low-priority prompts admitted in earlier steps take
+    the budget before admission runs, and a high-priority arrival waits a step (or more)
+    behind them. The running requests are asked in key order, so one pass over the waiting
+    queue (in key order too) serves the whole step."""
+
+    __slots__ = ("_waiting", "_next", "_held")
+
+    def __init__(self, waiting: deque):
+        self._waiting = waiting
+        self._next = 0
+        self._held = 0  # uncomputed prompt tokens of the waiting requests passed so far
+
+    def budget_for(self, req: Request, budget: int) -> int:
+        if all(s.num_uncomputed_tokens <= 1 for s in req.live_seqs):
+            return budget  # a decode (drafts to verify included)
+        key = req.schedule_key
+        while self._next < len(self._waiting) and self._held < budget:
+            ahead = self._waiting[self._next]
+            if ahead.schedule_key >= key:
+                break
+            self._next += 1
+            if ahead.waiting_for_grammar or any(s.num_pending for s in ahead.live_seqs):
+                continue  # it cannot be admitted this step: it holds nothing
+            # Prefix hits are not looked up here (hashing): a cached prompt holds more than it uses.
+            self._held += sum(s.num_uncomputed_tokens for s in ahead.live_seqs)
+        return budget - min(self._held, budget)
 
 
 @dataclass
@@ -413,6 +450,7 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         queue = deque(self.running)  # oldest first; victims leave from the back
         kept: list[Request] = []
+        outranking = _Outranking(self.waiting) if self.by_priority and self.waiting else None
         while queue:
             req = queue.popleft()
             if self._full(out):
@@ -422,7 +460,7 @@ class Scheduler:
                 budget -= 1
                 kept.append(req)
                 continue
-            plan = self._plan(req, budget)
+            plan = self._plan(req, budget if outranking is None else outranking.budget_for(req, budget))
             if plan is None:
                 kept.append(req)  # no budget left this step; it stays running
                 continue
@@ -491,8 +529,13 @@ class Scheduler:
         return self._seqs_running + len(req.live_seqs) <= self.cfg.max_num_seqs
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        first_waiting = self._first_admissible_waiting() if self.by_priority else None
         while self.swapped and not self._full(out):
             req = self.swapped[0]
+            if first_waiting is not None and first_waiting.schedule_key < req.schedule_key:
+                # Priority: a waiting request that outranks it goes first (else a victim swapped
+                # out for it would come straight back into the room it left, before it).
+                break
             if any(s.num_pending for s in req.live_seqs):
                 break  # its last tokens are still on their way to the host
             if req.lora_request is not None and not self._adapter_slot_free(req):
@@ -558,13 +601,16 @@ class Scheduler:
 
     # ---- priority preemption ---------------------------------------------------------------
 
+    def _first_admissible_waiting(self) -> Optional[Request]:
+        return next((r for r in self.waiting if not r.waiting_for_grammar), None)
+
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         """The waiting request that goes next, if the pool (less the growth reservation, as
         admission counts it) or the sequence cap cannot take it, preempts running requests
         of lower priority (a larger (priority, arrival)), the lowest first, until it fits. A
         request never preempts one of its own or a higher priority: equal priorities keep
         their arrival order, as vLLM's priority scheduler does."""
-        head = next((r for r in self.waiting if not r.waiting_for_grammar), None)
+        head = self._first_admissible_waiting()
         if (head is None or any(s.num_pending for s in head.live_seqs)
                 or self.running[-1].schedule_key <= head.schedule_key):
             return  # nobody runs at a lower priority: the common case costs one comparison
