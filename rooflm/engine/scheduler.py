@@ -145,6 +145,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.swapped: deque[Request] = deque()
         self.num_preemptions = 0
+        self.num_schedules = 0  # calls of schedule(): when what it decided may have changed
         self.new_token_ratio = NewTokenRatio()
         self.num_kv_stalls = 0  # steps whose admission stopped for lack of KV room
         # The last step's admission stopped for lack of KV or sequence room (not budget): the
@@ -302,6 +303,7 @@ class Scheduler:
     # ---- the step ---------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        self.num_schedules += 1
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
         if self.by_priority and self.waiting and self.running:

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from rooflm.engine.growth_reserve import CLIP_TOKENS, INIT_RATIO
@@ -70,6 +70,11 @@ class StepCostEstimator:
     prefill_token_s: Optional[float] = None
     num_observed: int = 0
     step_s: Optional[float] = None  # any step's wall time, prefill or not: the step in flight
+    # The running batch's share of a prediction (its decodes, and per priority its prompt
+    # chunks) read once per schedule, not once per request weighed: with a thousand running
+    # requests and tens of arrivals a step, the scan cost a millisecond each.
+    _running_memo: tuple = field(default=(), repr=False, compare=False)
+    _running_values: dict = field(default_factory=dict, repr=False, compare=False)
 
     def observe(self, report: StepReport) -> None:
         elapsed = report.timings.elapsed_s
@@ -119,8 +124,8 @@ def _wait(sched: "Scheduler", cost: StepCostEstimator, key: tuple[int, float], o
     """Until the prefill tokens ahead of a request of this key, and then own_tokens of its own,
     are computed; plus, when admission is capacity-bound, until it gets a slot."""
     ahead = [r for r in sched.waiting if not sched.by_priority or r.schedule_key <= key]
-    tokens = sum(_uncomputed_prompt(r) for r in ahead) + _running_chunks(sched, key) + own_tokens
-    decodes = sched.num_running_seqs()
+    decodes, chunks = _running_share(sched, cost, key)
+    tokens = sum(_uncomputed_prompt(r) for r in ahead) + chunks + own_tokens
     per_step = max(1, sched.cfg.max_num_batched_tokens - decodes)
     steps = math.ceil(tokens / per_step)
     if own_tokens and steps > 1:
@@ -137,16 +142,34 @@ def _uncomputed_prompt(req: "Request") -> int:
     return max((s.num_tokens - s.num_computed_tokens for s in req.live_seqs), default=0)
 
 
+def _running_share(sched: "Scheduler", cost: StepCostEstimator, key: tuple[int, float]) -> tuple[int, int]:
+    """(running sequences, their prompt chunks ahead of key), memoized until the scheduler runs
+    again or a running request leaves. Under priority the chunks depend on the key's priority
+    only: running requests arrived before any request being weighed now."""
+    state = (sched, sched.num_schedules, len(sched.running))  # the scheduler itself: ids are reused
+    if cost._running_memo != state:
+        cost._running_memo = state
+        cost._running_values = {"decodes": sched.num_running_seqs()}
+    values = cost._running_values
+    chunk_key = key[0] if sched.by_priority else None
+    if chunk_key not in values:
+        values[chunk_key] = _running_chunks(sched, key)
+    return values["decodes"], values[chunk_key]
+
+
 def _running_chunks(sched: "Scheduler", key: tuple[int, float]) -> int:
     """Prompt tokens that running requests ahead still have to compute (a chunked prompt's
     rest); a decode's one token is in the per-step decode count instead."""
     tokens = 0
-    for req in sched.running:
-        if sched.by_priority and req.schedule_key > key:
+    by_priority = sched.by_priority
+    for req in sched.running:  # up to max_num_seqs of them, for every admission weighed: kept lean
+        if by_priority and req.schedule_key > key:
             break  # the running list is in key order; the rest leave it their budget
-        left = _uncomputed_prompt(req)
-        if left > 1:
-            tokens += left
+        left = 0
+        for seq in req.seqs:
+            if seq.num_computed_tokens + 1 < seq.num_prompt_tokens and seq.finish_reason is None:
+                left = max(left, seq.num_tokens - seq.num_computed_tokens)
+        tokens += left
     return tokens
 
 

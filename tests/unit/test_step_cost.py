@@ -96,3 +96,14 @@ def test_running_prompt_chunks_count_ahead_unless_they_yield_under_priority():
         # fcfs: the 8 tokens left of the running prompt go first; priority: a request that
         # outranks it takes the budget before them (scheduler._Outranking).
         assert math.isclose(predict_ttft(sched, cost, 4, priority=0, arrival=2.0), expected * 0.001), policy
+
+
+def test_the_running_share_is_read_again_after_each_schedule():
+    cost = StepCostEstimator(decode_step_s=0.0, prefill_token_s=0.001, num_observed=1)
+    sched = scheduler("fcfs", budget=64)
+    sched.add(make_request("long", 100, arrival=1.0))
+    run_step(sched)  # 64 of 100
+    assert math.isclose(predict_ttft(sched, cost, 4), (36 + 4) * 0.001)
+    assert math.isclose(predict_ttft(sched, cost, 4), (36 + 4) * 0.001)  # memoized, the same
+    run_step(sched)  # the rest: it decodes now
+    assert math.isclose(predict_ttft(sched, cost, 4), 4 * 0.001)
