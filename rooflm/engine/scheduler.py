@@ -99,7 +99,12 @@ class _Outranking:
         self._seq_room = seq_room  # sequence slots left: a request beyond them holds nothing
 
     def budget_for(self, req: Request, budget: int) -> int:
-        key = req.schedule_key
+        if self._next < len(self._waiting) and self._held < budget:
+            self._pass(req.schedule_key, budget)
+        return budget - min(self._held, budget)
+
+    def _pass(self, key: tuple[int, float], budget: int) -> None:
+        """Count the waiting requests of smaller keys than `key`, up to the budget."""
         while self._next < len(self._waiting) and self._held < budget:
             ahead = self._waiting[self._next]
             if ahead.schedule_key >= key:
@@ -111,7 +116,6 @@ class _Outranking:
             self._seq_room -= len(seqs)
             # Prefix hits are not looked up here (hashing): a cached prompt holds more than it uses.
             self._held += sum(s.num_uncomputed_tokens for s in seqs)
-        return budget - min(self._held, budget)
 
 
 @dataclass
@@ -459,8 +463,11 @@ class Scheduler:
         queue = deque(self.running)  # oldest first; victims leave from the back
         kept: list[Request] = []
         outranking = None
-        if self.by_priority and self.waiting:
-            outranking = _Outranking(self.waiting, self.cfg.max_num_seqs - self.num_running_seqs())
+        if self.by_priority and self.waiting and self.running:
+            # Both queues are in key order: unless the best waiting key is below the worst running
+            # one, nobody is outranked (the usual case) and the step pays nothing for the rule.
+            if self.waiting[0].schedule_key < self.running[-1].schedule_key:
+                outranking = _Outranking(self.waiting, self.cfg.max_num_seqs - self.num_running_seqs())
         while queue:
             req = queue.popleft()
             if self._full(out):
