@@ -86,9 +86,8 @@ class _Outranking:
     ran, and a high-priority arrival waited a step or more behind them (simulated at 1.5x
     overload, Llama-3-8B on the H200 calibration, 20% high priority: high-priority P99 TTFT
     146 -> 119 ms at a budget of 1024 tokens, 204 -> 190 ms at 2048, at equal throughput;
-    66 ms unloaded). The running
-    requests are asked in key order, so one pass over the waiting queue (in key order too)
-    serves the whole step."""
+    66 ms unloaded). The running requests are asked in key order, so one pass over the waiting
+    queue (in key order too) serves the whole step."""
 
     __slots__ = ("_waiting", "_next", "_held", "_seq_room")
 
