@@ -12,6 +12,10 @@
 # text), default benchmarks/models/llama-3-8b-dummy: make it before the device call, where the
 # tokenizer source is installed (git-ignored: name it in the device call's carry):
 #   python benchmarks/make_dummy_model_dir.py --preset llama-3-8b --out benchmarks/models/llama-3-8b-dummy
+# One step, or some (STEPS, names as below), and more flags for step 2 (OP_ARGS), e.g. step 2's
+# goodput part alone, the capacity taken from an earlier run (no burst; ~2.5 min):
+#   OUT=dir STEPS=overload_priority T2=300 OP_ARGS="--parts goodput --capacity-req-s 53.4 --duration-s 10" \
+#     bash benchmarks/service_levels.sh
 # CPU smoke run of the script itself (numbers mean nothing), MODEL_DIR a tiny model with a tokenizer:
 #   OUT=/tmp/sl MODEL=DIR MODEL_DIR=DIR DEVICE=cpu SMOKE=1 bash benchmarks/service_levels.sh
 set -uo pipefail
@@ -42,8 +46,12 @@ else
   MT="" OP="" SW=""
 fi
 
+STEPS=${STEPS:-multi_turn_prefix overload_priority sleep_wake}
+OP="$OP ${OP_ARGS:-}"
+
 step() {  # name, seconds, command...: run under timeout, keep going on failure
   local name=$1 limit=$2; shift 2
+  case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
   echo "=== $name (limit ${limit}s) ==="
   local t0=$SECONDS
   timeout -k 15 "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"
@@ -59,11 +67,11 @@ step sleep_wake "$T3" $PY benchmarks/sleep_wake.py --model "$MODEL_DIR" --load-f
   $SW --log-dir "$OUT" --out "$OUT/sleep_wake.json"
 
 # The README-ready tables, in one file: each script writes its table into its JSON.
-$PY - "$OUT" <<'PY' | tee "$OUT/service-levels.md"
+$PY - "$OUT" "$STEPS" <<'PY' | tee "$OUT/service-levels.md"
 import json, os, sys
-out = sys.argv[1]
+out, steps = sys.argv[1], sys.argv[2].split()
 print("## Service levels (issue 54): " + open(os.path.join(out, "env.txt")).read().splitlines()[0])
-for name in ("multi_turn_prefix", "overload_priority", "sleep_wake"):
+for name in steps:
     path = os.path.join(out, name + ".json")
     print(f"\n### {name}\n")
     if not os.path.exists(path):

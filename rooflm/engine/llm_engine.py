@@ -29,7 +29,7 @@ from rooflm.engine.report import (NULL_TRACER, EngineInfo, EngineSnapshot, Exper
                                   StepReport, StepTimings, batch_shape)
 from rooflm.engine.request import Request, RequestStatus, Sequence
 from rooflm.engine.scheduler import Scheduler, SchedulerOutput
-from rooflm.engine.step_cost import StepCostEstimator, predict_queue_wait
+from rooflm.engine.step_cost import StepCostEstimator, predict_queue_wait, predict_ttft
 from rooflm.engine.step_strategy import InFlightStep, PipelineStep, PlainStep, StepStrategy
 from rooflm.kernels.fa4_prefill import fa4_block_size
 from rooflm.errors import InvalidRequest
@@ -275,6 +275,13 @@ class LLMEngine:
         is predicted to wait before its first step (step_cost.py)."""
         arrival = time.monotonic() if arrival is None else arrival
         return predict_queue_wait(self.scheduler, self.step_cost, priority, arrival)
+
+    def predicted_ttft(self, prompt_tokens: int, priority: int = 0, arrival: Optional[float] = None) -> float:
+        """Seconds from now to the first token of a request of prompt_tokens tokens, admitted now
+        (step_cost.predict_ttft): what SLO-aware admission weighs against a TTFT budget."""
+        arrival = time.monotonic() if arrival is None else arrival
+        in_flight = self.async_scheduling and self.has_step_in_flight()
+        return predict_ttft(self.scheduler, self.step_cost, prompt_tokens, priority, arrival, in_flight)
 
     def _predicted_wait_gauge(self) -> float:
         """predicted_queue_wait() for a default request, recomputed when the queue changed or

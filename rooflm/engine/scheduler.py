@@ -21,8 +21,13 @@ Under --scheduling-policy priority (vLLM's semantics) every queue is kept in
 order of (priority, arrival time), lower first: waiting requests are admitted
 in that order, the running ones are served in it (so the preemption victim of
 step 1, taken from the back, is the lowest-priority, latest-arrived one), and
-before step 1 a waiting request that the KV pool cannot take preempts running
-requests of lower priority, lowest first, until it fits (_preempt_for_priority).
+before step 1 a waiting request that the KV pool or the sequence cap cannot take
+preempts running requests of lower priority, lowest first, until it fits
+(_preempt_for_priority). Two extensions of vLLM's rules keep a high-priority arrival
+from waiting steps under load: running requests get only the budget that the prompts of
+waiting requests of a higher priority leave (their chunks shrink first, their decodes wait
+only in a burst: _Outranking), and a swapped-out request does not come back before a
+waiting one that outranks it.
 Under fcfs (the default) the queues keep arrival order, as described above.
 
 Block tables are the block manager's; the engine's output processor changes
@@ -71,6 +76,47 @@ class _Planned:
     num_spec: int = 0  # draft slots after the sequence's last token (speculative decoding)
 
 
+class _Outranking:
+    """Under the priority policy, the step's token budget that waiting requests hold against
+    running ones they outrank: a running request of a larger (priority, arrival) key gets only
+    the budget that the prompts of the waiting requests of smaller keys leave. Its prompt's next
+    chunk shrinks first; its decode token waits only when those prompts would not fit beside it
+    (a burst of high-priority arrivals). Without this, the chunks of low-priority prompts
+    admitted in earlier steps, then the low-priority decodes, took the budget before admission
+    ran, and a high-priority arrival waited a step or more behind them (simulated at 1.5x
+    overload, Llama-3-8B on the H200 calibration, 20% high priority: high-priority P99 TTFT
+    146 -> 119 ms at a budget of 1024 tokens, 204 -> 190 ms at 2048, at equal throughput;
+    66 ms unloaded). The running requests are asked in key order, so one pass over the waiting
+    queue (in key order too) serves the whole step."""
+
+    __slots__ = ("_waiting", "_next", "_held", "_seq_room")
+
+    def __init__(self, waiting: deque, seq_room: int):
+        self._waiting = waiting
+        self._next = 0
+        self._held = 0  # uncomputed prompt tokens of the waiting requests passed so far
+        self._seq_room = seq_room  # sequence slots left: a request beyond them holds nothing
+
+    def budget_for(self, req: Request, budget: int) -> int:
+        if self._next < len(self._waiting) and self._held < budget:
+            self._pass(req.schedule_key, budget)
+        return budget - min(self._held, budget)
+
+    def _pass(self, key: tuple[int, float], budget: int) -> None:
+        """Count the waiting requests of smaller keys than `key`, up to the budget."""
+        while self._next < len(self._waiting) and self._held < budget:
+            ahead = self._waiting[self._next]
+            if ahead.schedule_key >= key:
+                break
+            self._next += 1
+            seqs = ahead.live_seqs
+            if ahead.waiting_for_grammar or any(s.num_pending for s in seqs) or len(seqs) > self._seq_room:
+                continue  # it cannot be admitted this step: it holds nothing
+            self._seq_room -= len(seqs)
+            # Prefix hits are not looked up here (hashing): a cached prompt holds more than it uses.
+            self._held += sum(s.num_uncomputed_tokens for s in seqs)
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
@@ -102,6 +148,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.swapped: deque[Request] = deque()
         self.num_preemptions = 0
+        self.num_schedules = 0  # calls of schedule(): when what it decided may have changed
         self.new_token_ratio = NewTokenRatio()
         self.num_kv_stalls = 0  # steps whose admission stopped for lack of KV room
         # The last step's admission stopped for lack of KV or sequence room (not budget): the
@@ -259,6 +306,7 @@ class Scheduler:
     # ---- the step ---------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        self.num_schedules += 1
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
         if self.by_priority and self.waiting and self.running:
@@ -413,16 +461,23 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         queue = deque(self.running)  # oldest first; victims leave from the back
         kept: list[Request] = []
+        outranking = None
+        if self.by_priority and self.waiting and self.running:
+            # Both queues are in key order: unless the best waiting key is below the worst running
+            # one, nobody is outranked (the usual case) and the step pays nothing for the rule.
+            if self.waiting[0].schedule_key < self.running[-1].schedule_key:
+                outranking = _Outranking(self.waiting, self.cfg.max_num_seqs - self.num_running_seqs())
         while queue:
             req = queue.popleft()
             if self._full(out):
                 kept.append(req)  # the next batch in flight takes it
                 continue
-            if self._schedule_plain_decode(req, budget, out):
+            own = budget if outranking is None else outranking.budget_for(req, budget)
+            if self._schedule_plain_decode(req, own, out):
                 budget -= 1
                 kept.append(req)
                 continue
-            plan = self._plan(req, budget)
+            plan = self._plan(req, own)
             if plan is None:
                 kept.append(req)  # no budget left this step; it stays running
                 continue
@@ -491,8 +546,13 @@ class Scheduler:
         return self._seqs_running + len(req.live_seqs) <= self.cfg.max_num_seqs
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        first_waiting = self._first_admissible_waiting() if self.by_priority else None
         while self.swapped and not self._full(out):
             req = self.swapped[0]
+            if first_waiting is not None and first_waiting.schedule_key < req.schedule_key:
+                # Priority: a waiting request that outranks it goes first (else a victim swapped
+                # out for it would come straight back into the room it left, before it).
+                break
             if any(s.num_pending for s in req.live_seqs):
                 break  # its last tokens are still on their way to the host
             if req.lora_request is not None and not self._adapter_slot_free(req):
@@ -558,13 +618,16 @@ class Scheduler:
 
     # ---- priority preemption ---------------------------------------------------------------
 
+    def _first_admissible_waiting(self) -> Optional[Request]:
+        return next((r for r in self.waiting if not r.waiting_for_grammar), None)
+
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         """The waiting request that goes next, if the pool (less the growth reservation, as
         admission counts it) or the sequence cap cannot take it, preempts running requests
         of lower priority (a larger (priority, arrival)), the lowest first, until it fits. A
         request never preempts one of its own or a higher priority: equal priorities keep
         their arrival order, as vLLM's priority scheduler does."""
-        head = next((r for r in self.waiting if not r.waiting_for_grammar), None)
+        head = self._first_admissible_waiting()
         if (head is None or any(s.num_pending for s in head.live_seqs)
                 or self.running[-1].schedule_key <= head.schedule_key):
             return  # nobody runs at a lower priority: the common case costs one comparison

@@ -88,8 +88,9 @@ def admission_check(engine, limits: AdmissionLimits, tokens_in_flight: int,
 
 
 def slo_check(engine, limits: AdmissionLimits, requests: list[GenerateRequest]) -> Optional[AdmissionRejected]:
-    """SLO-aware admission: a request whose time since arrival plus predicted queueing time
-    (the engine's measured step costs, step_cost.py) already exceeds its TTFT budget (its
+    """SLO-aware admission: a request whose time since arrival plus predicted time to first
+    token from now (queueing, its own prefill and the step in flight, from the engine's
+    measured step costs: step_cost.predict_ttft) already exceeds its TTFT budget (its
     deadline_ms, else the server's ttft_slo_ms) is refused now with 503, before any prefill,
     instead of timing out after it used capacity. Retry-After: the predicted wait."""
     now = time.monotonic()
@@ -98,12 +99,12 @@ def slo_check(engine, limits: AdmissionLimits, requests: list[GenerateRequest]) 
         budget_ms = request.deadline_ms if request.deadline_ms is not None else limits.ttft_slo_ms
         if not budget_ms:
             continue
-        wait = engine.predicted_queue_wait(request.priority, request.arrival_time)
+        wait = engine.predicted_ttft(len(request.prompt_token_ids), request.priority, request.arrival_time)
         waited = max(now - request.arrival_time, 0.0)
         if waited + wait > budget_ms / 1000:
             return AdmissionRejected(
                 f"the request cannot start within its time-to-first-token budget of "
-                f"{budget_ms:g} ms: the predicted queueing time is {wait * 1000:.0f} ms (after "
+                f"{budget_ms:g} ms: its predicted time to first token is {wait * 1000:.0f} ms (after "
                 f"{waited * 1000:.0f} ms since arrival); retry later",
                 status=503, retry_after_s=max(1, math.ceil(wait)), code="slo_shed")
     return None

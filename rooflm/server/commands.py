@@ -57,8 +57,8 @@ def register(subparsers) -> None:
     group.add_argument("--max-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES,
                        help="larger request heads (line + headers) get 431 (default: 16 KiB)")
     group.add_argument("--ttft-slo-ms", type=float, default=0.0,
-                       help="time-to-first-token budget in ms: a request whose predicted queueing "
-                            "time (from the engine's measured step costs) already exceeds it gets "
+                       help="time-to-first-token budget in ms: a request whose predicted time to "
+                            "first token (from the engine's measured step costs) already exceeds it gets "
                             "503 with Retry-After before any prefill; a request's deadline_ms "
                             "overrides it (default: 0, no budget)")
     group.add_argument("--request-timeout", type=float, default=600.0,

@@ -187,7 +187,7 @@ class ServerMetrics:
                                     "its first step, from the engine's measured step costs.")
         self.shed_requests = counter("rooflm:shed_requests",
                                      "Requests refused with 503 before any prefill because their "
-                                     "predicted queueing time exceeded their TTFT budget "
+                                     "predicted time to first token exceeded their TTFT budget "
                                      "(--ttft-slo-ms or deadline_ms).")
         self.is_sleeping = gauge("rooflm:is_sleeping",
                                  "1 while the engine sleeps (sleep mode), else 0.")

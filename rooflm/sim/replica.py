@@ -33,9 +33,10 @@ from rooflm.config import SchedulerConfig
 from rooflm.engine.block_manager import BlockManager
 from rooflm.engine.model_runner import StepResult
 from rooflm.engine.output_processor import OutputProcessor
-from rooflm.engine.report import BatchShape, batch_shape
+from rooflm.engine.report import BatchShape, StepReport, StepTimings, batch_shape
 from rooflm.engine.request import Request, RequestStatus
 from rooflm.engine.scheduler import Scheduler, SchedulerOutput
+from rooflm.engine.step_cost import StepCostEstimator, predict_ttft
 from rooflm.errors import InvalidRequest
 from rooflm.sampling_params import SamplingParams, resolve_max_tokens
 from rooflm.sim.api_process import ApiProcess
@@ -71,6 +72,10 @@ class ReplicaConfig:
     # Pipeline parallelism: its stages, and the batches in flight (ParallelConfig.batches_in_flight).
     pipeline_stages: int = 1
     micro_batches: int = 1
+    # SLO-aware admission (--ttft-slo-ms): a request whose predicted time to first token, by the
+    # engine's own predictor over the engine's own step-cost averages fed with the simulated
+    # steps, exceeds the budget is refused on delivery (RequestRecord.error starts "shed").
+    ttft_slo_ms: float = 0.0
 
 
 @dataclass
@@ -140,14 +145,18 @@ class SimReplica:
         self.steps: list[StepSample] = []
         self.finished: list[RequestRecord] = []
         self._outstanding_tokens = 0  # prompt + output tokens of unfinished requests (router load)
+        self.step_cost = StepCostEstimator()  # what SLO-aware admission predicts from
 
     # ---- requests ------------------------------------------------------------------------
 
     def add_request(self, record: RequestRecord, token_ids: list[int], max_tokens: int,
-                    stops_early: bool) -> bool:
+                    stops_early: bool, priority: int = 0, now: Optional[float] = None) -> bool:
         """Queue a request as LLMEngine.add_request does (the same max_tokens resolution and
-        KV-fits check). A request the engine would reject is finished with its error."""
+        KV-fits check). A request the engine would reject, or SLO-aware admission would shed
+        (at `now`, its delivery), is finished with its error."""
         record.replica = self.index
+        if self.cfg.ttft_slo_ms and now is not None and self._sheds(record, len(token_ids), priority, now):
+            return False
         try:
             resolved = resolve_max_tokens(max_tokens, len(token_ids), self.cfg.max_model_len)
             need = self.block_manager.blocks_for_request(len(token_ids), resolved)
@@ -161,7 +170,7 @@ class SimReplica:
         params = SamplingParams(max_tokens=resolved, temperature=0.0, ignore_eos=not stops_early,
                                 output_kind="final")
         req = Request(record.request_id, None, token_ids, params, resolved,
-                      arrival_time=record.arrival_s)
+                      arrival_time=record.arrival_s, priority=priority)
         req.seqs.append(self.outputs.new_seq(req, 0, list(token_ids)))
         self.scheduler.add(req)
         self.records[record.request_id] = record
@@ -169,6 +178,19 @@ class SimReplica:
         if stops_early:
             self._stop_at[record.request_id] = record.output_len
         self._outstanding_tokens += len(token_ids) + record.output_len
+        return True
+
+    def _sheds(self, record: RequestRecord, prompt_len: int, priority: int, now: float) -> bool:
+        """serving_loop.slo_check's rule. The engine checks a request where its loop takes it in,
+        just before scheduling it, with the step in flight ahead of it; delivered mid-step here,
+        the request has the launched work ahead of it, known exactly (device_free_s)."""
+        launched = max(self.device_free_s - now, 0.0) if self.step_cost.measured else 0.0
+        wait = launched + predict_ttft(self.scheduler, self.step_cost, prompt_len, priority, record.arrival_s)
+        waited = now - record.arrival_s
+        if waited + wait <= self.cfg.ttft_slo_ms / 1e3:
+            return False
+        record.error = f"shed: predicted time to first token {1e3 * (waited + wait):.0f} ms"
+        self.finished.append(record)
         return True
 
     # ---- load, for routers ---------------------------------------------------------------
@@ -229,6 +251,8 @@ class SimReplica:
         if self.cfg.micro_batches > 1:
             seconds /= self.cfg.pipeline_stages  # stage 0 is free for the next batch (equal stages)
         self.device_free_s = start + seconds
+        self.step_cost.observe(StepReport(self.num_steps + 1, shape, len(out.scheduled), len(out.preempted),
+                                          "sim", StepTimings(elapsed_s=end - start)))
         self.num_steps += 1
         self.busy_s += seconds
         for sch in out.scheduled:

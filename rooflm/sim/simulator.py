@@ -136,7 +136,8 @@ def simulate(cfg: SimConfig, cost_model: StepCostModel, requests: list[SimReques
             index, ids = payload
             req = requests[index]
             records[index].delivered_s = now
-            replica.add_request(records[index], ids, req.max_tokens or req.output_len, req.stops_early)
+            replica.add_request(records[index], ids, req.max_tokens or req.output_len, req.stops_early,
+                                req.priority, now)
             if not awake[r]:
                 awake[r] = True
                 heapq.heappush(events, (now, _WAKE, counter, r, None))

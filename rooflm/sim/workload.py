@@ -46,6 +46,7 @@ class SimRequest:
     max_tokens: Optional[int] = None
     prefix_group: Optional[int] = None  # shares its first prefix_len tokens with its group
     prefix_len: int = 0
+    priority: int = 0  # --scheduling-policy priority: lower first
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.output_len < 1:

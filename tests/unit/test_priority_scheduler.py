@@ -115,3 +115,97 @@ def test_running_out_of_blocks_preempts_by_policy(policy, victim):
     run_step(sched)  # both prompts: 4 blocks, all full
     out = run_step(sched)  # each decode opens a block: one request must go
     assert [r.request_id for r in out.preempted] == [victim]
+
+
+# ---- a high-priority arrival under load: steps to its first token ----------------------------
+
+
+def _loaded(policy: str, max_num_seqs: int = 6, budget: int = 16, num_decodes: int = 4):
+    """A batch of low-priority requests: decodes, and one long prompt whose chunks take the
+    rest of every step's budget (by default one sequence slot stays free)."""
+    sched = scheduler(policy, num_blocks=256, max_num_seqs=max_num_seqs, budget=budget)
+    for i in range(num_decodes):
+        sched.add(make_request(f"d{i}", 2, 9, float(i), max_tokens=64))
+    run_step(sched)  # the short prompts: decoding from now on
+    sched.add(make_request("long", 96, 9, 10.0, max_tokens=64))
+    run_step(sched)  # its first chunk
+    return sched
+
+
+def _steps_to_first_token(sched: Scheduler, rid: str, limit: int = 20) -> int:
+    for steps in range(1, limit + 1):
+        out = run_step(sched)
+        if any(s.request.request_id == rid and s.completes for s in out.scheduled):
+            return steps
+    raise AssertionError(f"{rid} sampled no token in {limit} steps")
+
+
+def test_a_high_priority_prompt_takes_the_budget_before_lower_priority_chunks():
+    sched = _loaded("priority")
+    sched.add(make_request("urgent", 8, 0, 20.0))
+    out = run_step(sched)
+    tokens = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+    # Its whole prompt in the step it arrived for; the decodes keep their token; the chunk of
+    # the long low-priority prompt gets what is left of the 16 tokens.
+    assert tokens["urgent"] == 8
+    assert all(tokens[f"d{i}"] == 1 for i in range(4))
+    assert tokens["long"] == 16 - 8 - 4
+
+
+@pytest.mark.parametrize("max_num_seqs,waiting_decodes", [(7, ["d2", "d3"]), (6, [])])
+def test_low_priority_decodes_wait_a_step_only_when_higher_priority_prompts_fill_the_budget(
+        max_num_seqs, waiting_decodes):
+    """With slots for both arrivals their 14 prompt tokens of the 16 leave room for two of the
+    four decodes (the earlier arrivals go first); with one slot the second arrival cannot start
+    this step, so it holds nothing and every decode runs."""
+    sched = _loaded("priority", max_num_seqs=max_num_seqs)  # 5 running
+    sched.add(make_request("u1", 8, 0, 20.0))
+    sched.add(make_request("u2", 6, 0, 21.0))
+    out = run_step(sched)
+    tokens = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+    assert tokens["u1"] == 8
+    assert ("u2" in tokens) == bool(waiting_decodes)
+    assert [f"d{i}" for i in range(4) if f"d{i}" not in tokens] == waiting_decodes
+    out = run_step(sched)  # the decodes left out run in the next step
+    assert {f"d{i}" for i in range(4)} <= {s.request.request_id for s in out.scheduled}
+
+
+def test_under_fcfs_running_chunks_still_go_first():
+    """The fcfs order is unchanged: the long prompt's chunk takes the budget, the arrival waits."""
+    sched = _loaded("fcfs")
+    sched.add(make_request("later", 8, 0, 20.0))
+    out = run_step(sched)
+    tokens = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+    assert tokens["long"] == 16 - 4
+    assert "later" not in tokens
+
+
+@pytest.mark.parametrize("max_num_seqs", [6, 5])
+def test_a_high_priority_arrival_into_a_full_batch_samples_within_one_step(max_num_seqs):
+    """With a free slot, and at the sequence cap (5: the long prompt fills it, so a low-priority
+    request is preempted for the arrival): the first token comes from the first step."""
+    sched = _loaded("priority", max_num_seqs=max_num_seqs, num_decodes=max_num_seqs - 2)
+    assert len(sched.running) == max_num_seqs - 1
+    sched.add(make_request("urgent", 12, 0, 20.0))
+    assert _steps_to_first_token(sched, "urgent") == 1
+    # Low-priority arrivals meanwhile do not delay later high-priority ones either.
+    for i in range(3):
+        sched.add(make_request(f"late{i}", 12, 9, 30.0 + i))
+        sched.add(make_request(f"urgent{i}", 8, 0, 30.5 + i))  # fits beside the decodes
+        assert _steps_to_first_token(sched, f"urgent{i}") == 1
+
+
+def test_a_victim_swapped_out_for_priority_waits_behind_the_request_that_preempted_it():
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, scheduling_policy="priority",
+                          reserve_new_tokens=False, preemption_mode="swap")
+    sched = Scheduler(cfg, BlockManager(6, 4, num_host_blocks=16))
+    for rid, arrival in [("x", 1.0), ("y", 2.0), ("z", 3.0)]:
+        sched.add(make_request(rid, 8, 7, arrival))
+    run_step(sched)
+    assert sched.num_free_blocks == 0
+    sched.add(make_request("urgent", 8, 0, 4.0))
+    out = run_step(sched)
+    assert [r.request_id for r in out.preempted] == ["z", "y"]
+    assert "urgent" in admitted(out)
+    assert out.blocks_to_swap_in == []
+    assert [r.request_id for r in sched.swapped] == ["y", "z"]

@@ -416,3 +416,54 @@ def test_plot_with_several_rates_writes_a_file_per_rate_and_the_sweep(tmp_path, 
         assert f.stat().st_size > 0, f
         assert str(f) in text, (f, text)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f.name for f in files)
+
+
+# ---- service levels: priorities and SLO-aware admission in the simulated replica -----------------
+
+
+def _overload(seed=5, n=300, rate=200.0):
+    """About twice what small_replica serves (~100 req/s at 16 ms steps of 64 tokens)."""
+    rng = random.Random(seed)
+    times = arrival_times(n, "poisson", rate, seed=seed)
+    from rooflm.sim.workload import SimRequest
+    return [SimRequest(t, 32, 8, priority=0 if rng.random() < 0.2 else 1) for t in times]
+
+
+def _ttft_s(rec):
+    return rec.token_times[0] - rec.arrival_s
+
+
+def test_slo_admission_sheds_before_prefill_and_raises_goodput_in_the_simulator():
+    from dataclasses import replace
+
+    reqs = _overload()
+    cost = SyntheticCostModel(step_s=0.01, per_token_s=1e-4)
+    budget_s = 0.1
+
+    def good(records):
+        return sum(1 for r in records if r.token_times and _ttft_s(r) <= budget_s)
+
+    plain = simulate(SimConfig(small_replica()), cost, reqs).records
+    shedding = simulate(SimConfig(replace(small_replica(), ttft_slo_ms=1e3 * budget_s)), cost, reqs).records
+    shed = [r for r in shedding if r.error.startswith("shed")]
+    assert shed and all(r.scheduled_s is None and not r.token_times for r in shed)  # never prefilled
+    assert not any(r.error for r in plain)
+    assert good(shedding) > 1.3 * good(plain)
+
+
+def test_priority_keeps_high_priority_ttft_low_under_overload_in_the_simulator():
+    from dataclasses import replace
+
+    reqs = _overload()
+    cost = SyntheticCostModel(step_s=0.01, per_token_s=1e-4)
+    cfg = small_replica()
+    by_policy = {}
+    for policy in ("fcfs", "priority"):
+        sched = replace(cfg.scheduler, scheduling_policy=policy)
+        work = reqs if policy == "priority" else [replace(r, priority=0) for r in reqs]
+        records = simulate(SimConfig(replace(cfg, scheduler=sched)), cost, work).records
+        high = sorted(_ttft_s(rec) for rec, r in zip(records, reqs) if r.priority == 0)
+        by_policy[policy] = high[int(0.99 * (len(high) - 1))]
+    # A step is ~16 ms: the high class's tail stays within a few steps under priority, while under
+    # fcfs it queues behind the overload's backlog.
+    assert by_policy["priority"] < 0.2 and by_policy["fcfs"] > 1.0  # measured: 0.10 and 2.8 s

@@ -4,7 +4,7 @@ No model, no device."""
 import math
 
 from rooflm.engine.report import BatchShape, StepReport, StepTimings
-from rooflm.engine.step_cost import EWMA_WEIGHT, StepCostEstimator, predict_queue_wait
+from rooflm.engine.step_cost import EWMA_WEIGHT, StepCostEstimator, predict_queue_wait, predict_ttft
 from tests.unit.test_priority_scheduler import make_request, run_step, scheduler
 
 
@@ -64,3 +64,46 @@ def test_a_capacity_bound_queue_waits_for_running_requests_to_end():
     produced = sched.running[0].seqs[0].num_output_tokens + sched.running[0].seqs[0].num_pending
     left = 0.7 * 10 - produced
     assert math.isclose(predict_queue_wait(sched, cost), (1 + left + 0.7 * 10) * 0.01)
+
+
+# ---- predict_ttft: what SLO-aware admission weighs ------------------------------------------------
+
+
+def test_the_ttft_adds_the_own_prompt_and_the_step_in_flight():
+    sched = scheduler("fcfs", budget=8)
+    sched.add(make_request("a", 4, arrival=1.0))
+    cost = StepCostEstimator(decode_step_s=0.01, prefill_token_s=0.001, num_observed=1, step_s=0.05)
+    # 4 tokens ahead and 4 of its own fit one step: one step, 8 tokens; then the step in flight.
+    assert math.isclose(predict_ttft(sched, cost, 4), 0.01 + 8 * 0.001)
+    assert math.isclose(predict_ttft(sched, cost, 4, step_in_flight=True), 0.01 + 8 * 0.001 + 0.05)
+    assert predict_ttft(sched, StepCostEstimator(), 4, step_in_flight=True) == 0.0
+
+
+def test_the_ttft_prices_the_last_of_several_steps_full():
+    sched = scheduler("fcfs", budget=8)
+    sched.add(make_request("a", 8, arrival=1.0))
+    cost = StepCostEstimator(decode_step_s=0.01, prefill_token_s=0.001, num_observed=1)
+    # 8 ahead and 4 of its own: 2 steps; requests arriving meanwhile fill the second.
+    assert math.isclose(predict_ttft(sched, cost, 4), 2 * 0.01 + 16 * 0.001)
+
+
+def test_running_prompt_chunks_count_ahead_unless_they_yield_under_priority():
+    cost = StepCostEstimator(decode_step_s=0.0, prefill_token_s=0.001, num_observed=1)
+    for policy, expected in [("fcfs", 40 - 32 + 4), ("priority", 4)]:
+        sched = scheduler(policy, budget=32)
+        sched.add(make_request("long", 40, priority=0 if policy == "fcfs" else 5, arrival=1.0))
+        run_step(sched)  # its first chunk of 32
+        # fcfs: the 8 tokens left of the running prompt go first; priority: a request that
+        # outranks it takes the budget before them (scheduler._Outranking).
+        assert math.isclose(predict_ttft(sched, cost, 4, priority=0, arrival=2.0), expected * 0.001), policy
+
+
+def test_the_running_share_is_read_again_after_each_schedule():
+    cost = StepCostEstimator(decode_step_s=0.0, prefill_token_s=0.001, num_observed=1)
+    sched = scheduler("fcfs", budget=64)
+    sched.add(make_request("long", 100, arrival=1.0))
+    run_step(sched)  # 64 of 100
+    assert math.isclose(predict_ttft(sched, cost, 4), (36 + 4) * 0.001)
+    assert math.isclose(predict_ttft(sched, cost, 4), (36 + 4) * 0.001)  # memoized, the same
+    run_step(sched)  # the rest: it decodes now
+    assert math.isclose(predict_ttft(sched, cost, 4), 4 * 0.001)
