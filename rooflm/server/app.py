@@ -100,8 +100,10 @@ def create_app(engine_kwargs: Optional[dict] = None, config: Optional[ServerConf
         from rooflm.dp.client import DPClient
         from rooflm.dp.replicas import ReplicaSet
         engine = ReplicaSet.launch(engine_config_from_kwargs(**(engine_kwargs or {})),
-                                   config.data_parallel_size)
-        front = partial(DPClient, policy=config.dp_routing, restart=config.restart_policy())
+                                   config.data_parallel_size, config.data_parallel_backend)
+        # On a Ray cluster a node can go away with its replica: the others keep serving.
+        front = partial(DPClient, policy=config.dp_routing, restart=config.restart_policy(),
+                        keep_serving=config.data_parallel_backend == "ray")
     elif engine is None and engine_process:
         from rooflm.config import engine_config_from_kwargs
         from rooflm.engine.core_client import EngineCoreClient

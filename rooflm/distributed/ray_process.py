@@ -1,0 +1,203 @@
+"""A process on a node of a Ray cluster, with the face of a multiprocessing.Process.
+
+Tensor/pipeline-parallel workers (engine/executor.py) and data-parallel engine cores
+(dp/ray_core.py) are processes rooflm already knows how to start, watch and stop through
+multiprocessing. With Ray they run on whichever node their placement-group bundle lands on:
+a small actor (ProcessHost) is placed there and starts the same entry point with
+multiprocessing spawn on its node, so the process is exactly the one mp would start, and
+the code that watches it is unchanged:
+
+  sentinel    a pipe of this process that becomes readable when the remote process has
+              exited, or its actor or node was lost (a thread waits on the actor's wait());
+  exitcode    the remote exit code; LOST_EXITCODE when the actor or its node died;
+  kill/terminate, join, is_alive, pid, name.
+
+No orphans: the remote process polls its parent (the actor) and exits when it is gone, and
+Ray ends an actor when the driver that created it exits.
+
+Ray is imported here only: without the optional extra the flags are refused earlier
+(config.require_placement_backend).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import threading
+from typing import Any, Callable, Optional
+
+logger = logging.getLogger(__name__)
+
+# The exit code reported when the actor, or the node it ran on, is gone (no exit code exists).
+LOST_EXITCODE = -1001
+
+# How long a killed actor's process gets to notice its parent is gone before join gives up.
+KILL_JOIN_S = 10.0
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError as exc:
+        raise RuntimeError("the ray backend needs Ray: pip install 'rooflm[ray]'") from exc
+    return ray
+
+
+def node_ip() -> str:
+    """This host's address as the Ray cluster knows it (where remote peers reach it)."""
+    return import_ray().util.get_node_ip_address()
+
+
+def connect_cluster() -> None:
+    """Join the Ray cluster this process belongs to (RAY_ADDRESS, or a local one started
+    now), unless already connected."""
+    ray = import_ray()
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+
+
+class ProcessHost:
+    """The actor: starts one process on its node and reports its end."""
+
+    def __init__(self):
+        self.process: Optional[multiprocessing.process.BaseProcess] = None
+
+    def node(self) -> tuple[str, str]:
+        """(the node's address, its Ray node id)."""
+        import ray
+        return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def start(self, target: Callable, args: tuple, env: dict[str, str], name: str) -> int:
+        """Start target(*args) with env set in its environment from its first instruction (a
+        spawned child inherits os.environ as it is at start(): OMP_* and CUDA_* are read when
+        torch is imported, before the target runs); its pid."""
+        spawn = multiprocessing.get_context("spawn")
+        self.process = spawn.Process(target=target, args=args, name=name)
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
+        try:
+            self.process.start()
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        return self.process.pid
+
+    def wait(self) -> Optional[int]:
+        """Blocks until the process exits; its exit code."""
+        self.process.join()
+        return self.process.exitcode
+
+    def signal(self, signum: int) -> None:
+        if self.process is not None and self.process.is_alive():
+            os.kill(self.process.pid, signum)
+
+
+class RayProcess:
+    """One process placed by Ray: create() places its actor, start() starts the process."""
+
+    def __init__(self, name: str, options: dict[str, Any]):
+        """options: the actor's .options(...) (num_cpus, num_gpus, scheduling_strategy)."""
+        self.name = name
+        self.options = options
+        self.actor = None
+        self.pid: Optional[int] = None
+        self.node_ip: Optional[str] = None
+        self.node_id: Optional[str] = None
+        self._exitcode: Optional[int] = None
+        self._exited = threading.Event()
+        self._read_end, self._write_end = os.pipe()
+
+    def create(self) -> None:
+        """Place the actor (blocks until it is up: its bundle is reserved)."""
+        ray = import_ray()
+        # wait() blocks one of the actor's threads for the process's life; the others serve
+        # signal() and node().
+        host = ray.remote(ProcessHost).options(max_concurrency=4, **self.options)
+        self.actor = host.remote()
+        self.node_ip, self.node_id = ray.get(self.actor.node.remote())
+
+    def free_port(self) -> int:
+        """A port free on the actor's node now (for an address the process binds there)."""
+        return import_ray().get(self.actor.free_port.remote())
+
+    def start(self, target: Callable, args: tuple, env: Optional[dict[str, str]] = None) -> None:
+        ray = import_ray()
+        self.pid = ray.get(self.actor.start.remote(target, args, dict(env or {}), self.name))
+        threading.Thread(target=self._wait, name=f"{self.name}-wait", daemon=True).start()
+
+    def _wait(self) -> None:
+        ray = import_ray()
+        try:
+            self._exitcode = ray.get(self.actor.wait.remote())
+        except Exception as exc:  # noqa: BLE001 - the actor or its node died: no exit code exists
+            logger.warning("%s (pid %s on %s): its Ray actor is gone: %s", self.name, self.pid,
+                           self.node_ip, type(exc).__name__)
+            self._exitcode = LOST_EXITCODE
+        self._exited.set()
+        try:
+            os.write(self._write_end, b"x")
+        except OSError:
+            pass  # closed: nobody watches any more
+
+    # ---- multiprocessing.Process's face --------------------------------------------------------------
+
+    @property
+    def sentinel(self) -> int:
+        return self._read_end
+
+    @property
+    def exitcode(self) -> Optional[int]:
+        return self._exitcode
+
+    def is_alive(self) -> bool:
+        return self.pid is not None and not self._exited.is_set()
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        if self.pid is not None:
+            self._exited.wait(timeout)
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL the process, then end the actor (its node's resources go back to the group)."""
+        self._signal(signal.SIGKILL)
+        self.join(KILL_JOIN_S)
+        if self.actor is not None:
+            import_ray().kill(self.actor, no_restart=True)
+
+    def _signal(self, signum: int) -> None:
+        if self.actor is None or self._exited.is_set():
+            return
+        ray = import_ray()
+        try:
+            ray.get(self.actor.signal.remote(signum), timeout=KILL_JOIN_S)
+        except Exception:  # noqa: BLE001 - the actor is gone: so is its process
+            pass
+
+    def release(self) -> None:
+        """End the actor and close the sentinel (after the process ended)."""
+        if self.actor is not None:
+            try:
+                import_ray().kill(self.actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - Ray is shutting down: the actor goes with it
+                pass
+            self.actor = None
+        self._exited.wait(KILL_JOIN_S)
+        for fd in (self._read_end, self._write_end):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._read_end = self._write_end = -1
