@@ -118,14 +118,21 @@ class RayProcess:
         self._exited = threading.Event()
         self._read_end, self._write_end = os.pipe()
 
-    def create(self) -> None:
-        """Place the actor (blocks until it is up: its bundle is reserved)."""
+    def create(self, timeout_s: float = 120.0) -> None:
+        """Place the actor and wait until it is up (its bundle reserved, its worker started).
+        Raises RuntimeError after timeout_s (a bundle whose node is gone may never be placed)."""
         ray = import_ray()
         # wait() blocks one of the actor's threads for the process's life; the others serve
         # signal() and node().
         host = ray.remote(ProcessHost).options(max_concurrency=4, **self.options)
         self.actor = host.remote()
-        self.node_ip, self.node_id = ray.get(self.actor.node.remote())
+        try:
+            self.node_ip, self.node_id = ray.get(self.actor.node.remote(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(self.actor, no_restart=True)
+            self.actor = None
+            raise RuntimeError(f"{self.name}: Ray did not place its actor within {timeout_s:.0f} s "
+                               f"(resources: {ray.available_resources()})") from None
 
     def free_port(self) -> int:
         """A port free on the actor's node now (for an address the process binds there)."""
