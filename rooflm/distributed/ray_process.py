@@ -111,6 +111,7 @@ class RayProcess:
         self.name = name
         self.options = options
         self.actor = None
+        self._node = None  # the actor's node() call, until placed()
         self.pid: Optional[int] = None
         self.node_ip: Optional[str] = None
         self.node_id: Optional[str] = None
@@ -119,15 +120,25 @@ class RayProcess:
         self._read_end, self._write_end = os.pipe()
 
     def create(self, timeout_s: float = 120.0) -> None:
-        """Place the actor and wait until it is up (its bundle reserved, its worker started).
-        Raises RuntimeError after timeout_s (a bundle whose node is gone may never be placed)."""
+        """Place the actor and wait until it is up (place() then placed())."""
+        self.place()
+        self.placed(timeout_s)
+
+    def place(self) -> None:
+        """Ask Ray for the actor, without waiting: several are placed at once this way."""
         ray = import_ray()
         # wait() blocks one of the actor's threads for the process's life; the others serve
         # signal() and node().
         host = ray.remote(ProcessHost).options(max_concurrency=4, **self.options)
         self.actor = host.remote()
+        self._node = self.actor.node.remote()
+
+    def placed(self, timeout_s: float = 120.0) -> None:
+        """Wait until the actor is up (its bundle reserved, its worker started). Raises
+        RuntimeError after timeout_s (a bundle whose node is gone may never be placed)."""
+        ray = import_ray()
         try:
-            self.node_ip, self.node_id = ray.get(self.actor.node.remote(), timeout=timeout_s)
+            self.node_ip, self.node_id = ray.get(self._node, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
             ray.kill(self.actor, no_restart=True)
             self.actor = None

@@ -336,14 +336,16 @@ def _start_ray_workers(config: EngineConfig, args: tuple, size: int, base: torch
     env = {"LOCAL_RANK": "0"} if gpu else {}
     processes = []
     try:
-        for rank in range(1, size):
+        for rank in range(1, size):  # placed together: each actor's start-up overlaps the others'
             strategy = PlacementGroupSchedulingStrategy(placement_group=group,
                                                         placement_group_bundle_index=rank - 1)
             process = RayProcess(f"rooflm-tp-rank-{rank}", {"num_cpus": 1, "num_gpus": bundle.get("GPU", 0),
                                                             "scheduling_strategy": strategy})
             process.init_method = init_method
             processes.append(process)
-            process.create()
+            process.place()
+        for rank, process in enumerate(processes, start=1):
+            process.placed(RAY_PLACEMENT_TIMEOUT_S)
             process.start(run_ray_worker, (rank, size, init_method, *args,
                                            logging.getLogger().getEffectiveLevel()), env)
             logger.info("tensor-parallel rank %d: pid %d on Ray node %s", rank, process.pid,
