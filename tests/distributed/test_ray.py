@@ -28,6 +28,7 @@ PROMPTS = [[5, 9, 33, 7, 81, 12], [100, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 # Bounds on waiting for something the cluster does; a test that waits longer has failed.
 DEADLINE_S = 60.0
+pytestmark = pytest.mark.timeout(300)
 
 
 def test_ray_flags_are_refused_without_ray_naming_the_extra(monkeypatch):
@@ -70,6 +71,7 @@ def cluster():
     import ray
     from ray.cluster_utils import Cluster
 
+    # On the main thread: Ray's nodes install signal handlers.
     nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     try:
         nodes.add_node(num_cpus=2)
