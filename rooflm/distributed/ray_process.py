@@ -51,6 +51,12 @@ def node_ip() -> str:
     return import_ray().util.get_node_ip_address()
 
 
+def forwarded_environment() -> dict[str, str]:
+    """rooflm's own switches (ROOFLM_*, rooflm/envs.py) as this process has them: a Ray actor's
+    environment is its node's, not its driver's, so they travel with the start call."""
+    return {key: value for key, value in os.environ.items() if key.startswith("ROOFLM_")}
+
+
 def connect_cluster() -> None:
     """Join the Ray cluster this process belongs to (RAY_ADDRESS, or a local one started
     now), unless already connected."""
@@ -64,6 +70,7 @@ class ProcessHost:
 
     def __init__(self):
         self.process: Optional[multiprocessing.process.BaseProcess] = None
+        self.reports = None  # the receiving end of the process's report pipe, if it has one
 
     def node(self) -> tuple[str, str]:
         """(the node's address, its Ray node id)."""
@@ -75,16 +82,24 @@ class ProcessHost:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def start(self, target: Callable, args: tuple, env: dict[str, str], name: str) -> int:
+    def start(self, target: Callable, args: tuple, env: dict[str, str], name: str,
+              report_pipe: bool = False) -> int:
         """Start target(*args) with env set in its environment from its first instruction (a
         spawned child inherits os.environ as it is at start(): OMP_* and CUDA_* are read when
-        torch is imported, before the target runs); its pid."""
+        torch is imported, before the target runs); its pid. report_pipe: the sending end of a
+        pipe on this node goes last in args; what the process sends there, wait() returns."""
         spawn = multiprocessing.get_context("spawn")
+        send = None
+        if report_pipe:
+            self.reports, send = spawn.Pipe(duplex=False)
+            args = (*args, send)
         self.process = spawn.Process(target=target, args=args, name=name)
         saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
         try:
             self.process.start()
+            if send is not None:
+                send.close()  # the process holds the only sending end
         finally:
             for key, value in saved.items():
                 if value is None:
@@ -93,10 +108,16 @@ class ProcessHost:
                     os.environ[key] = value
         return self.process.pid
 
-    def wait(self) -> Optional[int]:
-        """Blocks until the process exits; its exit code."""
+    def wait(self) -> tuple[Optional[int], object]:
+        """Blocks until the process exits; its exit code and its report (None if it sent none)."""
         self.process.join()
-        return self.process.exitcode
+        report = None
+        try:
+            if self.reports is not None and self.reports.poll():
+                report = self.reports.recv()
+        except (EOFError, OSError):
+            pass
+        return self.process.exitcode, report
 
     def signal(self, signum: int) -> None:
         if self.process is not None and self.process.is_alive():
@@ -116,6 +137,7 @@ class RayProcess:
         self.node_ip: Optional[str] = None
         self.node_id: Optional[str] = None
         self._exitcode: Optional[int] = None
+        self.report = None  # what the process sent through its report pipe before it ended
         self._exited = threading.Event()
         self._read_end, self._write_end = os.pipe()
 
@@ -149,15 +171,17 @@ class RayProcess:
         """A port free on the actor's node now (for an address the process binds there)."""
         return import_ray().get(self.actor.free_port.remote())
 
-    def start(self, target: Callable, args: tuple, env: Optional[dict[str, str]] = None) -> None:
+    def start(self, target: Callable, args: tuple, env: Optional[dict[str, str]] = None,
+              report_pipe: bool = False) -> None:
         ray = import_ray()
-        self.pid = ray.get(self.actor.start.remote(target, args, dict(env or {}), self.name))
+        self.pid = ray.get(self.actor.start.remote(target, args, dict(env or {}), self.name,
+                                                   report_pipe))
         threading.Thread(target=self._wait, name=f"{self.name}-wait", daemon=True).start()
 
     def _wait(self) -> None:
         ray = import_ray()
         try:
-            self._exitcode = ray.get(self.actor.wait.remote())
+            self._exitcode, self.report = ray.get(self.actor.wait.remote())
         except Exception as exc:  # noqa: BLE001 - the actor or its node died: no exit code exists
             logger.warning("%s (pid %s on %s): its Ray actor is gone: %s", self.name, self.pid,
                            self.node_ip, type(exc).__name__)

@@ -26,7 +26,8 @@ import msgspec
 import zmq
 
 from rooflm.config import EngineConfig
-from rooflm.distributed.ray_process import RayProcess, connect_cluster, import_ray, node_ip
+from rooflm.distributed.ray_process import (RayProcess, connect_cluster, forwarded_environment,
+                                            import_ray, node_ip)
 from rooflm.engine.core_process import EngineCoreProcess, _cpu_environment
 from rooflm.engine.core import run_engine_core
 from rooflm.engine.frame_auth import FrameAuth, new_secret
@@ -109,7 +110,8 @@ class RayEngineCore(EngineCoreProcess):
                 f"tcp://{node_ip()}:{output_port}", logging.getLogger().getEffectiveLevel(),
                 logging.getLogger("rooflm").getEffectiveLevel(), secret)
         try:
-            process.start(_run_remote_core, args, env=_cpu_environment(config))
+            process.start(_run_remote_core, args, env={**forwarded_environment(),
+                                                       **_cpu_environment(config)})
         except BaseException:
             core.close(timeout=0)
             raise

@@ -14,8 +14,9 @@ With --distributed-executor-backend ray the workers are the same processes, star
 nodes of a Ray cluster instead: one placement group (PACK) of a bundle per worker, each
 bundle's actor starting run_ray_worker there (distributed/ray_process.py), and the TCP store
 on rank 0's cluster address. The step broadcast and the gloo/NCCL data plane are unchanged;
-the watcher sees a worker's end, or its node's, through the same sentinels. A worker's
-traceback stays in its node's log (no pipe crosses hosts): WorkerDied names its exit code.
+the watcher sees a worker's end, or its node's, through the same sentinels. A worker that
+raises sends its WorkerError to its actor through a pipe on its node, and the actor hands it
+back through Ray when the worker has exited: WorkerDied carries its rank and traceback too.
 
 A worker that dies is seen at once: a watcher thread waits on the processes' sentinels and on
 one pipe per worker, terminates the other workers and aborts the group, so that rank 0's
@@ -230,7 +231,9 @@ class TPExecutor:
     def _report(self, process):
         """The worker's WorkerError, if it sent one (the pipe keeps it after the process ends)."""
         pipe = self.error_pipes.get(process)
-        if pipe is None or pipe.closed:
+        if pipe is None:
+            return getattr(process, "report", None)  # a Ray worker's, handed back by its actor
+        if pipe.closed:
             return None
         try:
             return pipe.recv() if pipe.poll() else None
@@ -313,7 +316,8 @@ def _terminate(processes) -> None:
 def _start_ray_workers(config: EngineConfig, args: tuple, size: int, base: torch.device):
     """Ranks 1..size-1 as processes placed by Ray (one bundle each, packed); the placement
     group. Each process's init_method is the TCP store on rank 0's cluster address."""
-    from rooflm.distributed.ray_process import RayProcess, connect_cluster, import_ray, node_ip
+    from rooflm.distributed.ray_process import (RayProcess, connect_cluster, forwarded_environment,
+                                                import_ray, node_ip)
     from rooflm.engine.worker import run_ray_worker
 
     ray = import_ray()
@@ -333,7 +337,7 @@ def _start_ray_workers(config: EngineConfig, args: tuple, size: int, base: torch
                            f"(resources: {ray.cluster_resources()})")
     init_method = f"tcp://{node_ip()}:{_free_port(node_ip())}"
     # A worker sees only the GPU Ray gave it: its device is cuda:0 there (LOCAL_RANK 0).
-    env = {"LOCAL_RANK": "0"} if gpu else {}
+    env = {**forwarded_environment(), **({"LOCAL_RANK": "0"} if gpu else {})}
     processes = []
     try:
         for rank in range(1, size):  # placed together: each actor's start-up overlaps the others'
@@ -347,7 +351,8 @@ def _start_ray_workers(config: EngineConfig, args: tuple, size: int, base: torch
         for rank, process in enumerate(processes, start=1):
             process.placed(RAY_PLACEMENT_TIMEOUT_S)
             process.start(run_ray_worker, (rank, size, init_method, *args,
-                                           logging.getLogger().getEffectiveLevel()), env)
+                                           logging.getLogger().getEffectiveLevel()), env,
+                          report_pipe=True)
             logger.info("tensor-parallel rank %d: pid %d on Ray node %s", rank, process.pid,
                         process.node_ip)
     except BaseException:

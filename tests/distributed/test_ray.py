@@ -23,6 +23,7 @@ import pytest
 from rooflm.config import ParallelConfig
 from rooflm.engine.frame_auth import FrameAuth, new_secret
 from rooflm.sampling_params import SamplingParams
+from tests.distributed.test_tensor_parallel import _kill_a_worker_mid_request
 
 PROMPTS = [[5, 9, 33, 7, 81, 12], [100, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [17]]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -120,9 +121,11 @@ def test_tp3_workers_in_one_placement_group_give_the_tokens_of_tp1(cluster, mode
         assert all(isinstance(p, RayProcess) for p in executor.processes)
         assert len(executor.processes) == 2 and executor.placement_group is not None
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        assert got == expected
+        # A worker killed mid-request fails the engine's next steps, naming it, as under mp.
+        _kill_a_worker_mid_request(llm.engine)
     finally:
         llm.shutdown()
-    assert got == expected
     assert not any(p.is_alive() for p in executor.processes)
 
 
