@@ -236,7 +236,8 @@ class RayProcess:
             except Exception:  # noqa: BLE001 - Ray is shutting down: the actor goes with it
                 pass
             self.actor = None
-        self._exited.wait(KILL_JOIN_S)
+        if self.pid is not None:  # its watcher thread writes the sentinel: let it finish first
+            self._exited.wait(KILL_JOIN_S)
         for fd in (self._read_end, self._write_end):
             try:
                 os.close(fd)

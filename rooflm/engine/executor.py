@@ -144,7 +144,7 @@ class TPExecutor:
                 run_worker(rank, size, init_method, *args, parent_pid=0)
                 sys.exit(0)
         elif config.parallel.distributed_executor_backend == "ray":
-            processes, placement = _start_ray_workers(config, args, size, base)
+            processes, placement, init_method = _start_ray_workers(config, args, size, base)
         else:
             init_method = f"tcp://127.0.0.1:{_free_port()}"
             spawn = torch.multiprocessing.get_context("spawn")
@@ -158,8 +158,6 @@ class TPExecutor:
                 send.close()  # the worker holds the only sending end: its exit reads as EOF
                 processes.append(process)
                 pipes.append(receive)
-        if placement is not None:
-            init_method = processes[0].init_method
         device = rank_device(base, int(os.environ.get("LOCAL_RANK", 0)))
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -314,8 +312,8 @@ def _terminate(processes) -> None:
 
 
 def _start_ray_workers(config: EngineConfig, args: tuple, size: int, base: torch.device):
-    """Ranks 1..size-1 as processes placed by Ray (one bundle each, packed); the placement
-    group. Each process's init_method is the TCP store on rank 0's cluster address."""
+    """Ranks 1..size-1 as processes placed by Ray (one bundle each, packed): (the processes, their
+    placement group, the init_method: a TCP store on rank 0's cluster address)."""
     from rooflm.distributed.ray_process import (RayProcess, connect_cluster, forwarded_environment,
                                                 import_ray, node_ip)
     from rooflm.engine.worker import run_ray_worker
@@ -345,7 +343,6 @@ def _start_ray_workers(config: EngineConfig, args: tuple, size: int, base: torch
                                                         placement_group_bundle_index=rank - 1)
             process = RayProcess(f"rooflm-tp-rank-{rank}", {"num_cpus": 1, "num_gpus": bundle.get("GPU", 0),
                                                             "scheduling_strategy": strategy})
-            process.init_method = init_method
             processes.append(process)
             process.place()
         for rank, process in enumerate(processes, start=1):
@@ -359,7 +356,7 @@ def _start_ray_workers(config: EngineConfig, args: tuple, size: int, base: torch
         _terminate([p for p in processes if p.pid is not None])
         _release_ray(processes, group)
         raise
-    return processes, group
+    return processes, group, init_method
 
 
 # How long the cluster gets to reserve the workers' bundles (a node may be starting).
