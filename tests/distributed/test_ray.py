@@ -6,7 +6,10 @@ own raylet), torn down at the end. On it:
     on every frame, give the tokens one in-process engine gives; a forged frame is dropped and
     counted; a replica whose process dies is dropped by the router and the other keeps serving;
   - --distributed-executor-backend ray: TP=3 (gloo; 9 query heads, 3 KV heads) with its two
-    workers in one placement group gives the tokens TP=1 gives.
+    workers in one placement group, one on each node (a node has one CPU: rank 0 on the driver's
+    host, the group spans "hosts"), gives the tokens TP=1 gives; a worker killed mid-request
+    fails the engine naming it.
+One CPU per node keeps Ray's pre-started worker processes, and the file's time, down.
 Without Ray installed only the first test runs: the flags are refused, naming the extra.
 """
 
@@ -73,9 +76,9 @@ def cluster():
     from ray.cluster_utils import Cluster
 
     # On the main thread: Ray's nodes install signal handlers.
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
-        nodes.add_node(num_cpus=2)
+        nodes.add_node(num_cpus=1)
         ray.init(address=nodes.address, include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
         nodes.wait_for_nodes(DEADLINE_S)
@@ -120,6 +123,7 @@ def test_tp3_workers_in_one_placement_group_give_the_tokens_of_tp1(cluster, mode
         executor = llm.engine.executor
         assert all(isinstance(p, RayProcess) for p in executor.processes)
         assert len(executor.processes) == 2 and executor.placement_group is not None
+        assert len({p.node_id for p in executor.processes}) == 2
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
         assert got == expected
         # A worker killed mid-request fails the engine's next steps, naming it, as under mp.
