@@ -140,6 +140,8 @@ class RayProcess:
         self.report = None  # what the process sent through its report pipe before it ended
         self._exited = threading.Event()
         self._read_end, self._write_end = os.pipe()
+        self._closed_pipe = False
+        self._pipe_lock = threading.Lock()
 
     def create(self, timeout_s: float = 120.0) -> None:
         """Place the actor and wait until it is up (place() then placed())."""
@@ -186,11 +188,10 @@ class RayProcess:
             logger.warning("%s (pid %s on %s): its Ray actor is gone: %s", self.name, self.pid,
                            self.node_ip, type(exc).__name__)
             self._exitcode = LOST_EXITCODE
+        with self._pipe_lock:  # never a write after release() closed it (the number may be reused)
+            if not self._closed_pipe:
+                os.write(self._write_end, b"x")
         self._exited.set()
-        try:
-            os.write(self._write_end, b"x")
-        except OSError:
-            pass  # closed: nobody watches any more
 
     # ---- multiprocessing.Process's face --------------------------------------------------------------
 
@@ -238,9 +239,10 @@ class RayProcess:
             self.actor = None
         if self.pid is not None:  # its watcher thread writes the sentinel: let it finish first
             self._exited.wait(KILL_JOIN_S)
-        for fd in (self._read_end, self._write_end):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._read_end = self._write_end = -1
+        with self._pipe_lock:
+            if self._closed_pipe:
+                return
+            self._closed_pipe = True
+            # The numbers stay: a watcher that wakes on the closed sentinel still finds its process.
+            os.close(self._read_end)
+            os.close(self._write_end)
