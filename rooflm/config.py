@@ -12,6 +12,22 @@ from typing import Optional
 
 ROPE_SCALING_TYPES = ("llama3", "linear", "longrope", "yarn")
 
+# Where tensor/pipeline-parallel workers and data-parallel replicas run: "mp" processes of this
+# host (multiprocessing spawn), "ray" actors on the nodes of a Ray cluster.
+PLACEMENT_BACKENDS = ("mp", "ray")
+
+
+def require_placement_backend(backend: str, name: str) -> None:
+    """Refuse, at once, a backend that is unknown or whose package is not installed (ValueError
+    naming the field `name`)."""
+    if backend not in PLACEMENT_BACKENDS:
+        raise ValueError(f"{name} must be one of {', '.join(PLACEMENT_BACKENDS)}; got {backend!r}")
+    if backend == "ray":
+        import importlib.util
+        if importlib.util.find_spec("ray") is None:
+            raise ValueError(f"{name} 'ray' needs Ray, which is not installed: it is an optional "
+                             f"extra, pip install 'rooflm[ray]'")
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -476,8 +492,12 @@ class ParallelConfig:
     # the stages work on different batches at once. None: pipeline_parallel_size; 1: one step at
     # a time through every stage (each GPU idles (PP - 1) / PP of it).
     pipeline_micro_batches: Optional[int] = None
+    # How ranks 1..N-1 start: "mp" processes of this host; "ray" actors in one placement group of
+    # a Ray cluster (the nodes may be other hosts: rooflm/distributed/ray_process.py).
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
+        require_placement_backend(self.distributed_executor_backend, "distributed_executor_backend")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.pipeline_parallel_size < 1:

@@ -111,6 +111,9 @@ HELP: dict[str, str] = {
                               "tensor_parallel_size worker processes; docs/parallelism.md)",
     "pipeline_micro_batches": "batches in flight through the pipeline at once, each of other requests "
                               "(unset: --pipeline-parallel-size; 1: one step at a time through the stages)",
+    "distributed_executor_backend": "where the tensor/pipeline-parallel workers run: mp, processes "
+                                    "of this host; ray, actors in a placement group of a Ray cluster "
+                                    "(pip install 'rooflm[ray]'; docs/parallelism.md)",
     "tp_allreduce": "the row-parallel all-reduce on CUDA. symm: a one-shot kernel over symmetric "
                     "memory up to 4 MiB, NCCL above; nccl: always NCCL; auto: symm where every "
                     "GPU pair has peer access",
@@ -138,6 +141,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "draft_load_format": _LOAD_FORMATS,
     "speculative_policy": ("adaptive", "budget"),
     "tp_allreduce": ("auto", "nccl", "symm"),
+    "distributed_executor_backend": cfg.PLACEMENT_BACKENDS,
 }
 
 # Short forms vLLM's flags have too.

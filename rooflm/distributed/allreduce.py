@@ -24,10 +24,21 @@ collectives), so the choice is agreed over the host group at start (peer access,
 buffer, the rendezvous, then a probe sum that must equal NCCL's: "auto" falls back to NCCL if
 any fails on any rank), and the size test depends only on the message's shape and dtype, the
 same on every rank. `reference_all_reduce` is what both paths compute, for the checks.
+
+The rendezvous is set up once per group and bounded. torch exchanges the buffers' handles
+through the group's store under keys numbered by a counter that lives in each process, not in
+the group: a process that already joined one group's rendezvous (rank 0 of a second engine in
+the same process, e.g. a test that builds TP=2 twice) numbers its keys ahead of freshly
+started workers, and torch then waits the store's whole timeout (180 s) for keys nobody writes
+("wait timeout after 180000ms, keys: /0//CUDASymmetricMemory/2/1"). So every rank first says
+how many rendezvous its process has joined; unless all agree, the group uses NCCL with a
+warning ("symm" mode refuses, naming why). The rendezvous itself runs under a store timeout of
+RENDEZVOUS_TIMEOUT_S, so anything else that stalls it falls back too instead of waiting.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 from typing import Optional
@@ -42,6 +53,8 @@ MODES = ("auto", "nccl", "symm")
 # benchmarks/allreduce.py measures where the crossover really is.
 SYMM_MAX_BYTES = 4 << 20
 SYMM_DTYPES = (torch.bfloat16, torch.float32)  # the kernel's dispatch
+# The most the symmetric-memory rendezvous may wait on its peers' handles (it takes milliseconds).
+RENDEZVOUS_TIMEOUT_S = 20.0
 
 
 def symm_op_available() -> bool:
@@ -72,12 +85,21 @@ def peer_access(size: int) -> tuple[bool, str]:
 class SymmAllReduce:
     """A symmetric buffer of max_bytes on every rank, and the one-shot all-reduce over it."""
 
+    # Rendezvous this process has joined, as torch's own per-process key counter sees them
+    # (module docstring); None once one failed part way: the counter's value is then unknown.
+    # Per process by nature, as torch's counter is.
+    rendezvous_joined: Optional[int] = 0
+
     def __init__(self, buffer: torch.Tensor, group: dist.ProcessGroup):
         import torch.distributed._symmetric_memory as symm_mem
         self.buffer = buffer  # uint8 [max_bytes], viewed as each message's dtype
         self.max_bytes = buffer.numel()
         self.group_name = group.group_name
-        self.handle = symm_mem.rendezvous(buffer, group.group_name)  # collective: maps the peers' buffers
+        joined = SymmAllReduce.rendezvous_joined
+        SymmAllReduce.rendezvous_joined = None  # until it returns
+        with _store_timeout(group, RENDEZVOUS_TIMEOUT_S):
+            self.handle = symm_mem.rendezvous(buffer, group.group_name)  # collective: maps the peers' buffers
+        SymmAllReduce.rendezvous_joined = None if joined is None else joined + 1
 
     @staticmethod
     def allocate(max_bytes: int, device: torch.device) -> torch.Tensor:
@@ -128,6 +150,10 @@ def make_symm_all_reduce(mode: str, size: int, device: torch.device, device_grou
             buffer = SymmAllReduce.allocate(max_bytes, device)
         except RuntimeError as exc:
             ok, why = False, f"symmetric memory allocation failed: {exc}"
+    # Collective on every rank (whatever it found so far), so the ranks stay in step.
+    same_count, count_why = _same_rendezvous_count(host_group)
+    if ok and not same_count:
+        ok, why = False, count_why
     # Votes over the host group: every rank takes symm or none does.
     ok, why = _agree(ok, why, host_group)
     symm = None
@@ -143,10 +169,48 @@ def make_symm_all_reduce(mode: str, size: int, device: torch.device, device_grou
         if mode == "symm":
             raise ValueError(f"--tp-allreduce symm cannot run here: {why}; use --tp-allreduce nccl "
                              f"(or auto, which falls back)")
-        logger.info("tp all-reduce: NCCL (symmetric memory unavailable: %s)", why)
+        logger.warning("tp all-reduce: NCCL (symmetric memory unavailable: %s)", why)
         return None
     logger.info("tp all-reduce: one-shot over symmetric memory up to %d KiB, NCCL above", max_bytes >> 10)
     return symm
+
+
+def _same_rendezvous_count(host_group) -> tuple[bool, str]:
+    """Whether every rank's process has joined as many rendezvous (module docstring). Collective
+    over the host group; every rank gets the same answer."""
+    joined = SymmAllReduce.rendezvous_joined
+    mine = torch.tensor([-1 if joined is None else joined], dtype=torch.int64)
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(host_group))]
+    dist.all_gather(counts, mine, group=host_group)
+    counts = [int(c.item()) for c in counts]
+    if min(counts) >= 0 and min(counts) == max(counts):
+        return True, ""
+    return False, (f"the ranks' processes have joined different numbers of symmetric-memory "
+                   f"rendezvous ({counts}; -1: one failed part way): torch numbers the rendezvous's "
+                   f"store keys per process, so they would wait for each other's keys (a second "
+                   f"engine in a process that ran one before: start it in a fresh process for symm)")
+
+
+class _store_timeout:
+    """The group's store waits at most seconds while inside (torch's rendezvous waits on it)."""
+
+    def __init__(self, group, seconds: float):
+        self.store = None
+        try:
+            self.store = dist.distributed_c10d._get_process_group_store(group)
+        except (AttributeError, RuntimeError, ValueError):  # a torch without it: unbounded, as before
+            logger.debug("no store handle for the symmetric-memory rendezvous timeout")
+        self.timeout = datetime.timedelta(seconds=seconds)
+
+    def __enter__(self):
+        if self.store is not None:
+            self.saved = self.store.timeout
+            self.store.set_timeout(self.timeout)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.store is not None:
+            self.store.set_timeout(self.saved)
 
 
 def _agree(ok: bool, why: str, host_group) -> tuple[bool, str]:

@@ -20,6 +20,11 @@ the replica and answers 503, the other replicas' requests are aborted, and the
 server exits (or stays up answering 503 with --keep-running-on-error). A
 replica that lives on after its sibling died would keep a half-capacity server
 looking healthy to a load balancer that should have replaced it.
+
+keep_serving (the Ray backend's choice: replicas on other hosts, whose node may be lost
+with its replica): a replica that stays down is dropped instead. Its requests fail, the
+router sends nothing more there, the others keep serving; the error log names it and
+lost_replicas keeps why. Only when every replica is lost is the engine dead.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ class ReplicaLoad:
 class DPClient(EngineClient):
     def __init__(self, engine: ReplicaSet, limits: Optional[AdmissionLimits] = None,
                  metrics=None, policy: str = "cache_aware",
-                 restart: Optional[RestartPolicy] = None):
+                 restart: Optional[RestartPolicy] = None, keep_serving: bool = False):
         """engine: launched replicas, owned by this client from start() on. limits apply to
         each replica (its own queue and KV pool). metrics: a ServerMetrics (replica r writes
         its for_engine(r) series) or None. restart: each replica's, on its own."""
@@ -75,6 +80,8 @@ class DPClient(EngineClient):
         self.router = Router(policy, len(self.clients), index_blocks=max(info.num_blocks, 1))
         self._owner: dict[str, int] = {}  # request id -> replica, until it is done
         self._dead: Optional[str] = None
+        self.keep_serving = keep_serving
+        self.lost_replicas: dict[int, str] = {}  # replica -> why, under keep_serving
         self._on_dead: Optional[Callable[[BaseException], None]] = None
 
     @staticmethod
@@ -113,11 +120,12 @@ class DPClient(EngineClient):
                         key=lambda r: (self.loads[r].num_unfinished, r))
         # A replica whose core is restarting goes last: its generate() waits for the new core.
         order = sorted([first] + others, key=self._is_restarting)
+        order = [r for r in order if r not in self.lost_replicas]
         for attempt, replica in enumerate(order):
             try:
                 return await self._generate_on(replica, requests, bypass_limits)
             except AdmissionRejected:
-                if attempt == len(self.clients) - 1:
+                if attempt == len(order) - 1:
                     raise
         raise AssertionError("unreachable: the last refusal is raised")
 
@@ -185,17 +193,22 @@ class DPClient(EngineClient):
         """None while every replica is alive and making progress; else which one and why."""
         reasons = [f"data-parallel replica {r}: {reason}"
                    for r, client in enumerate(self.clients)
-                   if (reason := client.health(stall_seconds)) is not None]
+                   if r not in self.lost_replicas and (reason := client.health(stall_seconds)) is not None]
+        if self._dead is not None:
+            reasons.append(self._dead)
         return "; ".join(reasons) or None
 
     @property
     def is_dead(self) -> bool:
+        if self.keep_serving:
+            return self._dead is not None
         return self._dead is not None or any(client.is_dead for client in self.clients)
 
     @property
     def is_restarting(self) -> bool:
         """Every replica is restarting: nothing can run until one is back."""
-        return all(self._is_restarting(r) for r in range(len(self.clients)))
+        return all(self._is_restarting(r) for r in range(len(self.clients))
+                   if r not in self.lost_replicas)
 
     @property
     def num_in_flight(self) -> int:
@@ -211,6 +224,15 @@ class DPClient(EngineClient):
     def _replica_dead(self, replica: int, exc: BaseException) -> None:
         if self._dead is not None:
             return
+        if self.keep_serving:
+            self.lost_replicas[replica] = str(exc)
+            for request_id in [i for i, r in self._owner.items() if r == replica]:
+                self._owner.pop(request_id)  # its client failed them already
+            if len(self.lost_replicas) < len(self.clients):
+                logger.error("data-parallel replica %d is lost (%s); the router sends nothing "
+                             "more there, %d replicas keep serving", replica, exc,
+                             len(self.clients) - len(self.lost_replicas))
+                return
         self._dead = f"data-parallel replica {replica}: {exc}"
         logger.error("data-parallel replica %d failed; the engine is dead (vLLM's rule): "
                      "aborting the other replicas' requests", replica)

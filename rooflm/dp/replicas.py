@@ -55,21 +55,37 @@ def replica_gpus(config: EngineConfig, data_parallel_size: int) -> Optional[list
 
 
 class ReplicaSet:
-    def __init__(self, replicas: list[EngineCoreProcess]):
+    def __init__(self, replicas: list[EngineCoreProcess], placement_group=None):
         self.replicas = replicas
+        self.placement_group = placement_group  # the Ray backend's, removed by close()
         self.info: EngineInfo = replicas[0].info
         self.tokenizer = replicas[0].tokenizer
 
     @classmethod
-    def launch(cls, config: EngineConfig, data_parallel_size: int) -> "ReplicaSet":
+    def launch(cls, config: EngineConfig, data_parallel_size: int,
+               backend: str = "mp") -> "ReplicaSet":
         """Start the cores and wait until every engine is built. Raises EngineStartError
-        (a replica failed to start) or ValueError (too few GPUs)."""
+        (a replica failed to start) or ValueError (too few GPUs).
+
+        backend: "mp", processes of this host; "ray", one per bundle of a Ray placement group
+        (dp/ray_core.py), on any node of the cluster."""
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
-        gpus = replica_gpus(config, data_parallel_size)
-        tokenizer = load_tokenizer(config)
+        group = gpus = None
+        if backend == "ray":
+            from rooflm.dp.ray_core import RayEngineCore, replica_placement
+            group = replica_placement(config, data_parallel_size)
+        else:
+            gpus = replica_gpus(config, data_parallel_size)
+        try:
+            tokenizer = load_tokenizer(config)
+        except BaseException:
+            _remove_placement_group(group)
+            raise
 
         def start(r: int) -> EngineCoreProcess:
+            if group is not None:
+                return RayEngineCore.launch_in(config, group, r, tokenizer=tokenizer)
             env = {} if gpus is None else {"CUDA_VISIBLE_DEVICES": gpus[r]}
             return EngineCoreProcess.launch(config, env=env, tokenizer=tokenizer)
 
@@ -84,12 +100,16 @@ class ReplicaSet:
         if errors:
             for core in started:
                 core.close()
+            _remove_placement_group(group)
             raise EngineStartError("; ".join(errors))
         for r, core in enumerate(started):
-            where = "CPU" if gpus is None else f"CUDA_VISIBLE_DEVICES={gpus[r]}"
+            if group is not None:
+                where = f"Ray node {core.process.node_ip}"
+            else:
+                where = "CPU" if gpus is None else f"CUDA_VISIBLE_DEVICES={gpus[r]}"
             logger.info("data-parallel replica %d: engine core pid %d on %s", r,
                         core.process.pid, where)
-        return cls(started)
+        return cls(started, group)
 
     def __len__(self) -> int:
         return len(self.replicas)
@@ -105,3 +125,11 @@ class ReplicaSet:
     def close(self, timeout: float = 10.0) -> None:
         for core in self.replicas:
             core.close(timeout)
+        _remove_placement_group(self.placement_group)
+        self.placement_group = None
+
+
+def _remove_placement_group(group) -> None:
+    if group is not None:
+        import ray
+        ray.util.remove_placement_group(group)

@@ -71,6 +71,7 @@ from rooflm.engine.core_protocol import (Abort, AddError, AddReply, AddRequests,
                                          CoreState, EngineDead, EngineReady, Heartbeat,
                                          RequestDelta, SampleDelta, Shutdown, Sleep, SleepReply,
                                          StepOutputs, encoder, input_decoder)
+from rooflm.engine.frame_auth import FrameAuth
 from rooflm.engine.llm_engine import LLMEngine
 from rooflm.engine.outputs import RequestOutput
 from rooflm.engine.request import Request
@@ -101,8 +102,9 @@ class EngineCore:
     """The step loop over an LLMEngine and the two sockets; run() serves until Shutdown."""
 
     def __init__(self, engine, input_socket: zmq.Socket, output_socket: zmq.Socket,
-                 fault_inject_step: Optional[int] = None):
+                 fault_inject_step: Optional[int] = None, frames: Optional[FrameAuth] = None):
         self.engine = engine
+        self.frames = frames or FrameAuth(None)  # HMAC on tcp:// sockets (frame_auth.py)
         self.limits = AdmissionLimits()
         self._steps = CountedSteps(fault_inject_step)
         self._input = input_socket
@@ -157,6 +159,9 @@ class EngineCore:
                 frame = self._input.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return messages
+            frame = self.frames.open(frame)
+            if frame is None:
+                continue  # not from the API process: dropped and counted
             try:
                 messages.append(self._decode(frame))
             except msgspec.DecodeError as exc:
@@ -166,7 +171,7 @@ class EngineCore:
     def _send(self, message) -> None:
         # Blocking: when the API process falls 1000 messages behind (ZMQ's high-water mark),
         # the engine waits for it rather than queue without bound.
-        self._output.send(self._encode(message))
+        self._output.send(self.frames.seal(self._encode(message)))
 
     def state(self) -> CoreState:
         return CoreState(self.engine.snapshot(), self._tokens_in_flight, self._last_progress)
@@ -297,10 +302,12 @@ class EngineCore:
 
 
 def run_engine_core(config_bytes: bytes, input_address: str, output_address: str,
-                    parent_pid: int, log_level: int, rooflm_log_level: int = logging.NOTSET) -> None:
+                    parent_pid: int, log_level: int, rooflm_log_level: int = logging.NOTSET,
+                    secret: Optional[bytes] = None) -> None:
     """The process's entry point (multiprocessing 'spawn'): build the engine, serve, exit.
 
-    config_bytes: the EngineConfig, msgspec-encoded. Exits 0 after Shutdown, 1 on a failure.
+    config_bytes: the EngineConfig, msgspec-encoded. secret: the HMAC key of a core reached
+    over tcp:// (frame_auth.py); None on ipc://. Exits 0 after Shutdown, 1 on a failure.
     """
     _ignore_interrupts()
     _exit_with_parent(parent_pid, _socket_dir(input_address))
@@ -314,9 +321,10 @@ def run_engine_core(config_bytes: bytes, input_address: str, output_address: str
     output_socket.connect(output_address)
     exit_code = 0
     core = None
+    frames = FrameAuth(secret)
     try:
         config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
-        core = EngineCore(LLMEngine(config), input_socket, output_socket, fault_step_from_env())
+        core = EngineCore(LLMEngine(config), input_socket, output_socket, fault_step_from_env(), frames)
         with _profiled(envs.get(PROFILE_ENV)):
             core.run()
         core.engine.shutdown()  # its tensor-parallel workers, if any
@@ -326,8 +334,8 @@ def run_engine_core(config_bytes: bytes, input_address: str, output_address: str
         user_error = core is None and isinstance(exc, ValueError)
         logger.error("the engine %s: %s", "could not start" if core is None else "failed", exc,
                      exc_info=None if user_error else exc)
-        output_socket.send(encoder().encode(EngineDead(f"{type(exc).__name__}: {exc}",
-                                                       _state_after_failure(core))))
+        output_socket.send(frames.seal(encoder().encode(EngineDead(f"{type(exc).__name__}: {exc}",
+                                                       _state_after_failure(core)))))
         exit_code = 1
     finally:
         input_socket.close(linger=0)

@@ -320,7 +320,7 @@ class EngineCoreClient(EngineClient):
 
     def _send(self, message) -> None:
         try:
-            self.core.input_socket.send(self._encode(message), zmq.NOBLOCK)
+            self.core.input_socket.send(self.core.frames.seal(self._encode(message)), zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             raise EngineDeadError(f"cannot reach the engine core: {exc}") from None
 
@@ -344,6 +344,9 @@ class EngineCoreClient(EngineClient):
                 if self._stopped:
                     return  # the socket was closed under us by a blocking stop()
                 raise
+            frame = self.core.frames.open(frame)
+            if frame is None:
+                continue  # not from the core: dropped and counted (frame_auth.py)
             try:
                 message = decode(frame)
             except msgspec.DecodeError as exc:

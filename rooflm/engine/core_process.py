@@ -39,6 +39,7 @@ import zmq
 import rooflm.envs as envs
 from rooflm.config import EngineConfig
 from rooflm.engine.core import run_engine_core
+from rooflm.engine.frame_auth import FrameAuth
 from rooflm.engine.cpu_threads import child_environment, machine_plan, spawn_environment
 from rooflm.engine.core_protocol import (CoreState, EngineDead, EngineReady, Shutdown, encoder,
                                          output_decoder)
@@ -59,12 +60,15 @@ class EngineStartError(RuntimeError):
 
 class EngineCoreProcess:
     def __init__(self, process: multiprocessing.process.BaseProcess, context: zmq.Context,
-                 input_socket: zmq.Socket, output_socket: zmq.Socket, socket_dir: str):
+                 input_socket: zmq.Socket, output_socket: zmq.Socket, socket_dir: Optional[str],
+                 frames: Optional[FrameAuth] = None):
         self.process = process
         self.context = context
         self.input_socket = input_socket  # PUSH, connected: the API process writes
         self.output_socket = output_socket  # PULL, bound: the API process reads
-        self.socket_dir = socket_dir
+        self.socket_dir = socket_dir  # None: tcp:// sockets (a core on another node)
+        # HMAC on every frame where the sockets are tcp:// (frame_auth.py); a pass-through on ipc://.
+        self.frames = frames or FrameAuth(None)
         self.info: Optional[EngineInfo] = None
         self.tokenizer = None
         self.ready_state: Optional[CoreState] = None  # the core's state at EngineReady
@@ -93,14 +97,13 @@ class EngineCoreProcess:
         """Replace a core that died (or is to be dropped) with a fresh one of the same
         configuration; blocks until it is ready. Raises EngineStartError, leaving this handle
         closed. The caller stops using the sockets first: they are replaced."""
-        config, env = self._launch_args
         old_pid = self.process.pid
         self.close(timeout=0)
-        fresh = type(self)._spawn(config, env)
+        fresh = self._spawn_again()
         # Take over the fresh process's resources: this object is the one the server holds.
         self.process, self.context = fresh.process, fresh.context
         self.input_socket, self.output_socket = fresh.input_socket, fresh.output_socket
-        self.socket_dir, self._closed = fresh.socket_dir, False
+        self.socket_dir, self.frames, self._closed = fresh.socket_dir, fresh.frames, False
         atexit.unregister(fresh.close)
         atexit.register(self.close)
         try:
@@ -109,6 +112,10 @@ class EngineCoreProcess:
             self.close(timeout=0)
             raise
         logger.warning("engine core restarted: pid %d replaces pid %s", self.process.pid, old_pid)
+
+    def _spawn_again(self) -> "EngineCoreProcess":
+        """A fresh core where this one ran (restart)."""
+        return type(self)._spawn(*self._launch_args)
 
     @classmethod
     def _spawn(cls, config: EngineConfig, env: Optional[dict[str, str]]) -> "EngineCoreProcess":
@@ -149,7 +156,10 @@ class EngineCoreProcess:
         poller.register(self.output_socket, zmq.POLLIN)
         while True:
             if poller.poll(int(READY_POLL_S * 1000)):
-                message = decode(self.output_socket.recv())
+                frame = self.frames.open(self.output_socket.recv())
+                if frame is None:
+                    continue  # not from the core: dropped and counted
+                message = decode(frame)
                 if isinstance(message, EngineReady):
                     return message
                 if isinstance(message, EngineDead):
@@ -193,7 +203,7 @@ class EngineCoreProcess:
         if self.process.pid is not None:
             if self.process.is_alive() and timeout > 0:
                 try:
-                    self.input_socket.send(encoder().encode(Shutdown()), zmq.NOBLOCK)
+                    self.input_socket.send(self.frames.seal(encoder().encode(Shutdown())), zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass  # unreachable: it is killed below
             self.process.join(timeout)
@@ -206,7 +216,8 @@ class EngineCoreProcess:
         self.input_socket.close(linger=0)
         self.output_socket.close(linger=0)
         self.context.term()
-        shutil.rmtree(self.socket_dir, ignore_errors=True)
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
 def _run_engine_core_in(env: dict[str, str], *args) -> None:

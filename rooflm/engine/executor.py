@@ -10,6 +10,14 @@ it schedules, runs its shard of the model and samples. Ranks 1..N-1 are worker p
 processes instead: rank 0 goes on as the engine, the others turn into workers when they build
 the engine and exit when rank 0 stops them. torchrun's env:// rendezvous reaches other hosts.
 
+With --distributed-executor-backend ray the workers are the same processes, started on the
+nodes of a Ray cluster instead: one placement group (PACK) of a bundle per worker, each
+bundle's actor starting run_ray_worker there (distributed/ray_process.py), and the TCP store
+on rank 0's cluster address. The step broadcast and the gloo/NCCL data plane are unchanged;
+the watcher sees a worker's end, or its node's, through the same sentinels. A worker that
+raises sends its WorkerError to its actor through a pipe on its node, and the actor hands it
+back through Ray when the worker has exited: WorkerDied carries its rank and traceback too.
+
 A worker that dies is seen at once: a watcher thread waits on the processes' sentinels and on
 one pipe per worker, terminates the other workers and aborts the group, so that rank 0's
 collectives raise instead of waiting; the engine then raises WorkerDied at its next step (and
@@ -85,12 +93,13 @@ def launched_by_torchrun() -> bool:
 class TPExecutor:
     def __init__(self, tp: TPGroup, processes: list[multiprocessing.process.BaseProcess],
                  error_pipes: Optional[list] = None, watch: Optional[HangWatch] = None,
-                 groups: Optional[ParallelGroups] = None):
+                 groups: Optional[ParallelGroups] = None, placement_group=None):
         self.tp = tp  # rank 0's TP group (stage 0's under pipeline parallelism)
         groups = groups or ParallelGroups(tp, tp)
         self.world = groups.world  # every rank: the step broadcast, stop and teardown
         self.stage = groups.stage  # rank 0's pipeline stage, or None
         self.processes = processes
+        self.placement_group = placement_group  # the Ray backend's, removed at shutdown
         # The receiving end of each worker's error pipe (worker.WorkerError), by process.
         self.error_pipes = dict(zip(processes, error_pipes or []))
         self.watch = watch or HangWatch(0, seconds=0)
@@ -123,6 +132,7 @@ class TPExecutor:
         layers = configured_partition(model_config.num_hidden_layers, pp_size)
         args = (config, model_config, max_model_len, model_path, load_format)
         processes, pipes = [], []
+        placement = None
         watch = HangWatch(0)
         if launched_by_torchrun():
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -133,6 +143,8 @@ class TPExecutor:
             if rank != 0:  # this process is a worker from here on
                 run_worker(rank, size, init_method, *args, parent_pid=0)
                 sys.exit(0)
+        elif config.parallel.distributed_executor_backend == "ray":
+            processes, placement, init_method = _start_ray_workers(config, args, size, base)
         else:
             init_method = f"tcp://127.0.0.1:{_free_port()}"
             spawn = torch.multiprocessing.get_context("spawn")
@@ -155,9 +167,10 @@ class TPExecutor:
             groups = init_parallel(0, tp_size, pp_size, init_method, device, config.parallel.tp_allreduce, layers)
         except BaseException:
             _terminate(processes)
+            _release_ray(processes, placement)
             watch.stop()
             raise
-        return cls(groups.tp, processes, pipes, watch, groups)
+        return cls(groups.tp, processes, pipes, watch, groups, placement)
 
     def release_before_shutdown(self, release) -> None:
         """Have shutdown call release() (rank 0's ModelRunner.release_graphs) before the group
@@ -216,7 +229,9 @@ class TPExecutor:
     def _report(self, process):
         """The worker's WorkerError, if it sent one (the pipe keeps it after the process ends)."""
         pipe = self.error_pipes.get(process)
-        if pipe is None or pipe.closed:
+        if pipe is None:
+            return getattr(process, "report", None)  # a Ray worker's, handed back by its actor
+        if pipe.closed:
             return None
         try:
             return pipe.recv() if pipe.poll() else None
@@ -280,6 +295,8 @@ class TPExecutor:
                 except Exception:  # noqa: BLE001
                     pass
             self.watch.stop()
+            _release_ray(self.processes, self.placement_group)
+            self.placement_group = None
             atexit.unregister(self.shutdown)
 
 
@@ -294,7 +311,72 @@ def _terminate(processes) -> None:
             process.join()
 
 
-def _free_port() -> int:
+def _start_ray_workers(config: EngineConfig, args: tuple, size: int, base: torch.device):
+    """Ranks 1..size-1 as processes placed by Ray (one bundle each, packed): (the processes, their
+    placement group, the init_method: a TCP store on rank 0's cluster address)."""
+    from rooflm.distributed.ray_process import (RayProcess, connect_cluster, forwarded_environment,
+                                                import_ray, node_ip)
+    from rooflm.engine.worker import run_ray_worker
+
+    ray = import_ray()
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    connect_cluster()
+    gpu = base.type == "cuda"
+    bundle = {"CPU": 1, **({"GPU": 1} if gpu else {})}
+    group = placement_group([dict(bundle) for _ in range(size - 1)], strategy="PACK",
+                            name="rooflm-tp-workers")
+    ready, _ = ray.wait([group.ready()], timeout=RAY_PLACEMENT_TIMEOUT_S)
+    if not ready:
+        remove_placement_group(group)
+        raise RuntimeError(f"the Ray cluster could not place {size - 1} tensor/pipeline-parallel "
+                           f"workers of {bundle} within {RAY_PLACEMENT_TIMEOUT_S:.0f} s "
+                           f"(resources: {ray.cluster_resources()})")
+    init_method = f"tcp://{node_ip()}:{_free_port(node_ip())}"
+    # A worker sees only the GPU Ray gave it: its device is cuda:0 there (LOCAL_RANK 0).
+    env = {**forwarded_environment(), **({"LOCAL_RANK": "0"} if gpu else {})}
+    processes = []
+    try:
+        for rank in range(1, size):  # placed together: each actor's start-up overlaps the others'
+            strategy = PlacementGroupSchedulingStrategy(placement_group=group,
+                                                        placement_group_bundle_index=rank - 1)
+            process = RayProcess(f"rooflm-tp-rank-{rank}", {"num_cpus": 1, "num_gpus": bundle.get("GPU", 0),
+                                                            "scheduling_strategy": strategy})
+            processes.append(process)
+            process.place()
+        for rank, process in enumerate(processes, start=1):
+            process.placed(RAY_PLACEMENT_TIMEOUT_S)
+            process.start(run_ray_worker, (rank, size, init_method, *args,
+                                           logging.getLogger().getEffectiveLevel()), env,
+                          report_pipe=True)
+            logger.info("tensor-parallel rank %d: pid %d on Ray node %s", rank, process.pid,
+                        process.node_ip)
+    except BaseException:
+        _terminate([p for p in processes if p.pid is not None])
+        _release_ray(processes, group)
+        raise
+    return processes, group, init_method
+
+
+# How long the cluster gets to reserve the workers' bundles (a node may be starting).
+RAY_PLACEMENT_TIMEOUT_S = 120.0
+
+
+def _release_ray(processes, group) -> None:
+    """End the Ray actors and their placement group (after their processes ended)."""
+    if group is None:
+        return
+    for process in processes:
+        process.release()
+    from ray.util.placement_group import remove_placement_group
+    try:
+        remove_placement_group(group)
+    except Exception:  # noqa: BLE001 - Ray is shutting down: the group goes with it
+        pass
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]

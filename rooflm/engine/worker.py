@@ -170,6 +170,16 @@ def run_worker(rank: int, size: int, init_method: str, config: EngineConfig, mod
     watch.stop()
 
 
+def run_ray_worker(rank: int, size: int, init_method: str, config: EngineConfig,
+                   model_config: ModelConfig, max_model_len: int, model_path: str, load_format: str,
+                   log_level: int = logging.WARNING, error_pipe=None) -> None:
+    """A worker's entry point on a Ray node (executor.py): its parent is the actor that
+    started it, whose end (the driver exited, the actor was killed) ends it too. error_pipe:
+    a pipe to that actor, which hands the WorkerError back to rank 0 through Ray."""
+    run_worker(rank, size, init_method, config, model_config, max_model_len, model_path,
+               load_format, os.getppid(), log_level, error_pipe)
+
+
 def _serve(rank: int, size: int, init_method: str, config: EngineConfig, model_config: ModelConfig,
            max_model_len: int, model_path: str, load_format: str, watch: HangWatch) -> None:
     from rooflm.engine.model_runner import resolve_device

@@ -91,17 +91,20 @@ def create_app(engine_kwargs: Optional[dict] = None, config: Optional[ServerConf
     # The front end for where the engine runs: on a thread here, in a process of its own,
     # or as data-parallel replicas (each an EngineClient).
     front: EngineClientFactory = AsyncLLMEngine
-    if config.data_parallel_size > 1:
+    if config.data_parallel_size > 1 or config.data_parallel_backend == "ray":
         if engine is not None or not engine_process:
-            raise ValueError("data_parallel_size > 1 runs each replica in an engine process "
-                             "of its own: it needs engine_process (drop --no-engine-process)")
+            raise ValueError("data_parallel_size > 1 (or --data-parallel-backend ray) runs each "
+                             "replica in an engine process of its own: it needs engine_process "
+                             "(drop --no-engine-process)")
         from functools import partial
         from rooflm.config import engine_config_from_kwargs
         from rooflm.dp.client import DPClient
         from rooflm.dp.replicas import ReplicaSet
         engine = ReplicaSet.launch(engine_config_from_kwargs(**(engine_kwargs or {})),
-                                   config.data_parallel_size)
-        front = partial(DPClient, policy=config.dp_routing, restart=config.restart_policy())
+                                   config.data_parallel_size, config.data_parallel_backend)
+        # On a Ray cluster a node can go away with its replica: the others keep serving.
+        front = partial(DPClient, policy=config.dp_routing, restart=config.restart_policy(),
+                        keep_serving=config.data_parallel_backend == "ray")
     elif engine is None and engine_process:
         from rooflm.config import engine_config_from_kwargs
         from rooflm.engine.core_client import EngineCoreClient

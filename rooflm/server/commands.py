@@ -103,6 +103,9 @@ def register(subparsers) -> None:
                             "parallel group (rooflm/dp/); needs the engine process")
     group.add_argument("--dp-routing", default="cache_aware", choices=POLICIES,
                        help="how a request picks its data-parallel replica")
+    group.add_argument("--data-parallel-backend", default="mp", choices=("mp", "ray"),
+                       help="where the replicas run: mp, processes of this host; ray, actors on "
+                            "the nodes of a Ray cluster (pip install 'rooflm[ray]')")
     group.add_argument("--chat-template", default=None,
                        help="a Jinja chat template replacing the model's: a file path, or the "
                             "template itself (checked at start-up)")
@@ -155,6 +158,7 @@ def server_config(args: argparse.Namespace):
         log_requests=not args.disable_log_requests,
         data_parallel_size=args.data_parallel_size,
         dp_routing=args.dp_routing,
+        data_parallel_backend=args.data_parallel_backend,
         ttft_slo_ms=args.ttft_slo_ms,
         lora_modules=tuple(args.lora_modules or ()),
     )

@@ -51,6 +51,8 @@ class ServerConfig:
     # and how a request picks one (cache_aware | round_robin | least_loaded).
     data_parallel_size: int = 1
     dp_routing: str = "cache_aware"
+    # Where the replicas run: "mp" processes of this host, "ray" actors on a Ray cluster's nodes.
+    data_parallel_backend: str = "mp"
     # Milliseconds: a request predicted to wait longer than this before its first step is
     # refused with 503 and Retry-After (its deadline_ms overrides); 0: no budget.
     ttft_slo_ms: float = 0.0
@@ -70,6 +72,8 @@ class ServerConfig:
         self.restart_policy()  # raises, naming what is wrong
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        from rooflm.config import require_placement_backend
+        require_placement_backend(self.data_parallel_backend, "data_parallel_backend")
         from rooflm.dp.router import canonical_policy
         canonical_policy(self.dp_routing)  # raises, naming the policies
         if self.max_tokens_in_flight is not None and self.max_tokens_in_flight < 0:

@@ -60,6 +60,17 @@ def _check_close(one, two) -> None:
                 break
 
 
+def _outputs_in_fresh_process(*args):
+    """_outputs in a process of its own: torch numbers symmetric-memory rendezvous keys per
+    process (rooflm/distributed/allreduce.py), so a symm engine after another in this process
+    would use NCCL (with a warning) instead of the path under test."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_outputs, *args).result()
+
+
 def _allreduces() -> list[str]:
     from rooflm.distributed.allreduce import peer_access, symm_op_available
     return ["nccl", "symm"] if peer_access(2)[0] and symm_op_available() else ["nccl"]
@@ -72,7 +83,8 @@ def test_tp2_equals_tp1_on_two_gpus(tmp_path, family, attention):
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (5, 17, 40, 120)]
     one = _outputs(path, 1, prompts, 24)
     for allreduce in _allreduces():
-        two = _outputs(path, 2, prompts, 24, allreduce)
+        run = _outputs_in_fresh_process if allreduce == "symm" else _outputs
+        two = run(path, 2, prompts, 24, allreduce)
         _check_close(one, two)
         exact = sum(a.token_ids == b.token_ids for a, b in zip(one, two))
         print(f"{family} ({allreduce}): {exact} of {len(one)} sequences token-for-token equal")

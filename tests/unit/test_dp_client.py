@@ -131,3 +131,27 @@ def test_one_dead_replica_is_a_dead_engine():
         with pytest.raises(EngineDeadError, match="replica 1"):
             await dp.generate([_request(0)])
     asyncio.run(run())
+
+
+def test_keep_serving_drops_a_lost_replica_and_the_others_serve():
+    """The Ray backend's rule: a replica that stays down is dropped, not the engine."""
+    async def run():
+        engine = SimpleNamespace(replicas=[SimpleNamespace(index=i) for i in range(3)],
+                                 info=SimpleNamespace(block_size=4, num_blocks=100))
+        dp = StandInDPClient(engine, policy="round_robin", keep_serving=True)
+        deaths = []
+        dp.start(on_dead=deaths.append)
+        dp.clients[1].die("RuntimeError: node lost")
+        assert not dp.is_dead and deaths == [] and "node lost" in dp.lost_replicas[1]
+        assert all(c.aborted == [] for c in dp.clients)  # the others' requests go on
+        assert dp.health(30.0) is None
+        for i in range(4):
+            await dp.generate([_request(i)])
+        assert dp.clients[1].admitted == []
+        assert len(dp.clients[0].admitted) + len(dp.clients[2].admitted) == 4
+        dp.clients[0].die("RuntimeError: node lost")
+        dp.clients[2].die("RuntimeError: node lost")
+        assert dp.is_dead and len(deaths) == 1 and "data-parallel replica 2" in dp.health(30.0)
+        with pytest.raises(EngineDeadError):
+            await dp.generate([_request(9)])
+    asyncio.run(run())
