@@ -7,7 +7,7 @@ slot pool [slots, elements] (a slot is one row, so an adapter's host image goes 
 and adds, for each token t under slot s = slot(t):
     y[t, shard i] += (x_t @ A_s,i^T) @ B_s,i^T
 The shrink reads x once for all shards of a fused linear (q, k, v or gate, up). On CUDA the two
-halves are the Triton SGMV/BGMV kernels (rooflm/kernels/lora_shrink.py, lora_expand.py); on the
+halves are the Triton SGMV kernels (rooflm/kernels/lora_shrink.py, lora_expand.py); on the
 CPU the torch path below, a loop over the step's slots, is the reference.
 
 A hook exists only with --enable-lora; without it Linear.forward pays one attribute test.
@@ -96,10 +96,10 @@ class LoRALinearHook:
         if self.use_triton:
             from rooflm.kernels.lora_expand import lora_expand
             from rooflm.kernels.lora_shrink import lora_shrink
-            h = lora_shrink(x, self.lora_a, m.token_slots, m.token_order, m.seg_starts, m.seg_slots,
-                            m.max_seg_len, m.decode_only)
-            return lora_expand(h, self.lora_b, y, self.shards, self.rank, m.token_slots, m.token_order,
-                               m.seg_starts, m.seg_slots, m.max_seg_len, m.decode_only)
+            order, starts, seg_slots, max_seg_len = m.segments(self.lora_a.shape[0])
+            h = lora_shrink(x, self.lora_a, m.token_slots, order, starts, seg_slots, max_seg_len, m.decode_only)
+            return lora_expand(h, self.lora_b, y, self.shards, self.rank, m.token_slots, order, starts,
+                               seg_slots, max_seg_len, m.decode_only)
         if m.dense:
             return self._dense_torch(x, y, m.token_slots)
         rank = self.rank

@@ -11,9 +11,11 @@ for them. A step of decodes only takes the one-token-per-program kernels (BGMV).
 
 A CUDA graph cannot take a new grid or new segments each step, so a captured decode step runs
 the mapping in its graph form (`use_graph_slots`): token_slots is a view of the graph's static
-buffer [batch] int32, written before each replay (engine/cuda_graph.py), and the BGMV kernels
-launch one program per row of the batch; rows without an adapter and padding rows hold -1 and
-the kernels skip them.
+buffer [batch] int32, written before each replay (engine/cuda_graph.py); the first hook of the
+step groups the rows by slot on the device (kernels/lora_shrink.py graph_segments, captured into
+the graph, so each replay regroups), one group per slot of the pool, and every hook of the step
+reuses the groups; the kernels' grid is fixed by the batch and the slot count, and the programs
+of empty slots exit. Rows without an adapter and padding rows hold -1 and are in no group.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class LoRAMapping:
         # first read (the Triton path never reads it): the step's host arrays until then.
         self._groups: list[tuple[int, torch.Tensor]] = []
         self._host_segments = None
+        self._graph_segments = None  # the graph form's groups, made by the step's first hook
 
     def set_step(self, token_slots: Sequence[int], decode_only: bool) -> None:
         """token_slots: each packed token's slot (NO_ADAPTER for none), in the step's token order."""
@@ -50,7 +53,7 @@ class LoRAMapping:
         under = np.flatnonzero(slots >= 0)
         self.dense = False
         self.active = under.size > 0
-        self._groups, self._host_segments = [], None
+        self._groups, self._host_segments, self._graph_segments = [], None, None
         # The step's slots on the host, for tensor parallelism's step packet (None: no adapter).
         self.host_token_slots = slots if self.active else None
         if not self.active:
@@ -85,6 +88,17 @@ class LoRAMapping:
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
 
+    def segments(self, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(token_order, seg_starts, seg_slots, max_seg_len) for the kernels: the step's non-empty
+        slots, or in the graph form every one of the pool's num_slots slots, grouped on the device
+        once per step (max_seg_len: the batch, as the graph's grid must cover any grouping)."""
+        if not self.dense:
+            return self.token_order, self.seg_starts, self.seg_slots, self.max_seg_len
+        if self._graph_segments is None:
+            from rooflm.kernels.lora_shrink import graph_segments
+            self._graph_segments = graph_segments(self.token_slots, num_slots)
+        return (*self._graph_segments, self.token_slots.shape[0])
+
     def use_graph_slots(self, token_slots: torch.Tensor) -> None:
         """The graph form of a decode step: token_slots [batch] int32 is the graph's static slot
         buffer (the view captured and replayed); nothing of it is read on the host."""
@@ -93,12 +107,14 @@ class LoRAMapping:
         self.dense = True
         self.token_slots = token_slots
         self.token_order = self.seg_starts = self.seg_slots = None
-        self.max_seg_len = 1
+        self.max_seg_len = token_slots.shape[0]
         self._groups, self._host_segments = [], None
+        # Regrouped by the first hook of the forward that follows (the one a graph captures).
+        self._graph_segments = None
         self.host_token_slots = None
 
     def clear(self) -> None:
         self.active = False
         self.dense = False
         self.host_token_slots = None
-        self._groups, self._host_segments = [], None
+        self._groups, self._host_segments, self._graph_segments = [], None, None

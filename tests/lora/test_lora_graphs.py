@@ -215,7 +215,8 @@ def test_engine_decode_through_the_graph_runner_equals_eager(tiny):
 @pytest.mark.parametrize("num_splits", [None, 3])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_dense_decode_kernels_skip_rows_without_an_adapter(dtype, num_splits):
-    """token_order None: one program per row, slot -1 (base rows, graph padding) skipped."""
+    """token_order None: every slot a group, made from token_slots on the device; slot -1 rows
+    (base rows, graph padding) in none."""
     gen = torch.Generator().manual_seed(3)
     rank, k, shards = 8, 40, [(0, 24), (24, 8), (32, 8)]
     slots = [1, -1, 0, 1, -1, -1, 2]

@@ -126,3 +126,64 @@ def test_the_hook_gives_the_same_through_triton_and_torch(decode_only):
     none = torch.tensor(slots) < 0
     assert torch.equal(outs[0][none], base[none])
     assert not torch.allclose(outs[0][~none], base[~none])
+
+
+def test_graph_segments_group_rows_by_slot_stably_with_no_adapter_last():
+    from rooflm.kernels.lora_shrink import graph_segments
+
+    slots = torch.tensor([2, -1, 0, 2, -1, 1, 0, 2], dtype=torch.int32, device=DEVICE)
+    order, starts, seg_slots = graph_segments(slots, num_slots=4)
+    assert order.tolist() == [2, 6, 5, 0, 3, 7, 1, 4]
+    assert starts.tolist() == [0, 2, 3, 6, 6], "slot 3 is empty; rows of no adapter begin at 6"
+    assert seg_slots.tolist() == [0, 1, 2, 3]
+    assert order.dtype == starts.dtype == seg_slots.dtype == torch.int32
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_graph_form_and_eager_decode_give_the_same_bits(dtype):
+    """A captured decode step groups rows on the device, one group per slot of the pool, grid
+    fixed by the batch; an eager step groups them on the host, non-empty slots only. The tiles
+    and splits depend on the shapes and slot count alone, so each token's sums are the same:
+    equal bits, not close. Slot 1 has 18 rows here: two M blocks of one group."""
+    gen = torch.Generator().manual_seed(11)
+    rank, k, num_slots = 8, 72, 4
+    shards = [(0, 16), (16, 8), (24, 8)]
+    slots = [1] * 18 + [-1, 3, 0, -1, 3, 1]
+    t = len(slots)
+    x = torch.randn(t, k, generator=gen).to(dtype).to(DEVICE)
+    lora_a = (torch.randn(num_slots, len(shards) * rank, k, generator=gen) / k ** 0.5).to(dtype).to(DEVICE)
+    lora_b = torch.randn(num_slots, 32, rank, generator=gen).to(dtype).to(DEVICE)
+    y = torch.randn(t, 32, generator=gen).to(dtype).to(DEVICE)
+    eager = _mapping(slots, decode_only=True)
+    graph = LoRAMapping(torch.device(DEVICE))
+    graph.use_graph_slots(torch.tensor(slots, dtype=torch.int32, device=DEVICE))
+    outs = []
+    for m in (eager, graph):
+        order, starts, seg_slots, max_len = m.segments(num_slots)
+        h = lora_shrink(x, lora_a, m.token_slots, order, starts, seg_slots, max_len, True)
+        out = y.clone()
+        lora_expand(h, lora_b, out, shards, rank, m.token_slots, order, starts, seg_slots, max_len, True)
+        outs.append(out)
+    assert len(graph.segments(num_slots)[2]) == num_slots and len(eager.segments(num_slots)[2]) == 3
+    assert torch.equal(outs[0], outs[1])
+    token_slots = torch.tensor(slots, device=DEVICE)
+    ref = lora_expand_ref(lora_shrink_ref(x, lora_a, token_slots), lora_b, y, shards, rank, token_slots)
+    assert_close(outs[1], ref, dtype, "graph form")
+
+
+def test_prefill_segments_longer_than_a_tile_match_the_reference():
+    """A prefill segment of 70 tokens: 64-row tiles (two M blocks, the second mostly masked)."""
+    gen = torch.Generator().manual_seed(5)
+    rank, k, shards = 4, 24, [(0, 16), (16, 16)]  # gate, up
+    slots = [0] * 70 + [-1, 1, 1]
+    t = len(slots)
+    x = torch.randn(t, k, generator=gen).to(DEVICE)
+    lora_a = torch.randn(2, 2 * rank, k, generator=gen).to(DEVICE)
+    lora_b = torch.randn(2, 32, rank, generator=gen).to(DEVICE)
+    y = torch.randn(t, 32, generator=gen).to(DEVICE)
+    m = _mapping(slots, decode_only=False)
+    h, out = _run(x, lora_a, lora_b, y, shards, rank, m)
+    token_slots = torch.tensor(slots, device=DEVICE)
+    h_ref = lora_shrink_ref(x, lora_a, token_slots)
+    assert_close(shrink_total(h, token_slots), h_ref, torch.float32, "shrink")
+    assert_close(out, lora_expand_ref(h_ref, lora_b, y, shards, rank, token_slots), torch.float32, "expand")
