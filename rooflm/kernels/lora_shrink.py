@@ -55,9 +55,13 @@ from rooflm.kernels.utils import check_last_dim_contiguous
 # --------------------------------------------------------------------------
 
 @triton.jit
-def _sgmv_shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, starts_ptr, slots_ptr, N, K, K_PER_SPLIT, N_BLOCKS,
-                        stride_xm, stride_as, stride_an, stride_hs, stride_hm,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _sgmv_shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, starts_ptr, slots_ptr, norm_w_ptr, N, K, K_PER_SPLIT,
+                        N_BLOCKS, eps, stride_xm, stride_as, stride_an, stride_hs, stride_hm,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        NORM: tl.constexpr):
+    # NORM: x is the residual stream and the linear's input is its RMSNorm (the one-token GEMV
+    # chain folds the norm into the base GEMV, so no normed x exists): each program reduces its
+    # rows' sum of squares over all of K (from L2), then normalises each tile with HF's casts.
     g = tl.program_id(0)
     pid_n = tl.program_id(1) % N_BLOCKS
     pid_m = tl.program_id(1) // N_BLOCKS
@@ -71,12 +75,24 @@ def _sgmv_shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, starts_ptr, slots_ptr, N
         tok = tl.load(order_ptr + rows, mask=row_ok, other=0).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
+        x_rows = x_ptr + tok[:, None] * stride_xm
+        rstd = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
+        if NORM:
+            sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                xf = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None] & (offs_k < K)[None, :],
+                             other=0.0).to(tl.float32)
+                sq += tl.sum(xf * xf, 1)
+            rstd = 1.0 / tl.sqrt(sq / K + eps)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K_PER_SPLIT, BLOCK_K):
             offs_k = split * K_PER_SPLIT + k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < K
-            xt = tl.load(x_ptr + tok[:, None] * stride_xm + offs_k[None, :],
-                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            xt = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if NORM:
+                nw = tl.load(norm_w_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+                xt = ((xt.to(tl.float32) * rstd[:, None]).to(xt.dtype).to(tl.float32) * nw[None, :]).to(xt.dtype)
             at = tl.load(a_ptr + slot * stride_as + offs_n[:, None] * stride_an + offs_k[None, :],
                          mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc += tl.dot(xt, tl.trans(at.to(xt.dtype)))
@@ -150,12 +166,15 @@ def graph_segments(token_slots: torch.Tensor, num_slots: int) -> tuple[torch.Ten
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor,
                 token_order: Optional[torch.Tensor], seg_starts: Optional[torch.Tensor],
                 seg_slots: Optional[torch.Tensor], max_seg_len: int, decode_only: bool,
-                num_splits: Optional[int] = None) -> torch.Tensor:
+                num_splits: Optional[int] = None, norm_weight: Optional[torch.Tensor] = None,
+                eps: float = 1e-6) -> torch.Tensor:
     """Partial sums h [S, T, N] fp32 whose sum over S is x_t @ A_{slot(t)}^T, for the tokens in
     token_order (rows of other tokens are undefined: the expand never reads them). S = 1 but
     in decode steps, whose K is split over decode_splits (or num_splits) programs; lora_expand
     adds the partials. token_order None (a graph's decode step, decode_only): the groups are
-    every slot's, from token_slots on the device (graph_segments), M blocks over the batch."""
+    every slot's, from token_slots on the device (graph_segments), M blocks over the batch.
+    norm_weight: x is the residual stream, the linear's input RMSNorm(norm_weight, eps)(x), as
+    rooflm.kernels.gemv's NORM prologue computes it (HF's casts)."""
     check_last_dim_contiguous("x", x)
     if lora_a.dim() != 3 or lora_a.shape[2] != x.shape[1] or not slots_contiguous(lora_a):
         raise ValueError(f"lora_a must be [slots, N, {x.shape[1]}], each slot contiguous, got "
@@ -180,9 +199,12 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor
         return h
     n_blocks = triton.cdiv(n, block_n)
     grid = (seg_slots.numel(), n_blocks * triton.cdiv(max_seg_len, block_m), splits)
-    _sgmv_shrink_kernel[grid](x, lora_a, h, token_order, seg_starts, seg_slots, n, k, k_per_split, n_blocks,
+    if norm_weight is not None and norm_weight.numel() != k:
+        raise ValueError(f"norm_weight must have {k} elements, got {tuple(norm_weight.shape)}")
+    _sgmv_shrink_kernel[grid](x, lora_a, h, token_order, seg_starts, seg_slots,
+                              norm_weight if norm_weight is not None else x, n, k, k_per_split, n_blocks, eps,
                               x.stride(0), lora_a.stride(0), lora_a.stride(1), h.stride(0), h.stride(1),
-                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None)
     return h
 
 

@@ -109,6 +109,21 @@ class LoRALinearHook:
                 y[idx, offset:offset + size] += h[:, i * rank:(i + 1) * rank] @ self.lora_b[slot, offset:offset + size].T
         return y
 
+    def gemv_epilogue(self, x: torch.Tensor, norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6):
+        """The one-token GEMV chain's form of this hook (rooflm/model/decoder.py _forward_gemv):
+        the shrink of x [1, K] (normed in the kernel as the GEMV's NORM prologue normalises it,
+        norm_weight given), and the expand left to the base GEMV's LORA epilogue, which adds
+        the delta before the bias, activation or residual add (kernels/gemv.py LoRAEpilogue)."""
+        from rooflm.kernels.gemv import LoRAEpilogue
+        from rooflm.kernels.lora_shrink import lora_shrink
+        m = self.mapping
+        order, starts, seg_slots, max_seg_len = m.segments(self.lora_a.shape[0])
+        h = lora_shrink(x, self.lora_a, m.token_slots, order, starts, seg_slots, max_seg_len, m.decode_only,
+                        norm_weight=norm_weight, eps=eps)
+        out = self.lora_b.shape[1]
+        shard_starts = ([offset for offset, _ in self.shards[1:]] + [out, out])[:2]
+        return LoRAEpilogue(h, self.lora_b, m.token_slots, self.rank, tuple(shard_starts))
+
     def _dense_torch(self, x: torch.Tensor, y: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
         """The graph form on the torch path: each row gathers its slot's A and B (slot -1: a
         zero contribution), no host read of the slots, as a captured step must."""

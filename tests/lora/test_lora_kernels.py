@@ -187,3 +187,78 @@ def test_prefill_segments_longer_than_a_tile_match_the_reference():
     h_ref = lora_shrink_ref(x, lora_a, token_slots)
     assert_close(shrink_total(h, token_slots), h_ref, torch.float32, "shrink")
     assert_close(out, lora_expand_ref(h_ref, lora_b, y, shards, rank, token_slots), torch.float32, "expand")
+
+
+# --------------------------------------------------------------------------
+# The one-token GEMV chain with an adapter: the shrink's NORM, the GEMV's LORA epilogue
+# --------------------------------------------------------------------------
+
+def _one_token_case(gated: bool, graph_form: bool, slot: int = 1):
+    from rooflm.layers.linear import FusedLinear
+    from rooflm.lora.hook import LoRALinearHook
+
+    gen = torch.Generator().manual_seed(21 + gated)
+    k, rank, dtype = 48, 8, torch.float16
+    sizes = {"gate": 24, "up": 24} if gated else {"q": 16, "k": 8, "v": 8}
+    linear = FusedLinear(k, sizes)
+    linear.weight.data = (torch.randn(linear.out_features, k, generator=gen) / k ** 0.5).to(dtype)
+    linear = linear.to(DEVICE)
+    m = LoRAMapping(torch.device(DEVICE))
+    if graph_form:
+        m.use_graph_slots(torch.tensor([slot], dtype=torch.int32, device=DEVICE))
+    else:
+        m.set_step([slot], decode_only=True)
+    hook = LoRALinearHook(linear, num_slots=3, rank=rank, mapping=m, use_triton=True)
+    hook.lora_a.copy_(torch.randn(hook.lora_a.shape, generator=gen) / k ** 0.5)
+    hook.lora_b.copy_(torch.randn(hook.lora_b.shape, generator=gen))
+    x = torch.randn(1, k, generator=gen).to(dtype).to(DEVICE)
+    norm_w = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype).to(DEVICE)
+    return linear, hook, x, norm_w
+
+
+def _one_token_ref(linear, hook, x, norm_w, slot, gated):
+    """rmsnorm -> linear (+ the adapter's delta) -> act(gate) * up, each in the unfused ops' casts."""
+    from rooflm.kernels.rmsnorm import rmsnorm_ref
+    xn = rmsnorm_ref(x, norm_w, 1e-5)
+    h = xn.float() @ hook.lora_a[slot].float().T
+    delta = torch.cat([h[:, i * hook.rank:(i + 1) * hook.rank] @ hook.lora_b[slot, off:off + size].float().T
+                       for i, (off, size) in enumerate(hook.shards)], dim=1)
+    y = xn.float() @ linear.weight.float().T + delta
+    if not gated:
+        return y.to(x.dtype)
+    gate, up = y.to(x.dtype).float().chunk(2, dim=1)
+    return (torch.nn.functional.silu(gate).to(x.dtype).float() * up).to(x.dtype)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("graph_form", [False, True])
+def test_gemv_with_the_adapter_epilogue_matches_norm_linear_and_delta(gated, graph_form):
+    """qkv (three shards) and gate_up (the delta before SiLU-mul), pre-norm folded into both the
+    base GEMV and the shrink; the slot read on the device, in the step's or the graph's form."""
+    from rooflm.kernels.gemv import gemv
+
+    linear, hook, x, norm_w = _one_token_case(gated, graph_form)
+    epilogue = hook.gemv_epilogue(x, norm_w, 1e-5)
+    out = gemv(x, linear.weight, norm_weight=norm_w, eps=1e-5, gated=gated, lora=epilogue)
+    assert_close(out, _one_token_ref(linear, hook, x, norm_w, 1, gated), torch.float16, "gemv + lora")
+    plain = gemv(x, linear.weight, norm_weight=norm_w, eps=1e-5, gated=gated)
+    assert not torch.allclose(out.float(), plain.float(), atol=1e-2), "the delta was added"
+
+
+def test_gemv_epilogue_of_slot_minus_one_adds_nothing_and_residual_comes_after():
+    """A row of no adapter (a graph input of -1) gives the plain GEMV bit for bit; o_proj's form:
+    the delta joins W a before the residual add."""
+    from rooflm.kernels.gemv import gemv
+
+    linear, hook, x, _ = _one_token_case(False, graph_form=True, slot=-1)
+    res = torch.randn(1, linear.out_features, device=DEVICE).to(x.dtype)
+    epilogue = hook.gemv_epilogue(x)
+    assert torch.equal(gemv(x, linear.weight, residual=res, lora=epilogue), gemv(x, linear.weight, residual=res))
+    hook.mapping.token_slots.fill_(2)  # the graph's input rewritten in place; a replay regroups,
+    hook.mapping.use_graph_slots(hook.mapping.token_slots)  # as a new forward of the graph form does
+    out = gemv(x, linear.weight, residual=res, lora=hook.gemv_epilogue(x))
+    h = x.float() @ hook.lora_a[2].float().T
+    delta = torch.cat([h[:, i * hook.rank:(i + 1) * hook.rank] @ hook.lora_b[2, off:off + size].float().T
+                       for i, (off, size) in enumerate(hook.shards)], dim=1)
+    ref = ((x.float() @ linear.weight.float().T + delta).to(x.dtype).float() + res.float()).to(x.dtype)
+    assert_close(out, ref, torch.float16, "o_proj form")
