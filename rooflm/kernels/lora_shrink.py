@@ -22,6 +22,8 @@ is read once per BLOCK_M of its tokens, never once per token (a decode batch of 
     partial sums; lora_expand adds them once per shard (no atomics: the order is fixed). The
     split count and the tiles are functions of the shapes and the slot count only, never of the
     step's tokens, so a graph's step and an eager step give the same bits for a token.
+  * Prefill and mixed steps (never captured) split K by the step's tile count (prefill_splits),
+    so a step of a few hundred tokens still fills the GPU.
 
 h is fp32 [S, T, N] partial sums (S = 1 unsplit); rows of tokens without an adapter are
 undefined (the expand skips them).
@@ -123,6 +125,14 @@ def decode_splits(num_slots: int, n: int, k: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(k, MIN_SPLIT_K), target // max(programs, 1)))
 
 
+def prefill_splits(num_tokens: int, num_segments: int, block_m: int, n: int, k: int, device: torch.device) -> int:
+    """K splits for a prefill or mixed step (eager only, so the step's sizes may choose): a
+    step of a few hundred tokens has only a few dozen M tiles, each streaming its rows' whole x,
+    which leaves most of the GPU idle; split K until the tiles fill it twice over."""
+    tiles = (triton.cdiv(num_tokens, block_m) + num_segments) * triton.cdiv(n, block_n_for(n))
+    return max(1, min(triton.cdiv(k, MIN_SPLIT_K), 2 * _num_sms(device) // max(tiles, 1)))
+
+
 def block_n_for(n: int) -> int:
     return min(64, max(16, triton.next_power_of_2(n)))
 
@@ -169,9 +179,8 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor
                 num_splits: Optional[int] = None, norm_weight: Optional[torch.Tensor] = None,
                 eps: float = 1e-6) -> torch.Tensor:
     """Partial sums h [S, T, N] fp32 whose sum over S is x_t @ A_{slot(t)}^T, for the tokens in
-    token_order (rows of other tokens are undefined: the expand never reads them). S = 1 but
-    in decode steps, whose K is split over decode_splits (or num_splits) programs; lora_expand
-    adds the partials. token_order None (a graph's decode step, decode_only): the groups are
+    token_order (rows of other tokens are undefined: the expand never reads them). K is split
+    over S programs (decode_splits, prefill_splits, or num_splits); lora_expand adds the partials. token_order None (a graph's decode step, decode_only): the groups are
     every slot's, from token_slots on the device (graph_segments), M blocks over the batch.
     norm_weight: x is the residual stream, the linear's input RMSNorm(norm_weight, eps)(x), as
     rooflm.kernels.gemv's NORM prologue computes it (HF's casts)."""
@@ -188,7 +197,12 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor
         max_seg_len = t
     block_n = block_n_for(n)
     block_m = block_m_for(max_seg_len, decode_only)
-    splits = (num_splits or decode_splits(lora_a.shape[0], n, k, x.device)) if decode_only else 1
+    if num_splits:
+        splits = num_splits
+    elif decode_only:
+        splits = decode_splits(lora_a.shape[0], n, k, x.device)
+    else:
+        splits = prefill_splits(token_order.numel(), seg_slots.numel(), block_m, n, k, x.device)
     k_per_split = triton.cdiv(k, splits)
     block_k = min(128, max(16, triton.next_power_of_2(k_per_split)))
     k_per_split = triton.cdiv(k_per_split, block_k) * block_k

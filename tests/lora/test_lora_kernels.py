@@ -26,7 +26,7 @@ def _run(x, lora_a, lora_b, y, shards, rank, m: LoRAMapping, num_splits=None):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("decode_only,num_splits", [(False, None), (True, None), (True, 3)])
+@pytest.mark.parametrize("decode_only,num_splits", [(False, None), (False, 2), (True, None), (True, 3)])
 @pytest.mark.parametrize("rank", [4, 16])
 def test_shrink_expand_match_reference_on_a_mixed_batch(dtype, decode_only, num_splits, rank):
     """Decode steps' BGMV splits K (num_splits partial sums, added by the expand) and expands
