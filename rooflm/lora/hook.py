@@ -87,7 +87,17 @@ class LoRALinearHook:
         if shard in self.b_rows:
             b = b[self.b_rows[shard]:self.b_rows[shard] + size]
         lora_a[i * self.rank:i * self.rank + r].copy_(a)
-        lora_b[offset:offset + size, :r].copy_(b.float() * scaling)
+        dst = lora_b[offset:offset + size, :r]
+        if b.dtype == dst.dtype:
+            # One pass, rounded once as b.float() * scaling would be (opmath is fp32).
+            torch.mul(b, scaling, out=dst)
+        else:
+            dst.copy_(b.float() * scaling)
+
+    def covered_by(self, shards: set, rank: int) -> bool:
+        """Whether an adapter of `rank` on these shards of this linear writes every element of
+        the linear's part of a slot (else the rest must be zeros)."""
+        return rank == self.rank and set(self.shard_names) <= shards
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         m = self.mapping
