@@ -180,8 +180,9 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor
                 eps: float = 1e-6) -> torch.Tensor:
     """Partial sums h [S, T, N] fp32 whose sum over S is x_t @ A_{slot(t)}^T, for the tokens in
     token_order (rows of other tokens are undefined: the expand never reads them). K is split
-    over S programs (decode_splits, prefill_splits, or num_splits); lora_expand adds the partials. token_order None (a graph's decode step, decode_only): the groups are
-    every slot's, from token_slots on the device (graph_segments), M blocks over the batch.
+    over S programs (decode_splits, prefill_splits, or num_splits); lora_expand adds the
+    partials. token_order None (a graph's decode step, decode_only): the groups are every
+    slot's, from token_slots on the device (graph_segments), M blocks over the batch.
     norm_weight: x is the residual stream, the linear's input RMSNorm(norm_weight, eps)(x), as
     rooflm.kernels.gemv's NORM prologue computes it (HF's casts)."""
     check_last_dim_contiguous("x", x)

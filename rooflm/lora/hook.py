@@ -15,12 +15,15 @@ A hook exists only with --enable-lora; without it Linear.forward pays one attrib
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 
 from rooflm.layers.linear import FusedLinear, Linear
 from rooflm.lora.mapping import LoRAMapping
+
+logger = logging.getLogger(__name__)
 
 
 class LoRALinearHook:
@@ -175,6 +178,13 @@ def install_lora(model: torch.nn.Module, mapping: LoRAMapping, num_slots: int, r
                 raise ValueError(f"LoRA on {type(linear).__name__} (layer {index} {name}) is not served")
             targets.append((index, name, linear))
         layer.lora_mapping = mapping
+    plain = sum(getattr(layer, "gemv", None) is None for layer in model.model.layers)
+    if use_triton and plain:
+        # The one-token GEMV chain takes the adapters in its epilogues (gemv_epilogue); a layer
+        # without it (quantized base weights: the folded and FP8-code forms have no adapter
+        # epilogue; --deterministic) runs one-token steps with adapters on the plain path.
+        logger.info("LoRA: one-token steps with an adapter run %d of %d layers on the plain path (cuBLAS or the "
+                    "quantized linear, norms and SiLU-mul apart), not the GEMV chain", plain, len(model.model.layers))
     first = targets[0][2].weight
     total = sum(slot_elements(linear, rank) for _, _, linear in targets)
     pool = torch.zeros(num_slots, total, dtype=first.dtype, device=first.device)

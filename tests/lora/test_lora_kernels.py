@@ -230,8 +230,7 @@ def _one_token_ref(linear, hook, x, norm_w, slot, gated):
     return (torch.nn.functional.silu(gate).to(x.dtype).float() * up).to(x.dtype)
 
 
-@pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("graph_form", [False, True])
+@pytest.mark.parametrize("gated,graph_form", [(False, False), (True, True)])
 def test_gemv_with_the_adapter_epilogue_matches_norm_linear_and_delta(gated, graph_form):
     """qkv (three shards) and gate_up (the delta before SiLU-mul), pre-norm folded into both the
     base GEMV and the shrink; the slot read on the device, in the step's or the graph's form."""
