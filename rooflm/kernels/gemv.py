@@ -170,7 +170,8 @@ def _gemv_kernel(out_ptr, x_ptr, w_ptr, bias_ptr, residual_ptr, norm_w_ptr,
         gate = y.to(dtype).to(tl.float32)
         up = tl.sum(acc_up, 1)
         if LORA:  # the up rows follow the gate rows in B, as in W
-            up += _lora_delta(rn + N, n_mask, lora_h_ptr, lora_b_ptr, slot, R, OFF1, OFF2, NUM_SPLITS,
+            up_slot = tl.load(lora_slot_ptr).to(tl.int64)
+            up += _lora_delta(rn + N, n_mask, lora_h_ptr, lora_b_ptr, up_slot, R, OFF1, OFF2, NUM_SPLITS,
                               stride_lhs, stride_lbs, stride_lbn, BLOCK_R)
         up = up.to(dtype).to(tl.float32)
         if GELU_TANH:  # Gemma: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh(z) = 2 sigmoid(2z) - 1

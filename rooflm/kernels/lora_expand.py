@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from rooflm.kernels.lora_shrink import block_m_for, graph_segments, slots_contiguous
-from rooflm.kernels.utils import check_last_dim_contiguous
+from rooflm.kernels.utils import check_last_dim_contiguous, dot_precision
 
 
 # --------------------------------------------------------------------------
@@ -48,7 +48,8 @@ from rooflm.kernels.utils import check_last_dim_contiguous
 @triton.jit
 def _sgmv_expand_kernel(h_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, slots_ptr, OUT, R, OFF1, OFF2, NUM_SPLITS,
                         stride_hs, stride_hm, stride_bs, stride_bn, stride_ym,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr):
     g = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -79,7 +80,7 @@ def _sgmv_expand_kernel(h_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, slots_ptr, O
             hs = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
             for split in range(0, NUM_SPLITS):
                 hs += tl.load(h_at + split * stride_hs + s * R, mask=h_mask, other=0.0)
-            part = tl.dot(hs.to(bt.dtype), tl.trans(bt))
+            part = tl.dot(hs.to(bt.dtype), tl.trans(bt), input_precision=DOT_PRECISION)
             acc = tl.where((shard == s)[None, :], part, acc)
         y_at = y_ptr + tok[:, None] * stride_ym + offs_n[None, :]
         mask = row_ok[:, None] & n_ok[None, :]
@@ -133,7 +134,8 @@ def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, y: torch.Tensor, shards: 
     grid = (seg_slots.numel(), triton.cdiv(out, block_n), triton.cdiv(max_seg_len, block_m))
     _sgmv_expand_kernel[grid](h, lora_b, y, token_order, seg_starts, seg_slots, out, rank, off1, off2, h.shape[0],
                               h.stride(0), h.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)))
+                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
+                              DOT_PRECISION=dot_precision(lora_b.dtype))
     return y
 
 

@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rooflm.kernels.utils import check_last_dim_contiguous
+from rooflm.kernels.utils import check_last_dim_contiguous, dot_precision
 
 
 # --------------------------------------------------------------------------
@@ -60,7 +60,7 @@ from rooflm.kernels.utils import check_last_dim_contiguous
 def _sgmv_shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, starts_ptr, slots_ptr, norm_w_ptr, N, K, K_PER_SPLIT,
                         N_BLOCKS, eps, stride_xm, stride_as, stride_an, stride_hs, stride_hm,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        NORM: tl.constexpr):
+                        NORM: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # NORM: x is the residual stream and the linear's input is its RMSNorm (the one-token GEMV
     # chain folds the norm into the base GEMV, so no normed x exists): each program reduces its
     # rows' sum of squares over all of K (from L2), then normalises each tile with HF's casts.
@@ -97,7 +97,7 @@ def _sgmv_shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, starts_ptr, slots_ptr, n
                 xt = ((xt.to(tl.float32) * rstd[:, None]).to(xt.dtype).to(tl.float32) * nw[None, :]).to(xt.dtype)
             at = tl.load(a_ptr + slot * stride_as + offs_n[:, None] * stride_an + offs_k[None, :],
                          mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += tl.dot(xt, tl.trans(at.to(xt.dtype)))
+            acc += tl.dot(xt, tl.trans(at.to(xt.dtype)), input_precision=DOT_PRECISION)
         tl.store(h_ptr + split * stride_hs + tok[:, None] * stride_hm + offs_n[None, :], acc,
                  mask=row_ok[:, None] & n_ok[None, :])
 
@@ -219,7 +219,8 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor
     _sgmv_shrink_kernel[grid](x, lora_a, h, token_order, seg_starts, seg_slots,
                               norm_weight if norm_weight is not None else x, n, k, k_per_split, n_blocks, eps,
                               x.stride(0), lora_a.stride(0), lora_a.stride(1), h.stride(0), h.stride(1),
-                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None)
+                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
+                              DOT_PRECISION=dot_precision(x.dtype))
     return h
 
 
