@@ -10,8 +10,8 @@ take h's columns [i R, (i + 1) R):
     y[t, off_i + j] += sum_r h[t, i R + r] * B[slot(t), off_i + j, r]
 
 One launch for all shards of a fused linear (a decode step is latency-bound: launches count). A
-program per (group, OUT block x M block) loads the slot's B tile once for BLOCK_M of the group's
-tokens, and for each shard its block touches (one, but where a shard boundary falls inside the
+program per (M tile of the shrink's, OUT block) loads the slot's B tile once for the tile's
+BLOCK_M tokens of one group, and for each shard its block touches (one, but where a shard boundary falls inside the
 block) sums the shrink's K-split partials once, as a [BLOCK_M, R] tile, then multiplies it by
 the B tile with tl.dot and adds into y in place (each element of y belongs to one program: no
 atomics; the splits are summed in a fixed order, so graphs and eager steps agree bit for bit).
@@ -25,7 +25,7 @@ y [T, OUT] (unit last stride), updated in place.
 
 Work
 ----
-FLOPs: 2 * Ta * R * OUT. Bytes: groups * ceil(Ta_g / BLOCK_M) * OUT * R * e (B) + 2 * Ta * OUT * e
+FLOPs: 2 * Ta * R * OUT. Bytes: tiles * OUT * R * e (B) + 2 * Ta * OUT * e
 (y read and written) + S * Ta * shards * R * 4 * ceil(OUT / BLOCK_N) (h, mostly from L2).
 """
 
@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rooflm.kernels.lora_shrink import block_m_for, graph_segments, slots_contiguous
+from rooflm.kernels.lora_shrink import block_m_for, graph_segments, slot_tiles, slots_contiguous
 from rooflm.kernels.utils import check_last_dim_contiguous, dot_precision
 
 
@@ -46,18 +46,18 @@ from rooflm.kernels.utils import check_last_dim_contiguous, dot_precision
 # --------------------------------------------------------------------------
 
 @triton.jit
-def _sgmv_expand_kernel(h_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, slots_ptr, OUT, R, OFF1, OFF2, NUM_SPLITS,
+def _sgmv_expand_kernel(h_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, slots_ptr, tile_group_ptr, tile_row_ptr,
+                        OUT, R, OFF1, OFF2, NUM_SPLITS,
                         stride_hs, stride_hm, stride_bs, stride_bn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                         DOT_PRECISION: tl.constexpr):
-    g = tl.program_id(0)
+    tile = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    start = tl.load(starts_ptr + g)
-    end = tl.load(starts_ptr + g + 1)
-    if start + pid_m * BLOCK_M < end:  # else: past the group's tokens (a graph's empty slot)
+    g = tl.load(tile_group_ptr + tile)
+    if g >= 0:  # else: a tile past the step's (lora_shrink.slot_tiles)
+        end = tl.load(starts_ptr + g + 1)
         slot = tl.load(slots_ptr + g).to(tl.int64)
-        rows = start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = tl.load(tile_row_ptr + tile) + tl.arange(0, BLOCK_M)
         row_ok = rows < end
         tok = tl.load(order_ptr + rows, mask=row_ok, other=0).to(tl.int64)
         n0 = pid_n * BLOCK_N
@@ -103,11 +103,12 @@ def expand_block_n(out: int, decode_only: bool) -> int:
 def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, y: torch.Tensor, shards: list[tuple[int, int]],
                 rank: int, token_slots: torch.Tensor, token_order: Optional[torch.Tensor],
                 seg_starts: Optional[torch.Tensor], seg_slots: Optional[torch.Tensor], max_seg_len: int,
-                decode_only: bool) -> torch.Tensor:
+                decode_only: bool, tiles: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """y[t, shard i] += h[t, i R:(i + 1) R] @ B_{slot(t)}[shard i]^T in place, for the tokens in
     token_order, h summed over its partials (lora_shrink's [S, T, N]; a [T, N] h is one part).
     shards: (output offset, size) per shard, in h's order, tiling y's columns from 0.
-    token_order None: every slot's group from token_slots on the device (a graph's decode step)."""
+    token_order None: every slot's group from token_slots on the device (a graph's decode step).
+    tiles: the shrink's (lora_shrink.slot_tiles), when the caller keeps them for the step."""
     check_last_dim_contiguous("y", y)
     if h.dim() == 2:
         h = h.unsqueeze(0)
@@ -131,8 +132,10 @@ def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, y: torch.Tensor, shards: 
     off1, off2 = (starts[1:] + [out, out])[:2]
     block_n = expand_block_n(out, decode_only)
     block_m = block_m_for(max_seg_len, decode_only)
-    grid = (seg_slots.numel(), triton.cdiv(out, block_n), triton.cdiv(max_seg_len, block_m))
-    _sgmv_expand_kernel[grid](h, lora_b, y, token_order, seg_starts, seg_slots, out, rank, off1, off2, h.shape[0],
+    tile_group, tile_row = tiles if tiles is not None else slot_tiles(seg_starts, token_order.numel(), block_m)
+    grid = (tile_group.numel(), triton.cdiv(out, block_n))
+    _sgmv_expand_kernel[grid](h, lora_b, y, token_order, seg_starts, seg_slots, tile_group, tile_row,
+                              out, rank, off1, off2, h.shape[0],
                               h.stride(0), h.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
                               DOT_PRECISION=dot_precision(lora_b.dtype))

@@ -7,16 +7,18 @@ lora_a [S, N, K] holds slot s's A matrices (a fused linear's shards stacked alon
 each rank R rows, so N = shards x R). Tokens are grouped by slot: group g is
 token_order[seg_starts[g]:seg_starts[g+1]], all under slot seg_slots[g].
 
-One kernel for every step: a program per (group, N block x M block, K split) gathers BLOCK_M of
-the group's token rows of x and multiplies them by the slot's A tile with tl.dot, so a slot's A
-is read once per BLOCK_M of its tokens, never once per token (a decode batch of 64 tokens over
-16 adapters reads 16 A's, not 64). A program past its group's end exits at once.
+One kernel for every step: a program per (M tile, N block, K split) gathers a tile's BLOCK_M
+token rows of x (all of one group) and multiplies them by the slot's A tile with tl.dot, so a
+slot's A is read once per BLOCK_M of its tokens, never once per token (a decode batch of 64
+tokens over 16 adapters reads 16 A's, not 64). The tiles (slot_tiles: group, first row) are a
+table on the device whose length bounds the step's, min(tokens, ceil(tokens / BLOCK_M) +
+groups); a program of a padding tile exits at once.
 
   * Eager steps: the groups are the step's non-empty slots (rooflm/lora/mapping.py, on the host).
   * A CUDA graph's decode step (token_order None here, or the mapping's graph form): the groups
-    are ALL slots, seg_slots = 0..S-1, their starts computed on the device from the graph's
-    static token_slots (graph_segments), and M blocks cover the whole batch: a grid fixed by the
-    batch size and the slot count, in which empty slots' programs exit.
+    are ALL slots, seg_slots = 0..S-1, their starts and tiles computed on the device from the
+    graph's static token_slots (graph_segments, slot_tiles): a grid fixed by the batch size and
+    the slot count.
   * Decode steps split K (decode_splits) so that a small batch still fills the GPU: at batch 1
     one program would stream a whole A ([48, 4096] bf16, 384 KiB) alone. Each split writes its
     partial sums; lora_expand adds them once per shard (no atomics: the order is fixed). The
@@ -37,7 +39,7 @@ Work
 ----
 FLOPs: 2 * Ta * N * K (Ta: tokens under an adapter). With N = 3 x 16 and K = 4096 this is tiny
 beside the base linear (N_base = 6144): the kernel is memory-bound.
-Bytes: Ta * K * e (x) + groups * ceil(Ta_g / BLOCK_M) * N * K * e (A) + splits * Ta * N * 4 (h).
+Bytes: Ta * K * e (x) + tiles * N * K * e (A) + splits * Ta * N * 4 (h).
 """
 
 from __future__ import annotations
@@ -57,22 +59,21 @@ from rooflm.kernels.utils import check_last_dim_contiguous, dot_precision
 # --------------------------------------------------------------------------
 
 @triton.jit
-def _sgmv_shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, starts_ptr, slots_ptr, norm_w_ptr, N, K, K_PER_SPLIT,
-                        N_BLOCKS, eps, stride_xm, stride_as, stride_an, stride_hs, stride_hm,
+def _sgmv_shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, starts_ptr, slots_ptr, tile_group_ptr, tile_row_ptr,
+                        norm_w_ptr, N, K, K_PER_SPLIT, eps, stride_xm, stride_as, stride_an, stride_hs, stride_hm,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         NORM: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # NORM: x is the residual stream and the linear's input is its RMSNorm (the one-token GEMV
     # chain folds the norm into the base GEMV, so no normed x exists): each program reduces its
     # rows' sum of squares over all of K (from L2), then normalises each tile with HF's casts.
-    g = tl.program_id(0)
-    pid_n = tl.program_id(1) % N_BLOCKS
-    pid_m = tl.program_id(1) // N_BLOCKS
+    tile = tl.program_id(0)
+    pid_n = tl.program_id(1)
     split = tl.program_id(2)
-    start = tl.load(starts_ptr + g)
-    end = tl.load(starts_ptr + g + 1)
-    if start + pid_m * BLOCK_M < end:  # else: past the group's tokens (a graph's empty slot)
+    g = tl.load(tile_group_ptr + tile)
+    if g >= 0:  # else: a tile past the step's (the graph's grid covers the most there can be)
+        end = tl.load(starts_ptr + g + 1)
         slot = tl.load(slots_ptr + g).to(tl.int64)
-        rows = start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = tl.load(tile_row_ptr + tile) + tl.arange(0, BLOCK_M)
         row_ok = rows < end
         tok = tl.load(order_ptr + rows, mask=row_ok, other=0).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -173,18 +174,39 @@ def graph_segments(token_slots: torch.Tensor, num_slots: int) -> tuple[torch.Ten
     return order, seg_starts, seg_slots
 
 
+def slot_tiles(seg_starts: torch.Tensor, num_tokens: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' M tiles, made on the device with no host read (a graph recomputes them on
+    each replay): tile t covers token_order[tile_row[t]:tile_row[t] + block_m] of group
+    tile_group[t] (-1: no tile; the rows past the group's end are masked). The table's length
+    is what the host knows bounds it, min(tokens, ceil(tokens / block_m) + groups), so the
+    launch grid has no program per (group, largest possible M block) to exit: with 16 slots at
+    batch 256 that is 32 tiles, not 256."""
+    groups = seg_starts.numel() - 1
+    counts = (seg_starts[1:] - seg_starts[:-1]).long()
+    tiles = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles, 0)
+    length = max(1, min(num_tokens, triton.cdiv(num_tokens, block_m) + groups))
+    t = torch.arange(length, device=seg_starts.device)
+    g = torch.searchsorted(tile_end, t, right=True)
+    gc = g.clamp(max=groups - 1)
+    rows = seg_starts.long()[gc] + (t - (tile_end - tiles)[gc]) * block_m
+    tile_group = torch.where(g < groups, gc, -1).to(torch.int32)
+    return tile_group, rows.to(torch.int32)
+
+
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor,
                 token_order: Optional[torch.Tensor], seg_starts: Optional[torch.Tensor],
                 seg_slots: Optional[torch.Tensor], max_seg_len: int, decode_only: bool,
                 num_splits: Optional[int] = None, norm_weight: Optional[torch.Tensor] = None,
-                eps: float = 1e-6) -> torch.Tensor:
+                eps: float = 1e-6, tiles: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """Partial sums h [S, T, N] fp32 whose sum over S is x_t @ A_{slot(t)}^T, for the tokens in
     token_order (rows of other tokens are undefined: the expand never reads them). K is split
     over S programs (decode_splits, prefill_splits, or num_splits); lora_expand adds the
     partials. token_order None (a graph's decode step, decode_only): the groups are every
     slot's, from token_slots on the device (graph_segments), M blocks over the batch.
     norm_weight: x is the residual stream, the linear's input RMSNorm(norm_weight, eps)(x), as
-    rooflm.kernels.gemv's NORM prologue computes it (HF's casts)."""
+    rooflm.kernels.gemv's NORM prologue computes it (HF's casts). tiles: slot_tiles(seg_starts,
+    tokens, block_m_for(max_seg_len, decode_only)) when the caller keeps them for the step."""
     check_last_dim_contiguous("x", x)
     if lora_a.dim() != 3 or lora_a.shape[2] != x.shape[1] or not slots_contiguous(lora_a):
         raise ValueError(f"lora_a must be [slots, N, {x.shape[1]}], each slot contiguous, got "
@@ -212,12 +234,12 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor
     h = torch.empty(splits, t, n, dtype=torch.float32, device=x.device)
     if token_order.numel() == 0 or seg_slots.numel() == 0 or max_seg_len == 0:
         return h
-    n_blocks = triton.cdiv(n, block_n)
-    grid = (seg_slots.numel(), n_blocks * triton.cdiv(max_seg_len, block_m), splits)
     if norm_weight is not None and norm_weight.numel() != k:
         raise ValueError(f"norm_weight must have {k} elements, got {tuple(norm_weight.shape)}")
-    _sgmv_shrink_kernel[grid](x, lora_a, h, token_order, seg_starts, seg_slots,
-                              norm_weight if norm_weight is not None else x, n, k, k_per_split, n_blocks, eps,
+    tile_group, tile_row = tiles if tiles is not None else slot_tiles(seg_starts, token_order.numel(), block_m)
+    grid = (tile_group.numel(), triton.cdiv(n, block_n), splits)
+    _sgmv_shrink_kernel[grid](x, lora_a, h, token_order, seg_starts, seg_slots, tile_group, tile_row,
+                              norm_weight if norm_weight is not None else x, n, k, k_per_split, eps,
                               x.stride(0), lora_a.stride(0), lora_a.stride(1), h.stride(0), h.stride(1),
                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
                               DOT_PRECISION=dot_precision(x.dtype))

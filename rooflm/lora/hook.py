@@ -109,10 +109,11 @@ class LoRALinearHook:
         if self.use_triton:
             from rooflm.kernels.lora_expand import lora_expand
             from rooflm.kernels.lora_shrink import lora_shrink
-            order, starts, seg_slots, max_seg_len = m.segments(self.lora_a.shape[0])
-            h = lora_shrink(x, self.lora_a, m.token_slots, order, starts, seg_slots, max_seg_len, m.decode_only)
-            return lora_expand(h, self.lora_b, y, self.shards, self.rank, m.token_slots, order, starts,
-                               seg_slots, max_seg_len, m.decode_only)
+            seg = m.segments(self.lora_a.shape[0])
+            h = lora_shrink(x, self.lora_a, m.token_slots, seg.token_order, seg.seg_starts, seg.seg_slots,
+                            seg.max_seg_len, m.decode_only, tiles=seg.tiles)
+            return lora_expand(h, self.lora_b, y, self.shards, self.rank, m.token_slots, seg.token_order,
+                               seg.seg_starts, seg.seg_slots, seg.max_seg_len, m.decode_only, tiles=seg.tiles)
         if m.dense:
             return self._dense_torch(x, y, m.token_slots)
         rank = self.rank
@@ -130,9 +131,9 @@ class LoRALinearHook:
         from rooflm.kernels.gemv import LoRAEpilogue
         from rooflm.kernels.lora_shrink import lora_shrink
         m = self.mapping
-        order, starts, seg_slots, max_seg_len = m.segments(self.lora_a.shape[0])
-        h = lora_shrink(x, self.lora_a, m.token_slots, order, starts, seg_slots, max_seg_len, m.decode_only,
-                        norm_weight=norm_weight, eps=eps)
+        seg = m.segments(self.lora_a.shape[0])
+        h = lora_shrink(x, self.lora_a, m.token_slots, seg.token_order, seg.seg_starts, seg.seg_slots,
+                        seg.max_seg_len, m.decode_only, norm_weight=norm_weight, eps=eps, tiles=seg.tiles)
         out = self.lora_b.shape[1]
         shard_starts = ([offset for offset, _ in self.shards[1:]] + [out, out])[:2]
         return LoRAEpilogue(h, self.lora_b, m.token_slots, self.rank, tuple(shard_starts))

@@ -20,12 +20,21 @@ of empty slots exit. Rows without an adapter and padding rows hold -1 and are in
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
 
 NO_ADAPTER = -1
+
+
+class StepSegments(NamedTuple):
+    """The step's tokens grouped by slot, as the kernels take them (kernels/lora_shrink.py)."""
+    token_order: torch.Tensor  # int32: tokens grouped by slot
+    seg_starts: torch.Tensor  # [groups + 1] int32
+    seg_slots: torch.Tensor  # [groups] int32
+    max_seg_len: int
+    tiles: Optional[tuple[torch.Tensor, torch.Tensor]]  # (tile_group, tile_row): slot_tiles
 
 
 class LoRAMapping:
@@ -45,7 +54,7 @@ class LoRAMapping:
         # first read (the Triton path never reads it): the step's host arrays until then.
         self._groups: list[tuple[int, torch.Tensor]] = []
         self._host_segments = None
-        self._graph_segments = None  # the graph form's groups, made by the step's first hook
+        self._segments = None  # the kernels' groups and tiles, made by the step's first hook
 
     def set_step(self, token_slots: Sequence[int], decode_only: bool) -> None:
         """token_slots: each packed token's slot (NO_ADAPTER for none), in the step's token order."""
@@ -53,7 +62,7 @@ class LoRAMapping:
         under = np.flatnonzero(slots >= 0)
         self.dense = False
         self.active = under.size > 0
-        self._groups, self._host_segments, self._graph_segments = [], None, None
+        self._groups, self._host_segments, self._segments = [], None, None
         # The step's slots on the host, for tensor parallelism's step packet (None: no adapter).
         self.host_token_slots = slots if self.active else None
         if not self.active:
@@ -88,16 +97,21 @@ class LoRAMapping:
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
 
-    def segments(self, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """(token_order, seg_starts, seg_slots, max_seg_len) for the kernels: the step's non-empty
-        slots, or in the graph form every one of the pool's num_slots slots, grouped on the device
-        once per step (max_seg_len: the batch, as the graph's grid must cover any grouping)."""
-        if not self.dense:
-            return self.token_order, self.seg_starts, self.seg_slots, self.max_seg_len
-        if self._graph_segments is None:
-            from rooflm.kernels.lora_shrink import graph_segments
-            self._graph_segments = graph_segments(self.token_slots, num_slots)
-        return (*self._graph_segments, self.token_slots.shape[0])
+    def segments(self, num_slots: int) -> "StepSegments":
+        """The step's groups and M tiles for the kernels: the step's non-empty slots, or in the
+        graph form every one of the pool's num_slots slots, grouped on the device (max_seg_len:
+        the batch, as the graph's grid must cover any grouping); made once per step, on the
+        first hook's call, and shared by every hook of the step."""
+        if self._segments is None:
+            from rooflm.kernels.lora_shrink import block_m_for, graph_segments, slot_tiles
+            if self.dense:
+                order, starts, seg_slots = graph_segments(self.token_slots, num_slots)
+                max_seg_len = self.token_slots.shape[0]
+            else:
+                order, starts, seg_slots, max_seg_len = self.token_order, self.seg_starts, self.seg_slots, self.max_seg_len
+            tiles = slot_tiles(starts, order.numel(), block_m_for(max_seg_len, self.decode_only))
+            self._segments = StepSegments(order, starts, seg_slots, max_seg_len, tiles)
+        return self._segments
 
     def use_graph_slots(self, token_slots: torch.Tensor) -> None:
         """The graph form of a decode step: token_slots [batch] int32 is the graph's static slot
@@ -110,11 +124,11 @@ class LoRAMapping:
         self.max_seg_len = token_slots.shape[0]
         self._groups, self._host_segments = [], None
         # Regrouped by the first hook of the forward that follows (the one a graph captures).
-        self._graph_segments = None
+        self._segments = None
         self.host_token_slots = None
 
     def clear(self) -> None:
         self.active = False
         self.dense = False
         self.host_token_slots = None
-        self._groups, self._host_segments, self._graph_segments = [], None, None
+        self._groups, self._host_segments, self._segments = [], None, None

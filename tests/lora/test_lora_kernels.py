@@ -159,12 +159,13 @@ def test_graph_form_and_eager_decode_give_the_same_bits(dtype):
     graph.use_graph_slots(torch.tensor(slots, dtype=torch.int32, device=DEVICE))
     outs = []
     for m in (eager, graph):
-        order, starts, seg_slots, max_len = m.segments(num_slots)
-        h = lora_shrink(x, lora_a, m.token_slots, order, starts, seg_slots, max_len, True)
+        order, starts, seg_slots, max_len, tiles = m.segments(num_slots)
+        h = lora_shrink(x, lora_a, m.token_slots, order, starts, seg_slots, max_len, True, tiles=tiles)
         out = y.clone()
-        lora_expand(h, lora_b, out, shards, rank, m.token_slots, order, starts, seg_slots, max_len, True)
+        lora_expand(h, lora_b, out, shards, rank, m.token_slots, order, starts, seg_slots, max_len, True,
+                    tiles=tiles)
         outs.append(out)
-    assert len(graph.segments(num_slots)[2]) == num_slots and len(eager.segments(num_slots)[2]) == 3
+    assert len(graph.segments(num_slots).seg_slots) == num_slots and len(eager.segments(num_slots).seg_slots) == 3
     assert torch.equal(outs[0], outs[1])
     token_slots = torch.tensor(slots, device=DEVICE)
     ref = lora_expand_ref(lora_shrink_ref(x, lora_a, token_slots), lora_b, y, shards, rank, token_slots)
@@ -336,3 +337,13 @@ def test_gpu_gemv_with_the_adapter_epilogue_llama8b(gated):
     out = gemv(x, linear.weight, norm_weight=norm_w, eps=1e-5, gated=gated,
                lora=hook.gemv_epilogue(x, norm_w, 1e-5))
     assert_close(out, _one_token_ref(linear, hook, x, norm_w, 7, gated), torch.bfloat16, "gemv + lora")
+
+
+def test_slot_tiles_cover_each_group_in_m_tiles_and_pad_with_minus_one():
+    from rooflm.kernels.lora_shrink import slot_tiles
+
+    starts = torch.tensor([0, 18, 19, 21, 21], dtype=torch.int32, device=DEVICE)  # 18, 1, 2, 0 rows
+    group, row = slot_tiles(starts, num_tokens=24, block_m=16)
+    assert group.tolist() == [0, 0, 1, 2, -1, -1], "min(24, ceil(24 / 16) + 4) = 6 tiles, 4 used"
+    assert row.tolist()[:4] == [0, 16, 18, 19]
+    assert slot_tiles(starts[:2], num_tokens=1, block_m=16)[0].tolist() == [0]
