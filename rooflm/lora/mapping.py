@@ -7,15 +7,16 @@ as a CUDA graph holds its static inputs, so nothing per step is looked up by nam
 Tokens are grouped by slot (Punica's SGMV): `token_order` lists the tokens that run under an
 adapter, slot by slot; segment g is token_order[seg_starts[g]:seg_starts[g + 1]], all under
 seg_slots[g]. Tokens without an adapter (slot -1) are in no segment: no LoRA work is done
-for them. A step of decodes only takes the one-token-per-program kernels (BGMV).
+for them. The kernels cut each segment into M tiles (kernels/lora_shrink.py slot_tiles); a step
+of decodes only takes tiles of 16 and K splits fixed by the shapes (decode_only).
 
 A CUDA graph cannot take a new grid or new segments each step, so a captured decode step runs
 the mapping in its graph form (`use_graph_slots`): token_slots is a view of the graph's static
 buffer [batch] int32, written before each replay (engine/cuda_graph.py); the first hook of the
-step groups the rows by slot on the device (kernels/lora_shrink.py graph_segments, captured into
-the graph, so each replay regroups), one group per slot of the pool, and every hook of the step
-reuses the groups; the kernels' grid is fixed by the batch and the slot count, and the programs
-of empty slots exit. Rows without an adapter and padding rows hold -1 and are in no group.
+step groups the rows by slot and cuts the tiles on the device (graph_segments, slot_tiles,
+captured into the graph, so each replay regroups), one group per slot of the pool, and every
+hook of the step reuses them (`segments`); the kernels' grid is fixed by the batch and the slot
+count. Rows without an adapter and padding rows hold -1 and are in no group.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class LoRAMapping:
     def __init__(self, device: torch.device):
         self.device = device
         self.active = False  # some token of this step runs under an adapter
-        self.decode_only = False  # every sequence of the step has one query token (BGMV)
+        self.decode_only = False  # every sequence of the step has one query token
         self.dense = False  # a graph's step: every row is a program, its slot read on the device
         self.host_token_slots = None
         empty = torch.empty(0, dtype=torch.int32, device=device)

@@ -29,7 +29,7 @@ def _run(x, lora_a, lora_b, y, shards, rank, m: LoRAMapping, num_splits=None):
 @pytest.mark.parametrize("decode_only,num_splits", [(False, None), (False, 2), (True, None), (True, 3)])
 @pytest.mark.parametrize("rank", [4, 16])
 def test_shrink_expand_match_reference_on_a_mixed_batch(dtype, decode_only, num_splits, rank):
-    """Decode steps' BGMV splits K (num_splits partial sums, added by the expand) and expands
+    """Steps split K (num_splits partial sums, added by the expand) and the expand covers
     every shard in one launch: the shard boundaries fall inside one 64-column block here."""
     gen = torch.Generator().manual_seed(rank + 7 * decode_only)
     num_slots, k = 3, 40  # K not a multiple of the block: masked tails
