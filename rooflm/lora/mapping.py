@@ -109,7 +109,8 @@ class LoRAMapping:
                 order, starts, seg_slots = graph_segments(self.token_slots, num_slots)
                 max_seg_len = self.token_slots.shape[0]
             else:
-                order, starts, seg_slots, max_seg_len = self.token_order, self.seg_starts, self.seg_slots, self.max_seg_len
+                order, starts, seg_slots = self.token_order, self.seg_starts, self.seg_slots
+                max_seg_len = self.max_seg_len
             tiles = slot_tiles(starts, order.numel(), block_m_for(max_seg_len, self.decode_only))
             self._segments = StepSegments(order, starts, seg_slots, max_seg_len, tiles)
         return self._segments
