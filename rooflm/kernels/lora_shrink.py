@@ -103,6 +103,40 @@ def _sgmv_shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, starts_ptr, slots_ptr, t
                  mask=row_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _graph_groups_kernel(token_slots_ptr, order_ptr, starts_ptr, slots_ptr, tile_group_ptr, tile_row_ptr,
+                         B, S, L, BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr,
+                         BLOCK_M: tl.constexpr):
+    # graph_segments and slot_tiles in one program (a graph's decode step runs it once, where the
+    # torch form is ~15 small launches): a one-hot [rows, slots + 2] of each row's key (its slot;
+    # S: no adapter; S + 1: a lane past the batch), counts and starts by a sum and a scan over
+    # it, each row's place in its group by a scan down the rows; then the tiles of 16 rows.
+    t = tl.arange(0, BLOCK_B)
+    t_ok = t < B
+    slot = tl.load(token_slots_ptr + t, mask=t_ok, other=-1)
+    key = tl.where(t_ok, tl.where(slot < 0, S, slot), S + 1)
+    cols = tl.arange(0, BLOCK_S)
+    onehot = (key[:, None] == cols[None, :]).to(tl.int32)
+    counts = tl.sum(onehot, 0)
+    starts = tl.cumsum(counts, 0) - counts
+    rank = tl.sum(tl.cumsum(onehot, 0) * onehot, 1) - 1
+    pos = tl.sum(onehot * starts[None, :], 1) + rank
+    tl.store(order_ptr + pos, t, mask=t_ok)
+    tl.store(starts_ptr + cols, starts, mask=cols <= S)
+    tl.store(slots_ptr + cols, cols, mask=cols < S)
+    tiles = tl.where(cols < S, (counts + BLOCK_M - 1) // BLOCK_M, 0)
+    tile_end = tl.cumsum(tiles, 0)
+    tl_idx = tl.arange(0, BLOCK_L)
+    g = tl.sum((tile_end[None, :] <= tl_idx[:, None]).to(tl.int32), 1)
+    sel = cols[None, :] == g[:, None]
+    first_row = tl.sum(tl.where(sel, starts[None, :], 0), 1)
+    first_tile = tl.sum(tl.where(sel, (tile_end - tiles)[None, :], 0), 1)
+    row = first_row + (tl_idx - first_tile) * BLOCK_M
+    l_ok = tl_idx < L
+    tl.store(tile_group_ptr + tl_idx, tl.where(g < S, g, -1), mask=l_ok)
+    tl.store(tile_row_ptr + tl_idx, row, mask=l_ok)
+
+
 # --------------------------------------------------------------------------
 # Wrapper
 # --------------------------------------------------------------------------
@@ -174,6 +208,29 @@ def graph_segments(token_slots: torch.Tensor, num_slots: int) -> tuple[torch.Ten
     return order, seg_starts, seg_slots
 
 
+def graph_groups(token_slots: torch.Tensor, num_slots: int, block_m: int = DECODE_BLOCK_M):
+    """graph_segments and slot_tiles of a graph's decode step in one launch (the same tensors:
+    token_order, seg_starts, seg_slots, (tile_group, tile_row))."""
+    b = token_slots.shape[0]
+    device = token_slots.device
+    length = tile_table_length(b, num_slots, block_m)
+    order = torch.empty(b, dtype=torch.int32, device=device)
+    starts = torch.empty(num_slots + 1, dtype=torch.int32, device=device)
+    seg_slots = torch.empty(num_slots, dtype=torch.int32, device=device)
+    tile_group = torch.empty(length, dtype=torch.int32, device=device)
+    tile_row = torch.empty(length, dtype=torch.int32, device=device)
+    _graph_groups_kernel[(1,)](token_slots, order, starts, seg_slots, tile_group, tile_row, b, num_slots, length,
+                               BLOCK_B=triton.next_power_of_2(b), BLOCK_S=triton.next_power_of_2(num_slots + 2),
+                               BLOCK_L=triton.next_power_of_2(length), BLOCK_M=block_m,
+                               num_warps=8 if b * (num_slots + 2) > 4096 else 4)
+    return order, starts, seg_slots, (tile_group, tile_row)
+
+
+def tile_table_length(num_tokens: int, groups: int, block_m: int) -> int:
+    """The tile table's length: what the host knows bounds the step's tiles."""
+    return max(1, min(num_tokens, triton.cdiv(num_tokens, block_m) + groups))
+
+
 def slot_tiles(seg_starts: torch.Tensor, num_tokens: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' M tiles, made on the device with no host read (a graph recomputes them on
     each replay): tile t covers token_order[tile_row[t]:tile_row[t] + block_m] of group
@@ -185,7 +242,7 @@ def slot_tiles(seg_starts: torch.Tensor, num_tokens: int, block_m: int) -> tuple
     counts = (seg_starts[1:] - seg_starts[:-1]).long()
     tiles = (counts + block_m - 1) // block_m
     tile_end = torch.cumsum(tiles, 0)
-    length = max(1, min(num_tokens, triton.cdiv(num_tokens, block_m) + groups))
+    length = tile_table_length(num_tokens, groups, block_m)
     t = torch.arange(length, device=seg_starts.device)
     g = torch.searchsorted(tile_end, t, right=True)
     gc = g.clamp(max=groups - 1)

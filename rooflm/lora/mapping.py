@@ -13,8 +13,8 @@ of decodes only takes tiles of 16 and K splits fixed by the shapes (decode_only)
 A CUDA graph cannot take a new grid or new segments each step, so a captured decode step runs
 the mapping in its graph form (`use_graph_slots`): token_slots is a view of the graph's static
 buffer [batch] int32, written before each replay (engine/cuda_graph.py); the first hook of the
-step groups the rows by slot and cuts the tiles on the device (graph_segments, slot_tiles,
-captured into the graph, so each replay regroups), one group per slot of the pool, and every
+step groups the rows by slot and cuts the tiles on the device (kernels/lora_shrink.py
+graph_groups, one launch captured into the graph, so each replay regroups), one group per slot of the pool, and every
 hook of the step reuses them (`segments`); the kernels' grid is fixed by the batch and the slot
 count. Rows without an adapter and padding rows hold -1 and are in no group.
 """
@@ -104,15 +104,15 @@ class LoRAMapping:
         the batch, as the graph's grid must cover any grouping); made once per step, on the
         first hook's call, and shared by every hook of the step."""
         if self._segments is None:
-            from rooflm.kernels.lora_shrink import block_m_for, graph_segments, slot_tiles
-            if self.dense:
-                order, starts, seg_slots = graph_segments(self.token_slots, num_slots)
-                max_seg_len = self.token_slots.shape[0]
+            from rooflm.kernels.lora_shrink import block_m_for, graph_groups, slot_tiles
+            if self.dense:  # one launch, captured: each replay regroups the rows it is given
+                order, starts, seg_slots, tiles = graph_groups(self.token_slots, num_slots)
+                self._segments = StepSegments(order, starts, seg_slots, self.token_slots.shape[0], tiles)
             else:
-                order, starts, seg_slots = self.token_order, self.seg_starts, self.seg_slots
-                max_seg_len = self.max_seg_len
-            tiles = slot_tiles(starts, order.numel(), block_m_for(max_seg_len, self.decode_only))
-            self._segments = StepSegments(order, starts, seg_slots, max_seg_len, tiles)
+                tiles = slot_tiles(self.seg_starts, self.token_order.numel(),
+                                   block_m_for(self.max_seg_len, self.decode_only))
+                self._segments = StepSegments(self.token_order, self.seg_starts, self.seg_slots, self.max_seg_len,
+                                              tiles)
         return self._segments
 
     def use_graph_slots(self, token_slots: torch.Tensor) -> None:

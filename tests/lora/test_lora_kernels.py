@@ -347,3 +347,18 @@ def test_slot_tiles_cover_each_group_in_m_tiles_and_pad_with_minus_one():
     assert group.tolist() == [0, 0, 1, 2, -1, -1], "min(24, ceil(24 / 16) + 4) = 6 tiles, 4 used"
     assert row.tolist()[:4] == [0, 16, 18, 19]
     assert slot_tiles(starts[:2], num_tokens=1, block_m=16)[0].tolist() == [0]
+
+
+@pytest.mark.parametrize("slots,num_slots", [([2, -1, 0, 2, -1, 1, 0, 2], 4), ([3] * 20 + [-1, 0], 5), ([1], 16)])
+def test_graph_groups_kernel_gives_the_torch_forms_tensors(slots, num_slots):
+    """The one-launch grouping of a graph's step against graph_segments + slot_tiles."""
+    from rooflm.kernels.lora_shrink import graph_groups, graph_segments, slot_tiles
+
+    token_slots = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    order, starts, seg_slots, (group, row) = graph_groups(token_slots, num_slots)
+    want = graph_segments(token_slots, num_slots)
+    assert torch.equal(order, want[0]) and torch.equal(starts, want[1]) and torch.equal(seg_slots, want[2])
+    want_group, want_row = slot_tiles(want[1], len(slots), 16)
+    assert torch.equal(group, want_group)
+    used = group >= 0
+    assert torch.equal(row[used], want_row[used])
