@@ -214,6 +214,10 @@ def graph_groups(token_slots: torch.Tensor, num_slots: int, block_m: int = DECOD
     b = token_slots.shape[0]
     device = token_slots.device
     length = tile_table_length(b, num_slots, block_m)
+    if triton.next_power_of_2(b) * triton.next_power_of_2(num_slots + 2) > GRAPH_GROUPS_MAX_TILE:
+        # The one program's [rows, slots] tiles would spill: the torch form's small launches.
+        order, starts, seg_slots = graph_segments(token_slots, num_slots)
+        return order, starts, seg_slots, slot_tiles(starts, b, block_m)
     order = torch.empty(b, dtype=torch.int32, device=device)
     starts = torch.empty(num_slots + 1, dtype=torch.int32, device=device)
     seg_slots = torch.empty(num_slots, dtype=torch.int32, device=device)
@@ -224,6 +228,9 @@ def graph_groups(token_slots: torch.Tensor, num_slots: int, block_m: int = DECOD
                                BLOCK_L=triton.next_power_of_2(length), BLOCK_M=block_m,
                                num_warps=8 if b * (num_slots + 2) > 4096 else 4)
     return order, starts, seg_slots, (tile_group, tile_row)
+
+
+GRAPH_GROUPS_MAX_TILE = 32768  # e.g. batch 1024 with 30 slots, batch 512 with 62
 
 
 def tile_table_length(num_tokens: int, groups: int, block_m: int) -> int:

@@ -14,9 +14,9 @@ A CUDA graph cannot take a new grid or new segments each step, so a captured dec
 the mapping in its graph form (`use_graph_slots`): token_slots is a view of the graph's static
 buffer [batch] int32, written before each replay (engine/cuda_graph.py); the first hook of the
 step groups the rows by slot and cuts the tiles on the device (kernels/lora_shrink.py
-graph_groups, one launch captured into the graph, so each replay regroups), one group per slot of the pool, and every
-hook of the step reuses them (`segments`); the kernels' grid is fixed by the batch and the slot
-count. Rows without an adapter and padding rows hold -1 and are in no group.
+graph_groups, one launch captured into the graph, so each replay regroups), one group per slot
+of the pool, and every hook of the step reuses them (`segments`); the kernels' grid is fixed by
+the batch and the slot count. Rows without an adapter and padding rows hold -1 and are in no group.
 """
 
 from __future__ import annotations

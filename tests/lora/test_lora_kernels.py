@@ -362,3 +362,15 @@ def test_graph_groups_kernel_gives_the_torch_forms_tensors(slots, num_slots):
     assert torch.equal(group, want_group)
     used = group >= 0
     assert torch.equal(row[used], want_row[used])
+
+
+def test_graph_groups_of_a_batch_too_wide_for_one_program_take_the_torch_form(monkeypatch):
+    import rooflm.kernels.lora_shrink as shrink
+
+    token_slots = torch.tensor([1, -1, 0, 1], dtype=torch.int32, device=DEVICE)
+    want = shrink.graph_groups(token_slots, 3)
+    monkeypatch.setattr(shrink, "GRAPH_GROUPS_MAX_TILE", 1)
+    monkeypatch.setattr(shrink, "_graph_groups_kernel", None)  # not launched
+    got = shrink.graph_groups(token_slots, 3)
+    assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3]))
+    assert torch.equal(got[3][0], want[3][0])
