@@ -56,6 +56,7 @@ class LoRAMapping:
         self._groups: list[tuple[int, torch.Tensor]] = []
         self._host_segments = None
         self._segments = None  # the kernels' groups and tiles, made by the step's first hook
+        self._tiles = None  # a per-step mapping's tile table (host_tiles), on the device
 
     def set_step(self, token_slots: Sequence[int], decode_only: bool) -> None:
         """token_slots: each packed token's slot (NO_ADAPTER for none), in the step's token order."""
@@ -74,11 +75,14 @@ class LoRAMapping:
         cuts = np.flatnonzero(np.diff(sorted_slots)) + 1
         starts = np.concatenate(([0], cuts, [order.size])).astype(np.int32)
         seg_slots = sorted_slots[starts[:-1]]
-        self.token_slots = self._to_device(slots)
-        self.token_order = self._to_device(order)
-        self.seg_starts = self._to_device(starts)
-        self.seg_slots = self._to_device(seg_slots)
         self.max_seg_len = int(np.diff(starts).max())
+        tile_group, tile_row = host_tiles(starts, self.max_seg_len, decode_only)
+        # One host-to-device copy for the step's six arrays, viewed apart on the device.
+        parts = (slots, order, starts, seg_slots, tile_group, tile_row)
+        packed = self._to_device(np.concatenate(parts))
+        views = torch.split(packed, [p.size for p in parts])
+        self.token_slots, self.token_order, self.seg_starts, self.seg_slots = views[:4]
+        self._tiles = (views[4], views[5])
         self._host_segments = (order, starts, seg_slots)
 
     @property
@@ -104,15 +108,13 @@ class LoRAMapping:
         the batch, as the graph's grid must cover any grouping); made once per step, on the
         first hook's call, and shared by every hook of the step."""
         if self._segments is None:
-            from rooflm.kernels.lora_shrink import block_m_for, graph_groups, slot_tiles
+            from rooflm.kernels.lora_shrink import graph_groups
             if self.dense:  # one launch, captured: each replay regroups the rows it is given
                 order, starts, seg_slots, tiles = graph_groups(self.token_slots, num_slots)
                 self._segments = StepSegments(order, starts, seg_slots, self.token_slots.shape[0], tiles)
             else:
-                tiles = slot_tiles(self.seg_starts, self.token_order.numel(),
-                                   block_m_for(self.max_seg_len, self.decode_only))
                 self._segments = StepSegments(self.token_order, self.seg_starts, self.seg_slots, self.max_seg_len,
-                                              tiles)
+                                              self._tiles)
         return self._segments
 
     def use_graph_slots(self, token_slots: torch.Tensor) -> None:
@@ -134,3 +136,18 @@ class LoRAMapping:
         self.dense = False
         self.host_token_slots = None
         self._groups, self._host_segments, self._segments = [], None, None
+
+
+def host_tiles(starts: np.ndarray, max_seg_len: int, decode_only: bool) -> tuple[np.ndarray, np.ndarray]:
+    """A per-step mapping's tile table on the host (the same tiles kernels/lora_shrink.py
+    slot_tiles makes on the device, without its padding): each segment cut into M tiles of the
+    kernels' BLOCK_M, as (tile_group, tile_row) int32."""
+    from rooflm.kernels.lora_shrink import block_m_for
+
+    block_m = block_m_for(max_seg_len, decode_only)
+    counts = np.diff(starts)
+    tiles = (counts + block_m - 1) // block_m
+    group = np.repeat(np.arange(counts.size, dtype=np.int32), tiles)
+    first_tile = np.repeat(np.cumsum(tiles) - tiles, tiles)
+    row = starts[group] + (np.arange(group.size) - first_tile) * block_m
+    return group, row.astype(np.int32)

@@ -1,6 +1,7 @@
 """The LoRA shrink/expand kernels (rooflm/kernels/lora_shrink.py, lora_expand.py) against their
 torch references, on mixed batches: tokens of several slots, interleaved, and tokens of none."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -374,3 +375,16 @@ def test_graph_groups_of_a_batch_too_wide_for_one_program_take_the_torch_form(mo
     got = shrink.graph_groups(token_slots, 3)
     assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3]))
     assert torch.equal(got[3][0], want[3][0])
+
+
+def test_a_steps_host_tiles_are_the_device_tables_tiles():
+    from rooflm.kernels.lora_shrink import slot_tiles
+    from rooflm.lora.mapping import host_tiles
+
+    m = _mapping([1] * 40 + [-1, 0, 2, 2], decode_only=False)  # 40 rows of slot 1: 64-row tiles
+    group, row = m.segments(3).tiles
+    want_group, want_row = slot_tiles(m.seg_starts, m.token_order.numel(), 64)
+    used = want_group >= 0
+    assert torch.equal(group, want_group[used]) and torch.equal(row, want_row[used])
+    g, r = host_tiles(np.array([0, 18, 19, 21]), 18, decode_only=True)
+    assert g.tolist() == [0, 0, 1, 2] and r.tolist() == [0, 16, 18, 19]
