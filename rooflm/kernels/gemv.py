@@ -271,7 +271,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] 
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN=even, NORM=norm_weight is not None,
         GATED=gated, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, PDL=pdl,
         GELU_TANH=gated and act == "gelu_tanh", LORA=lora is not None,
-        BLOCK_R=max(2, triton.next_power_of_2(lora.rank)) if lora is not None else 16, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
+        BLOCK_R=max(2, triton.next_power_of_2(lora.rank)) if lora is not None else 16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return out
 
