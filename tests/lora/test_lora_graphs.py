@@ -263,7 +263,8 @@ def test_one_sequence_with_an_adapter_keeps_the_gemv_chain(tiny, monkeypatch):
     the adapter's shrink beside each GEMV and the delta in its epilogue, and gives the tokens
     of the plain path with the hooks in Linear.forward (the reference backend, torch hooks)."""
     opts = dict(model=tiny["base_path"], device=DEVICE, dtype="float32", block_size=4, enforce_eager=True,
-                enable_lora=True, max_loras=2, max_lora_rank=8)
+                enable_lora=True, max_loras=2, max_lora_rank=8, max_model_len=32, max_num_seqs=2,
+                max_num_batched_tokens=16)
     prompt, params = [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     want = LLM(attention_backend="reference", **opts).generate(prompt, params, lora_request=[tiny["r1"]])
     llm = LLM(attention_backend="triton", **opts)
@@ -273,4 +274,4 @@ def test_one_sequence_with_an_adapter_keeps_the_gemv_chain(tiny, monkeypatch):
     monkeypatch.setattr(LoRALinearHook, "gemv_epilogue", lambda self, *a: calls.append(1) or real(self, *a))
     got = llm.generate(prompt, params, lora_request=[tiny["r1"]])
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
-    assert calls, "the decode steps with the adapter ran through the GEMV chain"
+    assert calls, "the decode step with the adapter ran through the GEMV chain"
