@@ -31,6 +31,13 @@ reads it from L2.
 - RESIDUAL: y is rounded to the dtype, then added to residual[n] and rounded
   again, as torch's `x + residual` after a bf16 matmul.
 - BIAS: added to the fp32 accumulator, the product then rounded to the dtype.
+- LORA: the token's adapter delta added to the fp32 accumulator(s) before the bias, the
+  activation and the residual add (y = W x + B_slot (A_slot x), x normed as the GEMV's own):
+  h = A_slot x comes from rooflm.kernels.lora_shrink (K-split partial sums, its NORM taking
+  the same pre-norm), each program sums h's splits once per shard its rows touch as an
+  [R] vector and reduces its rows of B_slot against it. The slot is read on the device (a CUDA
+  graph input), -1: no delta. So a one-token step with an adapter keeps the GEMV chain: one
+  shrink launch per linear beside it, no expand launch.
 
 Shapes
 ------
@@ -87,11 +94,34 @@ def _w_tile(rows, rk, n_mask, K, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _lora_delta(rows, n_mask, h_ptr, b_ptr, slot, R, OFF1, OFF2, NUM_SPLITS, stride_hs, stride_bs, stride_bn,
+                BLOCK_R: tl.constexpr):
+    """[BLOCK_N] fp32: sum_r h[shard(row) R + r] * B[slot, row, r] for the output rows `rows`,
+    shard(row) = (row >= OFF1) + (row >= OFF2); h's K-split partials summed in a fixed order."""
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < R
+    ok = n_mask & ((rows * 0 + slot) >= 0)  # a vector compare: the interpreter rejects a scalar bool mask
+    bt = tl.load(b_ptr + tl.maximum(slot, 0) * stride_bs + rows[:, None] * stride_bn + offs_r[None, :],
+                 mask=ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+    shard = (rows >= OFF1).to(tl.int32) + (rows >= OFF2).to(tl.int32)
+    delta = 0.0 * rows.to(tl.float32)
+    for s in range(tl.min(shard, 0), tl.max(shard, 0) + 1):
+        hv = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for split in range(0, NUM_SPLITS):
+            hv += tl.load(h_ptr + split * stride_hs + s * R + offs_r, mask=r_ok, other=0.0)
+        delta = tl.where(shard == s, tl.sum(bt * hv[None, :], 1), delta)
+    return delta
+
+
+@triton.jit
 def _gemv_kernel(out_ptr, x_ptr, w_ptr, bias_ptr, residual_ptr, norm_w_ptr,
                  N, K, stride_w, eps,
+                 lora_h_ptr, lora_b_ptr, lora_slot_ptr, R, OFF1, OFF2, NUM_SPLITS,
+                 stride_lhs, stride_lbs, stride_lbn,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
                  NORM: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr, GELU_TANH: tl.constexpr = False):
+                 HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr, GELU_TANH: tl.constexpr = False,
+                 LORA: tl.constexpr = False, BLOCK_R: tl.constexpr = 16):
     dtype = x_ptr.dtype.element_ty
     rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
@@ -130,11 +160,20 @@ def _gemv_kernel(out_ptr, x_ptr, w_ptr, bias_ptr, residual_ptr, norm_w_ptr,
             acc_up += _w_tile(up_rows, rk, n_mask, K, EVEN).to(tl.float32) * xv[None, :]
 
     y = tl.sum(acc, 1)
+    if LORA:
+        slot = tl.load(lora_slot_ptr).to(tl.int64)
+        y += _lora_delta(rn, n_mask, lora_h_ptr, lora_b_ptr, slot, R, OFF1, OFF2, NUM_SPLITS,
+                         stride_lhs, stride_lbs, stride_lbn, BLOCK_R)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     if GATED:
         gate = y.to(dtype).to(tl.float32)
-        up = tl.sum(acc_up, 1).to(dtype).to(tl.float32)
+        up = tl.sum(acc_up, 1)
+        if LORA:  # the up rows follow the gate rows in B, as in W
+            up_slot = tl.load(lora_slot_ptr).to(tl.int64)
+            up += _lora_delta(rn + N, n_mask, lora_h_ptr, lora_b_ptr, up_slot, R, OFF1, OFF2, NUM_SPLITS,
+                              stride_lhs, stride_lbs, stride_lbn, BLOCK_R)
+        up = up.to(dtype).to(tl.float32)
         if GELU_TANH:  # Gemma: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh(z) = 2 sigmoid(2z) - 1
             z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
             act = (gate * tl.sigmoid(2.0 * z)).to(dtype).to(tl.float32)
@@ -152,6 +191,15 @@ def _gemv_kernel(out_ptr, x_ptr, w_ptr, bias_ptr, residual_ptr, norm_w_ptr,
 # --------------------------------------------------------------------------
 
 GATED_ACTS = ("silu", "gelu_tanh")  # gated=True's activations, model/spec.py's SILU and GELU_TANH
+
+
+class LoRAEpilogue(NamedTuple):
+    """One token's adapter delta for gemv's LORA epilogue (rooflm/lora/hook.py builds it)."""
+    h: torch.Tensor  # [splits, T >= 1, shards x rank] fp32: lora_shrink's partial sums; row 0 is the token's
+    lora_b: torch.Tensor  # [slots, rows, rank]: every slot's B, rows as the weight's (gated: gate, then up)
+    token_slots: torch.Tensor  # [>= 1] int32 on the device: the token's slot at 0, -1 for none
+    rank: int
+    shard_starts: tuple[int, int]  # the weight rows where shards 1 and 2 begin (rows: none)
 
 
 class GemvConfig(NamedTuple):
@@ -181,12 +229,14 @@ def pick_config(n: int, k: int, gated: bool, device_name: Optional[str] = None) 
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
          residual: Optional[torch.Tensor] = None, norm_weight: Optional[torch.Tensor] = None,
          eps: float = 1e-6, gated: bool = False, out_dtype: Optional[torch.dtype] = None,
-         config: Optional[GemvConfig] = None, act: str = "silu") -> torch.Tensor:
+         config: Optional[GemvConfig] = None, act: str = "silu",
+         lora: Optional[LoRAEpilogue] = None) -> torch.Tensor:
     """y = weight @ f(x) for one token x [1, K] (or [K]); returns [1, N] (N = rows, or rows/2 gated).
 
     norm_weight: f = RMSNorm(norm_weight, eps), else f = identity. gated: y =
     act(gate) * up over weight's two row halves, act "silu" or "gelu_tanh" (Gemma's
-    gelu_pytorch_tanh). residual [1, N]: y + residual. bias [N] (not with gated). Inputs are not modified.
+    gelu_pytorch_tanh). residual [1, N]: y + residual. bias [N] (not with gated). lora: the
+    token's adapter delta added to W @ f(x) before the rest (LoRAEpilogue). Inputs are not modified.
     """
     if act not in GATED_ACTS:
         raise ValueError(f"act must be one of {GATED_ACTS}, got {act!r}")
@@ -211,17 +261,33 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] 
     dummy = x  # never read when its flag is off
     grid = (triton.cdiv(n, cfg.block_n),)
     pdl = pdl_supported(x.device)
+    lora_args = _lora_args(lora, weight, dummy)
     _gemv_kernel[grid](
         out, x, weight,
         bias if bias is not None else dummy,
         residual.reshape(n).contiguous() if residual is not None else dummy,
         norm_weight if norm_weight is not None else dummy,
-        n, k, weight.stride(0), eps,
+        n, k, weight.stride(0), eps, *lora_args,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN=even, NORM=norm_weight is not None,
         GATED=gated, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, PDL=pdl,
-        GELU_TANH=gated and act == "gelu_tanh", num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
+        GELU_TANH=gated and act == "gelu_tanh", LORA=lora is not None,
+        BLOCK_R=max(2, triton.next_power_of_2(lora.rank)) if lora is not None else 16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return out
+
+
+def _lora_args(lora: Optional[LoRAEpilogue], weight: torch.Tensor, dummy: torch.Tensor) -> tuple:
+    """The LORA epilogue's kernel arguments (placeholders, never read, without it)."""
+    if lora is None:
+        return (dummy, dummy, dummy, 0, 0, 0, 0, 0, 0, 0)
+    h, b = lora.h, lora.lora_b
+    if h.dim() != 3 or h.dtype != torch.float32 or h.stride(2) != 1:
+        raise ValueError(f"lora.h must be fp32 [splits, T, shards x rank] partial sums, got {tuple(h.shape)} {h.dtype}")
+    if b.dim() != 3 or b.shape[1] != weight.shape[0] or b.shape[2] != lora.rank or b.stride(2) != 1:
+        raise ValueError(f"lora.lora_b must be [slots, {weight.shape[0]}, {lora.rank}], got {tuple(b.shape)}")
+    off1, off2 = lora.shard_starts
+    return (h, b, lora.token_slots, lora.rank, off1, off2, h.shape[0], h.stride(0), b.stride(0), b.stride(1))
 
 
 # --------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import re
 from dataclasses import dataclass
@@ -135,15 +136,53 @@ def projection_shape(cfg: ModelConfig, projection: str) -> tuple[int, int]:
             "o_proj": (h, cfg.q_size), "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}[projection]
 
 
-def load_adapter(name: str, path: str, model: ModelConfig, max_rank: int) -> LoRAAdapter:
-    """The adapter's A/B pairs, every one checked against the base model's shapes."""
-    from safetensors.torch import load_file
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
+
+def map_safetensors(file: str) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors as views into one private read-ahead mapping of it, no copy:
+    the slot image (rooflm/lora/manager.py) is then the only copy an adapter's bytes take on
+    the host (safetensors' load_file copies every tensor out of its own mapping first, and the
+    image copied them again). The format: an 8-byte little-endian header length, the header
+    (JSON: name -> dtype, shape, data_offsets from the data's start), the data."""
+    with open(file, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            raise ValueError(f"{size} bytes, shorter than a safetensors header")
+        # MAP_POPULATE: the pages are read (or found in the page cache) in one call, not faulted
+        # in one by one during the copies; private and writable so torch may view it.
+        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
+        data = mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    header_len = int.from_bytes(data[:8], "little")
+    if 8 + header_len > size:
+        raise ValueError(f"header of {header_len} bytes in a file of {size}")
+    header = json.loads(bytes(data[8:8 + header_len]))
+    whole = torch.frombuffer(data, dtype=torch.uint8)
+    base = 8 + header_len
+    tensors = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ValueError(f"tensor {key!r} is {entry['dtype']}, not one of {', '.join(_SAFETENSORS_DTYPES)}")
+        begin, end = entry["data_offsets"]
+        shape = tuple(entry["shape"])
+        if base + end > size or end - begin != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"tensor {key!r}'s bytes [{begin}, {end}) do not hold {shape} {entry['dtype']} "
+                             f"in a file of {size} bytes")
+        tensors[key] = whole[base + begin:base + end].view(dtype).view(shape)
+    return tensors
+
+
+def load_adapter(name: str, path: str, model: ModelConfig, max_rank: int) -> LoRAAdapter:
+    """The adapter's A/B pairs, every one checked against the base model's shapes (views into
+    the file's mapping: copy them where they go, as the slot image does)."""
     config = read_adapter_config(path, max_rank)
     where = f"LoRA adapter {path!r}"
     try:
-        tensors = load_file(os.path.join(path, WEIGHTS_FILE), device="cpu")
-    except Exception as e:  # a truncated or foreign file: safetensors raises its own types
+        tensors = map_safetensors(os.path.join(path, WEIGHTS_FILE))
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:  # a truncated or foreign file
         raise LoRAAdapterError(f"{where}: {WEIGHTS_FILE} does not load ({e})") from e
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():

@@ -7,7 +7,7 @@ slot pool [slots, elements] (a slot is one row, so an adapter's host image goes 
 and adds, for each token t under slot s = slot(t):
     y[t, shard i] += (x_t @ A_s,i^T) @ B_s,i^T
 The shrink reads x once for all shards of a fused linear (q, k, v or gate, up). On CUDA the two
-halves are the Triton SGMV/BGMV kernels (rooflm/kernels/lora_shrink.py, lora_expand.py); on the
+halves are the Triton SGMV kernels (rooflm/kernels/lora_shrink.py, lora_expand.py); on the
 CPU the torch path below, a loop over the step's slots, is the reference.
 
 A hook exists only with --enable-lora; without it Linear.forward pays one attribute test.
@@ -15,12 +15,15 @@ A hook exists only with --enable-lora; without it Linear.forward pays one attrib
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 
 from rooflm.layers.linear import FusedLinear, Linear
 from rooflm.lora.mapping import LoRAMapping
+
+logger = logging.getLogger(__name__)
 
 
 class LoRALinearHook:
@@ -87,7 +90,17 @@ class LoRALinearHook:
         if shard in self.b_rows:
             b = b[self.b_rows[shard]:self.b_rows[shard] + size]
         lora_a[i * self.rank:i * self.rank + r].copy_(a)
-        lora_b[offset:offset + size, :r].copy_(b.float() * scaling)
+        dst = lora_b[offset:offset + size, :r]
+        if b.dtype == dst.dtype:
+            # One pass, rounded once as b.float() * scaling would be (opmath is fp32).
+            torch.mul(b, scaling, out=dst)
+        else:
+            dst.copy_(b.float() * scaling)
+
+    def covered_by(self, shards: set, rank: int) -> bool:
+        """Whether an adapter of `rank` on these shards of this linear writes every element of
+        the linear's part of a slot (else the rest must be zeros)."""
+        return rank == self.rank and set(self.shard_names) <= shards
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         m = self.mapping
@@ -96,10 +109,11 @@ class LoRALinearHook:
         if self.use_triton:
             from rooflm.kernels.lora_expand import lora_expand
             from rooflm.kernels.lora_shrink import lora_shrink
-            h = lora_shrink(x, self.lora_a, m.token_slots, m.token_order, m.seg_starts, m.seg_slots,
-                            m.max_seg_len, m.decode_only)
-            return lora_expand(h, self.lora_b, y, self.shards, self.rank, m.token_slots, m.token_order,
-                               m.seg_starts, m.seg_slots, m.max_seg_len, m.decode_only)
+            seg = m.segments(self.lora_a.shape[0])
+            h = lora_shrink(x, self.lora_a, m.token_slots, seg.token_order, seg.seg_starts, seg.seg_slots,
+                            seg.max_seg_len, m.decode_only, tiles=seg.tiles)
+            return lora_expand(h, self.lora_b, y, self.shards, self.rank, m.token_slots, seg.token_order,
+                               seg.seg_starts, seg.seg_slots, seg.max_seg_len, m.decode_only, tiles=seg.tiles)
         if m.dense:
             return self._dense_torch(x, y, m.token_slots)
         rank = self.rank
@@ -108,6 +122,21 @@ class LoRALinearHook:
             for i, (offset, size) in enumerate(self.shards):
                 y[idx, offset:offset + size] += h[:, i * rank:(i + 1) * rank] @ self.lora_b[slot, offset:offset + size].T
         return y
+
+    def gemv_epilogue(self, x: torch.Tensor, norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6):
+        """The one-token GEMV chain's form of this hook (rooflm/model/decoder.py _forward_gemv):
+        the shrink of x [1, K] (normed in the kernel as the GEMV's NORM prologue normalises it,
+        norm_weight given), and the expand left to the base GEMV's LORA epilogue, which adds
+        the delta before the bias, activation or residual add (kernels/gemv.py LoRAEpilogue)."""
+        from rooflm.kernels.gemv import LoRAEpilogue
+        from rooflm.kernels.lora_shrink import lora_shrink
+        m = self.mapping
+        seg = m.segments(self.lora_a.shape[0])
+        h = lora_shrink(x, self.lora_a, m.token_slots, seg.token_order, seg.seg_starts, seg.seg_slots,
+                        seg.max_seg_len, m.decode_only, norm_weight=norm_weight, eps=eps, tiles=seg.tiles)
+        out = self.lora_b.shape[1]
+        shard_starts = ([offset for offset, _ in self.shards[1:]] + [out, out])[:2]
+        return LoRAEpilogue(h, self.lora_b, m.token_slots, self.rank, tuple(shard_starts))
 
     def _dense_torch(self, x: torch.Tensor, y: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
         """The graph form on the torch path: each row gathers its slot's A and B (slot -1: a
@@ -150,6 +179,13 @@ def install_lora(model: torch.nn.Module, mapping: LoRAMapping, num_slots: int, r
                 raise ValueError(f"LoRA on {type(linear).__name__} (layer {index} {name}) is not served")
             targets.append((index, name, linear))
         layer.lora_mapping = mapping
+    plain = sum(getattr(layer, "gemv", None) is None for layer in model.model.layers)
+    if use_triton and plain:
+        # The one-token GEMV chain takes the adapters in its epilogues (gemv_epilogue); a layer
+        # without it (quantized base weights: the folded and FP8-code forms have no adapter
+        # epilogue; --deterministic) runs one-token steps with adapters on the plain path.
+        logger.info("LoRA: one-token steps with an adapter run %d of %d layers on the plain path (cuBLAS or the "
+                    "quantized linear, norms and SiLU-mul apart), not the GEMV chain", plain, len(model.model.layers))
     first = targets[0][2].weight
     total = sum(slot_elements(linear, rank) for _, _, linear in targets)
     pool = torch.zeros(num_slots, total, dtype=first.dtype, device=first.device)

@@ -223,11 +223,13 @@ class DecoderLayer(torch.nn.Module):
         return self.norm_names[place] is not None or self.residual_scale is not None
 
     def forward(self, positions, x, residual, kv_cache, meta):
-        # A step with LoRA adapters takes the plain path: the hooks sit in Linear.forward, which
-        # the one-token GEMV, folded and FP8-code forms never call.
+        # A step with LoRA adapters: the one-token GEMV chain takes each hook's shrink beside its
+        # GEMV and the delta in the GEMV's epilogue (LoRALinearHook.gemv_epilogue); the folded
+        # and FP8-code forms have no such epilogue, and such steps take the plain path, where
+        # the hooks sit in Linear.forward.
         fused = self.lora_mapping is None or not self.lora_mapping.active
-        if fused and self.gemv is not None and x.shape[0] == 1:
-            return self._forward_gemv(positions, x, residual, kv_cache, meta)
+        if self.gemv is not None and x.shape[0] == 1:
+            return self._forward_gemv(positions, x, residual, kv_cache, meta, lora=not fused)
         if fused and self.fold and x.shape[0] == 1:
             folded = self._forward_folded(positions, x, residual, kv_cache, meta)
             if folded is not None:
@@ -251,32 +253,36 @@ class DecoderLayer(torch.nn.Module):
 
     # ---- one token, float weights: four GEMVs ----------------------------------------------
 
-    def _forward_gemv(self, positions, x, residual, kv_cache, meta):
+    def _forward_gemv(self, positions, x, residual, kv_cache, meta, lora: bool = False):
         """One token: forward's math (and casts) in four fused GEMVs. The residual stream h is
-        returned whole (residual None): the adds happen in the GEMV epilogues."""
+        returned whole (residual None): the adds happen in the GEMV epilogues. lora: the step
+        has adapters; each targeted GEMV adds its hook's delta in its epilogue."""
         attn, mlp = self.self_attn, self.mlp
         h = x if residual is None else x + residual
-        qkv = self._gemv_in(h, attn.qkv_proj, self.pre_attn)
-        h = self._gemv_out(attn.attend(positions, qkv, kv_cache, meta), attn.o_proj, 1, h)
+        qkv = self._gemv_in(h, attn.qkv_proj, self.pre_attn, lora=lora)
+        h = self._gemv_out(attn.attend(positions, qkv, kv_cache, meta), attn.o_proj, 1, h, lora)
         if not self.dense_mlp:
             return self._mlp_apart(h), None
-        act = self._gemv_in(h, mlp.gate_up_proj, self.pre_mlp, gated=True, act=mlp.act_name)
-        return self._gemv_out(act, mlp.down_proj, 3, h), None
+        act = self._gemv_in(h, mlp.gate_up_proj, self.pre_mlp, gated=True, act=mlp.act_name, lora=lora)
+        return self._gemv_out(act, mlp.down_proj, 3, h, lora), None
 
     def _gemv_in(self, h, linear: Linear, norm: Optional[RMSNorm], gated: bool = False,
-                 act: str = SILU) -> torch.Tensor:
+                 act: str = SILU, lora: bool = False) -> torch.Tensor:
         """W @ norm(h) with the norm folded into the GEMV's load of h (no norm: W @ h); gated: the
-        MLP's act(gate) * up in its epilogue."""
+        MLP's act(gate) * up in its epilogue; lora: the adapter delta before that epilogue."""
         kw = dict(gated=True, act=act) if gated else {}
-        if norm is None:
-            return self.gemv(h, linear.weight, bias=linear.bias, **kw)
-        return self.gemv(h, linear.weight, bias=linear.bias, norm_weight=norm.fused_weight, eps=norm.eps, **kw)
+        if norm is not None:
+            kw.update(norm_weight=norm.fused_weight, eps=norm.eps)
+        if lora and linear.lora is not None:
+            kw["lora"] = linear.lora.gemv_epilogue(h, kw.get("norm_weight"), kw.get("eps", 1e-6))
+        return self.gemv(h, linear.weight, bias=linear.bias, **kw)
 
-    def _gemv_out(self, a, linear: Linear, place: int, h) -> torch.Tensor:
+    def _gemv_out(self, a, linear: Linear, place: int, h, lora: bool = False) -> torch.Tensor:
         """h + post(W @ a): the add in the GEMV epilogue where nothing sits between (_has_post)."""
+        epilogue = linear.lora.gemv_epilogue(a) if lora and linear.lora is not None else None
         if not self._has_post(place):
-            return _row_gemv(self.gemv, a, linear, h)
-        return self._add_post(place, _row_gemv(self.gemv, a, linear, None), h)
+            return _row_gemv(self.gemv, a, linear, h, epilogue)
+        return self._add_post(place, _row_gemv(self.gemv, a, linear, None, epilogue), h)
 
     # ---- one token, quantized weights that fold ----------------------------------------------
 
@@ -362,15 +368,17 @@ def _folded_in(linear: Linear, h: torch.Tensor, norm: Optional[RMSNorm]) -> Opti
     return linear.forward_folded(norm(h))
 
 
-def _row_gemv(gemv, x: torch.Tensor, linear: Linear, residual: Optional[torch.Tensor]) -> torch.Tensor:
+def _row_gemv(gemv, x: torch.Tensor, linear: Linear, residual: Optional[torch.Tensor], lora=None) -> torch.Tensor:
     """residual + x @ W^T in one GEMV (x @ W^T without residual). A row-parallel layer holds a
     slice of W's columns: rank 0 adds the residual to its partial sum, the others add nothing,
-    and one all-reduce sums them."""
+    and one all-reduce sums them; an adapter's delta (lora: LoRAEpilogue) is partial there
+    too (the hook's A holds the rank's columns), summed by the same all-reduce."""
+    kw = {} if lora is None else {"lora": lora}
     if isinstance(linear, tp_layers.RowParallelLinear):
         partial = None if residual is None else linear.partial_with_residual(residual)
-        out = linear.tp.all_reduce(gemv(x, linear.weight, residual=partial))
+        out = linear.tp.all_reduce(gemv(x, linear.weight, residual=partial, **kw))
         return out if linear.bias is None else out + linear.bias  # gpt-oss's o_proj: once, after the sum
-    return gemv(x, linear.weight, bias=linear.bias, residual=residual)
+    return gemv(x, linear.weight, bias=linear.bias, residual=residual, **kw)
 
 
 class MissingLayer(torch.nn.Module):

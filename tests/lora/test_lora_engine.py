@@ -151,7 +151,7 @@ def test_the_adapter_crosses_the_engine_core_socket():
 
 @pytest.mark.gpu
 def test_gpu_mixed_batch_equals_single_adapter_runs(tiny):
-    """On CUDA the hooks run the Triton SGMV (prefill) and BGMV (decode) kernels: a mixed batch
+    """On CUDA the hooks run the Triton SGMV kernels (prefill and decode; one sequence: the GEMV chain): a mixed batch
     gives each request what it gets alone, and PEFT's merged model's tokens (fp32)."""
     llm = _llm(tiny, device="cuda")
     loras = [tiny["r1"], tiny["r2"], None] * len(PROMPTS)

@@ -215,7 +215,8 @@ def test_engine_decode_through_the_graph_runner_equals_eager(tiny):
 @pytest.mark.parametrize("num_splits", [None, 3])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_dense_decode_kernels_skip_rows_without_an_adapter(dtype, num_splits):
-    """token_order None: one program per row, slot -1 (base rows, graph padding) skipped."""
+    """token_order None: every slot a group, made from token_slots on the device; slot -1 rows
+    (base rows, graph padding) in none."""
     gen = torch.Generator().manual_seed(3)
     rank, k, shards = 8, 40, [(0, 24), (24, 8), (32, 8)]
     slots = [1, -1, 0, 1, -1, -1, 2]
@@ -255,3 +256,22 @@ def test_cuda_graphs_with_adapters_equal_eager_on_the_gpu(tiny):
     assert got == want
     base = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     assert base == [w for w, lora in zip(want, loras) if lora is None]
+
+
+def test_one_sequence_with_an_adapter_keeps_the_gemv_chain(tiny, monkeypatch):
+    """Batch 1 on the Triton kernels (the interpreter here): the one-token GEMV chain runs with
+    the adapter's shrink beside each GEMV and the delta in its epilogue, and gives the tokens
+    of the plain path with the hooks in Linear.forward (the reference backend, torch hooks)."""
+    opts = dict(model=tiny["base_path"], device=DEVICE, dtype="float32", block_size=4, enforce_eager=True,
+                enable_lora=True, max_loras=2, max_lora_rank=8, max_model_len=32, max_num_seqs=2,
+                max_num_batched_tokens=16)
+    prompt, params = [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    want = LLM(attention_backend="reference", **opts).generate(prompt, params, lora_request=[tiny["r1"]])
+    llm = LLM(attention_backend="triton", **opts)
+    assert llm.engine.runner.model.model.layers[0].gemv is not None
+    calls = []
+    real = LoRALinearHook.gemv_epilogue
+    monkeypatch.setattr(LoRALinearHook, "gemv_epilogue", lambda self, *a: calls.append(1) or real(self, *a))
+    got = llm.generate(prompt, params, lora_request=[tiny["r1"]])
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert calls, "the decode step with the adapter ran through the GEMV chain"

@@ -118,3 +118,47 @@ def test_the_step_packet_carries_the_adapter_slots_and_writes():
         num_decodes=1).pack()
     plain = StepPacket.unpack(plain_header.tolist(), plain_payload)
     assert plain.lora_token_slots == [] and plain.lora_writes == []
+
+
+def test_the_mapped_file_gives_safetensors_own_tensors_and_refuses_a_truncated_one(tiny, tmp_path):
+    """load_adapter views the file's mapping (one host copy, into the image) where safetensors'
+    load_file copies each tensor out: the same tensors; a cut file is refused by name."""
+    import os
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from rooflm.lora.adapter import WEIGHTS_FILE, LoRAAdapterError, map_safetensors
+
+    file = os.path.join(tiny["a1"], WEIGHTS_FILE)
+    want, got = load_file(file), map_safetensors(file)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want)
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny["a1"], cut)
+    with open(cut / WEIGHTS_FILE, "r+b") as f:
+        f.truncate(os.path.getsize(file) - 64)
+    with pytest.raises(LoRAAdapterError, match="does not load"):
+        load_adapter("cut", str(cut), tiny["config"], max_rank=8)
+
+
+def test_an_adapter_covering_every_element_needs_no_zeros(tiny, tmp_path):
+    """Full rank on every shard of every hook: the image skips the zero pass, so every element
+    must be the adapter's (the hooks' spans tile the row, checked above)."""
+    full, _ = make_peft_adapter(tiny["base_path"], tmp_path / "full", rank=8, alpha=8, seed=4)
+    manager, hooks, pool = _manager(tiny)
+    adapter = load_adapter("full", full, tiny["config"], max_rank=8)
+    shards: dict = {key: set() for key in hooks}
+    for layer, projection in adapter.weights:
+        linear, shard = PROJECTIONS[projection]
+        shards[(layer, linear)].add(shard)
+    assert all(hook.covered_by(shards[key], adapter.rank) for key, hook in hooks.items())
+    image = manager.slot_image(adapter)
+    for (layer, projection), (a, b) in adapter.weights.items():
+        linear, shard = PROJECTIONS[projection]
+        hook = hooks[(layer, linear)]
+        lora_a, lora_b = hook.slot_views(image)
+        i = hook.shard_names.index(shard)
+        offset, size = hook.shards[i]
+        assert torch.equal(lora_a[i * 8:(i + 1) * 8], a.float())
+        torch.testing.assert_close(lora_b[offset:offset + size], b.float() * adapter.scaling)
