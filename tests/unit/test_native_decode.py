@@ -139,18 +139,72 @@ def test_env_switch_turns_it_off(weights, monkeypatch):
     assert model.model.native_decoder is None
 
 
-def test_several_sequences_and_fp8_caches_take_the_torch_path(weights, monkeypatch):
+def test_fp8_caches_and_prefill_beside_decodes_take_the_torch_path(weights, monkeypatch):
     model = make_model(weights, monkeypatch, True)
     cache = make_cache()
     model.model(torch.tensor([1, 2, 3]), torch.arange(3), cache, step_meta(0, 3))
     decoder = model.model.native_decoder
     assert decoder is not None
     other = [4, 6, 8, 10] + [0] * (len(BLOCK_TABLE) - 4)
-    two = step_meta(0, 1, tables=(BLOCK_TABLE, other), starts=[3, 0])
-    assert decoder.forward(torch.tensor([5, 6]), torch.tensor([3, 0]), cache, two) is None
+    mixed = step_meta(0, 2, tables=(BLOCK_TABLE, other), starts=[3, 0])
+    assert decoder.forward(torch.tensor([5, 6, 7, 8]), torch.tensor([3, 4, 0, 1]), cache, mixed) is None
     fp8 = [KVCache(c.k.to(torch.float8_e4m3fn), c.v.to(torch.float8_e4m3fn), torch.ones(c.k.shape[:3]),
                    torch.ones(c.k.shape[:3])) for c in make_cache()]
     assert decoder.forward(torch.tensor([5]), torch.tensor([0]), fp8, step_meta(0, 1)) is None
+
+
+# Three sequences' block tables, disjoint and scattered over the pool.
+SEQ_TABLES = [[7, 2, 19, 0, 11, 5], [23, 3, 14, 9, 1, 17], [4, 21, 8, 13, 6, 22]]
+PROMPTS = [[3, 41, 7, 88, 15, 2, 9], [60, 5, 33], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
+
+
+def batched_greedy(model, steps: int, batched: bool):
+    """Each prompt prefilled alone, then `steps` greedy decodes of the three sequences, in one step
+    of three rows (batched) or one step per sequence: the tokens and each decode's hidden states."""
+    cache = make_cache()
+    seqs = [list(p) for p in PROMPTS]
+    last = []
+    for seq, table in zip(seqs, SEQ_TABLES):
+        hidden = model.model(torch.tensor(seq), torch.arange(len(seq)), cache, step_meta(0, len(seq), (table,)))
+        last.append(hidden[-1:])
+    hiddens = []
+    for _ in range(steps):
+        for i, seq in enumerate(seqs):
+            seq.append(int(model.compute_logits(last[i]).argmax()))
+        ends = [len(seq) - 1 for seq in seqs]
+        if batched:
+            ids = torch.tensor([seq[-1] for seq in seqs])
+            out = model.model(ids, torch.tensor(ends), cache, step_meta(0, 1, SEQ_TABLES, starts=ends))
+            last = [out[i:i + 1] for i in range(len(seqs))]
+        else:
+            last = [model.model(torch.tensor(seq[-1:]), torch.tensor([p]), cache, step_meta(p, 1, (table,)))
+                    for seq, p, table in zip(seqs, ends, SEQ_TABLES)]
+        hiddens.append(torch.cat(last))
+    return seqs, hiddens
+
+
+def test_batched_decode_rows_match_their_own_steps_and_the_torch_path(weights, monkeypatch):
+    """A decode step of three sequences with different KV lengths runs natively, in one C call: each
+    row gets the bits of its own single-sequence native step, and agrees with the torch path's
+    batched step (tokens equal, hidden states to 1e-4)."""
+    fast, ref = make_model(weights, monkeypatch, True), make_model(weights, monkeypatch, False)
+    calls = []
+    decoder = fast.model.native_decoder
+    real = decoder.forward
+
+    def counted(*args):
+        out = real(*args)
+        calls.append(out is not None)
+        return out
+    monkeypatch.setattr(decoder, "forward", counted)
+    together, together_hidden = batched_greedy(fast, 12, batched=True)
+    assert calls and all(calls)  # every step native, the batched ones included
+    alone, alone_hidden = batched_greedy(fast, 12, batched=False)
+    torch_path, torch_hidden = batched_greedy(ref, 12, batched=True)
+    assert together == alone == torch_path
+    for a, b, r in zip(together_hidden, alone_hidden, torch_hidden):
+        assert torch.equal(a, b)
+        assert rel_err(a, r) < 1e-4
 
 
 def test_biased_or_float_linears_are_refused(monkeypatch):
@@ -163,7 +217,8 @@ def test_biased_or_float_linears_are_refused(monkeypatch):
 
 @pytest.fixture(scope="module")
 def default_model_runs():
-    """The embedded SmolLM2-135M, greedy, through the native decoder and through torch."""
+    """The embedded SmolLM2-135M, greedy: both prompts together (batched decode steps) through the
+    native decoder and through torch, and each prompt alone natively."""
     from rooflm import LLM, SamplingParams
     prompts = ["What is the capital of France?", "Write a haiku about the sea."]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
@@ -177,10 +232,17 @@ def default_model_runs():
             mp.setenv(native_decode.ENV_SWITCH, native_on)
             model.choose_decoder_path()
             runs[native_on] = (llm.generate(prompts, params), model.native_decoder is not None)
+        mp.setenv(native_decode.ENV_SWITCH, "1")
+        model.choose_decoder_path()
+        runs["alone"] = [llm.generate([prompt], params)[0] for prompt in prompts]
         llm.shutdown()
     finally:
         mp.undo()
     return runs
+
+
+def _logprobs(output):
+    return [next(iter(d.values())).logprob for d in output.outputs[0].logprobs]
 
 
 def test_default_model_greedy_tokens_and_logprobs_match(default_model_runs):
@@ -188,9 +250,18 @@ def test_default_model_greedy_tokens_and_logprobs_match(default_model_runs):
     assert fast_native and not ref_native
     for a, b in zip(fast, ref):
         assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
-        lp_a = [next(iter(d.values())).logprob for d in a.outputs[0].logprobs]
-        lp_b = [next(iter(d.values())).logprob for d in b.outputs[0].logprobs]
-        assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) < 1e-3
+        assert max(abs(x - y) for x, y in zip(_logprobs(a), _logprobs(b))) < 1e-3
+
+
+def test_default_model_batched_decode_matches_each_sequence_alone(default_model_runs):
+    """Two prompts decoded together (native batched steps) give each the tokens and logprobs of
+    its own run alone (native batch-1 steps). The two prompts' prefill step (two sequences of
+    several tokens) takes the torch path, so their caches differ at fp32 rounding: the torch
+    path's tolerance."""
+    together, alone = default_model_runs["1"][0], default_model_runs["alone"]
+    for a, b in zip(together, alone):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+        assert max(abs(x - y) for x, y in zip(_logprobs(a), _logprobs(b))) < 1e-3
 
 
 def test_long_chunks_are_cut_into_calls_and_thread_count_changes_nothing(weights, monkeypatch):
