@@ -1,5 +1,5 @@
-"""The whole decoder in one C call (csrc/decode_layer.c) for a CPU step: a decode step of B
-sequences (B rows, each its own sequence and KV length) or one sequence's prefill chunk. The
+"""The whole decoder in one C call (csrc/decode_layer.c) for a CPU step: decode rows of B
+sequences (each its own sequence and KV length), prefill chunks, or both in one step. The
 Llama layer and the parts other families add to it (post-norms, (1 + w) norms, per-head q/k
 norms, GELU-tanh, residual scales, per-layer rotaries and windows: ModelSpec.native_reason says
 what it cannot take).
@@ -21,9 +21,9 @@ returns None to send the step down the torch path):
     Q4_0/Q4_1/Q8_0 blocks kept quantized, native kernels built) without bias, neox rotary, one
     device (no tensor parallelism), no fused-GEMV or deterministic linear kernels;
     ROOFLM_NATIVE_DECODE=0 turns it off;
-  - the step: decode rows of any number of sequences, or one sequence's prefill chunk (C calls of
-    <= MAX_CHUNK tokens), a float32 (not FP8) KV cache, every slot valid; with KV cache groups,
-    each layer reads its group's slots and block tables.
+  - the step: any mix of decode rows and prefill chunks (C calls of <= MAX_CHUNK tokens, a
+    sequence's run cut between calls where it crosses one), a float32 (not FP8) KV cache, every
+    slot valid; with KV cache groups, each layer reads its group's slots and block tables.
 Everything else takes the torch path. The K/V go into the engine's own paged pool, through the
 step's slot mapping and block table, so prefix caching, copy-on-write and preemption are
 unchanged.
@@ -216,8 +216,6 @@ class NativeDecoder:
         loc = meta.query_start_loc_cpu
         if tokens == 0 or input_ids.dim() != 1 or loc[-1] != tokens:
             return None
-        if meta.num_seqs != 1 and meta.max_query_len != 1:
-            return None  # a prefill chunk beside other sequences: the torch path
         if max(meta.seq_lens_cpu) > self.max_positions or not self._bind_cache(kv_caches):
             return None
         # Each KV cache group's slots and block tables (one group: the step's own), held here
