@@ -34,8 +34,8 @@ and logits agree to better than 1e-4 relative rather than bit for bit, and greed
 same (tests/unit/test_native_decode.py). A row's result does not depend on the rows beside it
 (each output is one weight row's dot product with one token, summed in the same order whatever B;
 attention is per sequence), so a batched step gives each sequence the bits its own step would.
-Threads: torch.get_num_threads(), in one OpenMP parallel region per call with four yielding
-barriers a layer, batched or not (csrc/decode_layer.c says why).
+Threads: torch.get_num_threads(), in one OpenMP parallel region per call with five yielding
+barriers a layer (seven with post-norms), batched or not (csrc/decode_layer.c says why).
 """
 
 from __future__ import annotations

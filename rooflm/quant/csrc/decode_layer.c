@@ -198,16 +198,16 @@ static void barrier_wait(Barrier *b, int threads, int *local_sense) {
     }
 }
 
-/* All layers in one parallel region, four barriers (barrier_wait) a layer. Each thread
+/* All layers in one parallel region, five barriers (barrier_wait) a layer (seven with post-norms),
+ * whatever the number of sequences in the step. Each thread
  * normalizes and quantizes a matmul's input itself, into its own buffers, instead of one thread
  * doing it while the others wait at a barrier (for a 512-token chunk that repeats ~4% of the
  * matmul's work); each takes a contiguous slice of every weight's rows (and the residual add on
  * its own slice of the output), and whole (sequence, KV-head group) units in attention (it
  * rotates, caches and attends them alone, so the cache write needs no barrier before the
- * attention that reads it; with fewer units than threads, some threads idle there). The
- * barriers are the yielding ones above for any step, batched or not. Why: every fork/join or barrier is
- * a point where a thread descheduled by another job holds up the rest; a parallel loop per
- * step had ten such points a layer, this has four. */
+ * attention that reads it; with fewer units than threads, some threads idle there). Why: every
+ * fork/join or barrier is a point where a thread descheduled by another job holds up the rest; a
+ * parallel loop per step had ten such points a layer, this has five. */
 static int forward(const DecoderShape *s, const DecoderLayer *layers, float *x, int64_t T,
                    const int64_t *positions, const int64_t *const *slot_groups,
                    const int32_t *const *table_groups, const int64_t *table_widths, int64_t S,
