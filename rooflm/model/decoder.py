@@ -418,13 +418,13 @@ class DecoderModel(torch.nn.Module):
         self.norm = (make_norm(spec, cfg.hidden_size, cfg.rms_norm_eps, kernels.rmsnorm)
                      if stage is None or stage.has_final_norm else None)
         log.info("decoder path: %s", decoder_path(spec, kernels))
-        # rooflm/quant/native_decode.py: single-sequence CPU steps as one C call over all layers,
+        # rooflm/quant/native_decode.py: CPU steps (batched decodes included) as one C call over all layers,
         # where the weights allow it; decided at the first forward (the weights are loaded then).
         self.native_decoder = None
         self._native_decoder_checked = False
 
     def choose_decoder_path(self) -> None:
-        """Decide (again) whether single-sequence CPU steps run natively, from the weights as
+        """Decide (again) whether CPU steps run natively, from the weights as
         loaded now and ROOFLM_NATIVE_DECODE; the first forward does it when nobody did."""
         # The C decoder computes the base layers only: with LoRA hooks every step runs here; it
         # runs every layer, from the embedding to the final norm: not a pipeline stage's part.

@@ -101,8 +101,9 @@ def library() -> Optional[ctypes.CDLL]:
     lib.rl_q4_linear.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _P, _INT]
     lib.rl_q8_linear.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _INT]
     lib.rl_q4_linear.restype = lib.rl_q8_linear.restype = _INT
-    # (shape, layers, x, T, positions, slots, block_table, threads): rooflm/quant/native_decode.py
-    lib.rl_decoder_forward.argtypes = [_P, _P, _P, _I64, _P, _P, _P, _INT]  # slots, tables: arrays per KV cache group
+    # (shape, layers, x, T, positions, slots, tables, table widths, S, seq starts, seq rows, threads):
+    # rooflm/quant/native_decode.py; slots, tables and widths: arrays per KV cache group
+    lib.rl_decoder_forward.argtypes = [_P, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _INT]
     lib.rl_decoder_forward.restype = _INT
     return lib
 

@@ -1,7 +1,13 @@
-"""The whole decoder in one C call (csrc/decode_layer.c) for one sequence on the CPU: a batch-1
-decode step or one prefill chunk. The Llama layer and the parts other families add to it
-(post-norms, (1 + w) norms, per-head q/k norms, GELU-tanh, residual scales, per-layer rotaries
-and windows: ModelSpec.native_reason says what it cannot take).
+"""The whole decoder in one C call (csrc/decode_layer.c) for a CPU step: decode rows of B
+sequences (each its own sequence and KV length), prefill chunks, or both in one step. The
+Llama layer and the parts other families add to it (post-norms, (1 + w) norms, per-head q/k
+norms, GELU-tanh, residual scales, per-layer rotaries and windows: ModelSpec.native_reason says
+what it cannot take).
+
+Why batched: a decode step on the CPU is bound by reading the weights (SmolLM2-135M's ~100 MB of
+Q4/Q8 blocks a step); the C matmul reads each weight block once for all B rows, so B streams cost
+about one weight read a step, where the torch path's per-op dispatch grew with B and 4 streams
+made fewer tokens/s than one (issue 51).
 
 Why: with the matmuls already in C (block_matmul.c), SmolLM2-135M's decode step on 2 cores
 still spent ~14-18 ms of ~24 in the ~20 torch ops a layer around them (norms, rotary, casts,
@@ -15,9 +21,9 @@ returns None to send the step down the torch path):
     Q4_0/Q4_1/Q8_0 blocks kept quantized, native kernels built) without bias, neox rotary, one
     device (no tensor parallelism), no fused-GEMV or deterministic linear kernels;
     ROOFLM_NATIVE_DECODE=0 turns it off;
-  - the step: one sequence (a decode, or a prefill chunk: C calls of <= MAX_CHUNK tokens), a float32
-    (not FP8) KV cache, every slot valid; with KV cache groups, each layer reads its group's slots
-    and block table.
+  - the step: any mix of decode rows and prefill chunks (C calls of <= MAX_CHUNK tokens, a
+    sequence's run cut between calls where it crosses one), a float32 (not FP8) KV cache, every
+    slot valid; with KV cache groups, each layer reads its group's slots and block tables.
 Everything else takes the torch path. The K/V go into the engine's own paged pool, through the
 step's slot mapping and block table, so prefix caching, copy-on-write and preemption are
 unchanged.
@@ -25,8 +31,11 @@ unchanged.
 The math is the torch path's in fp32 and the matmuls are the same C kernel with the same
 activation quantization; norms, softmax and SiLU are summed in another order, so hidden states
 and logits agree to better than 1e-4 relative rather than bit for bit, and greedy tokens are the
-same (tests/unit/test_native_decode.py). Threads: torch.get_num_threads(), in one OpenMP
-parallel region per call with four barriers a layer (csrc/decode_layer.c says why).
+same (tests/unit/test_native_decode.py). A row's result does not depend on the rows beside it
+(each output is one weight row's dot product with one token, summed in the same order whatever B;
+attention is per sequence), so a batched step gives each sequence the bits its own step would.
+Threads: torch.get_num_threads(), in one OpenMP parallel region per call with five yielding
+barriers a layer (seven with post-norms), batched or not (csrc/decode_layer.c says why).
 """
 
 from __future__ import annotations
@@ -173,7 +182,7 @@ class NativeDecoder:
         if reason is not None:
             log.info("decoder path: torch (native decoder off: %s)", reason)
             return None
-        log.info("decoder path: native C decoder (rooflm/quant/csrc/decode_layer.c) for single-sequence CPU steps")
+        log.info("decoder path: native C decoder (rooflm/quant/csrc/decode_layer.c) for CPU decode and prefill steps")
         return cls(model)
 
     def _bind_cache(self, kv_caches) -> bool:
@@ -204,20 +213,20 @@ class NativeDecoder:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> Optional[torch.Tensor]:
         """The final normed hidden states [T, hidden], or None: the step takes the torch path."""
         tokens = input_ids.shape[0]
-        if meta.num_seqs != 1 or tokens == 0 or input_ids.dim() != 1:
+        loc = meta.query_start_loc_cpu
+        if tokens == 0 or input_ids.dim() != 1 or loc[-1] != tokens:
             return None
-        seq_len = meta.seq_lens_cpu[0]
-        if seq_len > self.max_positions or not self._bind_cache(kv_caches):
+        if max(meta.seq_lens_cpu) > self.max_positions or not self._bind_cache(kv_caches):
             return None
-        # Each KV cache group's slots and block table (one group: the step's own), held here while
-        # the C call reads them.
+        # Each KV cache group's slots and block tables (one group: the step's own), held here
+        # while the C call reads them.
         views = [meta] + list(meta.groups or [])
         slot_groups, table_groups = [], []
         for view in views:
             slots = view.slot_mapping
             if slots.dtype != torch.int64 or (slots.min() if tokens > 1 else slots[0]) < 0:
                 return None
-            table = view.block_tables[0]
+            table = view.block_tables
             if table.dtype != torch.int32 or not table.is_contiguous():
                 table = table.to(torch.int32).contiguous()
             slot_groups.append(slots.contiguous())
@@ -229,16 +238,30 @@ class NativeDecoder:
             x = x * self.model.embed_scale
         if not x.is_contiguous() or x.dtype != torch.float32:
             x = x.float().contiguous()
-        elem = (8, 4)  # int64 slots, int32 tables
         threads = torch.get_num_threads()
-        tables = (ctypes.c_void_p * len(views))(*[t.data_ptr() for t in table_groups])
+        tables = (_P * len(views))(*[t.data_ptr() for t in table_groups])
+        widths = (_I64 * len(views))(*[t.shape[1] for t in table_groups])
         for start in range(0, tokens, MAX_CHUNK):
             count = min(MAX_CHUNK, tokens - start)
-            # Row offsets into x, positions and each group's slots.
-            slots = (ctypes.c_void_p * len(views))(*[s.data_ptr() + start * elem[0] for s in slot_groups])
+            rows, starts = sequence_runs(loc, start, start + count)
+            # Row offsets into x, positions and each group's slots (8 bytes an int64 slot).
+            slots = (_P * len(views))(*[s.data_ptr() + start * 8 for s in slot_groups])
             status = self.lib.rl_decoder_forward(
                 self._shape_ptr, self.layers, x[start].data_ptr(), count, positions[start].data_ptr(),
-                slots, tables, threads)
+                slots, tables, widths, len(rows), (_I64 * len(starts))(*starts), (_I64 * len(rows))(*rows),
+                threads)
             if status != 0:
                 raise MemoryError(f"native decoder could not allocate its buffers for {count} tokens")
         return x
+
+
+def sequence_runs(query_start_loc: list[int], start: int, end: int) -> tuple[list[int], list[int]]:
+    """The sequences with tokens among the step's tokens [start, end) (one C call's): their rows
+    in the block tables, and their runs' bounds counted from start ([0, ..., end - start])."""
+    rows, starts = [], [0]
+    for row in range(len(query_start_loc) - 1):
+        first, last = max(query_start_loc[row], start), min(query_start_loc[row + 1], end)
+        if first < last:
+            rows.append(row)
+            starts.append(last - start)
+    return rows, starts

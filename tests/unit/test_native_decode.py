@@ -64,11 +64,13 @@ def make_cache():
             for _ in range(TINY.num_hidden_layers)]
 
 
-def step_meta(start, count, tables=(BLOCK_TABLE,), starts=None):
-    """One sequence's tokens [start, start + count) (or several sequences' when tables/starts say)."""
+def step_meta(start, count, tables=(BLOCK_TABLE,), starts=None, counts=None):
+    """One sequence's tokens [start, start + count) (or several sequences' when tables/starts and
+    counts say: count tokens each unless counts gives each its own)."""
     if starts is None:
         starts = [start]
-    counts = [count] * len(starts)
+    counts = counts or [count] * len(starts)
+    count = max(counts)
     slots, lens = [], []
     for table, s, c in zip(tables, starts, counts):
         slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(s, s + c)]
@@ -79,7 +81,7 @@ def step_meta(start, count, tables=(BLOCK_TABLE,), starts=None):
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(loc, dtype=torch.int32),
         seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=torch.tensor(list(tables), dtype=torch.int32),
-        max_query_len=count, max_seq_len=max(lens), num_decodes=len(starts) if count == 1 else 0,
+        max_query_len=count, max_seq_len=max(lens), num_decodes=counts.index(max(counts)) if count > 1 else len(counts),
         query_start_loc_cpu=loc, seq_lens_cpu=lens)
 
 
@@ -139,18 +141,119 @@ def test_env_switch_turns_it_off(weights, monkeypatch):
     assert model.model.native_decoder is None
 
 
-def test_several_sequences_and_fp8_caches_take_the_torch_path(weights, monkeypatch):
+def test_fp8_caches_take_the_torch_path(weights, monkeypatch):
     model = make_model(weights, monkeypatch, True)
-    cache = make_cache()
-    model.model(torch.tensor([1, 2, 3]), torch.arange(3), cache, step_meta(0, 3))
+    model.model(torch.tensor([1, 2, 3]), torch.arange(3), make_cache(), step_meta(0, 3))
     decoder = model.model.native_decoder
     assert decoder is not None
-    other = [4, 6, 8, 10] + [0] * (len(BLOCK_TABLE) - 4)
-    two = step_meta(0, 1, tables=(BLOCK_TABLE, other), starts=[3, 0])
-    assert decoder.forward(torch.tensor([5, 6]), torch.tensor([3, 0]), cache, two) is None
     fp8 = [KVCache(c.k.to(torch.float8_e4m3fn), c.v.to(torch.float8_e4m3fn), torch.ones(c.k.shape[:3]),
                    torch.ones(c.k.shape[:3])) for c in make_cache()]
     assert decoder.forward(torch.tensor([5]), torch.tensor([0]), fp8, step_meta(0, 1)) is None
+
+
+def native_calls(decoder, monkeypatch) -> list[bool]:
+    """Whether each step from now on ran in C (True) or was sent down the torch path."""
+    calls, real = [], decoder.forward
+
+    def counted(*args):
+        out = real(*args)
+        calls.append(out is not None)
+        return out
+    monkeypatch.setattr(decoder, "forward", counted)
+    return calls
+
+
+# Three sequences' block tables, disjoint and scattered over the pool.
+SEQ_TABLES = [[7, 2, 19, 0, 11, 5], [23, 3, 14, 9, 1, 17], [4, 21, 8, 13, 6, 22]]
+PROMPTS = [[3, 41, 7, 88, 15, 2, 9], [60, 5, 33], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
+
+
+def batched_greedy(model, steps: int, batched: bool):
+    """Each prompt prefilled alone, then `steps` greedy decodes of the three sequences, in one step
+    of three rows (batched) or one step per sequence: the tokens and each decode's hidden states."""
+    cache = make_cache()
+    seqs = [list(p) for p in PROMPTS]
+    last = []
+    for seq, table in zip(seqs, SEQ_TABLES):
+        hidden = model.model(torch.tensor(seq), torch.arange(len(seq)), cache, step_meta(0, len(seq), (table,)))
+        last.append(hidden[-1:])
+    hiddens = []
+    for _ in range(steps):
+        for i, seq in enumerate(seqs):
+            seq.append(int(model.compute_logits(last[i]).argmax()))
+        ends = [len(seq) - 1 for seq in seqs]
+        if batched:
+            ids = torch.tensor([seq[-1] for seq in seqs])
+            out = model.model(ids, torch.tensor(ends), cache, step_meta(0, 1, SEQ_TABLES, starts=ends))
+            last = [out[i:i + 1] for i in range(len(seqs))]
+        else:
+            last = [model.model(torch.tensor(seq[-1:]), torch.tensor([p]), cache, step_meta(p, 1, (table,)))
+                    for seq, p, table in zip(seqs, ends, SEQ_TABLES)]
+        hiddens.append(torch.cat(last))
+    return seqs, hiddens
+
+
+def test_batched_decode_rows_match_their_own_steps_and_the_torch_path(weights, monkeypatch):
+    """A decode step of three sequences with different KV lengths runs natively, in one C call: each
+    row gets the bits of its own single-sequence native step, and agrees with the torch path's
+    batched step (tokens equal, hidden states to 1e-4)."""
+    fast, ref = make_model(weights, monkeypatch, True), make_model(weights, monkeypatch, False)
+    calls = native_calls(fast.model.native_decoder, monkeypatch)
+    together, together_hidden = batched_greedy(fast, 12, batched=True)
+    assert calls and all(calls)  # every step native, the batched ones included
+    alone, alone_hidden = batched_greedy(fast, 12, batched=False)
+    torch_path, torch_hidden = batched_greedy(ref, 12, batched=True)
+    assert together == alone == torch_path
+    for a, b, r in zip(together_hidden, alone_hidden, torch_hidden):
+        assert torch.equal(a, b)
+        assert rel_err(a, r) < 1e-4
+
+
+def run_steps(model, steps, ids):
+    """steps: lists of (sequence, start, count) runs, one list a step; sequence i's tokens are
+    ids[i] and its blocks SEQ_TABLES[i]. The hidden states of every (sequence, position)."""
+    cache, out = make_cache(), {}
+    for runs in steps:
+        tokens = torch.cat([ids[i][start:start + count] for i, start, count in runs])
+        positions = torch.cat([torch.arange(start, start + count) for _, start, count in runs])
+        meta = step_meta(0, 1, [SEQ_TABLES[i] for i, _, _ in runs], starts=[r[1] for r in runs],
+                         counts=[r[2] for r in runs])
+        hidden = model.model(tokens, positions, cache, meta)
+        row = 0
+        for i, start, count in runs:
+            for p in range(start, start + count):
+                out[i, p] = hidden[row]
+                row += 1
+    return out
+
+
+def test_prefill_chunks_beside_decodes_match_each_sequence_alone_and_the_torch_path(weights, monkeypatch):
+    """Mixed steps: two sequences' decode rows beside a third's prefill chunks (the first fresh,
+    the second after a cached prefix), and one step of two prefill chunks at once, run natively
+    in one C call each: every token gets the bits of its sequence's own native steps and agrees with
+    the torch path's mixed steps."""
+    fast, ref = make_model(weights, monkeypatch, True), make_model(weights, monkeypatch, False)
+    gen = torch.Generator().manual_seed(11)
+    ids = [torch.randint(0, TINY.vocab_size, (20,), generator=gen) for _ in SEQ_TABLES]
+    mixed = [[(0, 0, 7), (1, 0, 3)],  # two prefills in one step
+             [(0, 7, 1), (1, 3, 1), (2, 0, 6)],  # decodes beside a fresh chunk
+             [(0, 8, 1), (1, 4, 1), (2, 6, 5)],  # decodes beside a chunk with a cached prefix
+             [(0, 9, 1), (1, 5, 1), (2, 11, 1)]]
+    alone = [[run] for step in mixed for run in step]  # the same runs, one sequence a step, in order
+    calls = native_calls(fast.model.native_decoder, monkeypatch)
+    together = run_steps(fast, mixed, ids)
+    assert calls == [True] * len(mixed)
+    by_itself, torch_path = run_steps(fast, alone, ids), run_steps(ref, mixed, ids)
+    assert together.keys() == by_itself.keys() == torch_path.keys()
+    for key in together:
+        assert torch.equal(together[key], by_itself[key]), key
+    assert rel_err(torch.stack(list(together.values())), torch.stack(list(torch_path.values()))) < 1e-4
+    # Cut into C calls of 4 tokens, a call's runs start and end inside sequences: the same bits.
+    assert native_decode.sequence_runs([0, 1, 2, 8], 0, 4) == ([0, 1, 2], [0, 1, 2, 4])
+    assert native_decode.sequence_runs([0, 1, 2, 8], 4, 8) == ([2], [0, 4])
+    monkeypatch.setattr(native_decode, "MAX_CHUNK", 4)
+    cut = run_steps(fast, mixed, ids)
+    assert all(torch.equal(cut[key], together[key]) for key in together)
 
 
 def test_biased_or_float_linears_are_refused(monkeypatch):
@@ -163,7 +266,8 @@ def test_biased_or_float_linears_are_refused(monkeypatch):
 
 @pytest.fixture(scope="module")
 def default_model_runs():
-    """The embedded SmolLM2-135M, greedy, through the native decoder and through torch."""
+    """The embedded SmolLM2-135M, greedy: both prompts together (batched decode steps) through the
+    native decoder and through torch, and each prompt alone natively."""
     from rooflm import LLM, SamplingParams
     prompts = ["What is the capital of France?", "Write a haiku about the sea."]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
@@ -177,10 +281,17 @@ def default_model_runs():
             mp.setenv(native_decode.ENV_SWITCH, native_on)
             model.choose_decoder_path()
             runs[native_on] = (llm.generate(prompts, params), model.native_decoder is not None)
+        mp.setenv(native_decode.ENV_SWITCH, "1")
+        model.choose_decoder_path()
+        runs["alone"] = [llm.generate([prompt], params)[0] for prompt in prompts]
         llm.shutdown()
     finally:
         mp.undo()
     return runs
+
+
+def _logprobs(output):
+    return [next(iter(d.values())).logprob for d in output.outputs[0].logprobs]
 
 
 def test_default_model_greedy_tokens_and_logprobs_match(default_model_runs):
@@ -188,9 +299,18 @@ def test_default_model_greedy_tokens_and_logprobs_match(default_model_runs):
     assert fast_native and not ref_native
     for a, b in zip(fast, ref):
         assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
-        lp_a = [next(iter(d.values())).logprob for d in a.outputs[0].logprobs]
-        lp_b = [next(iter(d.values())).logprob for d in b.outputs[0].logprobs]
-        assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) < 1e-3
+        assert max(abs(x - y) for x, y in zip(_logprobs(a), _logprobs(b))) < 1e-3
+
+
+def test_default_model_batched_decode_matches_each_sequence_alone(default_model_runs):
+    """Two prompts run together (one native prefill step of both, then native batched decodes)
+    give each the tokens and logprobs of its own run alone (native batch-1 steps); the sampler's
+    torch ops (log-softmax) over 2 rows or 1 may pick another reduction order, hence a tolerance
+    far under the torch path's 1e-3 rather than equality."""
+    together, alone = default_model_runs["1"][0], default_model_runs["alone"]
+    for a, b in zip(together, alone):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+        assert max(abs(x - y) for x, y in zip(_logprobs(a), _logprobs(b))) < 1e-5
 
 
 def test_long_chunks_are_cut_into_calls_and_thread_count_changes_nothing(weights, monkeypatch):

@@ -11,7 +11,7 @@
  *   8-bit W: codes [N, K] int8, scale [N, K/32] fp16 (Q8_0)
  * The bytes per weight are the file's: 20/32 for Q4_0/Q4_1, 34/32 for Q8_0.
  *   x: [M, K] float32, contiguous; y: [M, N] float32.
- * Activations: two int8 levels a block (quantize_level below).
+ * Activations: two int8 levels a block (quantize_block below).
  *
  * Work: 2 M N K integer multiply-adds (two levels); bytes: the weight once, whatever M. Each
  * thread takes whole rows of W; a row (K = 576: 18 blocks, 288 + 72 bytes) stays in L1 while
@@ -35,25 +35,34 @@ static inline float hsum(__m256 v) {
 }
 
 /* Per block of 32, x ~ d1 q1 + d2 q2: q1 = round(x / d1) with d1 = max|x| / 127, and q2 the
- * same for the remainder x - d1 q1 (|remainder| <= d1 / 2, so d2 ~ d1 / 254): about 15 bits a
- * value. One level alone (llama.cpp's Q8 activations) flipped SmolLM2-135M's greedy answer to
- * "What is the capital of France?"; two keep it, for one more integer dot product a block.
+ * remainder x - d1 q1 in steps of d2 = d1 / 256 (|remainder| <= d1 / 2, so |q2| <= 128, clamped
+ * to 127): about 15 bits a value. One level alone (llama.cpp's Q8 activations) flipped
+ * SmolLM2-135M's greedy answer to "What is the capital of France?"; two keep it. Why d2 exactly
+ * d1 / 256: a block's two integer dot products then add as 256 p1 + p2 in int32 (exact: < 2^24,
+ * so exact in float too) and take one conversion and one scale, not two: the per-token work of a
+ * block, which is what a batched decode step pays B times for one weight read.
  * sum_q_d = d1 sum(q1) + d2 sum(q2), for the offsets of Q4_1. */
-static void quantize_level(const float *x, int8_t *q, float *d, int *sum) {
+static void quantize_block(const float *x, int8_t *q1, int8_t *q2, float *d1, float *d2, float *sum_q_d) {
     float amax = 0.0f;
     for (int j = 0; j < QK; j++) {
         float a = fabsf(x[j]);
         amax = a > amax ? a : amax;
     }
-    float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    *d = amax / 127.0f;
-    *sum = 0;
+    float d = amax / 127.0f, inv1 = amax > 0.0f ? 127.0f / amax : 0.0f, inv2 = inv1 * 256.0f;
+    int s1 = 0, s2 = 0;
     for (int j = 0; j < QK; j++) {
-        int v = (int)nearbyintf(x[j] * inv);
+        int v = (int)nearbyintf(x[j] * inv1);
         v = v > 127 ? 127 : (v < -127 ? -127 : v);
-        q[j] = (int8_t)v;
-        *sum += v;
+        q1[j] = (int8_t)v;
+        s1 += v;
+        int r = (int)nearbyintf((x[j] - d * (float)v) * inv2);
+        r = r > 127 ? 127 : (r < -127 ? -127 : r);
+        q2[j] = (int8_t)r;
+        s2 += r;
     }
+    *d1 = d;
+    *d2 = d * (1.0f / 256.0f);
+    *sum_q_d = d * (float)s1 + *d2 * (float)s2;
 }
 
 void rl_free_activations(Activations *a) {
@@ -80,19 +89,16 @@ void rl_quantize_activations(const float *x, int64_t M, int64_t K, Activations *
     int64_t blocks = M * (K / QK);
     /* One token's blocks are too few to be worth waking a second thread. */
     #pragma omp parallel for num_threads(threads) schedule(static) if (M > 1 && threads > 1)
-    for (int64_t i = 0; i < blocks; i++) {
-        float rest[QK];
-        int s1, s2;
-        quantize_level(x + i * QK, a->q1 + i * QK, &a->d1[i], &s1);
-        for (int j = 0; j < QK; j++) rest[j] = x[i * QK + j] - a->d1[i] * (float)a->q1[i * QK + j];
-        quantize_level(rest, a->q2 + i * QK, &a->d2[i], &s2);
-        a->sum_q_d[i] = a->d1[i] * (float)s1 + a->d2[i] * (float)s2;
-    }
+    for (int64_t i = 0; i < blocks; i++)
+        quantize_block(x + i * QK, a->q1 + i * QK, a->q2 + i * QK, &a->d1[i], &a->d2[i], &a->sum_q_d[i]);
 }
 
-/* Integer dot of 32 unsigned 4-bit codes (or |w| of signed codes) with 32 int8 values, as 8 floats. */
-static inline __m256 dot_u8(__m256i w, __m256i x, __m256i ones) {
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+/* 256 (w . x1) + (w . x2) of 32 unsigned 4-bit codes (or |w| of signed codes) with a block's two
+ * int8 levels, as 8 int32 lanes (each < 2^24: exact as floats). */
+static inline __m256 dot_levels(__m256i w, __m256i x1, __m256i x2, __m256i k256, __m256i ones) {
+    __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x1), k256);
+    __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x2), ones);
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(p1, p2));
 }
 
 #define TILE 4
@@ -102,12 +108,11 @@ static inline __attribute__((always_inline)) void q4_row(const Activations *a, i
                           const uint16_t *mn, int64_t t0, int count, int64_t N, int64_t n, float *y) {
     const int64_t nb = K / QK;
     const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc1[TILE], acc2[TILE];
+    const __m256i ones = _mm256_set1_epi16(1), k256 = _mm256_set1_epi16(256);
+    __m256 acc[TILE];
     float offsets[TILE];
     for (int i = 0; i < count; i++) {
-        acc1[i] = _mm256_setzero_ps();
-        acc2[i] = _mm256_setzero_ps();
+        acc[i] = _mm256_setzero_ps();
         offsets[i] = 0.0f;
     }
     for (int64_t b = 0; b < nb; b++) {
@@ -117,25 +122,21 @@ static inline __attribute__((always_inline)) void q4_row(const Activations *a, i
         for (int i = 0; i < count; i++) {
             int64_t t = t0 + i;
             const int8_t *q1 = a->q1 + t * K + b * QK, *q2 = a->q2 + t * K + b * QK;
-            __m256 p1 = dot_u8(w, _mm256_loadu_si256((const __m256i *)q1), ones);
-            __m256 p2 = dot_u8(w, _mm256_loadu_si256((const __m256i *)q2), ones);
-            acc1[i] = _mm256_fmadd_ps(_mm256_set1_ps(db * a->d1[t * nb + b]), p1, acc1[i]);
-            acc2[i] = _mm256_fmadd_ps(_mm256_set1_ps(db * a->d2[t * nb + b]), p2, acc2[i]);
+            __m256 p = dot_levels(w, _mm256_loadu_si256((const __m256i *)q1), _mm256_loadu_si256((const __m256i *)q2),
+                                  k256, ones);
+            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(db * a->d2[t * nb + b]), p, acc[i]);
             offsets[i] += mb * a->sum_q_d[t * nb + b];
         }
     }
-    for (int i = 0; i < count; i++) y[(t0 + i) * N + n] = hsum(_mm256_add_ps(acc1[i], acc2[i])) + offsets[i];
+    for (int i = 0; i < count; i++) y[(t0 + i) * N + n] = hsum(acc[i]) + offsets[i];
 }
 
 static inline __attribute__((always_inline)) void q8_row(const Activations *a, int64_t K, const int8_t *wn, const uint16_t *dn,
                           int64_t t0, int count, int64_t N, int64_t n, float *y) {
     const int64_t nb = K / QK;
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc1[TILE], acc2[TILE];
-    for (int i = 0; i < count; i++) {
-        acc1[i] = _mm256_setzero_ps();
-        acc2[i] = _mm256_setzero_ps();
-    }
+    const __m256i ones = _mm256_set1_epi16(1), k256 = _mm256_set1_epi16(256);
+    __m256 acc[TILE];
+    for (int i = 0; i < count; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         __m256i w = _mm256_loadu_si256((const __m256i *)(wn + b * QK));
         /* maddubs takes unsigned x signed: |w| times x with w's sign moved onto x. */
@@ -144,13 +145,12 @@ static inline __attribute__((always_inline)) void q8_row(const Activations *a, i
         for (int i = 0; i < count; i++) {
             int64_t t = t0 + i;
             const int8_t *q1 = a->q1 + t * K + b * QK, *q2 = a->q2 + t * K + b * QK;
-            __m256 p1 = dot_u8(aw, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)q1), w), ones);
-            __m256 p2 = dot_u8(aw, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)q2), w), ones);
-            acc1[i] = _mm256_fmadd_ps(_mm256_set1_ps(db * a->d1[t * nb + b]), p1, acc1[i]);
-            acc2[i] = _mm256_fmadd_ps(_mm256_set1_ps(db * a->d2[t * nb + b]), p2, acc2[i]);
+            __m256 p = dot_levels(aw, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)q1), w),
+                                  _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)q2), w), k256, ones);
+            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(db * a->d2[t * nb + b]), p, acc[i]);
         }
     }
-    for (int i = 0; i < count; i++) y[(t0 + i) * N + n] = hsum(_mm256_add_ps(acc1[i], acc2[i]));
+    for (int i = 0; i < count; i++) y[(t0 + i) * N + n] = hsum(acc[i]);
 }
 
 /* Row n of W against all M tokens. The tile width is a constant in each call, so the

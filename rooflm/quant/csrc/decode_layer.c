@@ -1,5 +1,5 @@
-/* The decoder on the CPU for one sequence, every layer in one C call: batch-1 decode steps and
- * single prefill chunks, with no per-op Python or torch dispatch. The Llama layer, and the parts
+/* The decoder on the CPU, every layer in one C call for a whole step: decode rows of several
+ * sequences, prefill chunks, or both mixed, with no per-op Python or torch dispatch. The Llama layer, and the parts
  * other families add to it (model/spec.py): post-norms, q/k norms per head, GELU-tanh, a residual
  * scale, and per layer a rotary table (a base of its own, a partial width, or none) and a window.
  *
@@ -14,7 +14,7 @@
  *   q, k = per-head RMSNorm (q_norm, k_norm, where given), then neox rotary of the first rot_dim
  *          elements at each token's position (no rotary without a table); k, v -> the paged
  *          cache at each token's slot (the layer's KV cache group's slots)
- *   a    = softmax(q k^T * scale) v over the sequence's cached positions pos - window + 1..pos
+ *   a    = softmax(q k^T * scale) v over the token's own sequence's cached positions pos - window + 1..pos
  *          (causal; window 0: from 0; GQA: query head h reads KV head h / (H / H_kv)), K/V found
  *          through the group's block table
  *   h   += post1(a @ Wo.T) * residual_scale                    (post1: RMSNorm where given)
@@ -27,9 +27,16 @@
  * paged pool (layers/attention.py's layout: [num_blocks, block_size, H_kv, D] fp32 per layer),
  * so prefix caching, copy-on-write and preemption see exactly what the torch path would write.
  *
+ * Several sequences in one call (a batched decode step: B rows, each its own sequence and KV
+ * length): every matmul takes the B rows together, so each weight block is read from memory once
+ * a step for all of them (block_matmul.c's tiles of 4 tokens; a weight row stays in L1 across
+ * tiles) instead of once per sequence: B tokens per weight read, which is what makes B streams
+ * faster than one on a memory-bound CPU. Attention stays per sequence, over its own KV.
+ *
  * Attention work: 4 T L D flops per query head for a context of L; bytes: 2 L H_kv D 4 (the
  * K/V read once per query head group). Threads: one OpenMP parallel region for the whole call
- * (see forward below): rows of every weight split between threads, KV-head groups in attention.
+ * (see forward below): rows of every weight split between threads, (sequence, KV-head group)
+ * units in attention.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -191,18 +198,20 @@ static void barrier_wait(Barrier *b, int threads, int *local_sense) {
     }
 }
 
-/* All layers in one parallel region, four barriers (barrier_wait) a layer. Each thread
+/* All layers in one parallel region, five barriers (barrier_wait) a layer (seven with post-norms),
+ * whatever the number of sequences in the step. Each thread
  * normalizes and quantizes a matmul's input itself, into its own buffers, instead of one thread
  * doing it while the others wait at a barrier (for a 512-token chunk that repeats ~4% of the
  * matmul's work); each takes a contiguous slice of every weight's rows (and the residual add on
- * its own slice of the output), and whole KV-head groups in attention (it rotates, caches and
- * attends them alone, so the cache write needs no barrier before the attention that reads it;
- * with fewer groups than threads, some threads idle there). Why: every fork/join or barrier is
- * a point where a thread descheduled by another job holds up the rest; a parallel loop per
- * step had ten such points a layer, this has four. */
+ * its own slice of the output), and whole (sequence, KV-head group) units in attention (it
+ * rotates, caches and attends them alone, so the cache write needs no barrier before the
+ * attention that reads it; with fewer units than threads, some threads idle there). Why: every
+ * fork/join or barrier is a point where a thread descheduled by another job holds up the rest; a
+ * parallel loop per step had ten such points a layer, this has five. */
 static int forward(const DecoderShape *s, const DecoderLayer *layers, float *x, int64_t T,
                    const int64_t *positions, const int64_t *const *slot_groups,
-                   const int32_t *const *table_groups, int threads) {
+                   const int32_t *const *table_groups, const int64_t *table_widths, int64_t S,
+                   const int64_t *seq_starts, const int64_t *seq_rows, int threads) {
     const int64_t H = s->hidden, D = s->head_dim, q_size = s->heads * D, kv_size = s->kv_heads * D;
     const int64_t qkv_n = q_size + 2 * kv_size, I = s->intermediate;
     const int64_t group = s->heads / s->kv_heads;
@@ -237,16 +246,21 @@ static int forward(const DecoderShape *s, const DecoderLayer *layers, float *x, 
             for (int64_t l = 0; l < s->num_layers; l++) {
                 const DecoderLayer *L = &layers[l];
                 const int64_t *slots = slot_groups[L->group];
-                const int32_t *block_table = table_groups[L->group];
+                const int32_t *tables = table_groups[L->group];
+                const int64_t width = table_widths[L->group];
                 const int64_t R = L->rot_dim;
                 /* q, k, v: this thread's rows of the fused weight. */
                 for (int64_t t = 0; t < T; t++) rms_norm(x + t * H, L->ln1, H, s->eps, xn + t * H);
                 rl_quantize_activations(xn, T, H, &acts, 1);
                 rl_block_matmul_rows(&acts, T, &L->qkv, split(qkv_n, tid, nt), split(qkv_n, tid + 1, nt), qkv);
                 barrier_wait(&bar, nt, &sense);
-                /* Attention: this thread's KV-head groups, written to the cache, then read. */
-                for (int64_t g = tid; g < s->kv_heads; g += nt) {
-                    for (int64_t t = 0; t < T; t++) {
+                /* Attention: this thread's (sequence, KV-head group) units, written to the cache, then
+                 * read (a sequence's tokens attend to its own earlier tokens only). */
+                for (int64_t u = tid; u < S * s->kv_heads; u += nt) {
+                    const int64_t g = u % s->kv_heads, seq = u / s->kv_heads;
+                    const int64_t t0 = seq_starts[seq], t1 = seq_starts[seq + 1];
+                    const int32_t *block_table = tables + seq_rows[seq] * width;
+                    for (int64_t t = t0; t < t1; t++) {
                         float *row = qkv + t * qkv_n;
                         float *k = row + q_size + g * D, *v = row + q_size + kv_size + g * D;
                         if (L->k_norm) {
@@ -262,7 +276,7 @@ static int forward(const DecoderShape *s, const DecoderLayer *layers, float *x, 
                         memcpy(L->k_cache + slots[t] * kv_size + g * D, k, sizeof(float) * (size_t)D);
                         memcpy(L->v_cache + slots[t] * kv_size + g * D, v, sizeof(float) * (size_t)D);
                     }
-                    for (int64_t t = 0; t < T; t++) {
+                    for (int64_t t = t0; t < t1; t++) {
                         int64_t first = L->window > 0 && positions[t] >= L->window ? positions[t] - L->window + 1 : 0;
                         for (int64_t h = g * group; h < (g + 1) * group; h++)
                             attend_one(qkv + t * qkv_n + h * D, L->k_cache, L->v_cache, block_table, positions[t],
@@ -325,12 +339,18 @@ static int forward(const DecoderShape *s, const DecoderLayer *layers, float *x, 
     return failed ? -1 : 0;
 }
 
-/* x [T, hidden]: the step's embeddings in, the final normed hidden states out.
- * positions [T] int64; slot_groups[g] [T] int64 (>= 0) and table_groups[g] (int32) the sequence's
- * slots and block table in KV cache group g (one group: one of each).
+/* x [T, hidden]: the step's embeddings in, the final normed hidden states out. The T tokens are
+ * S sequences' runs of consecutive positions: sequence i's are tokens seq_starts[i] ..
+ * seq_starts[i + 1] - 1 (seq_starts [S + 1], 0 .. T), and its block table is row seq_rows[i] of
+ * each group's table (a decode is a run of one token; a prefill chunk a longer one).
+ * positions [T] int64; slot_groups[g] [T] int64 (>= 0) the tokens' slots in KV cache group g, and
+ * table_groups[g] that group's block tables, int32 rows of table_widths[g] entries (one group: one
+ * of each).
  * Returns 0, or -1 when a buffer could not be allocated (x is then undefined). */
 int rl_decoder_forward(const DecoderShape *s, const DecoderLayer *layers, float *x, int64_t T,
                        const int64_t *positions, const int64_t *const *slot_groups,
-                       const int32_t *const *table_groups, int threads) {
-    return forward(s, layers, x, T, positions, slot_groups, table_groups, threads);
+                       const int32_t *const *table_groups, const int64_t *table_widths, int64_t S,
+                       const int64_t *seq_starts, const int64_t *seq_rows, int threads) {
+    return forward(s, layers, x, T, positions, slot_groups, table_groups, table_widths, S, seq_starts, seq_rows,
+                   threads);
 }
