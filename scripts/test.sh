@@ -16,7 +16,11 @@ fi
 started=$SECONDS
 rc=0
 # --durations=25: every CI log names the slowest tests, so a test that grows shows up where it lands.
-python -m pytest -q -p no:cacheprovider --durations=25 "$@" || rc=$?
+# Two pytest-xdist workers, a file's tests on one of them (module-scoped servers and models are
+# built once): run alone, the suite kept one of CI's two cores busy on average (29 min of CPU in
+# 29 min). TEST_WORKERS=0 runs it in this process; tests marked `exclusive` run with nothing beside
+# them (tests/conftest.py).
+python -m pytest -q -p no:cacheprovider --durations=25 -n "${TEST_WORKERS:-2}" --dist loadfile "$@" || rc=$?
 elapsed=$((SECONDS - started))
 printf 'test suite wall time: %dm %02ds (pytest exit code %d)\n' $((elapsed / 60)) $((elapsed % 60)) "$rc"
 exit "$rc"

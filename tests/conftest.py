@@ -2,7 +2,9 @@
 `pytestmark`); without CUDA it is skipped here, saying so. `pytest -m gpu` runs only those,
 `pytest -m 'not gpu'` only the rest, plain `pytest` everything this machine can run."""
 
+import fcntl
 import os
+import tempfile
 
 # One intra-op thread for the suite and every process it starts (servers, CLI runs, TP ranks):
 # its models are tiny, and an OpenMP region of 2 threads on a 2-core machine waits for its
@@ -37,3 +39,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip, append=False)
+
+
+# scripts/test.sh runs the suite on two pytest-xdist workers (a file's tests stay on one worker:
+# --dist loadfile, so module-scoped servers and models are built once). A test that measures
+# the machine's speed is marked `exclusive`: it takes this lock exclusively, every other test
+# takes it shared, so it runs with no test of the other worker beside it. Without xdist the lock
+# is only ever this process's.
+_LOCK_PATH = os.path.join(tempfile.gettempdir(),
+                          f"rooflm-tests-{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}.lock")
+
+
+@pytest.fixture(autouse=True)
+def _exclusive_or_shared(request):
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        yield
+        return
+    with open(_LOCK_PATH, "a") as lock:
+        exclusive = request.node.get_closest_marker("exclusive") is not None
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

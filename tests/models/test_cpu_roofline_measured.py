@@ -60,6 +60,7 @@ def best_decode_step_cpu_s(engine) -> float:
     return min(decode)
 
 
+@pytest.mark.exclusive
 def test_cpu_roofline_bound_is_within_2x_of_a_measured_decode_step(smollm2, monkeypatch):
     from rooflm.perf import gpus
 

@@ -46,6 +46,7 @@ def _environ(pid: int) -> dict[str, str]:
     return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
 
 
+@pytest.mark.exclusive
 def test_a_core_beside_competitors_waits_passively_and_finishes_a_burst(tmp_path, competitors,
                                                                          monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
