@@ -30,7 +30,19 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# The directories whose files start servers, process groups and real models run first: under
+# --dist loadfile each xdist worker takes whole files in this order as it frees up, and long files
+# at the end of the queue left one worker running alone for minutes.
+_FIRST = ("tests/server/", "tests/distributed/", "tests/models/", "tests/train/")
+
+
+def _run_order(item) -> int:
+    path = item.nodeid
+    return next((i for i, prefix in enumerate(_FIRST) if path.startswith(prefix)), len(_FIRST))
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_run_order)  # stable: a file's tests keep their order
     if torch.cuda.is_available():
         return
     # A skipif put first: pytest reports the first skipif that holds, so this reason wins over a
