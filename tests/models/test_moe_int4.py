@@ -59,21 +59,25 @@ def _generate(path):
     return llm, llm.generate(PROMPTS, params)
 
 
+def _write_reference(reference: dict, cfg: dict, ref_dir):
+    """The decoded (float) tensors of a quantized copy as a plain checkpoint: its reference."""
+    from safetensors.torch import save_file
+    os.makedirs(ref_dir)
+    save_file({k: v.contiguous() for k, v in reference.items()}, str(ref_dir / "model.safetensors"))
+    cfg = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    with open(ref_dir / "config.json", "w") as f:
+        json.dump(cfg, f)
+    return ref_dir
+
 @pytest.mark.parametrize("layout", ["gptq-act-order", "awq", "ct"])
 def test_int4_moe_checkpoint_runs_as_its_dequantized_experts(moe_dir, tmp_path, layout):
-    from safetensors.torch import save_file
     if layout == "gptq-act-order":
         reference, cfg = _act_order_copy(moe_dir, str(tmp_path / "q"))
     else:
         reference, cfg = _write_quantized_copy(moe_dir, str(tmp_path / "q"), layout, WeightScheme.parse("int4-g32"))
     experts = [n for n in reference if ".mlp.experts." in n]
     assert len(experts) == 2 * 4 * 3  # two sparse layers, 4 experts, gate / up / down: all quantized
-    ref_dir = tmp_path / "ref"
-    os.makedirs(ref_dir)
-    save_file({k: v.contiguous() for k, v in reference.items()}, str(ref_dir / "model.safetensors"))
-    cfg.pop("quantization_config")
-    with open(ref_dir / "config.json", "w") as f:
-        json.dump(cfg, f)
+    ref_dir = _write_reference(reference, cfg, tmp_path / "ref")
     (quant_llm, quant), (_, ref) = _generate(tmp_path / "q"), _generate(ref_dir)
     for a, b in zip(quant, ref):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -153,14 +157,8 @@ def test_int4_experts_stay_int4_where_the_fused_kernel_runs():
 def test_int4_checkpoint_runs_int4_experts_on_cuda(moe_dir, tmp_path):
     """A GPTQ Qwen3-MoE on the GPU: the experts stay int4 (the fused kernel's W4A16 path), and the
     greedy tokens equal the float checkpoint of the decoded values (fp32, graphs on)."""
-    from safetensors.torch import save_file
     reference, cfg = _write_quantized_copy(moe_dir, str(tmp_path / "q"), "gptq", WeightScheme.parse("int4-g32"))
-    ref_dir = tmp_path / "ref"
-    os.makedirs(ref_dir)
-    save_file({k: v.contiguous() for k, v in reference.items()}, str(ref_dir / "model.safetensors"))
-    cfg.pop("quantization_config")
-    with open(ref_dir / "config.json", "w") as f:
-        json.dump(cfg, f)
+    ref_dir = _write_reference(reference, cfg, tmp_path / "ref")
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     outs = []
     for path in (tmp_path / "q", ref_dir):
